@@ -1,0 +1,107 @@
+"""Attention: rotary embeddings, training attention, and the KV-cache protocol with a dense bf16 cache.
+
+Shapes: B batch, T new tokens, S cache capacity, H query heads, K key/value heads (H % K == 0), D head dim.
+
+The model's attention slot has two entries:
+  * training: `causal_attention(q, k, v, implementation=...)` over a whole sequence;
+  * cached decode: a `KVCache` object whose `update_and_attend` writes the new tokens' keys/values and attends
+    the new queries over everything cached so far. `DenseKVCache` stores bf16 (or any float) keys/values; other
+    cache formats (fp8, fp4, paged) implement the same two methods and plug in without touching the model.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+__all__ = ["rope", "causal_attention", "KVCache", "DenseKVCache"]
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (Su et al. 2021), rotate-half form.
+
+    Args:
+      x: [B, T, N, D] queries or keys, D even.
+      positions: [B, T] integer positions.
+      theta: base frequency; pair i rotates by angle pos * theta^(-2i/D).
+    Returns:
+      [B, T, N, D] in x's dtype: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with x1, x2 the two halves.
+    """
+    d = x.shape[-1]
+    inv_freq = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+    angle = positions.astype(jnp.float32)[..., None, None] * inv_freq  # [B, T, 1, D/2]
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str | None = "xla") -> jax.Array:
+    """softmax(q k^T / sqrt(D) + causal mask) v with grouped-query heads.
+
+    Args:
+      q: [B, T, H, D]; k, v: [B, T, K, D] with H % K == 0.
+      implementation: `jax.nn.dot_product_attention` backend ("xla", "cudnn", or None for automatic).
+    Returns:
+      [B, T, H, D] in q's dtype.
+    """
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+
+class KVCache(Protocol):
+    """What the model needs from a KV cache. Implementations are pytrees, updated functionally.
+
+    `lengths[b]` tokens of sequence b are cached; new tokens of a forward call occupy positions
+    lengths[b] .. lengths[b] + T - 1.
+    """
+
+    lengths: jax.Array  # [B] int32
+
+    def update_and_attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, "KVCache"]:
+        """Writes k, v [B, T, K, D] of layer `layer` at the new positions and returns (attention of q [B, T, H, D]
+        over cached positions <= each query's position, the updated cache). Does not advance `lengths`."""
+        ...
+
+    def advance(self, num_tokens: jax.Array | int) -> "KVCache":
+        """Returns the cache with `lengths` increased by `num_tokens` (a scalar or [B]), after all layers ran."""
+        ...
+
+
+@struct.dataclass
+class DenseKVCache:
+    """Keys and values stored as they are (bf16 by default): the reference cache.
+
+    keys, values: [L, B, S, K, D]; lengths: [B] int32.
+    """
+
+    keys: jax.Array
+    values: jax.Array
+    lengths: jax.Array
+
+    @classmethod
+    def create(cls, *, num_layers: int, batch: int, capacity: int, num_kv_heads: int, head_dim: int,
+               dtype=jnp.bfloat16) -> "DenseKVCache":
+        shape = (num_layers, batch, capacity, num_kv_heads, head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def update_and_attend(self, layer: int, q, k, v):
+        b, t = q.shape[:2]
+        write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice_in_dim(cache, new, start, axis=0))
+        keys = write(self.keys[layer], k.astype(self.keys.dtype), self.lengths)
+        values = write(self.values[layer], v.astype(self.values.dtype), self.lengths)
+        q_pos = self.lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
+        k_pos = jnp.arange(self.capacity)  # [S]
+        mask = (k_pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, T, S]
+        out = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=mask,
+                                           implementation="xla")
+        cache = self.replace(keys=self.keys.at[layer].set(keys), values=self.values.at[layer].set(values))
+        return out, cache
+
+    def advance(self, num_tokens):
+        return self.replace(lengths=self.lengths + jnp.asarray(num_tokens, jnp.int32))

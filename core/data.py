@@ -1,0 +1,401 @@
+"""Byte-level data: tokenizer, corpus loading with a held-out split, and batching.
+
+Tokens are the 256 byte values plus three specials (PAD, BOS, EOS). A corpus is two flat
+``uint16`` token streams, ``train`` and ``val``, where every document is written as
+``BOS + bytes + EOS``. Train batches are windows at uniformly random offsets of the train
+stream, drawn from a generator seeded by ``(seed, step)`` alone, so any step can be
+recomputed without replaying earlier ones (exact resumption) and every process can draw
+the global batch and keep its own rows (no communication). Everything is NumPy.
+
+Split rule (documents never straddle train and val)
+    With ``n >= 2`` documents, ``k = min(max(round(val_fraction * n), 1), n - 1)``
+    documents are held out: those whose names have the ``k`` smallest SHA-256 digests
+    (ties by position). A document's side depends only on the set of names, never on
+    contents. Names are relative POSIX paths of files, and ``"<file>:<line>"`` (1-based)
+    for JSONL records. A corpus of a single document is split inside it instead: the
+    last ``min(max(round(val_fraction * L), 1), L - 1)`` of its ``L`` bytes are held out
+    and each side is written as its own ``BOS ... EOS`` document.
+
+Errors in user input raise :class:`DataError` naming the config field (``data.path``,
+``data.jsonl_field``, ...), the offending value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+import pathlib
+import platform
+import struct
+import sysconfig
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+PAD_ID = 256
+BOS_ID = 257
+EOS_ID = 258
+VOCAB_SIZE = 259  # 256 byte values + PAD, BOS, EOS.
+
+TEXT_SUFFIXES = (".md", ".py", ".text", ".txt")  # One file is one document.
+JSONL_SUFFIXES = (".jsonl",)  # One document per line, from a string field.
+ACCEPTED_SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES
+_GLOB_CHARS = frozenset("*?[")
+_STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+
+Document = tuple[str, bytes]  # (relative name, content)
+
+
+class DataError(ValueError):
+    """Invalid data input: a bad config value, an unreadable corpus or a too-short stream."""
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+class ByteTokenizer:
+    """Stateless byte-level tokenizer: token ``i < 256`` is byte ``i``; 256..258 are specials."""
+
+    vocab_size: ClassVar[int] = VOCAB_SIZE
+    pad_id: ClassVar[int] = PAD_ID
+    bos_id: ClassVar[int] = BOS_ID
+    eos_id: ClassVar[int] = EOS_ID
+
+    def encode(self, text: str, *, bos: bool = True, eos: bool = False) -> np.ndarray:
+        """UTF-8 bytes of ``text`` as ``int32[len(text.encode()) + bos + eos]``, optionally framed by BOS/EOS."""
+        if not isinstance(text, str):
+            raise TypeError(f"ByteTokenizer.encode expects str, got {type(text).__name__}")
+        body = np.frombuffer(text.encode("utf-8"), np.uint8)
+        prefix = np.array([BOS_ID] if bos else [], np.int32)
+        suffix = np.array([EOS_ID] if eos else [], np.int32)
+        return np.concatenate([prefix, body, suffix], dtype=np.int32)
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        """Text of a 1-D integer sequence in ``[0, VOCAB_SIZE)``; specials are dropped, invalid UTF-8 is replaced."""
+        ids = np.asarray(ids)
+        if ids.size == 0:
+            return ""
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise DataError(f"token ids must be a 1-D integer sequence, got shape {ids.shape} dtype {ids.dtype}")
+        bad = (ids < 0) | (ids >= VOCAB_SIZE)
+        if bad.any():
+            raise DataError(f"token id {ids[bad][0]} is outside [0, {VOCAB_SIZE})")
+        return ids[ids < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+def count_bytes(targets: np.ndarray) -> int:
+    """Number of byte tokens (``< 256``) in ``targets`` (any shape, integer).
+
+    Bits per byte of a batch is ``total_nll_nats / (ln 2 * count_bytes(targets))``: specials
+    (PAD, BOS, EOS) are not bytes of text and are not counted.
+    """
+    return int(np.count_nonzero(np.asarray(targets) < 256))
+
+
+# --------------------------------------------------------------------------- corpus
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Corpus:
+    """A tokenized corpus split into train and held-out documents.
+
+    Attributes:
+      train: ``uint16[T]`` read-only token stream, ``BOS + bytes + EOS`` per train document.
+      val: ``uint16[V]`` read-only token stream of the held-out documents, same layout.
+      fingerprint: SHA-256 hex digest of every document's (name, content) in order and the split.
+      info: JSON-serialisable summary: ``source`` ("stdlib" or the path), ``python_version``
+        (stdlib only), ``split`` ("documents" or "tail_bytes"), ``val_fraction``,
+        ``num_train_docs``, ``num_val_docs``, ``train_bytes``, ``val_bytes`` (specials excluded).
+    """
+
+    train: np.ndarray
+    val: np.ndarray
+    fingerprint: str
+    info: dict[str, Any]
+
+    def __post_init__(self):
+        for name in ("train", "val"):
+            stream = getattr(self, name)
+            if not isinstance(stream, np.ndarray) or stream.ndim != 1 or stream.dtype != np.uint16:
+                raise DataError(f"Corpus.{name} must be a 1-D uint16 array, got {_describe(stream)}")
+
+
+def stdlib_files() -> list[pathlib.Path]:
+    """Absolute paths of the ``*.py`` files of the running Python's standard library.
+
+    The root is ``sysconfig.get_paths()["stdlib"]``; ``site-packages``, ``dist-packages`` and
+    ``__pycache__`` directories are skipped. Sorted by relative POSIX path, so the list is
+    deterministic (about 1,790 files / 31.5 MB on CPython 3.11).
+    """
+    root = _stdlib_root()
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _STDLIB_SKIP_DIRS]
+        files.extend(pathlib.Path(dirpath, f) for f in filenames if f.endswith(".py"))
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def load_corpus(
+    path: str | os.PathLike[str] | None = None, *, val_fraction: float = 0.02, jsonl_field: str = "text"
+) -> Corpus:
+    """Loads, splits and tokenizes a corpus (see the module docstring for the split rule).
+
+    Args:
+      path: ``None`` for the built-in corpus (:func:`stdlib_files`, one document per file).
+        Otherwise a file, a directory (searched recursively, skipping names that start with
+        ``"."``) or a glob pattern (``**`` allowed; matched directories are searched as above).
+        Directories and globs use only files with an accepted suffix (case-insensitive):
+        ``.md .py .text .txt`` are read as raw bytes, one document per file; ``.jsonl`` has one
+        JSON object per line and the document is its string field ``jsonl_field`` encoded as
+        UTF-8 (blank lines are skipped). A file named directly must have an accepted suffix.
+      val_fraction: Fraction of documents (or of bytes, for a single document) held out, in ``(0, 0.5]``.
+      jsonl_field: Name of the string field holding the text of a JSONL record.
+
+    Returns:
+      A :class:`Corpus` with ``uint16`` train and val streams.
+
+    Raises:
+      DataError: naming ``data.path``, ``data.val_fraction`` or ``data.jsonl_field``.
+    """
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 < val_fraction <= 0.5:
+        raise DataError(f"data.val_fraction={val_fraction!r} must be a number in (0, 0.5]")
+    if not isinstance(jsonl_field, str) or not jsonl_field:
+        raise DataError(f"data.jsonl_field={jsonl_field!r} must be a non-empty string")
+    if path is None:
+        root = _stdlib_root()
+        docs = [(p.relative_to(root).as_posix(), p.read_bytes()) for p in stdlib_files()]
+        info = {"source": "stdlib", "python_version": platform.python_version()}
+    else:
+        source = os.fspath(path)
+        docs = [doc for name, file in _resolve_files(source) for doc in _read_documents(name, file, jsonl_field)]
+        info = {"source": source}
+    return _make_corpus(docs, float(val_fraction), info)
+
+
+def _stdlib_root() -> pathlib.Path:
+    return pathlib.Path(sysconfig.get_paths()["stdlib"])
+
+
+def _resolve_files(source: str) -> list[tuple[str, pathlib.Path]]:
+    """(relative POSIX name, path) of every corpus file named by ``source``, sorted by name."""
+    path = pathlib.Path(source)
+    if path.is_file():
+        if path.suffix.lower() not in ACCEPTED_SUFFIXES:
+            raise DataError(f"data.path={source!r} has suffix {path.suffix!r}; accepted: {' '.join(ACCEPTED_SUFFIXES)}")
+        return [(path.name, path)]
+    if path.is_dir():
+        root, candidates = path, _walk(path)
+    elif _GLOB_CHARS & set(source):
+        root = pathlib.Path(*_take_literal(pathlib.PurePath(source).parts))
+        matches = [pathlib.Path(m) for m in glob.glob(source, recursive=True)]
+        candidates = [f for m in matches for f in (_walk(m) if m.is_dir() else [m])]
+    else:
+        raise DataError(f"data.path={source!r} does not exist; expected a file, a directory or a glob pattern")
+    named = {f.relative_to(root).as_posix(): f for f in candidates if f.suffix.lower() in ACCEPTED_SUFFIXES}
+    if not named:
+        accepted = " ".join(ACCEPTED_SUFFIXES)
+        raise DataError(f"data.path={source!r} contains no usable files; accepted suffixes: {accepted}")
+    return sorted(named.items())
+
+
+def _take_literal(parts: Sequence[str]) -> list[str]:
+    """Leading path components without glob characters."""
+    literal = []
+    for part in parts:
+        if _GLOB_CHARS & set(part):
+            break
+        literal.append(part)
+    return literal
+
+
+def _walk(root: pathlib.Path) -> list[pathlib.Path]:
+    """All files under ``root``, skipping files and directories whose names start with ``"."``."""
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        files.extend(pathlib.Path(dirpath, f) for f in filenames if not f.startswith("."))
+    return files
+
+
+def _read_documents(name: str, path: pathlib.Path, field: str) -> list[Document]:
+    """Documents of one file: the whole file for text suffixes, one per non-blank line for JSONL."""
+    if path.suffix.lower() not in JSONL_SUFFIXES:
+        return [(name, path.read_bytes())]
+    docs = []
+    for lineno, line in enumerate(path.read_bytes().split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            record = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise DataError(f"data.path: {where} is not valid UTF-8 (byte {e.start} of the line)") from None
+        except json.JSONDecodeError as e:
+            raise DataError(f"data.path: {where} is not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(record, dict):
+            raise DataError(f"data.path: {where} holds a JSON {type(record).__name__}; expected an object")
+        if field not in record:
+            raise DataError(f"data.jsonl_field={field!r} is missing at {where}; keys there: {sorted(record)[:10]}")
+        text = record[field]
+        if not isinstance(text, str):
+            raise DataError(f"data.jsonl_field={field!r} at {where} is a {type(text).__name__}; expected a string")
+        try:
+            docs.append((f"{name}:{lineno}", text.encode("utf-8")))
+        except UnicodeEncodeError as e:
+            raise DataError(f"data.jsonl_field={field!r} at {where} is not encodable as UTF-8 ({e})") from None
+    return docs
+
+
+def _make_corpus(docs: list[Document], val_fraction: float, info: dict[str, Any]) -> Corpus:
+    """Splits ``docs`` (see module docstring), tokenizes both sides and fingerprints the result."""
+    if not any(content for _, content in docs):
+        raise DataError(f"data.path={info['source']!r} gives an empty corpus ({len(docs)} documents, 0 bytes)")
+    digest = hashlib.sha256()
+    for name, content in docs:
+        for part in (os.fsencode(name), content):
+            digest.update(struct.pack("<Q", len(part)))
+            digest.update(part)
+    if len(docs) == 1:
+        [(_, content)] = docs
+        if len(content) < 2:
+            raise DataError(f"data.path={info['source']!r} is a single document of 1 byte; it cannot be split")
+        cut = len(content) - _held_out_count(val_fraction, len(content))
+        train_docs, val_docs = [content[:cut]], [content[cut:]]
+        digest.update(b"split:tail_bytes:%d" % cut)
+        split = {"split": "tail_bytes", "num_train_docs": 1, "num_val_docs": 1}
+    else:
+        held = _held_out_mask([name for name, _ in docs], val_fraction)
+        train_docs = [content for (_, content), h in zip(docs, held) if not h]
+        val_docs = [content for (_, content), h in zip(docs, held) if h]
+        digest.update(b"split:documents:" + np.flatnonzero(held).astype("<i8").tobytes())
+        split = {"split": "documents", "num_train_docs": len(train_docs), "num_val_docs": len(val_docs)}
+    info = {
+        **info,
+        **split,
+        "val_fraction": val_fraction,
+        "train_bytes": sum(map(len, train_docs)),
+        "val_bytes": sum(map(len, val_docs)),
+    }
+    return Corpus(train=_stream(train_docs), val=_stream(val_docs), fingerprint=digest.hexdigest(), info=info)
+
+
+def _held_out_count(val_fraction: float, n: int) -> int:
+    """``round(val_fraction * n)`` (half to even) clamped to ``[1, n - 1]``, for ``n >= 2``."""
+    return min(max(round(val_fraction * n), 1), n - 1)
+
+
+def _held_out_mask(names: Sequence[str], val_fraction: float) -> np.ndarray:
+    """``bool[len(names)]``: True for the documents whose names have the smallest SHA-256 digests."""
+    keys = [hashlib.sha256(os.fsencode(name)).digest() for name in names]
+    order = sorted(range(len(names)), key=lambda i: (keys[i], i))
+    mask = np.zeros(len(names), bool)
+    mask[order[: _held_out_count(val_fraction, len(names))]] = True
+    return mask
+
+
+def _stream(contents: Sequence[bytes]) -> np.ndarray:
+    """Read-only ``uint16[sum(len) + 2 * len(contents)]``: ``BOS + bytes + EOS`` per document."""
+    bos, eos = np.array([BOS_ID], np.uint16), np.array([EOS_ID], np.uint16)
+    parts = [part for content in contents for part in (bos, np.frombuffer(content, np.uint8), eos)]
+    stream = np.concatenate(parts, dtype=np.uint16) if parts else np.zeros(0, np.uint16)
+    stream.flags.writeable = False
+    return stream
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, np.ndarray):
+        return f"array of shape {x.shape} dtype {x.dtype}"
+    return type(x).__name__
+
+
+# --------------------------------------------------------------------------- batching
+
+
+class Batches:
+    """Deterministic ``[local_batch, seq_len + 1]`` token windows for one process.
+
+    Each row is ``seq_len + 1`` consecutive tokens of a stream (inputs ``row[:-1]``, targets
+    ``row[1:]``); windows may cross document boundaries. Process ``i`` of ``p`` gets rows
+    ``[i * local_batch, (i + 1) * local_batch)`` of the global batch, with
+    ``local_batch = global_batch // process_count``.
+    """
+
+    def __init__(
+        self,
+        corpus: Corpus,
+        *,
+        seq_len: int,
+        global_batch: int,
+        seed: int,
+        process_index: int = 0,
+        process_count: int = 1,
+    ):
+        self.seq_len = _int("data.seq_len", seq_len, minimum=1)
+        self.global_batch = _int("data.batch_size", global_batch, minimum=1)
+        self.seed = _int("data.seed", seed, minimum=0)
+        self.process_count = _int("process_count", process_count, minimum=1)
+        self.process_index = _int("process_index", process_index, minimum=0)
+        if self.process_index >= self.process_count:
+            raise DataError(f"process_index={process_index} must be < process_count={process_count}")
+        if self.global_batch % self.process_count:
+            raise DataError(
+                f"data.batch_size={global_batch} must be divisible by process_count={process_count}"
+            )
+        for name, stream in (("train", corpus.train), ("val", corpus.val)):
+            if stream.size <= self.seq_len + 1:
+                raise DataError(
+                    f"data.seq_len={seq_len} is too long: the {name} stream has {stream.size} tokens and must be "
+                    f"longer than seq_len + 1 = {self.seq_len + 1}"
+                )
+        self.local_batch = self.global_batch // self.process_count
+        self._train = corpus.train
+        self._val = corpus.val
+
+    def train_batch(self, step: int) -> np.ndarray:
+        """``int32[local_batch, seq_len + 1]``: this process's rows of the global batch at ``step >= 0``.
+
+        The ``global_batch`` start offsets are drawn uniformly from ``[0, len(train) - seq_len)`` by
+        ``np.random.Generator(np.random.PCG64([seed, step]))``: a pure function of
+        ``(seed, step, process_index)``, so resuming at any step reproduces an uninterrupted run and
+        the process slices together form the single-process batch.
+        """
+        step = _int("step", step, minimum=0)
+        rng = np.random.Generator(np.random.PCG64([self.seed, step]))
+        starts = rng.integers(0, self._train.size - self.seq_len, size=self.global_batch)
+        return self._rows(self._train, starts)
+
+    def val_batches(self, num_batches: int) -> list[np.ndarray]:
+        """``num_batches`` fixed ``int32[local_batch, seq_len + 1]`` held-out batches.
+
+        The ``W = num_batches * global_batch`` windows start at ``w * (len(val) // W)`` for
+        ``w = 0 .. W - 1``: evenly spread and non-overlapping, identical on every call. Batch ``b``
+        holds windows ``[b * global_batch, (b + 1) * global_batch)``, sliced per process.
+        """
+        num_batches = _int("train.eval_batches", num_batches, minimum=1)
+        windows = num_batches * self.global_batch
+        stride = self._val.size // windows
+        if stride < self.seq_len + 1:
+            fit = self._val.size // (self.seq_len + 1) // self.global_batch
+            raise DataError(
+                f"train.eval_batches={num_batches} needs {windows} non-overlapping windows of seq_len + 1 = "
+                f"{self.seq_len + 1} tokens, but the val stream has {self._val.size} tokens; at most {fit} batches fit"
+            )
+        starts = np.arange(windows) * stride
+        g = self.global_batch
+        return [self._rows(self._val, starts[b * g : (b + 1) * g]) for b in range(num_batches)]
+
+    def _rows(self, stream: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """``int32[local_batch, seq_len + 1]`` windows of ``stream`` at this process's slice of ``starts``."""
+        mine = starts[self.process_index * self.local_batch : (self.process_index + 1) * self.local_batch]
+        return stream[mine[:, None] + np.arange(self.seq_len + 1)].astype(np.int32)
+
+
+def _int(field: str, value: Any, *, minimum: int) -> int:
+    """``value`` as a Python int, or a DataError naming ``field`` unless it is an integer ``>= minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise DataError(f"{field}={value!r} must be an integer >= {minimum}")
+    return int(value)

@@ -1,0 +1,296 @@
+"""A decoder-only transformer in Flax NNX with three slots that other packages fill without editing it.
+
+    x = embed(tokens)                                  [B, T, d_model]
+    for each block:  x = x + post_a(attn(norm_a(x)))    post_* = identity, or a norm with Peri-LN
+                     x = x + post_f(ffn(norm_f(x)))
+    logits = head(norm(x))                             tied to the embedding by default
+
+Slots:
+  * FFN: `ffn_factory(layer, path, rngs) -> module` whose `__call__(x, *, key=None)` returns `(y, aux)`, aux a
+    dict of scalars (e.g. a MoE load-balance loss). Default: the dense SiLU MLP.
+  * precision: every projection asks `precision.dot_general(path, key)` for the function with the signature of
+    `jax.lax.dot_general` it multiplies with; `path` is the module path ("blocks.3.attn.q") so a policy can keep
+    chosen layers in high precision, and `key` is a per-step, per-layer PRNG key (stochastic rounding) or None.
+  * attention: training attention through `jax.nn.dot_product_attention`; cached decode through any
+    `core.attention.KVCache` (the bf16 `DenseKVCache` here, quantised formats elsewhere).
+
+Parameters carry logical axis names in their `axes` metadata; activations are constrained with a `Sharder`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from core import attention as attention_lib
+from core.mesh import Sharder
+
+__all__ = ["TransformerConfig", "Precision", "DefaultPrecision", "Dense", "MLP", "Attention", "Block",
+           "Transformer", "count_params"]
+
+DotGeneral = Callable[..., jax.Array]
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Hyper-parameters of the transformer; the fields of the config section `model` (see core.config)."""
+
+    vocab_size: int = 264
+    d_model: int = 256
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 8
+    d_ff: int = 1024
+    mlp: str = "swiglu"
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-6
+    peri_ln: bool = False
+    rope_theta: float = 10_000.0
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    attention_impl: str = "xla"
+
+    @classmethod
+    def from_config(cls, model: ml_collections.ConfigDict) -> "TransformerConfig":
+        return cls(**model.to_dict())
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def compute_dtype(self):
+        return _DTYPES[self.dtype]
+
+    @property
+    def weight_dtype(self):
+        return _DTYPES[self.param_dtype]
+
+
+class Precision(Protocol):
+    """The matmul-precision slot: which dot_general each projection uses."""
+
+    def dot_general(self, path: str, key: jax.Array | None) -> DotGeneral: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class DefaultPrecision:
+    """Every projection uses `jax.lax.dot_general` in the activation dtype."""
+
+    def dot_general(self, path: str, key: jax.Array | None) -> DotGeneral:
+        del path, key
+        return jax.lax.dot_general
+
+
+def _layer_key(key: jax.Array | None, path: str) -> jax.Array | None:
+    """A key unique to (step key, module path); stable across runs (crc32, not Python's salted hash)."""
+    return None if key is None else jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
+
+
+class Dense(nnx.Module):
+    """y = x @ W through the precision slot. W: [in, out] with logical axes `axes`.
+
+    Args:
+      x: [..., in] in any float dtype; computed in `dtype` with float32 accumulation, returned in `dtype`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, axes: tuple[str | None, str | None], path: str,
+                 precision: Precision, cfg: TransformerConfig, rngs: nnx.Rngs, std: float | None = None):
+        std = cfg.init_std if std is None else std
+        w = std * jax.random.normal(rngs.params(), (in_features, out_features), jnp.float32)
+        self.kernel = nnx.Param(w.astype(cfg.weight_dtype), axes=axes)
+        self.path = path
+        self.precision = precision
+        self.dtype = cfg.compute_dtype
+
+    def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
+        dot_general = self.precision.dot_general(self.path, _layer_key(key, self.path))
+        x = x.astype(self.dtype)
+        w = self.kernel.get_value().astype(self.dtype)
+        dims = (((x.ndim - 1,), (0,)), ((), ()))
+        return dot_general(x, w, dims, preferred_element_type=jnp.float32).astype(self.dtype)
+
+
+class Norm(nnx.Module):
+    """RMSNorm (x / rms(x) * scale) or LayerNorm ((x - mean) / std * scale + bias), computed in float32."""
+
+    def __init__(self, dim: int, cfg: TransformerConfig):
+        self.kind, self.eps, self.dtype = cfg.norm, cfg.norm_eps, cfg.compute_dtype
+        self.scale = nnx.Param(jnp.ones((dim,), cfg.weight_dtype), axes=("embed",))
+        if cfg.norm == "layernorm":
+            self.bias = nnx.Param(jnp.zeros((dim,), cfg.weight_dtype), axes=("embed",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.float32)
+        if self.kind == "layernorm":
+            x = x - jnp.mean(x, axis=-1, keepdims=True)
+        y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
+        y = y * self.scale.get_value().astype(jnp.float32)
+        if self.kind == "layernorm":
+            y = y + self.bias.get_value().astype(jnp.float32)
+        return y.astype(self.dtype)
+
+
+class MLP(nnx.Module):
+    """The dense FFN: SwiGLU  down(silu(gate(x)) * up(x))  or plain  down(silu(up(x))).
+
+    `__call__(x [B, T, d_model], *, key) -> (y [B, T, d_model], aux={})`, the FFN-slot signature.
+    """
+
+    def __init__(self, cfg: TransformerConfig, *, path: str, precision: Precision, shard: Sharder,
+                 rngs: nnx.Rngs):
+        dense = dict(path=path, precision=precision, cfg=cfg, rngs=rngs)
+        self.gated = cfg.mlp == "swiglu"
+        if self.gated:
+            self.gate = Dense(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), **{**dense, "path": f"{path}.gate"})
+        self.up = Dense(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), **{**dense, "path": f"{path}.up"})
+        self.down = Dense(cfg.d_ff, cfg.d_model, axes=("mlp", "embed"), **{**dense, "path": f"{path}.down"},
+                          std=cfg.init_std / math.sqrt(2 * cfg.num_layers))
+        self.shard = shard
+
+    def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        h = jax.nn.silu(self.gate(x, key=key)) * self.up(x, key=key) if self.gated else jax.nn.silu(
+            self.up(x, key=key))
+        h = self.shard(h, ("batch", "seq", "mlp"))
+        return self.down(h, key=key), {}
+
+
+class Attention(nnx.Module):
+    """Multi-head / grouped-query self-attention with RoPE.
+
+    q: [B, T, H, D], k, v: [B, T, K, D]; output projection back to d_model.
+    """
+
+    def __init__(self, cfg: TransformerConfig, *, layer: int, path: str, precision: Precision, shard: Sharder,
+                 rngs: nnx.Rngs):
+        d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        common = dict(precision=precision, cfg=cfg, rngs=rngs)
+        self.q = Dense(d, h * hd, axes=("embed", "heads"), path=f"{path}.q", **common)
+        self.k = Dense(d, kv * hd, axes=("embed", "kv_heads"), path=f"{path}.k", **common)
+        self.v = Dense(d, kv * hd, axes=("embed", "kv_heads"), path=f"{path}.v", **common)
+        self.o = Dense(h * hd, d, axes=("heads", "embed"), path=f"{path}.o", **common,
+                       std=cfg.init_std / math.sqrt(2 * cfg.num_layers))
+        self.layer, self.num_heads, self.num_kv_heads, self.head_dim = layer, h, kv, hd
+        self.rope_theta, self.impl, self.shard = cfg.rope_theta, cfg.attention_impl, shard
+
+    def __call__(self, x: jax.Array, positions: jax.Array, *, key: jax.Array | None = None,
+                 cache: attention_lib.KVCache | None = None):
+        """x: [B, T, d_model], positions: [B, T]. Returns (y [B, T, d_model], cache)."""
+        b, t, _ = x.shape
+        q = self.q(x, key=key).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k(x, key=key).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v(x, key=key).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q = self.shard(attention_lib.rope(q, positions, self.rope_theta), ("batch", "seq", "heads", None))
+        k = self.shard(attention_lib.rope(k, positions, self.rope_theta), ("batch", "seq", "kv_heads", None))
+        v = self.shard(v, ("batch", "seq", "kv_heads", None))
+        if cache is None:
+            out = attention_lib.causal_attention(q, k, v, implementation=self.impl)
+        else:
+            out, cache = cache.update_and_attend(self.layer, q, k, v)
+        out = self.shard(out, ("batch", "seq", "heads", None)).reshape(b, t, self.num_heads * self.head_dim)
+        return self.o(out, key=key), cache
+
+
+
+FFNFactory = Callable[[int, str, nnx.Rngs], nnx.Module]
+"""(layer index, module path, rngs) -> FFN module with `__call__(x, *, key) -> (y, aux)`."""
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block (Peri-LN adds output norms): attention then FFN."""
+
+    def __init__(self, cfg: TransformerConfig, *, layer: int, precision: Precision, shard: Sharder,
+                 ffn_factory: FFNFactory, rngs: nnx.Rngs):
+        path = f"blocks.{layer}"
+        self.attn_norm = Norm(cfg.d_model, cfg)
+        self.attn = Attention(cfg, layer=layer, path=f"{path}.attn", precision=precision, shard=shard, rngs=rngs)
+        self.ffn_norm = Norm(cfg.d_model, cfg)
+        self.ffn = ffn_factory(layer, f"{path}.ffn", rngs)
+        if cfg.peri_ln:
+            self.attn_out_norm = Norm(cfg.d_model, cfg)
+            self.ffn_out_norm = Norm(cfg.d_model, cfg)
+        self.peri_ln, self.shard = cfg.peri_ln, shard
+
+    def __call__(self, x, positions, *, key=None, cache=None):
+        h, cache = self.attn(self.attn_norm(x), positions, key=key, cache=cache)
+        x = x + (self.attn_out_norm(h) if self.peri_ln else h)
+        h, aux = self.ffn(self.ffn_norm(x), key=key)
+        x = x + (self.ffn_out_norm(h) if self.peri_ln else h)
+        return self.shard(x, ("batch", "seq", "embed")), aux, cache
+
+
+class Transformer(nnx.Module):
+    """The decoder-only language model.
+
+    Call: `model(tokens [B, T] int32, *, key=None, cache=None, positions=None)` returns
+    `(logits [B, T, vocab] float32, aux dict of scalars summed over layers, cache)`. Without a cache, positions
+    default to 0..T-1 and attention is causal over the T tokens; with a cache, the tokens continue each sequence
+    at `cache.lengths` and the returned cache has advanced by T.
+    """
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs, precision: Precision | None = None,
+                 ffn_factory: FFNFactory | None = None, shard: Sharder | None = None):
+        precision = DefaultPrecision() if precision is None else precision
+        shard = Sharder() if shard is None else shard
+        if ffn_factory is None:
+            def ffn_factory(layer, path, rngs):
+                return MLP(cfg, path=path, precision=precision, shard=shard, rngs=rngs)
+        emb = cfg.init_std * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model), jnp.float32)
+        self.embedding = nnx.Param(emb.astype(cfg.weight_dtype), axes=("vocab", "embed"))
+        self.blocks = nnx.List([Block(cfg, layer=i, precision=precision, shard=shard, ffn_factory=ffn_factory,
+                                      rngs=rngs) for i in range(cfg.num_layers)])
+        self.final_norm = Norm(cfg.d_model, cfg)
+        if not cfg.tie_embeddings:
+            self.head = Dense(cfg.d_model, cfg.vocab_size, axes=("embed", "vocab"), path="head",
+                              precision=precision, cfg=cfg, rngs=rngs)
+        self.cfg, self.precision, self.shard = cfg, precision, shard
+
+    def __call__(self, tokens: jax.Array, *, key: jax.Array | None = None,
+                 cache: attention_lib.KVCache | None = None, positions: jax.Array | None = None):
+        b, t = tokens.shape
+        if positions is None:
+            start = jnp.zeros((b,), jnp.int32) if cache is None else cache.lengths
+            positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        x = jnp.take(self.embedding.get_value(), tokens, axis=0).astype(self.cfg.compute_dtype)
+        x = self.shard(x, ("batch", "seq", "embed"))
+        aux: dict[str, jax.Array] = {}
+        for block in self.blocks:
+            x, block_aux, cache = block(x, positions, key=key, cache=cache)
+            for name, value in block_aux.items():
+                aux[name] = aux.get(name, 0.0) + value
+        x = self.final_norm(x)
+        if self.cfg.tie_embeddings:
+            dot_general = self.precision.dot_general("head", _layer_key(key, "head"))
+            table = self.embedding.get_value().astype(self.cfg.compute_dtype)
+            logits = dot_general(x, table, (((2,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        else:
+            logits = self.head(x, key=key)
+        logits = self.shard(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
+        if cache is not None:
+            cache = cache.advance(t)
+        return logits, aux, cache
+
+
+def count_params(model: nnx.Module) -> int:
+    """Number of scalar parameters (nnx.Param leaves)."""
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def abstract_shapes(model: nnx.Module) -> dict[str, Any]:
+    """{path: (shape, dtype, logical axes)} of every parameter — a readable summary."""
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        value = var.get_value()
+        out[".".join(map(str, path))] = (tuple(value.shape), str(value.dtype), getattr(var, "axes", None))
+    return out

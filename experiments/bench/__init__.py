@@ -1,0 +1,1 @@
+"""Benchmarks: each writes JSON and a markdown table under results/bench/."""

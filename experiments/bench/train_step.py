@@ -1,0 +1,140 @@
+"""Train-step throughput and achieved FLOP/s against the matmul peak measured in the same run.
+
+    python -m experiments.bench.train_step [--steps 5] [--out results/bench]
+
+For each model size: tokens per second of the jitted train step (forward, backward, AdamW update) and its
+achieved FLOP/s, counted two ways: the model FLOPs of the PaLM formula (6 N + 12 L d T per token, N the matmul
+parameters) and the FLOPs XLA's cost analysis reports for the compiled step. The peak is a large square
+`jnp.dot` in the same dtype, timed in the same process, so the ratio is the fraction of what this machine's
+matmul can do. Writes train_step.json and train_step.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from core import train as train_lib
+from experiments import build
+
+SIZES = {
+    # name: (d_model, layers, heads, kv heads, d_ff, seq_len, batch)
+    "quickstart": (128, 4, 2, 1, 384, 256, 32),
+    "large": (512, 8, 8, 8, 1536, 256, 16),
+}
+
+
+def _time(fn, *args, repeats: int) -> float:
+    """Median seconds of `fn(*args)` over `repeats` calls after one warm-up."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def matmul_peak(n: int = 2048, dtype=jnp.float32, repeats: int = 5) -> float:
+    """FLOP/s of an n x n x n `jnp.dot` (2 n^3 FLOPs)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    return 2 * n**3 / _time(jax.jit(jnp.dot), a, b, repeats=repeats)
+
+
+def bench_size(name: str, steps: int) -> dict:
+    d, layers, heads, kv, d_ff, seq, batch = SIZES[name]
+    c = build.default_config()
+    c.model.update(d_model=d, num_layers=layers, num_heads=heads, num_kv_heads=kv, d_ff=d_ff)
+    c.data.update(seq_len=seq, batch_size=batch)
+    c.mesh.update(data=1)
+    build.validate(c, num_devices=jax.device_count())
+    _, sharder = build.build_mesh(c)
+    optimizer = build.build_optimizer(c)
+    graphdef, state = train_lib.init_state(build.build_model_fn(c, sharder), optimizer, 0, sharder)
+    step = train_lib.make_train_step(graphdef, optimizer)
+    tokens = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, 256)
+    cost = step.lower(state, tokens).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    xla_flops = float(cost.get("flops", float("nan"))) if cost else float("nan")
+    for _ in range(2):  # compile + warm up (the state is donated, so thread it through)
+        state, metrics = step(state, tokens)
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, metrics = step(state, tokens)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    seconds = float(np.median(times))
+    params = sum(x.size for x in jax.tree.leaves(state.params))
+    matmul_params = params - c.model.vocab_size * d * (0 if c.model.tie_embeddings else 1) - (2 * layers + 1) * d
+    model_flops = batch * seq * (6 * matmul_params + 12 * layers * d * seq)
+    return {"size": name, "d_model": d, "layers": layers, "heads": heads, "kv_heads": kv, "d_ff": d_ff,
+            "seq_len": seq, "batch": batch, "params": int(params), "step_seconds": seconds,
+            "tokens_per_second": batch * seq / seconds, "model_flops_per_step": model_flops,
+            "xla_flops_per_step": xla_flops, "model_flops_per_second": model_flops / seconds,
+            "xla_flops_per_second": xla_flops / seconds}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per size (median reported)")
+    parser.add_argument("--out", default="results/bench", help="output directory")
+    parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated subset of {list(SIZES)}")
+    args = parser.parse_args(argv)
+    sizes = [s for s in args.sizes.split(",") if s]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        parser.error(f"--sizes: unknown {unknown}; choose from {list(SIZES)}")
+    if args.steps < 1:
+        parser.error(f"--steps={args.steps}: must be >= 1")
+    device = jax.devices()[0]
+    peak = matmul_peak()
+    print(f"matmul peak (2048^3 float32 jnp.dot): {peak / 1e9:.1f} GFLOP/s on {device.device_kind}", flush=True)
+    rows = []
+    for name in sizes:
+        row = bench_size(name, args.steps)
+        row["model_flops_fraction_of_peak"] = row["model_flops_per_second"] / peak
+        row["xla_flops_fraction_of_peak"] = row["xla_flops_per_second"] / peak
+        rows.append(row)
+        print(f"{name}: {row['tokens_per_second']:,.0f} tok/s, {row['model_flops_per_second'] / 1e9:.1f} GFLOP/s "
+              f"= {100 * row['model_flops_fraction_of_peak']:.1f}% of peak", flush=True)
+    result = {"device": device.device_kind, "platform": device.platform, "num_devices": jax.device_count(),
+              "cpu_count": os.cpu_count(), "machine": platform.machine(), "jax": jax.__version__,
+              "dtype": "float32", "matmul_peak_flops_per_second": peak, "rows": rows,
+              "note": ("CPU run: measured on this machine's cores; GPU numbers need a GPU run."
+                       if device.platform == "cpu" else "")}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "train_step.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    with open(os.path.join(args.out, "train_step.md"), "w") as f:
+        f.write(markdown(result))
+    print(markdown(result))
+
+
+def markdown(result: dict) -> str:
+    lines = [f"Train step on {result['device']} ({result['cpu_count']} cores, jax {result['jax']}, "
+             f"{result['dtype']}); matmul peak {result['matmul_peak_flops_per_second'] / 1e9:.1f} GFLOP/s "
+             "(2048^3 jnp.dot, same run).", "",
+             "| size | params | d_model x layers | batch x seq | step (s) | tokens/s | model GFLOP/s | % of peak "
+             "| XLA-counted GFLOP/s | % of peak |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['size']} | {r['params'] / 1e6:.2f}M | {r['d_model']} x {r['layers']} | "
+                     f"{r['batch']} x {r['seq_len']} | {r['step_seconds']:.3f} | {r['tokens_per_second']:,.0f} | "
+                     f"{r['model_flops_per_second'] / 1e9:.1f} | {100 * r['model_flops_fraction_of_peak']:.1f}% | "
+                     f"{r['xla_flops_per_second'] / 1e9:.1f} | {100 * r['xla_flops_fraction_of_peak']:.1f}% |")
+    if result.get("note"):
+        lines += ["", result["note"]]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""The composition root: config -> model, precision, optimizer, data, mesh.
+
+This is the only module that wires packages together. A component added by another package (an FFN, a precision
+recipe, an optimizer) is registered here: its config section is merged into the schema, its choices are added to
+the relevant field, and a builder below picks it from the config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import ml_collections
+import optax
+from flax import nnx
+
+from core import config as config_lib
+from core import data as data_lib
+from core import mesh as mesh_lib
+from core import model as model_lib
+from core import train as train_lib
+
+# name -> (learning-rate schedule, optim config) -> optax transformation (without clipping).
+OPTIMIZERS: dict[str, Callable[[optax.Schedule, ml_collections.ConfigDict], optax.GradientTransformation]] = {
+    "adamw": lambda lr, o: optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+                                       mask=decay_mask),
+}
+
+
+def schema() -> config_lib.Schema:
+    """The full experiment schema: the core sections with the registered choices filled in."""
+    spec = config_lib.schema()
+    spec["optim"]["name"] = dataclasses.replace(spec["optim"]["name"], choices=tuple(OPTIMIZERS))
+    return spec
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """The default experiment config; experiment files start from it and change what they need."""
+    return config_lib.defaults(schema())
+
+
+def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None) -> None:
+    """Raises core.config.ConfigError naming the first bad key. Call once without and once with devices."""
+    config_lib.validate(config, schema(), num_devices=num_devices)
+
+
+def decay_mask(params):
+    """Weight decay on matrices only (ndim >= 2), never on norms or the embedding table."""
+
+    def keep(path, leaf):
+        names = "/".join(str(getattr(p, "key", getattr(p, "name", p))) for p in path)
+        return leaf.ndim >= 2 and "embedding" not in names
+
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def build_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+    """Gradient clipping (if enabled) followed by the chosen optimizer on the warm-up + decay schedule."""
+    o = config.optim
+    schedule = train_lib.learning_rate_schedule(o, config.train.steps)
+    inner = OPTIMIZERS[o.name](schedule, o)
+    return optax.chain(optax.clip_by_global_norm(o.grad_clip_norm), inner) if o.grad_clip_norm > 0 else inner
+
+
+def build_model_fn(config: ml_collections.ConfigDict,
+                   sharder: mesh_lib.Sharder) -> Callable[[nnx.Rngs], model_lib.Transformer]:
+    """`rngs -> Transformer` with the precision and FFN slots chosen by the config."""
+    cfg = model_lib.TransformerConfig.from_config(config.model)
+    return lambda rngs: model_lib.Transformer(cfg, rngs=rngs, shard=sharder)
+
+
+def build_mesh(config: ml_collections.ConfigDict) -> tuple[jax.sharding.Mesh, mesh_lib.Sharder]:
+    mesh = mesh_lib.make_mesh(config)
+    return mesh, mesh_lib.Sharder(mesh, tuple(tuple(r) for r in config.mesh.rules))
+
+
+def build_data(config: ml_collections.ConfigDict) -> tuple[data_lib.Corpus, data_lib.Batches]:
+    """Loads the corpus and the per-process batch source."""
+    d = config.data
+    corpus = data_lib.load_corpus(d.path or None, val_fraction=d.val_fraction, jsonl_field=d.jsonl_field)
+    batches = data_lib.Batches(corpus, seq_len=d.seq_len, global_batch=d.batch_size, seed=d.seed,
+                               process_index=jax.process_index(), process_count=jax.process_count())
+    return corpus, batches

@@ -1,0 +1,1 @@
+"""One `get_config()` per experiment; each docstring holds its launch command."""

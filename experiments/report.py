@@ -1,0 +1,67 @@
+"""What a run shows a person: parameter count, summary table, loss-curve plot, a text sample."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+
+import jax
+from flax import nnx
+
+LN2 = math.log(2.0)
+
+
+def count_params(model_fn: Callable[[nnx.Rngs], nnx.Module]) -> int:
+    """Parameters of the model `model_fn` builds, counted on abstract shapes (nothing is allocated)."""
+    abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(0)))
+    return sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
+def summary_table(summary: dict) -> str:
+    """A two-column text table of the summary."""
+    rows = [(k, f"{v:,.4f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v))
+            for k, v in summary.items()]
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 3 + max(len(v) for _, v in rows))
+    return "\n".join([line, *(f"{k:<{width}} | {v}" for k, v in rows), line])
+
+
+def plot_loss_curve(metrics_path: str, out_path: str) -> None:
+    """Train loss and held-out bits per byte against step, in bits, from metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    train = [(r["step"], r["train_loss"] / LN2) for r in rows if "train_loss" in r]
+    val = [(r["step"], r["val_bits_per_byte"]) for r in rows if "val_bits_per_byte" in r]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    if train:
+        ax.plot(*zip(*train), label="train loss (bits / token)", lw=1.2)
+    if val:
+        ax.plot(*zip(*val), "o-", label="held-out bits / byte", lw=1.2, ms=3)
+    ax.axhline(8.0, color="grey", ls=":", lw=0.8, label="uniform over bytes (8 bits)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("bits")
+    ax.set_ylim(0, max(9.0, 1.05 * max((v for _, v in train + val), default=9.0)))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_path)
+    plt.close(fig)
+
+
+def sample_text(config, model_fn, results) -> str:
+    """Continues `config.sample.prompt` with the trained model (KV-cached generation)."""
+    from core import generate
+    from core.data import ByteTokenizer
+
+    model = nnx.merge(results["graphdef"], results["final_state"].params, results["final_state"].rest)
+    tok = ByteTokenizer()
+    s = config.sample
+    out = generate.generate(model, [tok.encode(s.prompt)], max_new_tokens=s.num_tokens,
+                            key=jax.random.PRNGKey(config.train.seed), temperature=s.temperature, top_k=s.top_k)
+    return s.prompt + tok.decode(out[0])

@@ -1,0 +1,166 @@
+"""The experiment CLI: train a model from a config file, then summarise, plot and sample.
+
+    python -m experiments.run --config experiments/configs/quickstart.py --workdir runs/quick \
+        --config.train.steps=300
+
+Any config key can be overridden with `--config.<section>.<key>=<value>`. Outputs in the workdir:
+config.json (the resolved config), data.json (corpus description and fingerprint), metrics.jsonl (one row per
+log / eval), checkpoints/, summary.json, loss_curve.png, sample.txt. Rerunning the same command resumes from the
+latest checkpoint. Exit codes: 0 done, 1 training stopped (non-finite loss, unusable checkpoint), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sys
+import time
+
+import ml_collections
+from absl import flags
+from ml_collections import config_flags
+
+from core import config as config_lib
+from core.data import DataError
+
+USAGE = ("usage: python -m experiments.run --config experiments/configs/<name>.py[:arg] --workdir <dir> "
+         "[--config.<section>.<key>=<value> ...]")
+
+
+class UsageError(ValueError):
+    pass
+
+
+def parse_args(argv: list[str]):
+    """Parses the command line into (config, workdir). Raises UsageError with a clear message."""
+    from experiments import build
+
+    spec = build.schema()
+    for arg in argv[1:]:
+        if arg.startswith("--config."):
+            key = arg[len("--config."):].split("=", 1)[0]
+            section, _, name = key.partition(".")
+            if section not in spec or name not in spec[section]:
+                known = [f"{s}.{k}" for s, fields in spec.items() for k in fields]
+                raise UsageError(str(config_lib._unknown(key, known)).replace("config key", "flag --config."))
+    fv = flags.FlagValues()
+    config_flag = config_flags.DEFINE_config_file("config", None, "experiment config file", flag_values=fv,
+                                                  lock_config=True, sys_argv=argv)
+    workdir_flag = flags.DEFINE_string("workdir", None, "output directory (resumes if it holds checkpoints)",
+                                       flag_values=fv)
+    try:
+        fv(argv)
+    except flags.Error as e:
+        raise UsageError(f"{e}{_expected(str(e), spec)}\n{USAGE}") from None
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise UsageError(f"cannot apply the command line to the config: {e}\n{USAGE}") from None
+    if fv["config"].value is None:
+        raise UsageError(f"--config is required.\n{USAGE}")
+    if not workdir_flag.value:
+        raise UsageError(f"--workdir is required.\n{USAGE}")
+    config = config_flag.value
+    if not isinstance(config, ml_collections.ConfigDict):  # config_flags defers a load error to first access
+        try:
+            config.to_dict()
+        except Exception as e:  # noqa: BLE001 - any failure to load the file is a usage error
+            raise UsageError(f"cannot load --config={fv['config'].config_filename}: {e}") from None
+        raise UsageError(f"--config={fv['config'].config_filename}: get_config() must return an "
+                         f"ml_collections.ConfigDict, got {type(config).__name__}")
+    return config, workdir_flag.value
+
+
+def _expected(message: str, spec) -> str:
+    """'; config key 'train.steps' takes int in [1, inf)' for a flag error about --config.train.steps."""
+    match = re.search(r"--config\.(\w+)\.(\w+)", message)
+    if match and match[1] in spec and match[2] in spec[match[1]]:
+        return f"; config key '{match[1]}.{match[2]}' takes {spec[match[1]][match[2]].describe()}"
+    return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv if argv is None else argv
+    try:
+        config, workdir = parse_args(argv)
+    except (UsageError, config_lib.ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return run(config, workdir)
+    except (config_lib.ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(config, workdir: str) -> int:
+    """Validates, trains, and writes the summary. Returns the exit code."""
+    from experiments import build
+
+    build.validate(config)  # static checks: no JAX backend touched yet
+    from core import mesh as mesh_lib
+
+    mesh_lib.initialize_distributed(config)
+    import jax
+
+    build.validate(config, num_devices=jax.device_count())
+    from core import checkpoint as checkpoint_lib
+    from core import train as train_lib
+    from experiments import report
+
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    started = time.time()
+    is_main = jax.process_index() == 0
+    corpus, batches = build.build_data(config)
+    mesh, sharder = build.build_mesh(config)
+    model_fn = build.build_model_fn(config, sharder)
+    num_params = report.count_params(model_fn)
+    if is_main:
+        os.makedirs(workdir, exist_ok=True)
+        _write_json(os.path.join(workdir, "config.json"), config.to_dict())
+        _write_json(os.path.join(workdir, "data.json"), {"fingerprint": corpus.fingerprint, **corpus.info})
+        print(f"model: {num_params:,} parameters | mesh {dict(mesh.shape)} on {jax.device_count()} "
+              f"{jax.devices()[0].platform} devices | corpus {corpus.info.get('source')} "
+              f"({len(corpus.train):,} train / {len(corpus.val):,} held-out tokens, "
+              f"fingerprint {corpus.fingerprint[:12]})", flush=True)
+    try:
+        results = train_lib.train(config, workdir=workdir, model_fn=model_fn, optimizer=build.build_optimizer(config),
+                                  batches=batches, sharder=sharder, data_fingerprint=corpus.fingerprint)
+    except (train_lib.NonFiniteLossError, checkpoint_lib.CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if not is_main:
+        return 0
+    summary = {
+        "train_loss": results["train_loss"],
+        "val_loss": results["val_loss"],
+        "val_bits_per_byte": results["val_bits_per_byte"],
+        "tokens_per_second": results["tokens_per_second"],
+        "num_params": num_params,
+        "steps": results["steps"],
+        "resumed_from": results["resumed_from"],
+        "data_fingerprint": corpus.fingerprint,
+        "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+        "wall_seconds_this_process": round(time.time() - started, 1),
+    }
+    _write_json(os.path.join(workdir, "summary.json"), summary)
+    report.plot_loss_curve(os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "loss_curve.png"))
+    print(report.summary_table(summary), flush=True)
+    if config.sample.prompt and config.sample.num_tokens:
+        text = report.sample_text(config, model_fn, results)
+        with open(os.path.join(workdir, "sample.txt"), "w") as f:
+            f.write(text)
+        print(f"sample (temperature {config.sample.temperature}):\n{text}", flush=True)
+    print(f"outputs in {workdir}", flush=True)
+    return 0
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, default=str)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The CLI: clear rejection of bad flags, an end-to-end run, kill -9 and resume, and a two-process run."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from experiments import run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "experiments", "configs", "quickstart.py")
+TINY = [
+    "--config.model.d_model=32", "--config.model.num_layers=2", "--config.model.num_heads=4",
+    "--config.model.num_kv_heads=2", "--config.model.d_ff=64", "--config.data.seq_len=16",
+    "--config.data.batch_size=8", "--config.optim.warmup_steps=2", "--config.train.log_every=2",
+    "--config.train.eval_batches=2", "--config.train.progress=False", "--config.sample.num_tokens=8",
+]
+
+
+def _main(capsys, *args):
+    code = run.main(["run", *args])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--config.model.dmodel=3"], ["model.dmodel", "model.d_model"]),
+    (["--config.train.steps=abc"], ["--config.train.steps=abc", "int"]),
+    (["--config.train.steps=2.5"], ["--config.train.steps=2.5"]),
+    (["--config.model.norm=batchnorm"], ["model.norm", "'batchnorm'", "rmsnorm"]),
+    (["--config.model.num_heads=7"], ["model.num_heads", "7", "model.d_model"]),
+    (["--config.mesh.model=64"], ["64", "devices"]),
+    (["--bogus=1"], ["bogus"]),
+])
+def test_bad_flags_are_rejected_clearly(capsys, tmp_path, args, needles):
+    code, err = _main(capsys, f"--config={CONFIG}", f"--workdir={tmp_path}", *args)
+    assert code == 2
+    assert err.startswith("error: ")
+    for needle in needles:
+        assert needle in err, (needle, err)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_missing_required_flags(capsys, tmp_path):
+    code, err = _main(capsys, f"--workdir={tmp_path}")
+    assert code == 2 and "--config is required" in err
+    code, err = _main(capsys, f"--config={CONFIG}")
+    assert code == 2 and "--workdir is required" in err
+    code, err = _main(capsys, f"--config={tmp_path}/nope.py", f"--workdir={tmp_path}")
+    assert code == 2 and "nope.py" in err
+
+
+def test_bad_data_path_is_rejected(capsys, tmp_path):
+    code, err = _main(capsys, f"--config={CONFIG}", f"--workdir={tmp_path}", f"--config.data.path={tmp_path}/none",
+                      *TINY)
+    assert code == 2 and "data.path" in err
+
+
+def _cli(workdir, *extra, env_devices=1, process=None):
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={env_devices}", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "experiments.run", f"--config={CONFIG}", f"--workdir={workdir}", *TINY, *extra]
+    if process is not None:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _metric_rows(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if k != "tokens_per_second"} for line in f]
+
+
+def test_kill_and_rerun_resumes_to_the_same_metrics(tmp_path):
+    """SIGKILL a run after its checkpoint of step 10 appears; rerunning the same command finishes with exactly the
+    metrics of an uninterrupted run. Also checks the outputs a finished run leaves."""
+    args = ["--config.train.steps=150", "--config.train.eval_every=40", "--config.checkpoint.every=5"]
+    full = _cli(tmp_path / "full", *args)
+    assert full.returncode == 0, full.stdout + full.stderr
+    summary = json.loads((tmp_path / "full" / "summary.json").read_text())
+    for key in ("train_loss", "val_loss", "val_bits_per_byte", "tokens_per_second", "num_params", "steps"):
+        assert key in summary, key
+    assert summary["steps"] == 150 and summary["num_params"] > 0
+    assert (tmp_path / "full" / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "full" / "sample.txt").read_text().startswith("def ")
+
+    killed = tmp_path / "killed"
+    proc = _cli(killed, *args, process=True)
+    deadline = time.time() + 240
+    while not (killed / "checkpoints" / "10").exists():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = _cli(killed, *args)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    summary2 = json.loads((killed / "summary.json").read_text())
+    assert 10 <= summary2["resumed_from"] < 150, "the kill must land mid-run"
+    for key in ("train_loss", "val_loss", "val_bits_per_byte", "steps"):
+        assert summary2[key] == summary[key], key
+    assert _metric_rows(killed) == _metric_rows(tmp_path / "full")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_equal_one_process_with_two_devices(tmp_path):
+    """jax.distributed on 127.0.0.1 with gloo: 2 processes x 1 device train like 1 process x 2 devices."""
+    args = ["--config.train.steps=6", "--config.train.eval_every=3", "--config.checkpoint.every=3",
+            "--config.sample.num_tokens=0"]
+    single = _cli(tmp_path / "single", *args, env_devices=2)
+    assert single.returncode == 0, single.stdout + single.stderr
+    addr = f"127.0.0.1:{_free_port()}"
+    procs = [_cli(tmp_path / "multi", *args, "--config.mesh.num_processes=2", f"--config.mesh.process_id={i}",
+                  f"--config.mesh.coordinator_address={addr}", process=True) for i in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    a = json.loads((tmp_path / "single" / "summary.json").read_text())
+    b = json.loads((tmp_path / "multi" / "summary.json").read_text())
+    assert b["devices"].startswith("2 x") and a["devices"].startswith("2 x")
+    for key in ("train_loss", "val_loss", "val_bits_per_byte"):
+        assert b[key] == pytest.approx(a[key], rel=1e-5), key

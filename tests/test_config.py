@@ -1,0 +1,112 @@
+"""Config validation: every kind of bad input is rejected with a message naming the key, the value and the rule."""
+
+import dataclasses
+import pathlib
+
+import ml_collections
+import pytest
+
+from core import config as config_lib
+from core.config import ConfigError
+from core.model import TransformerConfig
+from experiments import build
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_defaults_are_valid_and_every_default_passes_its_field():
+    build.validate(build.default_config(), num_devices=8)
+    for section, fields in build.schema().items():
+        for key, field in fields.items():
+            field.check(f"{section}.{key}", field.default)
+
+
+def test_model_section_matches_transformer_config():
+    assert set(build.schema()["model"]) == {f.name for f in dataclasses.fields(TransformerConfig)}
+    defaults = build.default_config().model.to_dict()
+    assert TransformerConfig(**defaults) == TransformerConfig()
+
+
+def _error(changes, num_devices=8):
+    """Applies {"section.key": value} to a default config built as a plain dict (as a config file may return)."""
+    d = build.default_config().to_dict()
+    for key, value in changes.items():
+        section, _, name = key.partition(".")
+        if value is DELETE:
+            del d[section][name]
+        elif name:
+            d.setdefault(section, {})[name] = value
+        else:
+            d[section] = value
+    with pytest.raises(ConfigError) as e:
+        build.validate(ml_collections.ConfigDict(d), num_devices=num_devices)
+    return str(e.value)
+
+
+DELETE = object()
+
+
+@pytest.mark.parametrize("changes, needles", [
+    ({"model.dmodel": 3}, ["model.dmodel", "model.d_model"]),
+    ({"modle": {"x": 1}}, ["modle", "model"]),
+    ({"model": 3}, ["model", "section"]),
+    ({"train.steps": "300"}, ["train.steps", "'300'", "int"]),
+    ({"train.steps": 3.0}, ["train.steps", "3.0", "int"]),
+    ({"optim.learning_rate": True}, ["optim.learning_rate", "True", "float"]),
+    ({"model.norm": "batchnorm"}, ["model.norm", "'batchnorm'", "rmsnorm", "layernorm"]),
+    ({"optim.b2": 1.5}, ["optim.b2", "1.5", "[0, 1]"]),
+    ({"data.val_fraction": 0.0}, ["data.val_fraction", "0.0", "(0, 0.5]"]),
+    ({"optim.learning_rate": float("nan")}, ["optim.learning_rate", "nan", "finite"]),
+    ({"model.num_heads": 5}, ["model.num_heads", "5", "model.d_model", "256"]),
+    ({"model.num_kv_heads": 3}, ["model.num_kv_heads", "3", "model.num_heads"]),
+    ({"model.d_model": 24, "model.num_heads": 8}, ["head dim", "3", "even"]),
+    ({"model.vocab_size": 100}, ["model.vocab_size", "100", "259"]),
+    ({"optim.warmup_steps": 5000}, ["optim.warmup_steps", "5000", "train.steps"]),
+    ({"mesh.data": 4, "mesh.model": 4}, ["16 devices", "8"]),
+    ({"mesh.data": -1, "mesh.model": -1}, ["mesh.data", "mesh.model", "-1"]),
+    ({"mesh.data": -1, "mesh.model": 3}, ["mesh.data", "3", "8 devices"]),
+    ({"mesh.model": 0}, ["mesh.model", "0"]),
+    ({"mesh.data": 8, "data.batch_size": 12}, ["data.batch_size", "12", "8"]),
+    ({"mesh.data": 1, "mesh.model": 8, "model.num_kv_heads": 4}, ["model.num_kv_heads", "4", "mesh.model", "8"]),
+    ({"mesh.rules": (("batch", "dta"),)}, ["mesh.rules", "'dta'", "site"]),
+    ({"mesh.rules": (("batch", "data"), ("batch", None))}, ["mesh.rules", "batch"]),
+    ({"mesh.rules": ("batch",)}, ["mesh.rules", "'batch'"]),
+    ({"mesh.process_id": 2}, ["mesh.process_id", "2", "mesh.num_processes"]),
+    ({"mesh.num_processes": 2}, ["mesh.coordinator_address", "host:port"]),
+    ({"optim.name": "sgd"}, ["optim.name", "'sgd'", "adamw"]),
+    ({"model.d_ff": DELETE}, ["model.d_ff", "missing"]),
+])
+def test_bad_config_is_rejected_with_a_clear_message(changes, needles):
+    message = _error(changes)
+    for needle in needles:
+        assert needle in message, (needle, message)
+
+
+def test_static_validation_needs_no_devices():
+    c = build.default_config()
+    c.mesh.data, c.mesh.model = 4, 4  # 16 devices: fine until we know how many there are
+    build.validate(c)
+    with pytest.raises(ConfigError):
+        build.validate(c, num_devices=8)
+
+
+def test_mesh_shape_resolves_the_free_axis():
+    c = build.default_config()
+    c.mesh.model = 2
+    assert config_lib.mesh_shape(c, 8) == {"site": 1, "data": 4, "expert": 1, "model": 2}
+
+
+def test_int_is_accepted_for_float_but_not_bool_for_int():
+    d = build.default_config().to_dict()
+    d["optim"]["learning_rate"] = 1  # a config file may write an int where a float is expected
+    build.validate(ml_collections.ConfigDict(d))
+    field = build.schema()["train"]["steps"]
+    with pytest.raises(ConfigError, match="bool"):
+        field.check("train.steps", True)
+
+
+def test_configuration_reference_is_current():
+    """docs/configuration.md is generated from the schema: regenerate with `python -m experiments.config_doc`."""
+    from experiments import config_doc
+
+    assert (ROOT / "docs" / "configuration.md").read_text() == config_doc.render()

@@ -1,0 +1,217 @@
+"""The transformer against an independent float64 NumPy implementation; causality; cache; the three slots."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from core import generate as generate_lib
+from core.attention import DenseKVCache
+from core.model import DefaultPrecision, Transformer, TransformerConfig, count_params
+
+CONFIGS = {
+    "mha-rms": TransformerConfig(vocab_size=264, d_model=32, num_layers=2, num_heads=4, num_kv_heads=4, d_ff=48),
+    "gqa-layernorm-silu": TransformerConfig(vocab_size=264, d_model=48, num_layers=2, num_heads=6, num_kv_heads=2,
+                                            d_ff=40, norm="layernorm", mlp="silu"),
+    "mqa-periln-untied": TransformerConfig(vocab_size=272, d_model=32, num_layers=3, num_heads=4, num_kv_heads=1,
+                                           d_ff=64, peri_ln=True, tie_embeddings=False, rope_theta=500.0),
+}
+
+
+def _params(model):
+    return {".".join(map(str, k)): np.asarray(v.get_value(), np.float64)
+            for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def numpy_forward(cfg: TransformerConfig, p: dict, tokens: np.ndarray) -> np.ndarray:
+    """Float64 reference written from the formulas (not from core.model): returns logits [B, T, V]."""
+    b, t = tokens.shape
+    hd, h, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+
+    def norm(x, prefix):
+        if cfg.norm == "layernorm":
+            x = x - x.mean(-1, keepdims=True)
+            y = x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps)
+            return y * p[prefix + ".scale"] + p[prefix + ".bias"]
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps) * p[prefix + ".scale"]
+
+    def rope(x):  # x [B, T, N, D]
+        pos = np.arange(t)[:, None]
+        freq = cfg.rope_theta ** (-np.arange(hd // 2) * 2.0 / hd)
+        ang = (pos * freq)[None, :, None, :]
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+        return np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)], -1)
+
+    silu = lambda z: z / (1 + np.exp(-z))  # noqa: E731
+    x = p["embedding"][tokens]
+    for layer in range(cfg.num_layers):
+        pre = f"blocks.{layer}"
+        a = norm(x, pre + ".attn_norm")
+        q = rope((a @ p[pre + ".attn.q.kernel"]).reshape(b, t, h, hd))
+        k = rope((a @ p[pre + ".attn.k.kernel"]).reshape(b, t, kv, hd))
+        v = (a @ p[pre + ".attn.v.kernel"]).reshape(b, t, kv, hd)
+        out = np.zeros((b, t, h, hd))
+        for head in range(h):
+            g = head // (h // kv)
+            s = np.einsum("btd,bsd->bts", q[:, :, head], k[:, :, g]) / np.sqrt(hd)
+            s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
+            w = np.exp(s - s.max(-1, keepdims=True))
+            w /= w.sum(-1, keepdims=True)
+            out[:, :, head] = np.einsum("bts,bsd->btd", w, v[:, :, g])
+        y = out.reshape(b, t, h * hd) @ p[pre + ".attn.o.kernel"]
+        x = x + (norm(y, pre + ".attn_out_norm") if cfg.peri_ln else y)
+        f = norm(x, pre + ".ffn_norm")
+        if cfg.mlp == "swiglu":
+            z = silu(f @ p[pre + ".ffn.gate.kernel"]) * (f @ p[pre + ".ffn.up.kernel"])
+        else:
+            z = silu(f @ p[pre + ".ffn.up.kernel"])
+        y = z @ p[pre + ".ffn.down.kernel"]
+        x = x + (norm(y, pre + ".ffn_out_norm") if cfg.peri_ln else y)
+    x = norm(x, "final_norm")
+    return x @ (p["embedding"].T if cfg.tie_embeddings else p["head.kernel"])
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("shape", [(1, 1), (2, 7), (3, 20)])
+def test_forward_matches_float64_numpy(name, shape):
+    cfg = CONFIGS[name]
+    model = Transformer(cfg, rngs=nnx.Rngs(3))
+    # Non-trivial norm scales/biases so that every parameter matters.
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if path[-1] in ("scale", "bias"):
+            var.set_value(var.get_value() + 0.3 * jax.random.normal(jax.random.key(len(path)), var.shape))
+    tokens = np.asarray(jax.random.randint(jax.random.key(1), shape, 0, 259))
+    logits, aux, cache = model(jnp.asarray(tokens))
+    assert aux == {} and cache is None and logits.dtype == jnp.float32
+    ref = numpy_forward(cfg, _params(model), tokens)
+    np.testing.assert_allclose(np.asarray(logits), ref, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_causal(name):
+    """Changing token j changes no logit at positions < j, and does change position j."""
+    cfg = CONFIGS[name]
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, 256)
+    base = model(tokens)[0]
+    for j in (0, 5, 15):
+        changed = tokens.at[:, j].set((tokens[:, j] + 17) % 256)
+        out = model(changed)[0]
+        np.testing.assert_array_equal(np.asarray(out[:, :j]), np.asarray(base[:, :j]))
+        assert np.abs(np.asarray(out[:, j] - base[:, j])).max() > 1e-4
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cached_decode_matches_full_forward(name):
+    """Prefill of ragged prompts then one token at a time gives the logits of the full uncached forward."""
+    cfg = CONFIGS[name]
+    model = Transformer(cfg, rngs=nnx.Rngs(4))
+    full = jax.random.randint(jax.random.key(5), (3, 12), 0, 256)
+    ref = np.asarray(model(full)[0])
+    lengths = jnp.array([3, 7, 5])
+    cache = DenseKVCache.create(num_layers=cfg.num_layers, batch=3, capacity=16, num_kv_heads=cfg.num_kv_heads,
+                                head_dim=cfg.head_dim, dtype=jnp.float32)
+    logits, _, cache = model(full[:, :7], cache=cache)  # padded prefill (row 0 and 2 hold extra tokens)
+    cache = cache.advance(lengths - 7)
+    for b, n in enumerate([3, 7, 5]):
+        np.testing.assert_allclose(np.asarray(logits[b, :n]), ref[b, :n], rtol=1e-4, atol=1e-5)
+    # Each sequence continues with its own next tokens, from its own length.
+    for step in range(4):
+        pos = np.asarray(cache.lengths)
+        nxt = full[jnp.arange(3), pos][:, None]
+        logits, _, cache = model(nxt, cache=cache)
+        for b in range(3):
+            np.testing.assert_allclose(np.asarray(logits[b, 0]), ref[b, pos[b]], rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), np.array([7, 11, 9]))
+
+
+def test_generate_greedy_matches_recompute():
+    """Greedy cached generation equals argmax decoding by full recomputation (specials other than EOS masked)."""
+    cfg = CONFIGS["gqa-layernorm-silu"]
+    model = Transformer(cfg, rngs=nnx.Rngs(6))
+    prompts = [np.array([257, 10, 20, 30]), np.array([257, 99])]
+    out = generate_lib.generate(model, prompts, max_new_tokens=6, key=jax.random.key(0),
+                                cache_factory=generate_lib.dense_cache_factory(model, jnp.float32))
+    ids = np.arange(cfg.vocab_size)
+    for b, prompt in enumerate(prompts):
+        seq = list(prompt)
+        for i in range(6):
+            logits = np.asarray(model(jnp.asarray([seq]))[0][0, -1]).copy()
+            logits[(ids >= 256) & (ids != 258)] = -np.inf
+            assert out[b, i] == int(np.argmax(logits)), (b, i)
+            if out[b, i] == 258:
+                assert (out[b, i + 1:] == 256).all()
+                break
+            seq.append(int(out[b, i]))
+
+
+def test_generate_validates_input():
+    model = Transformer(CONFIGS["mha-rms"], rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="at least one token"):
+        generate_lib.generate(model, [np.array([], np.int32)], max_new_tokens=2, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate_lib.generate(model, [np.array([1])], max_new_tokens=0, key=jax.random.key(0))
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordingPrecision:
+    """Scales every product by `factor` on the chosen paths and records the paths and keys it was asked for."""
+
+    log: list = dataclasses.field(default_factory=list, hash=False, compare=False)
+    factor: float = 1.0
+    paths: tuple = ()
+
+    def dot_general(self, path, key):
+        self.log.append((path, None if key is None else tuple(np.asarray(jax.random.key_data(key)).ravel())))
+        scale = self.factor if path in self.paths else 1.0
+        return lambda *a, **kw: scale * jax.lax.dot_general(*a, **kw)
+
+
+def test_precision_slot_reaches_every_projection():
+    cfg = CONFIGS["mqa-periln-untied"]
+    precision = RecordingPrecision()
+    model = Transformer(cfg, rngs=nnx.Rngs(0), precision=precision)
+    tokens = jnp.ones((1, 4), jnp.int32)
+    model(tokens, key=jax.random.PRNGKey(1))
+    paths = [p for p, _ in precision.log]
+    expected = {f"blocks.{i}.{m}" for i in range(3) for m in
+                ("attn.q", "attn.k", "attn.v", "attn.o", "ffn.gate", "ffn.up", "ffn.down")} | {"head"}
+    assert set(paths) == expected and len(paths) == len(expected)
+    keys = [k for _, k in precision.log]
+    assert len(set(keys)) == len(keys), "each projection gets its own key"
+    precision.log.clear()
+    model(tokens)
+    assert all(k is None for _, k in precision.log)
+    # Changing the dot_general of one projection changes the output: the slot is really used.
+    base = model(tokens)[0]
+    scaled = Transformer(cfg, rngs=nnx.Rngs(0), precision=RecordingPrecision(factor=2.0, paths=("blocks.1.ffn.up",)))
+    assert np.abs(np.asarray(scaled(tokens)[0] - base)).max() > 1e-5
+    assert isinstance(DefaultPrecision().dot_general("x", None)(jnp.ones((2, 3)), jnp.ones((3, 4)),
+                                                               (((1,), (0,)), ((), ()))), jax.Array)
+
+
+class AuxFFN(nnx.Module):
+    """An FFN-slot module: a scaled identity that reports an auxiliary loss and a metric."""
+
+    def __init__(self, layer, path, rngs):
+        self.w = nnx.Param(jnp.full((), 0.5), axes=())
+        self.layer = layer
+
+    def __call__(self, x, *, key=None):
+        return self.w.get_value() * x, {"loss/aux": jnp.float32(self.layer + 1), "metric": jnp.float32(1.0)}
+
+
+def test_ffn_slot_and_aux_losses():
+    from core.train import lm_loss
+
+    cfg = CONFIGS["mha-rms"]
+    model = Transformer(cfg, rngs=nnx.Rngs(0), ffn_factory=AuxFFN)
+    tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 256)
+    logits, aux, _ = model(tokens[:, :-1])
+    assert float(aux["loss/aux"]) == 1.0 + 2.0 and float(aux["metric"]) == 2.0
+    objective, metrics = lm_loss(model, tokens)
+    np.testing.assert_allclose(float(objective), float(metrics["loss"]) + 3.0, rtol=1e-6)
+    assert count_params(model) == (264 * 32 + 2 * (4 * 32 * 32 + 2 * 32 + 1) + 32)

@@ -1,0 +1,173 @@
+"""Training loop: loss and schedule against formulas, exact resume, NaN guard, checkpoint refusal."""
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from core import checkpoint as checkpoint_lib
+from core import train as train_lib
+from core.data import PAD_ID
+from core.model import Transformer, TransformerConfig
+from experiments import build
+
+TIME_KEYS = {"tokens_per_second"}
+
+
+def _train(config, workdir, hooks=()):
+    corpus, batches = build.build_data(config)
+    _, sharder = build.build_mesh(config)
+    return train_lib.train(config, workdir=str(workdir), model_fn=build.build_model_fn(config, sharder),
+                           optimizer=build.build_optimizer(config), batches=batches, sharder=sharder,
+                           data_fingerprint=corpus.fingerprint, hooks=hooks)
+
+
+def _rows(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if k not in TIME_KEYS} for line in f]
+
+
+def test_lm_loss_matches_numpy_cross_entropy():
+    cfg = TransformerConfig(d_model=32, num_layers=1, num_heads=2, num_kv_heads=2, d_ff=32)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    tokens = np.array(jax.random.randint(jax.random.key(0), (3, 11), 0, 259))
+    tokens[0, 5:] = PAD_ID  # padded tail: not counted
+    loss, metrics = train_lib.lm_loss(model, jnp.asarray(tokens))
+    logits = np.asarray(model(jnp.asarray(tokens[:, :-1]))[0], np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
+        -1, keepdims=True)
+    targets = tokens[:, 1:]
+    nll = -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
+    mask = targets != PAD_ID
+    np.testing.assert_allclose(float(loss), (nll * mask).sum() / mask.sum(), rtol=1e-5)
+    assert float(metrics["loss"]) == float(loss)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_schedule_matches_formula(schedule):
+    o = build.default_config().optim
+    o.learning_rate, o.warmup_steps, o.min_lr_ratio, o.schedule = 1e-2, 10, 0.1, schedule
+    lr = train_lib.learning_rate_schedule(o, 110)
+    for step in (0, 5, 10, 35, 60, 109, 110):
+        if step < 10:
+            expected = 1e-2 * step / 10
+        else:
+            frac = (step - 10) / 100
+            expected = {"cosine": 1e-2 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))),
+                        "linear": 1e-2 * (1 - 0.9 * frac), "constant": 1e-2}[schedule]
+        np.testing.assert_allclose(float(lr(step)), expected, rtol=1e-5, atol=1e-9)
+
+
+def test_resume_after_crash_equals_uninterrupted_run(tiny_config, tmp_path):
+    """Crash at step 5 (last checkpoint at 4), rerun: metrics.jsonl and results equal an uninterrupted run."""
+    full = _train(tiny_config, tmp_path / "full")
+
+    class Crash(Exception):
+        pass
+
+    def crash_at_5(step, metrics):
+        if step == 5:
+            raise Crash
+
+    with pytest.raises(Crash):
+        _train(tiny_config, tmp_path / "crashed", hooks=[crash_at_5])
+    assert checkpoint_lib.Checkpointer(tmp_path / "crashed" / "checkpoints").latest_step() == 4
+    resumed = _train(tiny_config, tmp_path / "crashed")
+    assert resumed["resumed_from"] == 4
+    assert _rows(tmp_path / "crashed") == _rows(tmp_path / "full")
+    for key in ("train_loss", "val_loss", "val_bits_per_byte", "steps"):
+        assert resumed[key] == full[key], key
+    for a, b in zip(jax.tree.leaves(resumed["final_state"]), jax.tree.leaves(full["final_state"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Rows of the crashed run after its checkpoint were set aside, not lost.
+    superseded = tmp_path / "crashed" / "metrics.superseded.jsonl"
+    assert superseded.exists() and all(json.loads(r)["step"] == 5 for r in superseded.read_text().splitlines())
+
+
+def test_rerun_of_a_finished_run_changes_nothing(tiny_config, tmp_path):
+    first = _train(tiny_config, tmp_path)
+    rows = _rows(tmp_path)
+    again = _train(tiny_config, tmp_path)
+    assert again["resumed_from"] == tiny_config.train.steps and _rows(tmp_path) == rows
+    assert again["val_loss"] == first["val_loss"]
+
+
+def test_nan_guard_stops_with_step_and_keeps_last_good_checkpoint(tiny_config, tmp_path):
+    c = tiny_config
+    c.optim.learning_rate, c.optim.warmup_steps, c.optim.grad_clip_norm, c.optim.weight_decay = 1e30, 0, 0.0, 0.0
+    c.checkpoint.every = 1
+    with pytest.raises(train_lib.NonFiniteLossError) as e:
+        _train(c, tmp_path)
+    step = e.value.step
+    assert step >= 2 and e.value.last_checkpoint == step - 1
+    assert f"step {step}" in str(e.value) and f"step {step - 1}" in str(e.value)
+    ckpt = checkpoint_lib.Checkpointer(tmp_path / "checkpoints", keep=c.checkpoint.keep)
+    assert ckpt.latest_step() == step - 1
+    rows = _rows(tmp_path)
+    assert all(math.isfinite(r.get("train_loss", 0.0)) for r in rows) and max(r["step"] for r in rows) == step - 1
+
+
+def test_incompatible_checkpoint_is_refused_and_left_untouched(tiny_config, tmp_path):
+    _train(tiny_config, tmp_path)
+    before = _snapshot(tmp_path)
+    other = ml_collections.ConfigDict(tiny_config.to_dict())
+    other.model.d_model = 64
+    with pytest.raises(checkpoint_lib.CheckpointError, match="d_model: checkpoint 32, now 64"):
+        _train(other, tmp_path)
+    other = ml_collections.ConfigDict(tiny_config.to_dict())
+    other.data.seq_len = 32
+    with pytest.raises(checkpoint_lib.CheckpointError, match="data.seq_len"):
+        _train(other, tmp_path)
+    assert _snapshot(tmp_path) == before
+
+
+def test_corrupt_checkpoint_is_refused_and_left_untouched(tiny_config, tmp_path):
+    _train(tiny_config, tmp_path)
+    latest = tmp_path / "checkpoints" / str(tiny_config.train.steps)
+    victims = [p for p in (latest / "state").rglob("*") if p.is_file() and p.stat().st_size > 64]
+    assert victims
+    for p in victims:  # truncate every array file: the data is gone
+        p.write_bytes(p.read_bytes()[:16])
+    before = _snapshot(tmp_path)
+    with pytest.raises(checkpoint_lib.CheckpointError, match=f"step {tiny_config.train.steps}"):
+        _train(tiny_config, tmp_path)
+    assert _snapshot(tmp_path) == before
+
+
+def test_checkpoint_steps_beyond_config_are_refused(tiny_config, tmp_path):
+    _train(tiny_config, tmp_path)
+    tiny_config.train.steps = 4
+    tiny_config.optim.warmup_steps = 1
+    with pytest.raises(checkpoint_lib.CheckpointError, match="beyond train.steps"):
+        _train(tiny_config, tmp_path)
+
+
+def _snapshot(root):
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            p = os.path.join(dirpath, name)
+            with open(p, "rb") as f:
+                out[p] = f.read()
+    return out
+
+
+def test_eval_bits_per_byte_formula(tiny_config):
+    """bits/byte = total NLL over non-PAD targets / (ln 2 x byte targets); specials count as cost, not bytes."""
+    cfg = TransformerConfig(d_model=32, num_layers=1, num_heads=2, num_kv_heads=2, d_ff=32)
+    model = Transformer(cfg, rngs=nnx.Rngs(1))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tokens = np.array(jax.random.randint(jax.random.key(0), (2, 9), 0, 256))
+    tokens[0, 3], tokens[1, 6:] = 258, PAD_ID
+    out = train_lib.make_eval_step(graphdef)(params, rest, jnp.asarray(tokens))
+    state = train_lib.TrainState(jnp.int32(0), params, rest, None, None)
+    ev = train_lib.evaluate(train_lib.make_eval_step(graphdef), state, [jnp.asarray(tokens)] * 2)
+    assert int(out["tokens"]) == 8 + 5 and int(out["bytes"]) == 7 + 5
+    np.testing.assert_allclose(ev["val_bits_per_byte"], float(out["nll_sum"]) / (math.log(2) * 12), rtol=1e-6)
+    np.testing.assert_allclose(ev["val_loss"], float(out["nll_sum"]) / 13, rtol=1e-6)
