@@ -139,7 +139,7 @@ def schema() -> Schema:
             "num_layers": _int(4, "transformer blocks", low=1),
             "num_heads": _int(8, "query heads; must divide d_model", low=1),
             "num_kv_heads": _int(8, "key/value heads (grouped-query attention); must divide num_heads", low=1),
-            "d_ff": _int(1024, "hidden width of the dense SiLU MLP", low=1),
+            "d_ff": _int(1024, "hidden width of the dense MLP", low=1),
             "mlp": _str("swiglu", "dense MLP form: 'swiglu' (SiLU-gated, 3 matrices) or 'silu' (2 matrices)",
                         ("swiglu", "silu")),
             "norm": _str("rmsnorm", "normalisation layer", ("rmsnorm", "layernorm")),

@@ -136,16 +136,18 @@ def test_generate_greedy_matches_recompute():
     out = generate_lib.generate(model, prompts, max_new_tokens=6, key=jax.random.key(0),
                                 cache_factory=generate_lib.dense_cache_factory(model, jnp.float32))
     ids = np.arange(cfg.vocab_size)
+    forward = jax.jit(lambda t: model(t)[0])  # causal: positions after the last real token do not matter
     for b, prompt in enumerate(prompts):
-        seq = list(prompt)
+        buf = np.full((1, len(prompt) + 6), 65, np.int32)
+        buf[0, : len(prompt)] = prompt
         for i in range(6):
-            logits = np.asarray(model(jnp.asarray([seq]))[0][0, -1]).copy()
+            logits = np.asarray(forward(jnp.asarray(buf))[0, len(prompt) + i - 1]).copy()
             logits[(ids >= 256) & (ids != 258)] = -np.inf
             assert out[b, i] == int(np.argmax(logits)), (b, i)
             if out[b, i] == 258:
                 assert (out[b, i + 1:] == 256).all()
                 break
-            seq.append(int(out[b, i]))
+            buf[0, len(prompt) + i] = out[b, i]
 
 
 def test_generate_validates_input():

@@ -23,11 +23,13 @@ import numpy as np
 
 from core import train as train_lib
 from experiments import build
+from experiments.configs import quickstart
 
 SIZES = {
-    # name: (d_model, layers, heads, kv heads, d_ff, seq_len, batch)
-    "quickstart": (128, 4, 2, 1, 384, 256, 32),
-    "large": (512, 8, 8, 8, 1536, 256, 16),
+    # name: overrides of the quickstart config (experiments/configs/quickstart.py)
+    "quickstart": {},
+    "large": {"model": dict(d_model=512, num_layers=8, num_heads=8, num_kv_heads=8, d_ff=1536),
+              "data": dict(batch_size=16)},
 }
 
 
@@ -50,11 +52,12 @@ def matmul_peak(n: int = 2048, dtype=jnp.float32, repeats: int = 5) -> float:
 
 
 def bench_size(name: str, steps: int) -> dict:
-    d, layers, heads, kv, d_ff, seq, batch = SIZES[name]
-    c = build.default_config()
-    c.model.update(d_model=d, num_layers=layers, num_heads=heads, num_kv_heads=kv, d_ff=d_ff)
-    c.data.update(seq_len=seq, batch_size=batch)
+    c = quickstart.get_config()
+    for section, values in SIZES[name].items():
+        c[section].update(values)
     c.mesh.update(data=1)
+    m = c.model
+    d, layers, seq, batch = m.d_model, m.num_layers, c.data.seq_len, c.data.batch_size
     build.validate(c, num_devices=jax.device_count())
     _, sharder = build.build_mesh(c)
     optimizer = build.build_optimizer(c)
@@ -77,7 +80,8 @@ def bench_size(name: str, steps: int) -> dict:
     params = sum(x.size for x in jax.tree.leaves(state.params))
     matmul_params = params - c.model.vocab_size * d * (0 if c.model.tie_embeddings else 1) - (2 * layers + 1) * d
     model_flops = batch * seq * (6 * matmul_params + 12 * layers * d * seq)
-    return {"size": name, "d_model": d, "layers": layers, "heads": heads, "kv_heads": kv, "d_ff": d_ff,
+    return {"size": name, "d_model": d, "layers": layers, "heads": m.num_heads, "kv_heads": m.num_kv_heads,
+            "d_ff": m.d_ff,
             "seq_len": seq, "batch": batch, "params": int(params), "step_seconds": seconds,
             "tokens_per_second": batch * seq / seconds, "model_flops_per_step": model_flops,
             "xla_flops_per_step": xla_flops, "model_flops_per_second": model_flops / seconds,
