@@ -233,14 +233,15 @@ def train(
     data_fingerprint: str,
     hooks: Sequence[Callable[[int, dict[str, float]], None]] = (),
 ) -> dict[str, Any]:
-    """Trains the model `model_fn(rngs)` builds for `config.train.steps` steps, resuming from `<workdir>/checkpoints` if possible.
+    """Trains the model built by `model_fn(rngs)`, resuming from `<workdir>/checkpoints` when it holds one.
 
     Args:
       hooks: called at the end of every step (after logging, evaluation and checkpointing) as
         `hook(step, metrics)` with host floats; an exception stops the run as a crash would.
     Returns:
       the run's results: train_loss (mean over the last log window), val_loss, val_bits_per_byte,
-      tokens_per_second (steady state, compile steps excluded), steps, resumed_from.
+      tokens_per_second (steady state, compile steps excluded; None if no step ran), steps, resumed_from,
+      final_state (TrainState) and graphdef.
     """
     tc, cc = config.train, config.checkpoint
     is_main = jax.process_index() == 0
@@ -306,7 +307,7 @@ def train(
                 ev = evaluate(eval_step, state, val)
                 log.write({"step": done, **ev})
                 results.update(ev)
-                progress.set_postfix(loss=results.get("train_loss", float("nan")),
+                progress.set_postfix(loss=f"{results.get('train_loss', float('nan')):.3f}",
                                      val_bpb=f"{ev['val_bits_per_byte']:.3f}", refresh=False)
             if (cc.every and done % cc.every == 0) or done == tc.steps:
                 checkpointer.save(done, state, loop=loop, compat=compat)
@@ -323,7 +324,7 @@ def train(
         results.update(evaluate(eval_step, state, val))
         results["train_loss"] = next((r["train_loss"] for r in reversed(log.read()) if "train_loss" in r),
                                      float("nan"))
-    results["tokens_per_second"] = tokens_per_step * steady_steps / steady_time if steady_steps else float("nan")
+    results["tokens_per_second"] = tokens_per_step * steady_steps / steady_time if steady_steps else None
     results["final_state"] = state
     results["graphdef"] = graphdef
     return results

@@ -146,7 +146,10 @@ def run(config, workdir: str) -> int:
     _write_json(os.path.join(workdir, "summary.json"), summary)
     report.plot_loss_curve(os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "loss_curve.png"))
     print(report.summary_table(summary), flush=True)
-    if config.sample.prompt and config.sample.num_tokens:
+    if config.sample.prompt and config.sample.num_tokens and jax.process_count() > 1:
+        print("sample skipped: generation runs in single-process runs only (the parameters are spread over "
+              "processes here)", flush=True)
+    elif config.sample.prompt and config.sample.num_tokens:
         text = report.sample_text(config, model_fn, results)
         with open(os.path.join(workdir, "sample.txt"), "w") as f:
             f.write(text)
