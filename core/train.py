@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import math
 import os
 import time
@@ -20,7 +19,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import optax
 from flax import nnx
 
@@ -232,12 +230,15 @@ def train(
     sharder: Sharder,
     data_fingerprint: str,
     hooks: Sequence[Callable[[int, dict[str, float]], None]] = (),
+    on_start: Callable[[int | None], None] | None = None,
 ) -> dict[str, Any]:
     """Trains the model built by `model_fn(rngs)`, resuming from `<workdir>/checkpoints` when it holds one.
 
     Args:
       hooks: called at the end of every step (after logging, evaluation and checkpointing) as
         `hook(step, metrics)` with host floats; an exception stops the run as a crash would.
+      on_start: called once the state is built or restored, before the first step, with the step resumed
+        from (or None); the place to write run records, since a refused checkpoint never gets there.
     Returns:
       the run's results: train_loss (mean over the last log window), val_loss, val_bits_per_byte,
       tokens_per_second (steady state, compile steps excluded; None if no step ran), steps, resumed_from,
@@ -260,12 +261,15 @@ def train(
                 f"{tc.steps}; raise train.steps or use a new --workdir. Nothing was changed.")
         state, loop = checkpointer.restore(resumed_from, state, compat=compat)
         log.truncate_after(resumed_from)
-        logging.info("resumed from step %d", resumed_from)
+        if is_main:
+            print(f"resuming from the checkpoint of step {resumed_from} in {checkpointer.directory}", flush=True)
     elif cc.resume is False and checkpointer.latest_step() is not None:
         raise checkpoint_lib.CheckpointError(
             f"{checkpointer.directory} already holds checkpoints and checkpoint.resume is False; use a new "
             "--workdir so they are not overwritten.")
 
+    if on_start is not None:
+        on_start(resumed_from)
     train_step, eval_step = make_train_step(graphdef, optimizer), make_eval_step(graphdef)
     batch_sharding = sharder.named(("batch", None))
     put = lambda b: jax.make_array_from_process_local_data(batch_sharding, b)  # noqa: E731

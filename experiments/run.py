@@ -116,16 +116,20 @@ def run(config, workdir: str) -> int:
     model_fn = build.build_model_fn(config, sharder)
     num_params = report.count_params(model_fn)
     if is_main:
-        os.makedirs(workdir, exist_ok=True)
-        _write_json(os.path.join(workdir, "config.json"), config.to_dict())
-        _write_json(os.path.join(workdir, "data.json"), {"fingerprint": corpus.fingerprint, **corpus.info})
         print(f"model: {num_params:,} parameters | mesh {dict(mesh.shape)} on {jax.device_count()} "
               f"{jax.devices()[0].platform} devices | corpus {corpus.info.get('source')} "
               f"({len(corpus.train):,} train / {len(corpus.val):,} held-out tokens, "
               f"fingerprint {corpus.fingerprint[:12]})", flush=True)
+
+    def write_records(resumed_from):  # only once any checkpoint in the workdir has been accepted
+        if is_main:
+            _write_json(os.path.join(workdir, "config.json"), config.to_dict())
+            _write_json(os.path.join(workdir, "data.json"), {"fingerprint": corpus.fingerprint, **corpus.info})
+
     try:
         results = train_lib.train(config, workdir=workdir, model_fn=model_fn, optimizer=build.build_optimizer(config),
-                                  batches=batches, sharder=sharder, data_fingerprint=corpus.fingerprint)
+                                  batches=batches, sharder=sharder, data_fingerprint=corpus.fingerprint,
+                                  on_start=write_records)
     except (train_lib.NonFiniteLossError, checkpoint_lib.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -103,6 +103,13 @@ def test_kill_and_rerun_resumes_to_the_same_metrics(tmp_path):
         assert summary2[key] == summary[key], key
     assert _metric_rows(killed) == _metric_rows(tmp_path / "full")
 
+    # The same workdir with another model: refused with exit code 1, and no file in it changes.
+    before = {p: p.read_bytes() for p in killed.rglob("*") if p.is_file()}
+    other = _cli(killed, *args, "--config.model.d_model=64", "--config.model.d_ff=32")
+    assert other.returncode == 1, other.stdout + other.stderr
+    assert "d_model: checkpoint 32, now 64" in other.stderr and "new --workdir" in other.stderr
+    assert {p: p.read_bytes() for p in killed.rglob("*") if p.is_file()} == before
+
 
 def _free_port():
     with socket.socket() as s:
