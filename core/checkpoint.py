@@ -49,8 +49,7 @@ def unflatten(like, flat: Mapping[str, Any]):
 
 
 def _manifest(flat: Mapping[str, Any]) -> dict[str, list]:
-    return {k: [list(np.shape(v)), str(jax.numpy.dtype(getattr(v, "dtype", np.asarray(v).dtype)))]
-            for k, v in flat.items()}
+    return {k: [list(v.shape), str(np.dtype(v.dtype))] for k, v in flat.items()}
 
 
 class Checkpointer:

@@ -12,8 +12,8 @@ the checks of `validate`:
   * an impossible combination (heads not dividing d_model, a mesh larger than the devices, a batch the data
     axis cannot split, ...)                        -> error naming every key involved.
 
-Other packages declare their own sections the same way (a `dict[str, Field]`) and the composition root
-(`experiments/build.py`) merges them into one schema with `extend`.
+Other packages declare their own sections the same way (a `dict[str, Field]`); the composition root
+(`experiments/build.py`) adds them to `schema()` and fills registered choices (e.g. `optim.name`).
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import ml_collections
 
-__all__ = ["ConfigError", "Field", "Schema", "schema", "defaults", "extend", "validate", "describe"]
+__all__ = ["ConfigError", "Field", "Schema", "schema", "defaults", "validate", "unknown_key_error", "describe",
+           "mesh_shape", "MESH_AXES"]
 
 
 class ConfigError(ValueError):
@@ -211,14 +212,6 @@ def schema() -> Schema:
     }
 
 
-def extend(base: Schema, extra: Mapping[str, Mapping[str, Field]]) -> Schema:
-    """Returns `base` with sections added or fields added/replaced from `extra` (used by the composition root)."""
-    out = {section: dict(fields) for section, fields in base.items()}
-    for section, fields in extra.items():
-        out.setdefault(section, {}).update(fields)
-    return out
-
-
 def defaults(spec: Schema | None = None) -> ml_collections.ConfigDict:
     """The default ConfigDict of a schema (the core schema by default)."""
     spec = schema() if spec is None else spec
@@ -227,13 +220,11 @@ def defaults(spec: Schema | None = None) -> ml_collections.ConfigDict:
     )
 
 
-def _unknown(key: str, known: list[str]) -> ConfigError:
+def unknown_key_error(key: str, known: list[str]) -> ConfigError:
+    """The error for an unknown key, suggesting the closest known keys."""
     close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
     hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
     return ConfigError(f"unknown config key '{key}'.{hint} Known keys: {', '.join(sorted(known))}.")
-
-
-Check = Callable[[ml_collections.ConfigDict, int | None], None]
 
 
 def validate(
@@ -241,7 +232,6 @@ def validate(
     spec: Schema | None = None,
     *,
     num_devices: int | None = None,
-    checks: tuple[Check, ...] = (),
 ) -> None:
     """Checks every key, type, value and cross-field constraint; raises ConfigError on the first problem.
 
@@ -249,29 +239,27 @@ def validate(
       config: the experiment configuration.
       spec: the schema to check against (default: the core schema).
       num_devices: if given, the mesh is also checked against this number of devices.
-      checks: extra cross-field checks `check(config, num_devices)` from other sections.
     """
     spec = schema() if spec is None else spec
     if not isinstance(config, (ml_collections.ConfigDict, Mapping)):
         raise ConfigError(f"a config must be an ml_collections.ConfigDict, got {type(config).__name__}.")
     for section in config.keys():
         if section not in spec:
-            raise _unknown(section, list(spec))
+            raise unknown_key_error(section, list(spec))
         sub = config[section]
         if not isinstance(sub, (ml_collections.ConfigDict, Mapping)):
             raise ConfigError(f"config key '{section}' must be a section (ConfigDict), got {sub!r}.")
         for key in sub.keys():
             full = f"{section}.{key}"
             if key not in spec[section]:
-                raise _unknown(full, [f"{section}.{k}" for k in spec[section]])
+                raise unknown_key_error(full, [f"{section}.{k}" for k in spec[section]])
             spec[section][key].check(full, sub[key])
     for section, fields in spec.items():
         for key in fields:
             if section not in config or key not in config[section]:
                 raise ConfigError(f"config key '{section}.{key}' is missing; start from a default config "
                                   f"(core.config.defaults or experiments.build.default_config).")
-    for check in (_check_core, *checks):
-        check(config, num_devices)
+    _check_core(config, num_devices)
 
 
 def _mesh_shape(mesh_cfg, num_devices: int | None) -> dict[str, int]:

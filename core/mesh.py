@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import jax
 import ml_collections
 import numpy as np
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from core import config as config_lib
@@ -81,14 +82,11 @@ class Sharder:
 
 
 def param_shardings(state, sharder: Sharder):
-    """NamedShardings for an nnx.State whose Variables carry `axes` metadata (replicated where absent)."""
-    from flax import nnx
+    """The nnx.State of NamedShardings for a State whose Variables carry `axes` metadata (replicated where absent)."""
 
-    def one(v):
-        axes = getattr(v, "axes", None) if isinstance(v, nnx.Variable) else None
-        value = v.get_value() if isinstance(v, nnx.Variable) else v
-        axes = (None,) * np.ndim(value) if axes is None else axes
-        return v.replace(sharder.named(axes)) if isinstance(v, nnx.Variable) else sharder.named(axes)
+    def one(v: nnx.Variable):
+        axes = getattr(v, "axes", None)
+        return v.replace(sharder.named((None,) * np.ndim(v.get_value()) if axes is None else axes))
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

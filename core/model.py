@@ -23,7 +23,7 @@ import dataclasses
 import math
 import zlib
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -286,11 +286,3 @@ def count_params(model: nnx.Module) -> int:
     """Number of scalar parameters (nnx.Param leaves)."""
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
-
-def abstract_shapes(model: nnx.Module) -> dict[str, Any]:
-    """{path: (shape, dtype, logical axes)} of every parameter — a readable summary."""
-    out = {}
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        value = var.get_value()
-        out[".".join(map(str, path))] = (tuple(value.shape), str(value.dtype), getattr(var, "axes", None))
-    return out

@@ -49,8 +49,7 @@ def decay_mask(params):
     """Weight decay on matrices only (ndim >= 2), never on norms or the embedding table."""
 
     def keep(path, leaf):
-        names = "/".join(str(getattr(p, "key", getattr(p, "name", p))) for p in path)
-        return leaf.ndim >= 2 and "embedding" not in names
+        return leaf.ndim >= 2 and "embedding" not in jax.tree_util.keystr(path)
 
     return jax.tree_util.tree_map_with_path(keep, params)
 

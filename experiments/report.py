@@ -9,13 +9,14 @@ from collections.abc import Callable
 import jax
 from flax import nnx
 
+from core import model as model_lib
+
 LN2 = math.log(2.0)
 
 
 def count_params(model_fn: Callable[[nnx.Rngs], nnx.Module]) -> int:
     """Parameters of the model `model_fn` builds, counted on abstract shapes (nothing is allocated)."""
-    abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(0)))
-    return sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    return model_lib.count_params(nnx.eval_shape(lambda: model_fn(nnx.Rngs(0))))
 
 
 def summary_table(summary: dict) -> str:

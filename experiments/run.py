@@ -44,7 +44,7 @@ def parse_args(argv: list[str]):
             section, _, name = key.partition(".")
             if section not in spec or name not in spec[section]:
                 known = [f"{s}.{k}" for s, fields in spec.items() for k in fields]
-                raise UsageError(str(config_lib._unknown(key, known)).replace("config key", "flag --config."))
+                raise UsageError(f"{arg}: {config_lib.unknown_key_error(key, known)}")
     fv = flags.FlagValues()
     config_flag = config_flags.DEFINE_config_file("config", None, "experiment config file", flag_values=fv,
                                                   lock_config=True, sys_argv=argv)
@@ -150,14 +150,15 @@ def run(config, workdir: str) -> int:
     _write_json(os.path.join(workdir, "summary.json"), summary)
     report.plot_loss_curve(os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "loss_curve.png"))
     print(report.summary_table(summary), flush=True)
-    if config.sample.prompt and config.sample.num_tokens and jax.process_count() > 1:
-        print("sample skipped: generation runs in single-process runs only (the parameters are spread over "
-              "processes here)", flush=True)
-    elif config.sample.prompt and config.sample.num_tokens:
-        text = report.sample_text(config, model_fn, results)
-        with open(os.path.join(workdir, "sample.txt"), "w") as f:
-            f.write(text)
-        print(f"sample (temperature {config.sample.temperature}):\n{text}", flush=True)
+    if config.sample.prompt and config.sample.num_tokens:
+        if jax.process_count() > 1:
+            print("sample skipped: generation runs in single-process runs only (the parameters are spread over "
+                  "processes here)", flush=True)
+        else:
+            text = report.sample_text(config, model_fn, results)
+            with open(os.path.join(workdir, "sample.txt"), "w") as f:
+                f.write(text)
+            print(f"sample (temperature {config.sample.temperature}):\n{text}", flush=True)
     print(f"outputs in {workdir}", flush=True)
     return 0
 

@@ -191,8 +191,9 @@ def test_precision_slot_reaches_every_projection():
     base = model(tokens)[0]
     scaled = Transformer(cfg, rngs=nnx.Rngs(0), precision=RecordingPrecision(factor=2.0, paths=("blocks.1.ffn.up",)))
     assert np.abs(np.asarray(scaled(tokens)[0] - base)).max() > 1e-5
-    assert isinstance(DefaultPrecision().dot_general("x", None)(jnp.ones((2, 3)), jnp.ones((3, 4)),
-                                                               (((1,), (0,)), ((), ()))), jax.Array)
+    a, b = jax.random.normal(jax.random.key(0), (2, 3)), jax.random.normal(jax.random.key(1), (3, 4))
+    product = DefaultPrecision().dot_general("x", None)(a, b, (((1,), (0,)), ((), ())))
+    np.testing.assert_allclose(np.asarray(product), np.asarray(a, np.float64) @ np.asarray(b, np.float64), rtol=1e-5)
 
 
 class AuxFFN(nnx.Module):

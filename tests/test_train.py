@@ -33,6 +33,15 @@ def _rows(workdir):
         return [{k: v for k, v in json.loads(line).items() if k not in TIME_KEYS} for line in f]
 
 
+def test_weight_decay_applies_to_matrices_only():
+    cfg = TransformerConfig(d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, d_ff=32, norm="layernorm")
+    params = nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    mask = {".".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(build.decay_mask(params))}
+    assert mask.pop("embedding") is False
+    for name, decayed in mask.items():
+        assert decayed == name.endswith("kernel"), name
+
+
 def test_lm_loss_matches_numpy_cross_entropy():
     cfg = TransformerConfig(d_model=32, num_layers=1, num_heads=2, num_kv_heads=2, d_ff=32)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
@@ -158,7 +167,7 @@ def _snapshot(root):
     return out
 
 
-def test_eval_bits_per_byte_formula(tiny_config):
+def test_eval_bits_per_byte_formula():
     """bits/byte = total NLL over non-PAD targets / (ln 2 x byte targets); specials count as cost, not bytes."""
     cfg = TransformerConfig(d_model=32, num_layers=1, num_heads=2, num_kv_heads=2, d_ff=32)
     model = Transformer(cfg, rngs=nnx.Rngs(1))

@@ -33,13 +33,14 @@ SIZES = {
 }
 
 
-def _time(fn, *args, repeats: int) -> float:
-    """Median seconds of `fn(*args)` over `repeats` calls after one warm-up."""
-    jax.block_until_ready(fn(*args))
+def _median_seconds(call, *, repeats: int, warmup: int = 1) -> float:
+    """Median seconds of `call()` (whose result is blocked on) over `repeats` calls after `warmup` calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(call())
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(call())
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
 
@@ -48,7 +49,8 @@ def matmul_peak(n: int = 2048, dtype=jnp.float32, repeats: int = 5) -> float:
     """FLOP/s of an n x n x n `jnp.dot` (2 n^3 FLOPs)."""
     a = jax.random.normal(jax.random.key(0), (n, n), dtype)
     b = jax.random.normal(jax.random.key(1), (n, n), dtype)
-    return 2 * n**3 / _time(jax.jit(jnp.dot), a, b, repeats=repeats)
+    dot = jax.jit(jnp.dot)
+    return 2 * n**3 / _median_seconds(lambda: dot(a, b), repeats=repeats)
 
 
 def bench_size(name: str, steps: int) -> dict:
@@ -67,22 +69,21 @@ def bench_size(name: str, steps: int) -> dict:
     cost = step.lower(state, tokens).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     xla_flops = float(cost.get("flops", float("nan"))) if cost else float("nan")
-    for _ in range(2):  # compile + warm up (the state is donated, so thread it through)
+
+    def one_step():  # the state is donated, so thread it through
+        nonlocal state
         state, metrics = step(state, tokens)
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        state, metrics = step(state, tokens)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - t0)
-    seconds = float(np.median(times))
-    params = sum(x.size for x in jax.tree.leaves(state.params))
-    matmul_params = params - c.model.vocab_size * d * (0 if c.model.tie_embeddings else 1) - (2 * layers + 1) * d
+        return metrics
+
+    seconds = _median_seconds(one_step, repeats=steps, warmup=2)  # the first call compiles
+    leaves, _ = jax.tree_util.tree_flatten_with_path(state.params)
+    params = sum(x.size for _, x in leaves)
+    # Matmul weights: every 2-D parameter, except an untied embedding table (a lookup, not a product).
+    matmul_params = sum(x.size for path, x in leaves if x.ndim == 2 and not (
+        "embedding" in jax.tree_util.keystr(path) and not m.tie_embeddings))
     model_flops = batch * seq * (6 * matmul_params + 12 * layers * d * seq)
     return {"size": name, "d_model": d, "layers": layers, "heads": m.num_heads, "kv_heads": m.num_kv_heads,
-            "d_ff": m.d_ff,
-            "seq_len": seq, "batch": batch, "params": int(params), "step_seconds": seconds,
+            "d_ff": m.d_ff, "seq_len": seq, "batch": batch, "params": int(params), "step_seconds": seconds,
             "tokens_per_second": batch * seq / seconds, "model_flops_per_step": model_flops,
             "xla_flops_per_step": xla_flops, "model_flops_per_second": model_flops / seconds,
             "xla_flops_per_second": xla_flops / seconds}
