@@ -119,7 +119,7 @@ Schema = dict[str, dict[str, Field]]
 # Logical axis -> mesh axes. Parameters and activations name their dimensions with the logical axes on the left;
 # a rule maps each to zero, one or several mesh axes (a tuple shards the dimension over their product).
 DEFAULT_RULES = (
-    ("batch", ("site", "data")),
+    ("batch", ("site", "data", "expert")),
     ("seq", None),
     ("embed", None),
     ("vocab", "model"),
@@ -326,10 +326,13 @@ def _check_core(config: ml_collections.ConfigDict, num_devices: int | None) -> N
     _check_rules(mesh.rules)
     sizes = _mesh_shape(mesh, num_devices)
     if num_devices is not None:
-        batch_shards = sizes["site"] * sizes["data"]
+        target = dict((name, t) for name, t in mesh.rules).get("batch")
+        batch_axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        batch_shards = math.prod(sizes[a] for a in batch_axes)
         if config.data.batch_size % batch_shards:
             raise ConfigError(f"config key 'data.batch_size' = {config.data.batch_size} must be divisible by "
-                              f"mesh.site x mesh.data = {batch_shards} (the batch is split over them).")
+                              f"{' x '.join('mesh.' + a for a in batch_axes)} = {batch_shards} (mesh.rules "
+                              "splits the batch over them).")
         for key, axis_size, what in (("num_heads", sizes["model"], "model"),
                                      ("num_kv_heads", sizes["model"], "model"),
                                      ("d_ff", sizes["model"], "model")):

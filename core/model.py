@@ -11,6 +11,7 @@ Slots:
   * precision: every projection asks `precision.dot_general(path, key)` for the function with the signature of
     `jax.lax.dot_general` it multiplies with; `path` is the module path ("blocks.3.attn.q") so a policy can keep
     chosen layers in high precision, and `key` is a per-step, per-layer PRNG key (stochastic rounding) or None.
+    A MoE's experts ask `precision.grouped_matmul(path, key)` the same way for a `jax.lax.ragged_dot`-like callable.
   * attention: training attention through `jax.nn.dot_product_attention`; cached decode through any
     `core.attention.KVCache` (the bf16 `DenseKVCache` here, quantised formats elsewhere).
 
@@ -34,9 +35,12 @@ from core import attention as attention_lib
 from core.mesh import Sharder
 
 __all__ = ["TransformerConfig", "Precision", "DefaultPrecision", "Dense", "MLP", "Attention", "Block",
-           "Transformer", "count_params"]
+           "Transformer", "count_params", "layer_key"]
 
 DotGeneral = Callable[..., jax.Array]
+GroupedMatmul = Callable[..., jax.Array]
+"""`(lhs [M, K], rhs [G, K, N], group_sizes [G] int32, *, preferred_element_type=None) -> [M, N]`, the signature
+of `jax.lax.ragged_dot`: rows sorted by group, group g multiplied by rhs[g] (a MoE's experts)."""
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -79,21 +83,32 @@ class TransformerConfig:
 
 
 class Precision(Protocol):
-    """The matmul-precision slot: which dot_general each projection uses."""
+    """The matmul-precision slot: which dot_general each projection and which grouped matmul each set of
+    experts uses. `path` names the module ("blocks.3.attn.q", "blocks.1.ffn.experts.up"); `key` is that layer's
+    PRNG key for this step (or None)."""
 
     def dot_general(self, path: str, key: jax.Array | None) -> DotGeneral: ...
+
+    def grouped_matmul(self, path: str, key: jax.Array | None) -> GroupedMatmul: ...
 
 
 @dataclasses.dataclass(frozen=True)
 class DefaultPrecision:
-    """Every projection uses `jax.lax.dot_general` in the activation dtype."""
+    """Every projection uses `jax.lax.dot_general` in the activation dtype; experts use `grouped` (default
+    `jax.lax.ragged_dot`; the MoE package passes its backend-chosen grouped matmul)."""
+
+    grouped: GroupedMatmul = jax.lax.ragged_dot
 
     def dot_general(self, path: str, key: jax.Array | None) -> DotGeneral:
         del path, key
         return jax.lax.dot_general
 
+    def grouped_matmul(self, path: str, key: jax.Array | None) -> GroupedMatmul:
+        del path, key
+        return self.grouped
 
-def _layer_key(key: jax.Array | None, path: str) -> jax.Array | None:
+
+def layer_key(key: jax.Array | None, path: str) -> jax.Array | None:
     """A key unique to (step key, module path); stable across runs (crc32, not Python's salted hash)."""
     return None if key is None else jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
 
@@ -115,7 +130,7 @@ class Dense(nnx.Module):
         self.dtype = cfg.compute_dtype
 
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
-        dot_general = self.precision.dot_general(self.path, _layer_key(key, self.path))
+        dot_general = self.precision.dot_general(self.path, layer_key(key, self.path))
         x = x.astype(self.dtype)
         w = self.kernel.get_value().astype(self.dtype)
         dims = (((x.ndim - 1,), (0,)), ((), ()))
@@ -234,7 +249,8 @@ class Transformer(nnx.Module):
     """The decoder-only language model.
 
     Call: `model(tokens [B, T] int32, *, key=None, cache=None, positions=None)` returns
-    `(logits [B, T, vocab] float32, aux dict of scalars summed over layers, cache)`. Without a cache, positions
+    `(logits [B, T, vocab] float32, aux, cache)`: aux entries named `loss/*` are summed over layers (they join
+    the objective), the others (statistics) averaged over the layers that report them. Without a cache, positions
     default to 0..T-1 and attention is causal over the T tokens; with a cache, the tokens continue each sequence
     at `cache.lengths` and the returned cache has advanced by T.
     """
@@ -264,14 +280,19 @@ class Transformer(nnx.Module):
             positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         x = jnp.take(self.embedding.get_value(), tokens, axis=0).astype(self.cfg.compute_dtype)
         x = self.shard(x, ("batch", "seq", "embed"))
-        aux: dict[str, jax.Array] = {}
+        sums: dict[str, jax.Array] = {}
+        counts: dict[str, int] = {}
         for block in self.blocks:
             x, block_aux, cache = block(x, positions, key=key, cache=cache)
             for name, value in block_aux.items():
-                aux[name] = aux.get(name, 0.0) + value
+                sums[name] = sums.get(name, 0.0) + value
+                counts[name] = counts.get(name, 0) + 1
+        # Losses add up over layers; statistics (e.g. a router's load balance) are averaged over the layers
+        # that report them.
+        aux = {k: v if k.startswith("loss/") else v / counts[k] for k, v in sums.items()}
         x = self.final_norm(x)
         if self.cfg.tie_embeddings:
-            dot_general = self.precision.dot_general("head", _layer_key(key, "head"))
+            dot_general = self.precision.dot_general("head", layer_key(key, "head"))
             table = self.embedding.get_value().astype(self.cfg.compute_dtype)
             logits = dot_general(x, table, (((2,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         else:

@@ -20,6 +20,9 @@ from core import data as data_lib
 from core import mesh as mesh_lib
 from core import model as model_lib
 from core import train as train_lib
+from moe import config as moe_config
+from moe.grouped_matmul import GroupedMatmulFn
+from moe.layer import MoE, MoEConfig
 
 # name -> (learning-rate schedule, optim config) -> optax transformation (without clipping).
 OPTIMIZERS: dict[str, Callable[[optax.Schedule, ml_collections.ConfigDict], optax.GradientTransformation]] = {
@@ -32,6 +35,7 @@ def schema() -> config_lib.Schema:
     """The full experiment schema: the core sections with the registered choices filled in."""
     spec = config_lib.schema()
     spec["optim"]["name"] = dataclasses.replace(spec["optim"]["name"], choices=tuple(OPTIMIZERS))
+    spec["moe"] = moe_config.section()
     return spec
 
 
@@ -43,6 +47,8 @@ def default_config() -> ml_collections.ConfigDict:
 def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None) -> None:
     """Raises core.config.ConfigError naming the first bad key. Call once without and once with devices."""
     config_lib.validate(config, schema(), num_devices=num_devices)
+    sizes = None if num_devices is None else config_lib.mesh_shape(config, num_devices)
+    moe_config.check(config, sizes)
 
 
 def decay_mask(params):
@@ -66,7 +72,16 @@ def build_model_fn(config: ml_collections.ConfigDict,
                    sharder: mesh_lib.Sharder) -> Callable[[nnx.Rngs], model_lib.Transformer]:
     """`rngs -> Transformer` with the precision and FFN slots chosen by the config."""
     cfg = model_lib.TransformerConfig.from_config(config.model)
-    return lambda rngs: model_lib.Transformer(cfg, rngs=rngs, shard=sharder)
+    moe = MoEConfig.from_config(config.moe)
+    precision = model_lib.DefaultPrecision(grouped=GroupedMatmulFn(moe.grouped_matmul))
+
+    def ffn_factory(layer: int, path: str, rngs: nnx.Rngs) -> nnx.Module:
+        if moe.is_moe_layer(layer):
+            return MoE(cfg, moe, path=path, rngs=rngs, precision=precision, shard=sharder)
+        return model_lib.MLP(cfg, path=path, precision=precision, shard=sharder, rngs=rngs)
+
+    return lambda rngs: model_lib.Transformer(cfg, rngs=rngs, precision=precision, ffn_factory=ffn_factory,
+                                              shard=sharder)
 
 
 def build_mesh(config: ml_collections.ConfigDict) -> tuple[jax.sharding.Mesh, mesh_lib.Sharder]:

@@ -14,15 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from core import train as train_lib
 from experiments import build
+from experiments.bench.common import machine, median_seconds
 from experiments.configs import quickstart
 
 SIZES = {
@@ -33,24 +31,12 @@ SIZES = {
 }
 
 
-def _median_seconds(call, *, repeats: int, warmup: int = 1) -> float:
-    """Median seconds of `call()` (whose result is blocked on) over `repeats` calls after `warmup` calls."""
-    for _ in range(warmup):
-        jax.block_until_ready(call())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(call())
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
 def matmul_peak(n: int = 2048, dtype=jnp.float32, repeats: int = 5) -> float:
     """FLOP/s of an n x n x n `jnp.dot` (2 n^3 FLOPs)."""
     a = jax.random.normal(jax.random.key(0), (n, n), dtype)
     b = jax.random.normal(jax.random.key(1), (n, n), dtype)
     dot = jax.jit(jnp.dot)
-    return 2 * n**3 / _median_seconds(lambda: dot(a, b), repeats=repeats)
+    return 2 * n**3 / median_seconds(lambda: dot(a, b), repeats=repeats)
 
 
 def bench_size(name: str, steps: int) -> dict:
@@ -75,7 +61,7 @@ def bench_size(name: str, steps: int) -> dict:
         state, metrics = step(state, tokens)
         return metrics
 
-    seconds = _median_seconds(one_step, repeats=steps, warmup=2)  # the first call compiles
+    seconds = median_seconds(one_step, repeats=steps, warmup=2)  # the first call compiles
     leaves, _ = jax.tree_util.tree_flatten_with_path(state.params)
     params = sum(x.size for _, x in leaves)
     # Matmul weights: every 2-D parameter, except an untied embedding table (a lookup, not a product).
@@ -112,11 +98,7 @@ def main(argv=None) -> None:
         rows.append(row)
         print(f"{name}: {row['tokens_per_second']:,.0f} tok/s, {row['model_flops_per_second'] / 1e9:.1f} GFLOP/s "
               f"= {100 * row['model_flops_fraction_of_peak']:.1f}% of peak", flush=True)
-    result = {"device": device.device_kind, "platform": device.platform, "num_devices": jax.device_count(),
-              "cpu_count": os.cpu_count(), "machine": platform.machine(), "jax": jax.__version__,
-              "dtype": "float32", "matmul_peak_flops_per_second": peak, "rows": rows,
-              "note": ("CPU run: measured on this machine's cores; GPU numbers need a GPU run."
-                       if device.platform == "cpu" else "")}
+    result = {**machine(), "dtype": "float32", "matmul_peak_flops_per_second": peak, "rows": rows}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "train_step.json"), "w") as f:
         json.dump(result, f, indent=2)

@@ -1,0 +1,32 @@
+"""What every benchmark script shares: a median timer and a description of the machine."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+
+def median_seconds(call: Callable[[], object], *, repeats: int, warmup: int = 1) -> float:
+    """Median seconds of `call()` (whose result is blocked on) over `repeats` calls after `warmup` calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(call())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def machine() -> dict:
+    """Device kind, platform, device and core counts, jax version, and a note for CPU-only runs."""
+    device = jax.devices()[0]
+    return {"device": device.device_kind, "platform": device.platform, "num_devices": jax.device_count(),
+            "cpu_count": os.cpu_count(), "machine": platform.machine(), "jax": jax.__version__,
+            "note": ("CPU run: measured on this machine's cores; GPU numbers need a GPU run."
+                     if device.platform == "cpu" else "")}

@@ -1,0 +1,135 @@
+"""MoE layer forward+backward time against a dense FFN of the same active FLOPs, side by side in one run.
+
+    python -m experiments.bench.moe [--tokens 4096] [--repeats 5] [--out results/bench]
+
+For E in {8, 32, 64} experts and k in {1, 2, 4}: the MoE layer (d_model 256, expert size 128, sigmoid router)
+with dropless dispatch (sort + the backend's grouped matmul) and with capacity dispatch (GShard einsum, capacity
+factor 1.25), against a dense SiLU FFN of hidden width k x 128, which does the same expert FLOPs per token (the
+MoE also pays its router, d_model x E per token). Time = jitted gradient of a scalar of the output with respect to
+the input and all weights (forward + backward). Also times the grouped matmul alone, every implementation, on the
+issue's shape (4096 x 256 -> 512, 64 equal groups) against one dense product of the same FLOPs.
+Writes moe.json and moe.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from core.mesh import Sharder
+from core.model import MLP, DefaultPrecision, TransformerConfig
+from experiments.bench.common import machine, median_seconds
+from moe import MoE, MoEConfig
+from moe.grouped_matmul import grouped_matmul
+
+EXPERTS, TOP_K = (8, 32, 64), (1, 2, 4)
+D_MODEL, EXPERT_SIZE, SEQ = 256, 128, 256
+
+
+def _fwd_bwd(module: nnx.Module, x: jax.Array):
+    graphdef, params = nnx.split(module)
+    cotangent = jax.random.normal(jax.random.key(7), x.shape, x.dtype)
+
+    @jax.jit
+    def grads(params, x):
+        return jax.grad(lambda p, x: jnp.sum(nnx.merge(graphdef, p)(x)[0] * cotangent), argnums=(0, 1))(params, x)
+
+    return lambda: grads(params, x)
+
+
+def bench_layers(tokens: int, repeats: int) -> list[dict]:
+    cfg = TransformerConfig(d_model=D_MODEL, num_layers=4, mlp="silu")
+    x = jax.random.normal(jax.random.key(0), (tokens // SEQ, SEQ, D_MODEL), jnp.float32)
+    rows = []
+    for k in TOP_K:
+        dense = MLP(TransformerConfig(d_model=D_MODEL, num_layers=4, mlp="silu", d_ff=k * EXPERT_SIZE),
+                    path="ffn", precision=DefaultPrecision(), shard=Sharder(), rngs=nnx.Rngs(0))
+        t_dense = median_seconds(_fwd_bwd(dense, x), repeats=repeats)
+        for e in EXPERTS:
+            row = {"experts": e, "top_k": k, "tokens": tokens, "dense_seconds": t_dense}
+            for dispatch in ("dropless", "capacity"):
+                layer = MoE(cfg, MoEConfig(num_experts=e, top_k=k, expert_size=EXPERT_SIZE, dispatch=dispatch),
+                            path="ffn", rngs=nnx.Rngs(0))
+                row[f"{dispatch}_seconds"] = median_seconds(_fwd_bwd(layer, x), repeats=repeats)
+            row["dropless_over_dense"] = row["dropless_seconds"] / t_dense
+            row["capacity_over_dropless"] = row["capacity_seconds"] / row["dropless_seconds"]
+            rows.append(row)
+            print(f"E={e:2d} k={k}: dense {t_dense * 1e3:7.1f} ms  dropless {row['dropless_seconds'] * 1e3:7.1f} ms "
+                  f"({row['dropless_over_dense']:.2f}x dense)  capacity {row['capacity_seconds'] * 1e3:7.1f} ms "
+                  f"({row['capacity_over_dropless']:.2f}x dropless)", flush=True)
+    return rows
+
+
+def bench_grouped_matmul(repeats: int) -> list[dict]:
+    """The issue's shape: 4096 rows x 256 -> 512 in 64 equal groups; forward and forward+backward."""
+    m, k, n, g = 4096, 256, 512, 64
+    x = jax.random.normal(jax.random.key(0), (m, k), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (g, k, n), jnp.float32)
+    sizes = jnp.full((g,), m // g, jnp.int32)
+    candidates = {
+        "windowed": lambda x, w: grouped_matmul(x, w, sizes, implementation="windowed"),
+        "ragged_dot": lambda x, w: grouped_matmul(x, w, sizes, implementation="ragged_dot"),
+        "batched einsum (equal groups only)": lambda x, w: jnp.einsum(
+            "gmk,gkn->gmn", x.reshape(g, m // g, k), w).reshape(m, n),
+        "dense product (same FLOPs)": lambda x, w: x @ w[0],
+    }
+    rows = []
+    for name, fn in candidates.items():
+        fwd = jax.jit(fn)
+        bwd = jax.jit(jax.grad(lambda x, w: jnp.sum(fn(x, w) ** 2), argnums=(0, 1)))
+        reps = 1 if name == "ragged_dot" and jax.default_backend() == "cpu" else repeats
+        row = {"implementation": name, "forward_seconds": median_seconds(lambda: fwd(x, w), repeats=reps),
+               "forward_backward_seconds": median_seconds(lambda: bwd(x, w), repeats=reps)}
+        rows.append(row)
+        print(f"grouped matmul {name}: fwd {row['forward_seconds'] * 1e3:.1f} ms, fwd+bwd "
+              f"{row['forward_backward_seconds'] * 1e3:.1f} ms", flush=True)
+    return rows
+
+
+def markdown(result: dict) -> str:
+    lines = [f"MoE layer forward+backward on {result['device']} ({result['cpu_count']} cores, jax {result['jax']}, "
+             f"float32): {result['tokens']} tokens, d_model {D_MODEL}, expert size {EXPERT_SIZE}, sigmoid router; "
+             f"dense = SiLU FFN of hidden k x {EXPERT_SIZE} (same expert FLOPs); capacity factor 1.25.", "",
+             "| experts | top-k | dense (ms) | dropless (ms) | capacity (ms) | dropless / dense | "
+             "capacity / dropless |", "|---|---|---|---|---|---|---|"]
+    for r in result["layers"]:
+        lines.append(f"| {r['experts']} | {r['top_k']} | {r['dense_seconds'] * 1e3:.1f} | "
+                     f"{r['dropless_seconds'] * 1e3:.1f} | {r['capacity_seconds'] * 1e3:.1f} | "
+                     f"{r['dropless_over_dense']:.2f} | {r['capacity_over_dropless']:.2f} |")
+    lines += ["", "Grouped matmul alone: 4096 x 256 -> 512, 64 equal groups.", "",
+              "| implementation | forward (ms) | forward+backward (ms) |", "|---|---|---|"]
+    for r in result["grouped_matmul"]:
+        lines.append(f"| {r['implementation']} | {r['forward_seconds'] * 1e3:.1f} | "
+                     f"{r['forward_backward_seconds'] * 1e3:.1f} |")
+    if result.get("note"):
+        lines += ["", result["note"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096, help=f"tokens per layer call (a multiple of {SEQ})")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (median reported)")
+    parser.add_argument("--out", default="results/bench", help="output directory")
+    args = parser.parse_args(argv)
+    if args.tokens < SEQ or args.tokens % SEQ:
+        parser.error(f"--tokens={args.tokens}: must be a positive multiple of {SEQ}")
+    if args.repeats < 1:
+        parser.error(f"--repeats={args.repeats}: must be >= 1")
+    result = {**machine(), "tokens": args.tokens, "layers": bench_layers(args.tokens, args.repeats),
+              "grouped_matmul": bench_grouped_matmul(args.repeats)}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "moe.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    with open(os.path.join(args.out, "moe.md"), "w") as f:
+        f.write(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""The MoE feed-forward layer: router, experts, optional shared expert; fits the transformer's FFN slot.
+
+    y = sum_{e in topk(x)} gate_e(x) * silu(x @ up_e) @ down_e   (+ silu(x @ up_s) @ down_s, the shared expert)
+
+Dispatch (`MoEConfig.dispatch`):
+  * "dropless": sort + grouped matmul (moe.dispatch.dropless). When the logical axis "expert" maps to a mesh
+    axis of size P > 1, the experts are sharded over it and tokens reach them through all-to-all under
+    `jax.shard_map` (moe.dispatch.expert_parallel_dropless); the result is the same as on one device.
+  * "capacity": the GShard einsum baseline with `capacity_factor`; expert parallelism by annotation only.
+
+Parameters (logical axes): router [d, E] ("embed", None); up [E, d, h] ("expert", "embed", "expert_mlp");
+down [E, h, d] ("expert", "expert_mlp", "embed"); the shared expert's matrices like the dense MLP's.
+The layer imports nothing from `quant`: it asks the precision slot for its dot_general (router, shared expert,
+capacity products) and its grouped matmul (dropless experts), by module path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from core.mesh import Sharder, logical_to_spec
+from core.model import Dense, DefaultPrecision, Precision, TransformerConfig, layer_key
+from moe import dispatch as dispatch_lib
+from moe import router as router_lib
+from moe.grouped_matmul import GroupedMatmulFn
+
+__all__ = ["MoEConfig", "MoE", "expert_mesh_axis", "DISPATCH"]
+
+DISPATCH = ("dropless", "capacity")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """The MoE hyper-parameters: the fields of the config section `moe` (see moe.config)."""
+
+    every: int = 1
+    num_experts: int = 8
+    top_k: int = 2
+    expert_size: int = 128
+    shared_expert_size: int = 0
+    router: str = "sigmoid"
+    normalize_gates: bool = False
+    dispatch: str = "dropless"
+    capacity_factor: float = 1.25
+    load_balance_weight: float = 0.01
+    z_loss_weight: float = 0.001
+    grouped_matmul: str = "auto"
+
+    @classmethod
+    def from_config(cls, moe: ml_collections.ConfigDict) -> "MoEConfig":
+        return cls(**moe.to_dict())
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Layer i (0-based) is a MoE layer iff every > 0 and (i + 1) % every == 0 (every=2: layers 1, 3, ...)."""
+        return self.every > 0 and (layer + 1) % self.every == 0
+
+
+def expert_mesh_axis(shard: Sharder, num_experts: int) -> str | None:
+    """The mesh axis the experts are sharded over (None: not sharded). Raises ValueError if the experts cannot
+    be split evenly over it, or if "expert" maps to several mesh axes."""
+    if shard.mesh is None:
+        return None
+    target = logical_to_spec(("expert",), shard.rules, shard.mesh)[0]
+    if target is None:
+        return None
+    if not isinstance(target, str):
+        raise ValueError(f"the logical axis 'expert' maps to mesh axes {target}; expert parallelism supports "
+                         "one mesh axis (set mesh.rules so that 'expert' maps to one axis, e.g. 'expert').")
+    size = shard.mesh.shape[target]
+    if num_experts % size:
+        raise ValueError(f"moe.num_experts = {num_experts} is not divisible by the mesh axis '{target}' = {size} "
+                         "that shards the experts; use a multiple of it or change mesh.expert.")
+    return target
+
+
+class MoE(nnx.Module):
+    """A MoE FFN. `__call__(x [B, T, d], *, key=None) -> (y [B, T, d], aux)`, the FFN-slot signature.
+
+    aux: "loss/moe_balance" (load_balance_weight x Switch loss), "loss/moe_z" (z_loss_weight x z-loss), and the
+    statistics "moe/load_cv", "moe/load_entropy", "moe/token_entropy", "moe/max_load", "moe/dropped"
+    (moe.router.routing_stats).
+    """
+
+    def __init__(self, cfg: TransformerConfig, moe: MoEConfig, *, path: str, rngs: nnx.Rngs,
+                 precision: Precision | None = None, shard: Sharder | None = None):
+        if moe.router not in router_lib.ROUTERS or moe.dispatch not in DISPATCH:
+            raise ValueError(f"moe.router = {moe.router!r} (allowed {list(router_lib.ROUTERS)}) / moe.dispatch = "
+                             f"{moe.dispatch!r} (allowed {list(DISPATCH)}).")
+        if not 1 <= moe.top_k <= moe.num_experts:
+            raise ValueError(f"moe.top_k = {moe.top_k} must be in [1, moe.num_experts = {moe.num_experts}].")
+        self.shard = Sharder() if shard is None else shard
+        self.ep_axis = expert_mesh_axis(self.shard, moe.num_experts) if moe.dispatch == "dropless" else None
+        self.precision = precision if precision is not None else DefaultPrecision(
+            grouped=GroupedMatmulFn(moe.grouped_matmul))
+        self.moe, self.path, self.dtype = moe, path, cfg.compute_dtype
+        d, e, h = cfg.d_model, moe.num_experts, moe.expert_size
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+
+        def normal(shape, std):
+            return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(cfg.weight_dtype)
+
+        self.router = nnx.Param(normal((d, e), cfg.init_std), axes=("embed", None))
+        self.up = nnx.Param(normal((e, d, h), cfg.init_std), axes=("expert", "embed", "expert_mlp"))
+        self.down = nnx.Param(normal((e, h, d), out_std), axes=("expert", "expert_mlp", "embed"))
+        if moe.shared_expert_size:
+            common = dict(precision=self.precision, cfg=cfg, rngs=rngs)
+            self.shared_up = Dense(d, moe.shared_expert_size, axes=("embed", "mlp"), path=f"{path}.shared.up",
+                                   **common)
+            self.shared_down = Dense(moe.shared_expert_size, d, axes=("mlp", "embed"), path=f"{path}.shared.down",
+                                     std=out_std, **common)
+
+    def route(self, x: jax.Array, key: jax.Array | None = None) -> router_lib.Routing:
+        """Router logits in float32 for x [..., d] flattened to [N, d]; returns the top-k Routing."""
+        path = f"{self.path}.router"
+        dot_general = self.precision.dot_general(path, layer_key(key, path))
+        x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+        logits = dot_general(x, self.router.get_value().astype(jnp.float32), (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+        return router_lib.route(logits, self.moe.top_k, self.moe.router, normalize=self.moe.normalize_gates)
+
+    def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        b, t, d = x.shape
+        m = self.moe
+        x = x.astype(self.dtype)
+        routing = self.route(x, key)
+        up, down = self.up.get_value(), self.down.get_value()
+        keep = None
+        if m.dispatch == "capacity":
+            path = f"{self.path}.experts"
+            y, keep = dispatch_lib.capacity(
+                x, routing.experts.reshape(b, t, -1), routing.gates.reshape(b, t, -1), up, down,
+                capacity_factor=m.capacity_factor, dot_general=self.precision.dot_general(path, layer_key(key, path)),
+                shard=self.shard)
+            keep = keep.reshape(b * t, -1)
+        else:
+            gmm_up, gmm_down = (self.precision.grouped_matmul(p, layer_key(key, p))
+                                for p in (f"{self.path}.experts.up", f"{self.path}.experts.down"))
+            flat = x.reshape(b * t, d)
+            if self.ep_axis is None:
+                y = dispatch_lib.dropless(flat, routing.experts, routing.gates, up, down, gmm_up=gmm_up,
+                                          gmm_down=gmm_down)
+            else:
+                y = self._expert_parallel(flat, routing, up, down, gmm_up, gmm_down)
+            y = y.reshape(b, t, d)
+        if m.shared_expert_size:
+            y = y + self.shared_down(jax.nn.silu(self.shared_up(x, key=key)), key=key)
+        y = self.shard(y, ("batch", "seq", "embed"))
+        stats = router_lib.routing_stats(routing, keep)
+        aux = {f"moe/{name}": stats[name] for name in ("load_cv", "load_entropy", "token_entropy", "max_load",
+                                                        "dropped")}
+        if m.load_balance_weight:
+            aux["loss/moe_balance"] = m.load_balance_weight * router_lib.load_balance_loss(routing)
+        if m.z_loss_weight:
+            aux["loss/moe_z"] = m.z_loss_weight * router_lib.z_loss(routing)
+        return y, aux
+
+    def _expert_parallel(self, x, routing, up, down, gmm_up, gmm_down):
+        """Dropless dispatch under shard_map: tokens split over the batch's mesh axes plus the expert axis."""
+        mesh, axis = self.shard.mesh, self.ep_axis
+        batch = logical_to_spec(("batch",), self.shard.rules, mesh)[0]
+        batch = () if batch is None else (batch,) if isinstance(batch, str) else tuple(batch)
+        token_axes = batch + ((axis,) if axis not in batch else ())
+        parts = math.prod(mesh.shape[a] for a in token_axes)
+        if x.shape[0] % parts:
+            raise ValueError(f"{self.path}: {x.shape[0]} tokens cannot be split over the mesh axes {token_axes} "
+                             f"({parts} devices) for expert-parallel dispatch; make batch x seq a multiple of it.")
+        tokens = PartitionSpec(token_axes)
+        fn = jax.shard_map(
+            lambda x, e, g, u, d: dispatch_lib.expert_parallel_dropless(x, e, g, u, d, axis=axis, gmm_up=gmm_up,
+                                                                        gmm_down=gmm_down),
+            mesh=mesh, in_specs=(tokens, tokens, tokens, PartitionSpec(axis), PartitionSpec(axis)),
+            out_specs=tokens)
+        return fn(x, routing.experts, routing.gates, up, down)

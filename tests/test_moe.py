@@ -1,0 +1,394 @@
+"""MoE: the grouped matmul, routers, dropless and capacity dispatch against float64 references written from the
+formulas (a loop over experts), expert parallelism on 8 devices against one device, and bad configs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from core import mesh as mesh_lib
+from core import train as train_lib
+from core.config import ConfigError
+from core.model import TransformerConfig
+from experiments import build
+from moe import MoE, MoEConfig, dispatch, grouped_matmul, load_balance_loss, route, routing_stats, z_loss
+from moe.router import Routing
+
+RNG = np.random.default_rng(0)
+
+
+# ----------------------------------------------------------------------------------------------- grouped matmul
+
+def _gmm_reference(x, w, sizes):
+    """float64: out rows of group g = x rows @ w[g]; rows past sum(sizes) zero. Also d/dx, d/dw of sum(out * ct)."""
+    out = np.zeros((x.shape[0], w.shape[2]))
+    start = 0
+    for g, n in enumerate(sizes):
+        out[start:start + n] = x[start:start + n] @ w[g]
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("implementation", ["windowed", "ragged_dot"])
+@pytest.mark.parametrize("m, k, n, sizes, window", [
+    (37, 5, 3, [10, 0, 7, 15], 4),        # an empty group, groups longer than the window, 5 rows past the total
+    (37, 5, 3, [10, 0, 7, 15], 32),       # windows longer than the groups
+    (64, 16, 8, [64], None),              # one group
+    (50, 8, 6, [1, 1, 1, 0, 0, 20, 27], 8),  # ragged, ends exactly at M
+    (9, 4, 4, [0, 0, 0], 4),              # nothing to compute
+])
+def test_grouped_matmul_and_gradients_equal_float64_loop(implementation, m, k, n, sizes, window):
+    x = RNG.normal(size=(m, k))
+    w = RNG.normal(size=(len(sizes), k, n))
+    ct = RNG.normal(size=(m, n))
+    gs = jnp.asarray(sizes, jnp.int32)
+
+    def loss(x, w):
+        out = grouped_matmul(x, w, gs, implementation=implementation, window=window)
+        return jnp.sum(out * ct), out
+
+    (_, out), (dx, dw) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+        jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
+    ref = _gmm_reference(x, w, sizes)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    # d/dx row i = ct_i @ w[g]^T (0 past the total); d/dw[g] = x_g^T ct_g: the formulas, not autodiff.
+    ref_dx = np.zeros_like(x)
+    ref_dw = np.zeros_like(w)
+    start = 0
+    for g, size in enumerate(sizes):
+        rows = slice(start, start + size)
+        ref_dx[rows] = ct[rows] @ w[g].T
+        ref_dw[g] = x[rows].T @ ct[rows]
+        start += size
+    np.testing.assert_allclose(dx, ref_dx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw, ref_dw, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_matmul_rejects_bad_shapes():
+    x, w = jnp.ones((8, 4)), jnp.ones((2, 5, 3))
+    with pytest.raises(ValueError, match="lhs\\[1\\] == rhs\\[1\\]"):
+        grouped_matmul(x, w, jnp.array([4, 4]))
+    with pytest.raises(ValueError, match="implementation = 'cuda'"):
+        grouped_matmul(x, jnp.ones((2, 4, 3)), jnp.array([4, 4]), implementation="cuda")
+    with pytest.raises(ValueError, match="integer"):
+        grouped_matmul(x, jnp.ones((2, 4, 3)), jnp.array([4.0, 4.0]))
+
+
+# ---------------------------------------------------------------------------------------------------- routers
+
+@pytest.mark.parametrize("kind, normalize, k", [("softmax", False, 1), ("softmax", True, 2), ("sigmoid", False, 3)])
+def test_route_matches_formulas(kind, normalize, k):
+    logits = RNG.normal(size=(11, 6))
+    r = route(jnp.asarray(logits, jnp.float32), k, kind, normalize=normalize)
+    top = np.argsort(-logits, axis=1)[:, :k]
+    np.testing.assert_array_equal(r.experts, top)
+    if kind == "softmax":
+        probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+        gates = np.take_along_axis(probs, top, 1)
+        if normalize:
+            gates = gates / gates.sum(1, keepdims=True)
+    else:
+        scores = 1 / (1 + np.exp(-logits))
+        probs = scores / scores.sum(1, keepdims=True)
+        gates = np.take_along_axis(scores, top, 1)  # not renormalised
+    np.testing.assert_allclose(r.gates, gates, rtol=1e-6)
+    np.testing.assert_allclose(r.probs, probs, rtol=1e-6)
+
+
+def test_route_rejects_bad_arguments():
+    logits = jnp.ones((4, 3))
+    with pytest.raises(ValueError, match="top_k = 4"):
+        route(logits, 4)
+    with pytest.raises(ValueError, match="router kind = 'relu'"):
+        route(logits, 1, "relu")
+    with pytest.raises(ValueError, match="only defined for the softmax"):
+        route(logits, 1, "sigmoid", normalize=True)
+
+
+def test_load_balance_and_z_loss_equal_their_formulas():
+    n, e, k = 40, 5, 2
+    logits = RNG.normal(size=(n, e)) * 2
+    r = route(jnp.asarray(logits, jnp.float32), k, "softmax")
+    top = np.argsort(-logits, axis=1)[:, :k]
+    f = np.bincount(top.ravel(), minlength=e) / (n * k)
+    p = (np.exp(logits) / np.exp(logits).sum(1, keepdims=True)).mean(0)
+    np.testing.assert_allclose(load_balance_loss(r), e * np.sum(f * p), rtol=1e-5)
+    lse = np.log(np.exp(logits).sum(1))
+    np.testing.assert_allclose(z_loss(r), np.mean(lse ** 2), rtol=1e-5)
+    # Uniform routing gives exactly 1; the count f_e carries no gradient, P_e does.
+    uniform = Routing(jnp.asarray(np.arange(n * k).reshape(n, k) % e, jnp.int32), jnp.ones((n, k)),
+                      jnp.full((n, e), 1 / e), jnp.zeros((n, e)))
+    np.testing.assert_allclose(load_balance_loss(uniform), 1.0, rtol=1e-6)
+    grad = jax.grad(lambda lg: load_balance_loss(route(lg, k, "softmax")))(jnp.asarray(logits, jnp.float32))
+    dp = e * f / n  # d loss / d probs[n, e]
+    probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    expected = probs * (dp - (probs * dp).sum(1, keepdims=True))  # softmax Jacobian applied to dp
+    np.testing.assert_allclose(grad, expected, rtol=1e-4, atol=1e-7)
+
+
+def test_routing_stats_on_hand_built_routing():
+    e = 4
+    collapsed = Routing(jnp.zeros((6, 1), jnp.int32), jnp.ones((6, 1)), jnp.eye(e)[jnp.zeros(6, int)],
+                        jnp.zeros((6, e)))
+    s = routing_stats(collapsed)
+    np.testing.assert_allclose(s["load"], [1, 0, 0, 0])
+    np.testing.assert_allclose(s["load_cv"], np.sqrt(e - 1), rtol=1e-6)  # std([1,0,0,0]) / 0.25
+    np.testing.assert_allclose([s["load_entropy"], s["token_entropy"], s["max_load"], s["dropped"]], [0, 0, e, 0],
+                               atol=1e-7)
+    balanced = Routing(jnp.asarray([[0, 1], [2, 3], [1, 0], [3, 2]], jnp.int32), jnp.ones((4, 2)),
+                       jnp.full((4, e), 1 / e), jnp.zeros((4, e)))
+    keep = jnp.asarray([[True, True], [True, False], [True, True], [False, False]])
+    s = routing_stats(balanced, keep)
+    np.testing.assert_allclose([s["load_cv"], s["load_entropy"], s["token_entropy"], s["max_load"], s["dropped"]],
+                               [0, 1, 1, 1, 3 / 8], atol=1e-6)
+    skewed = Routing(jnp.asarray([[0], [0], [0], [1]], jnp.int32), jnp.ones((4, 1)), jnp.full((4, e), 1 / e),
+                     jnp.zeros((4, e)))
+    load = np.array([0.75, 0.25, 0, 0])
+    s = routing_stats(skewed)
+    np.testing.assert_allclose(s["load_cv"], load.std() / load.mean(), rtol=1e-6)
+    np.testing.assert_allclose(s["load_entropy"], -(0.75 * np.log(0.75) + 0.25 * np.log(0.25)) / np.log(e),
+                               rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------------- the layer vs float64 loop
+
+def _set_params(layer: nnx.Module, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    values = {}
+    for path, var in nnx.to_flat_state(nnx.state(layer, nnx.Param)):
+        shape = var.get_value().shape
+        values[".".join(map(str, path))] = rng.normal(size=shape) / np.sqrt(shape[-2] if len(shape) > 1 else 1)
+    state = nnx.state(layer, nnx.Param)
+    for path, var in nnx.to_flat_state(state):
+        var.set_value(jnp.asarray(values[".".join(map(str, path))], jnp.float32))
+    nnx.update(layer, state)
+    return {k: np.asarray(np.float32(v), np.float64) for k, v in values.items()}
+
+
+def _reference(p: dict, x, m: MoEConfig, chosen: np.ndarray):
+    """float64 MoE written from the formulas: y = sum over experts e of gate_e(x) silu(x up_e) down_e (+ shared).
+    `chosen` [N, k]: the top-k experts (computed from the float64 logits by the caller), fixed for autodiff."""
+    silu = lambda z: z * jax.nn.sigmoid(z)  # noqa: E731
+    logits = x @ p["router"]
+    if m.router == "softmax":
+        gates = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), chosen, axis=1)
+        if m.normalize_gates:
+            gates = gates / jnp.sum(gates, axis=1, keepdims=True)
+    else:
+        gates = jax.nn.sigmoid(jnp.take_along_axis(logits, chosen, axis=1))
+    y = jnp.zeros_like(x)
+    for e in range(m.num_experts):
+        gate_e = jnp.sum(jnp.where(chosen == e, gates, 0.0), axis=1)
+        y = y + gate_e[:, None] * (silu(x @ p["up"][e]) @ p["down"][e])
+    if m.shared_expert_size:
+        y = y + silu(x @ p["shared_up.kernel"]) @ p["shared_down.kernel"]
+    return y
+
+
+MOE_CASES = {
+    "sigmoid-k2": MoEConfig(num_experts=6, top_k=2, expert_size=8, router="sigmoid"),
+    "softmax-k1": MoEConfig(num_experts=4, top_k=1, expert_size=12, router="softmax"),
+    "softmax-normalized-k3-shared": MoEConfig(num_experts=5, top_k=3, expert_size=8, router="softmax",
+                                              normalize_gates=True, shared_expert_size=10),
+}
+
+
+def _layer_and_reference(m: MoEConfig, shape, seed=0):
+    cfg = TransformerConfig(d_model=shape[-1], num_layers=2)
+    layer = MoE(cfg, m, path="ffn", rngs=nnx.Rngs(seed))
+    params = _set_params(layer, seed)
+    x = RNG.normal(size=shape)
+    return layer, params, x
+
+
+@pytest.mark.parametrize("name", list(MOE_CASES))
+@pytest.mark.parametrize("shape", [(3, 5, 16), (2, 8, 12)])
+def test_dropless_layer_and_gradients_equal_float64_reference(name, shape):
+    m = MOE_CASES[name]
+    layer, p, x = _layer_and_reference(m, shape)
+    ct = RNG.normal(size=shape)
+    graphdef, params = nnx.split(layer)
+
+    def loss(params, x):
+        y, _ = nnx.merge(graphdef, params)(x)
+        return jnp.sum(y * ct), y
+
+    (_, y), (g_params, g_x) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        params, jnp.asarray(x, jnp.float32))
+    flat_x = x.reshape(-1, shape[-1])
+    chosen = np.argsort(-(flat_x @ p["router"]), axis=1, kind="stable")[:, :m.top_k]
+    with jax.enable_x64(True):
+        ref_fn = lambda p, x: jnp.sum(_reference(p, x, m, chosen) * ct.reshape(-1, shape[-1]))  # noqa: E731
+        ref_y = np.asarray(_reference(p, flat_x, m, chosen))
+        ref_gp, ref_gx = jax.grad(ref_fn, argnums=(0, 1))(p, flat_x)
+        ref_gp = {k: np.asarray(v) for k, v in ref_gp.items()}
+        ref_gx = np.asarray(ref_gx)
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, shape[-1]), ref_y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(g_x).reshape(-1, shape[-1]), ref_gx, rtol=1e-4, atol=1e-5)
+    for path, var in nnx.to_flat_state(g_params):
+        key = ".".join(map(str, path))
+        np.testing.assert_allclose(var.get_value(), ref_gp[key], rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+# ---------------------------------------------------------------------------------------------------- capacity
+
+def _queue_positions(experts: np.ndarray, num_experts: int):
+    """Pure-Python GShard queue: for each group, all rank-0 choices in token order, then rank 1, ..."""
+    b, t, k = experts.shape
+    pos = np.zeros_like(experts)
+    for g in range(b):
+        filled = [0] * num_experts
+        for r in range(k):
+            for i in range(t):
+                pos[g, i, r] = filled[experts[g, i, r]]
+                filled[experts[g, i, r]] += 1
+    return pos
+
+
+def test_capacity_drops_exactly_the_assignments_past_capacity_in_queue_order():
+    experts = np.array([[[0, 1], [0, 1], [1, 0], [0, 1]]])  # one group, T=4, k=2, E=2
+    position, keep = dispatch.capacity_assignment(jnp.asarray(experts), 2, slots=2)
+    # rank 0: t0->e0 #0, t1->e0 #1, t2->e1 #0, t3->e0 #2 (dropped); rank 1: t0->e1 #1, t1->e1 #2, t2->e0 #3, t3->e1 #3
+    np.testing.assert_array_equal(position, [[[0, 1], [1, 2], [0, 3], [2, 3]]])
+    np.testing.assert_array_equal(keep, [[[1, 1], [1, 0], [1, 0], [0, 0]]])
+    random = RNG.integers(0, 5, size=(3, 7, 3))
+    position, keep = dispatch.capacity_assignment(jnp.asarray(random), 5, slots=3)
+    np.testing.assert_array_equal(position, _queue_positions(random, 5))
+    np.testing.assert_array_equal(keep, _queue_positions(random, 5) < 3)
+    assert dispatch.capacity_per_group(256, 2, 8, 1.25) == 80
+    assert dispatch.capacity_per_group(4, 2, 64, 1.0) == 1
+    assert dispatch.capacity_per_group(8, 4, 2, 4.0) == 8  # never more than one slot per token
+
+
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 100.0])
+def test_capacity_layer_equals_reference_without_the_dropped_assignments(capacity_factor):
+    m = MoEConfig(num_experts=4, top_k=2, expert_size=8, router="sigmoid", dispatch="capacity",
+                  capacity_factor=capacity_factor)
+    shape = (3, 10, 16)
+    layer, p, x = _layer_and_reference(m, shape, seed=1)
+    y, aux = layer(jnp.asarray(x, jnp.float32))
+    flat_x = x.reshape(-1, shape[-1])
+    chosen = np.argsort(-(flat_x @ p["router"]), axis=1, kind="stable")[:, :m.top_k]
+    slots = dispatch.capacity_per_group(shape[1], m.top_k, m.num_experts, capacity_factor)
+    keep = (_queue_positions(chosen.reshape(shape[0], shape[1], -1), m.num_experts) < slots).reshape(-1, m.top_k)
+    dropped = np.where(keep, chosen, -1)  # expert -1 matches no expert: the assignment contributes nothing
+    with jax.enable_x64(True):
+        ref = np.asarray(_reference(p, flat_x, m, dropped))
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, shape[-1]), ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(aux["moe/dropped"], 1 - keep.mean(), rtol=1e-6)
+    if capacity_factor == 100.0:
+        assert keep.all()
+
+
+# ------------------------------------------------------------------------------------------ expert parallelism
+
+def _sharder(data: int, expert: int) -> mesh_lib.Sharder:
+    c = build.default_config()
+    c.mesh.data, c.mesh.expert = data, expert
+    return mesh_lib.Sharder(mesh_lib.make_mesh(c), tuple(tuple(r) for r in c.mesh.rules))
+
+
+@pytest.mark.parametrize("data, expert, dispatch_kind", [(2, 4, "dropless"), (1, 8, "dropless"),
+                                                          (4, 2, "dropless"), (2, 4, "capacity")])
+def test_sharded_layer_and_gradients_equal_single_device(data, expert, dispatch_kind):
+    m = MoEConfig(num_experts=8, top_k=2, expert_size=8, router="softmax", dispatch=dispatch_kind,
+                  shared_expert_size=8)
+    cfg = TransformerConfig(d_model=16, num_layers=2)
+    sharder = _sharder(data, expert)
+    single = MoE(cfg, m, path="ffn", rngs=nnx.Rngs(3))
+    sharded = MoE(cfg, m, path="ffn", rngs=nnx.Rngs(3), shard=sharder)
+    assert sharded.ep_axis == ("expert" if dispatch_kind == "dropless" else None)
+    x = jnp.asarray(RNG.normal(size=(8, 12, 16)), jnp.float32)
+    ct = jnp.asarray(RNG.normal(size=x.shape), jnp.float32)
+    results = []
+    for layer in (single, sharded):
+        graphdef, params = nnx.split(layer)
+
+        def loss(params, x, graphdef=graphdef):
+            y, aux = nnx.merge(graphdef, params)(x)
+            return jnp.sum(y * ct) + aux["loss/moe_balance"] + aux["loss/moe_z"], (y, aux)
+
+        results.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x))
+    ((_, (y1, aux1)), g1), ((_, (y8, aux8)), g8) = results
+    np.testing.assert_allclose(y8, y1, rtol=1e-5, atol=1e-6)
+    for k in aux1:
+        np.testing.assert_allclose(aux8[k], aux1[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_moe_train_steps_on_8_devices_equal_one_device(tiny_config):
+    c = tiny_config
+    c.moe.update(every=1, num_experts=8, top_k=2, expert_size=16)
+    tokens = np.asarray(jax.random.randint(jax.random.key(0), (8, 17), 0, 259))
+    results = {}
+    for data, expert in ((1, 1), (2, 4)):
+        c.mesh.data, c.mesh.expert = data, expert
+        build.validate(c, num_devices=jax.device_count())
+        _, sharder = build.build_mesh(c)
+        optimizer = build.build_optimizer(c)
+        graphdef, state = train_lib.init_state(build.build_model_fn(c, sharder), optimizer, 0, sharder)
+        step = train_lib.make_train_step(graphdef, optimizer)
+        batch = jax.device_put(tokens, sharder.named(("batch", None)))
+        metrics = []
+        for _ in range(3):
+            state, out = step(state, batch)
+            metrics.append({k: float(v) for k, v in out.items()})
+        results[(data, expert)] = (metrics, state)
+    (m1, s1), (m8, s8) = results[(1, 1)], results[(2, 4)]
+    assert {"loss/moe_balance", "loss/moe_z", "moe/load_cv", "moe/dropped"} <= set(m1[0])
+    for a, b in zip(m8, m1):
+        for k in a:
+            np.testing.assert_allclose(a[k], b[k], rtol=2e-5, atol=1e-7, err_msg=k)
+    for a, b in zip(jax.tree.leaves(s8.params), jax.tree.leaves(s1.params)):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
+    up = s8.params["blocks"][0]["ffn"]["up"].get_value()
+    assert up.sharding.spec == P("expert")
+    assert up.addressable_shards[0].data.shape == (2, 32, 16)  # 8 experts over 4 devices
+
+
+def test_moe_every_chooses_the_layers():
+    c = build.default_config()
+    c.model.update(d_model=32, num_layers=4, num_heads=4, num_kv_heads=4, d_ff=64)
+    c.moe.update(every=2, num_experts=4, top_k=1, expert_size=8)
+    model = build.build_model_fn(c, mesh_lib.Sharder())(nnx.Rngs(0))
+    assert [type(b.ffn).__name__ for b in model.blocks] == ["MLP", "MoE", "MLP", "MoE"]
+
+
+# --------------------------------------------------------------------------------------------------- bad input
+
+def _validate(changes, num_devices=8):
+    c = build.default_config()
+    for key, value in changes.items():
+        section, name = key.split(".")
+        c[section][name] = value
+    build.validate(c, num_devices=num_devices)
+
+
+@pytest.mark.parametrize("changes, needles", [
+    ({"moe.every": 1, "moe.top_k": 9}, ["moe.top_k", "9", "moe.num_experts", "8"]),
+    ({"moe.every": 1, "moe.num_experts": 6, "mesh.expert": 4, "mesh.data": 2},
+     ["moe.num_experts", "6", "4 devices"]),
+    ({"moe.every": 5}, ["moe.every", "5", "model.num_layers", "4"]),
+    ({"moe.every": 1, "moe.router": "sigmoid", "moe.normalize_gates": True}, ["moe.normalize_gates", "softmax"]),
+    ({"moe.router": "relu"}, ["moe.router", "relu", "sigmoid"]),
+    ({"moe.dispatch": "dense"}, ["moe.dispatch", "dropless", "capacity"]),
+    ({"moe.capacity_factor": 0.0}, ["moe.capacity_factor", "0.0"]),
+    ({"moe.num_expert": 8}, ["moe.num_expert", "moe.num_experts"]),
+    ({"moe.grouped_matmul": "cuda"}, ["moe.grouped_matmul", "windowed"]),
+    ({"moe.every": 1, "mesh.expert": 4, "mesh.data": 1, "data.batch_size": 6},
+     ["data.batch_size", "6", "mesh.expert"]),
+])
+def test_bad_moe_configs_are_rejected_naming_the_key(changes, needles):
+    with pytest.raises(ConfigError) as e:
+        _validate(changes)
+    for needle in needles:
+        assert needle in str(e.value), (needle, str(e.value))
+
+
+def test_layer_rejects_experts_not_divisible_by_the_expert_axis():
+    with pytest.raises(ValueError, match="moe.num_experts = 6 is not divisible by the mesh axis 'expert' = 4"):
+        MoE(TransformerConfig(d_model=16), MoEConfig(num_experts=6), path="ffn", rngs=nnx.Rngs(0),
+            shard=_sharder(2, 4))
