@@ -19,6 +19,21 @@ def count_params(model_fn: Callable[[nnx.Rngs], nnx.Module]) -> int:
     return model_lib.count_params(nnx.eval_shape(lambda: model_fn(nnx.Rngs(0))))
 
 
+def moe_summary(config, num_params: int, *, metrics_path: str) -> dict:
+    """For a MoE model: parameters used per token (the top-k of each MoE layer's experts, not all of them) and the
+    routing statistics of the last logged step. Empty for a dense model."""
+    m = config.moe
+    layers = sum(1 for i in range(config.model.num_layers) if m.every and (i + 1) % m.every == 0)
+    if not layers:
+        return {}
+    idle = layers * (m.num_experts - m.top_k) * 2 * config.model.d_model * m.expert_size
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    last = next((r for r in reversed(rows) if "moe/load_cv" in r), {})
+    return {"active_params_per_token": num_params - idle,
+            **{k: v for k, v in last.items() if k.startswith("moe/")}}
+
+
 def summary_table(summary: dict) -> str:
     """A two-column text table of the summary."""
     rows = [(k, f"{v:,.4f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v))
@@ -39,7 +54,9 @@ def plot_loss_curve(metrics_path: str, out_path: str) -> None:
         rows = [json.loads(line) for line in f if line.strip()]
     train = [(r["step"], r["train_loss"] / LN2) for r in rows if "train_loss" in r]
     val = [(r["step"], r["val_bits_per_byte"]) for r in rows if "val_bits_per_byte" in r]
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    routing = [(r["step"], r["moe/load_cv"], r["moe/load_entropy"]) for r in rows if "moe/load_cv" in r]
+    fig, axes = plt.subplots(1, 2 if routing else 1, figsize=(11 if routing else 6, 4), dpi=120, squeeze=False)
+    ax = axes[0, 0]
     if train:
         ax.plot(*zip(*train), label="train loss (bits / token)", lw=1.2)
     if val:
@@ -50,6 +67,16 @@ def plot_loss_curve(metrics_path: str, out_path: str) -> None:
     ax.set_ylim(0, max(9.0, 1.05 * max((v for _, v in train + val), default=9.0)))
     ax.grid(alpha=0.3)
     ax.legend()
+    if routing:
+        steps, cv, entropy = zip(*routing)
+        ax = axes[0, 1]
+        ax.plot(steps, cv, label="expert load CV (0 = balanced)", lw=1.2)
+        ax.plot(steps, entropy, label="load entropy / log E (1 = balanced)", lw=1.2)
+        ax.set_xlabel("step")
+        ax.set_title("MoE routing (mean over MoE layers)", fontsize=9)
+        ax.set_ylim(0, max(1.1, 1.05 * max(cv)))
+        ax.grid(alpha=0.3)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(out_path)
     plt.close(fig)

@@ -141,6 +141,7 @@ def run(config, workdir: str) -> int:
         "val_bits_per_byte": results["val_bits_per_byte"],
         "tokens_per_second": results["tokens_per_second"],
         "num_params": num_params,
+        **report.moe_summary(config, num_params, metrics_path=os.path.join(workdir, "metrics.jsonl")),
         "steps": results["steps"],
         "resumed_from": results["resumed_from"],
         "data_fingerprint": corpus.fingerprint,

@@ -197,14 +197,14 @@ def test_precision_slot_reaches_every_projection():
 
 
 class AuxFFN(nnx.Module):
-    """An FFN-slot module: a scaled identity that reports an auxiliary loss and a metric."""
+    """An FFN-slot module: a scaled identity that reports an auxiliary loss and a statistic."""
 
     def __init__(self, layer, path, rngs):
         self.w = nnx.Param(jnp.full((), 0.5), axes=())
         self.layer = layer
 
     def __call__(self, x, *, key=None):
-        return self.w.get_value() * x, {"loss/aux": jnp.float32(self.layer + 1), "metric": jnp.float32(1.0)}
+        return self.w.get_value() * x, {"loss/aux": jnp.float32(self.layer + 1), "metric": jnp.float32(2 * self.layer + 1)}
 
 
 def test_ffn_slot_and_aux_losses():
@@ -214,7 +214,8 @@ def test_ffn_slot_and_aux_losses():
     model = Transformer(cfg, rngs=nnx.Rngs(0), ffn_factory=AuxFFN)
     tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 256)
     logits, aux, _ = model(tokens[:, :-1])
-    assert float(aux["loss/aux"]) == 1.0 + 2.0 and float(aux["metric"]) == 2.0
+    # Losses add up over the layers; statistics are averaged over the layers that report them.
+    assert float(aux["loss/aux"]) == 1.0 + 2.0 and float(aux["metric"]) == (1.0 + 3.0) / 2
     objective, metrics = lm_loss(model, tokens)
     np.testing.assert_allclose(float(objective), float(metrics["loss"]) + 3.0, rtol=1e-6)
     assert count_params(model) == (264 * 32 + 2 * (4 * 32 * 32 + 2 * 32 + 1) + 32)

@@ -14,6 +14,7 @@ from experiments import build
 def get_config():
     config = build.default_config()
     config.model.update(d_model=128, num_layers=4, num_heads=2, num_kv_heads=1, d_ff=384)
+    config.moe.update(every=1, num_experts=8, top_k=2, expert_size=128, router="sigmoid")
     config.data.update(seq_len=256, batch_size=8)
     config.optim.update(learning_rate=5e-3, warmup_steps=40)
     config.train.update(steps=700, eval_every=100, eval_batches=32)
