@@ -118,9 +118,10 @@ def _free_port():
 
 
 def test_two_processes_equal_one_process_with_two_devices(tmp_path):
-    """jax.distributed on 127.0.0.1 with gloo: 2 processes x 1 device train like 1 process x 2 devices."""
+    """jax.distributed on 127.0.0.1 with gloo: 2 processes x 1 device train like 1 process x 2 devices. The MoE
+    experts are sharded over the two devices, so the expert-parallel all-to-all crosses the processes."""
     args = ["--config.train.steps=6", "--config.train.eval_every=3", "--config.checkpoint.every=3",
-            "--config.sample.num_tokens=0"]
+            "--config.sample.num_tokens=0", "--config.mesh.data=1", "--config.mesh.expert=2"]
     single = _cli(tmp_path / "single", *args, env_devices=2)
     assert single.returncode == 0, single.stdout + single.stderr
     addr = f"127.0.0.1:{_free_port()}"
@@ -128,6 +129,7 @@ def test_two_processes_equal_one_process_with_two_devices(tmp_path):
                   f"--config.mesh.coordinator_address={addr}", process=True) for i in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
+    assert "'expert': 2" in outs[0], outs[0]
     a = json.loads((tmp_path / "single" / "summary.json").read_text())
     b = json.loads((tmp_path / "multi" / "summary.json").read_text())
     assert b["devices"].startswith("2 x") and a["devices"].startswith("2 x")

@@ -1,11 +1,12 @@
 """MoE layer forward+backward time against a dense FFN of the same active FLOPs, side by side in one run.
 
-    python -m experiments.bench.moe [--tokens 4096] [--repeats 5] [--out results/bench]
+    python -m experiments.bench.moe [--tokens 4096] [--repeats 5] [--expert-sizes 128,512] [--out results/bench]
 
-For E in {8, 32, 64} experts and k in {1, 2, 4}: the MoE layer (d_model 256, expert size 128, sigmoid router)
-with dropless dispatch (sort + the backend's grouped matmul) and with capacity dispatch (GShard einsum, capacity
-factor 1.25), against a dense SiLU FFN of hidden width k x 128, which does the same expert FLOPs per token (the
-MoE also pays its router, d_model x E per token). Time = jitted gradient of a scalar of the output with respect to
+For E in {8, 32, 64} experts, k in {1, 2, 4} and each expert size h (128 is FoMoE's; 512 the shape of the issue's
+grouped-matmul measurement): the MoE layer (d_model 256, sigmoid router) with dropless dispatch (sort + the
+backend's grouped matmul) and with capacity dispatch (GShard einsum, one group per sequence, capacity factor 1.25),
+against a dense SiLU FFN of hidden width k x h, which does the same expert FLOPs per token (the MoE also pays its
+router, d_model x E per token). Time = jitted gradient of a scalar of the output with respect to
 the input and all weights (forward + backward). Also times the grouped matmul alone, every implementation, on the
 issue's shape (4096 x 256 -> 512, 64 equal groups) against one dense product of the same FLOPs.
 Writes moe.json and moe.md.
@@ -28,7 +29,7 @@ from moe import MoE, MoEConfig
 from moe.grouped_matmul import grouped_matmul
 
 EXPERTS, TOP_K = (8, 32, 64), (1, 2, 4)
-D_MODEL, EXPERT_SIZE, SEQ = 256, 128, 256
+D_MODEL, SEQ = 256, 256
 
 
 def _fwd_bwd(module: nnx.Module, x: jax.Array):
@@ -42,26 +43,27 @@ def _fwd_bwd(module: nnx.Module, x: jax.Array):
     return lambda: grads(params, x)
 
 
-def bench_layers(tokens: int, repeats: int) -> list[dict]:
+def bench_layers(tokens: int, expert_size: int, repeats: int) -> list[dict]:
     cfg = TransformerConfig(d_model=D_MODEL, num_layers=4, mlp="silu")
     x = jax.random.normal(jax.random.key(0), (tokens // SEQ, SEQ, D_MODEL), jnp.float32)
     rows = []
     for k in TOP_K:
-        dense = MLP(TransformerConfig(d_model=D_MODEL, num_layers=4, mlp="silu", d_ff=k * EXPERT_SIZE),
+        dense = MLP(TransformerConfig(d_model=D_MODEL, num_layers=4, mlp="silu", d_ff=k * expert_size),
                     path="ffn", precision=DefaultPrecision(), shard=Sharder(), rngs=nnx.Rngs(0))
         t_dense = median_seconds(_fwd_bwd(dense, x), repeats=repeats)
         for e in EXPERTS:
-            row = {"experts": e, "top_k": k, "tokens": tokens, "dense_seconds": t_dense}
+            row = {"experts": e, "top_k": k, "expert_size": expert_size, "tokens": tokens, "dense_seconds": t_dense}
             for dispatch in ("dropless", "capacity"):
-                layer = MoE(cfg, MoEConfig(num_experts=e, top_k=k, expert_size=EXPERT_SIZE, dispatch=dispatch),
+                layer = MoE(cfg, MoEConfig(num_experts=e, top_k=k, expert_size=expert_size, dispatch=dispatch),
                             path="ffn", rngs=nnx.Rngs(0))
                 row[f"{dispatch}_seconds"] = median_seconds(_fwd_bwd(layer, x), repeats=repeats)
             row["dropless_over_dense"] = row["dropless_seconds"] / t_dense
             row["capacity_over_dropless"] = row["capacity_seconds"] / row["dropless_seconds"]
             rows.append(row)
-            print(f"E={e:2d} k={k}: dense {t_dense * 1e3:7.1f} ms  dropless {row['dropless_seconds'] * 1e3:7.1f} ms "
-                  f"({row['dropless_over_dense']:.2f}x dense)  capacity {row['capacity_seconds'] * 1e3:7.1f} ms "
-                  f"({row['capacity_over_dropless']:.2f}x dropless)", flush=True)
+            print(f"h={expert_size} E={e:2d} k={k}: dense {t_dense * 1e3:7.1f} ms  dropless "
+                  f"{row['dropless_seconds'] * 1e3:7.1f} ms ({row['dropless_over_dense']:.2f}x dense)  capacity "
+                  f"{row['capacity_seconds'] * 1e3:7.1f} ms ({row['capacity_over_dropless']:.2f}x dropless)",
+                  flush=True)
     return rows
 
 
@@ -93,12 +95,13 @@ def bench_grouped_matmul(repeats: int) -> list[dict]:
 
 def markdown(result: dict) -> str:
     lines = [f"MoE layer forward+backward on {result['device']} ({result['cpu_count']} cores, jax {result['jax']}, "
-             f"float32): {result['tokens']} tokens, d_model {D_MODEL}, expert size {EXPERT_SIZE}, sigmoid router; "
-             f"dense = SiLU FFN of hidden k x {EXPERT_SIZE} (same expert FLOPs); capacity factor 1.25.", "",
-             "| experts | top-k | dense (ms) | dropless (ms) | capacity (ms) | dropless / dense | "
-             "capacity / dropless |", "|---|---|---|---|---|---|---|"]
+             f"float32): {result['tokens']} tokens, d_model {D_MODEL}, sigmoid router; dense = SiLU FFN of hidden "
+             "k x h (same expert FLOPs); capacity factor 1.25, one group per sequence of 256. Median of "
+             f"{result['repeats']} calls each.", "",
+             "| expert size h | experts | top-k | dense (ms) | dropless (ms) | capacity (ms) | dropless / dense | "
+             "capacity / dropless |", "|---|---|---|---|---|---|---|---|"]
     for r in result["layers"]:
-        lines.append(f"| {r['experts']} | {r['top_k']} | {r['dense_seconds'] * 1e3:.1f} | "
+        lines.append(f"| {r['expert_size']} | {r['experts']} | {r['top_k']} | {r['dense_seconds'] * 1e3:.1f} | "
                      f"{r['dropless_seconds'] * 1e3:.1f} | {r['capacity_seconds'] * 1e3:.1f} | "
                      f"{r['dropless_over_dense']:.2f} | {r['capacity_over_dropless']:.2f} |")
     lines += ["", "Grouped matmul alone: 4096 x 256 -> 512, 64 equal groups.", "",
@@ -115,13 +118,21 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=4096, help=f"tokens per layer call (a multiple of {SEQ})")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (median reported)")
+    parser.add_argument("--expert-sizes", default="128,512", help="comma-separated expert hidden sizes")
     parser.add_argument("--out", default="results/bench", help="output directory")
     args = parser.parse_args(argv)
+    try:
+        sizes = [int(h) for h in args.expert_sizes.split(",") if h]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        parser.error(f"--expert-sizes={args.expert_sizes}: give positive integers separated by commas, e.g. 128,512")
     if args.tokens < SEQ or args.tokens % SEQ:
         parser.error(f"--tokens={args.tokens}: must be a positive multiple of {SEQ}")
     if args.repeats < 1:
         parser.error(f"--repeats={args.repeats}: must be >= 1")
-    result = {**machine(), "tokens": args.tokens, "layers": bench_layers(args.tokens, args.repeats),
+    layers = [row for h in sizes for row in bench_layers(args.tokens, h, args.repeats)]
+    result = {**machine(), "tokens": args.tokens, "repeats": args.repeats, "layers": layers,
               "grouped_matmul": bench_grouped_matmul(args.repeats)}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "moe.json"), "w") as f:
