@@ -37,15 +37,14 @@ IMPLEMENTATIONS = ("auto", "ragged_dot", "windowed", "dense_reference")
 
 
 def default_window(num_rows: int, num_groups: int) -> int:
-    """Rows per window: half the mean group size, rounded down to a power of two, within [32, 256].
+    """Rows per window: the mean group size rounded down to a power of two, within [32, 512].
 
-    Smaller windows waste fewer rows at group ends (about W/2 per group); larger ones run each 2-D matmul more
-    efficiently. XLA:CPU runs such small matmuls on one core (~85 GFLOP/s here, against ~165 for one large dot on
-    both cores), so beyond ~256 rows a larger window buys little. (Measured on the 2-core CPU machine with
-    `python -m experiments.bench.moe`; the choice matters by less than the run-to-run noise there.)
+    Smaller windows waste fewer rows at group ends (about W/2 per group); larger ones run each 2-D matmul, above
+    all the d(rhs) product that contracts over the window's rows, more efficiently. XLA:CPU runs such small
+    matmuls on one core (~85 GFLOP/s on the 2-core CPU machine, against ~165 for one large dot on both cores).
     """
-    half_mean = max(num_rows // max(num_groups, 1) // 2, 1)
-    return int(min(256, max(32, 1 << (half_mean.bit_length() - 1))))
+    mean = max(num_rows // max(num_groups, 1), 1)
+    return int(min(512, max(32, 1 << (mean.bit_length() - 1))))
 
 
 def _check(lhs, rhs, group_sizes):

@@ -162,19 +162,23 @@ class MoE(nnx.Module):
         return y, aux
 
     def _expert_parallel(self, x, routing, up, down, gmm_up, gmm_down):
-        """Dropless dispatch under shard_map: tokens split over the batch's mesh axes plus the expert axis."""
+        """Dropless dispatch under shard_map: tokens split over the batch's mesh axes plus the expert axis. A token
+        count those devices cannot split evenly (e.g. one decode step of one sequence) is padded with rows whose
+        gates are zero; the padding is computed and discarded and never enters the routing statistics."""
         mesh, axis = self.shard.mesh, self.ep_axis
         batch = logical_to_spec(("batch",), self.shard.rules, mesh)[0]
         batch = () if batch is None else (batch,) if isinstance(batch, str) else tuple(batch)
         token_axes = batch + ((axis,) if axis not in batch else ())
-        parts = math.prod(mesh.shape[a] for a in token_axes)
-        if x.shape[0] % parts:
-            raise ValueError(f"{self.path}: {x.shape[0]} tokens cannot be split over the mesh axes {token_axes} "
-                             f"({parts} devices) for expert-parallel dispatch; make batch x seq a multiple of it.")
+        n = x.shape[0]
+        pad = -n % math.prod(mesh.shape[a] for a in token_axes)
+        experts, gates = routing.experts, routing.gates
+        if pad:
+            x, experts, gates = (jnp.concatenate([a, jnp.zeros((pad,) + a.shape[1:], a.dtype)])
+                                 for a in (x, experts, gates))
         tokens = PartitionSpec(token_axes)
         fn = jax.shard_map(
             lambda x, e, g, u, d: dispatch_lib.expert_parallel_dropless(x, e, g, u, d, axis=axis, gmm_up=gmm_up,
                                                                         gmm_down=gmm_down),
             mesh=mesh, in_specs=(tokens, tokens, tokens, PartitionSpec(axis), PartitionSpec(axis)),
             out_specs=tokens)
-        return fn(x, routing.experts, routing.gates, up, down)
+        return fn(x, experts, gates, up, down)[:n]

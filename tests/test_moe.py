@@ -319,6 +319,17 @@ def test_sharded_layer_and_gradients_equal_single_device(data, expert, dispatch_
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_expert_parallel_pads_token_counts_the_devices_cannot_split():
+    """One decode step of one sequence (3 tokens here) on expert=4 x data=2: padded rows, same result."""
+    m = MoEConfig(num_experts=8, top_k=2, expert_size=8)
+    cfg = TransformerConfig(d_model=16, num_layers=2)
+    x = jnp.asarray(RNG.normal(size=(1, 3, 16)), jnp.float32)
+    y1, aux1 = MoE(cfg, m, path="ffn", rngs=nnx.Rngs(4))(x)
+    y8, aux8 = jax.jit(lambda x: MoE(cfg, m, path="ffn", rngs=nnx.Rngs(4), shard=_sharder(2, 4))(x))(x)
+    np.testing.assert_allclose(y8, y1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(aux8["moe/load_cv"], aux1["moe/load_cv"], rtol=1e-6)
+
+
 def test_moe_train_steps_on_8_devices_equal_one_device(tiny_config):
     c = tiny_config
     c.moe.update(every=1, num_experts=8, top_k=2, expert_size=16)

@@ -1,4 +1,4 @@
-"""What every benchmark script shares: a median timer and a description of the machine."""
+"""What every benchmark script shares: median timers and a description of the machine."""
 
 from __future__ import annotations
 
@@ -21,6 +21,21 @@ def median_seconds(call: Callable[[], object], *, repeats: int, warmup: int = 1)
         jax.block_until_ready(call())
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
+
+
+def interleaved_medians(calls: dict[str, Callable[[], object]], *, repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Median seconds of each call, timed in rounds (one call of each per round) so that slow drifts of a shared
+    machine's speed hit every candidate alike: the ratios are what such a benchmark reports."""
+    for call in calls.values():
+        for _ in range(warmup):
+            jax.block_until_ready(call())
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(call())
+            times[name].append(time.perf_counter() - t0)
+    return {name: float(np.median(t)) for name, t in times.items()}
 
 
 def machine() -> dict:

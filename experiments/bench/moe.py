@@ -24,7 +24,7 @@ from flax import nnx
 
 from core.mesh import Sharder
 from core.model import MLP, DefaultPrecision, TransformerConfig
-from experiments.bench.common import machine, median_seconds
+from experiments.bench.common import interleaved_medians, machine, median_seconds
 from moe import MoE, MoEConfig
 from moe.grouped_matmul import grouped_matmul
 
@@ -50,20 +50,21 @@ def bench_layers(tokens: int, expert_size: int, repeats: int) -> list[dict]:
     for k in TOP_K:
         dense = MLP(TransformerConfig(d_model=D_MODEL, num_layers=4, mlp="silu", d_ff=k * expert_size),
                     path="ffn", precision=DefaultPrecision(), shard=Sharder(), rngs=nnx.Rngs(0))
-        t_dense = median_seconds(_fwd_bwd(dense, x), repeats=repeats)
         for e in EXPERTS:
-            row = {"experts": e, "top_k": k, "expert_size": expert_size, "tokens": tokens, "dense_seconds": t_dense}
+            calls = {"dense": _fwd_bwd(dense, x)}
             for dispatch in ("dropless", "capacity"):
                 layer = MoE(cfg, MoEConfig(num_experts=e, top_k=k, expert_size=expert_size, dispatch=dispatch),
                             path="ffn", rngs=nnx.Rngs(0))
-                row[f"{dispatch}_seconds"] = median_seconds(_fwd_bwd(layer, x), repeats=repeats)
-            row["dropless_over_dense"] = row["dropless_seconds"] / t_dense
-            row["capacity_over_dropless"] = row["capacity_seconds"] / row["dropless_seconds"]
+                calls[dispatch] = _fwd_bwd(layer, x)
+            t = interleaved_medians(calls, repeats=repeats)
+            row = {"experts": e, "top_k": k, "expert_size": expert_size, "tokens": tokens,
+                   **{f"{name}_seconds": v for name, v in t.items()},
+                   "dropless_over_dense": t["dropless"] / t["dense"],
+                   "capacity_over_dropless": t["capacity"] / t["dropless"]}
             rows.append(row)
-            print(f"h={expert_size} E={e:2d} k={k}: dense {t_dense * 1e3:7.1f} ms  dropless "
-                  f"{row['dropless_seconds'] * 1e3:7.1f} ms ({row['dropless_over_dense']:.2f}x dense)  capacity "
-                  f"{row['capacity_seconds'] * 1e3:7.1f} ms ({row['capacity_over_dropless']:.2f}x dropless)",
-                  flush=True)
+            print(f"h={expert_size} E={e:2d} k={k}: dense {t['dense'] * 1e3:7.1f} ms  dropless "
+                  f"{t['dropless'] * 1e3:7.1f} ms ({row['dropless_over_dense']:.2f}x dense)  capacity "
+                  f"{t['capacity'] * 1e3:7.1f} ms ({row['capacity_over_dropless']:.2f}x dropless)", flush=True)
     return rows
 
 
@@ -80,13 +81,24 @@ def bench_grouped_matmul(repeats: int) -> list[dict]:
             "gmk,gkn->gmn", x.reshape(g, m // g, k), w).reshape(m, n),
         "dense product (same FLOPs)": lambda x, w: x @ w[0],
     }
-    rows = []
+    calls = {}
     for name, fn in candidates.items():
+        if name == "ragged_dot" and jax.default_backend() == "cpu":
+            continue  # ~100x slower on CPU: timed once below, outside the rounds
         fwd = jax.jit(fn)
-        bwd = jax.jit(jax.grad(lambda x, w: jnp.sum(fn(x, w) ** 2), argnums=(0, 1)))
-        reps = 1 if name == "ragged_dot" and jax.default_backend() == "cpu" else repeats
-        row = {"implementation": name, "forward_seconds": median_seconds(lambda: fwd(x, w), repeats=reps),
-               "forward_backward_seconds": median_seconds(lambda: bwd(x, w), repeats=reps)}
+        bwd = jax.jit(jax.grad(lambda x, w, fn=fn: jnp.sum(fn(x, w) ** 2), argnums=(0, 1)))
+        calls[(name, "forward")] = lambda fwd=fwd: fwd(x, w)
+        calls[(name, "forward_backward")] = lambda bwd=bwd: bwd(x, w)
+    times = interleaved_medians(calls, repeats=repeats)
+    if jax.default_backend() == "cpu":
+        fn = candidates["ragged_dot"]
+        fwd, bwd = jax.jit(fn), jax.jit(jax.grad(lambda x, w: jnp.sum(fn(x, w) ** 2), argnums=(0, 1)))
+        times[("ragged_dot", "forward")] = median_seconds(lambda: fwd(x, w), repeats=1)
+        times[("ragged_dot", "forward_backward")] = median_seconds(lambda: bwd(x, w), repeats=1)
+    rows = []
+    for name in candidates:
+        row = {"implementation": name, "forward_seconds": times[(name, "forward")],
+               "forward_backward_seconds": times[(name, "forward_backward")]}
         rows.append(row)
         print(f"grouped matmul {name}: fwd {row['forward_seconds'] * 1e3:.1f} ms, fwd+bwd "
               f"{row['forward_backward_seconds'] * 1e3:.1f} ms", flush=True)
@@ -96,8 +108,8 @@ def bench_grouped_matmul(repeats: int) -> list[dict]:
 def markdown(result: dict) -> str:
     lines = [f"MoE layer forward+backward on {result['device']} ({result['cpu_count']} cores, jax {result['jax']}, "
              f"float32): {result['tokens']} tokens, d_model {D_MODEL}, sigmoid router; dense = SiLU FFN of hidden "
-             "k x h (same expert FLOPs); capacity factor 1.25, one group per sequence of 256. Median of "
-             f"{result['repeats']} calls each.", "",
+             "k x h (same expert FLOPs); capacity factor 1.25, one group per sequence of 256. Medians of "
+             f"{result['repeats']} rounds; each round times the three side by side.", "",
              "| expert size h | experts | top-k | dense (ms) | dropless (ms) | capacity (ms) | dropless / dense | "
              "capacity / dropless |", "|---|---|---|---|---|---|---|---|"]
     for r in result["layers"]:
