@@ -1,12 +1,13 @@
-"""Quickstart: a small byte-level transformer on the Python standard library's sources, ~3 minutes on 2 CPU cores.
+"""Quickstart: a small byte-level MoE transformer on the Python standard library's sources, ~3 minutes on 2 CPU cores.
 
     python -m experiments.run --config experiments/configs/quickstart.py --workdir runs/quickstart
 
-0.8M parameters (d_model 128, 4 layers, 2 query heads sharing 1 KV head), 700 steps of 8 x 256 bytes.
-Goal: held-out bits per byte below 3.0 (uniform over bytes is 8). Small batches and many steps beat larger
-batches at this budget (one run each, lr 5e-3, 4 held-out batches: batch 8 x 620 steps 2.47 bits/byte,
-16 x 340 2.52, 32 x 180 2.72).
-"""
+d_model 128, 4 layers, 2 query heads sharing 1 KV head; every block's FFN is a MoE of 8 experts of size 128 with
+a sigmoid top-2 router (FoMoE's router; 1.28M parameters, 0.50M used per token). 700 steps of 8 x 256 bytes.
+Goal: held-out bits per byte below 3.0 (uniform over bytes is 8); measured 2.481 in 2 min 46 s. `d_ff` sizes the
+dense FFN of `--config.moe.every=0` (that dense model: 2.389). Small batches and many steps beat larger batches
+at this budget (dense model, one run each, lr 5e-3, 4 held-out batches: batch 8 x 620 steps 2.47 bits/byte,
+16 x 340 2.52, 32 x 180 2.72)."""
 
 from experiments import build
 
