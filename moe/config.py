@@ -33,7 +33,7 @@ def section() -> dict[str, Field]:
         "load_balance_weight": Field(0.01, (float,), "weight of the Switch load-balance loss", low=0.0),
         "z_loss_weight": Field(0.001, (float,), "weight of the router z-loss", low=0.0),
         "grouped_matmul": Field("auto", (str,), "dropless expert product: 'auto' (ragged_dot on GPU/TPU, "
-                                "windowed loop on CPU), 'ragged_dot', 'windowed', 'dense_reference' (tests)",
+                                "windowed loop on CPU), 'ragged_dot', 'windowed'",
                                 choices=IMPLEMENTATIONS),
     }
 

@@ -15,7 +15,6 @@ Implementations, chosen per backend by `grouped_matmul(..., implementation="auto
     windows holding real rows are computed (at most M / W + G, usually far fewer), which also makes rows past
     sum(group_sizes) free: expert-parallel receive buffers sized for the worst case cost memory, not FLOPs.
     A custom VJP runs the same loop for d(lhs) (with rhs transposed) and accumulates d(rhs) per window.
-  * "dense_reference": gathers rhs per row (M x K x N memory); exact, slow, for tests only.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ __all__ = ["GroupedMatmul", "GroupedMatmulFn", "grouped_matmul", "windowed_group
 GroupedMatmul = Callable[..., jax.Array]
 """`(lhs [M, K], rhs [G, K, N], group_sizes [G] int32, *, preferred_element_type=None) -> [M, N]`."""
 
-IMPLEMENTATIONS = ("auto", "ragged_dot", "windowed", "dense_reference")
+IMPLEMENTATIONS = ("auto", "ragged_dot", "windowed")
 
 
 def default_window(num_rows: int, num_groups: int) -> int:
@@ -65,8 +64,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, prefe
     Args:
       lhs: [M, K], rows sorted by group. rhs: [G, K, N]. group_sizes: [G] int32 with sum <= M.
       preferred_element_type: accumulation/output dtype (default lhs.dtype).
-      implementation: "auto" (ragged_dot on GPU/TPU, windowed on CPU), "ragged_dot", "windowed" or
-        "dense_reference".
+      implementation: "auto" (ragged_dot on GPU/TPU, windowed on CPU), "ragged_dot" or "windowed".
       window: rows per window for "windowed" (default `default_window(M, G)`).
     Returns:
       [M, N] in `preferred_element_type` (or lhs.dtype); rows >= sum(group_sizes) are zero.
@@ -80,8 +78,6 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, prefe
     group_sizes = group_sizes.astype(jnp.int32)
     if implementation == "ragged_dot":
         return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
-    if implementation == "dense_reference":
-        return _dense_reference(lhs, rhs, group_sizes, out_dtype)
     window = default_window(lhs.shape[0], rhs.shape[0]) if window is None else int(window)
     # Under shard_map the operands may vary over different mesh axes (tokens over data and expert, weights over
     # expert only). Adding a zero of the other's type gives both the union; autodiff then sums the weight gradient
@@ -100,16 +96,6 @@ class GroupedMatmulFn:
     def __call__(self, lhs, rhs, group_sizes, preferred_element_type=None):
         return grouped_matmul(lhs, rhs, group_sizes, preferred_element_type, implementation=self.implementation,
                               window=self.window)
-
-
-def _dense_reference(lhs, rhs, group_sizes, out_dtype):
-    m = lhs.shape[0]
-    ends = jnp.cumsum(group_sizes)
-    row_group = jnp.searchsorted(ends, jnp.arange(m), side="right")
-    valid = row_group < rhs.shape[0]
-    w = rhs[jnp.minimum(row_group, rhs.shape[0] - 1)]
-    out = jnp.einsum("mk,mkn->mn", lhs, w, preferred_element_type=out_dtype)
-    return jnp.where(valid[:, None], out, 0).astype(out_dtype)
 
 
 def _windows(group_sizes: jax.Array, num_rows: int, window: int):
