@@ -1,0 +1,230 @@
+"""FoMoE's communication, compute and memory model (spec: ../shared/specs/fomoe.md, "Communication model" and
+"System model"); projects a federation of MoEs to the paper's 100B scale.
+
+Model family (the paper's): attention 4 d^2 per layer, experts of two matrices d x h and h x d, a router d x N_e
+per layer, a tied embedding of `vocab_size` rows; norms are not counted (the paper's table does not count them).
+Sites: M workers; every expert lives on O_e of them, so each site hosts N_le = O_e N_e / M experts per layer.
+
+Bytes per site per round (ring all-reduce; S = bytes of a parameter group):
+    B_dense  = 2 (M - 1) / M * S_dense
+    B_sparse = (R(O_e) + P) * sum over layers of N_le * s_expert,   R(O_e) = 2 (O_e - 1) / O_e,
+               P = gamma (1 - O_e / M)  (gamma = 0 fixed placement, 1 = every expert reshuffled every round)
+    LocalAdamW averages parameters and both moments: x 3.      DDP: 2 (M - 1) / M * S_model every step.
+    bytes per token: BPT = M * B_per_site / (K * global_batch_tokens).
+`s_expert` holds both projections and, with the partitioned router, the expert's router row; with skip-token
+the router is dense (scores all experts) and is averaged with the dense parameters.
+
+Decisions where the paper is silent (ours, used by the projections; every one is an argument):
+  * parameters travel in fp32 (4 bytes): DiLoCo and LocalAdamW average the fp32 master weights;
+  * FLOPs per token follow PaLM's accounting (forward 2 x matmul parameters met + 4 L d T for attention
+    scores; training = 3 x forward);
+  * the 100B projection trains 20 tokens per active parameter (Chinchilla), global batch 4M tokens, K = 32, MFU
+    0.4, 50 ms latency per synchronisation, no overlap of communication with compute, and a site is a cluster
+    of 64 H100-class accelerators (989 dense bf16 TFLOP/s each): enough memory (64 x 80 GB) for the 104B
+    model's full training state (1.75 TiB at O_e = M).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+__all__ = ["PAPER_MODELS", "ModelShape", "param_count", "local_experts", "bytes_per_round", "ddp_bytes_per_step",
+           "bytes_per_token", "flops_per_token", "memory_per_site", "round_seconds", "training_hours",
+           "Projection", "project"]
+
+BYTES_PER_PARAM = 4
+SITE_PEAK_FLOPS = 64 * 989e12
+TRAIN_STATE_BYTES_PER_PARAM = 18  # bf16 weights 2 + fp32 master 4 + two fp32 moments 8 + fp32 gradients 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """One member of the paper's model family (head dim 64, expert size 128, a quarter of the experts active)."""
+
+    d_model: int
+    num_layers: int
+    num_experts: int
+    top_k: int
+    expert_size: int = 128
+    vocab_size: int = 200_019
+    seq_len: int = 2048
+
+
+# name: (shape, the parameter count the paper's table states)
+PAPER_MODELS: Mapping[str, tuple[ModelShape, float]] = {
+    "small proxy": (ModelShape(256, 4, 8, 2), 54e6),
+    "medium": (ModelShape(512, 16, 16, 4), 153e6),
+    "large": (ModelShape(1024, 128, 32, 8), 1.8e9),
+    "XL": (ModelShape(2048, 256, 64, 16), 13.3e9),
+    "XXL": (ModelShape(4096, 512, 128, 32), 104e9),
+}
+
+
+def param_count(d_model: int, num_layers: int, num_experts: int, expert_size: int = 128,
+                vocab_size: int = 200_019) -> dict[str, int]:
+    """Parameters of the paper's model family.
+
+    Returns: embedding (tied, vocab x d), attention (4 d^2 per layer), router (d N_e per layer), experts
+    (2 d h N_e per layer), per_expert (2 d h: one expert of one layer), dense = embedding + attention (the part
+    every site holds), and total = dense + router + experts.
+    """
+    for name, value in (("d_model", d_model), ("num_layers", num_layers), ("num_experts", num_experts),
+                        ("expert_size", expert_size), ("vocab_size", vocab_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"param_count: {name} = {value!r} must be a positive integer.")
+    embedding = vocab_size * d_model
+    attention = 4 * d_model * d_model * num_layers
+    router = d_model * num_experts * num_layers
+    per_expert = 2 * d_model * expert_size
+    experts = per_expert * num_experts * num_layers
+    dense = embedding + attention
+    return {"embedding": embedding, "attention": attention, "router": router, "experts": experts,
+            "per_expert": per_expert, "dense": dense, "total": dense + router + experts}
+
+
+def local_experts(num_experts: int, sites: int, overlap: int) -> int:
+    """N_le = O_e N_e / M, the experts per layer each site hosts. Raises ValueError naming the impossible values."""
+    if not 1 <= overlap <= sites:
+        raise ValueError(f"overlap O_e = {overlap} must be in [1, sites M = {sites}].")
+    if (overlap * num_experts) % sites:
+        raise ValueError(f"O_e x N_e = {overlap} x {num_experts} = {overlap * num_experts} is not divisible by the "
+                         f"number of sites M = {sites}; each site must host a whole number of experts.")
+    return overlap * num_experts // sites
+
+
+def _ring(n: int) -> float:
+    return 2.0 * (n - 1) / n
+
+
+def bytes_per_round(shape: ModelShape, sites: int, overlap: int, *, optimizer: str = "local_adamw",
+                    skip_token: bool = False, migration: float = 0.0,
+                    bytes_per_param: int = BYTES_PER_PARAM) -> dict[str, float]:
+    """Bytes each site sends (and receives) per synchronisation round.
+
+    Args:
+      optimizer: "diloco" (parameters only) or "local_adamw" (parameters and both moments: x 3).
+      skip_token: the router is dense (synced with the dense parameters) instead of partitioned with the experts.
+      migration: gamma in [0, 1], the fraction of experts reshuffled per round (0 = fixed placement).
+    Returns:
+      {"dense", "sparse", "total"} in bytes per site per round.
+    """
+    if optimizer not in ("diloco", "local_adamw"):
+        raise ValueError(f"optimizer = {optimizer!r}; allowed: ['diloco', 'local_adamw'].")
+    if not 0.0 <= migration <= 1.0:
+        raise ValueError(f"migration gamma = {migration} must be in [0, 1].")
+    n_le = local_experts(shape.num_experts, sites, overlap)
+    p = param_count(shape.d_model, shape.num_layers, shape.num_experts, shape.expert_size, shape.vocab_size)
+    copies = 3 if optimizer == "local_adamw" else 1
+    dense_params = p["dense"] + (p["router"] if skip_token else 0)
+    s_expert = p["per_expert"] + (0 if skip_token else shape.d_model)  # + its router row when partitioned
+    dense = _ring(sites) * dense_params * bytes_per_param * copies
+    factor = _ring(overlap) + migration * (1.0 - overlap / sites)
+    sparse = factor * shape.num_layers * n_le * s_expert * bytes_per_param * copies
+    return {"dense": dense, "sparse": sparse, "total": dense + sparse}
+
+
+def ddp_bytes_per_step(shape: ModelShape, sites: int, *, bytes_per_param: int = BYTES_PER_PARAM) -> float:
+    """DDP: every step each site all-reduces the gradient of the whole model, 2 (M - 1) / M * S_model."""
+    p = param_count(shape.d_model, shape.num_layers, shape.num_experts, shape.expert_size, shape.vocab_size)
+    return _ring(sites) * p["total"] * bytes_per_param
+
+
+def bytes_per_token(per_site_round_bytes: float, sites: int, local_steps: int, global_batch_tokens: int) -> float:
+    """BPT = M * B_per_site / (K * global_batch_tokens): all sites' traffic per round over the tokens it trains."""
+    return sites * per_site_round_bytes / (local_steps * global_batch_tokens)
+
+
+def flops_per_token(shape: ModelShape, sites: int = 1, overlap: int = 1, *, skip_token: bool = False,
+                    ghost_fraction: float | None = None, training: bool = True) -> dict[str, float]:
+    """FLOPs per token on one site (PaLM accounting: 2 per multiply-add of a weight, 4 L d T for attention).
+
+    Per layer the MoE part is [min(k, N_le)/k * F_ffn + (N_le / N_e) * F_gate] with the partitioned router (each
+    site routes its tokens over its N_le resident experts). With skip-token the router scores all N_e experts and
+    the executed experts per token are k (1 - ghost fraction), by default the balanced-routing value k N_le / N_e.
+    With O_e = M (full replica) both modes are a standard top-k MoE.
+
+    Returns: {"dense", "router", "experts", "total"} (training = 3 x forward).
+    """
+    n_le = local_experts(shape.num_experts, sites, overlap)
+    d, layers, k = shape.d_model, shape.num_layers, shape.top_k
+    f_ffn = k * 2 * (2 * d * shape.expert_size)  # k experts, two matrices
+    f_gate = 2 * d * shape.num_experts
+    if skip_token:
+        ghost = (1.0 - n_le / shape.num_experts) if ghost_fraction is None else ghost_fraction
+        experts, router = (1.0 - ghost) * f_ffn, f_gate
+    else:
+        experts, router = min(k, n_le) / k * f_ffn, n_le / shape.num_experts * f_gate
+    dense = layers * (2 * 4 * d * d + 4 * d * shape.seq_len) + 2 * d * shape.vocab_size
+    scale = 3.0 if training else 1.0
+    out = {"dense": dense, "router": layers * router, "experts": layers * experts}
+    out = {key: scale * v for key, v in out.items()}
+    out["total"] = sum(out.values())
+    return out
+
+
+def memory_per_site(shape: ModelShape, sites: int, overlap: int, *,
+                    bytes_per_param: float = TRAIN_STATE_BYTES_PER_PARAM) -> float:
+    """Training-state bytes on one site: (dense + (O_e / M) x (experts and their router rows)) x 18 bytes."""
+    local_experts(shape.num_experts, sites, overlap)
+    p = param_count(shape.d_model, shape.num_layers, shape.num_experts, shape.expert_size, shape.vocab_size)
+    return (p["dense"] + overlap / sites * (p["experts"] + p["router"])) * bytes_per_param
+
+
+def round_seconds(*, flops_per_token: float, tokens_per_step: float, local_steps: int, round_bytes: float,
+                  bandwidth_bits_per_second: float, latency_seconds: float = 0.05,
+                  peak_flops: float = SITE_PEAK_FLOPS,
+                  mfu: float = 0.4, overlap_fraction: float = 0.0) -> dict[str, float]:
+    """t_comp = F_token * tokens_per_step / (MFU * peak) per local step; t_comm = bytes / bandwidth + latency;
+    a round takes K t_comp + (1 - overlap) t_comm. `tokens_per_step` is one site's tokens per step."""
+    t_comp = flops_per_token * tokens_per_step / (mfu * peak_flops)
+    t_comm = 8.0 * round_bytes / bandwidth_bits_per_second + latency_seconds
+    return {"compute": local_steps * t_comp, "communication": t_comm,
+            "total": local_steps * t_comp + (1.0 - overlap_fraction) * t_comm}
+
+
+def training_hours(rounds: float, seconds_per_round: float) -> float:
+    return rounds * seconds_per_round / 3600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Projection:
+    """One row of a projection: a method at one overlap and bandwidth."""
+
+    method: str
+    overlap: int
+    bandwidth_gbps: float
+    bytes_per_site_per_round: float
+    rounds: float
+    hours: float
+    memory_gib_per_site: float
+
+
+def project(shape: ModelShape, *, sites: int = 32, overlaps=(1, 2, 4, 8, 16, 32), bandwidths_gbps=(1, 10, 100),
+            local_steps: int = 32, global_batch_tokens: int = 4 * 2**20, tokens_per_active_param: float = 20.0,
+            optimizer: str = "local_adamw", skip_token: bool = False, peak_flops: float = SITE_PEAK_FLOPS,
+            mfu: float = 0.4,
+            latency_seconds: float = 0.05) -> list[Projection]:
+    """Training time and traffic of FoMoE at each overlap, and of DDP, at each bandwidth (module decisions)."""
+    p = param_count(shape.d_model, shape.num_layers, shape.num_experts, shape.expert_size, shape.vocab_size)
+    active = p["dense"] + p["router"] + p["experts"] * shape.top_k / shape.num_experts
+    total_tokens = tokens_per_active_param * active
+    steps = total_tokens / global_batch_tokens
+    rows = []
+    for gbps in bandwidths_gbps:
+        for o in overlaps:
+            b = bytes_per_round(shape, sites, o, optimizer=optimizer, skip_token=skip_token)["total"]
+            f = flops_per_token(shape, sites, o, skip_token=skip_token)["total"]
+            t = round_seconds(flops_per_token=f, tokens_per_step=global_batch_tokens / sites, local_steps=local_steps,
+                              round_bytes=b, bandwidth_bits_per_second=gbps * 1e9, latency_seconds=latency_seconds,
+                              peak_flops=peak_flops, mfu=mfu)
+            rounds = steps / local_steps
+            rows.append(Projection(f"FoMoE {optimizer}", o, gbps, b, rounds,
+                                   training_hours(rounds, t["total"]), memory_per_site(shape, sites, o) / 2**30))
+        f = flops_per_token(shape, sites, sites)["total"]
+        t = round_seconds(flops_per_token=f, tokens_per_step=global_batch_tokens / sites, local_steps=1,
+                          round_bytes=ddp_bytes_per_step(shape, sites), bandwidth_bits_per_second=gbps * 1e9,
+                          latency_seconds=latency_seconds, peak_flops=peak_flops, mfu=mfu)
+        rows.append(Projection("DDP", sites, gbps, ddp_bytes_per_step(shape, sites), steps,
+                               training_hours(steps, t["total"]), memory_per_site(shape, sites, sites) / 2**30))
+    return rows

@@ -1,0 +1,108 @@
+"""FoMoE's system model against the paper's parameter table and hand-computed bytes, FLOPs and memory."""
+
+import math
+
+import pytest
+
+from moe import system_model as sm
+
+
+@pytest.mark.parametrize("name", list(sm.PAPER_MODELS))
+def test_param_count_reproduces_the_paper_table(name):
+    shape, stated = sm.PAPER_MODELS[name]
+    p = sm.param_count(shape.d_model, shape.num_layers, shape.num_experts, shape.expert_size, shape.vocab_size)
+    assert p["total"] == p["embedding"] + p["attention"] + p["router"] + p["experts"]
+    assert p["dense"] == p["embedding"] + p["attention"]
+    # Within 1%, or within the rounding of the stated value when it has two significant digits (~1.8B).
+    digits = 2 if name in ("small proxy", "large") else 3
+    half_unit = 0.5 * 10 ** (math.floor(math.log10(stated)) - digits + 1)
+    assert abs(p["total"] - stated) <= max(0.01 * stated, half_unit), (p["total"], stated)
+
+
+def test_param_count_by_hand_and_bad_input():
+    p = sm.param_count(4, 2, 3, expert_size=5, vocab_size=7)
+    assert p == {"embedding": 28, "attention": 128, "router": 24, "experts": 240, "per_expert": 40, "dense": 156,
+                 "total": 420}
+    with pytest.raises(ValueError, match="d_model = 0"):
+        sm.param_count(0, 2, 3)
+
+
+def test_local_experts_and_its_errors():
+    assert sm.local_experts(16, 8, 4) == 8 and sm.local_experts(16, 8, 8) == 16 and sm.local_experts(16, 8, 1) == 2
+    with pytest.raises(ValueError, match="not divisible by the number of sites M = 8"):
+        sm.local_experts(4, 8, 1)
+    with pytest.raises(ValueError, match="overlap O_e = 9"):
+        sm.local_experts(16, 8, 9)
+
+
+def test_bytes_per_round_by_hand():
+    shape = sm.ModelShape(d_model=4, num_layers=2, num_experts=8, top_k=2, expert_size=5, vocab_size=7)
+    # dense = 28 + 128 = 156 params; per expert 40 (+ 4 router row when partitioned); M = 4, O_e = 2 -> N_le = 4.
+    b = sm.bytes_per_round(shape, 4, 2, optimizer="diloco", bytes_per_param=1)
+    assert b["dense"] == pytest.approx(2 * 3 / 4 * 156)
+    assert b["sparse"] == pytest.approx(2 * 1 / 2 * 2 * 4 * 44)
+    adamw = sm.bytes_per_round(shape, 4, 2, optimizer="local_adamw", bytes_per_param=1)
+    assert adamw["total"] == pytest.approx(3 * b["total"])
+    skip = sm.bytes_per_round(shape, 4, 2, optimizer="diloco", skip_token=True, bytes_per_param=1)
+    assert skip["dense"] == pytest.approx(2 * 3 / 4 * (156 + 2 * 4 * 8)) and skip["sparse"] == pytest.approx(2 * 4 * 40)
+    moved = sm.bytes_per_round(shape, 4, 2, optimizer="diloco", migration=1.0, bytes_per_param=1)
+    assert moved["sparse"] == pytest.approx((1.0 + 1.0 * (1 - 2 / 4)) * 2 * 4 * 44)
+    # Disjoint experts, fixed placement: nothing sparse to average. Full replica: experts ring over all M sites.
+    assert sm.bytes_per_round(shape, 4, 1, optimizer="diloco")["sparse"] == 0
+    full = sm.bytes_per_round(shape, 4, 4, optimizer="diloco", bytes_per_param=1)
+    assert full["sparse"] == pytest.approx(2 * 3 / 4 * 2 * 8 * 44)
+    with pytest.raises(ValueError, match="optimizer = 'adam'"):
+        sm.bytes_per_round(shape, 4, 2, optimizer="adam")
+    with pytest.raises(ValueError, match="migration gamma = 2"):
+        sm.bytes_per_round(shape, 4, 2, migration=2)
+
+
+def test_ddp_and_bytes_per_token():
+    shape = sm.ModelShape(d_model=4, num_layers=2, num_experts=8, top_k=2, expert_size=5, vocab_size=7)
+    total = sm.param_count(4, 2, 8, 5, 7)["total"]
+    assert sm.ddp_bytes_per_step(shape, 4, bytes_per_param=2) == pytest.approx(2 * 3 / 4 * total * 2)
+    assert sm.bytes_per_token(1000.0, sites=4, local_steps=8, global_batch_tokens=50) == pytest.approx(10.0)
+    # With K = 32 a full-replica DiLoCo round sends what 1/32 of DDP's rounds send.
+    full = sm.bytes_per_round(shape, 4, 4, optimizer="diloco", skip_token=True)["total"]
+    assert 32 * sm.ddp_bytes_per_step(shape, 4) / full == pytest.approx(32.0)
+
+
+def test_flops_per_token():
+    shape = sm.ModelShape(d_model=8, num_layers=3, num_experts=8, top_k=2, expert_size=4, vocab_size=11, seq_len=5)
+    full = sm.flops_per_token(shape, 4, 4, training=False)
+    # Forward, full replica: 2 x (attention 4 d^2 + k experts 2 d h + router d E) per layer + 4 L d T + head 2 d V.
+    matmul_params = 3 * (4 * 64 + 2 * 2 * 8 * 4 + 8 * 8)
+    assert full["total"] == pytest.approx(2 * matmul_params + 4 * 3 * 8 * 5 + 2 * 8 * 11)
+    assert sm.flops_per_token(shape, 4, 4)["total"] == pytest.approx(3 * full["total"])
+    # Partitioned router at O_e = 1: N_le = 2 experts per site, top-min(k, N_le) = 2: all k experts still run,
+    # the router scores 2 of 8.
+    part = sm.flops_per_token(shape, 4, 1, training=False)
+    assert part["experts"] == pytest.approx(full["experts"]) and part["router"] == pytest.approx(full["router"] / 4)
+    # Skip-token: the router scores all experts; k N_le / N_e experts run on average, or k (1 - measured ghosts).
+    skip = sm.flops_per_token(shape, 4, 1, skip_token=True, training=False)
+    assert skip["router"] == pytest.approx(full["router"]) and skip["experts"] == pytest.approx(full["experts"] / 4)
+    measured = sm.flops_per_token(shape, 4, 1, skip_token=True, ghost_fraction=0.5, training=False)
+    assert measured["experts"] == pytest.approx(full["experts"] / 2)
+
+
+def test_memory_and_round_time():
+    shape = sm.ModelShape(d_model=4, num_layers=2, num_experts=8, top_k=2, expert_size=5, vocab_size=7)
+    # 156 dense + O_e / M x (2 layers x 8 experts x 40 + 64 router) params, 18 bytes each.
+    assert sm.memory_per_site(shape, 4, 2) == pytest.approx((156 + 0.5 * (640 + 64)) * 18)
+    t = sm.round_seconds(flops_per_token=100.0, tokens_per_step=10.0, local_steps=4, round_bytes=1e9,
+                         bandwidth_bits_per_second=8e9, latency_seconds=0.5, peak_flops=1000.0, mfu=0.5,
+                         overlap_fraction=0.25)
+    assert t["compute"] == pytest.approx(4 * 2.0) and t["communication"] == pytest.approx(1.5)
+    assert t["total"] == pytest.approx(8.0 + 0.75 * 1.5)
+
+
+def test_projection_orders_methods_as_the_formulas_say():
+    rows = sm.project(sm.PAPER_MODELS["XXL"][0])
+    assert len(rows) == 3 * 7
+    by = {(r.method.split()[0], r.overlap, r.bandwidth_gbps): r for r in rows}
+    for gbps in (1, 10, 100):
+        fomoe = [by[("FoMoE", o, gbps)] for o in (1, 2, 4, 8, 16, 32)]
+        assert all(a.bytes_per_site_per_round < b.bytes_per_site_per_round for a, b in zip(fomoe, fomoe[1:]))
+        assert all(a.memory_gib_per_site < b.memory_gib_per_site for a, b in zip(fomoe, fomoe[1:]))
+        assert by[("DDP", 32, gbps)].hours > fomoe[-1].hours  # DDP syncs every step: 32x the rounds
+    assert by[("FoMoE", 4, 1)].hours > by[("FoMoE", 4, 100)].hours
