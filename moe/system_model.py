@@ -29,12 +29,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-__all__ = ["PAPER_MODELS", "ModelShape", "param_count", "local_experts", "bytes_per_round", "ddp_bytes_per_step",
+__all__ = ["PAPER_MODELS", "ModelShape", "param_count", "active_params", "local_experts", "bytes_per_round", "ddp_bytes_per_step",
            "bytes_per_token", "flops_per_token", "memory_per_site", "round_seconds", "training_hours",
            "Projection", "project"]
 
 BYTES_PER_PARAM = 4
 SITE_PEAK_FLOPS = 64 * 989e12
+TOKENS_PER_ACTIVE_PARAM = 20.0
 TRAIN_STATE_BYTES_PER_PARAM = 18  # bf16 weights 2 + fp32 master 4 + two fp32 moments 8 + fp32 gradients 4
 
 
@@ -81,6 +82,12 @@ def param_count(d_model: int, num_layers: int, num_experts: int, expert_size: in
     dense = embedding + attention
     return {"embedding": embedding, "attention": attention, "router": router, "experts": experts,
             "per_expert": per_expert, "dense": dense, "total": dense + router + experts}
+
+
+def active_params(shape: ModelShape) -> float:
+    """Parameters one token meets: dense, routers, and top_k / num_experts of the experts."""
+    p = param_count(shape.d_model, shape.num_layers, shape.num_experts, shape.expert_size, shape.vocab_size)
+    return p["dense"] + p["router"] + p["experts"] * shape.top_k / shape.num_experts
 
 
 def local_experts(num_experts: int, sites: int, overlap: int) -> int:
@@ -201,14 +208,13 @@ class Projection:
 
 
 def project(shape: ModelShape, *, sites: int = 32, overlaps=(1, 2, 4, 8, 16, 32), bandwidths_gbps=(1, 10, 100),
-            local_steps: int = 32, global_batch_tokens: int = 4 * 2**20, tokens_per_active_param: float = 20.0,
+            local_steps: int = 32, global_batch_tokens: int = 4 * 2**20,
+            tokens_per_active_param: float = TOKENS_PER_ACTIVE_PARAM,
             optimizer: str = "local_adamw", skip_token: bool = False, peak_flops: float = SITE_PEAK_FLOPS,
             mfu: float = 0.4,
             latency_seconds: float = 0.05) -> list[Projection]:
     """Training time and traffic of FoMoE at each overlap, and of DDP, at each bandwidth (module decisions)."""
-    p = param_count(shape.d_model, shape.num_layers, shape.num_experts, shape.expert_size, shape.vocab_size)
-    active = p["dense"] + p["router"] + p["experts"] * shape.top_k / shape.num_experts
-    total_tokens = tokens_per_active_param * active
+    total_tokens = tokens_per_active_param * active_params(shape)
     steps = total_tokens / global_batch_tokens
     rows = []
     for gbps in bandwidths_gbps:

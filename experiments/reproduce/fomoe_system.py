@@ -1,0 +1,126 @@
+"""FoMoE's system model: the paper's parameter table, and the 104B projection at M = 32 sites.
+
+    python -m experiments.reproduce.fomoe_system [--out results/fomoe]
+
+Writes system_model.md (parameter counts against the paper's table; bytes per site per round, memory per site and
+training hours for FoMoE at O_e in {1, 2, 4, 8, 16, 32} and for DDP, at 1, 10 and 100 Gbps), system_model.json,
+cumulative_bytes.png (bytes each site has sent against training tokens) and training_hours.png (hours against
+O_e). Every assumption the paper does not state is a documented default of `moe.system_model` (fp32 parameters on
+the wire, 20 tokens per active parameter, 4M-token global batch, K = 32, a 64-accelerator site at MFU 0.4,
+50 ms latency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+from moe import system_model as sm
+
+OVERLAPS = (1, 2, 4, 8, 16, 32)
+BANDWIDTHS = (1, 10, 100)
+SITES = 32
+
+
+def parameter_table() -> list[dict]:
+    rows = []
+    for name, (shape, stated) in sm.PAPER_MODELS.items():
+        p = sm.param_count(shape.d_model, shape.num_layers, shape.num_experts, shape.expert_size, shape.vocab_size)
+        rows.append({"model": name, "d_model": shape.d_model, "layers": shape.num_layers,
+                     "experts": shape.num_experts, "active": shape.top_k, "paper": stated, "ours": p["total"],
+                     "dense": p["dense"], "expert_params": p["experts"] + p["router"],
+                     "relative_difference": p["total"] / stated - 1})
+    return rows
+
+
+def markdown(params: list[dict], projection: list[sm.Projection]) -> str:
+    lines = ["# FoMoE system model", "", "Parameter counts (attention 4 d^2 per layer, experts 2 d h, router d N_e, "
+             "tied vocabulary 200,019; `python -m experiments.reproduce.fomoe_system`):", "",
+             "| model | d_model | layers | experts | active | paper | ours | difference |", "|---|---|---|---|---|---|---|---|"]
+    for r in params:
+        lines.append(f"| {r['model']} | {r['d_model']} | {r['layers']} | {r['experts']} | {r['active']} | "
+                     f"{r['paper'] / 1e6:,.0f}M | {r['ours'] / 1e6:,.1f}M | {100 * r['relative_difference']:+.2f}% |")
+    lines += ["", f"104B (XXL) at M = {SITES} sites, LocalAdamW, K = 32, fixed placement, partitioned router "
+              "(assumptions in `moe/system_model.py`):", "",
+              "| method | O_e | GB per site per round | memory per site (GiB) | hours at 1 Gbps | at 10 Gbps | "
+              "at 100 Gbps |", "|---|---|---|---|---|---|---|"]
+    by = {(r.method, r.overlap, r.bandwidth_gbps): r for r in projection}
+    for method, overlaps in (("FoMoE local_adamw", OVERLAPS), ("DDP", (SITES,))):
+        for o in overlaps:
+            first = by[(method, o, BANDWIDTHS[0])]
+            hours = " | ".join(f"{by[(method, o, g)].hours:,.0f}" for g in BANDWIDTHS)
+            lines.append(f"| {method}{' (every step)' if method == 'DDP' else ''} | {o} | "
+                         f"{first.bytes_per_site_per_round / 1e9:,.0f} | {first.memory_gib_per_site:,.0f} | {hours} |")
+    lines += ["", "DDP's bytes are per step (it synchronises every step, K = 1); FoMoE's per round of K = 32 steps.",
+              "Full replica = FoMoE at O_e = 32. The paper states the large model as ~1.8B (two significant "
+              "digits), which our 1,819.6M rounds to."]
+    return "\n".join(lines) + "\n"
+
+
+def plots(projection: list[sm.Projection], total_tokens: float, out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    for r in projection:
+        if r.bandwidth_gbps != BANDWIDTHS[0]:
+            continue
+        tokens = np.geomspace(1e9, total_tokens, 50)
+        per_token = r.bytes_per_site_per_round * r.rounds / total_tokens
+        label = "DDP (every step)" if r.method == "DDP" else f"FoMoE O_e={r.overlap}" + (
+            " (full replica)" if r.overlap == SITES else "")
+        ax.loglog(tokens, tokens * per_token / 1e12, label=label, ls="--" if r.method == "DDP" else "-")
+    ax.set_xlabel("tokens trained")
+    ax.set_ylabel("cumulative TB sent per site")
+    ax.set_title(f"104B MoE, M = {SITES} sites, LocalAdamW, K = 32", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "cumulative_bytes.png"))
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    for g in BANDWIDTHS:
+        rows = [r for r in projection if r.bandwidth_gbps == g and r.method != "DDP"]
+        line = ax.plot([r.overlap for r in rows], [r.hours for r in rows], "o-", label=f"FoMoE, {g} Gbps")
+        ddp = next(r for r in projection if r.bandwidth_gbps == g and r.method == "DDP")
+        ax.axhline(ddp.hours, color=line[0].get_color(), ls=":", lw=1, label=f"DDP, {g} Gbps")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("overlap O_e (sites per expert; 32 = full replica)")
+    ax.set_ylabel("training hours")
+    ax.set_title("104B MoE, M = 32 sites (projection)", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "training_hours.png"))
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="results/fomoe", help="output directory")
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    shape = sm.PAPER_MODELS["XXL"][0]
+    params = parameter_table()
+    projection = sm.project(shape, sites=SITES, overlaps=OVERLAPS, bandwidths_gbps=BANDWIDTHS)
+    with open(os.path.join(args.out, "system_model.json"), "w") as f:
+        json.dump({"parameters": params, "shape": dataclasses.asdict(shape),
+                   "projection": [dataclasses.asdict(r) for r in projection]}, f, indent=2)
+    text = markdown(params, projection)
+    with open(os.path.join(args.out, "system_model.md"), "w") as f:
+        f.write(text)
+    plots(projection, sm.TOKENS_PER_ACTIVE_PARAM * sm.active_params(shape), args.out)
+    print(text)
+    print(f"wrote {args.out}/system_model.md, system_model.json, cumulative_bytes.png, training_hours.png")
+
+
+if __name__ == "__main__":
+    main()
