@@ -6,6 +6,11 @@ All three compute, for N tokens with top-k choices (experts [N, k], gates [N, k]
     y[n] = sum_j gates[n, j] * E_{experts[n, j]}(x[n]),     E_e(x) = silu(x @ up[e]) @ down[e]
 
 and differ in which assignments they compute (capacity drops some) and where the experts live.
+
+Ghost assignments (FoMoE's skip-token: the router chose an expert this site does not host) carry the expert id
+E (one past the last local expert). They are never computed: the dropless sort puts them after every real
+assignment, past the grouped matmul's sum(group_sizes), so no matmul row is spent on them; the capacity one-hot is
+all zero for them; the expert-parallel dispatch never sends them. Their output is zero whatever their gate.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ def dropless(x: jax.Array, experts: jax.Array, gates: jax.Array, up: jax.Array, 
     matmul, unsort and combine with the gates.
 
     Args:
-      x: [N, d]; experts, gates: [N, k]; up: [E, d, h]; down: [E, h, d].
+      x: [N, d]; experts, gates: [N, k] (expert E = a ghost, not computed); up: [E, d, h]; down: [E, h, d].
     Returns:
       y: [N, d] in x.dtype.
     """
@@ -149,7 +154,8 @@ def expert_parallel_dropless(x: jax.Array, experts: jax.Array, gates: jax.Array,
     backend supports one.
 
     Args (per device):
-      x: [n, d]; experts, gates: [n, k] (global expert ids); up: [E_l, d, h]; down: [E_l, h, d].
+      x: [n, d]; experts, gates: [n, k] (expert ids over all P E_l experts; P E_l = a ghost, never sent);
+      up: [E_l, d, h]; down: [E_l, h, d].
     Returns:
       y: [n, d] in x.dtype.
     """
@@ -175,5 +181,6 @@ def expert_parallel_dropless(x: jax.Array, experts: jax.Array, gates: jax.Array,
     group_sizes = jnp.bincount(recv_e, length=local).astype(jnp.int32)  # the empty-row marker E_l is not counted
     ys = expert_ffn(permute(recv_x, order2, inverse2), group_sizes, up, down, gmm_up, gmm_down)
     back = exchange(permute(ys, inverse2, order2).reshape(devices, a, d))
-    ys_sorted = back[dest, slot - starts[dest]]
+    owner = jnp.minimum(dest, devices - 1)  # ghosts (dest == P) were never sent and get no result
+    ys_sorted = jnp.where((dest < devices)[:, None], back[owner, slot - starts[owner]], 0)
     return _combine(ys_sorted, inverse, order, gates)

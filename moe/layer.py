@@ -12,12 +12,20 @@ Parameters (logical axes): router [d, E] ("embed", None); up [E, d, h] ("expert"
 down [E, h, d] ("expert", "expert_mlp", "embed"); the shared expert's matrices like the dense MLP's.
 The layer imports nothing from `quant`: it asks the precision slot for its dot_general (router, shared expert,
 capacity products) and its grouped matmul (dropless experts), by module path.
+
+FoMoE sites (spec: ../shared/specs/fomoe.md, "Routing"): a layer may host only some of the `num_experts` experts
+(`resident`, global ids). Then `routing_mode` says how tokens are routed:
+  * "partitioned": the router has one column per resident expert and takes the top min(k, N_le) of them;
+  * "skip_token": the router scores all N_e experts (a dense parameter) and takes the global top-k; a chosen
+    expert that is not resident (a ghost) is not computed at all, its gate is not redistributed, and a token
+    whose choices are all ghosts gets a zero output (the residual stream only). aux adds "moe/ghost_fraction".
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +39,10 @@ from moe import dispatch as dispatch_lib
 from moe import router as router_lib
 from moe.grouped_matmul import GroupedMatmulFn
 
-__all__ = ["MoEConfig", "MoE", "expert_mesh_axis", "DISPATCH"]
+__all__ = ["MoEConfig", "MoE", "expert_mesh_axis", "DISPATCH", "ROUTING_MODES"]
 
 DISPATCH = ("dropless", "capacity")
+ROUTING_MODES = ("partitioned", "skip_token")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,26 +98,36 @@ class MoE(nnx.Module):
     """
 
     def __init__(self, cfg: TransformerConfig, moe: MoEConfig, *, path: str, rngs: nnx.Rngs,
-                 precision: Precision | None = None, shard: Sharder | None = None):
+                 precision: Precision | None = None, shard: Sharder | None = None,
+                 resident: Sequence[int] | None = None, routing_mode: str = "partitioned"):
         if moe.router not in router_lib.ROUTERS or moe.dispatch not in DISPATCH:
             raise ValueError(f"moe.router = {moe.router!r} (allowed {list(router_lib.ROUTERS)}) / moe.dispatch = "
                              f"{moe.dispatch!r} (allowed {list(DISPATCH)}).")
         if not 1 <= moe.top_k <= moe.num_experts:
             raise ValueError(f"moe.top_k = {moe.top_k} must be in [1, moe.num_experts = {moe.num_experts}].")
+        if routing_mode not in ROUTING_MODES:
+            raise ValueError(f"routing_mode = {routing_mode!r}; allowed: {list(ROUTING_MODES)}.")
+        e = moe.num_experts
+        self.resident = tuple(range(e)) if resident is None else tuple(int(i) for i in resident)
+        if not self.resident or len(set(self.resident)) != len(self.resident) or not all(
+                0 <= i < e for i in self.resident):
+            raise ValueError(f"{path}: resident experts {list(self.resident)} must be distinct ids in [0, {e}).")
+        local = len(self.resident)
+        self.skip_token = routing_mode == "skip_token" and local < e
         self.shard = Sharder() if shard is None else shard
-        self.ep_axis = expert_mesh_axis(self.shard, moe.num_experts) if moe.dispatch == "dropless" else None
+        self.ep_axis = expert_mesh_axis(self.shard, local) if moe.dispatch == "dropless" else None
         self.precision = precision if precision is not None else DefaultPrecision(
             grouped=GroupedMatmulFn(moe.grouped_matmul))
         self.moe, self.path, self.dtype = moe, path, cfg.compute_dtype
-        d, e, h = cfg.d_model, moe.num_experts, moe.expert_size
+        d, h = cfg.d_model, moe.expert_size
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
 
         def normal(shape, std):
             return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(cfg.weight_dtype)
 
-        self.router = nnx.Param(normal((d, e), cfg.init_std), axes=("embed", None))
-        self.up = nnx.Param(normal((e, d, h), cfg.init_std), axes=("expert", "embed", "expert_mlp"))
-        self.down = nnx.Param(normal((e, h, d), out_std), axes=("expert", "expert_mlp", "embed"))
+        self.router = nnx.Param(normal((d, e if self.skip_token else local), cfg.init_std), axes=("embed", None))
+        self.up = nnx.Param(normal((local, d, h), cfg.init_std), axes=("expert", "embed", "expert_mlp"))
+        self.down = nnx.Param(normal((local, h, d), out_std), axes=("expert", "expert_mlp", "embed"))
         if moe.shared_expert_size:
             common = dict(precision=self.precision, cfg=cfg, rngs=rngs)
             self.shared_up = Dense(d, moe.shared_expert_size, axes=("embed", "mlp"), path=f"{path}.shared.up",
@@ -117,25 +136,36 @@ class MoE(nnx.Module):
                                      std=out_std, **common)
 
     def route(self, x: jax.Array, key: jax.Array | None = None) -> router_lib.Routing:
-        """Router logits in float32 for x [..., d] flattened to [N, d]; returns the top-k Routing."""
+        """Router logits in float32 for x [..., d] flattened to [N, d]; the top-k Routing over the router's
+        columns (all experts with skip-token, else the resident ones, top min(k, N_le))."""
         path = f"{self.path}.router"
         dot_general = self.precision.dot_general(path, layer_key(key, path))
         x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-        logits = dot_general(x, self.router.get_value().astype(jnp.float32), (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)
-        return router_lib.route(logits, self.moe.top_k, self.moe.router, normalize=self.moe.normalize_gates)
+        router = self.router.get_value().astype(jnp.float32)
+        logits = dot_general(x, router, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        k = min(self.moe.top_k, router.shape[1])
+        return router_lib.route(logits, k, self.moe.router, normalize=self.moe.normalize_gates)
+
+    def local_ids(self, experts: jax.Array) -> jax.Array:
+        """Router column -> local expert slot; a ghost (not resident) -> N_le, which no dispatch computes."""
+        if not self.skip_token:
+            return experts
+        table = jnp.full((self.moe.num_experts,), len(self.resident), jnp.int32)
+        table = table.at[jnp.asarray(self.resident)].set(jnp.arange(len(self.resident), dtype=jnp.int32))
+        return table[experts]
 
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         b, t, d = x.shape
         m = self.moe
         x = x.astype(self.dtype)
         routing = self.route(x, key)
+        experts = self.local_ids(routing.experts)
         up, down = self.up.get_value(), self.down.get_value()
         keep = None
         if m.dispatch == "capacity":
             path = f"{self.path}.experts"
             y, keep = dispatch_lib.capacity(
-                x, routing.experts.reshape(b, t, -1), routing.gates.reshape(b, t, -1), up, down,
+                x, experts.reshape(b, t, -1), routing.gates.reshape(b, t, -1), up, down,
                 capacity_factor=m.capacity_factor, dot_general=self.precision.dot_general(path, layer_key(key, path)),
                 shard=self.shard)
             keep = keep.reshape(b * t, -1)
@@ -144,10 +174,10 @@ class MoE(nnx.Module):
                                 for p in (f"{self.path}.experts.up", f"{self.path}.experts.down"))
             flat = x.reshape(b * t, d)
             if self.ep_axis is None:
-                y = dispatch_lib.dropless(flat, routing.experts, routing.gates, up, down, gmm_up=gmm_up,
+                y = dispatch_lib.dropless(flat, experts, routing.gates, up, down, gmm_up=gmm_up,
                                           gmm_down=gmm_down)
             else:
-                y = self._expert_parallel(flat, routing, up, down, gmm_up, gmm_down)
+                y = self._expert_parallel(flat, experts, routing.gates, up, down, gmm_up, gmm_down)
             y = y.reshape(b, t, d)
         if m.shared_expert_size:
             y = y + self.shared_down(jax.nn.silu(self.shared_up(x, key=key)), key=key)
@@ -155,13 +185,15 @@ class MoE(nnx.Module):
         stats = router_lib.routing_stats(routing, keep)
         aux = {f"moe/{name}": stats[name] for name in ("load_cv", "load_entropy", "token_entropy", "max_load",
                                                         "dropped")}
+        if self.skip_token:
+            aux["moe/ghost_fraction"] = jnp.mean((experts == len(self.resident)).astype(jnp.float32))
         if m.load_balance_weight:
             aux["loss/moe_balance"] = m.load_balance_weight * router_lib.load_balance_loss(routing)
         if m.z_loss_weight:
             aux["loss/moe_z"] = m.z_loss_weight * router_lib.z_loss(routing)
         return y, aux
 
-    def _expert_parallel(self, x, routing, up, down, gmm_up, gmm_down):
+    def _expert_parallel(self, x, experts, gates, up, down, gmm_up, gmm_down):
         """Dropless dispatch under shard_map: tokens split over the batch's mesh axes plus the expert axis. A token
         count those devices cannot split evenly (e.g. one decode step of one sequence) is padded with rows whose
         gates are zero; the padding is computed and discarded and never enters the routing statistics."""
@@ -171,7 +203,6 @@ class MoE(nnx.Module):
         token_axes = batch + ((axis,) if axis not in batch else ())
         n = x.shape[0]
         pad = -n % math.prod(mesh.shape[a] for a in token_axes)
-        experts, gates = routing.experts, routing.gates
         if pad:
             x, experts, gates = (jnp.concatenate([a, jnp.zeros((pad,) + a.shape[1:], a.dtype)])
                                  for a in (x, experts, gates))

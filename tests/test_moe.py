@@ -15,6 +15,7 @@ from core.model import TransformerConfig
 from experiments import build
 from moe import MoE, MoEConfig, dispatch, grouped_matmul, load_balance_loss, route, routing_stats, z_loss
 from moe.router import Routing
+from moe_reference import reference, set_params, sharder
 
 RNG = np.random.default_rng(0)
 
@@ -154,39 +155,6 @@ def test_routing_stats_on_hand_built_routing():
 
 # ------------------------------------------------------------------------------------- the layer vs float64 loop
 
-def _set_params(layer: nnx.Module, seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    values = {}
-    for path, var in nnx.to_flat_state(nnx.state(layer, nnx.Param)):
-        shape = var.get_value().shape
-        values[".".join(map(str, path))] = rng.normal(size=shape) / np.sqrt(shape[-2] if len(shape) > 1 else 1)
-    state = nnx.state(layer, nnx.Param)
-    for path, var in nnx.to_flat_state(state):
-        var.set_value(jnp.asarray(values[".".join(map(str, path))], jnp.float32))
-    nnx.update(layer, state)
-    return {k: np.asarray(np.float32(v), np.float64) for k, v in values.items()}
-
-
-def _reference(p: dict, x, m: MoEConfig, chosen: np.ndarray):
-    """float64 MoE written from the formulas: y = sum over experts e of gate_e(x) silu(x up_e) down_e (+ shared).
-    `chosen` [N, k]: the top-k experts (computed from the float64 logits by the caller), fixed for autodiff."""
-    silu = lambda z: z * jax.nn.sigmoid(z)  # noqa: E731
-    logits = x @ p["router"]
-    if m.router == "softmax":
-        gates = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), chosen, axis=1)
-        if m.normalize_gates:
-            gates = gates / jnp.sum(gates, axis=1, keepdims=True)
-    else:
-        gates = jax.nn.sigmoid(jnp.take_along_axis(logits, chosen, axis=1))
-    y = jnp.zeros_like(x)
-    for e in range(m.num_experts):
-        gate_e = jnp.sum(jnp.where(chosen == e, gates, 0.0), axis=1)
-        y = y + gate_e[:, None] * (silu(x @ p["up"][e]) @ p["down"][e])
-    if m.shared_expert_size:
-        y = y + silu(x @ p["shared_up.kernel"]) @ p["shared_down.kernel"]
-    return y
-
-
 MOE_CASES = {
     "sigmoid-k2": MoEConfig(num_experts=6, top_k=2, expert_size=8, router="sigmoid"),
     "softmax-k1": MoEConfig(num_experts=4, top_k=1, expert_size=12, router="softmax"),
@@ -198,7 +166,7 @@ MOE_CASES = {
 def _layer_and_reference(m: MoEConfig, shape, seed=0):
     cfg = TransformerConfig(d_model=shape[-1], num_layers=2)
     layer = MoE(cfg, m, path="ffn", rngs=nnx.Rngs(seed))
-    params = _set_params(layer, seed)
+    params = set_params(layer, seed)
     x = RNG.normal(size=shape)
     return layer, params, x
 
@@ -220,8 +188,8 @@ def test_dropless_layer_and_gradients_equal_float64_reference(name, shape):
     flat_x = x.reshape(-1, shape[-1])
     chosen = np.argsort(-(flat_x @ p["router"]), axis=1, kind="stable")[:, :m.top_k]
     with jax.enable_x64(True):
-        ref_fn = lambda p, x: jnp.sum(_reference(p, x, m, chosen) * ct.reshape(-1, shape[-1]))  # noqa: E731
-        ref_y = np.asarray(_reference(p, flat_x, m, chosen))
+        ref_fn = lambda p, x: jnp.sum(reference(p, x, m, chosen) * ct.reshape(-1, shape[-1]))  # noqa: E731
+        ref_y = np.asarray(reference(p, flat_x, m, chosen))
         ref_gp, ref_gx = jax.grad(ref_fn, argnums=(0, 1))(p, flat_x)
         ref_gp = {k: np.asarray(v) for k, v in ref_gp.items()}
         ref_gx = np.asarray(ref_gx)
@@ -275,7 +243,7 @@ def test_capacity_layer_equals_reference_without_the_dropped_assignments(capacit
     keep = (_queue_positions(chosen.reshape(shape[0], shape[1], -1), m.num_experts) < slots).reshape(-1, m.top_k)
     dropped = np.where(keep, chosen, -1)  # expert -1 matches no expert: the assignment contributes nothing
     with jax.enable_x64(True):
-        ref = np.asarray(_reference(p, flat_x, m, dropped))
+        ref = np.asarray(reference(p, flat_x, m, dropped))
     np.testing.assert_allclose(np.asarray(y).reshape(-1, shape[-1]), ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(aux["moe/dropped"], 1 - keep.mean(), rtol=1e-6)
     if capacity_factor == 100.0:
@@ -284,21 +252,15 @@ def test_capacity_layer_equals_reference_without_the_dropped_assignments(capacit
 
 # ------------------------------------------------------------------------------------------ expert parallelism
 
-def _sharder(data: int, expert: int) -> mesh_lib.Sharder:
-    c = build.default_config()
-    c.mesh.data, c.mesh.expert = data, expert
-    return mesh_lib.Sharder(mesh_lib.make_mesh(c), tuple(tuple(r) for r in c.mesh.rules))
-
-
 @pytest.mark.parametrize("data, expert, dispatch_kind", [(2, 4, "dropless"), (1, 8, "dropless"),
                                                           (4, 2, "dropless"), (2, 4, "capacity")])
 def test_sharded_layer_and_gradients_equal_single_device(data, expert, dispatch_kind):
     m = MoEConfig(num_experts=8, top_k=2, expert_size=8, router="softmax", dispatch=dispatch_kind,
                   shared_expert_size=8)
     cfg = TransformerConfig(d_model=16, num_layers=2)
-    sharder = _sharder(data, expert)
+    shard = sharder(data, expert)
     single = MoE(cfg, m, path="ffn", rngs=nnx.Rngs(3))
-    sharded = MoE(cfg, m, path="ffn", rngs=nnx.Rngs(3), shard=sharder)
+    sharded = MoE(cfg, m, path="ffn", rngs=nnx.Rngs(3), shard=shard)
     assert sharded.ep_axis == ("expert" if dispatch_kind == "dropless" else None)
     x = jnp.asarray(RNG.normal(size=(8, 12, 16)), jnp.float32)
     ct = jnp.asarray(RNG.normal(size=x.shape), jnp.float32)
@@ -325,7 +287,7 @@ def test_expert_parallel_pads_token_counts_the_devices_cannot_split():
     cfg = TransformerConfig(d_model=16, num_layers=2)
     x = jnp.asarray(RNG.normal(size=(1, 3, 16)), jnp.float32)
     y1, aux1 = MoE(cfg, m, path="ffn", rngs=nnx.Rngs(4))(x)
-    y8, aux8 = jax.jit(lambda x: MoE(cfg, m, path="ffn", rngs=nnx.Rngs(4), shard=_sharder(2, 4))(x))(x)
+    y8, aux8 = jax.jit(lambda x: MoE(cfg, m, path="ffn", rngs=nnx.Rngs(4), shard=sharder(2, 4))(x))(x)
     np.testing.assert_allclose(y8, y1, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(aux8["moe/load_cv"], aux1["moe/load_cv"], rtol=1e-6)
 
@@ -338,11 +300,11 @@ def test_moe_train_steps_on_8_devices_equal_one_device(tiny_config):
     for data, expert in ((1, 1), (2, 4)):
         c.mesh.data, c.mesh.expert = data, expert
         build.validate(c, num_devices=jax.device_count())
-        _, sharder = build.build_mesh(c)
+        _, shard = build.build_mesh(c)
         optimizer = build.build_optimizer(c)
-        graphdef, state = train_lib.init_state(build.build_model_fn(c, sharder), optimizer, 0, sharder)
+        graphdef, state = train_lib.init_state(build.build_model_fn(c, shard), optimizer, 0, shard)
         step = train_lib.make_train_step(graphdef, optimizer)
-        batch = jax.device_put(tokens, sharder.named(("batch", None)))
+        batch = jax.device_put(tokens, shard.named(("batch", None)))
         metrics = []
         for _ in range(3):
             state, out = step(state, batch)
@@ -402,4 +364,4 @@ def test_bad_moe_configs_are_rejected_naming_the_key(changes, needles):
 def test_layer_rejects_experts_not_divisible_by_the_expert_axis():
     with pytest.raises(ValueError, match="moe.num_experts = 6 is not divisible by the mesh axis 'expert' = 4"):
         MoE(TransformerConfig(d_model=16), MoEConfig(num_experts=6), path="ffn", rngs=nnx.Rngs(0),
-            shard=_sharder(2, 4))
+            shard=sharder(2, 4))

@@ -1,0 +1,49 @@
+"""Shared by the MoE tests: a float64 MoE written from the formulas, random O(1) parameters, an 8-device sharder."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from core import mesh as mesh_lib
+from experiments import build
+from moe import MoEConfig
+
+
+def set_params(layer: nnx.Module, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    values = {}
+    for path, var in nnx.to_flat_state(nnx.state(layer, nnx.Param)):
+        shape = var.get_value().shape
+        values[".".join(map(str, path))] = rng.normal(size=shape) / np.sqrt(shape[-2] if len(shape) > 1 else 1)
+    state = nnx.state(layer, nnx.Param)
+    for path, var in nnx.to_flat_state(state):
+        var.set_value(jnp.asarray(values[".".join(map(str, path))], jnp.float32))
+    nnx.update(layer, state)
+    return {k: np.asarray(np.float32(v), np.float64) for k, v in values.items()}
+
+
+def reference(p: dict, x, m: MoEConfig, chosen: np.ndarray):
+    """float64 MoE written from the formulas: y = sum over experts e of gate_e(x) silu(x up_e) down_e (+ shared).
+    `chosen` [N, k]: the top-k experts (computed from the float64 logits by the caller), fixed for autodiff."""
+    silu = lambda z: z * jax.nn.sigmoid(z)  # noqa: E731
+    logits = x @ p["router"]
+    if m.router == "softmax":
+        gates = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), chosen, axis=1)
+        if m.normalize_gates:
+            gates = gates / jnp.sum(gates, axis=1, keepdims=True)
+    else:
+        gates = jax.nn.sigmoid(jnp.take_along_axis(logits, chosen, axis=1))
+    y = jnp.zeros_like(x)
+    for e in range(m.num_experts):
+        gate_e = jnp.sum(jnp.where(chosen == e, gates, 0.0), axis=1)
+        y = y + gate_e[:, None] * (silu(x @ p["up"][e]) @ p["down"][e])
+    if m.shared_expert_size:
+        y = y + silu(x @ p["shared_up.kernel"]) @ p["shared_down.kernel"]
+    return y
+
+
+def sharder(data: int, expert: int) -> mesh_lib.Sharder:
+    c = build.default_config()
+    c.mesh.data, c.mesh.expert = data, expert
+    return mesh_lib.Sharder(mesh_lib.make_mesh(c), tuple(tuple(r) for r in c.mesh.rules))
