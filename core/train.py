@@ -27,7 +27,7 @@ from core.data import PAD_ID, Batches
 from core.mesh import Sharder, param_shardings
 
 __all__ = ["TrainState", "NonFiniteLossError", "learning_rate_schedule", "lm_loss", "make_train_step",
-           "make_eval_step", "init_state", "evaluate", "train", "MetricsLog"]
+           "train_step_fn", "make_eval_step", "init_state", "evaluate", "train", "MetricsLog"]
 
 LN2 = math.log(2.0)
 
@@ -90,6 +90,12 @@ def lm_loss(model: nnx.Module, tokens: jax.Array, *, key: jax.Array | None = Non
 def make_train_step(graphdef, optimizer: optax.GradientTransformation,
                     loss_fn: Callable = lm_loss) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
     """A jitted `(state, tokens [B, T+1]) -> (state, metrics)`; the state is donated."""
+    return jax.jit(train_step_fn(graphdef, optimizer, loss_fn), donate_argnums=0)
+
+
+def train_step_fn(graphdef, optimizer: optax.GradientTransformation,
+                  loss_fn: Callable = lm_loss) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
+    """The train step as a plain function (to jit, vmap over sites, ...): forward, backward, optimizer update."""
 
     def step(state: TrainState, tokens: jax.Array):
         key = jax.random.fold_in(state.key, state.step)
@@ -105,7 +111,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
         metrics = {**metrics, "grad_norm": _global_norm(grads)}
         return TrainState(state.step + 1, params, rest, opt_state, state.key), metrics
 
-    return jax.jit(step, donate_argnums=0)
+    return step
 
 
 def _global_norm(tree) -> jax.Array:

@@ -8,7 +8,7 @@ Dispatch (`MoEConfig.dispatch`):
     `jax.shard_map` (moe.dispatch.expert_parallel_dropless); the result is the same as on one device.
   * "capacity": the GShard einsum baseline with `capacity_factor`; expert parallelism by annotation only.
 
-Parameters (logical axes): router [d, E] ("embed", None); up [E, d, h] ("expert", "embed", "expert_mlp");
+Parameters (logical axes): router [d, E] ("embed", "expert"); up [E, d, h] ("expert", "embed", "expert_mlp");
 down [E, h, d] ("expert", "expert_mlp", "embed"); the shared expert's matrices like the dense MLP's.
 The layer imports nothing from `quant`: it asks the precision slot for its dot_general (router, shared expert,
 capacity products) and its grouped matmul (dropless experts), by module path.
@@ -39,7 +39,7 @@ from moe import dispatch as dispatch_lib
 from moe import router as router_lib
 from moe.grouped_matmul import GroupedMatmulFn
 
-__all__ = ["MoEConfig", "MoE", "expert_mesh_axis", "DISPATCH", "ROUTING_MODES"]
+__all__ = ["MoEConfig", "MoE", "Residency", "expert_mesh_axis", "DISPATCH", "ROUTING_MODES"]
 
 DISPATCH = ("dropless", "capacity")
 ROUTING_MODES = ("partitioned", "skip_token")
@@ -69,6 +69,11 @@ class MoEConfig:
     def is_moe_layer(self, layer: int) -> bool:
         """Layer i (0-based) is a MoE layer iff every > 0 and (i + 1) % every == 0 (every=2: layers 1, 3, ...)."""
         return self.every > 0 and (layer + 1) % self.every == 0
+
+
+class Residency(nnx.Variable):
+    """Global ids [N_le] of the experts a site hosts: state, not a trained parameter, so that sites sharing one
+    program (stacked along the `site` axis) can host different experts, and a reshuffle can move them."""
 
 
 def expert_mesh_axis(shard: Sharder, num_experts: int) -> str | None:
@@ -108,11 +113,11 @@ class MoE(nnx.Module):
         if routing_mode not in ROUTING_MODES:
             raise ValueError(f"routing_mode = {routing_mode!r}; allowed: {list(ROUTING_MODES)}.")
         e = moe.num_experts
-        self.resident = tuple(range(e)) if resident is None else tuple(int(i) for i in resident)
-        if not self.resident or len(set(self.resident)) != len(self.resident) or not all(
-                0 <= i < e for i in self.resident):
-            raise ValueError(f"{path}: resident experts {list(self.resident)} must be distinct ids in [0, {e}).")
-        local = len(self.resident)
+        ids = list(range(e)) if resident is None else [int(i) for i in resident]
+        if not ids or len(set(ids)) != len(ids) or not all(0 <= i < e for i in ids):
+            raise ValueError(f"{path}: resident experts {ids} must be distinct ids in [0, {e}).")
+        local = len(ids)
+        self.resident = Residency(jnp.asarray(ids, jnp.int32))
         self.skip_token = routing_mode == "skip_token" and local < e
         self.shard = Sharder() if shard is None else shard
         self.ep_axis = expert_mesh_axis(self.shard, local) if moe.dispatch == "dropless" else None
@@ -125,7 +130,11 @@ class MoE(nnx.Module):
         def normal(shape, std):
             return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(cfg.weight_dtype)
 
-        self.router = nnx.Param(normal((d, e if self.skip_token else local), cfg.init_std), axes=("embed", None))
+        # Partitioned router: one column per resident expert, so the columns belong to the experts (logical axis
+        # "expert": sharded and synchronised with them). Skip-token: a dense parameter over all N_e experts.
+        dense_router = routing_mode == "skip_token"
+        self.router = nnx.Param(normal((d, e if dense_router else local), cfg.init_std),
+                                axes=("embed", None if dense_router else "expert"))
         self.up = nnx.Param(normal((local, d, h), cfg.init_std), axes=("expert", "embed", "expert_mlp"))
         self.down = nnx.Param(normal((local, h, d), out_std), axes=("expert", "expert_mlp", "embed"))
         if moe.shared_expert_size:
@@ -150,9 +159,9 @@ class MoE(nnx.Module):
         """Router column -> local expert slot; a ghost (not resident) -> N_le, which no dispatch computes."""
         if not self.skip_token:
             return experts
-        table = jnp.full((self.moe.num_experts,), len(self.resident), jnp.int32)
-        table = table.at[jnp.asarray(self.resident)].set(jnp.arange(len(self.resident), dtype=jnp.int32))
-        return table[experts]
+        ids = self.resident.get_value()
+        table = jnp.full((self.moe.num_experts,), ids.shape[0], jnp.int32)
+        return table.at[ids].set(jnp.arange(ids.shape[0], dtype=jnp.int32))[experts]
 
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         b, t, d = x.shape
@@ -186,7 +195,7 @@ class MoE(nnx.Module):
         aux = {f"moe/{name}": stats[name] for name in ("load_cv", "load_entropy", "token_entropy", "max_load",
                                                         "dropped")}
         if self.skip_token:
-            aux["moe/ghost_fraction"] = jnp.mean((experts == len(self.resident)).astype(jnp.float32))
+            aux["moe/ghost_fraction"] = jnp.mean((experts == self.up.get_value().shape[0]).astype(jnp.float32))
         if m.load_balance_weight:
             aux["loss/moe_balance"] = m.load_balance_weight * router_lib.load_balance_loss(routing)
         if m.z_loss_weight:

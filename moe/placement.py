@@ -7,10 +7,11 @@ M sites, N_e experts per layer, overlap O_e (sites per expert). Each site hosts 
     {b, b + B, b + 2B, ...}. Site s therefore holds block s mod B and is replica s div B of it, and the O_e sites of a
     block are a replica group holding identical experts: averaging an expert is a mean over its group, and
     factoring the site axis into (replica = O_e, block = B) mesh axes expresses it as a `pmean` over `replica`.
-  * Random (decision where the paper is silent): every reshuffle draws which experts form each block and which
-    sites host each block, uniformly at random. Both constraints (every expert on exactly O_e sites, N_le per site)
-    hold, and replica groups stay disjoint sets of identical experts, so synchronisation is unchanged. An expert
-    that arrives on a site it was not on is reported by `arrivals` (it gets fresh optimizer state and a warm-up).
+  * Random (decision where the paper is silent): every reshuffle draws which experts form each block, uniformly
+    at random; the sites of block b stay {b, b + B, ...}. Both constraints (every expert on exactly O_e sites, N_le
+    per site) hold, replica groups stay disjoint sets of identical experts, and the (replica, block) factoring of
+    the site axis is the same for every placement, so synchronisation is unchanged. An expert that arrives on a
+    site it was not on is reported by `arrivals` (it gets fresh optimizer state and a warm-up).
 
 The same placement applies to every MoE layer.
 """
@@ -102,10 +103,10 @@ def fixed_placement(num_experts: int, sites: int, overlap: int) -> Placement:
 
 
 def random_placement(num_experts: int, sites: int, overlap: int, seed: int) -> Placement:
-    """A uniformly random grouping of experts into blocks and of sites into replica groups (module docstring)."""
+    """A uniformly random grouping of the experts into the blocks (module docstring)."""
     _check(num_experts, sites, overlap)
     rng = np.random.default_rng(seed)
     blocks, n_le = sites // overlap, overlap * num_experts // sites
-    expert_blocks = rng.permutation(num_experts).reshape(blocks, n_le)
-    block = rng.permutation(np.arange(sites) % blocks)
-    return Placement(np.sort(expert_blocks[block], axis=1), block, num_experts, overlap)
+    expert_blocks = np.sort(rng.permutation(num_experts).reshape(blocks, n_le), axis=1)
+    block = np.arange(sites) % blocks
+    return Placement(expert_blocks[block], block, num_experts, overlap)

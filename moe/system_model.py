@@ -29,8 +29,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-__all__ = ["PAPER_MODELS", "ModelShape", "param_count", "active_params", "local_experts", "bytes_per_round", "ddp_bytes_per_step",
-           "bytes_per_token", "flops_per_token", "memory_per_site", "round_seconds", "training_hours",
+__all__ = ["PAPER_MODELS", "ModelShape", "param_count", "active_params", "local_experts", "bytes_per_round",
+           "sync_bytes", "ddp_bytes_per_step", "bytes_per_token", "flops_per_token", "memory_per_site", "round_seconds", "training_hours",
            "Projection", "project"]
 
 BYTES_PER_PARAM = 4
@@ -116,18 +116,26 @@ def bytes_per_round(shape: ModelShape, sites: int, overlap: int, *, optimizer: s
     Returns:
       {"dense", "sparse", "total"} in bytes per site per round.
     """
+    n_le = local_experts(shape.num_experts, sites, overlap)
+    p = param_count(shape.d_model, shape.num_layers, shape.num_experts, shape.expert_size, shape.vocab_size)
+    dense_params = p["dense"] + (p["router"] if skip_token else 0)
+    s_expert = p["per_expert"] + (0 if skip_token else shape.d_model)  # + its router row when partitioned
+    return sync_bytes(dense_params * bytes_per_param, shape.num_layers * n_le * s_expert * bytes_per_param, sites,
+                      overlap, optimizer=optimizer, migration=migration)
+
+
+def sync_bytes(dense_bytes: float, local_expert_bytes: float, sites: int, overlap: int, *,
+               optimizer: str = "local_adamw", migration: float = 0.0) -> dict[str, float]:
+    """The communication formulas on given byte counts: `dense_bytes` = S_dense (what every site averages over all
+    M sites), `local_expert_bytes` = sum over layers of N_le s_expert (what a site averages over its O_e-site
+    replica group). Returns {"dense", "sparse", "total"} bytes per site per round."""
     if optimizer not in ("diloco", "local_adamw"):
         raise ValueError(f"optimizer = {optimizer!r}; allowed: ['diloco', 'local_adamw'].")
     if not 0.0 <= migration <= 1.0:
         raise ValueError(f"migration gamma = {migration} must be in [0, 1].")
-    n_le = local_experts(shape.num_experts, sites, overlap)
-    p = param_count(shape.d_model, shape.num_layers, shape.num_experts, shape.expert_size, shape.vocab_size)
     copies = 3 if optimizer == "local_adamw" else 1
-    dense_params = p["dense"] + (p["router"] if skip_token else 0)
-    s_expert = p["per_expert"] + (0 if skip_token else shape.d_model)  # + its router row when partitioned
-    dense = _ring(sites) * dense_params * bytes_per_param * copies
-    factor = _ring(overlap) + migration * (1.0 - overlap / sites)
-    sparse = factor * shape.num_layers * n_le * s_expert * bytes_per_param * copies
+    dense = _ring(sites) * dense_bytes * copies
+    sparse = (_ring(overlap) + migration * (1.0 - overlap / sites)) * local_expert_bytes * copies
     return {"dense": dense, "sparse": sparse, "total": dense + sparse}
 
 

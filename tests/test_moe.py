@@ -177,10 +177,10 @@ def test_dropless_layer_and_gradients_equal_float64_reference(name, shape):
     m = MOE_CASES[name]
     layer, p, x = _layer_and_reference(m, shape)
     ct = RNG.normal(size=shape)
-    graphdef, params = nnx.split(layer)
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
     def loss(params, x):
-        y, _ = nnx.merge(graphdef, params)(x)
+        y, _ = nnx.merge(graphdef, params, rest)(x)
         return jnp.sum(y * ct), y
 
     (_, y), (g_params, g_x) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
@@ -266,10 +266,10 @@ def test_sharded_layer_and_gradients_equal_single_device(data, expert, dispatch_
     ct = jnp.asarray(RNG.normal(size=x.shape), jnp.float32)
     results = []
     for layer in (single, sharded):
-        graphdef, params = nnx.split(layer)
+        graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
-        def loss(params, x, graphdef=graphdef):
-            y, aux = nnx.merge(graphdef, params)(x)
+        def loss(params, x, graphdef=graphdef, rest=rest):
+            y, aux = nnx.merge(graphdef, params, rest)(x)
             return jnp.sum(y * ct) + aux["loss/moe_balance"] + aux["loss/moe_z"], (y, aux)
 
         results.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x))

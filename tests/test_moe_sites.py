@@ -89,10 +89,10 @@ def test_skip_token_sharded_over_experts_equals_one_device(dispatch):
     outs = []
     for shard in (None, sharder(2, 4)):
         layer = MoE(CFG, m, path="ffn", rngs=nnx.Rngs(2), resident=resident, routing_mode="skip_token", shard=shard)
-        graphdef, params = nnx.split(layer)
+        graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
-        def loss(params, x, graphdef=graphdef):
-            y, aux = nnx.merge(graphdef, params)(x)
+        def loss(params, x, graphdef=graphdef, rest=rest):
+            y, aux = nnx.merge(graphdef, params, rest)(x)
             return jnp.sum(y * ct), (y, aux)
 
         outs.append(jax.jit(jax.value_and_grad(loss, has_aux=True))(params, x))

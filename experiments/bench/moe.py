@@ -33,12 +33,13 @@ D_MODEL, SEQ = 256, 256
 
 
 def _fwd_bwd(module: nnx.Module, x: jax.Array):
-    graphdef, params = nnx.split(module)
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     cotangent = jax.random.normal(jax.random.key(7), x.shape, x.dtype)
 
     @jax.jit
     def grads(params, x):
-        return jax.grad(lambda p, x: jnp.sum(nnx.merge(graphdef, p)(x)[0] * cotangent), argnums=(0, 1))(params, x)
+        loss = lambda p, x: jnp.sum(nnx.merge(graphdef, p, rest)(x)[0] * cotangent)  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1))(params, x)
 
     return lambda: grads(params, x)
 

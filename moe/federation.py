@@ -1,0 +1,125 @@
+"""Synchronising FoMoE sites (spec: ../shared/specs/fomoe.md, "Partial expert replication" and "Synchronisation").
+
+The M sites form a mesh whose site axis is factored into ("replica", "block") = (O_e, M / O_e): device index
+s = r B + b is site s, replica r of block b, which is exactly the fixed placement's layout (block b on sites
+b, b + B, ...; `moe.placement`). Every site's state is stacked along a leading axis of size M sharded over both
+axes, so one program runs all sites, whether they are virtual devices of one process or one process per site
+(`jax.distributed`). Averaging is then a `pmean` over named axes inside `jax.shard_map`:
+
+    dense parameters (embedding, attention, norms, shared experts, a skip-token router): over (replica, block)
+    expert parameters (and their router columns with the partitioned router):          over replica only
+
+`collective_bytes` reads the all-reduce ops of the compiled program (their per-device shapes and replica
+groups), so the bytes a synchronisation really moves can be compared with `moe.system_model.sync_bytes`. It counts
+what the program moves: XLA:CPU, for one, reduces bfloat16 arrays in float32 (twice the bytes of the formula's
+bf16 count), which the comparison then shows.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, PartitionSpec
+
+__all__ = ["SITE_AXES", "site_mesh", "average", "collective_bytes", "is_expert_variable", "expert_flags", "to_sites"]
+
+SITE_AXES = ("replica", "block")
+
+
+def site_mesh(sites: int, overlap: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The (replica = O_e, block = M / O_e) mesh over the first M devices (one device per site)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if sites > len(devices):
+        raise ValueError(f"{sites} sites need {sites} devices, one per site; only {len(devices)} are available.")
+    if not 1 <= overlap <= sites or sites % overlap:
+        raise ValueError(f"overlap O_e = {overlap} must divide the number of sites M = {sites}.")
+    return jax.make_mesh((overlap, sites // overlap), SITE_AXES, axis_types=(AxisType.Auto,) * 2,
+                         devices=devices[:sites])
+
+
+def average(tree, is_expert, mesh: Mesh):
+    """Averages a stacked per-site pytree (leading axis M, sharded over the site axes).
+
+    Args:
+      tree: leaves [M, ...], site s's value at index s.
+      is_expert: a pytree of Python bools with `tree`'s structure (or a prefix of it): True for leaves averaged
+        over the replica group only.
+    Returns:
+      the averaged tree, same shapes and sharding.
+    """
+    spec = PartitionSpec(SITE_AXES)
+    flags, treedef = jax.tree.flatten(jax.tree.broadcast(is_expert, tree))
+
+    def local(*leaves):
+        return [jax.lax.pmean(x, "replica" if e else SITE_AXES) for x, e in zip(leaves, flags)]
+
+    leaves = jax.tree.leaves(tree)
+    out = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * len(leaves), out_specs=[spec] * len(leaves))(*leaves)
+    return jax.tree.unflatten(treedef, out)
+
+
+_DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2,
+                "u16": 2, "s8": 1, "u8": 1, "pred": 1}
+_ALL_REDUCE = re.compile(r"=\s*(?P<type>.+?)\s+all-reduce(?:-start)?\((?P<rest>.*)$")
+_ARRAY = re.compile(r"\b(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
+_GROUPS = re.compile(r"replica_groups=\{\{(?P<first>[\d,]*)\}")
+
+
+def collective_bytes(hlo_text: str) -> dict[str, float]:
+    """Bytes each device sends in the all-reduce ops of a compiled HLO module, as a ring all-reduce moves them:
+    2 (n - 1) / n x the per-device operand bytes, n the size of the op's replica groups.
+
+    Returns {"bytes_per_device": ..., "ops": number of all-reduce ops, "by_group_size": {n: bytes}} (groups of
+    one device move nothing and are not listed).
+    """
+    total, ops, by_group = 0.0, 0, {}
+    for line in hlo_text.splitlines():
+        match = _ALL_REDUCE.search(line)
+        if match is None:
+            continue
+        group = _GROUPS.search(match["rest"])
+        n = len(group["first"].split(",")) if group and group["first"] else 1
+        size = sum(_DTYPE_BYTES[a["dtype"]] * int(np.prod([int(d) for d in a["dims"].split(",") if d] or [1]))
+                   for a in _ARRAY.finditer(match["type"]))
+        ops += 1
+        if n > 1:  # a group of one device moves nothing
+            moved = 2.0 * (n - 1) / n * size
+            total += moved
+            by_group[n] = by_group.get(n, 0.0) + moved
+    return {"bytes_per_device": total, "ops": ops, "by_group_size": by_group}
+
+
+def is_expert_variable(variable) -> bool:
+    """A parameter belongs to the experts (averaged over the replica group) iff its logical axes name "expert"."""
+    return "expert" in (getattr(variable, "axes", None) or ())
+
+
+def expert_flags(state):
+    """The `is_expert` tree of an nnx.State (one bool per Variable) for `average`."""
+    return jax.tree.map(is_expert_variable, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def to_sites(state, experts: np.ndarray):
+    """Each site's view of a model state: expert leaves gathered to that site's experts, the rest copied.
+
+    Args:
+      state: an nnx.State of the model with all N_e experts (Variables with `axes` metadata).
+      experts: [M, N_le] int, the placement's experts per site (`moe.placement.Placement.experts`).
+    Returns:
+      the state with a leading site axis M on every leaf; an expert leaf's "expert" dimension becomes N_le.
+    """
+    sites = experts.shape[0]
+
+    def one(v):
+        x = v.get_value()
+        if not is_expert_variable(v):
+            return v.replace(jnp.broadcast_to(x, (sites,) + x.shape))
+        dim = v.axes.index("expert")
+        return v.replace(jnp.moveaxis(jnp.take(x, jnp.asarray(experts), axis=dim), dim, 0))
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))

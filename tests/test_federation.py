@@ -1,0 +1,158 @@
+"""FoMoE synchronisation on 8 virtual sites: averages over the right sites, and the bytes the compiled program
+moves equal the communication formulas."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from moe import federation, system_model
+from moe.placement import fixed_placement
+
+SITES = 8
+
+
+def _stacked(mesh, rng, attn_dtype=np.float32):
+    """A per-site state: dense leaves (an embedding, a norm, a matrix) and expert leaves (per-site experts)."""
+    shapes = {"embedding": ((SITES, 11, 6), np.float32), "norm": ((SITES, 6), np.float32),
+              "attn": ((SITES, 6, 4), attn_dtype), "experts_up": ((SITES, 2, 6, 3), np.float32),
+              "router_cols": ((SITES, 6, 2), np.float32)}
+    sharding = NamedSharding(mesh, PartitionSpec(federation.SITE_AXES))
+    tree = {k: jax.device_put(jnp.asarray(rng.normal(size=s), dtype), sharding) for k, (s, dtype) in shapes.items()}
+    is_expert = {"embedding": False, "norm": False, "attn": False, "experts_up": True, "router_cols": True}
+    return tree, is_expert
+
+
+@pytest.mark.parametrize("overlap", [1, 2, 4, 8])
+def test_average_is_a_mean_over_all_sites_or_the_replica_group(overlap):
+    mesh = federation.site_mesh(SITES, overlap)
+    tree, is_expert = _stacked(mesh, np.random.default_rng(overlap), attn_dtype=jnp.bfloat16)
+    out = jax.jit(lambda t: federation.average(t, is_expert, mesh))(tree)
+    groups = fixed_placement(16, SITES, overlap).replica_groups()
+    for name, value in tree.items():
+        v = np.asarray(value, np.float64)
+        got = np.asarray(out[name], np.float64)
+        if is_expert[name]:
+            for g in groups:  # each site gets the mean of its replica group (sites holding the same experts)
+                np.testing.assert_allclose(got[g], np.broadcast_to(v[g].mean(0), v[g].shape), rtol=1e-5, atol=1e-6)
+        else:
+            tol = 1e-2 if value.dtype == jnp.bfloat16 else 1e-5
+            np.testing.assert_allclose(got, np.broadcast_to(v.mean(0), v.shape), rtol=tol, atol=tol)
+        assert out[name].sharding.is_equivalent_to(value.sharding, value.ndim)
+
+
+@pytest.mark.parametrize("overlap", [1, 2, 4, 8])
+def test_compiled_collectives_move_exactly_the_formula_bytes(overlap):
+    mesh = federation.site_mesh(SITES, overlap)
+    tree, is_expert = _stacked(mesh, np.random.default_rng(0))
+    hlo = jax.jit(lambda t: federation.average(t, is_expert, mesh)).lower(tree).compile().as_text()
+    measured = federation.collective_bytes(hlo)
+    per_site = {k: v.nbytes // SITES for k, v in tree.items()}
+    dense = sum(b for k, b in per_site.items() if not is_expert[k])
+    experts = sum(b for k, b in per_site.items() if is_expert[k])
+    formula = system_model.sync_bytes(dense, experts, SITES, overlap, optimizer="diloco")
+    assert measured["bytes_per_device"] == pytest.approx(formula["total"], rel=1e-12)
+    if overlap == SITES:  # full replica: experts are averaged over all sites too
+        assert measured["by_group_size"] == {SITES: pytest.approx(formula["total"], rel=1e-12)}
+    elif overlap > 1:
+        assert measured["by_group_size"] == {SITES: pytest.approx(formula["dense"], rel=1e-12),
+                                             overlap: pytest.approx(formula["sparse"], rel=1e-12)}
+    else:  # disjoint experts: nothing to average, and nothing is sent
+        assert formula["sparse"] == 0
+        assert measured["by_group_size"] == {SITES: pytest.approx(formula["dense"], rel=1e-12)}
+
+
+def test_collective_bytes_parses_hlo_lines():
+    text = "\n".join([
+        "  %a = f32[1,3]{1,0} all-reduce(%p), channel_id=1, replica_groups={{0,2},{1,3}}, to_apply=%add",
+        "  %b = (f32[4]{0}, bf16[2,2]{1,0}) all-reduce(%q, %r), replica_groups={{0,1,2,3}}, to_apply=%add",
+        "  %c = f32[8]{0} add(%x, %y)",
+    ])
+    out = federation.collective_bytes(text)
+    assert out["ops"] == 2
+    assert out["by_group_size"] == {2: pytest.approx(1.0 * 12), 4: pytest.approx(1.5 * (16 + 8))}
+
+
+def test_site_mesh_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="must divide the number of sites M = 8"):
+        federation.site_mesh(8, 3)
+    with pytest.raises(ValueError, match="16 sites need 16 devices"):
+        federation.site_mesh(16, 2)
+
+
+def _tiny_model(resident=None, routing_mode="partitioned"):
+    from flax import nnx
+
+    from core.model import Transformer, TransformerConfig
+    from moe import MoE, MoEConfig
+
+    cfg = TransformerConfig(vocab_size=264, d_model=16, num_layers=2, num_heads=2, num_kv_heads=2, d_ff=32)
+    m = MoEConfig(num_experts=8, top_k=2, expert_size=8)
+
+    def ffn(layer, path, rngs):
+        return MoE(cfg, m, path=path, rngs=rngs, resident=resident, routing_mode=routing_mode)
+
+    return Transformer(cfg, rngs=nnx.Rngs(0), ffn_factory=ffn)
+
+
+@pytest.mark.parametrize("overlap, routing_mode", [(2, "partitioned"), (1, "skip_token"), (4, "skip_token")])
+def test_site_views_gather_each_sites_experts(overlap, routing_mode):
+    from flax import nnx
+
+    placement = fixed_placement(8, 4, overlap)
+    _, params, _ = nnx.split(_tiny_model(routing_mode=routing_mode), nnx.Param, ...)
+    site_model = _tiny_model(resident=placement.experts[0], routing_mode=routing_mode)
+    _, site_params, _ = nnx.split(site_model, nnx.Param, ...)
+    sites = federation.to_sites(params, placement.experts)
+    flat_global = dict(nnx.to_flat_state(params))
+    for path, var in nnx.to_flat_state(sites):
+        x, g = np.asarray(var.get_value()), np.asarray(flat_global[path].get_value())
+        assert x.shape[1:] == dict(nnx.to_flat_state(site_params))[path].get_value().shape, path
+        for s in range(4):
+            if federation.is_expert_variable(var):
+                dim = var.axes.index("expert")
+                np.testing.assert_array_equal(x[s], np.take(g, placement.experts[s], axis=dim))
+            else:
+                np.testing.assert_array_equal(x[s], g)
+    # partitioned: router columns go with the experts; skip-token: the router is dense
+    router = dict(nnx.to_flat_state(sites))[("blocks", 0, "ffn", "router")]
+    assert federation.is_expert_variable(router) == (routing_mode == "partitioned" and overlap < 4)
+
+
+def test_a_round_with_full_replication_and_one_local_step_equals_ddp():
+    """O_e = M, K = 1, inner SGD, outer = plain averaging: the same update as averaging the sites' gradients."""
+    import optax
+    from flax import nnx
+
+    from core import train as train_lib
+
+    sites, lr = 4, 0.1
+    mesh = federation.site_mesh(sites, sites)
+    placement = fixed_placement(8, sites, sites)
+    model = _tiny_model()
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    stacked_params = federation.to_sites(params, placement.experts)
+    stacked_rest = federation.to_sites(rest, placement.experts)
+    optimizer = optax.sgd(lr)
+    state = train_lib.TrainState(jnp.zeros((sites,), jnp.int32), stacked_params, stacked_rest,
+                                 jax.vmap(optimizer.init)(stacked_params),
+                                 jax.vmap(lambda s: jax.random.fold_in(jax.random.key(0), s))(jnp.arange(sites)))
+    state = jax.device_put(state, NamedSharding(mesh, PartitionSpec(federation.SITE_AXES)))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(sites, 2, 9)), jnp.int32)
+    local = jax.jit(jax.vmap(train_lib.train_step_fn(graphdef, optimizer)))
+    after, _ = local(state, tokens)
+    flags = federation.expert_flags(after.params)
+    synced = jax.jit(lambda p: federation.average(p, flags, mesh))(after.params)
+
+    def site_grad(tokens, key):
+        def objective(p):
+            return train_lib.lm_loss(nnx.merge(graphdef, p, rest), tokens, key=key)[0]
+        return jax.grad(objective)(params)
+
+    keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.fold_in(jax.random.key(0), s), 0))(jnp.arange(sites))
+    grads = jax.vmap(site_grad)(tokens, keys)
+    ddp = jax.tree.map(lambda p, g: p - lr * jnp.mean(g, axis=0), params, grads)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(synced), nnx.to_flat_state(ddp)):
+        for s in range(sites):
+            np.testing.assert_allclose(a.get_value()[s], b.get_value(), rtol=1e-5, atol=1e-6, err_msg=str(path))
