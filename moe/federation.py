@@ -26,6 +26,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
+from moe.layer import Residency
+
 __all__ = ["SITE_AXES", "site_mesh", "average", "collective_bytes", "is_expert_variable", "expert_flags", "to_sites"]
 
 SITE_AXES = ("replica", "block")
@@ -50,13 +52,14 @@ def average(tree, is_expert, mesh: Mesh):
       is_expert: a pytree of Python bools with `tree`'s structure (or a prefix of it): True for leaves averaged
         over the replica group only.
     Returns:
-      the averaged tree, same shapes and sharding.
+      the averaged tree, same shapes and sharding; integer leaves are returned unchanged.
     """
     spec = PartitionSpec(SITE_AXES)
     flags, treedef = jax.tree.flatten(jax.tree.broadcast(is_expert, tree))
 
-    def local(*leaves):
-        return [jax.lax.pmean(x, "replica" if e else SITE_AXES) for x, e in zip(leaves, flags)]
+    def local(*leaves):  # integer leaves (step counts, expert ids) are never averaged
+        return [jax.lax.pmean(x, "replica" if e else SITE_AXES) if jnp.issubdtype(x.dtype, jnp.inexact) else x
+                for x, e in zip(leaves, flags)]
 
     leaves = jax.tree.leaves(tree)
     out = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * len(leaves), out_specs=[spec] * len(leaves))(*leaves)
@@ -111,12 +114,15 @@ def to_sites(state, experts: np.ndarray):
       state: an nnx.State of the model with all N_e experts (Variables with `axes` metadata).
       experts: [M, N_le] int, the placement's experts per site (`moe.placement.Placement.experts`).
     Returns:
-      the state with a leading site axis M on every leaf; an expert leaf's "expert" dimension becomes N_le.
+      the state with a leading site axis M on every leaf; an expert leaf's "expert" dimension becomes N_le, and
+      each MoE layer's `Residency` holds site s's expert ids.
     """
     sites = experts.shape[0]
 
     def one(v):
         x = v.get_value()
+        if isinstance(v, Residency):  # which experts each site hosts
+            return v.replace(jnp.asarray(experts, x.dtype))
         if not is_expert_variable(v):
             return v.replace(jnp.broadcast_to(x, (sites,) + x.shape))
         dim = v.axes.index("expert")

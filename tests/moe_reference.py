@@ -47,3 +47,17 @@ def sharder(data: int, expert: int) -> mesh_lib.Sharder:
     c = build.default_config()
     c.mesh.data, c.mesh.expert = data, expert
     return mesh_lib.Sharder(mesh_lib.make_mesh(c), tuple(tuple(r) for r in c.mesh.rules))
+
+
+def tiny_moe_transformer(resident=None, routing_mode="partitioned"):
+    """A 2-layer transformer whose FFNs are MoE layers of 8 experts (top-2), hosting `resident` of them."""
+    from core.model import Transformer, TransformerConfig
+    from moe import MoE
+
+    cfg = TransformerConfig(vocab_size=264, d_model=16, num_layers=2, num_heads=2, num_kv_heads=2, d_ff=32)
+    m = MoEConfig(num_experts=8, top_k=2, expert_size=8)
+
+    def ffn(layer, path, rngs):
+        return MoE(cfg, m, path=path, rngs=rngs, resident=resident, routing_mode=routing_mode)
+
+    return Transformer(cfg, rngs=nnx.Rngs(0), ffn_factory=ffn)

@@ -9,6 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from moe import federation, system_model
 from moe.placement import fixed_placement
+from moe_reference import tiny_moe_transformer
 
 SITES = 8
 
@@ -81,28 +82,13 @@ def test_site_mesh_rejects_bad_shapes():
         federation.site_mesh(16, 2)
 
 
-def _tiny_model(resident=None, routing_mode="partitioned"):
-    from flax import nnx
-
-    from core.model import Transformer, TransformerConfig
-    from moe import MoE, MoEConfig
-
-    cfg = TransformerConfig(vocab_size=264, d_model=16, num_layers=2, num_heads=2, num_kv_heads=2, d_ff=32)
-    m = MoEConfig(num_experts=8, top_k=2, expert_size=8)
-
-    def ffn(layer, path, rngs):
-        return MoE(cfg, m, path=path, rngs=rngs, resident=resident, routing_mode=routing_mode)
-
-    return Transformer(cfg, rngs=nnx.Rngs(0), ffn_factory=ffn)
-
-
 @pytest.mark.parametrize("overlap, routing_mode", [(2, "partitioned"), (1, "skip_token"), (4, "skip_token")])
 def test_site_views_gather_each_sites_experts(overlap, routing_mode):
     from flax import nnx
 
     placement = fixed_placement(8, 4, overlap)
-    _, params, _ = nnx.split(_tiny_model(routing_mode=routing_mode), nnx.Param, ...)
-    site_model = _tiny_model(resident=placement.experts[0], routing_mode=routing_mode)
+    _, params, _ = nnx.split(tiny_moe_transformer(routing_mode=routing_mode), nnx.Param, ...)
+    site_model = tiny_moe_transformer(resident=placement.experts[0], routing_mode=routing_mode)
     _, site_params, _ = nnx.split(site_model, nnx.Param, ...)
     sites = federation.to_sites(params, placement.experts)
     flat_global = dict(nnx.to_flat_state(params))
@@ -130,7 +116,7 @@ def test_a_round_with_full_replication_and_one_local_step_equals_ddp():
     sites, lr = 4, 0.1
     mesh = federation.site_mesh(sites, sites)
     placement = fixed_placement(8, sites, sites)
-    model = _tiny_model()
+    model = tiny_moe_transformer()
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     stacked_params = federation.to_sites(params, placement.experts)
     stacked_rest = federation.to_sites(rest, placement.experts)

@@ -1,0 +1,124 @@
+"""FoMoE rounds: K local steps on every site, then synchronisation (spec: ../shared/specs/fomoe.md,
+"Synchronisation (one round)").
+
+All sites run in one jitted program: their states are stacked along a leading site axis (sharded over the
+(replica, block) site mesh of `moe.federation`), the local step is the core train step under `jax.vmap`, the K
+steps are a `lax.scan`, and the synchronisation averages
+
+  * dense parameters over all M sites and expert parameters over their O_e-site replica group, then
+  * "local_adamw": also both AdamW moments (the paper's better choice; about 3x the bytes); the averaged
+    parameters start the next round;
+  * "diloco": outer gradient Delta = theta_start - theta_avg and an outer Nesterov step (`optim.diloco_outer`);
+    the inner AdamW state stays with each site.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from core import train as train_lib
+from moe import federation
+
+__all__ = ["OUTER_METHODS", "FederatedState", "init_sites", "mirror_flags", "make_round", "site_batches"]
+
+OUTER_METHODS = ("local_adamw", "diloco")
+
+
+class FederatedState(NamedTuple):
+    """train: the stacked per-site TrainState; start: parameters at the start of the round (stacked);
+    outer: the outer optimizer's stacked state (DiLoCo momentum; empty for LocalAdamW); round: rounds done."""
+
+    train: train_lib.TrainState
+    start: Any
+    outer: Any
+    round: jax.Array
+
+
+def init_sites(global_model: nnx.Module, site_model: nnx.Module, placement, optimizer: optax.GradientTransformation,
+               outer: optax.GradientTransformation | None, mesh, seed: int) -> tuple[Any, FederatedState]:
+    """Every site's initial state from one model holding all experts, so replicas of an expert start equal.
+
+    Args:
+      global_model: the model with all N_e experts per MoE layer (its initial weights are the federation's).
+      site_model: the same architecture built with `resident=placement.experts[0]` (its graph serves all sites).
+      placement: a `moe.placement.Placement`.
+      outer: the outer optimizer for DiLoCo, or None.
+    Returns:
+      (site graphdef, FederatedState with every leaf's leading axis M sharded over the site mesh).
+    """
+    _, params, _ = nnx.split(global_model, nnx.Param, ...)
+    graphdef, _, rest = nnx.split(site_model, nnx.Param, ...)
+    params = federation.to_sites(params, placement.experts)
+    rest = federation.to_sites(rest, placement.experts)
+    sites = placement.sites
+    keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(seed), s))(jnp.arange(sites))
+    train = train_lib.TrainState(jnp.zeros((sites,), jnp.int32), params, rest, jax.vmap(optimizer.init)(params),
+                                 keys)
+    outer_state = jax.vmap(outer.init)(params) if outer is not None else ()
+    state = FederatedState(train, params, outer_state, jnp.zeros((sites,), jnp.int32))
+    return graphdef, jax.device_put(state, NamedSharding(mesh, PartitionSpec(federation.SITE_AXES)))
+
+
+def mirror_flags(tree, params, flags):
+    """Expert flags for a tree whose leaves mirror parameters (an optimizer's moments): a leaf whose key path
+    ends with a parameter's path and has its shape gets that parameter's flag; any other leaf (a step count) is
+    dense."""
+    by_path = {}
+    for (path, leaf), flag in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(flags)):
+        by_path[tuple(path)] = (leaf.shape, flag)
+
+    def pick(path, leaf):
+        for i in range(len(path)):
+            hit = by_path.get(tuple(path[i:]))
+            if hit is not None and hit[0] == leaf.shape:
+                return hit[1]
+        return False
+
+    return jax.tree_util.tree_map_with_path(pick, tree)
+
+
+def make_round(graphdef, optimizer: optax.GradientTransformation, mesh, *, method: str,
+               outer: optax.GradientTransformation | None = None,
+               loss_fn: Callable = train_lib.lm_loss) -> Callable[[FederatedState, jax.Array], tuple]:
+    """A jitted `(state, tokens [K, M, B_site, T + 1]) -> (state, metrics)`: K local steps on every site, then the
+    synchronisation of `method`. Metrics are the means over the K steps and the M sites of the train-step metrics.
+    """
+    if method not in OUTER_METHODS:
+        raise ValueError(f"outer method = {method!r}; allowed: {list(OUTER_METHODS)}.")
+    if (method == "diloco") != (outer is not None):
+        raise ValueError("method 'diloco' needs its outer optimizer (optim.diloco_outer); 'local_adamw' takes none.")
+    local_step = jax.vmap(train_lib.train_step_fn(graphdef, optimizer, loss_fn))
+
+    def round_fn(state: FederatedState, tokens: jax.Array):
+        train, metrics = jax.lax.scan(local_step, state.train, tokens)
+        flags = federation.expert_flags(train.params)
+        averaged = federation.average(train.params, flags, mesh)
+        if method == "local_adamw":
+            opt_state = federation.average(train.opt_state, mirror_flags(train.opt_state, train.params, flags), mesh)
+            params, outer_state = averaged, state.outer
+        else:
+            delta = jax.tree.map(lambda s, a: s - a, state.start, averaged)
+            updates, outer_state = jax.vmap(outer.update)(delta, state.outer, state.start)
+            params, opt_state = optax.apply_updates(state.start, updates), train.opt_state
+        train = train._replace(params=params, opt_state=opt_state)
+        metrics = jax.tree.map(jnp.mean, metrics)
+        return FederatedState(train, params, outer_state, state.round + 1), metrics
+
+    return jax.jit(round_fn, donate_argnums=0)
+
+
+def site_batches(tokens: np.ndarray, sites: int) -> np.ndarray:
+    """[K, M B_site, T + 1] global batches (each a pure function of its step) -> [K, M, B_site, T + 1]: site s
+    takes rows s B_site .. (s + 1) B_site - 1 of every step's batch."""
+    k, rows, length = tokens.shape
+    if rows % sites:
+        raise ValueError(f"a global batch of {rows} sequences cannot be split over {sites} sites.")
+    return tokens.reshape(k, sites, rows // sites, length)

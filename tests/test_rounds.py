@@ -1,0 +1,129 @@
+"""FoMoE rounds on 4 virtual sites: full replication with one local step equals DDP; LocalAdamW averages
+parameters and both moments over the right sites; DiLoCo's outer step follows its formula."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from core import train as train_lib
+from moe import federation, rounds
+from moe.placement import fixed_placement
+from moe_reference import tiny_moe_transformer
+from optim import diloco_outer
+
+SITES = 4
+
+
+def _setup(overlap, optimizer, outer=None):
+    placement = fixed_placement(8, SITES, overlap)
+    mesh = federation.site_mesh(SITES, overlap)
+    graphdef, state = rounds.init_sites(tiny_moe_transformer(), tiny_moe_transformer(placement.experts[0]),
+                                        placement, optimizer, outer, mesh, seed=0)
+    return placement, mesh, graphdef, state
+
+
+def _tokens(k, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, 256, size=(k, SITES, 2, 9)), jnp.int32)
+
+
+def _group_mean(x, placement):
+    """NumPy: replace each site's value by the mean over its replica group."""
+    x = np.asarray(x, np.float64)
+    out = np.empty_like(x)
+    for g in placement.replica_groups():
+        out[g] = x[g].mean(0)
+    return out
+
+
+def _local_only(graphdef, optimizer, train, tokens):
+    """The K local steps without any synchronisation (the reference's starting point)."""
+    step = jax.jit(jax.vmap(train_lib.train_step_fn(graphdef, optimizer)))
+    for t in tokens:
+        train, _ = step(train, t)
+    return train
+
+
+def test_full_replication_one_local_step_and_plain_averaging_equal_ddp():
+    lr = 0.1
+    optimizer = optax.sgd(lr)
+    _, mesh, graphdef, state = _setup(SITES, optimizer, diloco_outer(1.0, 0.0))
+    params0 = jax.tree.map(lambda x: np.asarray(x[0]), state.train.params)
+    rest0 = jax.tree.map(lambda x: x[0], state.train.rest)
+    tokens = _tokens(1)
+    new, metrics = rounds.make_round(graphdef, optimizer, mesh, method="diloco", outer=diloco_outer(1.0, 0.0))(
+        state, tokens)
+
+    def site_grad(tok, key):
+        return jax.grad(lambda p: train_lib.lm_loss(nnx.merge(graphdef, p, rest0), tok, key=key)[0])(params0)
+
+    keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.fold_in(jax.random.key(0), s), 0))(jnp.arange(SITES))
+    grads = jax.vmap(site_grad)(tokens[0], keys)
+    for a, p, g in zip(jax.tree.leaves(new.train.params), jax.tree.leaves(params0), jax.tree.leaves(grads)):
+        ddp = p - lr * np.mean(np.asarray(g), axis=0)
+        for s in range(SITES):
+            np.testing.assert_allclose(a[s], ddp, rtol=1e-5, atol=1e-6)
+    assert np.isfinite(float(metrics["loss"])) and int(new.round[0]) == 1
+
+
+@pytest.mark.parametrize("overlap", [1, 2])
+def test_local_adamw_averages_parameters_and_both_moments_over_groups(overlap):
+    optimizer = optax.adamw(1e-2)
+    placement, mesh, graphdef, state = _setup(overlap, optimizer)
+    tokens = _tokens(3, seed=overlap)
+    manual = _local_only(graphdef, optimizer, state.train, tokens)
+    new, _ = rounds.make_round(graphdef, optimizer, mesh, method="local_adamw")(state, tokens)
+    flags = jax.tree.leaves(federation.expert_flags(manual.params))
+    adam = manual.opt_state[0]
+    new_adam = new.train.opt_state[0]
+    for tree_before, tree_after in ((manual.params, new.train.params), (adam.mu, new_adam.mu),
+                                    (adam.nu, new_adam.nu)):
+        for before, after, expert in zip(jax.tree.leaves(tree_before), jax.tree.leaves(tree_after), flags):
+            b = np.asarray(before, np.float64)
+            expected = _group_mean(b, placement) if expert else np.broadcast_to(b.mean(0), b.shape)
+            np.testing.assert_allclose(after, expected, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(new_adam.count, manual.opt_state[0].count)  # counts are not averaged
+    # Experts stay different across blocks (O_e < M): site 0 and site 1 hold different experts.
+    up = new.train.params["blocks"][0]["ffn"]["up"].get_value()
+    assert not np.allclose(up[0], up[1])
+
+
+def test_diloco_outer_step_over_two_rounds_follows_its_formula():
+    lr, mu = 0.7, 0.9
+    optimizer = optax.adamw(1e-2)
+    placement, mesh, graphdef, state = _setup(2, optimizer, diloco_outer(lr, mu))
+    round_fn = rounds.make_round(graphdef, optimizer, mesh, method="diloco", outer=diloco_outer(lr, mu))
+    flags = jax.tree.leaves(federation.expert_flags(state.train.params))
+    start = [np.asarray(x, np.float64) for x in jax.tree.leaves(state.train.params)]
+    velocity = [np.zeros_like(x) for x in start]
+    train = state.train
+    for r in range(2):
+        tokens = _tokens(2, seed=10 + r)
+        local = _local_only(graphdef, optimizer, train, tokens)
+        state, _ = round_fn(state, tokens)
+        expected = []
+        for i, (leaf, expert) in enumerate(zip(jax.tree.leaves(local.params), flags)):
+            x = np.asarray(leaf, np.float64)
+            avg = _group_mean(x, placement) if expert else np.broadcast_to(x.mean(0), x.shape)
+            delta = start[i] - avg
+            velocity[i] = mu * velocity[i] + delta
+            expected.append(start[i] - lr * (delta + mu * velocity[i]))
+        for got, want in zip(jax.tree.leaves(state.train.params), expected):
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+        start, train = expected, state.train
+        # the inner AdamW state stays with each site (not averaged)
+        np.testing.assert_allclose(jax.tree.leaves(state.train.opt_state[0].mu)[0],
+                                   jax.tree.leaves(local.opt_state[0].mu)[0], rtol=1e-6)
+
+
+def test_make_round_rejects_bad_methods():
+    optimizer = optax.sgd(0.1)
+    _, mesh, graphdef, _ = _setup(SITES, optimizer)
+    with pytest.raises(ValueError, match="outer method = 'fedavg'"):
+        rounds.make_round(graphdef, optimizer, mesh, method="fedavg")
+    with pytest.raises(ValueError, match="needs its outer optimizer"):
+        rounds.make_round(graphdef, optimizer, mesh, method="diloco")
+    with pytest.raises(ValueError, match="cannot be split over 4 sites"):
+        rounds.site_batches(np.zeros((2, 6, 9)), SITES)
