@@ -89,7 +89,8 @@ def make_round(graphdef, optimizer: optax.GradientTransformation, mesh, *, metho
                outer: optax.GradientTransformation | None = None,
                loss_fn: Callable = train_lib.lm_loss) -> Callable[[FederatedState, jax.Array], tuple]:
     """A jitted `(state, tokens [K, M, B_site, T + 1]) -> (state, metrics)`: K local steps on every site, then the
-    synchronisation of `method`. Metrics are the means over the K steps and the M sites of the train-step metrics.
+    synchronisation of `method`. Metrics are the train-step metrics of every step and site, [K, M] each (averaged
+    on the host, so the program's only cross-site collectives are the synchronisation's).
     """
     if method not in OUTER_METHODS:
         raise ValueError(f"outer method = {method!r}; allowed: {list(OUTER_METHODS)}.")
@@ -109,7 +110,6 @@ def make_round(graphdef, optimizer: optax.GradientTransformation, mesh, *, metho
             updates, outer_state = jax.vmap(outer.update)(delta, state.outer, state.start)
             params, opt_state = optax.apply_updates(state.start, updates), train.opt_state
         train = train._replace(params=params, opt_state=opt_state)
-        metrics = jax.tree.map(jnp.mean, metrics)
         return FederatedState(train, params, outer_state, state.round + 1), metrics
 
     return jax.jit(round_fn, donate_argnums=0)
