@@ -27,7 +27,7 @@ from core.data import PAD_ID, Batches
 from core.mesh import Sharder, param_shardings
 
 __all__ = ["TrainState", "NonFiniteLossError", "learning_rate_schedule", "lm_loss", "make_train_step",
-           "train_step_fn", "make_eval_step", "init_state", "evaluate", "train", "MetricsLog"]
+           "train_step_fn", "make_eval_step", "init_state", "evaluate", "train", "MetricsLog", "checkpoint_compat"]
 
 LN2 = math.log(2.0)
 
@@ -220,7 +220,7 @@ class MetricsLog:
             return [json.loads(line) for line in f if line.strip()]
 
 
-def _compat(config: ml_collections.ConfigDict, data_fingerprint: str) -> dict[str, Any]:
+def checkpoint_compat(config: ml_collections.ConfigDict, data_fingerprint: str) -> dict[str, Any]:
     """Facts a checkpoint must share with the running program to be resumed: the architecture (`model` and every
     section other packages add, such as `moe`), the optimizer and the data."""
     runtime = ("data", "optim", "train", "mesh", "checkpoint", "sample")
@@ -260,7 +260,7 @@ def train(
     graphdef, state = init_state(model_fn, optimizer, tc.seed, sharder)
     checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=cc.keep,
                                                async_save=cc.async_save)
-    compat = _compat(config, data_fingerprint)
+    compat = checkpoint_compat(config, data_fingerprint)
     loop = {"window_loss_sum": 0.0, "window_steps": 0}
     resumed_from = checkpointer.latest_step() if cc.resume else None
     if resumed_from is not None:

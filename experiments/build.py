@@ -36,6 +36,7 @@ def schema() -> config_lib.Schema:
     spec = config_lib.schema()
     spec["optim"]["name"] = dataclasses.replace(spec["optim"]["name"], choices=tuple(OPTIMIZERS))
     spec["moe"] = moe_config.section()
+    spec["fomoe"] = moe_config.fomoe_section()
     return spec
 
 
@@ -49,6 +50,7 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     config_lib.validate(config, schema(), num_devices=num_devices)
     sizes = None if num_devices is None else config_lib.mesh_shape(config, num_devices)
     moe_config.check(config, sizes)
+    moe_config.check_fomoe(config, sizes)
 
 
 def decay_mask(params):
@@ -68,16 +70,18 @@ def build_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransfor
     return optax.chain(optax.clip_by_global_norm(o.grad_clip_norm), inner) if o.grad_clip_norm > 0 else inner
 
 
-def build_model_fn(config: ml_collections.ConfigDict,
-                   sharder: mesh_lib.Sharder) -> Callable[[nnx.Rngs], model_lib.Transformer]:
-    """`rngs -> Transformer` with the precision and FFN slots chosen by the config."""
+def build_model_fn(config: ml_collections.ConfigDict, sharder: mesh_lib.Sharder, *,
+                   resident=None, routing_mode: str = "partitioned") -> Callable[[nnx.Rngs], model_lib.Transformer]:
+    """`rngs -> Transformer` with the precision and FFN slots chosen by the config. `resident` (global expert
+    ids) and `routing_mode` build one FoMoE site's view (moe.layer.MoE); the default hosts every expert."""
     cfg = model_lib.TransformerConfig.from_config(config.model)
     moe = MoEConfig.from_config(config.moe)
     precision = model_lib.DefaultPrecision(grouped=GroupedMatmulFn(moe.grouped_matmul))
 
     def ffn_factory(layer: int, path: str, rngs: nnx.Rngs) -> nnx.Module:
         if moe.is_moe_layer(layer):
-            return MoE(cfg, moe, path=path, rngs=rngs, precision=precision, shard=sharder)
+            return MoE(cfg, moe, path=path, rngs=rngs, precision=precision, shard=sharder, resident=resident,
+                       routing_mode=routing_mode)
         return model_lib.MLP(cfg, path=path, precision=precision, shard=sharder, rngs=rngs)
 
     return lambda rngs: model_lib.Transformer(cfg, rngs=rngs, precision=precision, ffn_factory=ffn_factory,

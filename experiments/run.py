@@ -126,10 +126,17 @@ def run(config, workdir: str) -> int:
             _write_json(os.path.join(workdir, "config.json"), config.to_dict())
             _write_json(os.path.join(workdir, "data.json"), {"fingerprint": corpus.fingerprint, **corpus.info})
 
+    federated = config.mesh.site > 1
     try:
-        results = train_lib.train(config, workdir=workdir, model_fn=model_fn, optimizer=build.build_optimizer(config),
-                                  batches=batches, sharder=sharder, data_fingerprint=corpus.fingerprint,
-                                  on_start=write_records)
+        if federated:
+            from experiments import federated as federated_lib
+
+            results = federated_lib.train_federated(config, workdir=workdir, batches=batches,
+                                                    data_fingerprint=corpus.fingerprint, on_start=write_records)
+        else:
+            results = train_lib.train(config, workdir=workdir, model_fn=model_fn,
+                                      optimizer=build.build_optimizer(config), batches=batches, sharder=sharder,
+                                      data_fingerprint=corpus.fingerprint, on_start=write_records)
     except (train_lib.NonFiniteLossError, checkpoint_lib.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -143,6 +150,8 @@ def run(config, workdir: str) -> int:
         "num_params": num_params,
         **report.moe_summary(config, num_params, metrics_path=os.path.join(workdir, "metrics.jsonl")),
         "steps": results["steps"],
+        **({key: results[key] for key in ("rounds", "bytes_per_site_per_round", "bytes_per_site_per_round_formula",
+                                           "bytes_per_token", "val_bits_per_byte_worst_site")} if federated else {}),
         "resumed_from": results["resumed_from"],
         "data_fingerprint": corpus.fingerprint,
         "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
@@ -152,7 +161,10 @@ def run(config, workdir: str) -> int:
     report.plot_loss_curve(os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "loss_curve.png"))
     print(report.summary_table(summary), flush=True)
     if config.sample.prompt and config.sample.num_tokens:
-        if jax.process_count() > 1:
+        if federated:
+            print("sample skipped: a federated run has one model per site (each with its own experts); sampling "
+                  "from a site's model is not wired yet", flush=True)
+        elif jax.process_count() > 1:
             print("sample skipped: generation runs in single-process runs only (the parameters are spread over "
                   "processes here)", flush=True)
         else:

@@ -1,4 +1,5 @@
-"""The config section `moe`: declared fields and the checks that involve other sections."""
+"""The config sections `moe` (the MoE layers) and `fomoe` (federated training): declared fields and the checks
+that involve other sections."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ import ml_collections
 
 from core.config import ConfigError, Field
 from moe.grouped_matmul import IMPLEMENTATIONS
-from moe.layer import DISPATCH
+from moe.layer import DISPATCH, ROUTING_MODES
 from moe.router import ROUTERS
 
-__all__ = ["section", "check"]
+__all__ = ["section", "check", "fomoe_section", "check_fomoe"]
 
 
 def section() -> dict[str, Field]:
@@ -64,3 +65,48 @@ def check(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int] | None) 
         raise ConfigError(f"config key 'moe.num_experts' = {m.num_experts} is not divisible by the mesh axes "
                           f"{list(targets)} = {shards} devices that shard the experts (mesh.rules maps 'expert' "
                           "to them); use a multiple of that or change the mesh.")
+
+
+def fomoe_section() -> dict[str, Field]:
+    """The `fomoe` section: federated training across `mesh.site` sites (used when mesh.site > 1)."""
+    return {
+        "overlap": Field(1, (int,), "O_e: sites hosting each expert (1 = disjoint experts, mesh.site = full "
+                         "replica); must divide mesh.site, and O_e x moe.num_experts must be divisible by it", low=1),
+        "local_steps": Field(32, (int,), "K: local optimizer steps per round; train.steps must be a multiple", low=1),
+        "outer": Field("local_adamw", (str,), "synchronisation: 'local_adamw' (average parameters and both AdamW "
+                       "moments) or 'diloco' (outer Nesterov step on the averaged change)",
+                       choices=("local_adamw", "diloco")),
+        "outer_learning_rate": Field(0.7, (float,), "DiLoCo outer learning rate", low=0.0, low_open=True),
+        "outer_momentum": Field(0.9, (float,), "DiLoCo outer Nesterov momentum", low=0.0, high=0.999),
+        "routing": Field("partitioned", (str,), "'partitioned' (a site routes over its resident experts, top "
+                         "min(k, N_le)) or 'skip_token' (global router; non-resident choices are skipped)",
+                         choices=ROUTING_MODES),
+    }
+
+
+def check_fomoe(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int] | None) -> None:
+    """Cross-field checks of a federated run (mesh.site > 1). Raises ConfigError."""
+    sites = config.mesh.site
+    if sites == 1:
+        return
+    f = config.fomoe
+    if sites == -1:
+        raise ConfigError("config key 'mesh.site' = -1: a federated run needs an explicit number of sites.")
+    if mesh_sizes is not None:
+        inner = {a: mesh_sizes[a] for a in ("data", "expert", "model") if mesh_sizes[a] != 1}
+        if inner:
+            raise ConfigError(f"a federated run (mesh.site = {sites}) uses one device per site for now; got "
+                              f"{', '.join(f'mesh.{a} = {n}' for a, n in inner.items())}: set them to 1.")
+    if f.overlap > sites or sites % f.overlap:
+        raise ConfigError(f"config key 'fomoe.overlap' = {f.overlap} must divide 'mesh.site' = {sites} (the sites "
+                          "form mesh.site / overlap replica groups).")
+    if config.moe.every and (f.overlap * config.moe.num_experts) % sites:
+        raise ConfigError(f"config keys 'fomoe.overlap' x 'moe.num_experts' = {f.overlap} x "
+                          f"{config.moe.num_experts} must be divisible by 'mesh.site' = {sites}: each site hosts "
+                          "overlap x num_experts / site experts.")
+    if config.train.steps % f.local_steps:
+        raise ConfigError(f"config key 'train.steps' = {config.train.steps} must be a multiple of "
+                          f"'fomoe.local_steps' = {f.local_steps} (whole rounds).")
+    if config.data.batch_size % sites:
+        raise ConfigError(f"config key 'data.batch_size' = {config.data.batch_size} must be divisible by "
+                          f"'mesh.site' = {sites} (each site trains on its share of the global batch).")

@@ -59,7 +59,7 @@ def init_sites(global_model: nnx.Module, site_model: nnx.Module, placement, opti
     params = federation.to_sites(params, placement.experts)
     rest = federation.to_sites(rest, placement.experts)
     sites = placement.sites
-    keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(seed), s))(jnp.arange(sites))
+    keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.PRNGKey(seed), s))(jnp.arange(sites))
     train = train_lib.TrainState(jnp.zeros((sites,), jnp.int32), params, rest, jax.vmap(optimizer.init)(params),
                                  keys)
     outer_state = jax.vmap(outer.init)(params) if outer is not None else ()

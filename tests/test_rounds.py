@@ -59,7 +59,7 @@ def test_full_replication_one_local_step_and_plain_averaging_equal_ddp():
     def site_grad(tok, key):
         return jax.grad(lambda p: train_lib.lm_loss(nnx.merge(graphdef, p, rest0), tok, key=key)[0])(params0)
 
-    keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.fold_in(jax.random.key(0), s), 0))(jnp.arange(SITES))
+    keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(0), s), 0))(jnp.arange(SITES))
     grads = jax.vmap(site_grad)(tokens[0], keys)
     for a, p, g in zip(jax.tree.leaves(new.train.params), jax.tree.leaves(params0), jax.tree.leaves(grads)):
         ddp = p - lr * np.mean(np.asarray(g), axis=0)

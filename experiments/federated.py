@@ -1,0 +1,155 @@
+"""The federated training loop (FoMoE, mesh.site > 1): rounds of K local steps on every site, synchronised.
+
+Composes moe.placement (which experts each site hosts), moe.rounds (one jitted round), moe.federation (the site
+mesh, the measured collective bytes), moe.system_model (the formula bytes), core.checkpoint and core.data. Each
+round: the K global batches of its steps (pure functions of the step) are split over the sites, the round runs,
+its metrics (means over steps and sites) are logged, and the state is checkpointed, so a rerun resumes from the
+last completed round. Evaluation: every site evaluates its own model (its resident experts, its routing) on the
+same held-out batches; the reported loss is the mean over sites.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from core import checkpoint as checkpoint_lib
+from core import train as train_lib
+from core.data import Batches
+from core.mesh import Sharder
+from experiments import build
+from moe import federation, rounds, system_model
+from moe.placement import fixed_placement
+from optim import diloco_outer
+
+LN2 = math.log(2.0)
+
+
+def _crossed(done: int, every: int, k: int) -> bool:
+    """Whether the round that ended at step `done` (K steps long) passed a multiple of `every`."""
+    return every > 0 and done // every > (done - k) // every
+
+
+def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches: Batches, data_fingerprint: str,
+                    on_start=None) -> dict[str, Any]:
+    """Trains a federation of `mesh.site` sites; returns the same result keys as core.train.train plus `rounds`,
+    `bytes_per_site_per_round` (measured from the compiled round and by the formula) and `bytes_per_token`."""
+    f, tc, cc = config.fomoe, config.train, config.checkpoint
+    sites, k = config.mesh.site, f.local_steps
+    experts = config.moe.num_experts
+    placement = fixed_placement(experts, sites, f.overlap)
+    mesh = federation.site_mesh(sites, f.overlap)
+    optimizer = build.build_optimizer(config)
+    outer = diloco_outer(f.outer_learning_rate, f.outer_momentum) if f.outer == "diloco" else None
+    make = lambda **kw: build.build_model_fn(config, Sharder(), routing_mode=f.routing, **kw)(  # noqa: E731
+        nnx.Rngs(tc.seed))
+    graphdef, state = rounds.init_sites(make(), make(resident=placement.experts[0]), placement, optimizer, outer,
+                                        mesh, tc.seed)
+    round_fn = rounds.make_round(graphdef, optimizer, mesh, method=f.outer, outer=outer)
+    eval_fn = jax.jit(jax.vmap(train_lib.make_eval_step(graphdef), in_axes=(0, 0, None)))
+
+    is_main = jax.process_index() == 0
+    log = train_lib.MetricsLog(workdir, enabled=is_main)
+    checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=cc.keep,
+                                               async_save=cc.async_save)
+    compat = train_lib.checkpoint_compat(config, data_fingerprint)
+    resumed_from = checkpointer.latest_step() if cc.resume else None
+    if resumed_from is not None:
+        state, _ = checkpointer.restore(resumed_from, state, compat=compat)
+        log.truncate_after(resumed_from)
+        if is_main:
+            print(f"resuming from the checkpoint of step {resumed_from} (round {resumed_from // k})", flush=True)
+    elif cc.resume is False and checkpointer.latest_step() is not None:
+        raise checkpoint_lib.CheckpointError(
+            f"{checkpointer.directory} already holds checkpoints and checkpoint.resume is False; use a new --workdir.")
+    if on_start is not None:
+        on_start(resumed_from)
+
+    token_sharding = NamedSharding(mesh, PartitionSpec(None, federation.SITE_AXES))
+    local_sites = sites // jax.process_count()
+
+    def round_tokens(r: int) -> jax.Array:
+        local = np.stack([batches.train_batch(step) for step in range(r * k, (r + 1) * k)])
+        local = rounds.site_batches(local, local_sites)
+        return jax.make_array_from_process_local_data(token_sharding, local, (k, sites) + local.shape[2:])
+
+    val = [jnp.asarray(b) for b in batches.val_batches(tc.eval_batches)]
+    bytes_info = _round_bytes(round_fn, state, round_tokens(0), sites, f)
+    tokens_per_round = k * config.data.batch_size * config.data.seq_len
+    bytes_info["bytes_per_token"] = system_model.bytes_per_token(
+        bytes_info["measured"], sites, k, config.data.batch_size * config.data.seq_len)
+    if is_main:
+        print(f"federation: {sites} sites, O_e = {f.overlap}, {placement.local_experts} of {experts} experts per "
+              f"site, K = {k}, {f.outer}, {f.routing} routing; {bytes_info['measured'] / 1e6:.3f} MB per site per "
+              f"round (formula {bytes_info['formula'] / 1e6:.3f} MB)", flush=True)
+
+    total_rounds, start_round = tc.steps // k, int(jax.device_get(state.round)[0])
+    results: dict[str, Any] = {"steps": start_round * k, "resumed_from": resumed_from}
+    timed, seconds = 0, 0.0
+    for r in range(start_round, total_rounds):
+        tokens = round_tokens(r)
+        t0 = time.perf_counter()
+        state, metrics = round_fn(state, tokens)
+        metrics = {name: float(np.mean(v)) for name, v in jax.device_get(metrics).items()}
+        if r > start_round:  # the first round of a process includes compilation
+            timed, seconds = timed + 1, seconds + time.perf_counter() - t0
+        done = (r + 1) * k
+        if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
+            raise train_lib.NonFiniteLossError(done, metrics["loss"], metrics["grad_norm"],
+                                               checkpointer.latest_step(), checkpointer.directory)
+        row = {"step": done, "round": r + 1, "train_loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+               "bytes_per_site_per_round": bytes_info["measured"],
+               **{name: v for name, v in metrics.items() if name not in ("loss", "grad_norm")}}
+        log.write(row)
+        results["train_loss"] = metrics["loss"]
+        if _crossed(done, tc.eval_every, k) or r + 1 == total_rounds:
+            ev = _evaluate(eval_fn, state, val)
+            log.write({"step": done, "round": r + 1, **ev})
+            results.update(ev)
+            if is_main:
+                print(f"round {r + 1}/{total_rounds} (step {done}): train loss {metrics['loss']:.3f}, held-out "
+                      f"{ev['val_bits_per_byte']:.3f} bits/byte (mean over sites)", flush=True)
+        checkpointer.save(done, state, loop={"round": r + 1}, compat=compat)
+        results["steps"] = done
+    checkpointer.wait()
+    checkpointer.close()
+    if "val_loss" not in results:
+        results.update(_evaluate(eval_fn, state, val))
+    results.update({"rounds": total_rounds, "tokens_per_second": tokens_per_round * timed / seconds if timed else None,
+                    "bytes_per_site_per_round": bytes_info["measured"],
+                    "bytes_per_site_per_round_formula": bytes_info["formula"],
+                    "bytes_per_token": bytes_info["bytes_per_token"], "final_state": state, "graphdef": graphdef})
+    return results
+
+
+def _round_bytes(round_fn, state, tokens, sites: int, f) -> dict[str, float]:
+    """Bytes per site per round: read from the compiled round's all-reduce ops, and by the spec's formulas."""
+    measured = federation.collective_bytes(round_fn.lower(state, tokens).compile().as_text())["bytes_per_device"]
+    params = state.train.params
+    flags = jax.tree.leaves(federation.expert_flags(params))
+    per_site = [x.nbytes // sites for x in jax.tree.leaves(params)]
+    dense = sum(b for b, e in zip(per_site, flags) if not e)
+    experts = sum(b for b, e in zip(per_site, flags) if e)
+    formula = system_model.sync_bytes(dense, experts, sites, f.overlap, optimizer=f.outer)["total"]
+    return {"measured": measured, "formula": formula}
+
+
+def _evaluate(eval_fn, state, val) -> dict[str, float]:
+    """Held-out loss and bits per byte of every site's model, averaged over the sites."""
+    totals = None
+    for tokens in val:
+        out = jax.device_get(eval_fn(state.train.params, state.train.rest, tokens))
+        totals = out if totals is None else {key: totals[key] + out[key] for key in out}
+    loss = totals["nll_sum"] / np.maximum(totals["tokens"], 1)
+    bpb = totals["nll_sum"] / (LN2 * np.maximum(totals["bytes"], 1))
+    return {"val_loss": float(np.mean(loss)), "val_bits_per_byte": float(np.mean(bpb)),
+            "val_bits_per_byte_worst_site": float(np.max(bpb))}
