@@ -22,6 +22,7 @@ Errors in user input raise :class:`DataError` naming the config field (``data.pa
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import glob
 import hashlib
@@ -387,6 +388,13 @@ class Batches:
         starts = np.arange(windows) * stride
         g = self.global_batch
         return [self._rows(self._val, starts[b * g : (b + 1) * g]) for b in range(num_batches)]
+
+    def every_row(self) -> "Batches":
+        """The same batch source as one process sees it (every row of every global batch), e.g. for an evaluation
+        that every process runs on the whole held-out batch."""
+        whole = copy.copy(self)
+        whole.process_index, whole.process_count, whole.local_batch = 0, 1, self.global_batch
+        return whole
 
     def _rows(self, stream: np.ndarray, starts: np.ndarray) -> np.ndarray:
         """``int32[local_batch, seq_len + 1]`` windows of ``stream`` at this process's slice of ``starts``."""

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from core import checkpoint as checkpoint_lib
@@ -82,7 +83,7 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
         local = rounds.site_batches(local, local_sites)
         return jax.make_array_from_process_local_data(token_sharding, local, (k, sites) + local.shape[2:])
 
-    val = [jnp.asarray(b) for b in batches.val_batches(tc.eval_batches)]
+    val = [jnp.asarray(b) for b in batches.every_row().val_batches(tc.eval_batches)]  # every site, every row
     bytes_info = _round_bytes(round_fn, state, round_tokens(0), sites, f)
     tokens_per_round = k * config.data.batch_size * config.data.seq_len
     bytes_info["bytes_per_token"] = system_model.bytes_per_token(
@@ -92,14 +93,14 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
               f"site, K = {k}, {f.outer}, {f.routing} routing; {bytes_info['measured'] / 1e6:.3f} MB per site per "
               f"round (formula {bytes_info['formula'] / 1e6:.3f} MB)", flush=True)
 
-    total_rounds, start_round = tc.steps // k, int(jax.device_get(state.round)[0])
+    total_rounds, start_round = tc.steps // k, int(_host(state.round)[0])
     results: dict[str, Any] = {"steps": start_round * k, "resumed_from": resumed_from}
     timed, seconds = 0, 0.0
     for r in range(start_round, total_rounds):
         tokens = round_tokens(r)
         t0 = time.perf_counter()
         state, metrics = round_fn(state, tokens)
-        metrics = {name: float(np.mean(v)) for name, v in jax.device_get(metrics).items()}
+        metrics = {name: float(np.mean(v)) for name, v in _host(metrics).items()}
         if r > start_round:  # the first round of a process includes compilation
             timed, seconds = timed + 1, seconds + time.perf_counter() - t0
         done = (r + 1) * k
@@ -131,6 +132,11 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
     return results
 
 
+def _host(tree):
+    """The full values of (possibly multi-process) arrays on every process."""
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
 def _round_bytes(round_fn, state, tokens, sites: int, f) -> dict[str, float]:
     """Bytes per site per round: read from the compiled round's all-reduce ops, and by the spec's formulas."""
     measured = federation.collective_bytes(round_fn.lower(state, tokens).compile().as_text())["bytes_per_device"]
@@ -147,7 +153,7 @@ def _evaluate(eval_fn, state, val) -> dict[str, float]:
     """Held-out loss and bits per byte of every site's model, averaged over the sites."""
     totals = None
     for tokens in val:
-        out = jax.device_get(eval_fn(state.train.params, state.train.rest, tokens))
+        out = _host(eval_fn(state.train.params, state.train.rest, tokens))
         totals = out if totals is None else {key: totals[key] + out[key] for key in out}
     loss = totals["nll_sum"] / np.maximum(totals["tokens"], 1)
     bpb = totals["nll_sum"] / (LN2 * np.maximum(totals["bytes"], 1))
