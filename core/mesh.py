@@ -91,6 +91,11 @@ def param_shardings(state, sharder: Sharder):
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+HEARTBEAT_TIMEOUT_SECONDS = 20
+"""A process that stops answering the coordination service's heartbeats for this long (it died, or its host did)
+brings the others down with an error instead of leaving them blocked in a collective."""
+
+
 def initialize_distributed(config: ml_collections.ConfigDict) -> None:
     """Starts `jax.distributed` when `mesh.num_processes > 1` (must run before any other JAX call).
 
@@ -106,4 +111,4 @@ def initialize_distributed(config: ml_collections.ConfigDict) -> None:
     logging.info("jax.distributed: process %d of %d, coordinator %s", mesh.process_id, mesh.num_processes,
                  mesh.coordinator_address)
     jax.distributed.initialize(coordinator_address=mesh.coordinator_address, num_processes=mesh.num_processes,
-                               process_id=mesh.process_id)
+                               process_id=mesh.process_id, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS)

@@ -32,7 +32,13 @@ from moe import federation, rounds, system_model
 from moe.placement import fixed_placement
 from optim import diloco_outer
 
+__all__ = ["train_federated", "SiteLostError"]
+
 LN2 = math.log(2.0)
+
+
+class SiteLostError(RuntimeError):
+    """A collective across sites failed in a multi-process run: another site's process died or became unreachable."""
 
 
 def _crossed(done: int, every: int, k: int) -> bool:
@@ -96,31 +102,43 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
     total_rounds, start_round = tc.steps // k, int(_host(state.round)[0])
     results: dict[str, Any] = {"steps": start_round * k, "resumed_from": resumed_from}
     timed, seconds = 0, 0.0
-    for r in range(start_round, total_rounds):
-        tokens = round_tokens(r)
-        t0 = time.perf_counter()
-        state, metrics = round_fn(state, tokens)
-        metrics = {name: float(np.mean(v)) for name, v in _host(metrics).items()}
-        if r > start_round:  # the first round of a process includes compilation
-            timed, seconds = timed + 1, seconds + time.perf_counter() - t0
-        done = (r + 1) * k
-        if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
-            raise train_lib.NonFiniteLossError(done, metrics["loss"], metrics["grad_norm"],
-                                               checkpointer.latest_step(), checkpointer.directory)
-        row = {"step": done, "round": r + 1, "train_loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
-               "bytes_per_site_per_round": bytes_info["measured"],
-               **{name: v for name, v in metrics.items() if name not in ("loss", "grad_norm")}}
-        log.write(row)
-        results["train_loss"] = metrics["loss"]
-        if _crossed(done, tc.eval_every, k) or r + 1 == total_rounds:
-            ev = _evaluate(eval_fn, state, val)
-            log.write({"step": done, "round": r + 1, **ev})
-            results.update(ev)
-            if is_main:
-                print(f"round {r + 1}/{total_rounds} (step {done}): train loss {metrics['loss']:.3f}, held-out "
-                      f"{ev['val_bits_per_byte']:.3f} bits/byte (mean over sites)", flush=True)
-        checkpointer.save(done, state, loop={"round": r + 1}, compat=compat)
-        results["steps"] = done
+    r = start_round
+    try:
+        for r in range(start_round, total_rounds):
+            tokens = round_tokens(r)
+            t0 = time.perf_counter()
+            state, metrics = round_fn(state, tokens)
+            metrics = {name: float(np.mean(v)) for name, v in _host(metrics).items()}
+            if r > start_round:  # the first round of a process includes compilation
+                timed, seconds = timed + 1, seconds + time.perf_counter() - t0
+            done = (r + 1) * k
+            if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
+                raise train_lib.NonFiniteLossError(done, metrics["loss"], metrics["grad_norm"],
+                                                   checkpointer.latest_step(), checkpointer.directory)
+            row = {"step": done, "round": r + 1, "train_loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+                   "bytes_per_site_per_round": bytes_info["measured"],
+                   **{name: v for name, v in metrics.items() if name not in ("loss", "grad_norm")}}
+            log.write(row)
+            results["train_loss"] = metrics["loss"]
+            if _crossed(done, tc.eval_every, k) or r + 1 == total_rounds:
+                ev = _evaluate(eval_fn, state, val)
+                log.write({"step": done, "round": r + 1, **ev})
+                results.update(ev)
+                if is_main:
+                    print(f"round {r + 1}/{total_rounds} (step {done}): train loss {metrics['loss']:.3f}, held-out "
+                          f"{ev['val_bits_per_byte']:.3f} bits/byte (mean over sites)", flush=True)
+            checkpointer.save(done, state, loop={"round": r + 1}, compat=compat)
+            results["steps"] = done
+    except (train_lib.NonFiniteLossError, checkpoint_lib.CheckpointError):
+        raise
+    except Exception as e:  # noqa: BLE001 - in a multi-process run, a failed collective means a lost site
+        if jax.process_count() == 1:
+            raise
+        raise SiteLostError(
+            f"round {r + 1} failed in a collective across sites ({type(e).__name__}: {str(e)[:200]}): another "
+            f"site's process has probably died. The last completed round's checkpoint is step "
+            f"{checkpointer.latest_step()} in {checkpointer.directory}; rerun the same command on every site to "
+            "resume from it.") from None
     checkpointer.wait()
     checkpointer.close()
     if "val_loss" not in results:

@@ -140,6 +140,12 @@ def run(config, workdir: str) -> int:
     except (train_lib.NonFiniteLossError, checkpoint_lib.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except Exception as e:
+        if federated and type(e).__name__ == "SiteLostError":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1)  # skip jax.distributed's shutdown barrier, which would wait for the lost site and abort
+        raise
     if not is_main:
         return 0
     summary = {

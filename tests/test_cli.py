@@ -198,3 +198,38 @@ def test_federated_sites_as_processes_equal_sites_as_virtual_devices(tmp_path):
     b = json.loads((tmp_path / "multi" / "summary.json").read_text())
     for key in ("train_loss", "val_loss", "val_bits_per_byte", "bytes_per_site_per_round"):
         assert b[key] == pytest.approx(a[key], rel=1e-6), key
+
+
+def test_a_lost_site_stops_the_others_and_a_rerun_resumes(tmp_path):
+    """Kill one site's process mid-run: the other stops within 60 s with a clear error (no hang); rerunning both
+    resumes from the last completed round and ends like an uninterrupted run."""
+    args = ["--config.mesh.site=2", "--config.mesh.data=1", "--config.fomoe.overlap=1", "--config.fomoe.local_steps=3",
+            "--config.train.steps=60", "--config.train.eval_every=30", "--config.sample.num_tokens=0"]
+    reference = _cli(tmp_path / "reference", *args, env_devices=2)
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+
+    def start(port):
+        return [_cli(tmp_path / "multi", *args, "--config.mesh.num_processes=2", f"--config.mesh.process_id={i}",
+                     f"--config.mesh.coordinator_address=127.0.0.1:{port}", process=True) for i in range(2)]
+
+    procs = start(_free_port())
+    deadline = time.time() + 240
+    while not (tmp_path / "multi" / "checkpoints" / "9").exists():
+        assert all(p.poll() is None for p in procs), [p.stdout.read() for p in procs]
+        assert time.time() < deadline
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGKILL)
+    t0 = time.time()
+    out = procs[0].communicate(timeout=60)[0]
+    assert time.time() - t0 < 60 and procs[0].returncode == 1, out
+    assert "another site's process has probably died" in out and "rerun the same command" in out
+    procs[1].wait()
+
+    procs = start(_free_port())
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    a = json.loads((tmp_path / "reference" / "summary.json").read_text())
+    b = json.loads((tmp_path / "multi" / "summary.json").read_text())
+    assert b["resumed_from"] >= 9 and b["steps"] == 60
+    for key in ("train_loss", "val_loss", "val_bits_per_byte"):
+        assert b[key] == pytest.approx(a[key], rel=1e-6), key
