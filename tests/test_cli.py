@@ -233,3 +233,28 @@ def test_a_lost_site_stops_the_others_and_a_rerun_resumes(tmp_path):
     assert b["resumed_from"] >= 9 and b["steps"] == 60
     for key in ("train_loss", "val_loss", "val_bits_per_byte"):
         assert b[key] == pytest.approx(a[key], rel=1e-6), key
+
+
+def test_launcher_runs_one_process_per_site(tmp_path):
+    args = ["--config.mesh.site=2", "--config.mesh.data=1", "--config.fomoe.local_steps=3", "--config.train.steps=6",
+            "--config.train.eval_every=6", "--config.sample.num_tokens=0"]
+    cmd = [sys.executable, "-m", "experiments.launch", "--processes", "2", "--", f"--config={CONFIG}",
+           f"--workdir={tmp_path}", *TINY, *args]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "launch: exit codes [0, 0]" in out.stdout and "[1] " in out.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["rounds"] == 2 and summary["devices"].startswith("2 x")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--processes", "2"], "after '--'"),
+    (["--processes", "0", "--", "--workdir=x"], "--processes=0"),
+    (["--processes", "2", "--", "--config.mesh.process_id=1"], "set by the launcher"),
+])
+def test_launcher_rejects_bad_arguments(capsys, argv, needle):
+    from experiments import launch
+
+    with pytest.raises(SystemExit) as e:
+        launch.main(argv)
+    assert e.value.code == 2 and needle in capsys.readouterr().err
