@@ -5,7 +5,9 @@ mesh, the measured collective bytes), moe.system_model (the formula bytes), core
 round: the K global batches of its steps (pure functions of the step) are split over the sites, the round runs,
 its metrics (means over steps and sites) are logged, and the state is checkpointed, so a rerun resumes from the
 last completed round. Evaluation: every site evaluates its own model (its resident experts, its routing) on the
-same held-out batches; the reported loss is the mean over sites.
+same held-out batches; the reported loss is the mean over sites. Routing stability per round: the MoE statistics
+(entropy, load CV, ghost fraction against its ideal 1 - N_le / N_e with skip-token) and the top-k agreement of
+every site's routing on a fixed probe batch (the first held-out batch) with the previous round's.
 """
 
 from __future__ import annotations
@@ -90,6 +92,8 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
         return jax.make_array_from_process_local_data(token_sharding, local, (k, sites) + local.shape[2:])
 
     val = [jnp.asarray(b) for b in batches.every_row().val_batches(tc.eval_batches)]  # every site, every row
+    probe_fn, probe_tokens = rounds.make_probe(graphdef), val[0][:, :-1]
+    previous_routes = _host(probe_fn(state.train.params, state.train.rest, probe_tokens))
     bytes_info = _round_bytes(round_fn, state, round_tokens(0), sites, f)
     tokens_per_round = k * config.data.batch_size * config.data.seq_len
     bytes_info["bytes_per_token"] = system_model.bytes_per_token(
@@ -115,9 +119,14 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
             if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
                 raise train_lib.NonFiniteLossError(done, metrics["loss"], metrics["grad_norm"],
                                                    checkpointer.latest_step(), checkpointer.directory)
+            routes = _host(probe_fn(state.train.params, state.train.rest, probe_tokens))
             row = {"step": done, "round": r + 1, "train_loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
                    "bytes_per_site_per_round": bytes_info["measured"],
+                   "routing/topk_agreement": rounds.topk_agreement(previous_routes, routes),
+                   **({"moe/ideal_ghost_fraction": placement.ideal_ghost_fraction} if f.routing == "skip_token"
+                      else {}),
                    **{name: v for name, v in metrics.items() if name not in ("loss", "grad_norm")}}
+            previous_routes = routes
             log.write(row)
             results["train_loss"] = metrics["loss"]
             if _crossed(done, tc.eval_every, k) or r + 1 == total_rounds:

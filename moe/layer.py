@@ -124,6 +124,7 @@ class MoE(nnx.Module):
         self.precision = precision if precision is not None else DefaultPrecision(
             grouped=GroupedMatmulFn(moe.grouped_matmul))
         self.moe, self.path, self.dtype = moe, path, cfg.compute_dtype
+        self.record_routes = False  # True: keep each call's chosen global expert ids [N, k] in `last_routes`
         d, h = cfg.d_model, moe.expert_size
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
 
@@ -155,6 +156,11 @@ class MoE(nnx.Module):
         k = min(self.moe.top_k, router.shape[1])
         return router_lib.route(logits, k, self.moe.router, normalize=self.moe.normalize_gates)
 
+    def global_ids(self, experts: jax.Array) -> jax.Array:
+        """Router column -> global expert id (the partitioned router's columns are the resident experts)."""
+        return experts if self.router.get_value().shape[1] == self.moe.num_experts else (
+            self.resident.get_value()[experts])
+
     def local_ids(self, experts: jax.Array) -> jax.Array:
         """Router column -> local expert slot; a ghost (not resident) -> N_le, which no dispatch computes."""
         if not self.skip_token:
@@ -169,6 +175,8 @@ class MoE(nnx.Module):
         x = x.astype(self.dtype)
         routing = self.route(x, key)
         experts = self.local_ids(routing.experts)
+        if self.record_routes:
+            self.last_routes = nnx.Intermediate(self.global_ids(routing.experts))
         up, down = self.up.get_value(), self.down.get_value()
         keep = None
         if m.dispatch == "capacity":

@@ -122,3 +122,26 @@ def site_batches(tokens: np.ndarray, sites: int) -> np.ndarray:
     if rows % sites:
         raise ValueError(f"a global batch of {rows} sequences cannot be split over {sites} sites.")
     return tokens.reshape(k, sites, rows // sites, length)
+
+
+def make_probe(graphdef) -> Callable:
+    """A jitted `(params, rest, tokens [B, T]) -> routes [M, L_moe, B T, k]`: every site's chosen global expert ids
+    in every MoE layer on a fixed probe batch (for the routing agreement between rounds)."""
+
+    def one_site(params, rest, tokens):
+        model = nnx.merge(graphdef, params, rest)
+        layers = [m for _, m in nnx.iter_modules(model) if hasattr(m, "record_routes")]
+        for layer in layers:
+            layer.record_routes = True
+        model(tokens)
+        routes = [layer.last_routes.get_value() for layer in layers]
+        return jnp.stack(routes)
+
+    return jax.jit(jax.vmap(one_site, in_axes=(0, 0, None)))
+
+
+def topk_agreement(previous: np.ndarray, current: np.ndarray) -> float:
+    """Mean over sites, layers and tokens of |chosen now ∩ chosen before| / k (1 = the same experts)."""
+    previous, current = np.asarray(previous), np.asarray(current)
+    same = (previous[..., :, None] == current[..., None, :]).any(-1)
+    return float(same.mean())

@@ -148,3 +148,15 @@ def test_make_round_rejects_bad_methods():
         rounds.make_round(graphdef, optimizer, mesh, method="diloco")
     with pytest.raises(ValueError, match="cannot be split over 4 sites"):
         rounds.site_batches(np.zeros((2, 6, 9)), SITES)
+
+
+def test_topk_agreement_and_probe_routes():
+    prev = np.array([[[[0, 1], [2, 3]]]])  # [sites, layers, tokens, k]
+    cur = np.array([[[[1, 0], [2, 4]]]])
+    assert rounds.topk_agreement(prev, cur) == pytest.approx(3 / 4)  # token 0: both kept; token 1: one of two
+    placement, _, graphdef, state = _setup(2, optax.adamw(1e-2))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(2, 8)), jnp.int32)
+    routes = np.asarray(rounds.make_probe(graphdef)(state.train.params, state.train.rest, tokens))
+    assert routes.shape == (SITES, 2, 16, 2)  # 2 MoE layers, 16 tokens, top-2
+    for s in range(SITES):  # partitioned routing: a site only ever chooses its resident experts (global ids)
+        assert set(routes[s].ravel()) <= set(placement.experts[s])
