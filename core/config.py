@@ -197,8 +197,8 @@ def schema() -> Schema:
             "coordinator_address": _str("", "host:port of process 0 in a multi-process run"),
         },
         "checkpoint": {
-            "every": _int(100, "steps between checkpoints (the last step is always saved); 0 = only the last",
-                          low=0),
+            "every": _int(100, "steps between checkpoints (the last step is always saved); 0 = only the last; "
+                          "federated runs save after every round", low=0),
             "keep": _int(2, "checkpoints kept on disk", low=1),
             "resume": _bool(True, "resume from the latest checkpoint in the workdir if there is one"),
             "async_save": _bool(False, "write checkpoints in a background thread"),

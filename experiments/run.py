@@ -100,6 +100,7 @@ def run(config, workdir: str) -> int:
     build.validate(config)  # static checks: no JAX backend touched yet
     from core import mesh as mesh_lib
 
+    _virtual_sites(config)
     mesh_lib.initialize_distributed(config)
     import jax
 
@@ -180,6 +181,17 @@ def run(config, workdir: str) -> int:
             print(f"sample (temperature {config.sample.temperature}):\n{text}", flush=True)
     print(f"outputs in {workdir}", flush=True)
     return 0
+
+
+def _virtual_sites(config) -> None:
+    """A single-process federated run (mesh.site = M > 1) with no device count in XLA_FLAGS gets M virtual CPU
+    devices, one per site, so `--config.mesh.site=2` works as typed. Must run before JAX creates its backend; it
+    changes nothing on a GPU or TPU backend, or when XLA_FLAGS already sets a device count."""
+    flags_now = os.environ.get("XLA_FLAGS", "")
+    if config.mesh.site > 1 and config.mesh.num_processes == 1 and "device_count" not in flags_now:
+        count = config.mesh.site * max(1, config.mesh.data) * max(1, config.mesh.expert) * max(1, config.mesh.model)
+        os.environ["XLA_FLAGS"] = f"{flags_now} --xla_force_host_platform_device_count={count}".strip()
+        print(f"federated run: {count} virtual CPU devices (XLA_FLAGS={os.environ['XLA_FLAGS']})", flush=True)
 
 
 def _write_json(path: str, obj) -> None:
