@@ -155,7 +155,9 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
     results.update({"rounds": total_rounds, "tokens_per_second": tokens_per_round * timed / seconds if timed else None,
                     "bytes_per_site_per_round": bytes_info["measured"],
                     "bytes_per_site_per_round_formula": bytes_info["formula"],
-                    "bytes_per_token": bytes_info["bytes_per_token"], "final_state": state, "graphdef": graphdef})
+                    "bytes_per_token": bytes_info["bytes_per_token"], "federated_state": state, "graphdef": graphdef,
+                    # site 0's own model (its resident experts, its routing), e.g. to sample from
+                    "final_state": jax.tree.map(lambda x: x[0], state.train) if jax.process_count() == 1 else None})
     return results
 
 

@@ -168,17 +168,15 @@ def run(config, workdir: str) -> int:
     report.plot_loss_curve(os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "loss_curve.png"))
     print(report.summary_table(summary), flush=True)
     if config.sample.prompt and config.sample.num_tokens:
-        if federated:
-            print("sample skipped: a federated run has one model per site (each with its own experts); sampling "
-                  "from a site's model is not wired yet", flush=True)
-        elif jax.process_count() > 1:
+        if jax.process_count() > 1:
             print("sample skipped: generation runs in single-process runs only (the parameters are spread over "
                   "processes here)", flush=True)
         else:
             text = report.sample_text(config, model_fn, results)
             with open(os.path.join(workdir, "sample.txt"), "w") as f:
                 f.write(text)
-            print(f"sample (temperature {config.sample.temperature}):\n{text}", flush=True)
+            whose = " from site 0's model (its own experts)" if federated else ""
+            print(f"sample{whose} (temperature {config.sample.temperature}):\n{text}", flush=True)
     print(f"outputs in {workdir}", flush=True)
     return 0
 

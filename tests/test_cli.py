@@ -19,6 +19,7 @@ TINY = [
     "--config.model.num_kv_heads=2", "--config.model.d_ff=64", "--config.data.seq_len=16",
     "--config.data.batch_size=8", "--config.optim.warmup_steps=2", "--config.train.log_every=2",
     "--config.train.eval_batches=2", "--config.train.progress=False", "--config.sample.num_tokens=8",
+    "--config.mesh.site=1", "--config.mesh.data=-1",
 ]
 
 

@@ -45,7 +45,7 @@ def bench_size(name: str, steps: int) -> dict:
     c = quickstart.get_config()
     for section, values in SIZES[name].items():
         c[section].update(values)
-    c.mesh.update(data=1)
+    c.mesh.update(site=1, data=1)  # one train step of one model (the federation's sites run the same step)
     m = c.model
     d, layers, seq, batch = m.d_model, m.num_layers, c.data.seq_len, c.data.batch_size
     build.validate(c, num_devices=jax.device_count())
