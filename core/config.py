@@ -27,7 +27,7 @@ from typing import Any
 import ml_collections
 
 __all__ = ["ConfigError", "Field", "Schema", "schema", "defaults", "validate", "unknown_key_error", "describe",
-           "mesh_shape", "MESH_AXES"]
+           "mesh_shape", "mesh_axes", "rule_mesh_axes", "MESH_AXES"]
 
 
 class ConfigError(ValueError):
@@ -295,6 +295,16 @@ def mesh_shape(config: ml_collections.ConfigDict, num_devices: int) -> dict[str,
     return _mesh_shape(config.mesh, num_devices)
 
 
+def mesh_axes(target) -> tuple[str, ...]:
+    """A rule's target (or a PartitionSpec entry) as a tuple of mesh axes: None -> (), "data" -> ("data",)."""
+    return () if target is None else (target,) if isinstance(target, str) else tuple(target)
+
+
+def rule_mesh_axes(rules, logical: str) -> tuple[str, ...]:
+    """The mesh axes `rules` map the logical axis `logical` to (() when it is replicated)."""
+    return mesh_axes(dict((name, target) for name, target in rules).get(logical))
+
+
 def _check_core(config: ml_collections.ConfigDict, num_devices: int | None) -> None:
     m = config.model
     if m.d_model % m.num_heads:
@@ -326,8 +336,7 @@ def _check_core(config: ml_collections.ConfigDict, num_devices: int | None) -> N
     _check_rules(mesh.rules)
     sizes = _mesh_shape(mesh, num_devices)
     if num_devices is not None:
-        target = dict((name, t) for name, t in mesh.rules).get("batch")
-        batch_axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        batch_axes = rule_mesh_axes(mesh.rules, "batch")
         batch_shards = math.prod(sizes[a] for a in batch_axes)
         if config.data.batch_size % batch_shards:
             raise ConfigError(f"config key 'data.batch_size' = {config.data.batch_size} must be divisible by "
@@ -346,9 +355,7 @@ def _check_rules(rules: Any) -> None:
         if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
             raise ConfigError(f"config key 'mesh.rules'[{i}] = {rule!r}; each rule is (logical axis name, "
                               "mesh axis | tuple of mesh axes | None).")
-        target = rule[1]
-        targets = () if target is None else (target,) if isinstance(target, str) else tuple(target)
-        for t in targets:
+        for t in mesh_axes(rule[1]):
             if t not in MESH_AXES:
                 raise ConfigError(f"config key 'mesh.rules'[{i}] = {tuple(rule)!r} names mesh axis {t!r}; "
                                   f"mesh axes are {list(MESH_AXES)}.")

@@ -49,8 +49,7 @@ def logical_to_spec(axes: Sequence[str | None], rules: Rules, mesh: Mesh | None 
     used: set[str] = set()
     spec = []
     for name in axes:
-        target = table.get(name) if name is not None else None
-        targets = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        targets = config_lib.mesh_axes(table.get(name) if name is not None else None)
         keep = tuple(t for t in targets if t not in used and (mesh is None or mesh.shape[t] > 1))
         used.update(keep)
         spec.append(None if not keep else keep[0] if len(keep) == 1 else keep)

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import ml_collections
 import optax
 from flax import nnx
@@ -27,7 +28,8 @@ from core.data import PAD_ID, Batches
 from core.mesh import Sharder, param_shardings
 
 __all__ = ["TrainState", "NonFiniteLossError", "learning_rate_schedule", "lm_loss", "make_train_step",
-           "train_step_fn", "make_eval_step", "init_state", "evaluate", "train", "MetricsLog", "checkpoint_compat"]
+           "train_step_fn", "make_eval_step", "init_state", "evaluate", "train", "MetricsLog", "checkpoint_compat",
+           "open_checkpoints", "mirror"]
 
 LN2 = math.log(2.0)
 
@@ -146,7 +148,7 @@ def init_state(model_fn: Callable[[nnx.Rngs], nnx.Module], optimizer: optax.Grad
     graphdef, abs_params, abs_rest = nnx.split(abstract, nnx.Param, ...)
     replicated = sharder.named(())
     params_sh = param_shardings(abs_params, sharder)
-    opt_sh = _mirror_shardings(jax.eval_shape(optimizer.init, abs_params), abs_params, params_sh, replicated)
+    opt_sh = mirror(jax.eval_shape(optimizer.init, abs_params), abs_params, params_sh, replicated)
     out_shardings = TrainState(replicated, params_sh, param_shardings(abs_rest, sharder), opt_sh, replicated)
 
     @functools.partial(jax.jit, out_shardings=out_shardings)
@@ -157,11 +159,12 @@ def init_state(model_fn: Callable[[nnx.Rngs], nnx.Module], optimizer: optax.Grad
     return graphdef, make()
 
 
-def _mirror_shardings(tree, params, params_sh, default):
-    """Shardings for `tree`: a leaf whose key path ends with a parameter's key path and has its shape gets that
-    parameter's sharding; any other leaf gets `default`."""
+def mirror(tree, params, values, default):
+    """Carries a per-parameter value over to a tree whose leaves mirror the parameters (an optimizer's moments):
+    a leaf whose key path ends with a parameter's key path and has its shape gets that parameter's entry of
+    `values` (a tree shaped like `params`: shardings, flags, ...); any other leaf (a step count) gets `default`."""
     flat_params, _ = jax.tree_util.tree_flatten_with_path(params)
-    by_path = {tuple(path): (leaf.shape, sh) for (path, leaf), sh in zip(flat_params, jax.tree.leaves(params_sh))}
+    by_path = {tuple(path): (leaf.shape, v) for (path, leaf), v in zip(flat_params, jax.tree.leaves(values))}
 
     def pick(path, leaf):
         for i in range(len(path)):
@@ -173,15 +176,20 @@ def _mirror_shardings(tree, params, params_sh, default):
     return jax.tree_util.tree_map_with_path(pick, tree)
 
 
-def evaluate(eval_step, state: TrainState, batches: Sequence[jax.Array]) -> dict[str, float]:
-    """Held-out loss (nats per token) and bits per byte = total NLL / (ln 2 x byte targets)."""
-    totals = {"nll_sum": 0.0, "tokens": 0, "bytes": 0}
+def evaluate(eval_step, state: TrainState, batches: Sequence[jax.Array], *, fetch=jax.device_get) -> dict:
+    """Held-out loss (nats per token) and bits per byte = total NLL / (ln 2 x byte targets), summed in float64.
+
+    `eval_step(params, rest, tokens)` returns the sums of `make_eval_step`; when it returns one value per site (a
+    vmapped step over stacked site states) the results are arrays [M]. `fetch` brings outputs to the host.
+    """
+    totals = None
     for tokens in batches:
-        out = jax.device_get(eval_step(state.params, state.rest, tokens))
-        for k in totals:
-            totals[k] += out[k].item()
-    return {"val_loss": totals["nll_sum"] / max(totals["tokens"], 1),
-            "val_bits_per_byte": totals["nll_sum"] / (LN2 * max(totals["bytes"], 1))}
+        out = {k: np.asarray(v, np.float64) for k, v in fetch(eval_step(state.params, state.rest, tokens)).items()}
+        totals = out if totals is None else {k: totals[k] + out[k] for k in out}
+    loss = totals["nll_sum"] / np.maximum(totals["tokens"], 1)
+    bits = totals["nll_sum"] / (LN2 * np.maximum(totals["bytes"], 1))
+    host = lambda x: float(x) if np.ndim(x) == 0 else x  # noqa: E731
+    return {"val_loss": host(loss), "val_bits_per_byte": host(bits)}
 
 
 class MetricsLog:
@@ -229,6 +237,37 @@ def checkpoint_compat(config: ml_collections.ConfigDict, data_fingerprint: str) 
             "data.seq_len": config.data.seq_len, "data.batch_size": config.data.batch_size}
 
 
+def open_checkpoints(config: ml_collections.ConfigDict, workdir: str, state, data_fingerprint: str,
+                     log: MetricsLog):
+    """The run's `<workdir>/checkpoints`: restores the latest checkpoint into `state` when `checkpoint.resume`
+    allows (after checking it belongs to this program), and moves metric rows written after it aside.
+
+    Returns (checkpointer, compat facts, state, the saved loop record or None, the step resumed from or None).
+    Raises CheckpointError for a checkpoint beyond train.steps, one from another program, or checkpoints present
+    while checkpoint.resume is False; nothing on disk changes then.
+    """
+    cc, steps = config.checkpoint, config.train.steps
+    checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=cc.keep,
+                                               async_save=cc.async_save)
+    compat = checkpoint_compat(config, data_fingerprint)
+    latest = checkpointer.latest_step()
+    if latest is not None and not cc.resume:
+        raise checkpoint_lib.CheckpointError(
+            f"{checkpointer.directory} already holds checkpoints and checkpoint.resume is False; use a new "
+            "--workdir so they are not overwritten.")
+    if latest is None:
+        return checkpointer, compat, state, None, None
+    if latest > steps:
+        raise checkpoint_lib.CheckpointError(
+            f"the latest checkpoint in {checkpointer.directory} is at step {latest}, beyond train.steps = "
+            f"{steps}; raise train.steps or use a new --workdir. Nothing was changed.")
+    state, loop = checkpointer.restore(latest, state, compat=compat)
+    log.truncate_after(latest)
+    if jax.process_index() == 0:
+        print(f"resuming from the checkpoint of step {latest} in {checkpointer.directory}", flush=True)
+    return checkpointer, compat, state, loop, latest
+
+
 def train(
     config: ml_collections.ConfigDict,
     *,
@@ -258,24 +297,9 @@ def train(
     os.makedirs(workdir, exist_ok=True)
     log = MetricsLog(workdir, enabled=is_main)
     graphdef, state = init_state(model_fn, optimizer, tc.seed, sharder)
-    checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=cc.keep,
-                                               async_save=cc.async_save)
-    compat = checkpoint_compat(config, data_fingerprint)
-    loop = {"window_loss_sum": 0.0, "window_steps": 0}
-    resumed_from = checkpointer.latest_step() if cc.resume else None
-    if resumed_from is not None:
-        if resumed_from > tc.steps:
-            raise checkpoint_lib.CheckpointError(
-                f"the latest checkpoint in {checkpointer.directory} is at step {resumed_from}, beyond train.steps = "
-                f"{tc.steps}; raise train.steps or use a new --workdir. Nothing was changed.")
-        state, loop = checkpointer.restore(resumed_from, state, compat=compat)
-        log.truncate_after(resumed_from)
-        if is_main:
-            print(f"resuming from the checkpoint of step {resumed_from} in {checkpointer.directory}", flush=True)
-    elif cc.resume is False and checkpointer.latest_step() is not None:
-        raise checkpoint_lib.CheckpointError(
-            f"{checkpointer.directory} already holds checkpoints and checkpoint.resume is False; use a new "
-            "--workdir so they are not overwritten.")
+    checkpointer, compat, state, loop, resumed_from = open_checkpoints(config, workdir, state, data_fingerprint,
+                                                                       log)
+    loop = loop or {"window_loss_sum": 0.0, "window_steps": 0}
 
     if on_start is not None:
         on_start(resumed_from)

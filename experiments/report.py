@@ -10,6 +10,7 @@ import jax
 from flax import nnx
 
 from core import model as model_lib
+from moe.layer import MoEConfig
 
 LN2 = math.log(2.0)
 
@@ -22,8 +23,8 @@ def count_params(model_fn: Callable[[nnx.Rngs], nnx.Module]) -> int:
 def moe_summary(config, num_params: int, *, metrics_path: str) -> dict:
     """For a MoE model: parameters used per token (the top-k of each MoE layer's experts, not all of them) and the
     routing statistics of the last logged step. Empty for a dense model."""
-    m = config.moe
-    layers = sum(1 for i in range(config.model.num_layers) if m.every and (i + 1) % m.every == 0)
+    m = MoEConfig.from_config(config.moe)
+    layers = sum(map(m.is_moe_layer, range(config.model.num_layers)))
     if not layers:
         return {}
     idle = layers * (m.num_experts - m.top_k) * 2 * config.model.d_model * m.expert_size

@@ -3,9 +3,11 @@ that involve other sections."""
 
 from __future__ import annotations
 
+import math
+
 import ml_collections
 
-from core.config import ConfigError, Field
+from core.config import ConfigError, Field, rule_mesh_axes
 from moe.grouped_matmul import IMPLEMENTATIONS
 from moe.layer import DISPATCH, ROUTING_MODES
 from moe.router import ROUTERS
@@ -55,12 +57,8 @@ def check(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int] | None) 
                           f"{m.router!r}); sigmoid gates are never renormalised.")
     if mesh_sizes is None:
         return
-    rules = dict((name, target) for name, target in config.mesh.rules)
-    target = rules.get("expert")
-    targets = () if target is None else (target,) if isinstance(target, str) else tuple(target)
-    shards = 1
-    for axis in targets:
-        shards *= mesh_sizes[axis]
+    targets = rule_mesh_axes(config.mesh.rules, "expert")
+    shards = math.prod(mesh_sizes[axis] for axis in targets)
     if m.num_experts % shards:
         raise ConfigError(f"config key 'moe.num_experts' = {m.num_experts} is not divisible by the mesh axes "
                           f"{list(targets)} = {shards} devices that shard the experts (mesh.rules maps 'expert' "

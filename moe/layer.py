@@ -33,6 +33,7 @@ import ml_collections
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from core.config import mesh_axes
 from core.mesh import Sharder, logical_to_spec
 from core.model import Dense, DefaultPrecision, Precision, TransformerConfig, layer_key
 from moe import dispatch as dispatch_lib
@@ -215,8 +216,7 @@ class MoE(nnx.Module):
         count those devices cannot split evenly (e.g. one decode step of one sequence) is padded with rows whose
         gates are zero; the padding is computed and discarded and never enters the routing statistics."""
         mesh, axis = self.shard.mesh, self.ep_axis
-        batch = logical_to_spec(("batch",), self.shard.rules, mesh)[0]
-        batch = () if batch is None else (batch,) if isinstance(batch, str) else tuple(batch)
+        batch = mesh_axes(logical_to_spec(("batch",), self.shard.rules, mesh)[0])
         token_axes = batch + ((axis,) if axis not in batch else ())
         n = x.shape[0]
         pad = -n % math.prod(mesh.shape[a] for a in token_axes)

@@ -1,7 +1,8 @@
-"""What every benchmark script shares: median timers and a description of the machine."""
+"""What every benchmark script shares: median timers, a description of the machine, writing the results."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import time
@@ -45,3 +46,14 @@ def machine() -> dict:
             "cpu_count": os.cpu_count(), "machine": platform.machine(), "jax": jax.__version__,
             "note": ("CPU run: measured on this machine's cores; GPU numbers need a GPU run."
                      if device.platform == "cpu" else "")}
+
+
+def write_results(out_dir: str, name: str, result: dict, markdown: Callable[[dict], str]) -> None:
+    """Writes `<out_dir>/<name>.json` and `<name>.md` (the table `markdown(result)`), and prints the table."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    table = markdown(result)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(table)
+    print(table)

@@ -15,8 +15,6 @@ Writes moe.json and moe.md.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +22,7 @@ from flax import nnx
 
 from core.mesh import Sharder
 from core.model import MLP, DefaultPrecision, TransformerConfig
-from experiments.bench.common import interleaved_medians, machine, median_seconds
+from experiments.bench.common import interleaved_medians, machine, median_seconds, write_results
 from moe import MoE, MoEConfig
 from moe.grouped_matmul import grouped_matmul
 
@@ -147,12 +145,7 @@ def main(argv=None) -> None:
     layers = [row for h in sizes for row in bench_layers(args.tokens, h, args.repeats)]
     result = {**machine(), "tokens": args.tokens, "repeats": args.repeats, "layers": layers,
               "grouped_matmul": bench_grouped_matmul(args.repeats)}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "moe.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    with open(os.path.join(args.out, "moe.md"), "w") as f:
-        f.write(markdown(result))
-    print(markdown(result))
+    write_results(args.out, "moe", result, markdown)
 
 
 if __name__ == "__main__":

@@ -13,15 +13,13 @@ matmul can do. Writes train_step.json and train_step.md.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import jax
 import jax.numpy as jnp
 
 from core import train as train_lib
 from experiments import build
-from experiments.bench.common import machine, median_seconds
+from experiments.bench.common import machine, median_seconds, write_results
 from experiments.configs import quickstart
 
 SIZES = {
@@ -107,12 +105,7 @@ def main(argv=None) -> None:
         print(f"{name}: {row['tokens_per_second']:,.0f} tok/s, {row['model_flops_per_second'] / 1e9:.1f} GFLOP/s "
               f"= {100 * row['model_flops_fraction_of_peak']:.1f}% of peak", flush=True)
     result = {**machine(), "dtype": "float32", "matmul_peak_flops_per_second": peak, "rows": rows}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "train_step.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    with open(os.path.join(args.out, "train_step.md"), "w") as f:
-        f.write(markdown(result))
-    print(markdown(result))
+    write_results(args.out, "train_step", result, markdown)
 
 
 def markdown(result: dict) -> str:
