@@ -13,7 +13,6 @@ every site's routing on a fixed probe batch (the first held-out batch) with the 
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Any
 
@@ -36,9 +35,6 @@ from optim import diloco_outer
 
 __all__ = ["train_federated", "SiteLostError"]
 
-LN2 = math.log(2.0)
-
-
 class SiteLostError(RuntimeError):
     """A collective across sites failed in a multi-process run: another site's process died or became unreachable."""
 
@@ -52,7 +48,7 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
                     on_start=None) -> dict[str, Any]:
     """Trains a federation of `mesh.site` sites; returns the same result keys as core.train.train plus `rounds`,
     `bytes_per_site_per_round` (measured from the compiled round and by the formula) and `bytes_per_token`."""
-    f, tc, cc = config.fomoe, config.train, config.checkpoint
+    f, tc = config.fomoe, config.train
     sites, k = config.mesh.site, f.local_steps
     experts = config.moe.num_experts
     placement = fixed_placement(experts, sites, f.overlap)
@@ -68,76 +64,69 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
 
     is_main = jax.process_index() == 0
     log = train_lib.MetricsLog(workdir, enabled=is_main)
-    checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=cc.keep,
-                                               async_save=cc.async_save)
-    compat = train_lib.checkpoint_compat(config, data_fingerprint)
-    resumed_from = checkpointer.latest_step() if cc.resume else None
-    if resumed_from is not None:
-        state, _ = checkpointer.restore(resumed_from, state, compat=compat)
-        log.truncate_after(resumed_from)
-        if is_main:
-            print(f"resuming from the checkpoint of step {resumed_from} (round {resumed_from // k})", flush=True)
-    elif cc.resume is False and checkpointer.latest_step() is not None:
-        raise checkpoint_lib.CheckpointError(
-            f"{checkpointer.directory} already holds checkpoints and checkpoint.resume is False; use a new --workdir.")
+    checkpointer, compat, state, _, resumed_from = train_lib.open_checkpoints(config, workdir, state,
+                                                                              data_fingerprint, log)
     if on_start is not None:
         on_start(resumed_from)
 
     token_sharding = NamedSharding(mesh, PartitionSpec(None, federation.SITE_AXES))
-    local_sites = sites // jax.process_count()
+    batch_shape = (k, sites, config.data.batch_size // sites, config.data.seq_len + 1)
 
     def round_tokens(r: int) -> jax.Array:
         local = np.stack([batches.train_batch(step) for step in range(r * k, (r + 1) * k)])
-        local = rounds.site_batches(local, local_sites)
-        return jax.make_array_from_process_local_data(token_sharding, local, (k, sites) + local.shape[2:])
+        local = rounds.site_batches(local, sites // jax.process_count())
+        return jax.make_array_from_process_local_data(token_sharding, local, batch_shape)
 
+    # Compiled once: the executable both runs every round and tells the bytes its all-reduces move.
+    round_exec = round_fn.lower(state, jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=token_sharding)).compile()
+    bytes_info = _round_bytes(round_exec.as_text(), state.train.params, sites, f)
+    tokens_per_step = config.data.batch_size * config.data.seq_len
+    bytes_info["bytes_per_token"] = system_model.bytes_per_token(bytes_info["measured"], sites, k, tokens_per_step)
     val = [jnp.asarray(b) for b in batches.every_row().val_batches(tc.eval_batches)]  # every site, every row
     probe_fn, probe_tokens = rounds.make_probe(graphdef), val[0][:, :-1]
-    previous_routes = _host(probe_fn(state.train.params, state.train.rest, probe_tokens))
-    bytes_info = _round_bytes(round_fn, state, round_tokens(0), sites, f)
-    tokens_per_round = k * config.data.batch_size * config.data.seq_len
-    bytes_info["bytes_per_token"] = system_model.bytes_per_token(
-        bytes_info["measured"], sites, k, config.data.batch_size * config.data.seq_len)
+    routes = _host(probe_fn(state.train.params, state.train.rest, probe_tokens))
     if is_main:
         print(f"federation: {sites} sites, O_e = {f.overlap}, {placement.local_experts} of {experts} experts per "
               f"site, K = {k}, {f.outer}, {f.routing} routing; {bytes_info['measured'] / 1e6:.3f} MB per site per "
               f"round (formula {bytes_info['formula'] / 1e6:.3f} MB)", flush=True)
 
-    total_rounds, start_round = tc.steps // k, int(_host(state.round)[0])
+    total_rounds, start_round = tc.steps // k, int(_host(state.train.step)[0]) // k
     results: dict[str, Any] = {"steps": start_round * k, "resumed_from": resumed_from}
     timed, seconds = 0, 0.0
+
+    def run_round(r: int) -> None:
+        nonlocal state, routes, timed, seconds
+        tokens = round_tokens(r)
+        t0 = time.perf_counter()
+        state, metrics = round_exec(state, tokens)
+        metrics = {name: float(np.mean(v)) for name, v in _host(metrics).items()}
+        if r > start_round:  # the first round of a process warms up
+            timed, seconds = timed + 1, seconds + time.perf_counter() - t0
+        done = (r + 1) * k
+        if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
+            raise train_lib.NonFiniteLossError(done, metrics["loss"], metrics["grad_norm"],
+                                               checkpointer.latest_step(), checkpointer.directory)
+        previous, routes = routes, _host(probe_fn(state.train.params, state.train.rest, probe_tokens))
+        ghosts = {"moe/ideal_ghost_fraction": placement.ideal_ghost_fraction} if f.routing == "skip_token" else {}
+        log.write({"step": done, "round": r + 1, "train_loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+                   "bytes_per_site_per_round": bytes_info["measured"],
+                   "routing/topk_agreement": rounds.topk_agreement(previous, routes), **ghosts,
+                   **{name: v for name, v in metrics.items() if name not in ("loss", "grad_norm")}})
+        results["train_loss"] = metrics["loss"]
+        if _crossed(done, tc.eval_every, k) or r + 1 == total_rounds:
+            ev = _evaluate(eval_fn, state, val)
+            log.write({"step": done, "round": r + 1, **ev})
+            results.update(ev)
+            if is_main:
+                print(f"round {r + 1}/{total_rounds} (step {done}): train loss {metrics['loss']:.3f}, held-out "
+                      f"{ev['val_bits_per_byte']:.3f} bits/byte (mean over sites)", flush=True)
+        checkpointer.save(done, state, loop={"round": r + 1}, compat=compat)
+        results["steps"] = done
+
     r = start_round
     try:
         for r in range(start_round, total_rounds):
-            tokens = round_tokens(r)
-            t0 = time.perf_counter()
-            state, metrics = round_fn(state, tokens)
-            metrics = {name: float(np.mean(v)) for name, v in _host(metrics).items()}
-            if r > start_round:  # the first round of a process includes compilation
-                timed, seconds = timed + 1, seconds + time.perf_counter() - t0
-            done = (r + 1) * k
-            if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
-                raise train_lib.NonFiniteLossError(done, metrics["loss"], metrics["grad_norm"],
-                                                   checkpointer.latest_step(), checkpointer.directory)
-            routes = _host(probe_fn(state.train.params, state.train.rest, probe_tokens))
-            row = {"step": done, "round": r + 1, "train_loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
-                   "bytes_per_site_per_round": bytes_info["measured"],
-                   "routing/topk_agreement": rounds.topk_agreement(previous_routes, routes),
-                   **({"moe/ideal_ghost_fraction": placement.ideal_ghost_fraction} if f.routing == "skip_token"
-                      else {}),
-                   **{name: v for name, v in metrics.items() if name not in ("loss", "grad_norm")}}
-            previous_routes = routes
-            log.write(row)
-            results["train_loss"] = metrics["loss"]
-            if _crossed(done, tc.eval_every, k) or r + 1 == total_rounds:
-                ev = _evaluate(eval_fn, state, val)
-                log.write({"step": done, "round": r + 1, **ev})
-                results.update(ev)
-                if is_main:
-                    print(f"round {r + 1}/{total_rounds} (step {done}): train loss {metrics['loss']:.3f}, held-out "
-                          f"{ev['val_bits_per_byte']:.3f} bits/byte (mean over sites)", flush=True)
-            checkpointer.save(done, state, loop={"round": r + 1}, compat=compat)
-            results["steps"] = done
+            run_round(r)
     except (train_lib.NonFiniteLossError, checkpoint_lib.CheckpointError):
         raise
     except Exception as e:  # noqa: BLE001 - in a multi-process run, a failed collective means a lost site
@@ -150,12 +139,15 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
             "resume from it.") from None
     checkpointer.wait()
     checkpointer.close()
-    if "val_loss" not in results:
+    if "val_loss" not in results:  # resumed at the final round: evaluate the restored state
         results.update(_evaluate(eval_fn, state, val))
-    results.update({"rounds": total_rounds, "tokens_per_second": tokens_per_round * timed / seconds if timed else None,
+        results["train_loss"] = next((row["train_loss"] for row in reversed(log.read()) if "train_loss" in row),
+                                     float("nan"))
+    results.update({"rounds": total_rounds,
+                    "tokens_per_second": k * tokens_per_step * timed / seconds if timed else None,
                     "bytes_per_site_per_round": bytes_info["measured"],
                     "bytes_per_site_per_round_formula": bytes_info["formula"],
-                    "bytes_per_token": bytes_info["bytes_per_token"], "federated_state": state, "graphdef": graphdef,
+                    "bytes_per_token": bytes_info["bytes_per_token"], "graphdef": graphdef,
                     # site 0's own model (its resident experts, its routing), e.g. to sample from
                     "final_state": jax.tree.map(lambda x: x[0], state.train) if jax.process_count() == 1 else None})
     return results
@@ -166,10 +158,9 @@ def _host(tree):
     return multihost_utils.process_allgather(tree, tiled=True)
 
 
-def _round_bytes(round_fn, state, tokens, sites: int, f) -> dict[str, float]:
+def _round_bytes(hlo_text: str, params, sites: int, f) -> dict[str, float]:
     """Bytes per site per round: read from the compiled round's all-reduce ops, and by the spec's formulas."""
-    measured = federation.collective_bytes(round_fn.lower(state, tokens).compile().as_text())["bytes_per_device"]
-    params = state.train.params
+    measured = federation.collective_bytes(hlo_text)["bytes_per_device"]
     flags = jax.tree.leaves(federation.expert_flags(params))
     per_site = [x.nbytes // sites for x in jax.tree.leaves(params)]
     dense = sum(b for b, e in zip(per_site, flags) if not e)
@@ -179,12 +170,7 @@ def _round_bytes(round_fn, state, tokens, sites: int, f) -> dict[str, float]:
 
 
 def _evaluate(eval_fn, state, val) -> dict[str, float]:
-    """Held-out loss and bits per byte of every site's model, averaged over the sites."""
-    totals = None
-    for tokens in val:
-        out = _host(eval_fn(state.train.params, state.train.rest, tokens))
-        totals = out if totals is None else {key: totals[key] + out[key] for key in out}
-    loss = totals["nll_sum"] / np.maximum(totals["tokens"], 1)
-    bpb = totals["nll_sum"] / (LN2 * np.maximum(totals["bytes"], 1))
-    return {"val_loss": float(np.mean(loss)), "val_bits_per_byte": float(np.mean(bpb)),
-            "val_bits_per_byte_worst_site": float(np.max(bpb))}
+    """Held-out loss and bits per byte of every site's model, averaged over the sites (and the worst site)."""
+    ev = train_lib.evaluate(eval_fn, state.train, val, fetch=_host)
+    return {"val_loss": float(np.mean(ev["val_loss"])), "val_bits_per_byte": float(np.mean(ev["val_bits_per_byte"])),
+            "val_bits_per_byte_worst_site": float(np.max(ev["val_bits_per_byte"]))}

@@ -128,10 +128,10 @@ def run(config, workdir: str) -> int:
             _write_json(os.path.join(workdir, "data.json"), {"fingerprint": corpus.fingerprint, **corpus.info})
 
     federated = config.mesh.site > 1
+    from experiments import federated as federated_lib
+
     try:
         if federated:
-            from experiments import federated as federated_lib
-
             results = federated_lib.train_federated(config, workdir=workdir, batches=batches,
                                                     data_fingerprint=corpus.fingerprint, on_start=write_records)
         else:
@@ -141,12 +141,10 @@ def run(config, workdir: str) -> int:
     except (train_lib.NonFiniteLossError, checkpoint_lib.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except Exception as e:
-        if federated and type(e).__name__ == "SiteLostError":
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(1)  # skip jax.distributed's shutdown barrier, which would wait for the lost site and abort
-        raise
+    except federated_lib.SiteLostError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # skip jax.distributed's shutdown barrier, which would wait for the lost site and abort
     if not is_main:
         return 0
     summary = {

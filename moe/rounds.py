@@ -27,19 +27,18 @@ from jax.sharding import NamedSharding, PartitionSpec
 from core import train as train_lib
 from moe import federation
 
-__all__ = ["OUTER_METHODS", "FederatedState", "init_sites", "mirror_flags", "make_round", "site_batches"]
+__all__ = ["OUTER_METHODS", "FederatedState", "init_sites", "make_round", "site_batches"]
 
 OUTER_METHODS = ("local_adamw", "diloco")
 
 
 class FederatedState(NamedTuple):
-    """train: the stacked per-site TrainState; start: parameters at the start of the round (stacked);
-    outer: the outer optimizer's stacked state (DiLoCo momentum; empty for LocalAdamW); round: rounds done."""
+    """train: the stacked per-site TrainState (its parameters are the synchronised ones a round starts from, its
+    step counts the local steps done, K per round); outer: the outer optimizer's stacked state (DiLoCo momentum;
+    empty for LocalAdamW)."""
 
     train: train_lib.TrainState
-    start: Any
     outer: Any
-    round: jax.Array
 
 
 def init_sites(global_model: nnx.Module, site_model: nnx.Module, placement, optimizer: optax.GradientTransformation,
@@ -63,26 +62,8 @@ def init_sites(global_model: nnx.Module, site_model: nnx.Module, placement, opti
     train = train_lib.TrainState(jnp.zeros((sites,), jnp.int32), params, rest, jax.vmap(optimizer.init)(params),
                                  keys)
     outer_state = jax.vmap(outer.init)(params) if outer is not None else ()
-    state = FederatedState(train, params, outer_state, jnp.zeros((sites,), jnp.int32))
+    state = FederatedState(train, outer_state)
     return graphdef, jax.device_put(state, NamedSharding(mesh, PartitionSpec(federation.SITE_AXES)))
-
-
-def mirror_flags(tree, params, flags):
-    """Expert flags for a tree whose leaves mirror parameters (an optimizer's moments): a leaf whose key path
-    ends with a parameter's path and has its shape gets that parameter's flag; any other leaf (a step count) is
-    dense."""
-    by_path = {}
-    for (path, leaf), flag in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(flags)):
-        by_path[tuple(path)] = (leaf.shape, flag)
-
-    def pick(path, leaf):
-        for i in range(len(path)):
-            hit = by_path.get(tuple(path[i:]))
-            if hit is not None and hit[0] == leaf.shape:
-                return hit[1]
-        return False
-
-    return jax.tree_util.tree_map_with_path(pick, tree)
 
 
 def make_round(graphdef, optimizer: optax.GradientTransformation, mesh, *, method: str,
@@ -99,18 +80,19 @@ def make_round(graphdef, optimizer: optax.GradientTransformation, mesh, *, metho
     local_step = jax.vmap(train_lib.train_step_fn(graphdef, optimizer, loss_fn))
 
     def round_fn(state: FederatedState, tokens: jax.Array):
+        start = state.train.params
         train, metrics = jax.lax.scan(local_step, state.train, tokens)
         flags = federation.expert_flags(train.params)
         averaged = federation.average(train.params, flags, mesh)
         if method == "local_adamw":
-            opt_state = federation.average(train.opt_state, mirror_flags(train.opt_state, train.params, flags), mesh)
+            moment_flags = train_lib.mirror(train.opt_state, train.params, flags, False)  # step counts: dense
+            opt_state = federation.average(train.opt_state, moment_flags, mesh)
             params, outer_state = averaged, state.outer
         else:
-            delta = jax.tree.map(lambda s, a: s - a, state.start, averaged)
-            updates, outer_state = jax.vmap(outer.update)(delta, state.outer, state.start)
-            params, opt_state = optax.apply_updates(state.start, updates), train.opt_state
-        train = train._replace(params=params, opt_state=opt_state)
-        return FederatedState(train, params, outer_state, state.round + 1), metrics
+            delta = jax.tree.map(lambda s, a: s - a, start, averaged)
+            updates, outer_state = jax.vmap(outer.update)(delta, state.outer, start)
+            params, opt_state = optax.apply_updates(start, updates), train.opt_state
+        return FederatedState(train._replace(params=params, opt_state=opt_state), outer_state), metrics
 
     return jax.jit(round_fn, donate_argnums=0)
 

@@ -118,6 +118,21 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _start_processes(workdir, *args, count=2):
+    """`count` CLI processes of one jax.distributed run on 127.0.0.1 (one device each), started, not awaited."""
+    addr = f"127.0.0.1:{_free_port()}"
+    return [_cli(workdir, *args, f"--config.mesh.num_processes={count}", f"--config.mesh.process_id={i}",
+                 f"--config.mesh.coordinator_address={addr}", process=True) for i in range(count)]
+
+
+def _run_processes(workdir, *args, count=2):
+    """Runs them to the end; returns their outputs after checking every one exited 0."""
+    procs = _start_processes(workdir, *args, count=count)
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * count, outs
+    return outs
+
+
 def test_two_processes_equal_one_process_with_two_devices(tmp_path):
     """jax.distributed on 127.0.0.1 with gloo: 2 processes x 1 device train like 1 process x 2 devices. The MoE
     experts are sharded over the two devices, so the expert-parallel all-to-all crosses the processes."""
@@ -125,11 +140,7 @@ def test_two_processes_equal_one_process_with_two_devices(tmp_path):
             "--config.sample.num_tokens=0", "--config.mesh.data=1", "--config.mesh.expert=2"]
     single = _cli(tmp_path / "single", *args, env_devices=2)
     assert single.returncode == 0, single.stdout + single.stderr
-    addr = f"127.0.0.1:{_free_port()}"
-    procs = [_cli(tmp_path / "multi", *args, "--config.mesh.num_processes=2", f"--config.mesh.process_id={i}",
-                  f"--config.mesh.coordinator_address={addr}", process=True) for i in range(2)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    outs = _run_processes(tmp_path / "multi", *args)
     assert "'expert': 2" in outs[0], outs[0]
     a = json.loads((tmp_path / "single" / "summary.json").read_text())
     b = json.loads((tmp_path / "multi" / "summary.json").read_text())
@@ -152,6 +163,12 @@ def test_federated_run_measures_its_bytes_and_resumes_after_a_killed_round(tmp_p
     assert summary["bytes_per_site_per_round"] == summary["bytes_per_site_per_round_formula"] > 0
     rows = _metric_rows(tmp_path / "full")
     assert [r["round"] for r in rows if "train_loss" in r] == list(range(1, 11))
+    again = _cli(tmp_path / "full", *FEDERATED, env_devices=4)  # a finished run resumes at its last round
+    assert again.returncode == 0, again.stdout + again.stderr
+    rerun = json.loads((tmp_path / "full" / "summary.json").read_text())
+    assert rerun["resumed_from"] == 30
+    for key in ("train_loss", "val_loss", "val_bits_per_byte"):
+        assert rerun[key] == summary[key], key
 
     killed = tmp_path / "killed"
     proc = _cli(killed, *FEDERATED, env_devices=4, process=True)
@@ -190,11 +207,7 @@ def test_federated_sites_as_processes_equal_sites_as_virtual_devices(tmp_path):
             "--config.train.steps=9", "--config.train.eval_every=9", "--config.sample.num_tokens=0"]
     single = _cli(tmp_path / "single", *args, env_devices=2)
     assert single.returncode == 0, single.stdout + single.stderr
-    addr = f"127.0.0.1:{_free_port()}"
-    procs = [_cli(tmp_path / "multi", *args, "--config.mesh.num_processes=2", f"--config.mesh.process_id={i}",
-                  f"--config.mesh.coordinator_address={addr}", process=True) for i in range(2)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    _run_processes(tmp_path / "multi", *args)
     a = json.loads((tmp_path / "single" / "summary.json").read_text())
     b = json.loads((tmp_path / "multi" / "summary.json").read_text())
     for key in ("train_loss", "val_loss", "val_bits_per_byte", "bytes_per_site_per_round"):
@@ -209,11 +222,7 @@ def test_a_lost_site_stops_the_others_and_a_rerun_resumes(tmp_path):
     reference = _cli(tmp_path / "reference", *args, env_devices=2)
     assert reference.returncode == 0, reference.stdout + reference.stderr
 
-    def start(port):
-        return [_cli(tmp_path / "multi", *args, "--config.mesh.num_processes=2", f"--config.mesh.process_id={i}",
-                     f"--config.mesh.coordinator_address=127.0.0.1:{port}", process=True) for i in range(2)]
-
-    procs = start(_free_port())
+    procs = _start_processes(tmp_path / "multi", *args)
     deadline = time.time() + 240
     while not (tmp_path / "multi" / "checkpoints" / "9").exists():
         assert all(p.poll() is None for p in procs), [p.stdout.read() for p in procs]
@@ -226,9 +235,7 @@ def test_a_lost_site_stops_the_others_and_a_rerun_resumes(tmp_path):
     assert "another site's process has probably died" in out and "rerun the same command" in out
     procs[1].wait()
 
-    procs = start(_free_port())
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    _run_processes(tmp_path / "multi", *args)
     a = json.loads((tmp_path / "reference" / "summary.json").read_text())
     b = json.loads((tmp_path / "multi" / "summary.json").read_text())
     assert b["resumed_from"] >= 9 and b["steps"] == 60
