@@ -24,6 +24,7 @@ import optax
 from flax import nnx
 
 from core import checkpoint as checkpoint_lib
+from core import hlo
 from core.data import PAD_ID, Batches
 from core.mesh import Sharder, param_shardings
 
@@ -290,6 +291,7 @@ def train(
     Returns:
       the run's results: train_loss (mean over the last log window), val_loss, val_bits_per_byte,
       tokens_per_second (steady state, compile steps excluded; None if no step ran), steps, resumed_from,
+      bytes_per_device_per_step (on several devices: what the step's all-reduces move, `core.hlo`),
       final_state (TrainState) and graphdef.
     """
     tc, cc = config.train, config.checkpoint
@@ -317,6 +319,9 @@ def train(
     try:
         for step in range(start, tc.steps):
             tokens = put(batches.train_batch(step))
+            if step == start and jax.device_count() > 1:  # what data parallelism sends per step (its all-reduces)
+                compiled = train_step.lower(state, tokens).compile()
+                results["bytes_per_device_per_step"] = hlo.collective_bytes(compiled.as_text())["bytes_per_device"]
             t0 = time.perf_counter()
             state, metrics = train_step(state, tokens)
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}

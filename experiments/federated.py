@@ -12,25 +12,29 @@ every site's routing on a fixed probe batch (the first held-out batch) with the 
 
 from __future__ import annotations
 
+import functools
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from core import checkpoint as checkpoint_lib
+from core import hlo
 from core import train as train_lib
 from core.data import Batches
 from core.mesh import Sharder
 from experiments import build
-from moe import federation, rounds, system_model
-from moe.placement import fixed_placement
+from moe import federation, reshuffle, rounds, system_model
+from moe.placement import Placement, fixed_placement, random_placement
 from optim import diloco_outer
 
 __all__ = ["train_federated", "SiteLostError"]
@@ -50,15 +54,18 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
     `bytes_per_site_per_round` (measured from the compiled round and by the formula) and `bytes_per_token`."""
     f, tc = config.fomoe, config.train
     sites, k = config.mesh.site, f.local_steps
-    experts = config.moe.num_experts
-    placement = fixed_placement(experts, sites, f.overlap)
+    placement_at = _placements(config)
+    placement = placement_at(0)
     mesh = federation.site_mesh(sites, f.overlap)
-    optimizer = build.build_optimizer(config)
     outer = diloco_outer(f.outer_learning_rate, f.outer_momentum) if f.outer == "diloco" else None
     make = lambda **kw: build.build_model_fn(config, Sharder(), routing_mode=f.routing, **kw)(  # noqa: E731
         nnx.Rngs(tc.seed))
-    graphdef, state = rounds.init_sites(make(), make(resident=placement.experts[0]), placement, optimizer, outer,
-                                        mesh, tc.seed)
+    site_model = make(resident=placement.experts[0])
+    optimizer = build.build_optimizer(config)
+    if f.placement == "random":  # arrived experts ramp their learning rate up (moe.reshuffle)
+        dims = reshuffle.expert_dims(nnx.state(site_model, nnx.Param))
+        optimizer = optax.chain(optimizer, reshuffle.arrival_warmup(dims, f.arrival_warmup))
+    graphdef, state = rounds.init_sites(make(), site_model, placement, optimizer, outer, mesh, tc.seed)
     round_fn = rounds.make_round(graphdef, optimizer, mesh, method=f.outer, outer=outer)
     eval_fn = jax.jit(jax.vmap(train_lib.make_eval_step(graphdef), in_axes=(0, 0, None)))
 
@@ -79,16 +86,21 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
 
     # Compiled once: the executable both runs every round and tells the bytes its all-reduces move.
     round_exec = round_fn.lower(state, jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=token_sharding)).compile()
-    bytes_info = _round_bytes(round_exec.as_text(), state.train.params, sites, f)
+    migrate_exec, plan_sharding = None, NamedSharding(mesh, PartitionSpec(federation.SITE_AXES))
+    if f.placement == "random":  # compiled once too: the plan is data
+        migrate_exec = jax.jit(functools.partial(reshuffle.migrate, mesh=mesh), donate_argnums=0).lower(
+            state, [jax.ShapeDtypeStruct(placement.experts.shape, jnp.int32, sharding=plan_sharding)] * 4).compile()
+    bytes_info = _round_bytes(round_exec.as_text(), migrate_exec and migrate_exec.as_text(), state.train.params,
+                              sites, f)
     tokens_per_step = config.data.batch_size * config.data.seq_len
     bytes_info["bytes_per_token"] = system_model.bytes_per_token(bytes_info["measured"], sites, k, tokens_per_step)
     val = [jnp.asarray(b) for b in batches.every_row().val_batches(tc.eval_batches)]  # every site, every row
     probe_fn, probe_tokens = rounds.make_probe(graphdef), val[0][:, :-1]
     routes = _host(probe_fn(state.train.params, state.train.rest, probe_tokens))
     if is_main:
-        print(f"federation: {sites} sites, O_e = {f.overlap}, {placement.local_experts} of {experts} experts per "
+        print(f"federation: {sites} sites, O_e = {f.overlap}, {placement.local_experts} of {placement.num_experts} experts per "
               f"site, K = {k}, {f.outer}, {f.routing} routing; {bytes_info['measured'] / 1e6:.3f} MB per site per "
-              f"round (formula {bytes_info['formula'] / 1e6:.3f} MB)", flush=True)
+              f"round (formula {bytes_info['formula'] / 1e6:.3f} MB)" + _migration_line(bytes_info, f), flush=True)
 
     total_rounds, start_round = tc.steps // k, int(_host(state.train.step)[0]) // k
     results: dict[str, Any] = {"steps": start_round * k, "resumed_from": resumed_from}
@@ -120,6 +132,12 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
             if is_main:
                 print(f"round {r + 1}/{total_rounds} (step {done}): train loss {metrics['loss']:.3f}, held-out "
                       f"{ev['val_bits_per_byte']:.3f} bits/byte (mean over sites)", flush=True)
+        if migrate_exec is not None and (r + 1) % f.reshuffle_every == 0 and r + 1 < total_rounds:
+            plan = reshuffle.plan_migration(placement_at(r), placement_at(r + 1))
+            state = migrate_exec(state, [jax.make_array_from_callback(a.shape, plan_sharding, a.__getitem__)
+                                         for a in plan.arrays()])
+            log.write({"step": done, "round": r + 1, "reshuffle/arrived_experts_per_site":
+                       float(plan.arrivals.sum(axis=1).mean())})
         checkpointer.save(done, state, loop={"round": r + 1}, compat=compat)
         results["steps"] = done
 
@@ -148,6 +166,7 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
                     "bytes_per_site_per_round": bytes_info["measured"],
                     "bytes_per_site_per_round_formula": bytes_info["formula"],
                     "bytes_per_token": bytes_info["bytes_per_token"], "graphdef": graphdef,
+                    **{f"bytes_per_site_{name}": v for name, v in bytes_info.items() if name.startswith("migration")},
                     # site 0's own model (its resident experts, its routing), e.g. to sample from
                     "final_state": jax.tree.map(lambda x: x[0], state.train) if jax.process_count() == 1 else None})
     return results
@@ -158,15 +177,40 @@ def _host(tree):
     return multihost_utils.process_allgather(tree, tiled=True)
 
 
-def _round_bytes(hlo_text: str, params, sites: int, f) -> dict[str, float]:
-    """Bytes per site per round: read from the compiled round's all-reduce ops, and by the spec's formulas."""
-    measured = federation.collective_bytes(hlo_text)["bytes_per_device"]
+def _placements(config: ml_collections.ConfigDict) -> Callable[[int], Placement]:
+    """round -> the placement that round trains with: fixed, or random and redrawn every `reshuffle_every` rounds
+    (a pure function of the seed and the round, so a resumed run continues with the same placements)."""
+    f, experts, sites = config.fomoe, config.moe.num_experts, config.mesh.site
+    if f.placement == "fixed":
+        return lambda r: fixed_placement(experts, sites, f.overlap)
+    return lambda r: random_placement(experts, sites, f.overlap, seed=(config.train.seed, r // f.reshuffle_every))
+
+
+def _migration_line(bytes_info: dict, f) -> str:
+    if "migration_per_reshuffle" not in bytes_info:
+        return ""
+    moved, arrivals = bytes_info["migration_per_reshuffle"], bytes_info["migration_per_reshuffle_formula"]
+    return (f"; random placement reshuffled every {f.reshuffle_every} rounds: {moved / 1e6:.3f} MB per site per "
+            f"reshuffle (expected arrivals {arrivals / 1e6:.3f} MB), included per round")
+
+
+def _round_bytes(round_hlo: str, migrate_hlo: str | None, params, sites: int, f) -> dict[str, float]:
+    """Bytes per site per round, read from the compiled programs' collectives and by the spec's formulas. With
+    random placement a reshuffle's bytes count 1 / reshuffle_every per round: measured, what the migration's
+    all-gather moves; by formula, the expected arrivals (P with gamma = 1 / reshuffle_every)."""
+    measured = hlo.collective_bytes(round_hlo)["bytes_per_device"]
     flags = jax.tree.leaves(federation.expert_flags(params))
     per_site = [x.nbytes // sites for x in jax.tree.leaves(params)]
     dense = sum(b for b, e in zip(per_site, flags) if not e)
     experts = sum(b for b, e in zip(per_site, flags) if e)
-    formula = system_model.sync_bytes(dense, experts, sites, f.overlap, optimizer=f.outer)["total"]
-    return {"measured": measured, "formula": formula}
+    gamma = 1.0 / f.reshuffle_every if migrate_hlo is not None else 0.0
+    formula = system_model.sync_bytes(dense, experts, sites, f.overlap, optimizer=f.outer, migration=gamma)["total"]
+    out = {"measured": measured, "formula": formula}
+    if migrate_hlo is not None:
+        out["migration_per_reshuffle"] = hlo.collective_bytes(migrate_hlo)["bytes_per_device"]
+        out["migration_per_reshuffle_formula"] = (1.0 - f.overlap / sites) * experts
+        out["measured"] += out["migration_per_reshuffle"] / f.reshuffle_every
+    return out
 
 
 def _evaluate(eval_fn, state, val) -> dict[str, float]:

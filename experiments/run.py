@@ -155,8 +155,8 @@ def run(config, workdir: str) -> int:
         "num_params": num_params,
         **report.moe_summary(config, num_params, metrics_path=os.path.join(workdir, "metrics.jsonl")),
         "steps": results["steps"],
-        **({key: results[key] for key in ("rounds", "bytes_per_site_per_round", "bytes_per_site_per_round_formula",
-                                           "bytes_per_token", "val_bits_per_byte_worst_site")} if federated else {}),
+        **{key: v for key, v in results.items() if key in ("rounds", "bytes_per_token", "val_bits_per_byte_worst_site")
+           or key.startswith("bytes_per_site") or key.startswith("bytes_per_device")},
         "resumed_from": results["resumed_from"],
         "data_fingerprint": corpus.fingerprint,
         "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",

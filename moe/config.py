@@ -79,6 +79,12 @@ def fomoe_section() -> dict[str, Field]:
         "routing": Field("partitioned", (str,), "'partitioned' (a site routes over its resident experts, top "
                          "min(k, N_le)) or 'skip_token' (global router; non-resident choices are skipped)",
                          choices=ROUTING_MODES),
+        "placement": Field("fixed", (str,), "'fixed' (the spec's strided blocks) or 'random' (experts regrouped "
+                           "into the blocks at random every reshuffle_every rounds; arrived experts get fresh "
+                           "optimizer state and a learning-rate warm-up)", choices=("fixed", "random")),
+        "reshuffle_every": Field(4, (int,), "random placement: rounds between reshuffles (T)", low=1),
+        "arrival_warmup": Field(8, (int,), "random placement: local steps over which an arrived expert's "
+                                "learning rate ramps linearly up to the schedule's", low=1),
     }
 
 
@@ -102,6 +108,10 @@ def check_fomoe(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int] | 
         raise ConfigError(f"config keys 'fomoe.overlap' x 'moe.num_experts' = {f.overlap} x "
                           f"{config.moe.num_experts} must be divisible by 'mesh.site' = {sites}: each site hosts "
                           "overlap x num_experts / site experts.")
+    if f.placement == "random" and f.overlap == sites:
+        raise ConfigError(f"config key 'fomoe.placement' = 'random' needs 'fomoe.overlap' < 'mesh.site' (got "
+                          f"{f.overlap} = {sites}): with a full replica every site hosts every expert and there "
+                          "is nothing to reshuffle. Use 'fixed'.")
     if config.train.steps % f.local_steps:
         raise ConfigError(f"config key 'train.steps' = {config.train.steps} must be a multiple of "
                           f"'fomoe.local_steps' = {f.local_steps} (whole rounds).")

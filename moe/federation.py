@@ -9,7 +9,7 @@ axes, so one program runs all sites, whether they are virtual devices of one pro
     dense parameters (embedding, attention, norms, shared experts, a skip-token router): over (replica, block)
     expert parameters (and their router columns with the partitioned router):          over replica only
 
-`collective_bytes` reads the all-reduce ops of the compiled program (their per-device shapes and replica
+`core.hlo.collective_bytes` reads the all-reduce ops of the compiled program (their per-device shapes and replica
 groups), so the bytes a synchronisation really moves can be compared with `moe.system_model.sync_bytes`. It counts
 what the program moves: XLA:CPU, for one, reduces bfloat16 arrays in float32 (twice the bytes of the formula's
 bf16 count), which the comparison then shows.
@@ -17,7 +17,6 @@ bf16 count), which the comparison then shows.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import jax
@@ -28,7 +27,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from moe.layer import Residency
 
-__all__ = ["SITE_AXES", "site_mesh", "average", "collective_bytes", "is_expert_variable", "expert_flags", "to_sites"]
+__all__ = ["SITE_AXES", "site_mesh", "average", "is_expert_variable", "expert_flags", "to_sites"]
 
 SITE_AXES = ("replica", "block")
 
@@ -64,37 +63,6 @@ def average(tree, is_expert, mesh: Mesh):
     leaves = jax.tree.leaves(tree)
     out = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * len(leaves), out_specs=[spec] * len(leaves))(*leaves)
     return jax.tree.unflatten(treedef, out)
-
-
-_DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2,
-                "u16": 2, "s8": 1, "u8": 1, "pred": 1}
-_ALL_REDUCE = re.compile(r"=\s*(?P<type>.+?)\s+all-reduce(?:-start)?\((?P<rest>.*)$")
-_ARRAY = re.compile(r"\b(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
-_GROUPS = re.compile(r"replica_groups=\{\{(?P<first>[\d,]*)\}")
-
-
-def collective_bytes(hlo_text: str) -> dict[str, float]:
-    """Bytes each device sends in the all-reduce ops of a compiled HLO module, as a ring all-reduce moves them:
-    2 (n - 1) / n x the per-device operand bytes, n the size of the op's replica groups.
-
-    Returns {"bytes_per_device": ..., "ops": number of all-reduce ops, "by_group_size": {n: bytes}} (groups of
-    one device move nothing and are not listed).
-    """
-    total, ops, by_group = 0.0, 0, {}
-    for line in hlo_text.splitlines():
-        match = _ALL_REDUCE.search(line)
-        if match is None:
-            continue
-        group = _GROUPS.search(match["rest"])
-        n = len(group["first"].split(",")) if group and group["first"] else 1
-        size = sum(_DTYPE_BYTES[a["dtype"]] * int(np.prod([int(d) for d in a["dims"].split(",") if d] or [1]))
-                   for a in _ARRAY.finditer(match["type"]))
-        ops += 1
-        if n > 1:  # a group of one device moves nothing
-            moved = 2.0 * (n - 1) / n * size
-            total += moved
-            by_group[n] = by_group.get(n, 0.0) + moved
-    return {"bytes_per_device": total, "ops": ops, "by_group_size": by_group}
 
 
 def is_expert_variable(variable) -> bool:

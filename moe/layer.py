@@ -146,13 +146,14 @@ class MoE(nnx.Module):
             self.shared_down = Dense(moe.shared_expert_size, d, axes=("mlp", "embed"), path=f"{path}.shared.down",
                                      std=out_std, **common)
 
-    def route(self, x: jax.Array, key: jax.Array | None = None) -> router_lib.Routing:
+    def route(self, x: jax.Array, key: jax.Array | None = None, router: jax.Array | None = None) -> router_lib.Routing:
         """Router logits in float32 for x [..., d] flattened to [N, d]; the top-k Routing over the router's
-        columns (all experts with skip-token, else the resident ones, top min(k, N_le))."""
+        columns (all experts with skip-token, else the resident ones, top min(k, N_le)). `router` defaults to the
+        layer's weight (a shard_map passes its own view)."""
         path = f"{self.path}.router"
         dot_general = self.precision.dot_general(path, layer_key(key, path))
         x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-        router = self.router.get_value().astype(jnp.float32)
+        router = (self.router.get_value() if router is None else router).astype(jnp.float32)
         logits = dot_general(x, router, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         k = min(self.moe.top_k, router.shape[1])
         return router_lib.route(logits, k, self.moe.router, normalize=self.moe.normalize_gates)
@@ -162,11 +163,11 @@ class MoE(nnx.Module):
         return experts if self.router.get_value().shape[1] == self.moe.num_experts else (
             self.resident.get_value()[experts])
 
-    def local_ids(self, experts: jax.Array) -> jax.Array:
+    def local_ids(self, experts: jax.Array, resident: jax.Array | None = None) -> jax.Array:
         """Router column -> local expert slot; a ghost (not resident) -> N_le, which no dispatch computes."""
         if not self.skip_token:
             return experts
-        ids = self.resident.get_value()
+        ids = self.resident.get_value() if resident is None else resident
         table = jnp.full((self.moe.num_experts,), ids.shape[0], jnp.int32)
         return table.at[ids].set(jnp.arange(ids.shape[0], dtype=jnp.int32))[experts]
 
@@ -174,13 +175,11 @@ class MoE(nnx.Module):
         b, t, d = x.shape
         m = self.moe
         x = x.astype(self.dtype)
-        routing = self.route(x, key)
-        experts = self.local_ids(routing.experts)
-        if self.record_routes:
-            self.last_routes = nnx.Intermediate(self.global_ids(routing.experts))
         up, down = self.up.get_value(), self.down.get_value()
         keep = None
         if m.dispatch == "capacity":
+            routing = self.route(x, key)
+            experts = self.local_ids(routing.experts)
             path = f"{self.path}.experts"
             y, keep = dispatch_lib.capacity(
                 x, experts.reshape(b, t, -1), routing.gates.reshape(b, t, -1), up, down,
@@ -188,15 +187,10 @@ class MoE(nnx.Module):
                 shard=self.shard)
             keep = keep.reshape(b * t, -1)
         else:
-            gmm_up, gmm_down = (self.precision.grouped_matmul(p, layer_key(key, p))
-                                for p in (f"{self.path}.experts.up", f"{self.path}.experts.down"))
-            flat = x.reshape(b * t, d)
-            if self.ep_axis is None:
-                y = dispatch_lib.dropless(flat, experts, routing.gates, up, down, gmm_up=gmm_up,
-                                          gmm_down=gmm_down)
-            else:
-                y = self._expert_parallel(flat, experts, routing.gates, up, down, gmm_up, gmm_down)
+            y, routing, experts = self._dropless(x.reshape(b * t, d), up, down, key)
             y = y.reshape(b, t, d)
+        if self.record_routes:
+            self.last_routes = nnx.Intermediate(self.global_ids(routing.experts))
         if m.shared_expert_size:
             y = y + self.shared_down(jax.nn.silu(self.shared_up(x, key=key)), key=key)
         y = self.shard(y, ("batch", "seq", "embed"))
@@ -211,22 +205,42 @@ class MoE(nnx.Module):
             aux["loss/moe_z"] = m.z_loss_weight * router_lib.z_loss(routing)
         return y, aux
 
-    def _expert_parallel(self, x, experts, gates, up, down, gmm_up, gmm_down):
-        """Dropless dispatch under shard_map: tokens split over the batch's mesh axes plus the expert axis. A token
-        count those devices cannot split evenly (e.g. one decode step of one sequence) is padded with rows whose
-        gates are zero; the padding is computed and discarded and never enters the routing statistics."""
-        mesh, axis = self.shard.mesh, self.ep_axis
-        batch = mesh_axes(logical_to_spec(("batch",), self.shard.rules, mesh)[0])
-        token_axes = batch + ((axis,) if axis not in batch else ())
+    def _dropless(self, x, up, down, key):
+        """Routing and dropless dispatch of x [N, d] -> (y [N, d], Routing, local expert slots [N, k]).
+
+        With a mesh whose batch axes (or expert axis) have several devices, both run under shard_map on each
+        device's own tokens: the routing's top-k and the dispatch's sort stay local (left to the partitioner, they
+        would gather every token), and with expert parallelism the tokens travel by all_to_all. A token count the
+        devices cannot split evenly (e.g. one decode step of one sequence) is padded with zero rows, computed and
+        discarded; they never enter the routing statistics."""
+        gmm_up, gmm_down = (self.precision.grouped_matmul(p, layer_key(key, p))
+                            for p in (f"{self.path}.experts.up", f"{self.path}.experts.down"))
+
+        def local(x, router, resident, up, down):
+            routing = self.route(x, key, router)
+            experts = self.local_ids(routing.experts, resident)
+            if self.ep_axis is None:
+                y = dispatch_lib.dropless(x, experts, routing.gates, up, down, gmm_up=gmm_up, gmm_down=gmm_down)
+            else:
+                y = dispatch_lib.expert_parallel_dropless(x, experts, routing.gates, up, down, axis=self.ep_axis,
+                                                          gmm_up=gmm_up, gmm_down=gmm_down)
+            return y, routing, experts
+
+        weights = (self.router.get_value(), self.resident.get_value(), up, down)
+        mesh = self.shard.mesh
+        token_axes = ()
+        if mesh is not None:
+            batch = mesh_axes(logical_to_spec(("batch",), self.shard.rules, mesh)[0])
+            token_axes = tuple(a for a in batch + (() if self.ep_axis in batch or self.ep_axis is None
+                                                   else (self.ep_axis,)) if mesh.shape[a] > 1)
+        if not token_axes and self.ep_axis is None:
+            return local(x, *weights)
         n = x.shape[0]
         pad = -n % math.prod(mesh.shape[a] for a in token_axes)
         if pad:
-            x, experts, gates = (jnp.concatenate([a, jnp.zeros((pad,) + a.shape[1:], a.dtype)])
-                                 for a in (x, experts, gates))
-        tokens = PartitionSpec(token_axes)
-        fn = jax.shard_map(
-            lambda x, e, g, u, d: dispatch_lib.expert_parallel_dropless(x, e, g, u, d, axis=axis, gmm_up=gmm_up,
-                                                                        gmm_down=gmm_down),
-            mesh=mesh, in_specs=(tokens, tokens, tokens, PartitionSpec(axis), PartitionSpec(axis)),
-            out_specs=tokens)
-        return fn(x, experts, gates, up, down)[:n]
+            x = jnp.concatenate([x, jnp.zeros((pad,) + x.shape[1:], x.dtype)])
+        tokens, experts_spec = PartitionSpec(token_axes), PartitionSpec(self.ep_axis)
+        fn = jax.shard_map(local, mesh=mesh, in_specs=(tokens, PartitionSpec(), PartitionSpec(), experts_spec,
+                                                       experts_spec), out_specs=tokens)
+        y, routing, experts = fn(x, *weights)
+        return y[:n], jax.tree.map(lambda a: a[:n], routing), experts[:n]

@@ -19,6 +19,7 @@ The same placement applies to every MoE layer.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -102,8 +103,9 @@ def fixed_placement(num_experts: int, sites: int, overlap: int) -> Placement:
     return Placement(experts, block, num_experts, overlap)
 
 
-def random_placement(num_experts: int, sites: int, overlap: int, seed: int) -> Placement:
-    """A uniformly random grouping of the experts into the blocks (module docstring)."""
+def random_placement(num_experts: int, sites: int, overlap: int, seed: int | Sequence[int]) -> Placement:
+    """A uniformly random grouping of the experts into the blocks (module docstring); `seed` as for
+    `np.random.default_rng`."""
     _check(num_experts, sites, overlap)
     rng = np.random.default_rng(seed)
     blocks, n_le = sites // overlap, overlap * num_experts // sites

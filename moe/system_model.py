@@ -9,7 +9,8 @@ Bytes per site per round (ring all-reduce; S = bytes of a parameter group):
     B_dense  = 2 (M - 1) / M * S_dense
     B_sparse = (R(O_e) + P) * sum over layers of N_le * s_expert,   R(O_e) = 2 (O_e - 1) / O_e,
                P = gamma (1 - O_e / M)  (gamma = 0 fixed placement, 1 = every expert reshuffled every round)
-    LocalAdamW averages parameters and both moments: x 3.      DDP: 2 (M - 1) / M * S_model every step.
+    LocalAdamW averages parameters and both moments: x 3 (not P: arrived experts start with fresh moments, so a
+    reshuffle moves weights only).      DDP: 2 (M - 1) / M * S_model every step.
     bytes per token: BPT = M * B_per_site / (K * global_batch_tokens).
 `s_expert` holds both projections and, with the partitioned router, the expert's router row; with skip-token
 the router is dense (scores all experts) and is averaged with the dense parameters.
@@ -135,7 +136,7 @@ def sync_bytes(dense_bytes: float, local_expert_bytes: float, sites: int, overla
         raise ValueError(f"migration gamma = {migration} must be in [0, 1].")
     copies = 3 if optimizer == "local_adamw" else 1
     dense = _ring(sites) * dense_bytes * copies
-    sparse = (_ring(overlap) + migration * (1.0 - overlap / sites)) * local_expert_bytes * copies
+    sparse = (_ring(overlap) * copies + migration * (1.0 - overlap / sites)) * local_expert_bytes
     return {"dense": dense, "sparse": sparse, "total": dense + sparse}
 
 

@@ -153,17 +153,28 @@ FEDERATED = ["--config.mesh.site=4", "--config.mesh.data=1", "--config.fomoe.ove
              "--config.train.steps=30", "--config.train.eval_every=15", "--config.sample.num_tokens=0"]
 
 
-def test_federated_run_measures_its_bytes_and_resumes_after_a_killed_round(tmp_path):
-    """4 sites (O_e = 2, K = 3): the bytes read from the compiled round equal the formula; SIGKILL after the
-    checkpoint of round 3 and rerun: the same metrics and result as an uninterrupted run."""
-    full = _cli(tmp_path / "full", *FEDERATED, env_devices=4)
+@pytest.mark.parametrize("placement", ["fixed", "random"])
+def test_federated_run_measures_its_bytes_and_resumes_after_a_killed_round(tmp_path, placement):
+    """4 sites (O_e = 2, K = 3): the bytes read from the compiled round equal the formula (random placement: plus
+    what its reshuffles move, every 2 rounds); SIGKILL after the checkpoint of round 3 and rerun: the same metrics
+    and result as an uninterrupted run (a random placement resumes with the same reshuffles)."""
+    federated_run = [*FEDERATED, f"--config.fomoe.placement={placement}", "--config.fomoe.reshuffle_every=2"]
+    full = _cli(tmp_path / "full", *federated_run, env_devices=4)
     assert full.returncode == 0, full.stdout + full.stderr
     summary = json.loads((tmp_path / "full" / "summary.json").read_text())
     assert summary["rounds"] == 10 and summary["steps"] == 30
-    assert summary["bytes_per_site_per_round"] == summary["bytes_per_site_per_round_formula"] > 0
     rows = _metric_rows(tmp_path / "full")
     assert [r["round"] for r in rows if "train_loss" in r] == list(range(1, 11))
-    again = _cli(tmp_path / "full", *FEDERATED, env_devices=4)  # a finished run resumes at its last round
+    if placement == "fixed":
+        assert summary["bytes_per_site_per_round"] == summary["bytes_per_site_per_round_formula"] > 0
+    else:  # the all-gather moves one copy of the other block's experts: 2x the expected arrivals (B = 2)
+        moved = summary["bytes_per_site_migration_per_reshuffle"]
+        assert moved == 2 * summary["bytes_per_site_migration_per_reshuffle_formula"] > 0
+        assert summary["bytes_per_site_per_round"] - moved / 2 == pytest.approx(
+            summary["bytes_per_site_per_round_formula"] - moved / 4)
+        arrived = [r["reshuffle/arrived_experts_per_site"] for r in rows if "reshuffle/arrived_experts_per_site" in r]
+        assert len(arrived) == 4 and all(0 <= a <= 4 for a in arrived) and any(a > 0 for a in arrived)
+    again = _cli(tmp_path / "full", *federated_run, env_devices=4)  # a finished run resumes at its last round
     assert again.returncode == 0, again.stdout + again.stderr
     rerun = json.loads((tmp_path / "full" / "summary.json").read_text())
     assert rerun["resumed_from"] == 30
@@ -171,7 +182,7 @@ def test_federated_run_measures_its_bytes_and_resumes_after_a_killed_round(tmp_p
         assert rerun[key] == summary[key], key
 
     killed = tmp_path / "killed"
-    proc = _cli(killed, *FEDERATED, env_devices=4, process=True)
+    proc = _cli(killed, *federated_run, env_devices=4, process=True)
     deadline = time.time() + 240
     while not (killed / "checkpoints" / "9").exists():
         assert proc.poll() is None, proc.stdout.read()
@@ -179,7 +190,7 @@ def test_federated_run_measures_its_bytes_and_resumes_after_a_killed_round(tmp_p
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    resumed = _cli(killed, *FEDERATED, env_devices=4)
+    resumed = _cli(killed, *federated_run, env_devices=4)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     summary2 = json.loads((killed / "summary.json").read_text())
     assert 9 <= summary2["resumed_from"] < 30, "the kill must land mid-run"
@@ -192,6 +203,8 @@ def test_federated_run_measures_its_bytes_and_resumes_after_a_killed_round(tmp_p
     (["--config.fomoe.overlap=3"], ["fomoe.overlap", "3", "mesh.site", "4"]),
     (["--config.fomoe.local_steps=4"], ["train.steps", "30", "fomoe.local_steps", "4"]),
     (["--config.fomoe.outer=fedavg"], ["fomoe.outer", "fedavg", "local_adamw"]),
+    (["--config.fomoe.overlap=4", "--config.fomoe.placement=random"], ["fomoe.placement", "fomoe.overlap", "fixed"]),
+    (["--config.fomoe.placement=rand"], ["fomoe.placement", "'rand'", "random"]),
 ])
 def test_bad_federated_flags_are_rejected(capsys, tmp_path, args, needles):
     code, err = _main(capsys, f"--config={CONFIG}", f"--workdir={tmp_path}", *TINY, *FEDERATED, *args)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from core import hlo
 from moe import federation, system_model
 from moe.placement import fixed_placement
 from moe_reference import tiny_moe_transformer
@@ -47,8 +48,8 @@ def test_average_is_a_mean_over_all_sites_or_the_replica_group(overlap):
 def test_compiled_collectives_move_exactly_the_formula_bytes(overlap):
     mesh = federation.site_mesh(SITES, overlap)
     tree, is_expert = _stacked(mesh, np.random.default_rng(0))
-    hlo = jax.jit(lambda t: federation.average(t, is_expert, mesh)).lower(tree).compile().as_text()
-    measured = federation.collective_bytes(hlo)
+    text = jax.jit(lambda t: federation.average(t, is_expert, mesh)).lower(tree).compile().as_text()
+    measured = hlo.collective_bytes(text)
     per_site = {k: v.nbytes // SITES for k, v in tree.items()}
     dense = sum(b for k, b in per_site.items() if not is_expert[k])
     experts = sum(b for k, b in per_site.items() if is_expert[k])
@@ -62,17 +63,6 @@ def test_compiled_collectives_move_exactly_the_formula_bytes(overlap):
     else:  # disjoint experts: nothing to average, and nothing is sent
         assert formula["sparse"] == 0
         assert measured["by_group_size"] == {SITES: pytest.approx(formula["dense"], rel=1e-12)}
-
-
-def test_collective_bytes_parses_hlo_lines():
-    text = "\n".join([
-        "  %a = f32[1,3]{1,0} all-reduce(%p), channel_id=1, replica_groups={{0,2},{1,3}}, to_apply=%add",
-        "  %b = (f32[4]{0}, bf16[2,2]{1,0}) all-reduce(%q, %r), replica_groups={{0,1,2,3}}, to_apply=%add",
-        "  %c = f32[8]{0} add(%x, %y)",
-    ])
-    out = federation.collective_bytes(text)
-    assert out["ops"] == 2
-    assert out["by_group_size"] == {2: pytest.approx(1.0 * 12), 4: pytest.approx(1.5 * (16 + 8))}
 
 
 def test_site_mesh_rejects_bad_shapes():

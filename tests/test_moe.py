@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from core import hlo
 from core import mesh as mesh_lib
 from core import train as train_lib
 from core.config import ConfigError
@@ -253,7 +254,7 @@ def test_capacity_layer_equals_reference_without_the_dropped_assignments(capacit
 # ------------------------------------------------------------------------------------------ expert parallelism
 
 @pytest.mark.parametrize("data, expert, dispatch_kind", [(2, 4, "dropless"), (1, 8, "dropless"),
-                                                          (4, 2, "dropless"), (2, 4, "capacity")])
+                                                          (4, 2, "dropless"), (2, 4, "capacity"), (8, 1, "dropless")])
 def test_sharded_layer_and_gradients_equal_single_device(data, expert, dispatch_kind):
     m = MoEConfig(num_experts=8, top_k=2, expert_size=8, router="softmax", dispatch=dispatch_kind,
                   shared_expert_size=8)
@@ -261,7 +262,7 @@ def test_sharded_layer_and_gradients_equal_single_device(data, expert, dispatch_
     shard = sharder(data, expert)
     single = MoE(cfg, m, path="ffn", rngs=nnx.Rngs(3))
     sharded = MoE(cfg, m, path="ffn", rngs=nnx.Rngs(3), shard=shard)
-    assert sharded.ep_axis == ("expert" if dispatch_kind == "dropless" else None)
+    assert sharded.ep_axis == ("expert" if dispatch_kind == "dropless" and expert > 1 else None)
     x = jnp.asarray(RNG.normal(size=(8, 12, 16)), jnp.float32)
     ct = jnp.asarray(RNG.normal(size=x.shape), jnp.float32)
     results = []
@@ -279,6 +280,27 @@ def test_sharded_layer_and_gradients_equal_single_device(data, expert, dispatch_
         np.testing.assert_allclose(aux8[k], aux1[k], rtol=1e-5, atol=1e-7, err_msg=k)
     for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_data_parallel_routing_and_dispatch_stay_on_each_devices_tokens():
+    """data = 8, experts replicated: the top-k and the sort run on each device's tokens (no all-gather); the only
+    collectives are all-reduces of weight gradients and routing statistics, far smaller than the tokens."""
+    m = MoEConfig(num_experts=8, top_k=2, expert_size=8, router="sigmoid")
+    cfg = TransformerConfig(d_model=16, num_layers=2)
+    layer = MoE(cfg, m, path="ffn", rngs=nnx.Rngs(3), shard=sharder(8, 1))
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+    x = jax.device_put(jnp.asarray(RNG.normal(size=(64, 64, 16)), jnp.float32), layer.shard.named(("batch", None,
+                                                                                                    None)))
+
+    def loss(params, x):
+        y, aux = nnx.merge(graphdef, params, rest)(x)
+        return jnp.sum(y ** 2) + aux["loss/moe_balance"]
+
+    text = jax.jit(jax.grad(loss)).lower(params, x).compile().as_text()
+    assert "all-gather" not in text
+    moved = hlo.collective_bytes(text)["bytes_per_device"]
+    weights = sum(v.nbytes for v in jax.tree.leaves(params))
+    assert 2 * 7 / 8 * weights <= moved <= 2 * 7 / 8 * weights + 1024, moved  # gradients + a few statistics
 
 
 def test_expert_parallel_pads_token_counts_the_devices_cannot_split():

@@ -8,6 +8,7 @@ import optax
 import pytest
 from flax import nnx
 
+from core import hlo
 from core import train as train_lib
 from moe import federation, rounds
 from moe.placement import fixed_placement
@@ -131,7 +132,7 @@ def test_a_rounds_collectives_are_exactly_the_formula_bytes(overlap, method):
     _, mesh, graphdef, state = _setup(overlap, optimizer, outer)
     compiled = rounds.make_round(graphdef, optimizer, mesh, method=method, outer=outer).lower(
         state, _tokens(2)).compile()
-    measured = federation.collective_bytes(compiled.as_text())
+    measured = hlo.collective_bytes(compiled.as_text())
     flags = jax.tree.leaves(federation.expert_flags(state.train.params))
     per_site = [x.nbytes // SITES for x in jax.tree.leaves(state.train.params)]
     dense = sum(b for b, e in zip(per_site, flags) if not e)

@@ -47,6 +47,8 @@ def test_bytes_per_round_by_hand():
     assert skip["dense"] == pytest.approx(2 * 3 / 4 * (156 + 2 * 4 * 8)) and skip["sparse"] == pytest.approx(2 * 4 * 40)
     moved = sm.bytes_per_round(shape, 4, 2, optimizer="diloco", migration=1.0, bytes_per_param=1)
     assert moved["sparse"] == pytest.approx((1.0 + 1.0 * (1 - 2 / 4)) * 2 * 4 * 44)
+    moved = sm.bytes_per_round(shape, 4, 2, optimizer="local_adamw", migration=0.5, bytes_per_param=1)
+    assert moved["sparse"] == pytest.approx((3 * 1.0 + 0.5 * (1 - 2 / 4)) * 2 * 4 * 44)  # moments are not moved
     # Disjoint experts, fixed placement: nothing sparse to average. Full replica: experts ring over all M sites.
     assert sm.bytes_per_round(shape, 4, 1, optimizer="diloco")["sparse"] == 0
     full = sm.bytes_per_round(shape, 4, 4, optimizer="diloco", bytes_per_param=1)

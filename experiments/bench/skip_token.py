@@ -1,0 +1,119 @@
+"""Skip-token throughput: one site's training step against the number of ghost experts it does not host.
+
+    python -m experiments.bench.skip_token [--out results/fomoe] [--experts 32] [--top-k 8] [--layers 4]
+                                           [--batch 8] [--seq 256] [--repeats 5]
+
+The paper's setting (FoMoE, "up to 1.4x" at 0/8/16 ghost experts on its 150M model): d_model 512, expert size 128,
+a quarter of the experts active, sigmoid router. Here: a `--layers`-layer MoE transformer (every block MoE) with
+`--experts` experts, top-k `--top-k`; a site in skip-token mode hosts the first N_le = N_e - ghosts experts; the
+global router still scores all N_e, and a choice of a ghost is not computed (its rows never reach the expert
+matmuls: the grouped matmul's trip count follows the resident rows). Time = the jitted train step (forward,
+backward, AdamW) on random tokens, the variants interleaved in rounds; throughput = tokens / median step time;
+speedup against the site hosting every expert. Writes skip_token.json, skip_token.md and skip_token.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import jax
+import numpy as np
+from flax import nnx
+
+from core import train as train_lib
+from experiments import build
+from experiments.bench.common import interleaved_medians, machine, write_results
+
+
+def _config(experts: int, top_k: int, layers: int, seq: int, batch: int):
+    config = build.default_config()
+    config.model.update(d_model=512, num_layers=layers, num_heads=8, num_kv_heads=8, d_ff=2048)
+    config.moe.update(every=1, num_experts=experts, top_k=top_k, expert_size=128, router="sigmoid")
+    config.data.update(seq_len=seq, batch_size=batch)
+    config.mesh.update(site=1, data=1)
+    return config
+
+
+def measure(experts: int, top_k: int, layers: int, seq: int, batch: int, ghosts: list[int], repeats: int) -> dict:
+    config = _config(experts, top_k, layers, seq, batch)
+    optimizer = build.build_optimizer(config)
+    _, sharder = build.build_mesh(config)  # one device
+    tokens = jax.numpy.asarray(np.random.default_rng(0).integers(0, 256, size=(batch, seq + 1)), jax.numpy.int32)
+    steps, ghost_fraction = {}, {}
+    for g in ghosts:
+        resident = np.arange(experts - g)
+        model_fn = build.build_model_fn(config, sharder, resident=resident, routing_mode="skip_token")
+        graphdef, state = train_lib.init_state(model_fn, optimizer, 0, sharder)
+        step = train_lib.train_step_fn(graphdef, optimizer)
+        run = jax.jit(step)  # not donated: every call starts from the same state
+        _, metrics = run(state, tokens)
+        ghost_fraction[g] = float(metrics.get("moe/ghost_fraction", 0.0))  # none with every expert resident
+        steps[g] = lambda run=run, state=state: run(state, tokens)
+    seconds = interleaved_medians({str(g): steps[g] for g in ghosts}, repeats=repeats)
+    base = seconds[str(ghosts[0])]
+    rows = [{"ghost_experts": g, "resident_experts": experts - g, "ghost_fraction": ghost_fraction[g],
+             "ideal_ghost_fraction": g / experts, "step_seconds": seconds[str(g)],
+             "tokens_per_second": batch * seq / seconds[str(g)], "speedup": base / seconds[str(g)]} for g in ghosts]
+    return {"machine": machine(), "experts": experts, "top_k": top_k, "layers": layers, "d_model": 512,
+            "expert_size": 128, "batch": batch, "seq_len": seq, "repeats": repeats, "rows": rows}
+
+
+def markdown(result: dict) -> str:
+    m = result["machine"]
+    lines = ["# Skip-token throughput", "",
+             f"`python -m experiments.bench.skip_token`: {result['layers']}-layer MoE transformer, d_model 512, "
+             f"{result['experts']} experts of size 128, top-{result['top_k']}, sigmoid router; train step (forward, "
+             f"backward, AdamW) on {result['batch']} x {result['seq_len']} tokens, median of {result['repeats']} "
+             f"interleaved repeats; {m['device']} ({m['platform']}, {m['cpu_count']} cores). {m['note']}", "",
+             "| ghost experts | resident | ghost fraction (ideal) | step (ms) | tokens/s | speedup |",
+             "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['ghost_experts']} | {r['resident_experts']} | {r['ghost_fraction']:.3f} "
+                     f"({r['ideal_ghost_fraction']:.3f}) | {1e3 * r['step_seconds']:.1f} | "
+                     f"{r['tokens_per_second']:,.0f} | {r['speedup']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(5, 3.5), dpi=120)
+    ax.plot([r["ghost_experts"] for r in rows], [r["speedup"] for r in rows], "o-", label="measured (CPU)")
+    ax.axhline(1.4, color="gray", ls=":", label="paper: up to 1.4x")
+    ax.set_xlabel(f"ghost experts (of {result['experts']})")
+    ax.set_ylabel("training throughput / all resident")
+    ax.set_title("Skip-token: work skipped for non-resident experts", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="results/fomoe")
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--ghosts", default="", help="comma-separated ghost counts (default: 0, N_e/4, N_e/2, 3N_e/4)")
+    args = parser.parse_args(argv)
+    ghosts = [int(g) for g in args.ghosts.split(",") if g] or [0, args.experts // 4, args.experts // 2,
+                                                                 3 * args.experts // 4]
+    if not all(0 <= g < args.experts for g in ghosts) or ghosts[0] != 0:
+        parser.error(f"--ghosts {ghosts}: each must be in [0, {args.experts}) and the first 0 (the baseline).")
+    result = measure(args.experts, args.top_k, args.layers, args.seq, args.batch, ghosts, args.repeats)
+    write_results(args.out, "skip_token", result, markdown)
+    plot(result, os.path.join(args.out, "skip_token.png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""FoMoE at CPU scale: a small version of the paper's Table 6, the skip-token throughput curve, the system model.
+
+    python -m experiments.reproduce.fomoe [--out results/fomoe] [--steps 256] [--parts table,throughput,system]
+                                          [--only NAME,...]
+
+table: trains the byte-level sigma-MoE of experiments/configs/fomoe.py (d_model 128, 4 layers, 8 experts top-2,
+expert size 128) on the built-in corpus, every run with the same global batch (16 x 256 tokens) and number of steps,
+so the same tokens. The grid: M in {2, 4} sites; O_e in {1, 2, 4} up to M; K in {8, 32}; LocalAdamW and DiLoCo;
+fixed placement, and random placement (reshuffled every 4 rounds) for LocalAdamW at K = 8; plus DDP on M devices
+(gradients all-reduced every step). Each run is `python -m experiments.run` in its own process with M virtual CPU
+devices, in `<out>/runs/<name>`; a run that finished is not run again (and one that was interrupted resumes).
+Reports held-out perplexity (per byte-token, mean over sites) and the bytes each site sent over the whole run,
+measured from the compiled programs' collectives (and by the formulas) -> table.md, table.json, pareto.png.
+
+throughput: `experiments.bench.skip_token` (training throughput against the number of ghost experts).
+system: `experiments.reproduce.fomoe_system` (parameter table and the 104B projection).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIG = os.path.join(ROOT, "experiments", "configs", "fomoe.py")
+PARTS = ("table", "throughput", "system")
+
+
+def grid() -> list[dict]:
+    """The runs: name, sites M, overlap O_e (None for DDP), K, outer method, placement."""
+    runs = []
+    for m in (2, 4):
+        runs.append({"name": f"ddp_M{m}", "sites": m, "overlap": None, "k": 1, "outer": "ddp", "placement": "-"})
+        for outer in ("local_adamw", "diloco"):
+            for k in (8, 32):
+                for o in (1, 2, 4):
+                    if o <= m:
+                        runs.append({"name": f"{outer}_M{m}_O{o}_K{k}", "sites": m, "overlap": o, "k": k,
+                                     "outer": outer, "placement": "fixed"})
+        for o in (1, 2, 4):
+            if o < m:
+                runs.append({"name": f"local_adamw_M{m}_O{o}_K8_random", "sites": m, "overlap": o, "k": 8,
+                             "outer": "local_adamw", "placement": "random"})
+    return runs
+
+
+def _flags(run: dict, steps: int) -> list[str]:
+    common = [f"--config.train.steps={steps}", f"--config.train.eval_every={steps}", "--config.train.progress=False"]
+    if run["outer"] == "ddp":
+        return common + ["--config.mesh.site=1", f"--config.mesh.data={run['sites']}"]
+    return common + [f"--config.mesh.site={run['sites']}", "--config.mesh.data=1",
+                     f"--config.fomoe.overlap={run['overlap']}", f"--config.fomoe.local_steps={run['k']}",
+                     f"--config.fomoe.outer={run['outer']}", f"--config.fomoe.placement={run['placement']}",
+                     "--config.fomoe.reshuffle_every=4"]
+
+
+def train(run: dict, steps: int, out: str) -> dict:
+    """Runs (or resumes, or reuses) one configuration; returns its summary.json."""
+    workdir = os.path.join(out, "runs", run["name"])
+    summary_path = os.path.join(workdir, "summary.json")
+    if os.path.exists(summary_path):
+        with open(summary_path) as f:
+            summary = json.load(f)
+        if summary["steps"] == steps:
+            return summary
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={run['sites']}")
+    cmd = [sys.executable, "-m", "experiments.run", f"--config={CONFIG}", f"--workdir={workdir}", *_flags(run, steps)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"run {run['name']} failed ({' '.join(cmd)}):\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
+    with open(summary_path) as f:
+        return json.load(f)
+
+
+def row(run: dict, summary: dict, steps: int, tokens_per_step: int) -> dict:
+    """One table row: quality, and the bytes each site sent over the run (measured and by formula)."""
+    if run["outer"] == "ddp":
+        from moe import system_model as sm
+
+        per_step = summary["bytes_per_device_per_step"]
+        measured = steps * per_step
+        formula = steps * 2 * (run["sites"] - 1) / run["sites"] * 4 * summary["num_params"]  # fp32 gradients
+        per_token = sm.bytes_per_token(per_step, run["sites"], 1, tokens_per_step)
+    else:
+        rounds = steps // run["k"]
+        measured = rounds * summary["bytes_per_site_per_round"]
+        formula = rounds * summary["bytes_per_site_per_round_formula"]
+        per_token = summary["bytes_per_token"]
+    return {**run, "val_loss": summary["val_loss"], "perplexity": math.exp(summary["val_loss"]),
+            "val_bits_per_byte": summary["val_bits_per_byte"],
+            "worst_site_bits_per_byte": summary.get("val_bits_per_byte_worst_site", summary["val_bits_per_byte"]),
+            "bytes_per_site": measured, "bytes_per_site_formula": formula, "bytes_per_token": per_token,
+            "tokens_per_second": summary["tokens_per_second"]}
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Bytes of DDP and of the full replica (O_e = M, same outer method and K) over each partial-replica run."""
+    by = {(r["sites"], r["overlap"], r["k"], r["outer"], r["placement"]): r for r in rows}
+    ddp = {r["sites"]: r for r in rows if r["outer"] == "ddp"}
+    out = []
+    for r in rows:
+        if r["outer"] == "ddp" or r["overlap"] == r["sites"]:
+            continue
+        full = by.get((r["sites"], r["sites"], r["k"], r["outer"], "fixed"))
+        out.append({"name": r["name"], "vs_ddp": ddp[r["sites"]]["bytes_per_site"] / r["bytes_per_site"],
+                    "vs_full_replica": full["bytes_per_site"] / r["bytes_per_site"] if full else None,
+                    "perplexity": r["perplexity"], "full_replica_perplexity": full["perplexity"] if full else None,
+                    "ddp_perplexity": ddp[r["sites"]]["perplexity"]})
+    return out
+
+
+def markdown(result: dict) -> str:
+    rows, steps = result["rows"], result["steps"]
+    lines = ["# FoMoE at CPU scale: a small Table 6", "",
+             f"`python -m experiments.reproduce.fomoe --steps {steps}`: experiments/configs/fomoe.py (d_model 128, 4 "
+             f"layers, 8 experts top-2, expert size 128, sigmoid router, partitioned routing), {steps} steps of 16 x "
+             f"256 byte-tokens for every run ({result['tokens']:,} tokens), AdamW lr 5e-3. Perplexity: exp(held-out "
+             "loss per byte-token), mean over sites (worst site in bits/byte). Bytes: what each site sent over the "
+             "whole run, read from the compiled programs' all-reduce / all-gather ops (formula in brackets where it "
+             "differs). DDP: M devices, gradients all-reduced every step.", "",
+             "| run | M | O_e | K | outer | placement | perplexity | bits/byte (worst site) | MB per site | bytes per "
+             "token |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        formula = "" if math.isclose(r["bytes_per_site"], r["bytes_per_site_formula"], rel_tol=1e-9) else (
+            f" ({r['bytes_per_site_formula'] / 1e6:,.1f})")
+        lines.append(f"| {r['name']} | {r['sites']} | {r['overlap'] or '-'} | {r['k']} | {r['outer']} | "
+                     f"{r['placement']} | {r['perplexity']:.3f} | {r['val_bits_per_byte']:.3f} "
+                     f"({r['worst_site_bits_per_byte']:.3f}) | {r['bytes_per_site'] / 1e6:,.1f}{formula} | "
+                     f"{r['bytes_per_token']:,.0f} |")
+    lines += ["", "Bytes saved by partial replication (DDP's or the full replica's bytes over the run's, same token "
+              "budget; the full replica has the same M, K and outer method):", "",
+              "| run | vs DDP | vs full replica | perplexity | full replica | DDP |", "|---|---|---|---|---|---|"]
+    for q in result["ratios"]:
+        full = f"{q['vs_full_replica']:.2f}x" if q["vs_full_replica"] else "-"
+        fpp = f"{q['full_replica_perplexity']:.3f}" if q["full_replica_perplexity"] else "-"
+        lines.append(f"| {q['name']} | {q['vs_ddp']:.2f}x | {full} | {q['perplexity']:.3f} | {fpp} | "
+                     f"{q['ddp_perplexity']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def pareto_plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    styles = {"local_adamw": "o", "diloco": "s", "ddp": "*"}
+    colors = {1: "tab:blue", 2: "tab:orange", 4: "tab:green", None: "tab:red"}
+    for r in rows:
+        hollow = r["placement"] == "random" or r["k"] == 32
+        ax.scatter(r["bytes_per_site"] / 1e6, r["perplexity"], marker=styles[r["outer"]], s=60 if r["k"] != 32 else 40,
+                   facecolors="none" if hollow else colors[r["overlap"]], edgecolors=colors[r["overlap"]])
+        ax.annotate(r["name"].replace("local_adamw", "LA").replace("diloco", "DL"), (r["bytes_per_site"] / 1e6,
+                    r["perplexity"]), fontsize=5, xytext=(3, 2), textcoords="offset points")
+    front, best = [], math.inf
+    for r in sorted(rows, key=lambda r: r["bytes_per_site"]):
+        if r["perplexity"] < best:
+            best = r["perplexity"]
+            front.append(r)
+    ax.plot([r["bytes_per_site"] / 1e6 for r in front], [r["perplexity"] for r in front], "k--", lw=0.8,
+            label="Pareto front")
+    for label, marker in (("LocalAdamW", "o"), ("DiLoCo", "s"), ("DDP", "*")):
+        ax.scatter([], [], marker=marker, c="gray", label=label)
+    for o, c in colors.items():
+        ax.scatter([], [], marker="o", c=c, label=f"O_e = {o}" if o else "DDP")
+    ax.set_xscale("log")
+    ax.set_xlabel("MB sent per site over the run (measured)")
+    ax.set_ylabel("held-out perplexity (byte tokens)")
+    ax.set_title("FoMoE at CPU scale: quality against communication (hollow: K = 32 or random placement)",
+                 fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def table(out: str, steps: int, only: set[str] | None) -> None:
+    from experiments.bench.common import write_results
+
+    runs = [r for r in grid() if not only or r["name"] in only]
+    unknown = (only or set()) - {r["name"] for r in grid()}
+    if unknown:
+        raise SystemExit(f"error: --only names {sorted(unknown)} are not runs; allowed: {[r['name'] for r in grid()]}")
+    if steps % 32:
+        raise SystemExit(f"error: --steps = {steps} must be a multiple of 32 (whole rounds at K = 32).")
+    tokens_per_step = 16 * 256
+    rows, started = [], time.time()
+    for i, run in enumerate(runs):
+        t0 = time.time()
+        summary = train(run, steps, out)
+        rows.append(row(run, summary, steps, tokens_per_step))
+        print(f"[{i + 1}/{len(runs)}] {run['name']}: perplexity {rows[-1]['perplexity']:.3f}, "
+              f"{rows[-1]['bytes_per_site'] / 1e6:,.1f} MB per site ({time.time() - t0:.0f} s; "
+              f"{(time.time() - started) / 60:.1f} min so far)", flush=True)
+    result = {"steps": steps, "tokens": steps * tokens_per_step, "rows": rows, "ratios": ratios(rows)}
+    write_results(out, "table", result, markdown)
+    pareto_plot(rows, os.path.join(out, "pareto.png"))
+    print(f"wrote {out}/table.md, table.json, pareto.png")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="results/fomoe", help="output directory")
+    parser.add_argument("--steps", type=int, default=256, help="training steps of every run (multiple of 32)")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {list(PARTS)}")
+    parser.add_argument("--only", default="", help="comma-separated run names of the table (default: all)")
+    args = parser.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    bad = [p for p in parts if p not in PARTS]
+    if bad:
+        parser.error(f"--parts {bad} unknown; allowed: {list(PARTS)}")
+    if "table" in parts:
+        table(args.out, args.steps, set(filter(None, args.only.split(","))) or None)
+    if "throughput" in parts:
+        from experiments.bench import skip_token
+
+        skip_token.main(["--out", args.out])
+    if "system" in parts:
+        from experiments.reproduce import fomoe_system
+
+        fomoe_system.main(["--out", args.out])
+
+
+if __name__ == "__main__":
+    main()
