@@ -27,6 +27,10 @@ def collective_bytes(hlo_text: str) -> dict[str, float]:
     move them: 2 (n - 1) / n x the operand bytes for an all-reduce, (n - 1) / n x the gathered result's bytes for
     an all-gather, n the size of the op's replica groups.
 
+    Each op is counted once, as the program text lists it: a collective inside a loop body would run once per
+    iteration, so measure programs that keep their collectives outside loops (a federated round does: its local
+    steps have none, see `moe.federation.per_site`).
+
     Returns {"bytes_per_device": ..., "ops": number of such ops, "by_group_size": {n: bytes}} (groups of one
     device move nothing and are not listed).
     """

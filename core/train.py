@@ -314,7 +314,7 @@ def train(
     start = int(state.step)
     results: dict[str, Any] = {"steps": start, "resumed_from": resumed_from}
     steady_time, steady_steps, window_time, window_timed = 0.0, 0, 0.0, 0
-    progress = _progress(start, tc.steps, enabled=tc.progress and is_main)
+    progress = progress_bar(start, tc.steps, enabled=tc.progress and is_main)
     last_saved = resumed_from
     try:
         for step in range(start, tc.steps):
@@ -372,8 +372,9 @@ def train(
     return results
 
 
-def _progress(start: int, total: int, *, enabled: bool):
+def progress_bar(start: int, total: int, *, enabled: bool, desc: str = "train", unit: str = "step"):
+    """The progress display of a training loop (tqdm on stderr; a no-op when disabled)."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=start, disable=not enabled, desc="train", unit="step", dynamic_ncols=True,
+    return tqdm(total=total, initial=start, disable=not enabled, desc=desc, unit=unit, dynamic_ncols=True,
                 mininterval=1.0)

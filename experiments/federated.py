@@ -67,7 +67,7 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
         optimizer = optax.chain(optimizer, reshuffle.arrival_warmup(dims, f.arrival_warmup))
     graphdef, state = rounds.init_sites(make(), site_model, placement, optimizer, outer, mesh, tc.seed)
     round_fn = rounds.make_round(graphdef, optimizer, mesh, method=f.outer, outer=outer)
-    eval_fn = jax.jit(jax.vmap(train_lib.make_eval_step(graphdef), in_axes=(0, 0, None)))
+    eval_fn = jax.jit(federation.per_site(train_lib.make_eval_step(graphdef), mesh, (0, 0, None)))
 
     is_main = jax.process_index() == 0
     log = train_lib.MetricsLog(workdir, enabled=is_main)
@@ -95,7 +95,7 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
     tokens_per_step = config.data.batch_size * config.data.seq_len
     bytes_info["bytes_per_token"] = system_model.bytes_per_token(bytes_info["measured"], sites, k, tokens_per_step)
     val = [jnp.asarray(b) for b in batches.every_row().val_batches(tc.eval_batches)]  # every site, every row
-    probe_fn, probe_tokens = rounds.make_probe(graphdef), val[0][:, :-1]
+    probe_fn, probe_tokens = rounds.make_probe(graphdef, mesh), val[0][:, :-1]
     routes = _host(probe_fn(state.train.params, state.train.rest, probe_tokens))
     if is_main:
         print(f"federation: {sites} sites, O_e = {f.overlap}, {placement.local_experts} of {placement.num_experts} experts per "
@@ -105,6 +105,8 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
     total_rounds, start_round = tc.steps // k, int(_host(state.train.step)[0]) // k
     results: dict[str, Any] = {"steps": start_round * k, "resumed_from": resumed_from}
     timed, seconds = 0, 0.0
+    progress = train_lib.progress_bar(start_round, total_rounds, enabled=tc.progress and is_main, desc="rounds",
+                                      unit="round")
 
     def run_round(r: int) -> None:
         nonlocal state, routes, timed, seconds
@@ -125,13 +127,14 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
                    "routing/topk_agreement": rounds.topk_agreement(previous, routes), **ghosts,
                    **{name: v for name, v in metrics.items() if name not in ("loss", "grad_norm")}})
         results["train_loss"] = metrics["loss"]
+        progress.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
         if _crossed(done, tc.eval_every, k) or r + 1 == total_rounds:
             ev = _evaluate(eval_fn, state, val)
             log.write({"step": done, "round": r + 1, **ev})
             results.update(ev)
             if is_main:
-                print(f"round {r + 1}/{total_rounds} (step {done}): train loss {metrics['loss']:.3f}, held-out "
-                      f"{ev['val_bits_per_byte']:.3f} bits/byte (mean over sites)", flush=True)
+                progress.write(f"round {r + 1}/{total_rounds} (step {done}): train loss {metrics['loss']:.3f}, "
+                               f"held-out {ev['val_bits_per_byte']:.3f} bits/byte (mean over sites)")
         if migrate_exec is not None and (r + 1) % f.reshuffle_every == 0 and r + 1 < total_rounds:
             plan = reshuffle.plan_migration(placement_at(r), placement_at(r + 1))
             state = migrate_exec(state, [jax.make_array_from_callback(a.shape, plan_sharding, a.__getitem__)
@@ -140,6 +143,7 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
                        float(plan.arrivals.sum(axis=1).mean())})
         checkpointer.save(done, state, loop={"round": r + 1}, compat=compat)
         results["steps"] = done
+        progress.update(1)
 
     r = start_round
     try:
@@ -155,6 +159,8 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
             f"site's process has probably died. The last completed round's checkpoint is step "
             f"{checkpointer.latest_step()} in {checkpointer.directory}; rerun the same command on every site to "
             "resume from it.") from None
+    finally:
+        progress.close()
     checkpointer.wait()
     checkpointer.close()
     if "val_loss" not in results:  # resumed at the final round: evaluate the restored state

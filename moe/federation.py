@@ -27,7 +27,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from moe.layer import Residency
 
-__all__ = ["SITE_AXES", "site_mesh", "average", "is_expert_variable", "expert_flags", "to_sites"]
+__all__ = ["SITE_AXES", "site_mesh", "per_site", "average", "is_expert_variable", "expert_flags", "to_sites"]
 
 SITE_AXES = ("replica", "block")
 
@@ -41,6 +41,27 @@ def site_mesh(sites: int, overlap: int, devices: Sequence[jax.Device] | None = N
         raise ValueError(f"overlap O_e = {overlap} must divide the number of sites M = {sites}.")
     return jax.make_mesh((overlap, sites // overlap), SITE_AXES, axis_types=(AxisType.Auto,) * 2,
                          devices=devices[:sites])
+
+
+def per_site(fn, mesh: Mesh, in_axes: Sequence[int | None], out_axes: Sequence[int] | int = 0):
+    """`fn` (one site's computation) applied to every site on that site's device alone.
+
+    `jax.vmap` over the stacked site axis alone would leave the partitioner free to communicate across sites,
+    and it does: XLA:CPU's top-k gathers its operand over the vmapped axis, and a loop with a data-dependent trip
+    count (the windowed grouped matmul) all-reduces its condition every iteration. Under `jax.shard_map` each
+    device holds only its site's slice, so a site's local steps can move no bytes to another site.
+
+    Args:
+      in_axes / out_axes: for each argument / output, the position of its site axis (None: the same value for
+        every site, e.g. evaluation tokens).
+    """
+    def spec(axis):
+        return PartitionSpec() if axis is None else PartitionSpec(*([None] * axis), SITE_AXES)
+
+    several = isinstance(out_axes, (tuple, list))
+    local = jax.vmap(fn, in_axes=tuple(in_axes), out_axes=tuple(out_axes) if several else out_axes)
+    out_specs = tuple(map(spec, out_axes)) if several else spec(out_axes)
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(map(spec, in_axes)), out_specs=out_specs)
 
 
 def average(tree, is_expert, mesh: Mesh):

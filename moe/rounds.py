@@ -77,11 +77,13 @@ def make_round(graphdef, optimizer: optax.GradientTransformation, mesh, *, metho
         raise ValueError(f"outer method = {method!r}; allowed: {list(OUTER_METHODS)}.")
     if (method == "diloco") != (outer is not None):
         raise ValueError("method 'diloco' needs its outer optimizer (optim.diloco_outer); 'local_adamw' takes none.")
-    local_step = jax.vmap(train_lib.train_step_fn(graphdef, optimizer, loss_fn))
+    step = train_lib.train_step_fn(graphdef, optimizer, loss_fn)
+    # one site's K steps (tokens [K, B_site, T + 1]), on its own device (federation.per_site)
+    local_steps = federation.per_site(lambda train, tokens: jax.lax.scan(step, train, tokens), mesh, (0, 1), (0, 1))
 
     def round_fn(state: FederatedState, tokens: jax.Array):
         start = state.train.params
-        train, metrics = jax.lax.scan(local_step, state.train, tokens)
+        train, metrics = local_steps(state.train, tokens)
         flags = federation.expert_flags(train.params)
         averaged = federation.average(train.params, flags, mesh)
         if method == "local_adamw":
@@ -106,7 +108,7 @@ def site_batches(tokens: np.ndarray, sites: int) -> np.ndarray:
     return tokens.reshape(k, sites, rows // sites, length)
 
 
-def make_probe(graphdef) -> Callable:
+def make_probe(graphdef, mesh) -> Callable:
     """A jitted `(params, rest, tokens [B, T]) -> routes [M, L_moe, B T, k]`: every site's chosen global expert ids
     in every MoE layer on a fixed probe batch (for the routing agreement between rounds)."""
 
@@ -119,7 +121,7 @@ def make_probe(graphdef) -> Callable:
         routes = [layer.last_routes.get_value() for layer in layers]
         return jnp.stack(routes)
 
-    return jax.jit(jax.vmap(one_site, in_axes=(0, 0, None)))
+    return jax.jit(federation.per_site(one_site, mesh, (0, 0, None)))
 
 
 def topk_agreement(previous: np.ndarray, current: np.ndarray) -> float:

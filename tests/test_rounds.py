@@ -141,6 +141,22 @@ def test_a_rounds_collectives_are_exactly_the_formula_bytes(overlap, method):
     assert measured["bytes_per_device"] == pytest.approx(formula["total"], rel=1e-12)
 
 
+def test_local_steps_and_evaluation_move_nothing_across_sites():
+    """Each site's K steps, its evaluation and its probe compile to programs without a single collective (vmap
+    alone let XLA gather top-k operands across sites and all-reduce loop conditions every iteration)."""
+    optimizer = optax.adamw(1e-2)
+    _, mesh, graphdef, state = _setup(2, optimizer)
+    step = train_lib.train_step_fn(graphdef, optimizer)
+    local = federation.per_site(lambda t, x: jax.lax.scan(step, t, x), mesh, (0, 1), (0, 1))
+    evaluate = federation.per_site(train_lib.make_eval_step(graphdef), mesh, (0, 0, None))
+    probe = rounds.make_probe(graphdef, mesh)
+    val = jnp.zeros((2, 9), jnp.int32)
+    for program in (jax.jit(local).lower(state.train, _tokens(2)),
+                    jax.jit(evaluate).lower(state.train.params, state.train.rest, val),
+                    probe.lower(state.train.params, state.train.rest, val[:, :-1])):
+        assert hlo.collective_bytes(program.compile().as_text())["ops"] == 0
+
+
 def test_make_round_rejects_bad_methods():
     optimizer = optax.sgd(0.1)
     _, mesh, graphdef, _ = _setup(SITES, optimizer)
@@ -156,9 +172,9 @@ def test_topk_agreement_and_probe_routes():
     prev = np.array([[[[0, 1], [2, 3]]]])  # [sites, layers, tokens, k]
     cur = np.array([[[[1, 0], [2, 4]]]])
     assert rounds.topk_agreement(prev, cur) == pytest.approx(3 / 4)  # token 0: both kept; token 1: one of two
-    placement, _, graphdef, state = _setup(2, optax.adamw(1e-2))
+    placement, mesh, graphdef, state = _setup(2, optax.adamw(1e-2))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(2, 8)), jnp.int32)
-    routes = np.asarray(rounds.make_probe(graphdef)(state.train.params, state.train.rest, tokens))
+    routes = np.asarray(rounds.make_probe(graphdef, mesh)(state.train.params, state.train.rest, tokens))
     assert routes.shape == (SITES, 2, 16, 2)  # 2 MoE layers, 16 tokens, top-2
     for s in range(SITES):  # partitioned routing: a site only ever chooses its resident experts (global ids)
         assert set(routes[s].ravel()) <= set(placement.experts[s])
