@@ -12,8 +12,9 @@ The paper's model family at its smallest width: head dim 64, expert size 128, a 
 cores. Federation: M = 4 sites, O_e = 2 (fixed placement: experts 0-3 on sites 0 and 2, 4-7 on sites 1 and 3),
 K = 8 local AdamW steps per round, LocalAdamW synchronisation, the partitioned router. Change them from the command
 line: --config.fomoe.overlap=1|2|4, --config.fomoe.local_steps=32, --config.fomoe.outer=diloco,
---config.fomoe.routing=skip_token. The DDP baseline is the same model with --config.mesh.site=1
---config.mesh.data=4 (gradients all-reduced every step).
+--config.fomoe.routing=skip_token, --config.fomoe.placement=random (regrouped every fomoe.reshuffle_every rounds).
+The DDP baseline is the same model with
+--config.mesh.site=1 --config.mesh.data=4 (gradients all-reduced every step).
 """
 
 from experiments import build
