@@ -23,11 +23,27 @@ from core import train as train_lib
 from moe import config as moe_config
 from moe.grouped_matmul import GroupedMatmulFn
 from moe.layer import MoE, MoEConfig
+from optim import cautious_adamw, cautious_mgup_adamw, mgup_adamw, mgup_lion, mgup_muon
+from optim import config as optim_config
 
 # name -> (learning-rate schedule, optim config) -> optax transformation (without clipping).
 OPTIMIZERS: dict[str, Callable[[optax.Schedule, ml_collections.ConfigDict], optax.GradientTransformation]] = {
     "adamw": lambda lr, o: optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                                        mask=decay_mask),
+    "cautious_adamw": lambda lr, o: cautious_adamw(lr, o.b1, o.b2, o.eps, o.weight_decay,
+                                                   weight_decay_mask=decay_mask),
+    "mgup_adamw": lambda lr, o: mgup_adamw(lr, o.b1, o.b2, o.eps, o.weight_decay, o.mask_ratio, o.alpha, o.gamma,
+                                           selection=o.selection, weight_decay_mask=decay_mask),
+    "cautious_mgup_adamw": lambda lr, o: cautious_mgup_adamw(lr, o.b1, o.b2, o.eps, o.weight_decay, o.alpha, o.gamma,
+                                                             weight_decay_mask=decay_mask),
+    "lion": lambda lr, o: optax.lion(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=decay_mask),
+    "mgup_lion": lambda lr, o: mgup_lion(lr, o.b1, o.b2, o.weight_decay, o.mask_ratio, o.alpha, o.gamma,
+                                         selection=o.selection, weight_decay_mask=decay_mask),
+    "muon": lambda lr, o: mgup_muon(lr, o.weight_decay, o.momentum, adam_b1=o.b1, adam_b2=o.b2, adam_eps=o.eps,
+                                    mgup=False, weight_decay_mask=decay_mask),
+    "mgup_muon": lambda lr, o: mgup_muon(lr, o.weight_decay, o.momentum, adam_b1=o.b1, adam_b2=o.b2, adam_eps=o.eps,
+                                         mask_ratio=o.mask_ratio, alpha=o.alpha, gamma=o.gamma, selection=o.selection,
+                                         weight_decay_mask=decay_mask),
 }
 
 
@@ -35,6 +51,7 @@ def schema() -> config_lib.Schema:
     """The full experiment schema: the core sections with the registered choices filled in."""
     spec = config_lib.schema()
     spec["optim"]["name"] = dataclasses.replace(spec["optim"]["name"], choices=tuple(OPTIMIZERS))
+    spec["optim"].update(optim_config.fields())
     spec["moe"] = moe_config.section()
     spec["fomoe"] = moe_config.fomoe_section()
     return spec

@@ -1,8 +1,13 @@
 """MGUP (arXiv 2606.17526): momentum-gradient alignment selective updates as optax transforms; outer optimizers.
 
-    from optim import diloco_outer
+    from optim import mgup_adamw, cautious_mgup_adamw, mgup_lion, mgup_muon, cautious_adamw, diloco_outer
 """
 
+from optim.mgup import (cautious_adamw, cautious_mgup_adamw, mgup_adamw, mgup_lion, mgup_mask, paper_defaults,
+                        scale_by_hf_adam, scale_by_lion_direction, scale_by_mgup, with_mgup)
+from optim.muon import mgup_muon, newton_schulz, scale_by_muon
 from optim.outer import diloco_outer
 
-__all__ = ["diloco_outer"]
+__all__ = ["mgup_adamw", "cautious_mgup_adamw", "mgup_lion", "mgup_muon", "cautious_adamw", "scale_by_mgup",
+           "with_mgup", "mgup_mask", "paper_defaults", "scale_by_hf_adam", "scale_by_lion_direction", "scale_by_muon",
+           "newton_schulz", "diloco_outer"]

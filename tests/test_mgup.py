@@ -1,0 +1,301 @@
+"""MGUP optax transforms against an independent float64 NumPy transcription of the spec's updates (50 steps on a
+pytree of mixed shapes, including a tensor with k = 0), plus the mask's edge cases."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from optim import mgup
+
+SHAPES = {"vec": (7,), "mat": (5, 3), "cube": (2, 3, 4), "one": (1,)}  # "one": k = int(0.5 * 1) = 0 -> all gamma
+STEPS = 50
+
+
+def _np_mask(u, g, tau, alpha, gamma):
+    s = (u * g).ravel()
+    k = int(tau * s.size)
+    phi = np.full(s.shape, gamma)
+    if k:
+        phi[np.argsort(-s, kind="stable")[:k]] = alpha
+    return phi.reshape(u.shape)
+
+
+class NumpyMGUPAdamW:
+    """The spec's MGUP-AdamW (and, with cautious=True, Cautious-MGUP; with c_adamw=True, C-AdamW), float64."""
+
+    def __init__(self, lr, b1, b2, eps, wd, tau, alpha, gamma, mode="mgup"):
+        self.__dict__.update(lr=lr, b1=b1, b2=b2, eps=eps, wd=wd, tau=tau, alpha=alpha, gamma=gamma, mode=mode)
+        self.t, self.m, self.v = 0, None, None
+
+    def step(self, p, g):
+        if self.m is None:
+            self.m, self.v = np.zeros_like(p), np.zeros_like(p)
+        self.t += 1
+        lr = self.lr(self.t - 1) if callable(self.lr) else self.lr
+        if self.wd > 0:
+            p = p - lr * self.wd * p
+        self.m = self.b1 * self.m + (1 - self.b1) * g
+        self.v = self.b2 * self.v + (1 - self.b2) * g * g
+        u = self.m / (np.sqrt(self.v) + self.eps)
+        step = lr * np.sqrt(1 - self.b2 ** self.t) / (1 - self.b1 ** self.t)
+        if self.mode == "mgup":
+            phi = _np_mask(u, g, self.tau, self.alpha, self.gamma)
+        elif self.mode == "cautious_mgup":
+            phi = np.where(u * g >= 0, self.alpha, self.gamma)
+        else:  # C-AdamW
+            keep = (u * g > 0).astype(np.float64)
+            phi = keep / max(keep.mean(), 1e-3)
+        return p - step * u * phi
+
+
+class NumpyMGUPLion:
+    def __init__(self, lr, b1, b2, wd, tau, alpha, gamma):
+        self.__dict__.update(lr=lr, b1=b1, b2=b2, wd=wd, tau=tau, alpha=alpha, gamma=gamma)
+        self.m = None
+
+    def step(self, p, g):
+        if self.m is None:
+            self.m = np.zeros_like(p)
+        p = p - self.lr * self.wd * p
+        c = np.sign(self.b1 * self.m + (1 - self.b1) * g)
+        p = p - self.lr * c * _np_mask(c, g, self.tau, self.alpha, self.gamma)
+        self.m = self.b2 * self.m + (1 - self.b2) * g
+        return p
+
+
+def _run(tx, references, seed, dtype=jnp.float64):
+    rng = np.random.default_rng(seed)
+    params = {k: rng.normal(size=s) for k, s in SHAPES.items()}
+    ref = {k: v.copy() for k, v in params.items()}
+    p = {k: jnp.asarray(v, dtype) for k, v in params.items()}
+    state = tx.init(p)
+    update = jax.jit(tx.update)
+    for _ in range(STEPS):
+        grads = {k: rng.normal(size=s) for k, s in SHAPES.items()}
+        updates, state = update({k: jnp.asarray(v, dtype) for k, v in grads.items()}, state, p)
+        p = optax.apply_updates(p, updates)
+        ref = {k: references[k].step(ref[k], grads[k]) for k in SHAPES}
+    return p, ref, state
+
+
+@pytest.mark.parametrize("wd, schedule", [(0.0, False), (0.1, True)])
+@pytest.mark.parametrize("mode", ["mgup", "cautious_mgup", "c_adamw"])
+def test_adamw_family_matches_float64_reference(mode, wd, schedule):
+    hp = dict(b1=0.9, b2=0.999, eps=1e-6)
+    lr = optax.linear_schedule(1e-2, 1e-3, STEPS) if schedule else 1e-2
+    np_lr = (lambda t: 1e-2 + (1e-3 - 1e-2) * min(t, STEPS) / STEPS) if schedule else 1e-2
+    tau, alpha, gamma = 0.3, 2.5, 0.2
+    with jax.enable_x64(True):
+        if mode == "mgup":
+            tx = mgup.mgup_adamw(lr, weight_decay=wd, mask_ratio=tau, alpha=alpha, gamma=gamma, **hp)
+        elif mode == "cautious_mgup":
+            tx = mgup.cautious_mgup_adamw(lr, weight_decay=wd, alpha=alpha, gamma=gamma, **hp)
+        else:
+            tx = mgup.cautious_adamw(lr, weight_decay=wd, **hp)
+        refs = {k: NumpyMGUPAdamW(np_lr, hp["b1"], hp["b2"], hp["eps"], wd, tau, alpha, gamma, mode) for k in SHAPES}
+        p, ref, _ = _run(tx, refs, seed=len(mode) + int(schedule))
+        for k in SHAPES:
+            assert p[k].dtype == jnp.float64
+            np.testing.assert_allclose(np.asarray(p[k]), ref[k], rtol=1e-6, atol=1e-12, err_msg=k)
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.05])
+def test_lion_matches_float64_reference(wd):
+    tau, alpha, gamma = 0.5, 2.0, 0.1
+    with jax.enable_x64(True):
+        tx = mgup.mgup_lion(3e-3, b1=0.9, b2=0.99, weight_decay=wd, mask_ratio=tau, alpha=alpha, gamma=gamma)
+        refs = {k: NumpyMGUPLion(3e-3, 0.9, 0.99, wd, tau, alpha, gamma) for k in SHAPES}
+        p, ref, state = _run(tx, refs, seed=7)
+        for k in SHAPES:
+            np.testing.assert_allclose(np.asarray(p[k]), ref[k], rtol=1e-6, atol=1e-12, err_msg=k)
+    total = sum(int(np.prod(s)) for s in SHAPES.values())
+    chosen = sum(int(tau * int(np.prod(s))) for s in SHAPES.values())
+    assert float(state[1].selected_fraction) == pytest.approx(chosen / total)
+
+
+def test_mask_selects_exactly_k_per_tensor_and_k_zero_gives_gamma():
+    rng = np.random.default_rng(0)
+    for n, tau in ((10, 0.5), (7, 0.3), (1, 0.5), (64, 0.0), (33, 1.0)):
+        u, g = rng.normal(size=n), rng.normal(size=n)
+        phi = np.asarray(mgup.mgup_mask(jnp.asarray(u), jnp.asarray(g), tau, 2.0, 0.1))
+        np.testing.assert_allclose(phi, _np_mask(u, g, tau, 2.0, 0.1), rtol=1e-7)  # float32 phi
+        assert (phi == 2.0).sum() == int(tau * n)
+    u = jnp.asarray(rng.normal(size=(4, 5)))
+    np.testing.assert_array_equal(mgup.mgup_mask(u, -u, 0.5, 2.0, 0.1, selection="sign"), np.float32(0.1))  # all misaligned
+    np.testing.assert_array_equal(mgup.mgup_mask(u, 0 * u, 0.5, 2.0, 0.1, selection="sign"), 2.0)  # >= 0
+
+
+def test_approx_selection_realises_about_the_fraction():
+    rng = np.random.default_rng(1)
+    u, g = jnp.asarray(rng.normal(size=(300, 700)), jnp.float32), jnp.asarray(rng.normal(size=(300, 700)), jnp.float32)
+    phi = mgup.mgup_mask(u, g, 0.25, 2.0, 0.1, selection="approx")
+    exact = mgup.mgup_mask(u, g, 0.25, 2.0, 0.1)
+    realised = float(jnp.mean(phi == 2.0))
+    assert abs(realised - 0.25) < 0.01
+    assert float(jnp.mean(phi == exact)) > 0.98  # it disagrees only near the threshold
+
+
+def test_zero_gradients_and_bf16_parameters():
+    params = {"w": jnp.ones((4, 6), jnp.bfloat16), "b": jnp.zeros((3,), jnp.bfloat16)}
+    for tx in (mgup.mgup_adamw(1e-2), mgup.mgup_lion(1e-2), mgup.cautious_mgup_adamw(1e-2), mgup.cautious_adamw()):
+        state = tx.init(params)
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        updates, state = jax.jit(tx.update)(zeros, state, params)
+        for u in jax.tree.leaves(updates):
+            assert u.dtype == jnp.bfloat16 and not jnp.any(u)  # zero gradient, no decay: no step
+        grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.5, p.dtype), params)
+        updates, _ = jax.jit(tx.update)(grads, state, params)
+        assert all(u.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(u.astype(jnp.float32))))
+                   for u in jax.tree.leaves(updates))
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError, match="mask_ratio = 1.5"):
+        mgup.mgup_adamw(mask_ratio=1.5)
+    with pytest.raises(ValueError, match="gamma = 0"):
+        mgup.mgup_lion(gamma=0.0)
+    with pytest.raises(ValueError, match="selection = 'fast'"):
+        mgup.mgup_adamw(selection="fast")
+    assert mgup.paper_defaults(0.25) == {"mask_ratio": 0.25, "alpha": 4.0, "gamma": 0.25}
+    with pytest.raises(ValueError, match="needs the raw gradient"):
+        tx = mgup.scale_by_mgup()
+        tx.update({"a": jnp.ones(3)}, tx.init({"a": jnp.ones(3)}))
+
+
+def _np_newton_schulz(g, steps):
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g.T if g.shape[0] > g.shape[1] else g
+    x = x / (np.linalg.norm(x) + 1e-7)
+    for _ in range(steps):
+        s = x @ x.T
+        x = a * x + (b * s + c * s @ s) @ x
+    return x.T if g.shape[0] > g.shape[1] else x
+
+
+class NumpyMGUPMuon:
+    """The spec's Muon branch (2-D) or its AdamW backup branch, float64."""
+
+    def __init__(self, lr, wd, mu, nesterov, steps, tau, alpha, gamma, muon, b1=0.95, b2=0.95, eps=1e-8):
+        self.__dict__.update(lr=lr, wd=wd, mu=mu, nesterov=nesterov, steps=steps, tau=tau, alpha=alpha, gamma=gamma,
+                             muon=muon, b1=b1, b2=b2, eps=eps)
+        self.buf = self.m = self.v = None
+        self.t = 0
+
+    def step(self, p, g):
+        if not self.muon:
+            if self.m is None:
+                self.m, self.v = np.zeros_like(p), np.zeros_like(p)
+            self.t += 1
+            self.m = self.b1 * self.m + (1 - self.b1) * g
+            self.v = self.b2 * self.v + (1 - self.b2) * g * g
+            scale = (1 - self.b1 ** self.t) / np.sqrt(1 - self.b2 ** self.t)
+            return p * (1 - self.lr * self.wd) - self.lr / scale * self.m / (self.eps + np.sqrt(self.v))
+        if self.buf is None:
+            self.buf = np.zeros_like(p)
+        self.buf = self.mu * self.buf + g
+        g_hat = g + self.mu * self.buf if self.nesterov else self.buf
+        phi = _np_mask(g_hat, g, self.tau, self.alpha, self.gamma)
+        o = _np_newton_schulz(g_hat, self.steps)
+        return p * (1 - self.lr * self.wd) - self.lr * 0.2 * np.sqrt(max(p.shape)) * o * phi
+
+
+MUON_SHAPES = {"wide": (4, 9), "tall": (10, 3), "embedding": (12, 4), "bias": (5,), "lm_head": (4, 12)}
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_matches_float64_reference(nesterov):
+    from optim import muon
+
+    lr, wd, tau, alpha, gamma = 2e-2, 0.1, 0.5, 2.0, 0.1
+    rng = np.random.default_rng(int(nesterov))
+    with jax.enable_x64(True):
+        tx = muon.mgup_muon(lr, weight_decay=wd, nesterov=nesterov, mask_ratio=tau, alpha=alpha, gamma=gamma,
+                            ns_dtype=jnp.float64)
+        params = {k: rng.normal(size=s) for k, s in MUON_SHAPES.items()}
+        refs = {k: NumpyMGUPMuon(lr, wd, 0.95, nesterov, 5, tau, alpha, gamma, muon=k in ("wide", "tall"))
+                for k in MUON_SHAPES}
+        p = {k: jnp.asarray(v) for k, v in params.items()}
+        state, update = tx.init(p), jax.jit(tx.update)
+        for _ in range(STEPS):
+            grads = {k: rng.normal(size=s) for k, s in MUON_SHAPES.items()}
+            updates, state = update({k: jnp.asarray(v) for k, v in grads.items()}, state, p)
+            p = optax.apply_updates(p, updates)
+            params = {k: refs[k].step(params[k], grads[k]) for k in MUON_SHAPES}
+        for k in MUON_SHAPES:
+            np.testing.assert_allclose(np.asarray(p[k]), params[k], rtol=1e-6, atol=1e-12, err_msg=k)
+    assert muon.default_muon_labels(params) == {"wide": "muon", "tall": "muon", "embedding": "adam", "bias": "adam",
+                                                "lm_head": "adam"}
+
+
+def test_newton_schulz_orthogonalises_and_muon_rejects_non_matrices():
+    from optim import muon
+
+    g = jnp.asarray(np.random.default_rng(3).normal(size=(16, 40)), jnp.float32)
+    s = np.linalg.svd(np.asarray(muon.newton_schulz(g, 5)), compute_uv=False)
+    assert 0.5 < s.min() and s.max() < 1.5  # the quintic's known band, not exactly 1
+    tx = muon.mgup_muon(labels=lambda p: {"w": "muon"})
+    with pytest.raises(ValueError, match="labelled 'muon' but Muon takes 2-D"):
+        tx.init({"w": jnp.ones((2, 3, 4))})
+
+
+@pytest.mark.parametrize("name", ["cautious_adamw", "mgup_adamw", "cautious_mgup_adamw", "lion", "mgup_lion", "muon",
+                                  "mgup_muon"])
+def test_every_optimizer_is_selectable_from_the_config(name):
+    """optim.name picks the optimizer for any experiment; a few steps of the tiny MoE model train with it."""
+    from core import train as train_lib
+    from experiments import build
+    from moe_reference import tiny_moe_transformer
+
+    config = build.default_config()
+    config.optim.update(name=name, learning_rate=3e-3, warmup_steps=0)
+    build.validate(config)
+    optimizer = build.build_optimizer(config)
+    model = tiny_moe_transformer()
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    state = train_lib.TrainState(jnp.zeros((), jnp.int32), params, rest, optimizer.init(params), jax.random.key(0))
+    step = jax.jit(train_lib.train_step_fn(graphdef, optimizer))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(4, 17)), jnp.int32)
+    losses = []
+    for _ in range(4):
+        state, metrics = step(state, tokens)
+        losses.append(float(metrics["loss"]))
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("make", [lambda: mgup.mgup_adamw(1e-2, weight_decay=0.1), lambda: mgup.mgup_lion(1e-3),
+                                  lambda: __import__("optim").mgup_muon(1e-2),
+                                  lambda: mgup.mgup_adamw(1e-2, selection="approx")])
+def test_sharded_parameters_keep_their_sharding_and_match_one_device(make):
+    """8 virtual devices: parameters sharded by rows / columns; the state mirrors their sharding and three steps
+    give the single-device values."""
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))  # as core.mesh builds them
+    specs = {"w": jax.sharding.PartitionSpec("x", None), "v": jax.sharding.PartitionSpec("x"),
+             "u": jax.sharding.PartitionSpec(None, "x")}
+    rng = np.random.default_rng(5)
+    host = {"w": rng.normal(size=(16, 24)), "v": rng.normal(size=(40,)), "u": rng.normal(size=(6, 32))}
+    grads = [{k: rng.normal(size=v.shape) for k, v in host.items()} for _ in range(3)]
+    results = []
+    for sharded in (False, True):
+        tx = make()
+        put = (lambda k, x: jax.device_put(jnp.asarray(x, jnp.float32), jax.sharding.NamedSharding(mesh, specs[k]))
+               ) if sharded else (lambda k, x: jnp.asarray(x, jnp.float32))
+        params = {k: put(k, v) for k, v in host.items()}
+        state = tx.init(params)
+        if sharded:
+            for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+                name = next((k for k in host if f"'{k}'" in jax.tree_util.keystr(path)), None)
+                if name is not None and leaf.shape == host[name].shape:
+                    assert leaf.sharding.is_equivalent_to(params[name].sharding, leaf.ndim), jax.tree_util.keystr(path)
+        update = jax.jit(tx.update)
+        for g in grads:
+            updates, state = update({k: put(k, v) for k, v in g.items()}, state, params)
+            params = optax.apply_updates(params, updates)
+        results.append({k: np.asarray(v) for k, v in params.items()})
+        if sharded:
+            assert all(params[k].sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, specs[k]), params[k].ndim)
+                       for k in host)
+    for k in host:
+        np.testing.assert_allclose(results[1][k], results[0][k], rtol=2e-5, atol=1e-6, err_msg=k)
