@@ -299,3 +299,27 @@ def test_sharded_parameters_keep_their_sharding_and_match_one_device(make):
                        for k in host)
     for k in host:
         np.testing.assert_allclose(results[1][k], results[0][k], rtol=2e-5, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("n, tau, kind", [(200_003, 0.5, "normal"), (50_000, 0.1, "cauchy"), (4_097, 0.9, "normal"),
+                                          (30_000, 0.5, "ties"), (3, 0.4, "normal"), (10_000, 0.5, "constant")])
+def test_counting_top_k_selects_exactly_the_k_largest(n, tau, kind):
+    """The sort-free exact selection against lax.top_k: the same set (ties: the first positions), heavy tails and
+    all-equal inputs included (the latter takes the fallback)."""
+    rng = np.random.default_rng(n)
+    x = {"normal": rng.normal(size=n), "cauchy": rng.standard_cauchy(size=n), "ties": rng.integers(0, 50, size=n),
+         "constant": np.ones(n)}[kind]
+    score = jnp.asarray(x, jnp.float32)
+    k = int(tau * n)
+    got = np.asarray(jax.jit(lambda s: mgup._top_k_mask(s, k))(score))
+    assert got.sum() == k
+    threshold = np.sort(np.asarray(score))[::-1][k - 1]
+    assert (np.asarray(score)[got] >= threshold).all() and (np.asarray(score)[~got] <= threshold).all()
+    if kind != "ties" and kind != "constant":
+        want = np.zeros(n, bool)
+        want[np.argsort(-np.asarray(score), kind="stable")[:k]] = True
+        np.testing.assert_array_equal(got, want)
+    else:  # ties at the threshold go to the first positions
+        equal = np.flatnonzero(np.asarray(score) == threshold)
+        taken = equal[got[equal]]
+        assert (taken == equal[:taken.size]).all()
