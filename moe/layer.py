@@ -230,9 +230,10 @@ class MoE(nnx.Module):
         mesh = self.shard.mesh
         token_axes = ()
         if mesh is not None:
-            batch = mesh_axes(logical_to_spec(("batch",), self.shard.rules, mesh)[0])
-            token_axes = tuple(a for a in batch + (() if self.ep_axis in batch or self.ep_axis is None
-                                                   else (self.ep_axis,)) if mesh.shape[a] > 1)
+            axes = mesh_axes(logical_to_spec(("batch",), self.shard.rules, mesh)[0])
+            if self.ep_axis is not None and self.ep_axis not in axes:
+                axes += (self.ep_axis,)
+            token_axes = tuple(a for a in axes if mesh.shape[a] > 1)
         if not token_axes and self.ep_axis is None:
             return local(x, *weights)
         n = x.shape[0]

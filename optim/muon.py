@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optim.mgup import _check as check_mgup
 from optim.mgup import _decay_and_lr, mgup_mask, scale_by_hf_adam, scale_by_mgup, with_mgup
 
 __all__ = ["NS_COEFFICIENTS", "newton_schulz", "scale_by_muon", "default_muon_labels", "mgup_muon"]
@@ -57,7 +58,7 @@ def scale_by_muon(momentum: float = 0.95, nesterov: bool = True, ns_steps: int =
                   ns_dtype=jnp.float32) -> optax.GradientTransformation:
     """The Muon direction 0.2 sqrt(max(rows, cols)) NS5(G_hat) x phi of every (2-D) leaf; phi = 1 if not `mgup`."""
     if mgup:
-        scale_by_mgup(mask_ratio, alpha, gamma, selection=selection)  # validates the arguments
+        check_mgup(mask_ratio, alpha, gamma, selection)
 
     def init(params):
         return MuonState(jax.tree.map(lambda p: jnp.zeros_like(p, jnp.promote_types(p.dtype, jnp.float32)), params))

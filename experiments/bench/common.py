@@ -48,6 +48,11 @@ def machine() -> dict:
                      if device.platform == "cpu" else "")}
 
 
+def describe(m: dict) -> str:
+    """One line for a results table: the device, its platform and cores, and the CPU-run note."""
+    return f"{m['device']} ({m['platform']}, {m['cpu_count']} cores). {m['note']}".rstrip()
+
+
 def write_results(out_dir: str, name: str, result: dict, markdown: Callable[[dict], str]) -> None:
     """Writes `<out_dir>/<name>.json` and `<name>.md` (the table `markdown(result)`), and prints the table."""
     os.makedirs(out_dir, exist_ok=True)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from experiments.bench.common import interleaved_medians, machine, write_results
+from experiments.bench.common import describe, interleaved_medians, machine, write_results
 from optim import cautious_adamw, cautious_mgup_adamw, mgup_adamw, mgup_lion, mgup_muon
 
 GOALS = {"mgup_adamw": 1.25, "mgup_adamw_approx": 1.10}
@@ -38,11 +38,7 @@ def transformer_pytree(d: int, layers: int, seed: int = 0) -> dict:
 
 def optimizers() -> dict[str, tuple[str, optax.GradientTransformation]]:
     """name -> (base it is compared with, transformation)."""
-    muon_labels = lambda p: jax.tree_util.tree_map_with_path(  # noqa: E731
-        lambda path, x: "muon" if x.ndim == 2 and "embedding" not in jax.tree_util.keystr(path) else "adam", p)
-    contrib_muon = optax.contrib.muon(1e-3, weight_decay=0.1, adam_weight_decay=0.1,
-                                      muon_weight_dimension_numbers=None) if hasattr(optax, "contrib") else None
-    table = {
+    return {
         "adamw": ("adamw", optax.adamw(1e-3, weight_decay=0.1)),
         "mgup_adamw": ("adamw", mgup_adamw(1e-3, weight_decay=0.1)),
         "mgup_adamw_approx": ("adamw", mgup_adamw(1e-3, weight_decay=0.1, selection="approx")),
@@ -51,15 +47,10 @@ def optimizers() -> dict[str, tuple[str, optax.GradientTransformation]]:
         "lion": ("lion", optax.lion(1e-4, weight_decay=0.1)),
         "mgup_lion": ("lion", mgup_lion(1e-4, weight_decay=0.1)),
         "mgup_lion_approx": ("lion", mgup_lion(1e-4, weight_decay=0.1, selection="approx")),
-        "muon_ours": ("muon", mgup_muon(1e-3, mgup=False, labels=muon_labels)),
-        "mgup_muon": ("muon", mgup_muon(1e-3, labels=muon_labels)),
+        "muon_ours": ("muon", mgup_muon(1e-3, mgup=False)),
+        "mgup_muon": ("muon", mgup_muon(1e-3)),
+        "muon": ("muon", optax.contrib.muon(1e-3, weight_decay=0.1, adam_weight_decay=0.1)),
     }
-    if contrib_muon is not None:
-        table["muon"] = ("muon", contrib_muon)
-    else:
-        for name in ("muon_ours", "mgup_muon"):
-            table[name] = ("muon_ours", table[name][1])
-    return table
 
 
 def measure(d: int, layers: int, repeats: int) -> dict:
@@ -84,12 +75,10 @@ def measure(d: int, layers: int, repeats: int) -> dict:
 
 
 def markdown(result: dict) -> str:
-    m = result["machine"]
     lines = ["# Optimizer step time", "",
              f"`python -m experiments.bench.optim`: {result['params'] / 1e6:.1f}M float32 parameters "
              f"(transformer-shaped, d_model {result['d_model']}, {result['layers']} layers), jitted update + apply, "
-             f"median of {result['repeats']} interleaved rounds; {m['device']} ({m['platform']}, {m['cpu_count']} "
-             f"cores). {m['note']}", "", "| optimizer | base | step (ms) | / base | goal |", "|---|---|---|---|---|"]
+             f"median of {result['repeats']} interleaved rounds; {describe(result['machine'])}", "", "| optimizer | base | step (ms) | / base | goal |", "|---|---|---|---|---|"]
     for r in result["rows"]:
         goal = "" if r["goal"] is None else f"<= {r['goal']:.2f} ({'met' if r['ratio'] <= r['goal'] else 'missed'})"
         lines.append(f"| {r['optimizer']} | {r['base']} | {1e3 * r['seconds']:.1f} | {r['ratio']:.2f}x | {goal} |")

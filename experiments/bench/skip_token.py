@@ -19,11 +19,10 @@ import os
 
 import jax
 import numpy as np
-from flax import nnx
 
 from core import train as train_lib
 from experiments import build
-from experiments.bench.common import interleaved_medians, machine, write_results
+from experiments.bench.common import describe, interleaved_medians, machine, write_results
 
 
 def _config(experts: int, top_k: int, layers: int, seq: int, batch: int):
@@ -60,12 +59,11 @@ def measure(experts: int, top_k: int, layers: int, seq: int, batch: int, ghosts:
 
 
 def markdown(result: dict) -> str:
-    m = result["machine"]
     lines = ["# Skip-token throughput", "",
              f"`python -m experiments.bench.skip_token`: {result['layers']}-layer MoE transformer, d_model 512, "
              f"{result['experts']} experts of size 128, top-{result['top_k']}, sigmoid router; train step (forward, "
              f"backward, AdamW) on {result['batch']} x {result['seq_len']} tokens, median of {result['repeats']} "
-             f"interleaved repeats; {m['device']} ({m['platform']}, {m['cpu_count']} cores). {m['note']}", "",
+             f"interleaved repeats; {describe(result['machine'])}", "",
              "| ghost experts | resident | ghost fraction (ideal) | step (ms) | tokens/s | speedup |",
              "|---|---|---|---|---|---|"]
     for r in result["rows"]:

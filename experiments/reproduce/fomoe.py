@@ -26,6 +26,8 @@ import subprocess
 import sys
 import time
 
+from moe import system_model as sm
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "experiments", "configs", "fomoe.py")
 PARTS = ("table", "throughput", "system")
@@ -80,8 +82,6 @@ def train(run: dict, steps: int, out: str) -> dict:
 def row(run: dict, summary: dict, steps: int, tokens_per_step: int) -> dict:
     """One table row: quality, and the bytes each site sent over the run (measured and by formula)."""
     if run["outer"] == "ddp":
-        from moe import system_model as sm
-
         per_step = summary["bytes_per_device_per_step"]
         measured = steps * per_step
         formula = steps * 2 * (run["sites"] - 1) / run["sites"] * 4 * summary["num_params"]  # fp32 gradients
