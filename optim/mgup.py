@@ -16,27 +16,29 @@ direction by phi, so MGUP composes with other optax transforms), `scale_by_hf_ad
 (the reference's un-masked directions). Presets: `mgup_adamw`, `cautious_mgup_adamw`, `mgup_lion`, `cautious_adamw`.
 `paper_defaults(mask_ratio)` gives the paper's alpha = 1/tau, gamma = tau.
 
-Selection: "exact" takes exactly k coordinates with `jax.lax.top_k` (ties in any order). "approx" finds a threshold
-from a strided sample of at most `APPROX_SAMPLE` products (one sort of the sample instead of a top-k over the
-tensor) and gives alpha to the products above it; its realised fraction is reported in the state
+Selection (optim/select.py; no sort of the tensor): "exact" takes exactly k coordinates, found by counting passes
+over the products' ordered integer keys (ties at the k-th value go to the first positions). "approx" takes the
+products at or above the exact k-th largest of a strided sample of `APPROX_SAMPLE` products, one counting pass
+cheaper per tensor than "exact" plus the search; its realised fraction is counted and reported in the state
 (`MGUPState.selected_fraction`, over all coordinates).
 """
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from optim.select import approx_threshold, count_at_least, ordered_keys, strided_sample, top_k_mask
+
 __all__ = ["SELECTIONS", "APPROX_SAMPLE", "paper_defaults", "mgup_mask", "MGUPState", "scale_by_mgup", "with_mgup",
            "scale_by_hf_adam", "scale_by_lion_direction", "scale_by_cautious", "mgup_adamw", "cautious_mgup_adamw",
            "mgup_lion", "cautious_adamw"]
 
 SELECTIONS = ("exact", "approx", "sign")
-APPROX_SAMPLE = 65_536
+APPROX_SAMPLE = 4096
 
 
 def paper_defaults(mask_ratio: float = 0.5) -> dict[str, float]:
@@ -68,74 +70,39 @@ def mgup_mask(update: jax.Array, grad: jax.Array, mask_ratio: float, alpha: floa
     selection: "exact" (top-k), "approx" (threshold from a sample) or "sign" (alpha where update * grad >= 0:
     Cautious-MGUP; `mask_ratio` unused). Returns phi in float32 (float64 for float64 updates), update's shape.
     """
-    _check(mask_ratio, alpha, gamma, selection)
-    dtype = jnp.promote_types(update.dtype, jnp.float32)
-    score = (update.astype(dtype) * grad.astype(dtype)).ravel()
+    return jnp.where(_chosen(update, grad, mask_ratio, selection)[0], alpha, gamma).astype(_score_dtype(update))
+
+
+def _score_dtype(update: jax.Array):
+    return jnp.promote_types(update.dtype, jnp.float32)
+
+
+def _chosen(update: jax.Array, grad: jax.Array, mask_ratio: float, selection: str,
+            samples=None) -> tuple[jax.Array, jax.Array]:
+    """(the coordinates that get alpha: bool, update's shape; their fraction, exact or estimated). `samples`:
+    for "approx", ((update, grad) at strided_sample, (update, grad) at strided_sample(second=True)); by default
+    sliced from `update` and `grad`."""
+    _check(mask_ratio, 1.0, 1.0, selection)
+    dtype = _score_dtype(update)
+    product = lambda u, g: u.astype(dtype) * g.astype(dtype)  # noqa: E731
+    score = product(update, grad)
     if selection == "sign":
-        return jnp.where(score >= 0, alpha, gamma).astype(dtype).reshape(update.shape)
+        chosen = score >= 0
+        return chosen, count_at_least(chosen, [jnp.bool_(True)])[0] / max(score.size, 1)
     k = int(mask_ratio * score.size)
-    if k == 0:
-        return jnp.full(update.shape, gamma, dtype)
-    if selection == "exact":
-        chosen = _top_k_mask(score, k)
-    else:
-        stride = max(1, score.size // APPROX_SAMPLE)
-        sample = jnp.sort(score[::stride])
-        chosen = score >= sample[min(sample.size - 1, int(round((1.0 - mask_ratio) * sample.size)))]
-    phi = jnp.where(chosen, alpha, gamma).astype(dtype)
-    return phi.reshape(update.shape)
-
-
-_BRACKET_SAMPLE, _BISECTIONS, _BAND = 4096, 14, 256
-
-
-def _top_k_mask(score: jax.Array, k: int) -> jax.Array:
-    """[n] bool: exactly the k largest entries of a 1-D score (ties broken by position), without a full sort.
-
-    XLA:CPU's top_k of half a tensor costs a full sort (0.4 s for 1.6M floats). Instead: bracket the k-th largest
-    value between two quantiles of a strided sample, narrow the bracket with counting passes (value bisection, one
-    fused compare-and-sum each), take the few values left in it with a small top_k, and threshold. If the bracket
-    misses (it cannot on the sample's guarantees) or keeps more than `_BAND` values, a full top_k decides instead.
-    """
-    n = score.size
-    if k >= n:
-        return jnp.ones(score.shape, bool)
-    stride = max(1, n // _BRACKET_SAMPLE)
-    sample = jnp.sort(score[::stride])
-    m, q = sample.size, 1.0 - k / n
-    margin = 4.0 * (q * (1.0 - q) / m) ** 0.5 + 2.0 / m
-    lo = jnp.min(score) if q - margin <= 0 else sample[int((q - margin) * m)]
-    hi = jnp.nextafter(jnp.max(score), jnp.inf) if q + margin >= 1 else sample[min(m - 1, math.ceil((q + margin) * m))]
-    count = lambda t: jnp.sum(score >= t)  # noqa: E731
-
-    def narrow(_, bracket):
-        lo, hi = bracket
-        mid = lo + (hi - lo) / 2
-        above = count(mid) >= k
-        return jnp.where(above, mid, lo), jnp.where(above, hi, mid)
-
-    ok = (count(lo) >= k) & (count(hi) < k)
-    lo, hi = jax.lax.fori_loop(0, _BISECTIONS, narrow, (lo, hi))
-    in_band = (score >= lo) & (score < hi)
-    ok = ok & (jnp.sum(in_band) <= _BAND)
-
-    def threshold(_):
-        band = jax.lax.top_k(jnp.where(in_band, score, -jnp.inf), min(_BAND, n))[0]  # descending
-        t = band[jnp.clip(k - count(hi) - 1, 0, band.size - 1)]  # the k-th largest value
-        greater, equal = score > t, score == t
-        need = k - jnp.sum(greater)
-        return jax.lax.cond(jnp.sum(equal) == need, lambda: greater | equal,
-                            lambda: greater | (equal & (jnp.cumsum(equal) <= need)))
-
-    def full(_):
-        return jnp.zeros(score.shape, bool).at[jax.lax.top_k(score, k)[1]].set(True)
-
-    return jax.lax.cond(ok, threshold, full, None)
+    if selection == "exact" or k in (0, score.size):
+        return top_k_mask(score, k), jnp.asarray(k / max(score.size, 1), jnp.float32)
+    if samples is None:
+        samples = [(strided_sample(update, APPROX_SAMPLE, second=b), strided_sample(grad, APPROX_SAMPLE, second=b))
+                   for b in (False, True)]
+    t, fraction = approx_threshold(product(*samples[0]), product(*samples[1]), mask_ratio)
+    return ordered_keys(score) >= t, fraction
 
 
 class MGUPState(NamedTuple):
-    """selected_fraction: the share of all coordinates that got alpha at the last step (exactly
-    sum int(tau n) / sum n with "exact"; what the threshold realised with "approx")."""
+    """selected_fraction: the share of all coordinates that got alpha at the last step: sum int(tau n) / sum n with
+    "exact", counted with "sign", and with "approx" an unbiased estimate from a second strided sample per tensor
+    (disjoint from the one that set the threshold; standard error about 0.5 / sqrt(APPROX_SAMPLE) per tensor)."""
 
     selected_fraction: jax.Array
 
@@ -146,7 +113,8 @@ def scale_by_mgup(mask_ratio: float = 0.5, alpha: float = 2.0, gamma: float = 0.
 
     The gradient reaches it through the extra argument `grad=` (pass it from a wrapper, or use `with_mgup`), so
     it composes after any scaler: `optax.chain(scale_by_hf_adam(), ...)` is not enough on its own because a
-    chain's later links only see the previous link's output. Presets below wire it up.
+    chain's later links only see the previous link's output. Presets below wire it up. The optional `samples=`
+    gives "approx" its two strided samples of (direction, gradient) computed elsewhere (see `with_mgup`).
     """
     _check(mask_ratio, alpha, gamma, selection)
 
@@ -154,32 +122,50 @@ def scale_by_mgup(mask_ratio: float = 0.5, alpha: float = 2.0, gamma: float = 0.
         del params
         return MGUPState(jnp.zeros((), jnp.float32))
 
-    def update(updates, state, params=None, *, grad=None, **extra):
+    def update(updates, state, params=None, *, grad=None, samples=None, **extra):
         del params, extra
         if grad is None:
             raise ValueError("scale_by_mgup needs the raw gradient: call update(..., grad=grads) or use with_mgup.")
-        phis = jax.tree.map(lambda u, g: mgup_mask(u, g, mask_ratio, alpha, gamma, selection=selection), updates,
-                            grad)
-        out = jax.tree.map(lambda u, phi: (u * phi).astype(u.dtype), updates, phis)
-        leaves = jax.tree.leaves(phis)
-        total = sum(x.size for x in leaves)
-        chosen = sum(jnp.sum(x == alpha) for x in leaves) if leaves else jnp.zeros(())
-        return out, MGUPState(jnp.asarray(chosen / max(total, 1), jnp.float32))
+        leaves, treedef = jax.tree.flatten(updates)
+        grads = treedef.flatten_up_to(grad)
+        per_leaf = [None] * len(leaves)
+        if samples is not None:  # [(direction, grad) trees at strided_sample, the same at the second sample]
+            (ua, ga), (ub, gb) = [(treedef.flatten_up_to(u), treedef.flatten_up_to(g)) for u, g in samples]
+            per_leaf = [((a, b), (c, d)) for a, b, c, d in zip(ua, ga, ub, gb)]
+        pairs = [_chosen(u, g, mask_ratio, selection, s) for u, g, s in zip(leaves, grads, per_leaf)]
+        out = [(u * jnp.where(c, alpha, gamma).astype(_score_dtype(u))).astype(u.dtype) for u, (c, _) in zip(leaves, pairs)]
+        total = max(sum(u.size for u in leaves), 1)
+        fraction = sum(f * (u.size / total) for u, (_, f) in zip(leaves, pairs))
+        return treedef.unflatten(out), MGUPState(jnp.asarray(fraction, jnp.float32))
 
     return optax.GradientTransformationExtraArgs(init, update)
 
 
 def with_mgup(inner: optax.GradientTransformation, mask: optax.GradientTransformationExtraArgs,
-              *after: optax.GradientTransformation) -> optax.GradientTransformation:
-    """`inner` (a direction), then `mask` given the raw gradient, then `after` (weight decay, learning rate)."""
+              *after: optax.GradientTransformation, elementwise_inner: bool = False) -> optax.GradientTransformation:
+    """`inner` (a direction), then `mask` given the raw gradient, then `after` (weight decay, learning rate).
+
+    elementwise_inner: the inner direction of a coordinate depends only on that coordinate's gradient and state
+    (Adam, Lion). Then the approximate selection's samples of the direction come from `inner` run on the strided
+    samples of the gradient and state, not from the full direction, which is left with a single consumer: XLA
+    fuses it into the parameter update instead of writing it to memory and reading it back (one pass less per
+    tensor on CPU). The exact selection ignores the samples (and jit drops them).
+    """
     tail = optax.chain(*after)
 
     def init(params):
         return (inner.init(params), mask.init(params), tail.init(params))
 
+    def sampled(grads, inner_state, second):
+        take = lambda x: strided_sample(x, APPROX_SAMPLE, second=second)  # noqa: E731
+        g = jax.tree.map(take, grads)
+        state = optax.tree_utils.tree_map_params(inner, take, inner_state, transform_non_params=lambda x: x)
+        return inner.update(g, state, None)[0], g
+
     def update(grads, state, params=None):
         direction, inner_state = inner.update(grads, state[0], params)
-        masked, mask_state = mask.update(direction, state[1], params, grad=grads)
+        samples = [sampled(grads, state[0], b) for b in (False, True)] if elementwise_inner else None
+        masked, mask_state = mask.update(direction, state[1], params, grad=grads, samples=samples)
         out, tail_state = tail.update(masked, state[2], params)
         return out, (inner_state, mask_state, tail_state)
 
@@ -209,7 +195,9 @@ def scale_by_hf_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6) -> o
 
         def direction(m, v, g):
             t = count.astype(m.dtype)
-            return (jnp.sqrt(1 - b2 ** t) / (1 - b1 ** t) * m / (jnp.sqrt(v) + eps)).astype(g.dtype)
+            # m * (1 / (...)) rather than m / (...): XLA:CPU will not fuse a divide into a consumer that reads the
+            # direction twice (the MGUP mask and the step), and would write the direction to memory instead.
+            return (jnp.sqrt(1 - b2 ** t) / (1 - b1 ** t) * m * (1 / (jnp.sqrt(v) + eps))).astype(g.dtype)
 
         out = jax.tree.map(direction, mu, nu, grads)
         return out, HFAdamState(count, mu, nu)
@@ -247,8 +235,9 @@ def scale_by_cautious() -> optax.GradientTransformationExtraArgs:
             raise ValueError("scale_by_cautious needs the raw gradient: call update(..., grad=grads).")
 
         def one(u, g):
-            keep = (u.astype(jnp.float32) * g.astype(jnp.float32) > 0).astype(jnp.float32)
-            return (u * keep / jnp.maximum(jnp.mean(keep), 1e-3)).astype(u.dtype)
+            keep = u.astype(jnp.float32) * g.astype(jnp.float32) > 0
+            share = count_at_least(keep, [jnp.bool_(True)])[0] / max(keep.size, 1)
+            return (u * keep.astype(jnp.float32) / jnp.maximum(share, 1e-3)).astype(u.dtype)
 
         return jax.tree.map(one, updates, grad), state
 
@@ -268,7 +257,7 @@ def mgup_adamw(learning_rate: float | optax.Schedule = 1e-3, b1: float = 0.9, b2
     """MGUP-AdamW (reference MGUP_AdamW.py): HF-style AdamW whose direction u is multiplied by the MGUP mask of
     u * g per tensor. `weight_decay_mask`: which leaves decay (optax.add_decayed_weights' mask; default all)."""
     return with_mgup(scale_by_hf_adam(b1, b2, eps), scale_by_mgup(mask_ratio, alpha, gamma, selection=selection),
-                     *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask))
+                     *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask), elementwise_inner=True)
 
 
 def cautious_mgup_adamw(learning_rate: float | optax.Schedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
@@ -284,7 +273,7 @@ def mgup_lion(learning_rate: float | optax.Schedule = 1e-4, b1: float = 0.9, b2:
               selection: str = "exact", weight_decay_mask=None) -> optax.GradientTransformation:
     """MGUP-Lion (reference MGUP_Lion.py): Lion's sign direction c multiplied by the MGUP mask of c * g."""
     return with_mgup(scale_by_lion_direction(b1, b2), scale_by_mgup(mask_ratio, alpha, gamma, selection=selection),
-                     *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask))
+                     *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask), elementwise_inner=True)
 
 
 def cautious_adamw(learning_rate: float | optax.Schedule = 1e-3, b1: float = 0.9, b2: float = 0.999,

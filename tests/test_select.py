@@ -1,0 +1,66 @@
+"""The sort-free top-k behind MGUP's mask (optim/select.py) against NumPy and lax.top_k."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from optim import select
+
+
+def test_ordered_keys_sort_like_the_floats():
+    rng = np.random.default_rng(0)
+    special = [-np.inf, -3e38, -1.0, -1e-45, -0.0, 0.0, 1e-45, 1e-30, 1.0, 3e38, np.inf]
+    for dtype in (np.float32, np.float64):
+        with jax.enable_x64(dtype == np.float64):
+            x = np.concatenate([special, rng.standard_cauchy(2000) * 10.0 ** rng.integers(-30, 30, 2000)]).astype(dtype)
+            keys = np.asarray(select.ordered_keys(jnp.asarray(x)))
+            assert keys.dtype == {np.float32: np.uint32, np.float64: np.uint64}[dtype]
+            order = np.argsort(keys, kind="stable")
+            assert (np.diff(x[order]) >= 0).all()
+            assert keys[x == -0.0].min() < keys[x == 0.0].max()  # -0.0 just below +0.0
+
+
+def test_count_at_least_equals_numpy():
+    rng = np.random.default_rng(1)
+    keys = jnp.asarray(rng.integers(0, 1000, size=12_345), jnp.uint32)
+    for thresholds in ([500], [0, 999, 1000], list(rng.integers(0, 1000, size=6))):
+        got = jax.jit(lambda k: select.count_at_least(k, [jnp.uint32(t) for t in thresholds]))(keys)
+        assert [int(c) for c in got] == [int(np.sum(np.asarray(keys) >= t)) for t in thresholds]
+
+
+def _adversarial(n, rng):
+    """Large values only where a strided sample never looks: the sample's bracket misses, the search recovers."""
+    x = rng.normal(size=n) * 1e-3
+    stride = max(1, n // 4096)
+    off = np.ones(n, bool)
+    off[::stride] = False
+    x[off] += 10.0
+    return x
+
+
+@pytest.mark.parametrize("n, tau, kind", [(200_003, 0.5, "normal"), (50_000, 0.1, "cauchy"), (4_097, 0.9, "normal"),
+                                          (30_000, 0.5, "ties"), (3, 0.4, "normal"), (10_000, 0.5, "constant"),
+                                          (100_000, 0.97, "adversarial"), (20_000, 0.3, "float64")])
+def test_top_k_mask_selects_exactly_the_k_largest(n, tau, kind):
+    """The same set as a stable argsort (ties: the first positions), heavy tails, all-equal and adversarial inputs,
+    float64 (64-bit keys)."""
+    rng = np.random.default_rng(n)
+    x = {"normal": lambda: rng.normal(size=n), "cauchy": lambda: rng.standard_cauchy(size=n),
+         "ties": lambda: rng.integers(0, 50, size=n), "constant": lambda: np.ones(n),
+         "adversarial": lambda: _adversarial(n, rng), "float64": lambda: rng.normal(size=n) * 1e-200}[kind]()
+    with jax.enable_x64(kind == "float64"):
+        score = jnp.asarray(x, jnp.float64 if kind == "float64" else jnp.float32)
+        k = int(tau * n)
+        got = np.asarray(jax.jit(lambda s: select.top_k_mask(s, k))(score))
+    s = np.asarray(score)
+    want = np.zeros(n, bool)
+    want[np.argsort(-s, kind="stable")[:k]] = True  # stable: ties at the k-th value go to the first positions
+    np.testing.assert_array_equal(got, want)
+
+
+def test_top_k_mask_keeps_shape_and_edge_k():
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(7, 5)), jnp.float32)
+    assert not select.top_k_mask(x, 0).any() and select.top_k_mask(x, 35).all()
+    got = np.asarray(select.top_k_mask(x, 3))
+    assert got.shape == (7, 5) and set(np.asarray(x)[got]) == set(np.sort(np.asarray(x).ravel())[-3:])
