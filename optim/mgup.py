@@ -25,6 +25,7 @@ cheaper per tensor than "exact" plus the search; its realised fraction is counte
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -70,39 +71,69 @@ def mgup_mask(update: jax.Array, grad: jax.Array, mask_ratio: float, alpha: floa
     selection: "exact" (top-k), "approx" (threshold from a sample) or "sign" (alpha where update * grad >= 0:
     Cautious-MGUP; `mask_ratio` unused). Returns phi in float32 (float64 for float64 updates), update's shape.
     """
-    return jnp.where(_chosen(update, grad, mask_ratio, selection)[0], alpha, gamma).astype(_score_dtype(update))
+    (chosen, _), = _select([update], [grad], mask_ratio, selection)
+    return jnp.where(chosen, alpha, gamma).astype(_score_dtype(update))
 
 
 def _score_dtype(update: jax.Array):
     return jnp.promote_types(update.dtype, jnp.float32)
 
 
-def _chosen(update: jax.Array, grad: jax.Array, mask_ratio: float, selection: str,
-            samples=None) -> tuple[jax.Array, jax.Array]:
-    """(the coordinates that get alpha: bool, update's shape; their fraction, exact or estimated). `samples`:
-    for "approx", ((update, grad) at strided_sample, (update, grad) at strided_sample(second=True)); by default
-    sliced from `update` and `grad`."""
+def _product(u: jax.Array, g: jax.Array, dtype) -> jax.Array:
+    return u.astype(dtype) * g.astype(dtype)
+
+
+def _select(updates: list[jax.Array], grads: list[jax.Array], mask_ratio: float, selection: str,
+            samples: list | None = None) -> list[tuple[jax.Array, jax.Array]]:
+    """Per tensor: (the coordinates that get alpha, bool of its shape; their fraction, exact or estimated).
+
+    "approx": tensors of more than 2 APPROX_SAMPLE entries get the threshold of their strided sample, all such
+    tensors in one batched search (per-tensor small searches would cost more on CPU than the pass over the tensor);
+    smaller ones are selected exactly. "sign" on such tensors reports the fraction of its second sample, not a
+    count (which would cost a pass over the tensor). `samples[i]`: ((direction, grad) at strided_sample, the same at the second
+    sample) of tensor i, computed elsewhere (see `with_mgup`); by default sliced from the tensors.
+    """
     _check(mask_ratio, 1.0, 1.0, selection)
-    dtype = _score_dtype(update)
-    product = lambda u, g: u.astype(dtype) * g.astype(dtype)  # noqa: E731
-    score = product(update, grad)
+    out: list = [None] * len(updates)
+    sampled = []
+    for i, (u, g) in enumerate(zip(updates, grads)):
+        score = _product(u, g, _score_dtype(u))
+        k = int(mask_ratio * score.size)
+        if score.size > 2 * APPROX_SAMPLE and (selection == "sign" or (selection == "approx" and 0 < k < score.size)):
+            sampled.append(i)
+        elif selection == "sign":
+            chosen = score >= 0
+            out[i] = chosen, count_at_least(chosen, [jnp.bool_(True)])[0] / max(score.size, 1)
+        else:
+            out[i] = top_k_mask(score, k), jnp.asarray(k / max(score.size, 1), jnp.float32)
+    if not sampled:
+        return out
+    dtype = functools.reduce(jnp.promote_types, [_score_dtype(updates[i]) for i in sampled])
+
+    def pair(i, second):
+        if samples is not None and samples[i] is not None:
+            u, g = samples[i][int(second)]
+        else:
+            u, g = (strided_sample(x, APPROX_SAMPLE, second=second) for x in (updates[i], grads[i]))
+        return _product(u, g, dtype)
+
+    first, second = (jnp.stack([pair(i, b) for i in sampled]) for b in (False, True))
     if selection == "sign":
-        chosen = score >= 0
-        return chosen, count_at_least(chosen, [jnp.bool_(True)])[0] / max(score.size, 1)
-    k = int(mask_ratio * score.size)
-    if selection == "exact" or k in (0, score.size):
-        return top_k_mask(score, k), jnp.asarray(k / max(score.size, 1), jnp.float32)
-    if samples is None:
-        samples = [(strided_sample(update, APPROX_SAMPLE, second=b), strided_sample(grad, APPROX_SAMPLE, second=b))
-                   for b in (False, True)]
-    t, fraction = approx_threshold(product(*samples[0]), product(*samples[1]), mask_ratio)
-    return ordered_keys(score) >= t, fraction
+        fractions = jnp.mean(second >= 0, axis=1, dtype=jnp.float32)
+        for j, i in enumerate(sampled):
+            out[i] = _product(updates[i], grads[i], dtype) >= 0, fractions[j]
+        return out
+    thresholds, fractions = jax.vmap(lambda a, b: approx_threshold(a, b, mask_ratio))(first, second)
+    for j, i in enumerate(sampled):
+        out[i] = ordered_keys(_product(updates[i], grads[i], dtype)) >= thresholds[j], fractions[j]
+    return out
 
 
 class MGUPState(NamedTuple):
     """selected_fraction: the share of all coordinates that got alpha at the last step: sum int(tau n) / sum n with
-    "exact", counted with "sign", and with "approx" an unbiased estimate from a second strided sample per tensor
-    (disjoint from the one that set the threshold; standard error about 0.5 / sqrt(APPROX_SAMPLE) per tensor)."""
+    "exact"; with "approx" and "sign", counted on tensors of at most 2 APPROX_SAMPLE entries and estimated on larger
+    ones from a strided sample (for "approx" disjoint from the one that set the threshold; unbiased, standard
+    error at most 0.5 / sqrt(APPROX_SAMPLE) per tensor)."""
 
     selected_fraction: jax.Array
 
@@ -128,11 +159,11 @@ def scale_by_mgup(mask_ratio: float = 0.5, alpha: float = 2.0, gamma: float = 0.
             raise ValueError("scale_by_mgup needs the raw gradient: call update(..., grad=grads) or use with_mgup.")
         leaves, treedef = jax.tree.flatten(updates)
         grads = treedef.flatten_up_to(grad)
-        per_leaf = [None] * len(leaves)
+        per_leaf = None
         if samples is not None:  # [(direction, grad) trees at strided_sample, the same at the second sample]
             (ua, ga), (ub, gb) = [(treedef.flatten_up_to(u), treedef.flatten_up_to(g)) for u, g in samples]
             per_leaf = [((a, b), (c, d)) for a, b, c, d in zip(ua, ga, ub, gb)]
-        pairs = [_chosen(u, g, mask_ratio, selection, s) for u, g, s in zip(leaves, grads, per_leaf)]
+        pairs = _select(leaves, grads, mask_ratio, selection, per_leaf)
         out = [(u * jnp.where(c, alpha, gamma).astype(_score_dtype(u))).astype(u.dtype) for u, (c, _) in zip(leaves, pairs)]
         total = max(sum(u.size for u in leaves), 1)
         fraction = sum(f * (u.size / total) for u, (_, f) in zip(leaves, pairs))
@@ -146,9 +177,9 @@ def with_mgup(inner: optax.GradientTransformation, mask: optax.GradientTransform
     """`inner` (a direction), then `mask` given the raw gradient, then `after` (weight decay, learning rate).
 
     elementwise_inner: the inner direction of a coordinate depends only on that coordinate's gradient and state
-    (Adam, Lion). Then the approximate selection's samples of the direction come from `inner` run on the strided
-    samples of the gradient and state, not from the full direction, which is left with a single consumer: XLA
-    fuses it into the parameter update instead of writing it to memory and reading it back (one pass less per
+    (Adam, Lion). Then the samples of the direction that "approx" and "sign" use come from `inner` run on the
+    strided samples of the gradient and state, not from the full direction, which is left with a single consumer:
+    XLA fuses it into the parameter update instead of writing it to memory and reading it back (one pass less per
     tensor on CPU). The exact selection ignores the samples (and jit drops them).
     """
     tail = optax.chain(*after)
@@ -265,7 +296,7 @@ def cautious_mgup_adamw(learning_rate: float | optax.Schedule = 1e-3, b1: float 
                         gamma: float = 0.1, *, weight_decay_mask=None) -> optax.GradientTransformation:
     """Cautious-MGUP-AdamW: alpha where u * g >= 0, gamma elsewhere (no top-k)."""
     return with_mgup(scale_by_hf_adam(b1, b2, eps), scale_by_mgup(0.5, alpha, gamma, selection="sign"),
-                     *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask))
+                     *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask), elementwise_inner=True)
 
 
 def mgup_lion(learning_rate: float | optax.Schedule = 1e-4, b1: float = 0.9, b2: float = 0.99,

@@ -133,10 +133,12 @@ def top_k_mask(score: jax.Array, k: int) -> jax.Array:
 
 
 def strided_sample(x: jax.Array, size: int, *, second: bool = False) -> jax.Array:
-    """About `size` entries of x (flattened) at a fixed stride; `second=True` takes the disjoint sample half a stride
-    further on (the same sample when x has at most `size` entries: then it is the whole tensor)."""
-    stride = max(1, x.size // size)
-    return x.ravel()[(stride // 2 if second else 0)::stride]
+    """`size` entries of x (flattened) at a fixed stride, or all of x if it has at most `size`; `second=True` takes
+    the disjoint sample half a stride further on."""
+    if x.size <= size:
+        return x.ravel()
+    stride = x.size // size
+    return x.ravel()[(stride // 2 if second else 0)::stride][:size]
 
 
 def approx_threshold(sample: jax.Array, check: jax.Array, fraction: float) -> tuple[jax.Array, jax.Array]:

@@ -140,6 +140,10 @@ def test_approx_selection_realises_about_the_fraction():
     tx = mgup.scale_by_mgup(0.25, 2.0, 0.1, selection="approx")
     _, state = tx.update({"w": u}, tx.init({"w": u}), grad={"w": g})
     assert abs(float(state.selected_fraction) - realised) < bound  # an estimate from a second sample
+    tx = mgup.scale_by_mgup(selection="sign")
+    _, state = tx.update({"w": u, "b": u[0]}, tx.init(None), grad={"w": g + 0.3, "b": g[0]})  # (b: counted)
+    aligned = (float(jnp.sum(u * (g + 0.3) >= 0)) + float(jnp.sum(u[0] * g[0] >= 0))) / (u.size + u.shape[1])
+    assert abs(float(state.selected_fraction) - aligned) < 4 * (0.25 / mgup.APPROX_SAMPLE) ** 0.5
 
 
 def test_zero_gradients_and_bf16_parameters():
