@@ -1,0 +1,66 @@
+"""Block-scaled fake quantisation: x -> the dequantised values of its 4-bit encoding (spec: ../shared/specs/ufp4.md).
+
+  e2m1 / e1m2 / int4  blocks of `block_size` (default 16) along `axis`, FP32 scale s = amax(block) / grid max;
+                      x_hat = s * round(x / s)
+  mxfp4 (OCP MX)      E2M1, blocks of 32, UE8M0 scale 2^(floor(log2 amax) - 2); x / s saturates at +-6
+  nvfp4 (NVIDIA)      E2M1, blocks of 16, E4M3 block scales under an FP32 tensor scale:
+                      s_enc = 6 * 448 / amax(tensor), s_b = e4m3(min(amax(block) / 6 * s_enc, 448)),
+                      x_hat = (s_b / s_enc) * round(x / (s_b / s_enc))
+A block whose amax is 0 encodes zeros. Arithmetic in float32; the result has x's dtype and shape.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from quant.grids import FORMATS, grid_max, round_to_grid
+
+__all__ = ["DEFAULT_BLOCK", "quantize", "block_scales"]
+
+DEFAULT_BLOCK = {"e2m1": 16, "e1m2": 16, "int4": 16, "mxfp4": 32, "nvfp4": 16}
+E4M3_MAX = 448.0
+
+
+def _blocks(x: jax.Array, axis: int, block: int) -> tuple[jax.Array, int]:
+    """x with `axis` moved last and split into [..., n / block, block]."""
+    axis = axis % x.ndim if x.ndim else 0
+    n = x.shape[axis] if x.ndim else 1
+    if block < 1 or n % block:
+        raise ValueError(f"quantize: length {n} of axis {axis} (shape {x.shape}) is not divisible by block_size = "
+                         f"{block}; pad the axis or pick a block size that divides it.")
+    moved = jnp.moveaxis(x, axis, -1)
+    return moved.reshape(*moved.shape[:-1], n // block, block), axis
+
+
+def block_scales(blocks: jax.Array, fmt: str) -> jax.Array:
+    """Per-block decode scales s ([..., n_blocks, 1], float32) so that blocks / s lies on the grid's range;
+    0 for a block that encodes zeros (amax 0, or an NVFP4 block scale that underflows E4M3)."""
+    amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+    if fmt == "mxfp4":
+        return jnp.where(amax > 0, jnp.exp2(jnp.floor(jnp.log2(jnp.where(amax > 0, amax, 1.0))) - 2), 0.0)
+    if fmt == "nvfp4":
+        t = jnp.max(amax)
+        s_enc = 6.0 * E4M3_MAX / jnp.where(t > 0, t, 1.0)
+        stored = jnp.minimum(amax / 6.0 * s_enc, E4M3_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+        return stored / s_enc
+    return amax / grid_max(fmt)
+
+
+def quantize(x: jax.Array, fmt: str, *, axis: int = -1, block_size: int | None = None, rounding: str = "nearest",
+             key: jax.Array | None = None) -> jax.Array:
+    """Fake-quantises x (any float dtype and shape) in blocks along `axis`; returns x's shape and dtype.
+
+    fmt in FORMATS; block_size defaults to DEFAULT_BLOCK[fmt]; rounding "nearest" (ties to even) or "stochastic"
+    (unbiased; needs key). Raises ValueError on an unknown fmt / rounding or an axis the block does not divide.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt = {fmt!r}; allowed: {list(FORMATS)}.")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"quantize: x has dtype {x.dtype}; a floating dtype is required.")
+    block = DEFAULT_BLOCK[fmt] if block_size is None else block_size
+    blocks, axis = _blocks(x.astype(jnp.float32), axis, block)
+    scale = block_scales(blocks, fmt)
+    q = round_to_grid(blocks / jnp.where(scale > 0, scale, 1.0), fmt, rounding=rounding, key=key) * scale
+    q = q.reshape(*q.shape[:-2], -1)
+    return jnp.moveaxis(q, -1, axis).astype(x.dtype) if x.ndim else q.reshape(()).astype(x.dtype)
