@@ -25,6 +25,9 @@ from moe.grouped_matmul import GroupedMatmulFn
 from moe.layer import MoE, MoEConfig
 from optim import cautious_adamw, cautious_mgup_adamw, mgup_adamw, mgup_lion, mgup_muon
 from optim import config as optim_config
+from quant import config as quant_config
+from quant import recipes as quant_recipes
+from quant.precision import QuantPrecision
 
 # name -> (learning-rate schedule, optim config) -> optax transformation (without clipping).
 OPTIMIZERS: dict[str, Callable[[optax.Schedule, ml_collections.ConfigDict], optax.GradientTransformation]] = {
@@ -54,6 +57,7 @@ def schema() -> config_lib.Schema:
     spec["optim"].update(optim_config.fields())
     spec["moe"] = moe_config.section()
     spec["fomoe"] = moe_config.fomoe_section()
+    spec["precision"] = quant_config.section()
     return spec
 
 
@@ -68,6 +72,10 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     sizes = None if num_devices is None else config_lib.mesh_shape(config, num_devices)
     moe_config.check(config, sizes)
     moe_config.check_fomoe(config, sizes)
+    if config.precision.last_blocks_high_precision > config.model.num_layers:
+        raise config_lib.ConfigError(
+            f"config key 'precision.last_blocks_high_precision' = {config.precision.last_blocks_high_precision} "
+            f"exceeds model.num_layers = {config.model.num_layers}.")
 
 
 def decay_mask(params):
@@ -93,7 +101,7 @@ def build_model_fn(config: ml_collections.ConfigDict, sharder: mesh_lib.Sharder,
     ids) and `routing_mode` build one FoMoE site's view (moe.layer.MoE); the default hosts every expert."""
     cfg = model_lib.TransformerConfig.from_config(config.model)
     moe = MoEConfig.from_config(config.moe)
-    precision = model_lib.DefaultPrecision(grouped=GroupedMatmulFn(moe.grouped_matmul))
+    precision = build_precision(config, GroupedMatmulFn(moe.grouped_matmul))
 
     def ffn_factory(layer: int, path: str, rngs: nnx.Rngs) -> nnx.Module:
         if moe.is_moe_layer(layer):
@@ -103,6 +111,16 @@ def build_model_fn(config: ml_collections.ConfigDict, sharder: mesh_lib.Sharder,
 
     return lambda rngs: model_lib.Transformer(cfg, rngs=rngs, precision=precision, ffn_factory=ffn_factory,
                                               shard=sharder)
+
+
+def build_precision(config: ml_collections.ConfigDict, grouped: Callable) -> model_lib.Precision:
+    """The matmul-precision slot: the default (lax.dot_general, `grouped` for experts) or a quant recipe."""
+    p = config.precision
+    if p.recipe == "bf16":
+        return model_lib.DefaultPrecision(grouped=grouped)
+    recipe = dataclasses.replace(quant_recipes.get(p.recipe), last_blocks_high_precision=p.last_blocks_high_precision,
+                                 fresh_signs=p.fresh_signs)
+    return QuantPrecision(recipe, num_layers=config.model.num_layers, grouped=grouped)
 
 
 def build_mesh(config: ml_collections.ConfigDict) -> tuple[jax.sharding.Mesh, mesh_lib.Sharder]:

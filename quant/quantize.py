@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from quant.grids import FORMATS, grid_max, round_to_grid
 
-__all__ = ["DEFAULT_BLOCK", "quantize", "block_scales"]
+__all__ = ["DEFAULT_BLOCK", "quantize", "quantize_tiles", "block_scales"]
 
 DEFAULT_BLOCK = {"e2m1": 16, "e1m2": 16, "int4": 16, "mxfp4": 32, "nvfp4": 16}
 E4M3_MAX = 448.0
@@ -64,3 +64,21 @@ def quantize(x: jax.Array, fmt: str, *, axis: int = -1, block_size: int | None =
     q = round_to_grid(blocks / jnp.where(scale > 0, scale, 1.0), fmt, rounding=rounding, key=key) * scale
     q = q.reshape(*q.shape[:-2], -1)
     return jnp.moveaxis(q, -1, axis).astype(x.dtype) if x.ndim else q.reshape(()).astype(x.dtype)
+
+
+def quantize_tiles(w: jax.Array, fmt: str, *, tile: int = 16) -> jax.Array:
+    """Fake-quantises the last two axes of w ([..., K, N]) in tile x tile blocks (one scale per tile: NVFP4's 2-D
+    weight scaling, so that w^T is quantised identically); the last two axes are zero-padded to whole tiles for
+    the scales and cropped back. Nearest rounding; w's shape and dtype."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt = {fmt!r}; allowed: {list(FORMATS)}.")
+    k, n = w.shape[-2:]
+    pk, pn = -k % tile, -n % tile
+    x = jnp.pad(w.astype(jnp.float32), [(0, 0)] * (w.ndim - 2) + [(0, pk), (0, pn)])
+    lead = x.shape[:-2]
+    kt, nt = x.shape[-2] // tile, x.shape[-1] // tile
+    blocks = jnp.swapaxes(x.reshape(*lead, kt, tile, nt, tile), -3, -2).reshape(*lead, kt, nt, tile * tile)
+    scale = block_scales(blocks, fmt)
+    q = round_to_grid(blocks / jnp.where(scale > 0, scale, 1.0), fmt) * scale
+    q = jnp.swapaxes(q.reshape(*lead, kt, nt, tile, tile), -3, -2).reshape(x.shape)
+    return q[..., :k, :n].astype(w.dtype)

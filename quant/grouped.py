@@ -1,0 +1,92 @@
+"""4-bit training GEMMs for MoE experts: a custom grouped matmul with `jax.lax.ragged_dot`'s signature.
+
+lhs [m, k] holds the tokens sorted by group (expert), group_sizes [g] how many each group has; rhs [g, k, n].
+  fprop  y  = Q(R x) Q(R w_g)            along k
+  dgrad  dx = Q(R dy) Q(R w_g)^T         along n      (dy stochastic if the recipe says so)
+  wgrad  dw_g = sum over the group's tokens Q(R x)^T Q(R dy)   along tokens
+The token blocks of wgrad must not straddle two groups (a scale or a rotation shared by two experts' tokens would
+mix their products), so wgrad scatters the rows into a layout where every group starts on a block boundary (at
+most g (block - 1) zero rows more). The products go through `inner` (the MoE's grouped matmul) and, for wgrad,
+the transpose of `jax.lax.ragged_dot`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from quant.dot_general import GemmConfig, prepare_operands
+from quant.quantize import DEFAULT_BLOCK, quantize
+from quant.recipes import Recipe
+
+__all__ = ["grouped_matmul", "group_aligned"]
+
+
+def group_aligned(x: jax.Array, group_sizes: jax.Array, multiple: int) -> tuple[jax.Array, jax.Array]:
+    """Rows of x [m, ...] moved so that each group starts at a multiple of `multiple` (zeros between); returns the
+    padded rows [m + g (multiple - 1) rounded up to `multiple`, ...] and the padded group sizes. Rows past
+    sum(group_sizes) are dropped."""
+    m, g = x.shape[0], group_sizes.shape[0]
+    padded = (group_sizes + multiple - 1) // multiple * multiple
+    rows = -(-(m + g * (multiple - 1)) // multiple) * multiple
+    ends = jnp.cumsum(group_sizes)
+    t = jnp.arange(m)
+    group = jnp.searchsorted(ends, t, side="right")
+    inside = group < g
+    group = jnp.minimum(group, g - 1)
+    target = (jnp.cumsum(padded) - padded)[group] + t - (ends - group_sizes)[group]
+    target = jnp.where(inside, target, rows)  # out of range: dropped
+    return jnp.zeros((rows, *x.shape[1:]), x.dtype).at[target].set(x, mode="drop"), padded
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _grouped(cfg: GemmConfig, inner: Callable, x, w, group_sizes, key):
+    qx, qw = prepare_operands(x, w, 1, 1, cfg.recipe.fprop, cfg, key=key, stochastic=(False, False), weight=1)
+    return inner(qx, qw, group_sizes, preferred_element_type=jnp.float32)
+
+
+def _fwd(cfg, inner, x, w, group_sizes, key):
+    return _grouped(cfg, inner, x, w, group_sizes, key), (x, w, group_sizes, key)
+
+
+def _bwd(cfg, inner, residuals, dy):
+    x, w, group_sizes, key = residuals
+    r = cfg.recipe
+    k_d, k_w = (None, None) if key is None else (jax.random.fold_in(key, 1), jax.random.fold_in(key, 2))
+    q_dy, q_w = prepare_operands(dy, w, 1, 2, r.dgrad, cfg, key=k_d, stochastic=(r.dgrad.stochastic_dy, False),
+                                 weight=1)
+    dx = inner(q_dy, jnp.swapaxes(q_w, 1, 2), group_sizes, preferred_element_type=jnp.float32)
+    if r.wgrad.fmt is None:
+        xs, dys, sizes = x, dy, group_sizes
+    else:
+        block = r.wgrad.block_size or DEFAULT_BLOCK[r.wgrad.fmt]
+        multiple = math.lcm(block, r.wgrad.rht_block) if r.wgrad.rht else block
+        (xs, sizes), (dys, _) = (group_aligned(a, group_sizes, multiple) for a in (x, dy))
+        xs, dys = prepare_operands(xs, dys, 0, 0, r.wgrad, cfg, key=k_w, stochastic=(False, r.wgrad.stochastic_dy))
+    _, transpose = jax.vjp(lambda v: jax.lax.ragged_dot(xs, v, sizes, preferred_element_type=jnp.float32),
+                           jnp.zeros(w.shape, jnp.float32))
+    dw = transpose(dys.astype(jnp.float32))[0]
+    return dx.astype(x.dtype), dw.astype(w.dtype), None, None
+
+
+_grouped.defvjp(_fwd, _bwd)
+
+
+def grouped_matmul(recipe: Recipe, *, key: jax.Array | None = None, inner: Callable = jax.lax.ragged_dot,
+                   quantizer: Callable = quantize) -> Callable:
+    """(lhs [m, k], rhs [g, k, n], group_sizes [g] int32, preferred_element_type=None) -> [m, n] with the three
+    training GEMMs of `recipe` (see the module docstring). key: this layer's and step's PRNG key (None for
+    inference); inner: the grouped matmul that multiplies the quantised operands."""
+    cfg = GemmConfig(recipe, quantizer)
+
+    def call(lhs, rhs, group_sizes, preferred_element_type=None):
+        if not recipe.quantised:
+            return inner(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+        y = _grouped(cfg, inner, lhs, rhs, group_sizes, key)
+        return y.astype(preferred_element_type or jnp.result_type(lhs, rhs))
+
+    return call

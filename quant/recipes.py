@@ -1,0 +1,100 @@
+"""Named 4-bit training recipes: per GEMM (fprop, dgrad, wgrad) the grid, block, RHT and rounding; which layers stay
+in high precision (spec: ../shared/specs/ufp4.md, Table 1 and "Baselines").
+
+The three GEMMs of a layer y = x w (x: [tokens, K], w: [K, N]) and their contraction axes:
+  fprop  y  = x w        contract K       operands x (nearest), w (nearest)
+  dgrad  dx = dy w^T     contract N       operands dy (stochastic if `stochastic_dy`), w (nearest)
+  wgrad  dw = x^T dy     contract tokens  operands x (nearest), dy (stochastic if `stochastic_dy`)
+Each operand is quantised in blocks along its GEMM's contraction axis, after the same RHT on both operands when
+that GEMM's `rht` is on.
+
+  BF16           no quantisation
+  E2M1_BASELINE  e2m1, 1x16 blocks, FP32 amax scale, RHT on wgrad only, SR on dy (the paper's E2M1 reference)
+  UFP4           e1m2 (uniform), 1x16, FP32 amax scale, RHT16 on all three GEMMs, SR on dy (the paper's recipe)
+  UFP4_INT4      the same with int4 levels (-7..7): with an FP32 amax scale the same grid as e1m2
+  NVFP4          nvfp4 (E2M1, E4M3 16-blocks under an FP32 tensor scale), 16x16 2-D blocks for weights, RHT16 on
+                 wgrad only, SR on dy
+  MXFP4          mxfp4 (E2M1, 32-blocks, UE8M0 scale), no RHT, SR on dy
+Layers kept in high precision by default (regex on the module path, NVFP4's choice where the paper is silent):
+the LM head, MoE routers, embeddings; attention's score and value products never pass through the slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from quant.grids import FORMATS
+
+__all__ = ["Gemm", "Recipe", "BF16", "E2M1_BASELINE", "UFP4", "UFP4_INT4", "NVFP4", "MXFP4", "RECIPES", "get"]
+
+HIGH_PRECISION = (r"(^|\.)head$", r"\.router$", r"embed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    """How one GEMM quantises its operands. fmt None: not quantised."""
+
+    fmt: str | None = None
+    block_size: int | None = None  # None: the format's default (16; 32 for mxfp4)
+    rht: bool = False
+    rht_block: int = 16
+    stochastic_dy: bool = False  # dgrad / wgrad: stochastic rounding of the dy operand
+
+    def __post_init__(self):
+        if self.fmt is not None and self.fmt not in FORMATS:
+            raise ValueError(f"Gemm.fmt = {self.fmt!r}; allowed: None or one of {list(FORMATS)}.")
+        if self.rht_block < 2 or self.rht_block & (self.rht_block - 1):
+            raise ValueError(f"Gemm.rht_block = {self.rht_block} must be a power of 2 >= 2.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A training recipe: the three GEMMs, NVFP4's 2-D weight blocks, and which module paths stay in high precision
+    (`high_precision` regexes, searched in the path; `last_blocks_high_precision` keeps the last n transformer
+    blocks too)."""
+
+    name: str
+    fprop: Gemm = Gemm()
+    dgrad: Gemm = Gemm()
+    wgrad: Gemm = Gemm()
+    weight_2d_blocks: bool = False
+    high_precision: tuple[str, ...] = HIGH_PRECISION
+    last_blocks_high_precision: int = 0
+    fresh_signs: bool = False  # RHT signs drawn per call from the layer's key (default: fixed for the run)
+
+    @property
+    def quantised(self) -> bool:
+        return any(g.fmt is not None for g in (self.fprop, self.dgrad, self.wgrad))
+
+    def keeps(self, path: str, num_layers: int | None = None) -> bool:
+        """True if the module at `path` ("blocks.3.attn.q") stays in high precision."""
+        if any(re.search(p, path) for p in self.high_precision):
+            return True
+        n = self.last_blocks_high_precision
+        if n:
+            if num_layers is None:
+                raise ValueError(f"recipe {self.name}: last_blocks_high_precision = {n} needs the number of layers.")
+            match = re.match(r"blocks\.(\d+)\.", path)
+            return bool(match) and int(match.group(1)) >= num_layers - n
+        return False
+
+
+def _all(fmt: str, *, rht: tuple[bool, bool, bool], **kw) -> dict[str, Gemm]:
+    return {"fprop": Gemm(fmt, rht=rht[0], **kw), "dgrad": Gemm(fmt, rht=rht[1], stochastic_dy=True, **kw),
+            "wgrad": Gemm(fmt, rht=rht[2], stochastic_dy=True, **kw)}
+
+
+BF16 = Recipe("bf16")
+E2M1_BASELINE = Recipe("e2m1_baseline", **_all("e2m1", rht=(False, False, True)))
+UFP4 = Recipe("ufp4", **_all("e1m2", rht=(True, True, True)))
+UFP4_INT4 = Recipe("ufp4_int4", **_all("int4", rht=(True, True, True)))
+NVFP4 = Recipe("nvfp4", **_all("nvfp4", rht=(False, False, True)), weight_2d_blocks=True)
+MXFP4 = Recipe("mxfp4", **_all("mxfp4", rht=(False, False, False)))
+RECIPES = {r.name: r for r in (BF16, E2M1_BASELINE, UFP4, UFP4_INT4, NVFP4, MXFP4)}
+
+
+def get(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise ValueError(f"recipe = {name!r}; allowed: {list(RECIPES)}.")
+    return RECIPES[name]

@@ -1,0 +1,194 @@
+"""quant.dot_general and quant.grouped_matmul: exact when quantisation is off, the right operands quantised along
+the right axes in each of the three GEMMs, stochastic rounding keyed, sharding, dtypes, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from quant import recipes
+from quant.dot_general import dot_general
+from quant.grouped import grouped_matmul
+from quant.quantize import quantize_tiles
+from quant.recipes import Gemm, Recipe
+
+KEY = jax.random.key(3)
+CASES = [  # lhs shape, rhs shape, dimension numbers
+    ((4, 6, 40), (40, 3, 12), (((2,), (0,)), ((), ()))),  # x [B, T, D] . w [D, H, E]: contract D
+    ((2, 40, 7), (2, 40, 9), (((1,), (1,)), ((0,), (0,)))),  # batched, contraction not last
+    ((37, 5), (37, 11), (((0,), (0,)), ((), ()))),  # x^T w, ragged lengths
+]
+
+
+def identity(x, fmt, **kw):
+    return x
+
+
+def _grads(f, lhs, rhs, dims, c):
+    return jax.jit(jax.value_and_grad(lambda a, b: jnp.sum(c * f(a, b, dims)), argnums=(0, 1)))(lhs, rhs)
+
+
+@pytest.mark.parametrize("lhs_shape, rhs_shape, dims", CASES)
+def test_off_or_identity_quantiser_equals_dot_general(lhs_shape, rhs_shape, dims):
+    """BF16 is lax.dot_general; UFP4 with a quantiser that returns its input leaves only RHT and padding, which
+    cancel in every GEMM: values and gradients equal the unquantised ones."""
+    rng = np.random.default_rng(len(lhs_shape))
+    lhs, rhs = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in (lhs_shape, rhs_shape))
+    out = jax.lax.dot_general(lhs, rhs, dims)
+    c = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
+    want = _grads(jax.lax.dot_general, lhs, rhs, dims, c)
+    for f in (dot_general(recipes.BF16), dot_general(recipes.UFP4, key=KEY, quantizer=identity)):
+        got = _grads(f, lhs, rhs, dims, c)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+
+
+def test_grouped_off_or_identity_quantiser_equals_ragged_dot():
+    rng = np.random.default_rng(0)
+    x, w = jnp.asarray(rng.normal(size=(45, 24)), jnp.float32), jnp.asarray(rng.normal(size=(4, 24, 20)), jnp.float32)
+    sizes = jnp.asarray([7, 0, 21, 14], jnp.int32)  # sum 42 < 45 rows; an empty group; no group a block multiple
+    c = jnp.asarray(rng.normal(size=(45, 20)), jnp.float32)
+    loss = lambda f: jax.jit(jax.value_and_grad(lambda a, b: jnp.sum(c * f(a, b, sizes)), argnums=(0, 1)))(x, w)  # noqa: E731
+    want = loss(jax.lax.ragged_dot)
+    for f in (grouped_matmul(recipes.BF16), grouped_matmul(recipes.UFP4, key=KEY, quantizer=identity)):
+        for a, b in zip(jax.tree.leaves(loss(f)), jax.tree.leaves(want)):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+
+
+def _recorded(make, *args):
+    calls = []
+
+    def record(x, fmt, *, axis, block_size, rounding, key):
+        calls.append((tuple(x.shape), axis % x.ndim, rounding))
+        return x
+
+    jax.grad(lambda *a: jnp.sum(make(record)(*a)), argnums=(0, 1))(*args)
+    return calls
+
+
+def test_each_gemm_quantises_the_right_operands_along_the_right_axes():
+    """Tokens M = 32, K = 48, N = 64 (all block multiples): in [B, M, K] / [B, K, N] layout, fprop quantises x along
+    K and w along K; dgrad dy along N (stochastic) and w along N; wgrad x along M and dy along M (stochastic)."""
+    x, w = jnp.ones((32, 48)), jnp.ones((48, 64))
+    dims = (((1,), (0,)), ((), ()))
+    calls = _recorded(lambda q: lambda a, b: dot_general(recipes.UFP4, key=KEY, quantizer=q)(a, b, dims), x, w)
+    assert calls == [((1, 32, 48), 2, "nearest"), ((1, 48, 64), 1, "nearest"),  # fprop: x, w along K
+                     ((1, 32, 64), 2, "stochastic"), ((1, 48, 64), 2, "nearest"),  # dgrad: dy, w along N
+                     ((1, 32, 48), 1, "nearest"), ((1, 32, 64), 1, "stochastic")]  # wgrad: x, dy along M
+    # the E2M1 baseline: the same operands and axes (its RHT is on wgrad only, which a recorder cannot see)
+    calls_e2m1 = _recorded(lambda q: lambda a, b: dot_general(recipes.E2M1_BASELINE, key=KEY, quantizer=q)(a, b, dims),
+                           x, w)
+    assert calls_e2m1 == calls
+    # grouped: tokens [m, k], experts [g, k, n]; wgrad on the group-aligned layout (3 groups, 16-row blocks)
+    sizes = jnp.asarray([10, 0, 22], jnp.int32)
+    calls = _recorded(lambda q: lambda a, b: grouped_matmul(recipes.UFP4, key=KEY, quantizer=q)(a, b, sizes),
+                      jnp.ones((32, 48)), jnp.ones((3, 48, 64)))
+    assert calls == [((32, 48), 1, "nearest"), ((3, 48, 64), 1, "nearest"),
+                     ((32, 64), 1, "stochastic"), ((3, 48, 64), 2, "nearest"),
+                     ((80, 48), 0, "nearest"), ((80, 64), 0, "stochastic")]
+
+
+def test_rht_changes_the_quantised_product_only_where_the_recipe_says():
+    """With a real quantiser, RHT on a GEMM changes that GEMM's result (the rotation does not commute with Q)."""
+    rng = np.random.default_rng(1)
+    x, w = jnp.asarray(rng.normal(size=(32, 48)), jnp.float32), jnp.asarray(rng.normal(size=(48, 16)), jnp.float32)
+    dims = (((1,), (0,)), ((), ()))
+    plain = Recipe("plain", fprop=Gemm("e1m2"))
+    rotated = Recipe("rotated", fprop=Gemm("e1m2", rht=True))
+    a, b = dot_general(plain)(x, w, dims), dot_general(rotated)(x, w, dims)
+    exact = x @ w
+    assert not np.allclose(a, b)
+    for y in (a, b):  # both are 4-bit products: close to the exact one, not equal
+        assert 0.01 < float(jnp.linalg.norm(y - exact) / jnp.linalg.norm(exact)) < 0.3
+
+
+def test_stochastic_rounding_is_keyed_and_needs_a_key():
+    rng = np.random.default_rng(2)
+    x, w = jnp.asarray(rng.normal(size=(32, 48)), jnp.float32), jnp.asarray(rng.normal(size=(48, 16)), jnp.float32)
+    dims = (((1,), (0,)), ((), ()))
+    grad = lambda key: jax.grad(lambda a: jnp.sum(dot_general(recipes.UFP4, key=key)(a, w, dims) ** 2))(x)  # noqa: E731
+    k1, k2 = jax.random.key(1), jax.random.key(2)
+    np.testing.assert_array_equal(grad(k1), grad(k1))
+    assert not np.array_equal(grad(k1), grad(k2))
+    dot_general(recipes.UFP4)(x, w, dims)  # inference without a key is fine
+    with pytest.raises(ValueError, match="stochastic rounding of dy needs a PRNG key"):
+        grad(None)
+    with pytest.raises(ValueError, match="one contracting dimension"):
+        dot_general(recipes.UFP4)(jnp.ones((2, 16, 16)), jnp.ones((2, 16, 3)), (((1, 2), (0, 1)), ((), ())))
+
+
+def test_bf16_operands_and_sharded_weights_on_8_devices():
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(8, 16, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(64, 32)), jnp.bfloat16)
+    dims = (((2,), (0,)), ((), ()))
+    f = dot_general(recipes.NVFP4, key=KEY)
+    loss = jax.jit(jax.value_and_grad(lambda a, b: jnp.sum(f(a, b, dims, preferred_element_type=jnp.float32) ** 2),
+                                      argnums=(0, 1)))
+    value, (gx, gw) = loss(x, w)
+    assert gx.dtype == jnp.bfloat16 and gw.dtype == jnp.bfloat16 and value.dtype == jnp.float32
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)  # as core.mesh
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", None, None)))
+    ws = jax.device_put(w, NamedSharding(mesh, P(None, "model")))
+    value_s, (gx_s, gw_s) = loss(xs, ws)
+    np.testing.assert_allclose(float(value_s), float(value), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(gw_s, np.float32), np.asarray(gw, np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_nvfp4_weight_tiles_are_transpose_invariant():
+    w = jnp.asarray(np.random.default_rng(5).standard_t(3, size=(3, 40, 24)), jnp.float32)
+    q = quantize_tiles(w, "nvfp4")
+    np.testing.assert_array_equal(q, jnp.swapaxes(quantize_tiles(jnp.swapaxes(w, 1, 2), "nvfp4"), 1, 2))
+    assert float(jnp.linalg.norm(q - w) / jnp.linalg.norm(w)) < 0.25
+
+
+def test_precision_policy_keeps_the_right_layers():
+    from quant.precision import QuantPrecision
+
+    slot = QuantPrecision(recipes.UFP4, num_layers=4)
+    for path in ("head", "blocks.1.ffn.router", "embedding"):
+        assert slot.dot_general(path, KEY) is jax.lax.dot_general, path
+    assert slot.dot_general("blocks.3.attn.q", KEY) is not jax.lax.dot_general
+    assert slot.grouped_matmul("blocks.0.ffn.experts.up", KEY) is not jax.lax.ragged_dot
+    import dataclasses
+    last = QuantPrecision(dataclasses.replace(recipes.UFP4, last_blocks_high_precision=1), num_layers=4)
+    assert last.dot_general("blocks.3.attn.q", KEY) is jax.lax.dot_general
+    assert last.dot_general("blocks.2.attn.q", KEY) is not jax.lax.dot_general
+    assert QuantPrecision(recipes.BF16).dot_general("blocks.0.attn.q", KEY) is jax.lax.dot_general
+
+
+@pytest.mark.parametrize("recipe", ["ufp4"])
+def test_precision_recipe_from_the_config_trains_the_moe_model(recipe):
+    """precision.recipe puts the recipe into every projection and expert of a model built from a config; a few
+    training steps of a tiny MoE model lower the loss, and the quantised forward differs from bf16's."""
+    import optax
+    from flax import nnx
+
+    from core import mesh as mesh_lib
+    from core import train as train_lib
+    from experiments import build
+
+    c = build.default_config()
+    c.model.update(d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, d_ff=64)
+    c.moe.update(every=1, num_experts=4, top_k=2, expert_size=16)
+    c.precision.recipe = recipe
+    build.validate(c)
+    model = build.build_model_fn(c, mesh_lib.Sharder())(nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    optimizer = optax.adam(3e-3)
+    state = train_lib.TrainState(jnp.zeros((), jnp.int32), params, rest, optimizer.init(params), jax.random.key(0))
+    step = jax.jit(train_lib.train_step_fn(graphdef, optimizer))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(4, 33)), jnp.int32)
+    losses = []
+    for _ in range(5):
+        state, metrics = step(state, tokens)
+        losses.append(float(metrics["loss"]))
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+    c.precision.recipe = "bf16"
+    plain = build.build_model_fn(c, mesh_lib.Sharder())(nnx.Rngs(0))
+    x = tokens[:, :-1]
+    assert not np.allclose(model(x)[0], plain(x)[0], atol=1e-3)
+    with pytest.raises(Exception, match="precision.last_blocks_high_precision"):
+        c.precision.last_blocks_high_precision = 3
+        build.validate(c)
