@@ -13,11 +13,13 @@ steps), or unbiased stochastic rounding between the two neighbouring levels. Val
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["FORMATS", "GRIDS", "levels", "grid_max", "round_to_grid"]
+__all__ = ["FORMATS", "GRIDS", "levels", "grid_max", "round_to_grid", "uniform"]
 
 GRIDS: dict[str, tuple[float, ...]] = {
     "e2m1": (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0),
@@ -57,12 +59,35 @@ def round_to_grid(y: jax.Array, fmt: str, *, rounding: str = "nearest", key: jax
         raise ValueError("rounding = 'stochastic' needs a PRNG key (key=...).")
     grid = _grid(fmt)
     a = jnp.minimum(jnp.abs(y), grid[-1])
-    index = sum((a >= grid[j]).astype(jnp.int32) for j in range(1, len(grid) - 1))  # lower neighbour, 0..6
-    table = jnp.asarray(grid, jnp.float32)
-    lower, upper = table[index], table[index + 1]
+    # the neighbours as sums of steps (no table lookup: on CPU a gather costs more than all the rest)
+    steps = [grid[j + 1] - grid[j] for j in range(len(grid) - 1)]
+    above = [a >= grid[j] for j in range(1, len(grid) - 1)]
+    index = sum(b.astype(jnp.int32) for b in above)  # the lower neighbour's code, 0..6
+    lower = sum(jnp.where(b, step, 0.0) for b, step in zip(above, steps))
+    upper = lower + sum(jnp.where(index == j, step, 0.0) for j, step in enumerate(steps))
     if rounding == "nearest":
         mid = (lower + upper) / 2
         up = (a > mid) | ((a == mid) & (index % 2 == 1))  # tie: the upper code index + 1 is even
     else:
-        up = jax.random.uniform(key, a.shape, jnp.float32) * (upper - lower) < a - lower
+        up = uniform(key, a.shape) * (upper - lower) < a - lower
     return jnp.sign(y) * jnp.where(up, upper, lower)
+
+
+def _mix(h: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finaliser: a bijection of uint32 whose output bits each depend on every input bit."""
+    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Uniform float32 in [0, 1) (24 random bits) for each position of `shape`: a hash of (position, key).
+
+    Two rounds of MurmurHash3's finaliser over the element counter, keyed by two words drawn from `key`; elementwise,
+    so XLA fuses it into the rounding (jax.random's threefry and XLA's Philox cost 6x more here on CPU, writing the
+    bits to memory first). Stochastic rounding needs independent uniform draws, not cryptographic strength.
+    """
+    seed = jax.random.bits(key, (2,), jnp.uint32)
+    count = jax.lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)
+    h = _mix(_mix(count * jnp.uint32(0x9E3779B9) + seed[0]) ^ seed[1])
+    return (h >> 8).astype(jnp.float32) * (1.0 / (1 << 24))

@@ -129,3 +129,12 @@ def test_synthetic_sqnr_table_of_the_spec():
     for got, want in zip(table.values(), (22.23, 18.88, 20.55, 25.47)):
         assert got == pytest.approx(want, abs=0.2)
     assert table[("e2m1", 0)] > table[("int4", 0)] and table[("e2m1", 1)] < table[("int4", 1)]
+
+
+def test_uniform_draws_are_uniform_and_independent():
+    a = np.asarray(grids.uniform(jax.random.key(0), (1024, 1024))).ravel()
+    b = np.asarray(grids.uniform(jax.random.key(1), (1024, 1024))).ravel()
+    assert a.min() >= 0 and a.max() < 1
+    assert abs(a.mean() - 0.5) < 0.002 and abs(a.var() - 1 / 12) < 0.001
+    assert abs(np.histogram(a, 16, (0, 1))[0] / a.size - 1 / 16).max() < 0.002
+    assert abs(np.corrcoef(a, b)[0, 1]) < 0.005 and abs(np.corrcoef(a[:-1], a[1:])[0, 1]) < 0.005

@@ -1,0 +1,95 @@
+"""4-bit training cost on CPU: train-step time of each quant recipe against BF16, and quantiser throughput against
+the copy bandwidth, side by side in one run.
+
+    python -m experiments.bench.quant [--repeats 5] [--out results/bench]
+
+Train step: the quickstart MoE model on one device (experiments/configs/quickstart.py with mesh.site = 1; batch
+8 x 256, AdamW), one jitted step per recipe, median of `--repeats` interleaved rounds; goal UFP4 / BF16 <= 1.6.
+The recipes emulate 4-bit arithmetic (fake quantisation in float32, then the float matmul), so this measures the
+quantisers' overhead, not 4-bit speed. Quantiser: `quant.quantize` of a 4096 x 4096 float32 tensor per format
+(and with stochastic rounding, and after the RHT), as effective GB/s (4 bytes read + 4 written per entry)
+against a jitted copy of the same tensor. Writes quant.json and quant.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+from core import train as train_lib
+from experiments import build
+from experiments.bench.common import describe, interleaved_medians, machine, write_results
+from experiments.configs import quickstart
+from quant import quantize, recipes, rht
+
+GOAL = {"ufp4": 1.6}
+
+
+def train_steps(repeats: int) -> dict[str, float]:
+    calls = {}
+    for name in recipes.RECIPES:
+        c = quickstart.get_config()
+        c.mesh.update(site=1, data=1)
+        c.precision.recipe = name
+        build.validate(c, num_devices=jax.device_count())
+        _, sharder = build.build_mesh(c)
+        optimizer = build.build_optimizer(c)
+        graphdef, state = train_lib.init_state(build.build_model_fn(c, sharder), optimizer, 0, sharder)
+        step = train_lib.make_train_step(graphdef, optimizer)
+        tokens = jax.random.randint(jax.random.key(0), (c.data.batch_size, c.data.seq_len + 1), 0, 256)
+        box = {"state": state}
+
+        def call(step=step, box=box, tokens=tokens):
+            box["state"], metrics = step(box["state"], tokens)
+            return metrics["loss"]
+
+        calls[name] = call
+    return interleaved_medians(calls, repeats=repeats, warmup=2)
+
+
+def quantisers(repeats: int, n: int = 4096) -> dict[str, float]:
+    x = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    key = jax.random.key(1)
+    fns = {"copy": jax.jit(lambda v: v * 1.0 + 0.0)}
+    for fmt in ("e2m1", "e1m2", "int4", "mxfp4", "nvfp4"):
+        fns[fmt] = jax.jit(lambda v, fmt=fmt: quantize(v, fmt))
+    fns["e1m2 stochastic"] = jax.jit(lambda v: quantize(v, "e1m2", rounding="stochastic", key=key))
+    fns["e1m2 after RHT16"] = jax.jit(lambda v: quantize(rht(v), "e1m2"))
+    seconds = interleaved_medians({k: (lambda f=f: f(x)) for k, f in fns.items()}, repeats=repeats, warmup=1)
+    return {k: 2 * 4 * x.size / s / 1e9 for k, s in seconds.items()}  # GB/s
+
+
+def markdown(result: dict) -> str:
+    steps, rates = result["train_step_seconds"], result["quantiser_gb_per_s"]
+    lines = ["# 4-bit training cost on CPU", "",
+             f"`python -m experiments.bench.quant`: {describe(result['machine'])} The recipes emulate 4-bit GEMMs "
+             "(fake quantisation, then float matmuls): this is the quantisers' overhead, not 4-bit speed.", "",
+             "Train step of the quickstart MoE (one device, batch 8 x 256, AdamW), median of "
+             f"{result['repeats']} interleaved rounds:", "", "| recipe | step (ms) | / bf16 | goal |", "|---|---|---|---|"]
+    for name, s in steps.items():
+        ratio = s / steps["bf16"]
+        goal = f"<= {GOAL[name]} ({'met' if ratio <= GOAL[name] else 'missed'})" if name in GOAL else ""
+        lines.append(f"| {name} | {1e3 * s:.1f} | {ratio:.2f}x | {goal} |")
+    lines += ["", "Quantiser throughput on a 4096 x 4096 float32 tensor (GB/s counted as 4 bytes read + 4 written per "
+              "entry; copy = the same traffic with no work):", "", "| quantiser | GB/s | / copy |", "|---|---|---|"]
+    for name, rate in rates.items():
+        lines.append(f"| {name} | {rate:.2f} | {rate / rates['copy']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="results/bench")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats = {args.repeats} must be >= 1")
+    result = {"machine": machine(), "repeats": args.repeats, "train_step_seconds": train_steps(args.repeats),
+              "quantiser_gb_per_s": quantisers(args.repeats)}
+    write_results(args.out, "quant", result, markdown)
+
+
+if __name__ == "__main__":
+    main()
