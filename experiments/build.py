@@ -118,8 +118,7 @@ def build_precision(config: ml_collections.ConfigDict, grouped: Callable) -> mod
     p = config.precision
     if p.recipe == "bf16":
         return model_lib.DefaultPrecision(grouped=grouped)
-    recipe = dataclasses.replace(quant_recipes.get(p.recipe), last_blocks_high_precision=p.last_blocks_high_precision,
-                                 fresh_signs=p.fresh_signs)
+    recipe = quant_config.apply(quant_recipes.get(p.recipe), p)
     return QuantPrecision(recipe, num_layers=config.model.num_layers, grouped=grouped)
 
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from core.config import Field
-from quant.recipes import RECIPES
+import dataclasses
 
-__all__ = ["section"]
+from core.config import Field
+from quant.recipes import RECIPES, Recipe
+
+__all__ = ["RHT_SCOPES", "section", "apply"]
+
+RHT_SCOPES = ("recipe", "none", "fprop", "dgrad", "wgrad", "fprop+dgrad", "fprop+wgrad", "dgrad+wgrad", "all")
 
 
 def section() -> dict[str, Field]:
@@ -15,4 +19,21 @@ def section() -> dict[str, Field]:
                         choices=tuple(RECIPES)),
         "last_blocks_high_precision": Field(0, (int,), "keep the last n transformer blocks unquantised", low=0),
         "fresh_signs": Field(False, (bool,), "draw the RHT signs per step and layer (default: fixed for the run)"),
+        "rht": Field("recipe", (str,), "ablation: which GEMMs rotate their operands (RHT16), overriding the recipe",
+                     choices=RHT_SCOPES),
+        "stochastic_dy": Field("recipe", (str,), "ablation: stochastic rounding of dy in dgrad and wgrad, overriding "
+                               "the recipe", choices=("recipe", "on", "off")),
     }
+
+
+def apply(recipe: Recipe, precision) -> Recipe:
+    """The recipe with the config's overrides (a `precision` config section) applied."""
+    gemms = {name: getattr(recipe, name) for name in ("fprop", "dgrad", "wgrad")}
+    if precision.rht != "recipe":
+        scope = {"none": (), "all": tuple(gemms)}.get(precision.rht, tuple(precision.rht.split("+")))
+        gemms = {name: dataclasses.replace(g, rht=name in scope) for name, g in gemms.items()}
+    if precision.stochastic_dy != "recipe":
+        gemms = {name: dataclasses.replace(g, stochastic_dy=name != "fprop" and precision.stochastic_dy == "on")
+                 for name, g in gemms.items()}
+    return dataclasses.replace(recipe, **gemms, last_blocks_high_precision=precision.last_blocks_high_precision,
+                               fresh_signs=precision.fresh_signs)

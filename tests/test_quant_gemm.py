@@ -192,3 +192,20 @@ def test_precision_recipe_from_the_config_trains_the_moe_model(recipe):
     with pytest.raises(Exception, match="precision.last_blocks_high_precision"):
         c.precision.last_blocks_high_precision = 3
         build.validate(c)
+
+
+def test_config_overrides_for_the_ablation():
+    import ml_collections
+
+    from quant import config as quant_config
+
+    p = ml_collections.ConfigDict({"rht": "fprop+wgrad", "stochastic_dy": "off", "last_blocks_high_precision": 1,
+                                   "fresh_signs": False})
+    r = quant_config.apply(recipes.UFP4, p)
+    assert (r.fprop.rht, r.dgrad.rht, r.wgrad.rht) == (True, False, True)
+    assert not r.dgrad.stochastic_dy and not r.wgrad.stochastic_dy and r.last_blocks_high_precision == 1
+    p.update(rht="none", stochastic_dy="on")
+    r = quant_config.apply(recipes.E2M1_BASELINE, p)
+    assert not any(g.rht for g in (r.fprop, r.dgrad, r.wgrad)) and r.dgrad.stochastic_dy and not r.fprop.stochastic_dy
+    p.update(rht="recipe", stochastic_dy="recipe")
+    assert quant_config.apply(recipes.NVFP4, p).wgrad == recipes.NVFP4.wgrad
