@@ -26,6 +26,7 @@ cheaper per tensor than "exact" plus the search; its realised fraction is counte
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -173,16 +174,18 @@ def scale_by_mgup(mask_ratio: float = 0.5, alpha: float = 2.0, gamma: float = 0.
 
 
 def with_mgup(inner: optax.GradientTransformation, mask: optax.GradientTransformationExtraArgs,
-              *after: optax.GradientTransformation, elementwise_inner: bool = False) -> optax.GradientTransformation:
+              *after: optax.GradientTransformation) -> optax.GradientTransformation:
     """`inner` (a direction), then `mask` given the raw gradient, then `after` (weight decay, learning rate).
 
-    elementwise_inner: the inner direction of a coordinate depends only on that coordinate's gradient and state
-    (Adam, Lion). Then the samples of the direction that "approx" and "sign" use come from `inner` run on the
-    strided samples of the gradient and state, not from the full direction, which is left with a single consumer:
-    XLA fuses it into the parameter update instead of writing it to memory and reading it back (one pass less per
-    tensor on CPU). The exact selection ignores the samples (and jit drops them).
+    If `inner` is a DirectionTransformation (HF-style Adam), the samples that "approx" and "sign" take of the
+    direction are computed from strided samples of its updated state and the gradient, not sliced from the full
+    direction: the full direction then has a single consumer, and XLA fuses it into the parameter update instead of
+    writing it to memory and reading it back (one pass less per tensor on CPU). The updated state is read, not the
+    old one: reading a donated old state beside its in-place update makes XLA copy it whole. The exact selection
+    ignores the samples (and jit drops them).
     """
     tail = optax.chain(*after)
+    direction_of = getattr(inner, "direction", None)
 
     def init(params):
         return (inner.init(params), mask.init(params), tail.init(params))
@@ -191,16 +194,25 @@ def with_mgup(inner: optax.GradientTransformation, mask: optax.GradientTransform
         take = lambda x: strided_sample(x, APPROX_SAMPLE, second=second)  # noqa: E731
         g = jax.tree.map(take, grads)
         state = optax.tree_utils.tree_map_params(inner, take, inner_state, transform_non_params=lambda x: x)
-        return inner.update(g, state, None)[0], g
+        return direction_of(state, g), g
 
     def update(grads, state, params=None):
         direction, inner_state = inner.update(grads, state[0], params)
-        samples = [sampled(grads, state[0], b) for b in (False, True)] if elementwise_inner else None
+        samples = None if direction_of is None else [sampled(grads, inner_state, b) for b in (False, True)]
         masked, mask_state = mask.update(direction, state[1], params, grad=grads, samples=samples)
         out, tail_state = tail.update(masked, state[2], params)
         return out, (inner_state, mask_state, tail_state)
 
     return optax.GradientTransformation(init, update)
+
+
+class DirectionTransformation(NamedTuple):
+    """An optax transformation (init, update) whose output is an elementwise function of its *updated* state and
+    the gradient: `direction(new_state, grads)` recomputes it, also on strided samples of both (see `with_mgup`)."""
+
+    init: Callable
+    update: Callable
+    direction: Callable
 
 
 class HFAdamState(NamedTuple):
@@ -218,22 +230,23 @@ def scale_by_hf_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6) -> o
         zeros = lambda p: jnp.zeros_like(p, jnp.promote_types(p.dtype, jnp.float32))  # noqa: E731 (keeps sharding)
         return HFAdamState(jnp.zeros((), jnp.int32), jax.tree.map(zeros, params), jax.tree.map(zeros, params))
 
-    def update(grads, state, params=None):
-        del params
-        count = state.count + 1
-        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g.astype(m.dtype), state.mu, grads)
-        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * jnp.square(g.astype(v.dtype)), state.nu, grads)
-
-        def direction(m, v, g):
-            t = count.astype(m.dtype)
+    def direction(state, grads):
+        def one(m, v, g):
+            t = state.count.astype(m.dtype)
             # m * (1 / (...)) rather than m / (...): XLA:CPU will not fuse a divide into a consumer that reads the
             # direction twice (the MGUP mask and the step), and would write the direction to memory instead.
             return (jnp.sqrt(1 - b2 ** t) / (1 - b1 ** t) * m * (1 / (jnp.sqrt(v) + eps))).astype(g.dtype)
 
-        out = jax.tree.map(direction, mu, nu, grads)
-        return out, HFAdamState(count, mu, nu)
+        return jax.tree.map(one, state.mu, state.nu, grads)
 
-    return optax.GradientTransformation(init, update)
+    def update(grads, state, params=None):
+        del params
+        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g.astype(m.dtype), state.mu, grads)
+        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * jnp.square(g.astype(v.dtype)), state.nu, grads)
+        new = HFAdamState(state.count + 1, mu, nu)
+        return direction(new, grads), new
+
+    return DirectionTransformation(init, update, direction)
 
 
 class LionState(NamedTuple):
@@ -288,7 +301,7 @@ def mgup_adamw(learning_rate: float | optax.Schedule = 1e-3, b1: float = 0.9, b2
     """MGUP-AdamW (reference MGUP_AdamW.py): HF-style AdamW whose direction u is multiplied by the MGUP mask of
     u * g per tensor. `weight_decay_mask`: which leaves decay (optax.add_decayed_weights' mask; default all)."""
     return with_mgup(scale_by_hf_adam(b1, b2, eps), scale_by_mgup(mask_ratio, alpha, gamma, selection=selection),
-                     *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask), elementwise_inner=True)
+                     *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask))
 
 
 def cautious_mgup_adamw(learning_rate: float | optax.Schedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
@@ -296,7 +309,7 @@ def cautious_mgup_adamw(learning_rate: float | optax.Schedule = 1e-3, b1: float 
                         gamma: float = 0.1, *, weight_decay_mask=None) -> optax.GradientTransformation:
     """Cautious-MGUP-AdamW: alpha where u * g >= 0, gamma elsewhere (no top-k)."""
     return with_mgup(scale_by_hf_adam(b1, b2, eps), scale_by_mgup(0.5, alpha, gamma, selection="sign"),
-                     *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask), elementwise_inner=True)
+                     *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask))
 
 
 def mgup_lion(learning_rate: float | optax.Schedule = 1e-4, b1: float = 0.9, b2: float = 0.99,
@@ -304,7 +317,7 @@ def mgup_lion(learning_rate: float | optax.Schedule = 1e-4, b1: float = 0.9, b2:
               selection: str = "exact", weight_decay_mask=None) -> optax.GradientTransformation:
     """MGUP-Lion (reference MGUP_Lion.py): Lion's sign direction c multiplied by the MGUP mask of c * g."""
     return with_mgup(scale_by_lion_direction(b1, b2), scale_by_mgup(mask_ratio, alpha, gamma, selection=selection),
-                     *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask), elementwise_inner=True)
+                     *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask))
 
 
 def cautious_adamw(learning_rate: float | optax.Schedule = 1e-3, b1: float = 0.9, b2: float = 0.999,

@@ -310,12 +310,15 @@ def test_sharded_parameters_keep_their_sharding_and_match_one_device(make):
 
 
 def test_approx_samples_from_the_inner_transform_equal_samples_of_the_direction():
-    """with_mgup(elementwise_inner=True) runs the inner transform on strided samples of the gradient and state; the
-    selection must be the one made from the same samples of the full direction."""
+    """with HF-Adam (a DirectionTransformation), with_mgup computes the samples from strided samples of the updated
+    state and the gradient; the selection must be the one made from the same samples of the full direction."""
     rng = np.random.default_rng(3)
     params = {"a": jnp.asarray(rng.normal(size=(300, 70)), jnp.float32), "b": jnp.asarray(rng.normal(size=(9,)), jnp.float32)}
-    make = lambda elementwise: mgup.with_mgup(mgup.scale_by_hf_adam(), mgup.scale_by_mgup(0.3, selection="approx"),  # noqa: E731
-                                              optax.scale_by_learning_rate(1e-2), elementwise_inner=elementwise)
+    def make(hook):
+        adam = mgup.scale_by_hf_adam()
+        inner = adam if hook else optax.GradientTransformation(adam.init, adam.update)
+        return mgup.with_mgup(inner, mgup.scale_by_mgup(0.3, selection="approx"), optax.scale_by_learning_rate(1e-2))
+
     fused, plain = make(True), make(False)
     s1, s2 = fused.init(params), plain.init(params)
     for step in range(3):
