@@ -40,7 +40,7 @@ __all__ = ["SELECTIONS", "APPROX_SAMPLE", "paper_defaults", "mgup_mask", "MGUPSt
            "mgup_lion", "cautious_adamw"]
 
 SELECTIONS = ("exact", "approx", "sign")
-APPROX_SAMPLE = 4096
+APPROX_SAMPLE = 1024  # per tensor; cost: each sampled entry touches a cache line (4096: 1.43x AdamW, 1024: 1.22x)
 
 
 def paper_defaults(mask_ratio: float = 0.5) -> dict[str, float]:
