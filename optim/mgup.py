@@ -91,8 +91,8 @@ def _select(updates: list[jax.Array], grads: list[jax.Array], mask_ratio: float,
     "approx": tensors of more than 2 APPROX_SAMPLE entries get the threshold of their strided sample, all such
     tensors in one batched search (per-tensor small searches would cost more on CPU than the pass over the tensor);
     smaller ones are selected exactly. "sign" on such tensors reports the fraction of its second sample, not a
-    count (which would cost a pass over the tensor). `samples[i]`: ((direction, grad) at strided_sample, the same at the second
-    sample) of tensor i, computed elsewhere (see `with_mgup`); by default sliced from the tensors.
+    count (which would cost a pass over the tensor). `samples[i]`: ((direction, grad) at strided_sample, the same
+    at the second sample) of tensor i, computed elsewhere (see `with_mgup`); by default sliced from the tensors.
     """
     _check(mask_ratio, 1.0, 1.0, selection)
     out: list = [None] * len(updates)
