@@ -40,8 +40,8 @@ def alpha(x: jax.Array, x_hat: jax.Array) -> jax.Array:
 def bucket_entropy(x: jax.Array, fmt: str, *, axis: int = -1, block_size: int | None = None) -> jax.Array:
     """Entropy (bits, at most log2(15)) of the distribution of x's quantised codes over the grid's 15 levels,
     round-to-nearest with the same block scales as `quantize`."""
-    blocks, _ = _blocks(x.astype(jnp.float32), axis, DEFAULT_BLOCK[fmt] if block_size is None else block_size)
-    scale = block_scales(blocks, fmt)
+    blocks, inner = _blocks(x.astype(jnp.float32), axis, DEFAULT_BLOCK[fmt] if block_size is None else block_size)
+    scale = block_scales(blocks, fmt, inner)
     q = round_to_grid(blocks / jnp.where(scale > 0, scale, 1.0), fmt)
     grid = jnp.asarray(levels(fmt), jnp.float32)
     counts = jnp.sum(q.reshape(-1, 1) == grid[None, :], axis=0)

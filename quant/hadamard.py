@@ -40,7 +40,10 @@ def rht(x: jax.Array, *, axis: int = -1, block_size: int = 16, signs: jax.Array 
         raise ValueError(f"rht: axis {axis} of shape {x.shape} is not divisible by block_size = {block_size}.")
     dtype = jnp.promote_types(x.dtype, jnp.float32)
     rotation = jnp.asarray(hadamard(block_size), dtype) * signs.astype(dtype)[None, :] / np.sqrt(block_size)
-    moved = jnp.moveaxis(x.astype(dtype), axis, -1)
-    blocks = moved.reshape(*moved.shape[:-1], -1, block_size)
-    out = jnp.einsum("...i,ji->...j", blocks, rotation, precision=jax.lax.Precision.HIGHEST)
-    return jnp.moveaxis(out.reshape(moved.shape), -1, axis).astype(x.dtype)
+    axis = axis % x.ndim
+    blocks = x.astype(dtype).reshape(*x.shape[:axis], -1, block_size, *x.shape[axis + 1:])  # split in place
+    dims = "abcdefghijklmnopqrstuvwxy"[:blocks.ndim]
+    inside = dims[axis + 1]
+    spec = f"{dims},z{inside}->{dims.replace(inside, 'z')}"  # rotate the within-block axis, no transpose
+    out = jnp.einsum(spec, blocks, rotation, precision=jax.lax.Precision.HIGHEST)
+    return out.reshape(x.shape).astype(x.dtype)

@@ -23,20 +23,22 @@ E4M3_MAX = 448.0
 
 
 def _blocks(x: jax.Array, axis: int, block: int) -> tuple[jax.Array, int]:
-    """x with `axis` moved last and split into [..., n / block, block]."""
-    axis = axis % x.ndim if x.ndim else 0
-    n = x.shape[axis] if x.ndim else 1
+    """(x with `axis` split in place into [n / block, block], the index of the within-block axis). No transpose:
+    on CPU moving the axis last and back costs more than the quantiser."""
+    x = x.reshape(1) if x.ndim == 0 else x
+    axis = axis % x.ndim
+    n = x.shape[axis]
     if block < 1 or n % block:
         raise ValueError(f"quantize: length {n} of axis {axis} (shape {x.shape}) is not divisible by block_size = "
                          f"{block}; pad the axis or pick a block size that divides it.")
-    moved = jnp.moveaxis(x, axis, -1)
-    return moved.reshape(*moved.shape[:-1], n // block, block), axis
+    return x.reshape(*x.shape[:axis], n // block, block, *x.shape[axis + 1:]), axis + 1
 
 
-def block_scales(blocks: jax.Array, fmt: str) -> jax.Array:
-    """Per-block decode scales s ([..., n_blocks, 1], float32) so that blocks / s lies on the grid's range;
-    0 for a block that encodes zeros (amax 0, or an NVFP4 block scale that underflows E4M3)."""
-    amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+def block_scales(blocks: jax.Array, fmt: str, axis: int = -1) -> jax.Array:
+    """Per-block decode scales s (float32, `blocks`' shape with `axis`, the within-block axis, of size 1) so that
+    blocks / s lies on the grid's range; 0 for a block that encodes zeros (amax 0, or an NVFP4 block scale that
+    underflows E4M3)."""
+    amax = jnp.max(jnp.abs(blocks), axis=axis, keepdims=True)
     if fmt == "mxfp4":
         return jnp.where(amax > 0, jnp.exp2(jnp.floor(jnp.log2(jnp.where(amax > 0, amax, 1.0))) - 2), 0.0)
     if fmt == "nvfp4":
@@ -59,11 +61,10 @@ def quantize(x: jax.Array, fmt: str, *, axis: int = -1, block_size: int | None =
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"quantize: x has dtype {x.dtype}; a floating dtype is required.")
     block = DEFAULT_BLOCK[fmt] if block_size is None else block_size
-    blocks, axis = _blocks(x.astype(jnp.float32), axis, block)
-    scale = block_scales(blocks, fmt)
+    blocks, inner = _blocks(x.astype(jnp.float32), axis, block)
+    scale = block_scales(blocks, fmt, inner)
     q = round_to_grid(blocks / jnp.where(scale > 0, scale, 1.0), fmt, rounding=rounding, key=key) * scale
-    q = q.reshape(*q.shape[:-2], -1)
-    return jnp.moveaxis(q, -1, axis).astype(x.dtype) if x.ndim else q.reshape(()).astype(x.dtype)
+    return q.reshape(x.shape).astype(x.dtype)
 
 
 def quantize_tiles(w: jax.Array, fmt: str, *, tile: int = 16) -> jax.Array:
