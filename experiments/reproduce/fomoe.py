@@ -19,17 +19,14 @@ system: `experiments.reproduce.fomoe_system` (parameter table and the 104B proje
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import subprocess
-import sys
 import time
 
+from experiments.reproduce import runs
 from moe import system_model as sm
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CONFIG = os.path.join(ROOT, "experiments", "configs", "fomoe.py")
+CONFIG = runs.config_path("fomoe")
 PARTS = ("table", "throughput", "system")
 
 
@@ -52,7 +49,7 @@ def grid() -> list[dict]:
 
 
 def _flags(run: dict, steps: int) -> list[str]:
-    common = [f"--config.train.steps={steps}", f"--config.train.eval_every={steps}", "--config.train.progress=False"]
+    common = [f"--config.train.eval_every={steps}", "--config.train.progress=False"]
     if run["outer"] == "ddp":
         return common + ["--config.mesh.site=1", f"--config.mesh.data={run['sites']}"]
     return common + [f"--config.mesh.site={run['sites']}", "--config.mesh.data=1",
@@ -63,20 +60,8 @@ def _flags(run: dict, steps: int) -> list[str]:
 
 def train(run: dict, steps: int, out: str) -> dict:
     """Runs (or resumes, or reuses) one configuration; returns its summary.json."""
-    workdir = os.path.join(out, "runs", run["name"])
-    summary_path = os.path.join(workdir, "summary.json")
-    if os.path.exists(summary_path):
-        with open(summary_path) as f:
-            summary = json.load(f)
-        if summary["steps"] == steps:
-            return summary
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={run['sites']}")
-    cmd = [sys.executable, "-m", "experiments.run", f"--config={CONFIG}", f"--workdir={workdir}", *_flags(run, steps)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"run {run['name']} failed ({' '.join(cmd)}):\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
-    with open(summary_path) as f:
-        return json.load(f)
+    return runs.run_or_reuse(CONFIG, os.path.join(out, "runs", run["name"]), _flags(run, steps), steps,
+                             devices=run["sites"])
 
 
 def row(run: dict, summary: dict, steps: int, tokens_per_step: int) -> dict:

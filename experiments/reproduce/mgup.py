@@ -20,14 +20,12 @@ and curves.png (training loss, smoothed, and held-out loss at the tuned learning
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CONFIG = os.path.join(ROOT, "experiments", "configs", "quickstart.py")
+from experiments.reproduce import runs as runs_lib
+
+CONFIG = runs_lib.config_path("quickstart")
 
 # optimizer -> (base it is compared with, family); the family fixes the learning-rate grid and the betas.
 OPTIMIZERS = {"adamw": ("adamw", "adamw"), "cautious_adamw": ("adamw", "adamw"), "mgup_adamw": ("adamw", "adamw"),
@@ -43,42 +41,18 @@ def run_name(optimizer: str, lr: float, seed: int) -> str:
     return f"{optimizer}_lr{lr:g}_s{seed}"
 
 
-def train(optimizer: str, lr: float, seed: int, steps: int, out: str) -> str:
-    """Runs (or reuses) one training run; returns its work directory."""
+def train(optimizer: str, lr: float, seed: int, steps: int, out: str) -> dict:
+    """Runs (or reuses) one training run; returns its final held-out loss, curves and speed."""
     workdir = os.path.join(out, "runs", run_name(optimizer, lr, seed))
-    summary = os.path.join(workdir, "summary.json")
-    if os.path.exists(summary):
-        with open(summary) as f:
-            if json.load(f)["steps"] == steps:
-                return workdir
     b1, b2 = BETAS[OPTIMIZERS[optimizer][1]]
     flags = ["--config.mesh.site=1", "--config.mesh.data=1", f"--config.optim.name={optimizer}",
              f"--config.optim.learning_rate={lr}", f"--config.optim.b1={b1}", f"--config.optim.b2={b2}",
-             f"--config.train.seed={seed}", f"--config.data.seed={seed}", f"--config.train.steps={steps}",
+             f"--config.train.seed={seed}", f"--config.data.seed={seed}",
              f"--config.train.eval_every={EVAL_EVERY}", f"--config.train.eval_batches={EVAL_BATCHES}",
              f"--config.checkpoint.every={steps}", "--config.train.progress=False"]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    cmd = [sys.executable, "-m", "experiments.run", f"--config={CONFIG}", f"--workdir={workdir}", *flags]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"run failed ({' '.join(cmd)}):\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
-    return workdir
-
-
-def read_run(workdir: str) -> dict:
-    """Final held-out loss and the curves of one run."""
-    with open(os.path.join(workdir, "summary.json")) as f:
-        summary = json.load(f)
-    train_curve, val_curve = [], []
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        for line in f:
-            record = json.loads(line)
-            if "train_loss" in record:
-                train_curve.append((record["step"], record["train_loss"]))
-            if "val_loss" in record:
-                val_curve.append((record["step"], record["val_loss"]))
-    return {"val_loss": summary["val_loss"], "train_loss": summary["train_loss"], "train_curve": train_curve,
-            "val_curve": val_curve, "tokens_per_second": summary["tokens_per_second"]}
+    summary = runs_lib.run_or_reuse(CONFIG, workdir, flags, steps)
+    return {"val_loss": summary["val_loss"], "train_curve": runs_lib.read_metric(workdir, "train_loss"),
+            "val_curve": runs_lib.read_metric(workdir, "val_loss"), "tokens_per_second": summary["tokens_per_second"]}
 
 
 def collect(optimizers: list[str], steps: int, out: str) -> dict:
@@ -88,7 +62,7 @@ def collect(optimizers: list[str], steps: int, out: str) -> dict:
 
     def go(o, lr, seed, i, total):
         t0 = time.time()
-        runs[(o, lr, seed)] = read_run(train(o, lr, seed, steps, out))
+        runs[(o, lr, seed)] = train(o, lr, seed, steps, out)
         print(f"[{i}/{total}] {run_name(o, lr, seed)}: held-out loss {runs[(o, lr, seed)]['val_loss']:.4f} "
               f"({time.time() - t0:.0f} s; {(time.time() - started) / 60:.1f} min so far)", flush=True)
 

@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import os
-import subprocess
-import sys
 import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CONFIG = os.path.join(ROOT, "experiments", "configs", "quickstart.py")
+from experiments.reproduce import runs
+
+CONFIG = runs.config_path("quickstart")
 PARTS = ("grid", "train")
 RECIPES = ("bf16", "e2m1_baseline", "ufp4", "ufp4_int4", "nvfp4", "mxfp4")
 SEEDS = (0, 1)
@@ -135,35 +133,16 @@ def plan() -> list[dict]:
     return runs
 
 
-def train(run: dict, steps: int, out: str) -> str:
+def train(run: dict, steps: int, out: str) -> dict:
+    """Runs (or reuses) one training run; returns its held-out loss, training-loss curve and speed."""
     workdir = os.path.join(out, "runs", run["name"])
-    summary = os.path.join(workdir, "summary.json")
-    if os.path.exists(summary):
-        with open(summary) as f:
-            if json.load(f)["steps"] == steps:
-                return workdir
     flags = ["--config.mesh.site=1", "--config.mesh.data=1", f"--config.train.seed={run['seed']}",
-             f"--config.data.seed={run['seed']}", f"--config.train.steps={steps}",
-             f"--config.train.eval_every={steps}", "--config.train.eval_batches=16", f"--config.checkpoint.every={steps}",
-             "--config.train.progress=False"] + [f"--config.precision.{k}={v}" for k, v in run["flags"].items()]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    cmd = [sys.executable, "-m", "experiments.run", f"--config={CONFIG}", f"--workdir={workdir}", *flags]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"run failed ({' '.join(cmd)}):\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
-    return workdir
-
-
-def read_run(workdir: str) -> dict:
-    with open(os.path.join(workdir, "summary.json")) as f:
-        summary = json.load(f)
-    curve = []
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        for line in f:
-            record = json.loads(line)
-            if "train_loss" in record:
-                curve.append((record["step"], record["train_loss"]))
-    return {"val_loss": summary["val_loss"], "curve": curve, "tokens_per_second": summary["tokens_per_second"]}
+             f"--config.data.seed={run['seed']}", f"--config.train.eval_every={steps}",
+             "--config.train.eval_batches=16", f"--config.checkpoint.every={steps}", "--config.train.progress=False",
+             *(f"--config.precision.{k}={v}" for k, v in run["flags"].items())]
+    summary = runs.run_or_reuse(CONFIG, workdir, flags, steps)
+    return {"val_loss": summary["val_loss"], "curve": runs.read_metric(workdir, "train_loss"),
+            "tokens_per_second": summary["tokens_per_second"]}
 
 
 def relative_error(run: dict, bf16: dict, steps: int) -> tuple[float, float]:
@@ -181,7 +160,7 @@ def train_all(out: str, steps: int, jobs: int) -> None:
         futures = {pool.submit(train, run, steps, out): run for run in runs}
         for i, future in enumerate(concurrent.futures.as_completed(futures)):
             run = futures[future]
-            results[run["name"]] = read_run(future.result())
+            results[run["name"]] = future.result()
             print(f"[{i + 1}/{len(runs)}] {run['name']}: held-out loss {results[run['name']]['val_loss']:.4f} "
                   f"({(time.time() - started) / 60:.1f} min so far)", flush=True)
     rows = []
