@@ -61,3 +61,17 @@ def tiny_moe_transformer(resident=None, routing_mode="partitioned"):
         return MoE(cfg, m, path=path, rngs=rngs, resident=resident, routing_mode=routing_mode)
 
     return Transformer(cfg, rngs=nnx.Rngs(0), ffn_factory=ffn)
+
+
+def train_losses(model: nnx.Module, optimizer, tokens: jax.Array, steps: int) -> list[float]:
+    """The training loss of each of `steps` jitted train steps of `model` with `optimizer` on one batch."""
+    from core import train as train_lib
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    state = train_lib.TrainState(jnp.zeros((), jnp.int32), params, rest, optimizer.init(params), jax.random.key(0))
+    step = jax.jit(train_lib.train_step_fn(graphdef, optimizer))
+    losses = []
+    for _ in range(steps):
+        state, metrics = step(state, tokens)
+        losses.append(float(metrics["loss"]))
+    return losses

@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
 from optim import mgup
 
@@ -253,23 +252,14 @@ def test_newton_schulz_orthogonalises_and_muon_rejects_non_matrices():
                                   "mgup_muon"])
 def test_every_optimizer_is_selectable_from_the_config(name):
     """optim.name picks the optimizer for any experiment; a few steps of the tiny MoE model train with it."""
-    from core import train as train_lib
     from experiments import build
-    from moe_reference import tiny_moe_transformer
+    from moe_reference import tiny_moe_transformer, train_losses
 
     config = build.default_config()
     config.optim.update(name=name, learning_rate=3e-3, warmup_steps=0)
     build.validate(config)
-    optimizer = build.build_optimizer(config)
-    model = tiny_moe_transformer()
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    state = train_lib.TrainState(jnp.zeros((), jnp.int32), params, rest, optimizer.init(params), jax.random.key(0))
-    step = jax.jit(train_lib.train_step_fn(graphdef, optimizer))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(4, 17)), jnp.int32)
-    losses = []
-    for _ in range(4):
-        state, metrics = step(state, tokens)
-        losses.append(float(metrics["loss"]))
+    losses = train_losses(tiny_moe_transformer(), build.build_optimizer(config), tokens, 4)
     assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
 
 

@@ -166,8 +166,8 @@ def test_precision_recipe_from_the_config_trains_the_moe_model(recipe):
     from flax import nnx
 
     from core import mesh as mesh_lib
-    from core import train as train_lib
     from experiments import build
+    from moe_reference import train_losses
 
     c = build.default_config()
     c.model.update(d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, d_ff=64)
@@ -175,15 +175,8 @@ def test_precision_recipe_from_the_config_trains_the_moe_model(recipe):
     c.precision.recipe = recipe
     build.validate(c)
     model = build.build_model_fn(c, mesh_lib.Sharder())(nnx.Rngs(0))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    optimizer = optax.adam(3e-3)
-    state = train_lib.TrainState(jnp.zeros((), jnp.int32), params, rest, optimizer.init(params), jax.random.key(0))
-    step = jax.jit(train_lib.train_step_fn(graphdef, optimizer))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(4, 33)), jnp.int32)
-    losses = []
-    for _ in range(5):
-        state, metrics = step(state, tokens)
-        losses.append(float(metrics["loss"]))
+    losses = train_losses(model, optax.adam(3e-3), tokens, 5)
     assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
     c.precision.recipe = "bf16"
     plain = build.build_model_fn(c, mesh_lib.Sharder())(nnx.Rngs(0))
