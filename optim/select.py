@@ -5,10 +5,10 @@ several passes. Selection here only counts. Floats are mapped to unsigned intege
 (`ordered_keys`); the k-th largest key is found by a multiway search over the key range: each pass counts the
 entries at or above `WAYS` thresholds at once (one variadic reduction: about the cost of one count on XLA:CPU) and
 keeps the sub-range that holds the answer. A first pass tests a bracket from a strided sample's quantiles, so a
-float32 tensor needs 4-7 passes (simulated on normal, Cauchy and Adam-like products of 1.6M entries) instead of
-32 / log2(WAYS + 1). The search stops once exactly k keys lie at or above its lower end, or at the k-th largest key
-itself; ties there go to the first positions, found from per-row counts (XLA:CPU's cumsum over a whole tensor costs
-about 12 counting passes). The mask is an elementwise function of the scores and three scalars, which XLA fuses
+float32 tensor needs a handful of passes (4-8 on 1.6M normal, Cauchy and Adam-like products; tests/test_select.py)
+instead of 32 / log2(WAYS + 1). The search stops once exactly k keys lie at or above its lower end, or at the k-th
+largest key itself; ties there go to the first positions, found from per-row counts (XLA:CPU's cumsum over a whole tensor costs
+many counting passes). The mask is an elementwise function of the scores and three scalars, which XLA fuses
 into the parameter update. `approx_threshold` runs the same search on a strided sample only.
 NaN scores are not supported (they sort above +inf).
 """
@@ -41,7 +41,7 @@ def count_at_least(keys: jax.Array, thresholds: list[jax.Array]) -> list[jax.Arr
     """[#(keys >= t) for t in thresholds] in one pass over `keys`: one variadic reduction of int32 indicators.
 
     XLA:CPU emits a variadic reduction as one vectorised loop, but rewrites a single-operand one into a slower tree
-    of windowed reductions (4-10x slower here); a lone threshold is therefore counted together with its complement.
+    of windowed reductions (several times slower here); a lone threshold is therefore counted together with its complement.
     """
     ops = [(keys >= t).astype(jnp.int32).ravel() for t in thresholds]
     if len(ops) == 1:  # (both results are used, or XLA drops the complement again)
@@ -61,10 +61,10 @@ def _sample_bracket(keys: jax.Array, k: int, sample: int) -> tuple[jax.Array, ja
 
 
 def selection_key(keys: jax.Array, k: int, *,
-                  sample: int = _BRACKET_SAMPLE) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(t, at_least, greater) for a 1-D array of keys and 1 <= k <= size: at_least = #(keys >= t) >= k, and either
-    at_least == k (`keys >= t` selects exactly the k largest), or t is the k-th largest key and greater = #(keys > t)
-    (< k; the rest of the k are ties at t).
+                  sample: int = _BRACKET_SAMPLE) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(t, at_least, greater, passes) for a 1-D array of keys and 1 <= k <= size: at_least = #(keys >= t) >= k, and
+    either at_least == k (`keys >= t` selects exactly the k largest), or t is the k-th largest key and greater =
+    #(keys > t) (< k; the rest of the k are ties at t). passes: the counting passes over `keys` it took.
 
     Invariant of the search: #(keys >= lo) >= k > #(keys >= hi). The first pass counts at the sample bracket, every
     later pass at WAYS thresholds evenly spread over (lo, hi).
@@ -77,7 +77,7 @@ def selection_key(keys: jax.Array, k: int, *,
 
     def narrow(state, thresholds):
         lo, hi, c_lo, c_hi = state
-        for t, c in zip(thresholds, count_at_least(keys, thresholds)):  # thresholds ascend, counts descend
+        for t, c in zip(thresholds, count_at_least(keys, thresholds)):  # in any order
             below = (c >= k) & (t > lo)
             lo, c_lo = jnp.where(below, t, lo), jnp.where(below, c, c_lo)
             above = (c < k) & (t < hi)
@@ -88,20 +88,23 @@ def selection_key(keys: jax.Array, k: int, *,
     state = (jnp.zeros((), utype), top, jnp.int32(n), jnp.int32(0))
     state = narrow(state, list(_sample_bracket(keys, k, sample)))
 
-    def body(state):
+    def body(carry):
+        state, passes = carry
         lo, hi = state[:2]
         step = (hi - lo) // (WAYS + 1)
-        return narrow(state, [jnp.where(step > 0, lo + step * j, jnp.minimum(lo + j, hi)) for j in range(1, WAYS + 1)])
+        spread = [jnp.where(step > 0, lo + step * j, jnp.minimum(lo + j, hi)) for j in range(1, WAYS + 1)]
+        return narrow(state, spread), passes + 1
 
     # Done when the range is one key (t = lo), or when exactly k keys are >= lo (then `keys >= lo` is the answer's
     # mask, and the k-th largest key, the least of them, is not needed).
-    lo, _, c_lo, c_hi = jax.lax.while_loop(lambda s: (s[1] - s[0] > 1) & (s[2] != k), body, state)
-    return lo, c_lo, c_hi
+    (lo, _, c_lo, c_hi), passes = jax.lax.while_loop(lambda c: (c[0][1] - c[0][0] > 1) & (c[0][2] != k), body,
+                                                     (state, jnp.int32(1)))
+    return lo, c_lo, c_hi, passes
 
 
 def _position_of_nth(flags: jax.Array, nth: jax.Array, row: int = 1024) -> jax.Array:
     """The flat index of the nth (1-based) True of a 1-D bool array, without a cumsum over all of it (XLA:CPU's
-    costs 12x a counting pass): count per row of `row` entries, find the row from the (short) running count of rows,
+    costs many counting passes): count per row of `row` entries, find the row from the (short) running count of rows,
     then the column from a running count inside that one row."""
     n = flags.size
     rows = -(-n // row)
@@ -123,7 +126,7 @@ def top_k_mask(score: jax.Array, k: int) -> jax.Array:
     if k >= n:
         return jnp.ones(score.shape, bool)
     flat = ordered_keys(score.ravel())
-    t, at_least, greater = selection_key(flat, k)
+    t, at_least, greater, _ = selection_key(flat, k)
     # The last position among the keys equal to t that is taken: all of them unless there are more ties than needed.
     last = jax.lax.cond(at_least == k, lambda: jnp.int32(n), lambda: _position_of_nth(flat == t, k - greater))
     keys = ordered_keys(score)

@@ -29,7 +29,7 @@ from quant.hadamard import random_signs, rht
 from quant.quantize import DEFAULT_BLOCK, quantize, quantize_tiles
 from quant.recipes import Gemm, Recipe
 
-__all__ = ["GemmConfig", "dot_general", "prepare_operands"]
+__all__ = ["GemmConfig", "backward_keys", "dot_general", "prepare_operands"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +76,11 @@ def prepare_operands(a: jax.Array, b: jax.Array, axis_a: int, axis_b: int, gemm:
     return tuple(out)
 
 
+def backward_keys(key: jax.Array | None) -> tuple[jax.Array | None, jax.Array | None]:
+    """The keys of the dgrad and wgrad GEMMs of one layer's step (None without a key)."""
+    return (None, None) if key is None else (jax.random.fold_in(key, 1), jax.random.fold_in(key, 2))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _matmul(cfg: GemmConfig, x: jax.Array, w: jax.Array, key: jax.Array | None) -> jax.Array:
     """x [B, M, K] @ w [B, K, N] -> [B, M, N] float32, operands quantised as fprop says."""
@@ -90,7 +95,7 @@ def _fwd(cfg, x, w, key):
 def _bwd(cfg, residuals, dy):
     x, w, key = residuals
     r = cfg.recipe
-    k_d, k_w = (None, None) if key is None else (jax.random.fold_in(key, 1), jax.random.fold_in(key, 2))
+    k_d, k_w = backward_keys(key)
     q_dy, q_w = prepare_operands(dy, w, 2, 2, r.dgrad, cfg, key=k_d, stochastic=(r.dgrad.stochastic_dy, False), weight=1)
     dx = jnp.einsum("bmn,bkn->bmk", q_dy, q_w, preferred_element_type=jnp.float32)
     q_x, q_dy = prepare_operands(x, dy, 1, 1, r.wgrad, cfg, key=k_w, stochastic=(False, r.wgrad.stochastic_dy))

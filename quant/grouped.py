@@ -19,7 +19,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from quant.dot_general import GemmConfig, prepare_operands
+from quant.dot_general import GemmConfig, backward_keys, prepare_operands
 from quant.quantize import DEFAULT_BLOCK, quantize
 from quant.recipes import Recipe
 
@@ -56,7 +56,7 @@ def _fwd(cfg, inner, x, w, group_sizes, key):
 def _bwd(cfg, inner, residuals, dy):
     x, w, group_sizes, key = residuals
     r = cfg.recipe
-    k_d, k_w = (None, None) if key is None else (jax.random.fold_in(key, 1), jax.random.fold_in(key, 2))
+    k_d, k_w = backward_keys(key)
     q_dy, q_w = prepare_operands(dy, w, 1, 2, r.dgrad, cfg, key=k_d, stochastic=(r.dgrad.stochastic_dy, False),
                                  weight=1)
     dx = inner(q_dy, jnp.swapaxes(q_w, 1, 2), group_sizes, preferred_element_type=jnp.float32)

@@ -64,3 +64,15 @@ def test_top_k_mask_keeps_shape_and_edge_k():
     assert not select.top_k_mask(x, 0).any() and select.top_k_mask(x, 35).all()
     got = np.asarray(select.top_k_mask(x, 3))
     assert got.shape == (7, 5) and set(np.asarray(x)[got]) == set(np.sort(np.asarray(x).ravel())[-3:])
+
+
+def test_the_search_takes_a_handful_of_passes():
+    """1.6M normal, Cauchy and Adam-like (normal x |normal|) products, k at 10%, 50%, 90%: at most 8 counting passes
+    (measured: 4-8), against 32 / log2(WAYS + 1) = 12 for a plain multiway search of 32-bit keys."""
+    rng = np.random.default_rng(0)
+    n = 640 * 2560
+    count = jax.jit(lambda keys, k: select.selection_key(keys, k)[3], static_argnums=1)
+    for x in (rng.normal(size=n), rng.standard_cauchy(size=n), rng.normal(size=n) * np.abs(rng.normal(size=n))):
+        keys = select.ordered_keys(jnp.asarray(x, jnp.float32))
+        for k in (n // 10, n // 2, n - n // 10):
+            assert 1 <= int(count(keys, k)) <= 8
