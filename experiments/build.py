@@ -19,7 +19,10 @@ from core import config as config_lib
 from core import data as data_lib
 from core import mesh as mesh_lib
 from core import model as model_lib
+from core import generate as generate_lib
 from core import train as train_lib
+from kvcache import config as kv_config
+from kvcache import paged_cache_factory
 from moe import config as moe_config
 from moe.grouped_matmul import GroupedMatmulFn
 from moe.layer import MoE, MoEConfig
@@ -58,6 +61,7 @@ def schema() -> config_lib.Schema:
     spec["moe"] = moe_config.section()
     spec["fomoe"] = moe_config.fomoe_section()
     spec["precision"] = quant_config.section()
+    spec["kvcache"] = kv_config.section()
     return spec
 
 
@@ -76,6 +80,7 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
         raise config_lib.ConfigError(
             f"config key 'precision.last_blocks_high_precision' = {config.precision.last_blocks_high_precision} "
             f"exceeds model.num_layers = {config.model.num_layers}.")
+    kv_config.check(config.kvcache, config.model.d_model // config.model.num_heads)
 
 
 def decay_mask(params):
@@ -120,6 +125,15 @@ def build_precision(config: ml_collections.ConfigDict, grouped: Callable) -> mod
         return model_lib.DefaultPrecision(grouped=grouped)
     recipe = quant_config.apply(quant_recipes.get(p.recipe), p)
     return QuantPrecision(recipe, num_layers=config.model.num_layers, grouped=grouped)
+
+
+def build_cache_factory(config: ml_collections.ConfigDict, model: model_lib.Transformer) -> generate_lib.CacheFactory:
+    """The KV cache of cached generation: the dense bf16 cache, or a paged cache in the configured format."""
+    kv, cfg = config.kvcache, model.cfg
+    if kv.format == "bf16" and not kv.paged:
+        return generate_lib.dense_cache_factory(model)
+    return paged_cache_factory(kv_config.make_format(kv), num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                               head_dim=cfg.head_dim, block_size=kv.block_size, implementation=kv.implementation)
 
 
 def build_mesh(config: ml_collections.ConfigDict) -> tuple[jax.sharding.Mesh, mesh_lib.Sharder]:

@@ -87,10 +87,12 @@ def sample_text(config, model_fn, results) -> str:
     """Continues `config.sample.prompt` with the trained model (KV-cached generation)."""
     from core import generate
     from core.data import ByteTokenizer
+    from experiments import build
 
     model = nnx.merge(results["graphdef"], results["final_state"].params, results["final_state"].rest)
     tok = ByteTokenizer()
     s = config.sample
     out = generate.generate(model, [tok.encode(s.prompt)], max_new_tokens=s.num_tokens,
-                            key=jax.random.PRNGKey(config.train.seed), temperature=s.temperature, top_k=s.top_k)
+                            key=jax.random.PRNGKey(config.train.seed), temperature=s.temperature, top_k=s.top_k,
+                            cache_factory=build.build_cache_factory(config, model))
     return s.prompt + tok.decode(out[0])

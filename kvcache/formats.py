@@ -1,0 +1,276 @@
+"""KV-cache formats: how one token's keys and values are stored, and how queries meet them.
+
+A format turns keys and values `k, v: [..., K, D]` (K key/value heads, D head dim) into a dict of arrays (its
+*fields*), each `[..., K, *trailing]`, and back. Storing fields as separate arrays (structure of arrays) lets a
+kernel load each one contiguously; `pack_slots` / `unpack_slots` convert to and from the spec's byte layout per
+(token, KV head), which has exactly the same size.
+
+  "bf16": k, v as bfloat16                                           4 D bytes per token and head
+  "fp8":  E4M3 codes with one float32 scale per token and head        2 D + 8
+          (scale = absmax / 448, so the largest entry maps to E4M3's largest finite value)
+  "fp4":  UltraQuant (arXiv 2606.20474): E2M1 codes, two per byte;    D + D / 16   (136 B at D = 128)
+          one UE8M0 scale byte 2^(e - 127) per 32 head-dim elements per token and head; K rotated by the
+          normalised Sylvester Hadamard matrix over the whole head dim (V not rotated); the query is rotated by
+          the same matrix and cast to FP8 E4M3, so q.k is unchanged up to quantisation.
+
+fp4 scale rules (per 32-element group with absmax a):
+  "mse" (the open vLLM backend): s = 2^round(log2(0.156 a)); the largest values may clip at +-6 s.
+  "mx"  (OCP microscaling):      s = 2^(floor(log2 a) - 2), so a / s lies in [4, 8): values above 6 s saturate
+        to +-6 s, as the OCP spec prescribes.
+
+fp4 packing: byte j of a row holds element j in its low nibble and element j + D/2 in its high nibble
+("split halves"), so a kernel unpacks a 32-byte chunk into two 32-element groups without any interleaving. A code
+is sign (bit 3) and magnitude index m (bits 0-2) into E2M1's levels 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["Format", "get", "NAMES", "SCALE_RULES", "E2M1_LEVELS", "hadamard", "pack_slots", "unpack_slots",
+           "encode_e2m1", "decode_e2m1"]
+
+NAMES = ("bf16", "fp8", "fp4")
+SCALE_RULES = ("mse", "mx")
+GROUP = 32  # fp4 elements per UE8M0 scale
+E2M1_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E4M3_MAX = 448.0
+MSE_FACTOR = 0.156  # the open backend's absmax multiplier: s = 2^round(log2(0.156 absmax))
+
+
+def hadamard(d: int) -> np.ndarray:
+    """The normalised Sylvester Hadamard matrix H_d / sqrt(d) (float32 [d, d], symmetric and orthogonal); d a power
+    of two."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"head_dim = {d}: the Hadamard rotation needs a power of two (64, 128, 256)")
+    h = np.ones((1, 1))
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    return (h / math.sqrt(d)).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------------ E2M1 codes
+
+def encode_e2m1(x: jax.Array) -> jax.Array:
+    """Nearest E2M1 code (uint8 0..15) of x (already divided by its scale), ties to the even magnitude index,
+    saturating at +-6; sign in bit 3 (so -0 encodes as 8, which decodes to 0)."""
+    a = jnp.abs(x.astype(jnp.float32))
+    mids = [(lo + hi) / 2 for lo, hi in zip(E2M1_LEVELS, E2M1_LEVELS[1:])]
+    # Index i+1 wins over i above the midpoint; at the midpoint only when i+1 is even.
+    m = sum(((a > mid) | ((a == mid) & ((i + 1) % 2 == 0))).astype(jnp.uint8) for i, mid in enumerate(mids))
+    return m | (jnp.signbit(x).astype(jnp.uint8) << 3)
+
+
+def decode_e2m1(code: jax.Array) -> jax.Array:
+    """E2M1 value (float32) of codes 0..15, arithmetically (no table): magnitude index m = 2e + f gives
+    f / 2 for e = 0 and 2^(e-1) (1 + f / 2) otherwise."""
+    code = code.astype(jnp.int32)
+    e, f = (code >> 1) & 3, (code & 1).astype(jnp.float32)
+    mag = jnp.where(e == 0, 0.5 * f, jnp.exp2((e - 1).astype(jnp.float32)) * (1.0 + 0.5 * f))
+    return jnp.where(code & 8, -mag, mag)
+
+
+def _ue8m0_exponent(absmax: jax.Array, rule: str) -> jax.Array:
+    """Unbiased scale exponent e (int32, in [-127, 127]) of each group's absmax; 0 for an all-zero group."""
+    if rule == "mx":
+        _, exp = jnp.frexp(absmax)  # absmax = mant * 2^exp with mant in [0.5, 1): floor(log2 absmax) = exp - 1
+        e = exp - 1 - 2
+    else:
+        e = jnp.round(jnp.log2(MSE_FACTOR * absmax)).astype(jnp.int32)
+    return jnp.clip(jnp.where(absmax > 0, e, 0), -127, 127)
+
+
+def _group_scales(x: jax.Array, rule: str) -> jax.Array:
+    """UE8M0 scale bytes [..., D / 32] (biased exponent e + 127) of x [..., D]."""
+    groups = x.reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
+    return (_ue8m0_exponent(jnp.max(jnp.abs(groups), axis=-1), rule) + 127).astype(jnp.uint8)
+
+
+def _scale_values(scales: jax.Array) -> jax.Array:
+    return jnp.exp2(scales.astype(jnp.float32) - 127.0)
+
+
+def _fp4_encode(x: jax.Array, rule: str) -> tuple[jax.Array, jax.Array]:
+    """x [..., D] float -> (codes [..., D/2] uint8 in split-half packing, scales [..., D/32] uint8)."""
+    x = x.astype(jnp.float32)
+    scales = _group_scales(x, rule)
+    per_elem = jnp.repeat(_scale_values(scales), GROUP, axis=-1)
+    codes = encode_e2m1(x / per_elem)
+    half = x.shape[-1] // 2
+    return codes[..., :half] | (codes[..., half:] << 4), scales
+
+
+def _fp4_decode(codes: jax.Array, scales: jax.Array) -> jax.Array:
+    values = jnp.concatenate([decode_e2m1(codes & 15), decode_e2m1(codes >> 4)], axis=-1)
+    return values * jnp.repeat(_scale_values(scales), GROUP, axis=-1)
+
+
+def _fp8_encode(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x = x.astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(x), axis=-1)
+    scale = jnp.where(absmax > 0, absmax / E4M3_MAX, 1.0)
+    codes = jnp.clip(x / scale[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return codes, scale
+
+
+# --------------------------------------------------------------------------------------------------- formats
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """A KV-cache format. Pure functions of arrays; hashable, so it can be a static argument of jit.
+
+    Attributes:
+      name: "bf16", "fp8" or "fp4".
+      scale_rule: fp4 only, "mse" or "mx".
+      rotate_k: fp4 only: rotate K (and the query) by the Hadamard matrix.
+      fp8_query: fp4 only: cast the (rotated) query to FP8 E4M3 (scale 1) before the score product.
+    """
+
+    name: str
+    scale_rule: str = "mse"
+    rotate_k: bool = True
+    fp8_query: bool = True
+
+    def __post_init__(self):
+        if self.name not in NAMES:
+            raise ValueError(f"KV format {self.name!r} unknown; allowed: {list(NAMES)}")
+        if self.scale_rule not in SCALE_RULES:
+            raise ValueError(f"scale_rule = {self.scale_rule!r} unknown; allowed: {list(SCALE_RULES)}")
+
+    @property
+    def label(self) -> str:
+        if self.name != "fp4":
+            return self.name
+        extras = [self.scale_rule] + ([] if self.rotate_k else ["no-rotation"]) + ([] if self.fp8_query else
+                                                                                  ["fp32-query"])
+        return "fp4 (" + ", ".join(extras) + ")"
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if self.name == "fp4":
+            if head_dim % (2 * GROUP):
+                raise ValueError(f"head_dim = {head_dim}: the fp4 KV format needs a multiple of {2 * GROUP} "
+                                 f"(two 32-element scale groups per packed 32-byte chunk)")
+            if self.rotate_k:
+                hadamard(head_dim)
+
+    def fields(self, num_kv_heads: int, head_dim: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """name -> (shape per token, dtype) of each stored array."""
+        self.check_head_dim(head_dim)
+        kd = (num_kv_heads, head_dim)
+        if self.name == "bf16":
+            return {"k": (kd, jnp.bfloat16), "v": (kd, jnp.bfloat16)}
+        if self.name == "fp8":
+            return {"k": (kd, jnp.float8_e4m3fn), "k_scale": ((num_kv_heads,), jnp.float32),
+                    "v": (kd, jnp.float8_e4m3fn), "v_scale": ((num_kv_heads,), jnp.float32)}
+        packed, groups = (num_kv_heads, head_dim // 2), (num_kv_heads, head_dim // GROUP)
+        return {"k_codes": (packed, jnp.uint8), "k_scales": (groups, jnp.uint8),
+                "v_codes": (packed, jnp.uint8), "v_scales": (groups, jnp.uint8)}
+
+    def bytes_per_token(self, num_kv_heads: int, head_dim: int) -> int:
+        """Bytes one token occupies in one layer (keys, values and their scales)."""
+        return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
+                   for shape, dtype in self.fields(num_kv_heads, head_dim).values())
+
+    def rotation(self, head_dim: int) -> np.ndarray | None:
+        return hadamard(head_dim) if self.name == "fp4" and self.rotate_k else None
+
+    def quantize(self, k: jax.Array, v: jax.Array) -> dict[str, jax.Array]:
+        """k, v [..., K, D] (any float dtype) -> the stored fields, each [..., K, *trailing]."""
+        if k.shape != v.shape:
+            raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape [..., K, D]")
+        self.check_head_dim(k.shape[-1])
+        if self.name == "bf16":
+            return {"k": k.astype(jnp.bfloat16), "v": v.astype(jnp.bfloat16)}
+        if self.name == "fp8":
+            (kc, ks), (vc, vs) = _fp8_encode(k), _fp8_encode(v)
+            return {"k": kc, "k_scale": ks, "v": vc, "v_scale": vs}
+        rot = self.rotation(k.shape[-1])
+        k = k.astype(jnp.float32) if rot is None else _rotate(k, rot)
+        (kc, ks), (vc, vs) = _fp4_encode(k, self.scale_rule), _fp4_encode(v, self.scale_rule)
+        return {"k_codes": kc, "k_scales": ks, "v_codes": vc, "v_scales": vs}
+
+    def dequantize(self, fields: dict[str, jax.Array], *, rotated: bool = False) -> tuple[jax.Array, jax.Array]:
+        """The stored fields -> (k, v) float32 [..., K, D]. With `rotated=True`, fp4's K stays in the rotated basis
+        (what the score product uses with `prepare_query`); otherwise it is rotated back (H is its own inverse)."""
+        if self.name == "bf16":
+            return fields["k"].astype(jnp.float32), fields["v"].astype(jnp.float32)
+        if self.name == "fp8":
+            return (fields["k"].astype(jnp.float32) * fields["k_scale"][..., None],
+                    fields["v"].astype(jnp.float32) * fields["v_scale"][..., None])
+        k = _fp4_decode(fields["k_codes"], fields["k_scales"])
+        v = _fp4_decode(fields["v_codes"], fields["v_scales"])
+        rot = self.rotation(k.shape[-1])
+        return (k if rotated or rot is None else _rotate(k, rot)), v
+
+    def prepare_query(self, q: jax.Array) -> jax.Array:
+        """q [..., D] -> float32 query in the basis of the stored K: rotated by the same Hadamard matrix as K and
+        rounded to FP8 E4M3 values (saturating at +-448) for fp4; unchanged otherwise."""
+        q = q.astype(jnp.float32)
+        if self.name != "fp4":
+            return q
+        rot = self.rotation(q.shape[-1])
+        if rot is not None:
+            q = _rotate(q, rot)
+        if self.fp8_query:
+            q = jnp.clip(q, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+        return q
+
+
+def _rotate(x: jax.Array, rot: np.ndarray) -> jax.Array:
+    return jnp.einsum("...d,de->...e", x.astype(jnp.float32), jnp.asarray(rot), precision=jax.lax.Precision.HIGHEST)
+
+
+def get(name: str, **options) -> Format:
+    """The format called `name` ("bf16", "fp8", "fp4"); fp4 takes scale_rule="mse" | "mx", rotate_k, fp8_query."""
+    if name not in NAMES:
+        raise ValueError(f"KV format {name!r} unknown; allowed: {list(NAMES)}")
+    if options and name != "fp4":
+        raise ValueError(f"KV format {name!r} takes no options (got {sorted(options)}); only 'fp4' does")
+    allowed = {"scale_rule", "rotate_k", "fp8_query"}
+    if set(options) - allowed:
+        raise ValueError(f"unknown fp4 options {sorted(set(options) - allowed)}; allowed: {sorted(allowed)}")
+    return Format(name, **options)
+
+
+# --------------------------------------------------------------------------------------- the spec's byte slot
+
+def pack_slots(fmt: Format, fields: dict[str, jax.Array]) -> jax.Array:
+    """The fields -> uint8 [..., K, slot_bytes]: per (token, KV head) the fields in `fields()` order as raw bytes;
+    for fp4 this is the spec's slot [K codes D/2][K scales D/32][V codes D/2][V scales D/32] (136 B at D = 128).
+    fp8's float32 scales are stored little-endian."""
+    parts = []
+    for name in fmt.fields(*_kd(fmt, fields)):
+        x = fields[name]
+        x = x if x.ndim == fields[next(iter(fields))].ndim else x[..., None]  # per-head scalars -> one column
+        parts.append(jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(*x.shape[:-1], -1))
+    return jnp.concatenate(parts, axis=-1)
+
+
+def unpack_slots(fmt: Format, slots: jax.Array, head_dim: int) -> dict[str, jax.Array]:
+    """Inverse of `pack_slots`: uint8 [..., K, slot_bytes] -> the fields."""
+    num_kv_heads = slots.shape[-2]
+    out, start = {}, 0
+    for name, (shape, dtype) in fmt.fields(num_kv_heads, head_dim).items():
+        per_head = shape[1:] or (1,)
+        size = int(np.prod(per_head)) * np.dtype(dtype).itemsize
+        raw = slots[..., start:start + size]
+        start += size
+        itemsize = np.dtype(dtype).itemsize
+        raw = raw.reshape(*raw.shape[:-1], -1, itemsize) if itemsize > 1 else raw
+        x = jax.lax.bitcast_convert_type(raw, dtype)
+        out[name] = x.reshape(*slots.shape[:-1], *shape[1:])
+    if start != slots.shape[-1]:
+        raise ValueError(f"slots hold {slots.shape[-1]} bytes per head; format {fmt.label} at head_dim {head_dim} "
+                         f"needs {start}")
+    return out
+
+
+def _kd(fmt: Format, fields: dict[str, jax.Array]) -> tuple[int, int]:
+    """(K, D) of stored fields."""
+    k = fields["k_codes" if fmt.name == "fp4" else "k"]
+    return k.shape[-2], k.shape[-1] * (2 if fmt.name == "fp4" else 1)

@@ -1,0 +1,193 @@
+"""Paged attention as one Pallas kernel: split-KV decode and unified (prefill chunks + decode) attention.
+
+Same signatures as `kvcache.reference.unified_attention` / `decode_attention`; shapes as documented there.
+
+Grid: (B sequences, K KV heads, QT query tiles, P partitions). Program (b, h, i, p) takes TQ query tokens of
+sequence b (tile i) with all G query heads of KV head h, as R = TQ * Gp rows (Gp >= G: padded with zero queries
+so that R >= 16, the smallest matrix product GPU tensor cores take), and the p-th slice of the KV blocks the tile
+can see (causal). It streams those blocks with an online softmax (running max m, exp-sum l, accumulator) and
+writes its normalised partial output and log-sum-exp lse = m + log l. A log-sum-exp reduce over partitions
+(in XLA: P x rows x D values) merges them: out = sum_p exp(lse_p - LSE) out_p with LSE = logsumexp_p lse_p.
+
+Splitting a long context over P partitions is flash-decoding: without it one program streams a whole 128K
+context alone while the rest of the GPU idles (the long-context cliff). `num_partitions` picks P from the
+context and the batch.
+
+Formats are decoded in the kernel, 32 head-dim columns at a time:
+  bf16 / fp8: the columns' values (fp8's per-token scale multiplies the scores and the probabilities);
+  fp4: a 32-byte chunk of split-half packed codes gives two 32-column groups (low and high nibbles), decoded
+       arithmetically; the UE8M0 group scale multiplies that group's partial scores (K) or values (V).
+The query comes prepared by `Format.prepare_query` (Hadamard-rotated and FP8-rounded for fp4), so the score
+product needs no rotation: H^T H = I. Products accumulate in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kvcache.formats import GROUP, Format
+
+__all__ = ["unified_attention", "decode_attention", "num_partitions", "MIN_ROWS"]
+
+MIN_ROWS = 16  # rows of the query tile: tensor-core matrix products need M >= 16
+TARGET_PROGRAMS = 512  # programs to aim for when splitting (about 4 per SM on an H200's 132 SMs)
+MIN_BLOCKS_PER_PARTITION = 8  # do not split below 8 blocks (128 tokens at block size 16) per partition
+
+
+def num_partitions(max_blocks: int, programs: int, *, target: int = TARGET_PROGRAMS,
+                   min_blocks: int = MIN_BLOCKS_PER_PARTITION) -> int:
+    """Partitions per (sequence, KV head, query tile): enough to give about `target` programs in all, never
+    fewer than `min_blocks` blocks per partition, at least 1. `programs` = B * K * QT without splitting."""
+    by_parallelism = math.ceil(target / max(programs, 1))
+    by_length = max(1, max_blocks // min_blocks)
+    return max(1, min(by_parallelism, by_length, max_blocks))
+
+
+def _decode_e2m1(code):
+    """E2M1 value of uint8 codes 0..15 (see formats.decode_e2m1), kernel-friendly (no tables)."""
+    code = code.astype(jnp.int32)
+    e, f = (code >> 1) & 3, (code & 1).astype(jnp.float32)
+    mag = jnp.where(e == 0, 0.5 * f, jnp.exp2((e - 1).astype(jnp.float32)) * (1.0 + 0.5 * f))
+    return jnp.where((code & 8) != 0, -mag, mag)
+
+
+def _groups(fmt: Format, refs: dict, prefix: str, blk, h, head_dim: int):
+    """Yields (group index, values [bs, 32] float32, group scale [bs] or None) of K or V of one block and head."""
+    if fmt.name in ("bf16", "fp8"):
+        for g in range(head_dim // GROUP):
+            yield g, refs[prefix][blk, h, :, pl.ds(g * GROUP, GROUP)].astype(jnp.float32), None
+        return
+    half = head_dim // (2 * GROUP)  # 32-byte chunks; chunk c holds groups c (low nibbles) and c + half (high)
+    codes_ref, scales_ref = refs[prefix + "_codes"], refs[prefix + "_scales"]
+    for c in range(half):
+        chunk = codes_ref[blk, h, :, pl.ds(c * GROUP, GROUP)]
+        for g, nibbles in ((c, chunk & 15), (c + half, chunk >> 4)):
+            scale = jnp.exp2(scales_ref[blk, h, :, g].astype(jnp.float32) - 127.0)
+            yield g, _decode_e2m1(nibbles), scale
+
+
+def _kernel(bt_ref, seq_lens_ref, qsl_ref, q_ref, *refs, fmt: Format, names: tuple[str, ...], head_dim: int,
+            block_size: int, tile: int, heads: int, blocks_per_partition: int, sm_scale: float):
+    fields = dict(zip(names, refs[:len(names)]))
+    o_ref, lse_ref = refs[len(names):]
+    b, h, i, p = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    rows = tile * heads
+    num_groups = head_dim // GROUP
+    seq_len = seq_lens_ref[b]
+    q_len = qsl_ref[b + 1] - qsl_ref[b]
+    first_pos = seq_len - q_len + i * tile  # position of the tile's first query
+    row_pos = first_pos + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // heads  # [R, 1]
+    visible_len = jnp.minimum(seq_len, first_pos + tile)  # keys the tile's last query sees
+    num_blocks = jnp.where(i * tile < q_len, (visible_len + block_size - 1) // block_size, 0)  # idle tail tiles
+    start = p * blocks_per_partition
+    stop = jnp.minimum(start + blocks_per_partition, num_blocks)
+    q = [q_ref[h, b, pl.ds(i * rows, rows), pl.ds(g * GROUP, GROUP)] for g in range(num_groups)]
+
+    def body(j, carry):
+        m, l, acc = carry
+        blk = bt_ref[b, j]
+        scores = jnp.zeros((rows, block_size), jnp.float32)
+        for g, k, scale in _groups(fmt, fields, "k", blk, h, head_dim):
+            part = jax.lax.dot_general(q[g], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            scores += part if scale is None else part * scale[None, :]
+        if fmt.name == "fp8":
+            scores *= fields["k_scale"][blk, h, :][None, :]
+        key_pos = j * block_size + jax.lax.broadcasted_iota(jnp.int32, (1, block_size), 1)
+        visible = (key_pos <= row_pos) & (key_pos < seq_len)
+        scores = jnp.where(visible, scores * sm_scale, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(scores, axis=1, keepdims=True))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that sees nothing yet stays at l = 0
+        probs = jnp.exp(scores - m_safe)
+        alpha = jnp.exp(m - m_safe)
+        l = alpha * l + jnp.sum(probs, axis=1, keepdims=True)
+        if fmt.name == "fp8":
+            probs = probs * fields["v_scale"][blk, h, :][None, :]
+        acc = list(acc)
+        for g, v, scale in _groups(fmt, fields, "v", blk, h, head_dim):
+            v = v if scale is None else v * scale[:, None]
+            acc[g] = alpha * acc[g] + jnp.dot(probs, v, preferred_element_type=jnp.float32)
+        return m_new, l, tuple(acc)
+
+    init = (jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+            tuple(jnp.zeros((rows, GROUP), jnp.float32) for _ in range(num_groups)))
+    m, l, acc = jax.lax.fori_loop(start, jnp.maximum(start, stop), body, init)
+    empty = l == 0.0
+    inv = 1.0 / jnp.where(empty, 1.0, l)
+    for g in range(num_groups):
+        o_ref[p, h, b, pl.ds(i * rows, rows), pl.ds(g * GROUP, GROUP)] = acc[g] * inv
+    lse_ref[p, h, b, pl.ds(i * rows, rows)] = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))[:, 0]
+
+
+def unified_attention(q: jax.Array, fields: dict[str, jax.Array], block_tables: jax.Array, seq_lens: jax.Array,
+                      query_start_loc: jax.Array, *, fmt: Format, max_query_len: int | None = None,
+                      sm_scale: float | None = None, partitions: int | None = None, tile: int | None = None,
+                      interpret: bool = False) -> jax.Array:
+    """The Pallas kernel behind `kvcache.unified_attention` (see `kvcache.reference.unified_attention`).
+
+    Extra args:
+      partitions: KV partitions per query tile (default `num_partitions(...)`; 1 = no split-KV).
+      tile: query tokens per program (default min(max_query_len, 16), rounded to a power of two).
+      interpret: run the kernel in Pallas' interpreter (CPU tests).
+    Returns: [T, H, D] float32.
+    """
+    t, num_heads, d = q.shape
+    name0 = "k_codes" if fmt.name == "fp4" else "k"
+    _, num_kv, block_size = fields[name0].shape[:3]
+    batch, max_blocks = block_tables.shape
+    groups = num_heads // num_kv
+    max_q = t if max_query_len is None else int(max_query_len)
+    tile = tile or min(16, pl.next_power_of_2(max_q))
+    heads = max(groups, -(-MIN_ROWS // tile))  # Gp: padded query heads per KV head
+    num_tiles = -(-max_q // tile)
+    q_pad = num_tiles * tile
+    parts = partitions or num_partitions(max_blocks, batch * num_kv * num_tiles)
+    if not 1 <= parts <= max_blocks:
+        raise ValueError(f"partitions = {parts}; allowed: 1 .. block-table width {max_blocks}")
+    blocks_per_partition = -(-max_blocks // parts)
+
+    # Queries per (KV head, sequence): [K, B, q_pad * Gp, D], zero rows for padding.
+    q_len = query_start_loc[1:] - query_start_loc[:-1]
+    j = jnp.arange(q_pad)
+    tok = query_start_loc[:-1, None] + j[None]  # [B, q_pad]
+    valid = j[None] < q_len[:, None]
+    qp = fmt.prepare_query(q).reshape(t, num_kv, groups, d)[jnp.clip(tok, 0, t - 1)]  # [B, q_pad, K, G, D]
+    qp = jnp.where(valid[:, :, None, None, None], qp, 0.0)
+    qp = jnp.pad(qp, ((0, 0), (0, 0), (0, 0), (0, heads - groups), (0, 0)))
+    qp = qp.transpose(2, 0, 1, 3, 4).reshape(num_kv, batch, q_pad * heads, d)
+
+    names = tuple(fields)
+    kernel = functools.partial(_kernel, fmt=fmt, names=names, head_dim=d, block_size=block_size, tile=tile,
+                               heads=heads, blocks_per_partition=blocks_per_partition,
+                               sm_scale=d ** -0.5 if sm_scale is None else float(sm_scale))
+    out, lse = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((parts, num_kv, batch, q_pad * heads, d), jnp.float32),
+                   jax.ShapeDtypeStruct((parts, num_kv, batch, q_pad * heads), jnp.float32)),
+        grid=(batch, num_kv, num_tiles, parts),
+        interpret=interpret,
+        name=f"paged_attention_{fmt.name}",
+    )(block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32), qp,
+      *(fields[n] for n in names))
+
+    # Log-sum-exp reduce over partitions; empty partitions (lse = -inf) weigh 0.
+    total = jax.nn.logsumexp(lse, axis=0)
+    weights = jnp.exp(lse - jnp.where(jnp.isfinite(total), total, 0.0)[None])
+    merged = jnp.sum(weights[..., None] * jnp.where(jnp.isfinite(lse)[..., None], out, 0.0), axis=0)
+    merged = merged.reshape(num_kv, batch, q_pad, heads, d)[:, :, :, :groups]  # [K, B, q_pad, G, D]
+    merged = merged.transpose(1, 2, 0, 3, 4).reshape(batch, q_pad, num_heads, d)
+    seq_of = jnp.searchsorted(query_start_loc[1:], jnp.arange(t), side="right")
+    return merged[seq_of, jnp.arange(t) - query_start_loc[seq_of]]
+
+
+def decode_attention(q: jax.Array, fields: dict[str, jax.Array], block_tables: jax.Array, seq_lens: jax.Array, *,
+                     fmt: Format, sm_scale: float | None = None, partitions: int | None = None,
+                     interpret: bool = False) -> jax.Array:
+    """Split-KV decode: one query token per sequence, q [B, H, D] -> [B, H, D] float32."""
+    b = q.shape[0]
+    return unified_attention(q, fields, block_tables, seq_lens, jnp.arange(b + 1, dtype=jnp.int32), fmt=fmt,
+                             max_query_len=1, sm_scale=sm_scale, partitions=partitions, tile=1, interpret=interpret)

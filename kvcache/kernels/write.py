@@ -1,0 +1,101 @@
+"""Quantise-and-write as a Pallas kernel: new tokens' keys and values go into their paged-cache slots.
+
+Same signature as `kvcache.reference.write`. Grid: (T tokens, K KV heads); program (t, h) reads token t's K and V
+rows of head h, quantises them in the format's stored form and stores them at slot `slot_mapping[t]` = block * bs +
+offset of the pool (updated in place: the pool fields are aliased to the outputs). Negative slots are skipped.
+
+fp4 (per 32-column group: UE8M0 scale by the format's rule, then E2M1 codes, ties to the even code, split-half
+packing: chunk c's bytes hold group c in the low and group c + D/64 in the high nibble). K's Hadamard rotation is
+one [T, D] x [D, D] product in XLA before the kernel. fp8: one float32 scale absmax / 448 per token and head.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kvcache.formats import E2M1_LEVELS, E4M3_MAX, GROUP, MSE_FACTOR, Format
+
+__all__ = ["write"]
+
+
+def _encode_e2m1(x):
+    """Nearest E2M1 code of x (already scaled), ties to the even magnitude index, sign in bit 3 (int32)."""
+    a = jnp.abs(x)
+    m = jnp.zeros(x.shape, jnp.int32)
+    for i, (lo, hi) in enumerate(zip(E2M1_LEVELS, E2M1_LEVELS[1:])):
+        mid = (lo + hi) / 2
+        up = (a > mid) | ((a == mid) & ((i + 1) % 2 == 0))
+        m += up.astype(jnp.int32)
+    return m | jnp.where(jax.lax.bitcast_convert_type(x, jnp.int32) < 0, 8, 0)  # the sign bit, also of -0
+
+
+def _scale_exponent(absmax, rule: str):
+    """Unbiased UE8M0 exponent in [-127, 127] (0 for an all-zero group), as in formats._ue8m0_exponent."""
+    if rule == "mx":
+        e = jnp.floor(jnp.log2(jnp.where(absmax > 0, absmax, 1.0))).astype(jnp.int32) - 2
+        # log2 of a float32 can round across an integer: correct floor(log2 a) exactly with one comparison.
+        e = jnp.where(jnp.exp2((e + 2).astype(jnp.float32)) > absmax, e - 1, e)
+        e = jnp.where(jnp.exp2((e + 3).astype(jnp.float32)) <= absmax, e + 1, e)
+    else:
+        e = jnp.round(jnp.log2(MSE_FACTOR * jnp.where(absmax > 0, absmax, 1.0))).astype(jnp.int32)
+    return jnp.clip(jnp.where(absmax > 0, e, 0), -127, 127)
+
+
+def _kernel(slots_ref, k_ref, v_ref, *refs, fmt: Format, names: tuple[str, ...], head_dim: int, block_size: int):
+    outs = dict(zip(names, refs[len(names):]))  # refs[:len(names)] are the aliased inputs
+    t, h = pl.program_id(0), pl.program_id(1)
+    slot = slots_ref[t]
+
+    @pl.when(slot >= 0)
+    def _():
+        blk, off = slot // block_size, slot % block_size
+        for prefix, src in (("k", k_ref), ("v", v_ref)):
+            row = src[pl.ds(t, 1), h, :].astype(jnp.float32)  # [1, D]
+            if fmt.name == "bf16":
+                outs[prefix][blk, h, pl.ds(off, 1), :] = row.astype(jnp.bfloat16)
+            elif fmt.name == "fp8":
+                absmax = jnp.max(jnp.abs(row))
+                scale = jnp.where(absmax > 0, absmax / E4M3_MAX, 1.0)
+                outs[prefix][blk, h, pl.ds(off, 1), :] = jnp.clip(row / scale, -E4M3_MAX, E4M3_MAX).astype(
+                    jnp.float8_e4m3fn)
+                outs[prefix + "_scale"][blk, h, pl.ds(off, 1)] = jnp.reshape(scale, (1,))
+            else:
+                half = head_dim // (2 * GROUP)
+                codes, scales = [], []
+                for g in range(head_dim // GROUP):
+                    group = src[pl.ds(t, 1), h, pl.ds(g * GROUP, GROUP)].astype(jnp.float32)
+                    e = _scale_exponent(jnp.max(jnp.abs(group)), fmt.scale_rule)
+                    codes.append(_encode_e2m1(group * jnp.exp2(-e.astype(jnp.float32))))
+                    scales.append(e + 127)
+                for c in range(half):
+                    packed = (codes[c] | (codes[c + half] << 4)).astype(jnp.uint8)
+                    outs[prefix + "_codes"][blk, h, pl.ds(off, 1), pl.ds(c * GROUP, GROUP)] = packed
+                for g, s in enumerate(scales):
+                    outs[prefix + "_scales"][blk, h, pl.ds(off, 1), pl.ds(g, 1)] = jnp.reshape(s, (1, 1)).astype(
+                        jnp.uint8)
+
+
+def write(fields: dict[str, jax.Array], k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *, fmt: Format,
+          interpret: bool = False) -> dict[str, jax.Array]:
+    """Quantise-on-write kernel: k, v [T, K, D] -> updated pool fields [NB, K, bs, ...] (see reference.write)."""
+    t, num_kv, d = k.shape
+    fmt.check_head_dim(d)
+    rot = fmt.rotation(d)
+    if rot is not None:
+        k = jnp.einsum("tkd,de->tke", k.astype(jnp.float32), jnp.asarray(rot), precision=jax.lax.Precision.HIGHEST)
+    names = tuple(fields)
+    block_size = fields[names[0]].shape[2]
+    kernel = functools.partial(_kernel, fmt=fmt, names=names, head_dim=d, block_size=block_size)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=tuple(jax.ShapeDtypeStruct(fields[n].shape, fields[n].dtype) for n in names),
+        grid=(t, num_kv),
+        input_output_aliases={3 + i: i for i in range(len(names))},
+        interpret=interpret,
+        name=f"kv_write_{fmt.name}",
+    )(slot_mapping.astype(jnp.int32), k, v, *(fields[n] for n in names))
+    return dict(zip(names, out))

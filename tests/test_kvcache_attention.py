@@ -1,0 +1,201 @@
+"""Paged attention: the XLA reference against float64 NumPy; the Pallas kernels (interpret mode) against the
+reference; the quantise-and-write kernel bit for bit; no leaks between sequences."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvcache import BlockAllocator, PagedPool, decode_attention, formats, unified_attention, write
+from kvcache.kernels import attention as attention_kernel
+
+FORMATS = {"bf16": formats.get("bf16"), "fp8": formats.get("fp8"), "fp4": formats.get("fp4"),
+           "fp4-mx-norot": formats.get("fp4", scale_rule="mx", rotate_k=False)}
+BS = 16
+# Sequence lengths 1, bs - 1, bs, bs + 1 and many blocks in one batch; query chunks of decode (1) and prefill.
+SEQ_LENS = [1, BS - 1, BS, BS + 1, 5 * BS + 3]
+Q_LENS = [1, 3, BS, 1, 20]
+
+
+def make_case(fmt, seq_lens, q_lens, *, num_kv, groups, head_dim, seed=0, extra_blocks=3):
+    """A pool holding every sequence's tokens in shuffled blocks (written through `write`), the block tables,
+    queries, and the float32 K/V that were written."""
+    rng = np.random.default_rng(seed)
+    blocks_per_seq = [-(-s // BS) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + extra_blocks
+    max_blocks = max(blocks_per_seq) + 1
+    order = rng.permutation(num_blocks)
+    tables = np.zeros((len(seq_lens), max_blocks), np.int32)
+    kvs, slots, c = [], [], 0
+    for b, (s, n) in enumerate(zip(seq_lens, blocks_per_seq)):
+        tables[b, :n] = order[c:c + n]
+        c += n
+        pos = np.arange(s)
+        slots.append(tables[b, pos // BS] * BS + pos % BS)
+        kvs.append((rng.normal(size=(s, num_kv, head_dim)) * rng.uniform(0.5, 3.0),
+                    rng.normal(size=(s, num_kv, head_dim))))
+    pool = PagedPool.create(fmt, num_layers=1, num_kv_heads=num_kv, head_dim=head_dim, block_size=BS,
+                            num_blocks=num_blocks)
+    k = np.concatenate([a for a, _ in kvs]).astype(np.float32)
+    v = np.concatenate([b for _, b in kvs]).astype(np.float32)
+    fields = write(pool.layer(0), jnp.asarray(k), jnp.asarray(v), jnp.asarray(np.concatenate(slots)), fmt=fmt)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = rng.normal(size=(qsl[-1], num_kv * groups, head_dim)).astype(np.float32)
+    return (jnp.asarray(q), fields, jnp.asarray(tables), jnp.asarray(np.array(seq_lens, np.int32)),
+            jnp.asarray(qsl), kvs)
+
+
+def numpy_attention(q, k, v, q_pos, groups):
+    """float64 softmax attention of queries q [n, H, D] at positions q_pos over keys/values [S, K, D]."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    k, v = np.repeat(k, groups, axis=1), np.repeat(v, groups, axis=1)
+    s = np.einsum("nhd,shd->nhs", q, k) / np.sqrt(q.shape[-1])
+    s = np.where(np.arange(k.shape[0])[None, None] <= np.asarray(q_pos)[:, None, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("nhs,shd->nhd", p / p.sum(-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_reference_matches_numpy(name):
+    """The XLA reference equals float64 attention over the format's dequantised K/V (with the prepared query, in
+    the stored basis), per sequence, causal inside each chunk."""
+    fmt = FORMATS[name]
+    q, fields, tables, seq_lens, qsl, kvs = make_case(fmt, SEQ_LENS, Q_LENS, num_kv=2, groups=2, head_dim=64)
+    out = np.asarray(unified_attention(q, fields, tables, seq_lens, qsl, fmt=fmt, max_query_len=max(Q_LENS)))
+    q_prep = np.asarray(fmt.prepare_query(q))
+    for b, (k, v) in enumerate(kvs):
+        stored = fmt.quantize(jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32))
+        k_hat, v_hat = fmt.dequantize(stored, rotated=True)
+        lo, hi = int(qsl[b]), int(qsl[b + 1])
+        pos = SEQ_LENS[b] - (hi - lo) + np.arange(hi - lo)
+        np.testing.assert_allclose(out[lo:hi], numpy_attention(q_prep[lo:hi], k_hat, v_hat, pos, 2),
+                                   rtol=2e-5, atol=2e-5)
+    if name == "bf16":  # and against the unquantised keys: bf16 rounding only
+        for b, (k, v) in enumerate(kvs):
+            lo, hi = int(qsl[b]), int(qsl[b + 1])
+            pos = SEQ_LENS[b] - (hi - lo) + np.arange(hi - lo)
+            np.testing.assert_allclose(out[lo:hi], numpy_attention(q[lo:hi], k, v, pos, 2), atol=3e-2)
+
+
+# (format, head dim, GQA ratio): every format at every head dim, the GQA ratios 1, 4, 8 spread over them.
+KERNEL_CASES = [(n, d, g) for i, (n, d) in enumerate((n, d) for n in ("bf16", "fp8", "fp4") for d in (64, 128, 256))
+                for g in [(1, 4, 8)[i % 3]]] + [("fp4-mx-norot", 64, 4)]
+
+
+@pytest.mark.parametrize("name,head_dim,groups", KERNEL_CASES)
+def test_unified_kernel_matches_reference(name, head_dim, groups):
+    """Ragged batch (lengths 1, bs-1, bs, bs+1, many blocks; decode tokens and prefill chunks) with 1 and 3
+    split-KV partitions: the interpreted kernel equals the reference."""
+    fmt = FORMATS[name]
+    num_kv = 2 if groups < 8 else 1
+    q, fields, tables, seq_lens, qsl, _ = make_case(fmt, SEQ_LENS, Q_LENS, num_kv=num_kv, groups=groups,
+                                                    head_dim=head_dim, seed=head_dim + groups)
+    kw = dict(fmt=fmt, max_query_len=max(Q_LENS))
+    ref = np.asarray(unified_attention(q, fields, tables, seq_lens, qsl, **kw))
+    for parts in (1, 3):
+        out = unified_attention(q, fields, tables, seq_lens, qsl, implementation="pallas", partitions=parts, **kw)
+        np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5, err_msg=f"partitions={parts}")
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp4"])
+def test_decode_kernel_matches_reference(name):
+    """Split-KV decode over a long context: partitions 1, 2 and the automatic count equal the reference."""
+    fmt = FORMATS[name]
+    lens = [1, 300, BS + 1, 129]
+    q, fields, tables, seq_lens, _, _ = make_case(fmt, lens, [1] * 4, num_kv=2, groups=4, head_dim=64, seed=7)
+    ref = np.asarray(decode_attention(q, fields, tables, seq_lens, fmt=fmt))
+    for parts in (1, 2, None):
+        out = decode_attention(q, fields, tables, seq_lens, fmt=fmt, implementation="pallas", partitions=parts)
+        np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5, err_msg=f"partitions={parts}")
+
+
+def test_num_partitions():
+    """Enough programs for the target, never fewer than min_blocks blocks per partition, within 1..max_blocks."""
+    assert attention_kernel.num_partitions(8192, 16, target=512, min_blocks=8) == 32  # 128K tokens, 16 programs
+    assert attention_kernel.num_partitions(8192, 512, target=512, min_blocks=8) == 1  # enough programs already
+    assert attention_kernel.num_partitions(20, 1, target=512, min_blocks=8) == 2  # short: 8+ blocks each
+    assert attention_kernel.num_partitions(3, 1, target=512, min_blocks=8) == 1
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_write_kernel_matches_reference_bit_for_bit(name):
+    """Quantise-and-write: the kernel stores the same bytes as the XLA write (including skipped slots, zeros,
+    a negative zero and magnitudes over four decades), and leaves every other slot untouched."""
+    fmt = FORMATS[name]
+    rng = np.random.default_rng(1)
+    t, num_kv, d = 9, 2, 128
+    k = rng.normal(size=(t, num_kv, d)) * 10.0 ** rng.uniform(-2, 2, size=(t, 1, 1))
+    k[0, 0, :32], k[1, 0, 5] = 0.0, -0.0
+    v = rng.normal(size=(t, num_kv, d))
+    pool = PagedPool.create(fmt, num_layers=1, num_kv_heads=num_kv, head_dim=d, block_size=BS, num_blocks=6)
+    before = {n: jnp.asarray(rng.integers(0, 255, x.shape, np.uint8)).view(x.dtype) if x.dtype.itemsize == 1 else
+              jnp.asarray(rng.normal(size=x.shape)).astype(x.dtype) for n, x in pool.layer(0).items()}
+    slots = jnp.asarray(np.array([3, 17, -1, 40, 95, 0, 50, 51, 52], np.int32))
+    args = (before, jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32), slots)
+    ref = write(*args, fmt=fmt)
+    out = write(*args, fmt=fmt, implementation="pallas")
+    written = np.zeros(6 * BS, bool)
+    written[np.asarray(slots)[np.asarray(slots) >= 0]] = True
+    for n in ref:
+        r, o, b = (np.asarray(x)[..., None].view(np.uint8) for x in (ref[n], out[n], before[n]))
+        np.testing.assert_array_equal(o, r, err_msg=n)
+        untouched = ~written.reshape(6, BS)
+        np.testing.assert_array_equal(o.transpose(0, 2, 1, *range(3, o.ndim))[untouched],
+                                      b.transpose(0, 2, 1, *range(3, b.ndim))[untouched], err_msg=n)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_no_leak_between_sequences(implementation):
+    """Sequence 0's output does not change when every block it does not own is overwritten with garbage."""
+    fmt = FORMATS["fp4"]
+    q, fields, tables, seq_lens, qsl, _ = make_case(fmt, [40, 70], [5, 1], num_kv=1, groups=2, head_dim=64, seed=3)
+    kw = dict(fmt=fmt, max_query_len=5, implementation=implementation)
+    out = np.asarray(unified_attention(q, fields, tables, seq_lens, qsl, **kw))
+    owned = set(np.asarray(tables[0, :3]).tolist())
+    others = np.array([b for b in range(fields["k_codes"].shape[0]) if b not in owned])
+    rng = np.random.default_rng(0)
+    garbage = {n: x.at[others].set(jnp.asarray(rng.integers(0, 255, x[others].shape), x.dtype))
+               for n, x in fields.items()}
+    changed = np.asarray(unified_attention(q, garbage, tables, seq_lens, qsl, **kw))
+    np.testing.assert_array_equal(changed[:5], out[:5])
+    assert not np.allclose(changed[5:], out[5:])  # the garbage did reach sequence 1
+
+
+def test_block_allocator():
+    alloc = BlockAllocator(5)
+    a = alloc.allocate(3)
+    b = alloc.allocate(2)
+    assert sorted(a + b) == list(range(5)) and alloc.num_free == 0
+    with pytest.raises(MemoryError, match="1 blocks requested, 0 of 5 free"):
+        alloc.allocate(1)
+    alloc.free(a)
+    assert alloc.num_free == 3 and alloc.allocate(1) == [min(a)]
+    with pytest.raises(ValueError, match="not allocated"):
+        alloc.free([a[0], a[0]])
+
+
+def test_pool_sized_in_bytes():
+    """One byte budget holds 512 / 136 = 3.76x as many fp4 tokens as bf16 tokens (D = 128), in whole blocks."""
+    budget = 40 * 1024 * 1024
+    tokens = {}
+    for name in ("bf16", "fp4"):
+        pool = PagedPool.create(formats.get(name), num_layers=2, num_kv_heads=2, head_dim=128, memory_bytes=budget)
+        assert pool.nbytes <= budget < pool.nbytes + 2 * BS * formats.get(name).bytes_per_token(2, 128)
+        tokens[name] = pool.num_blocks * BS
+    assert abs(tokens["fp4"] / tokens["bf16"] - 512 / 136) < 0.01
+    with pytest.raises(ValueError, match="holds no block"):
+        PagedPool.create(formats.get("bf16"), num_layers=2, num_kv_heads=2, head_dim=128, memory_bytes=1000)
+
+
+def test_bad_input_is_named():
+    fmt = FORMATS["fp4"]
+    q, fields, tables, seq_lens, qsl, _ = make_case(fmt, [20], [1], num_kv=2, groups=2, head_dim=64)
+    with pytest.raises(ValueError, match="implementation = 'cuda'"):
+        decode_attention(q, fields, tables, seq_lens, fmt=fmt, implementation="cuda")
+    with pytest.raises(ValueError, match="do not match format"):
+        decode_attention(q, fields, tables, seq_lens, fmt=FORMATS["bf16"])
+    with pytest.raises(ValueError, match="multiple of the cache's 2 KV heads"):
+        decode_attention(q[:, :3], fields, tables, seq_lens, fmt=fmt)
+    with pytest.raises(ValueError, match="partitions = 9"):
+        decode_attention(q, fields, tables, seq_lens, fmt=fmt, implementation="pallas", partitions=9)
+    with pytest.raises(ValueError, match="partitions applies to implementation='pallas' only"):
+        decode_attention(q, fields, tables, seq_lens, fmt=fmt, partitions=2)

@@ -1,0 +1,186 @@
+"""KV formats against independent NumPy float64 quantisers; the slot layout; the rotation; error bounds."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvcache import formats
+
+LEVELS = np.array(formats.E2M1_LEVELS)
+
+
+def numpy_e2m1(x: np.ndarray) -> np.ndarray:
+    """Nearest E2M1 value by brute force over the levels, ties to the even magnitude index, saturating at 6."""
+    a = np.minimum(np.abs(x), 6.0)
+    dist = np.abs(a[..., None] - LEVELS)
+    best = dist.min(-1, keepdims=True)
+    candidates = np.where(dist == best, np.arange(8), 99)
+    even = np.where(candidates % 2 == 0, candidates, 99).min(-1)
+    idx = np.where(even < 99, even, candidates.min(-1))
+    return np.sign(x) * LEVELS[idx]
+
+
+def numpy_fp4(x: np.ndarray, rule: str) -> np.ndarray:
+    """UltraQuant fp4 of x [..., D] in float64: per 32 elements a power-of-two scale by the rule, then E2M1."""
+    g = x.astype(np.float64).reshape(*x.shape[:-1], -1, 32)
+    out = np.zeros_like(g)
+    for idx in np.ndindex(g.shape[:-1]):
+        a = np.abs(g[idx]).max()
+        if a == 0:
+            continue
+        e = math.floor(math.log2(a)) - 2 if rule == "mx" else round(math.log2(0.156 * a))
+        out[idx] = numpy_e2m1(g[idx] / 2.0**e) * 2.0**e
+    return out.reshape(x.shape)
+
+
+def _kv(shape, seed=0, spread=True):
+    rng = np.random.default_rng(seed)
+    k, v = rng.normal(size=shape), rng.normal(size=shape)
+    if spread:  # per-token magnitudes over 4 decades, an outlier channel, zeros and a negative zero
+        k *= 10.0 ** rng.uniform(-2, 2, size=shape[:-1] + (1,))
+        k[..., 7] *= 20.0
+        k[0, 0, :32] = 0.0
+        k[0, 0, 40] = -0.0
+    return k.astype(np.float32), v.astype(np.float32)
+
+
+def test_e2m1_codes_round_trip_and_ties():
+    """Every code decodes to its level; encoding levels, midpoints (ties to even) and random values matches brute
+    force; values beyond 6 saturate."""
+    codes = jnp.arange(16, dtype=jnp.uint8)
+    values = np.asarray(formats.decode_e2m1(codes))
+    np.testing.assert_array_equal(values, np.concatenate([LEVELS, -LEVELS]))
+    mids = (LEVELS[1:] + LEVELS[:-1]) / 2
+    x = np.concatenate([LEVELS, mids, -mids, [7.0, -100.0, 5.0001],
+                        np.random.default_rng(0).uniform(-7, 7, 500)]).astype(np.float32)
+    got = np.asarray(formats.decode_e2m1(formats.encode_e2m1(jnp.asarray(x))))
+    np.testing.assert_array_equal(got, numpy_e2m1(x.astype(np.float64)))
+
+
+@pytest.mark.parametrize("rule", formats.SCALE_RULES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fp4_matches_numpy_element_for_element(rule, head_dim):
+    """fp4 dequantised V (and K without rotation) equal the float64 NumPy quantiser exactly, both scale rules."""
+    k, v = _kv((3, 2, head_dim), seed=head_dim)
+    fmt = formats.get("fp4", scale_rule=rule, rotate_k=False)
+    k_hat, v_hat = fmt.dequantize(fmt.quantize(jnp.asarray(k), jnp.asarray(v)))
+    np.testing.assert_array_equal(np.asarray(k_hat, np.float64), numpy_fp4(k, rule))
+    np.testing.assert_array_equal(np.asarray(v_hat, np.float64), numpy_fp4(v, rule))
+
+
+def test_fp4_error_bound_mx():
+    """OCP rule: a / s in [4, 8), so every element errs by at most s (half E2M1's widest step, 2) below 6 s and
+    by at most 2 s where it saturates: |x - q| <= 2 s = absmax / 2 at worst, s otherwise."""
+    k, v = _kv((4, 2, 128), seed=1)
+    fmt = formats.get("fp4", scale_rule="mx", rotate_k=False)
+    _, v_hat = fmt.dequantize(fmt.quantize(jnp.asarray(k), jnp.asarray(v)))
+    g, err = v.reshape(4, 2, 4, 32), np.abs(np.asarray(v_hat) - v).reshape(4, 2, 4, 32)
+    s = 2.0 ** (np.floor(np.log2(np.abs(g).max(-1, keepdims=True))) - 2)
+    assert (err <= np.where(np.abs(g) > 6 * s, 2 * s, s) + 1e-7).all()
+
+
+def test_fp8_error_bound():
+    """E4M3 has 3 mantissa bits: relative error <= 2^-4 in the normal range, absolute <= 2^-10 s below it."""
+    k, v = _kv((5, 3, 64), seed=2)
+    fmt = formats.get("fp8")
+    fields = fmt.quantize(jnp.asarray(k), jnp.asarray(v))
+    k_hat, _ = fmt.dequantize(fields)
+    scale = np.abs(k).max(-1, keepdims=True) / 448.0
+    np.testing.assert_allclose(np.asarray(fields["k_scale"])[..., None], scale, rtol=1e-6)
+    err = np.abs(np.asarray(k_hat) - k)
+    assert (err <= 2.0**-4 * np.abs(k) + 2.0**-10 * scale + 1e-12).all()
+    assert np.abs(np.asarray(k_hat)).max(-1).min() > 0  # the largest entry survives
+
+
+def test_bf16_error_bound():
+    k, v = _kv((2, 2, 64), seed=3)
+    fmt = formats.get("bf16")
+    k_hat, v_hat = fmt.dequantize(fmt.quantize(jnp.asarray(k), jnp.asarray(v)))
+    assert (np.abs(np.asarray(k_hat) - k) <= 2.0**-8 * np.abs(k)).all()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_rotation_is_orthonormal_and_keeps_scores(head_dim):
+    """H / sqrt(D) is a symmetric orthogonal +-1/sqrt(D) matrix; rotating q and k by it leaves q.k unchanged; fp4's
+    dequantised K rotated back approximates K better than without rotation on outlier channels."""
+    h = formats.hadamard(head_dim).astype(np.float64)
+    np.testing.assert_allclose(h @ h.T, np.eye(head_dim), atol=1e-12)
+    np.testing.assert_array_equal(np.abs(h), np.full_like(h, head_dim**-0.5, dtype=np.float32))
+    rng = np.random.default_rng(head_dim)
+    q, k = rng.normal(size=(6, head_dim)), rng.normal(size=(6, head_dim))
+    fmt = formats.get("fp4", fp8_query=False)
+    q_rot = np.asarray(fmt.prepare_query(jnp.asarray(q, jnp.float32)), np.float64)
+    np.testing.assert_allclose((q_rot * (k @ h)).sum(-1), (q * k).sum(-1), rtol=1e-5, atol=1e-5)
+    k_rot_hat, _ = fmt.dequantize(fmt.quantize(jnp.asarray(k, jnp.float32), jnp.asarray(k, jnp.float32)),
+                                  rotated=True)
+    k_hat, _ = fmt.dequantize(fmt.quantize(jnp.asarray(k, jnp.float32), jnp.asarray(k, jnp.float32)))
+    np.testing.assert_allclose(np.asarray(k_hat, np.float64), np.asarray(k_rot_hat, np.float64) @ h, atol=1e-5)
+
+
+def test_rotation_helps_outlier_channels():
+    """Synthetic K with two outlier channels: the rotated fp4 K has a smaller error than the unrotated one."""
+    rng = np.random.default_rng(0)
+    k = rng.normal(size=(256, 1, 128)) * np.where(np.isin(np.arange(128), [5, 77]), 20.0, 1.0)
+    errors = {}
+    for rotate in (False, True):
+        fmt = formats.get("fp4", rotate_k=rotate)
+        k_hat, _ = fmt.dequantize(fmt.quantize(jnp.asarray(k, jnp.float32), jnp.asarray(k, jnp.float32)))
+        errors[rotate] = np.linalg.norm(np.asarray(k_hat) - k) / np.linalg.norm(k)
+    assert errors[True] < errors[False], errors
+
+
+def test_fp8_query_rounds_to_e4m3_values():
+    q = jnp.asarray(np.random.default_rng(0).normal(size=(4, 64)) * 30, jnp.float32)
+    prepared = formats.get("fp4").prepare_query(q)
+    np.testing.assert_array_equal(prepared, prepared.astype(jnp.float8_e4m3fn).astype(jnp.float32))
+    exact = formats.get("fp4", fp8_query=False).prepare_query(q)
+    assert 0 < float(jnp.max(jnp.abs(prepared - exact) / (jnp.abs(exact) + 1e-3))) <= 2.0**-4
+
+
+@pytest.mark.parametrize("name,options", [("bf16", {}), ("fp8", {}), ("fp4", {}), ("fp4", {"scale_rule": "mx"})])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_slots_round_trip_and_sizes(name, options, head_dim):
+    """pack -> unpack returns the same bytes; the slot is 4D (bf16), 2D + 8 (fp8), D + D/16 (fp4): 136 B at 128."""
+    fmt = formats.get(name, **options)
+    k, v = _kv((3, 2, head_dim), seed=4)
+    fields = fmt.quantize(jnp.asarray(k), jnp.asarray(v))
+    slots = formats.pack_slots(fmt, fields)
+    expected = {"bf16": 4 * head_dim, "fp8": 2 * head_dim + 8, "fp4": head_dim + head_dim // 16}[name]
+    assert slots.shape == (3, 2, expected) and slots.dtype == jnp.uint8
+    assert fmt.bytes_per_token(2, head_dim) == 2 * expected
+    back = formats.unpack_slots(fmt, slots, head_dim)
+    for n in fields:
+        np.testing.assert_array_equal(np.asarray(back[n]).view(np.uint8), np.asarray(fields[n]).view(np.uint8))
+    if name == "fp4":  # the spec's layout: K codes first, then K scales, V codes, V scales
+        half = head_dim // 2
+        np.testing.assert_array_equal(slots[..., :half], fields["k_codes"])
+        np.testing.assert_array_equal(slots[..., half:half + head_dim // 32], fields["k_scales"])
+    assert formats.get("fp4").bytes_per_token(1, 128) == 136
+
+
+def test_split_half_packing():
+    """Byte j holds element j in its low nibble and element j + D/2 in its high nibble."""
+    v = np.zeros((1, 1, 64), np.float32)
+    v[0, 0, 3], v[0, 0, 35] = 1.0, -6.0  # one group each: scale exponents chosen from these values
+    fields = formats.get("fp4", scale_rule="mx").quantize(jnp.asarray(v), jnp.asarray(v))
+    byte = int(fields["v_codes"][0, 0, 3])
+    assert float(formats.decode_e2m1(jnp.uint8(byte & 15))) * 2.0 ** (0 - 2) == 1.0
+    assert float(formats.decode_e2m1(jnp.uint8(byte >> 4))) * 2.0 ** (2 - 2) == -6.0
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="'fp5' unknown; allowed"):
+        formats.get("fp5")
+    with pytest.raises(ValueError, match="scale_rule = 'rms'"):
+        formats.get("fp4", scale_rule="rms")
+    with pytest.raises(ValueError, match="takes no options"):
+        formats.get("fp8", scale_rule="mx")
+    with pytest.raises(ValueError, match="head_dim = 96"):
+        formats.get("fp4").quantize(jnp.ones((1, 1, 96)), jnp.ones((1, 1, 96)))
+    with pytest.raises(ValueError, match="head_dim = 192"):
+        formats.get("fp4").quantize(jnp.ones((1, 1, 192)), jnp.ones((1, 1, 192)))
+    assert jax.numpy.all(formats.get("fp4", rotate_k=False).quantize(jnp.ones((1, 1, 192)),
+                                                                        jnp.ones((1, 1, 192)))["k_scales"] > 0)
