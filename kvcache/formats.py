@@ -128,12 +128,15 @@ class Format:
       name: "bf16", "fp8" or "fp4".
       scale_rule: fp4 only, "mse" or "mx".
       rotate_k: fp4 only: rotate K (and the query) by the Hadamard matrix.
+      rotate_v: fp4 only: rotate V as well (the "symmetric" treatment UltraQuant rejects; for measurements):
+        attention then yields P (V H), and the caller multiplies the output by H (`finish_output`).
       fp8_query: fp4 only: cast the (rotated) query to FP8 E4M3 (scale 1) before the score product.
     """
 
     name: str
     scale_rule: str = "mse"
     rotate_k: bool = True
+    rotate_v: bool = False
     fp8_query: bool = True
 
     def __post_init__(self):
@@ -146,8 +149,8 @@ class Format:
     def label(self) -> str:
         if self.name != "fp4":
             return self.name
-        extras = [self.scale_rule] + ([] if self.rotate_k else ["no-rotation"]) + ([] if self.fp8_query else
-                                                                                  ["fp32-query"])
+        extras = ([self.scale_rule] + ([] if self.rotate_k else ["K unrotated"]) + (["V rotated"] if self.rotate_v
+                  else []) + ([] if self.fp8_query else ["fp32 query"]))
         return "fp4 (" + ", ".join(extras) + ")"
 
     def check_head_dim(self, head_dim: int) -> None:
@@ -155,7 +158,7 @@ class Format:
             if head_dim % (2 * GROUP):
                 raise ValueError(f"head_dim = {head_dim}: the fp4 KV format needs a multiple of {2 * GROUP} "
                                  f"(two 32-element scale groups per packed 32-byte chunk)")
-            if self.rotate_k:
+            if self.rotate_k or self.rotate_v:
                 hadamard(head_dim)
 
     def fields(self, num_kv_heads: int, head_dim: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -177,7 +180,17 @@ class Format:
                    for shape, dtype in self.fields(num_kv_heads, head_dim).values())
 
     def rotation(self, head_dim: int) -> np.ndarray | None:
+        """The matrix K (and the query) is rotated by, or None."""
         return hadamard(head_dim) if self.name == "fp4" and self.rotate_k else None
+
+    def value_rotation(self, head_dim: int) -> np.ndarray | None:
+        """The matrix V is rotated by, or None (UltraQuant's asymmetric treatment leaves V alone)."""
+        return hadamard(head_dim) if self.name == "fp4" and self.rotate_v else None
+
+    def finish_output(self, out: jax.Array) -> jax.Array:
+        """Attention output [..., D] computed from stored (possibly rotated) V -> output in the model's basis."""
+        rot = self.value_rotation(out.shape[-1])
+        return out if rot is None else _rotate(out, rot)
 
     def quantize(self, k: jax.Array, v: jax.Array) -> dict[str, jax.Array]:
         """k, v [..., K, D] (any float dtype) -> the stored fields, each [..., K, *trailing]."""
@@ -189,14 +202,16 @@ class Format:
         if self.name == "fp8":
             (kc, ks), (vc, vs) = _fp8_encode(k), _fp8_encode(v)
             return {"k": kc, "k_scale": ks, "v": vc, "v_scale": vs}
-        rot = self.rotation(k.shape[-1])
+        rot, vrot = self.rotation(k.shape[-1]), self.value_rotation(k.shape[-1])
         k = k.astype(jnp.float32) if rot is None else _rotate(k, rot)
+        v = v.astype(jnp.float32) if vrot is None else _rotate(v, vrot)
         (kc, ks), (vc, vs) = _fp4_encode(k, self.scale_rule), _fp4_encode(v, self.scale_rule)
         return {"k_codes": kc, "k_scales": ks, "v_codes": vc, "v_scales": vs}
 
     def dequantize(self, fields: dict[str, jax.Array], *, rotated: bool = False) -> tuple[jax.Array, jax.Array]:
-        """The stored fields -> (k, v) float32 [..., K, D]. With `rotated=True`, fp4's K stays in the rotated basis
-        (what the score product uses with `prepare_query`); otherwise it is rotated back (H is its own inverse)."""
+        """The stored fields -> (k, v) float32 [..., K, D]. With `rotated=True`, fp4's rotated K (and V) stay in the
+        stored basis (what attention uses, with `prepare_query` and `finish_output`); otherwise they are rotated
+        back (H is its own inverse)."""
         if self.name == "bf16":
             return fields["k"].astype(jnp.float32), fields["v"].astype(jnp.float32)
         if self.name == "fp8":
@@ -204,8 +219,11 @@ class Format:
                     fields["v"].astype(jnp.float32) * fields["v_scale"][..., None])
         k = _fp4_decode(fields["k_codes"], fields["k_scales"])
         v = _fp4_decode(fields["v_codes"], fields["v_scales"])
-        rot = self.rotation(k.shape[-1])
-        return (k if rotated or rot is None else _rotate(k, rot)), v
+        rot, vrot = self.rotation(k.shape[-1]), self.value_rotation(k.shape[-1])
+        if not rotated:
+            k = k if rot is None else _rotate(k, rot)
+            v = v if vrot is None else _rotate(v, vrot)
+        return k, v
 
     def prepare_query(self, q: jax.Array) -> jax.Array:
         """q [..., D] -> float32 query in the basis of the stored K: rotated by the same Hadamard matrix as K and
@@ -226,12 +244,13 @@ def _rotate(x: jax.Array, rot: np.ndarray) -> jax.Array:
 
 
 def get(name: str, **options) -> Format:
-    """The format called `name` ("bf16", "fp8", "fp4"); fp4 takes scale_rule="mse" | "mx", rotate_k, fp8_query."""
+    """The format called `name` ("bf16", "fp8", "fp4"); fp4 takes scale_rule="mse" | "mx", rotate_k, rotate_v,
+    fp8_query."""
     if name not in NAMES:
         raise ValueError(f"KV format {name!r} unknown; allowed: {list(NAMES)}")
     if options and name != "fp4":
         raise ValueError(f"KV format {name!r} takes no options (got {sorted(options)}); only 'fp4' does")
-    allowed = {"scale_rule", "rotate_k", "fp8_query"}
+    allowed = {"scale_rule", "rotate_k", "rotate_v", "fp8_query"}
     if set(options) - allowed:
         raise ValueError(f"unknown fp4 options {sorted(set(options) - allowed)}; allowed: {sorted(allowed)}")
     return Format(name, **options)

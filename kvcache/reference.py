@@ -43,8 +43,9 @@ def unified_attention(q: jax.Array, fields: dict[str, jax.Array], block_tables: 
       max_query_len: static bound on any sequence's query count (default T).
       sm_scale: score scale (default 1 / sqrt(D)).
     Returns:
-      [T, H, D] float32. Keys are dequantised in the basis the format stores them in, and the query is prepared
-      by `fmt.prepare_query` (rotation and FP8 for fp4), exactly as the kernels do.
+      [T, H, D] float32. Keys and values are dequantised in the basis the format stores them in, the query is
+      prepared by `fmt.prepare_query` (rotation and FP8 for fp4) and the output by `fmt.finish_output`, exactly as
+      the kernels do.
     """
     t, h, d = q.shape
     b = block_tables.shape[0]
@@ -67,7 +68,7 @@ def unified_attention(q: jax.Array, fields: dict[str, jax.Array], block_tables: 
     out = jnp.einsum("bkgqs,bksd->bqkgd", probs, values, precision=jax.lax.Precision.HIGHEST).reshape(b, max_q, h, d)
     # Each token reads its slot back: token i of sequence s is slot i - query_start_loc[s].
     seq_of = jnp.searchsorted(query_start_loc[1:], jnp.arange(t), side="right")
-    return out[seq_of, jnp.arange(t) - query_start_loc[seq_of]]
+    return fmt.finish_output(out[seq_of, jnp.arange(t) - query_start_loc[seq_of]])
 
 
 def decode_attention(q: jax.Array, fields: dict[str, jax.Array], block_tables: jax.Array, seq_lens: jax.Array, *,

@@ -9,7 +9,8 @@ from kvcache import BlockAllocator, PagedPool, decode_attention, formats, unifie
 from kvcache.kernels import attention as attention_kernel
 
 FORMATS = {"bf16": formats.get("bf16"), "fp8": formats.get("fp8"), "fp4": formats.get("fp4"),
-           "fp4-mx-norot": formats.get("fp4", scale_rule="mx", rotate_k=False)}
+           "fp4-mx-norot": formats.get("fp4", scale_rule="mx", rotate_k=False),
+           "fp4-symmetric": formats.get("fp4", rotate_v=True)}
 BS = 16
 # Sequence lengths 1, bs - 1, bs, bs + 1 and many blocks in one batch; query chunks of decode (1) and prefill.
 SEQ_LENS = [1, BS - 1, BS, BS + 1, 5 * BS + 3]
@@ -67,8 +68,10 @@ def test_reference_matches_numpy(name):
         k_hat, v_hat = fmt.dequantize(stored, rotated=True)
         lo, hi = int(qsl[b]), int(qsl[b + 1])
         pos = SEQ_LENS[b] - (hi - lo) + np.arange(hi - lo)
-        np.testing.assert_allclose(out[lo:hi], numpy_attention(q_prep[lo:hi], k_hat, v_hat, pos, 2),
-                                   rtol=2e-5, atol=2e-5)
+        want = numpy_attention(q_prep[lo:hi], k_hat, v_hat, pos, 2)
+        if fmt.rotate_v:  # the output of rotated values, rotated back
+            want = want @ formats.hadamard(want.shape[-1]).astype(np.float64)
+        np.testing.assert_allclose(out[lo:hi], want, rtol=2e-5, atol=2e-5)
     if name == "bf16":  # and against the unquantised keys: bf16 rounding only
         for b, (k, v) in enumerate(kvs):
             lo, hi = int(qsl[b]), int(qsl[b + 1])
@@ -78,7 +81,7 @@ def test_reference_matches_numpy(name):
 
 # (format, head dim, GQA ratio): every format at every head dim, the GQA ratios 1, 4, 8 spread over them.
 KERNEL_CASES = [(n, d, g) for i, (n, d) in enumerate((n, d) for n in ("bf16", "fp8", "fp4") for d in (64, 128, 256))
-                for g in [(1, 4, 8)[i % 3]]] + [("fp4-mx-norot", 64, 4)]
+                for g in [(1, 4, 8)[i % 3]]] + [("fp4-mx-norot", 64, 4), ("fp4-symmetric", 128, 2)]
 
 
 @pytest.mark.parametrize("name,head_dim,groups", KERNEL_CASES)

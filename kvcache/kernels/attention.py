@@ -181,7 +181,7 @@ def unified_attention(q: jax.Array, fields: dict[str, jax.Array], block_tables: 
     merged = merged.reshape(num_kv, batch, q_pad, heads, d)[:, :, :, :groups]  # [K, B, q_pad, G, D]
     merged = merged.transpose(1, 2, 0, 3, 4).reshape(batch, q_pad, num_heads, d)
     seq_of = jnp.searchsorted(query_start_loc[1:], jnp.arange(t), side="right")
-    return merged[seq_of, jnp.arange(t) - query_start_loc[seq_of]]
+    return fmt.finish_output(merged[seq_of, jnp.arange(t) - query_start_loc[seq_of]])
 
 
 def decode_attention(q: jax.Array, fields: dict[str, jax.Array], block_tables: jax.Array, seq_lens: jax.Array, *,

@@ -5,8 +5,8 @@ rows of head h, quantises them in the format's stored form and stores them at sl
 offset of the pool (updated in place: the pool fields are aliased to the outputs). Negative slots are skipped.
 
 fp4 (per 32-column group: UE8M0 scale by the format's rule, then E2M1 codes, ties to the even code, split-half
-packing: chunk c's bytes hold group c in the low and group c + D/64 in the high nibble). K's Hadamard rotation is
-one [T, D] x [D, D] product in XLA before the kernel. fp8: one float32 scale absmax / 448 per token and head.
+packing: chunk c's bytes hold group c in the low and group c + D/64 in the high nibble). K's Hadamard rotation (and
+V's, if the format rotates it) is one [T, D] x [D, D] product in XLA before the kernel. fp8: one float32 scale absmax / 448 per token and head.
 """
 
 from __future__ import annotations
@@ -84,9 +84,9 @@ def write(fields: dict[str, jax.Array], k: jax.Array, v: jax.Array, slot_mapping
     """Quantise-on-write kernel: k, v [T, K, D] -> updated pool fields [NB, K, bs, ...] (see reference.write)."""
     t, num_kv, d = k.shape
     fmt.check_head_dim(d)
-    rot = fmt.rotation(d)
-    if rot is not None:
-        k = jnp.einsum("tkd,de->tke", k.astype(jnp.float32), jnp.asarray(rot), precision=jax.lax.Precision.HIGHEST)
+    rotate = lambda x, rot: x if rot is None else jnp.einsum(  # noqa: E731
+        "tkd,de->tke", x.astype(jnp.float32), jnp.asarray(rot), precision=jax.lax.Precision.HIGHEST)
+    k, v = rotate(k, fmt.rotation(d)), rotate(v, fmt.value_rotation(d))
     names = tuple(fields)
     block_size = fields[names[0]].shape[2]
     kernel = functools.partial(_kernel, fmt=fmt, names=names, head_dim=d, block_size=block_size)
