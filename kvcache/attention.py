@@ -1,6 +1,7 @@
 """Paged attention over a quantised KV cache: the public entry points, dispatching to XLA or Pallas.
 
 `implementation="xla"` runs `kvcache.reference` (gathers each sequence's blocks, dequantises, one softmax);
+`"xla_split"` (decode only) runs `kvcache.split`, the split-KV algorithm as an XLA loop (the CPU fast path);
 `"pallas"` runs `kvcache.kernels` (split-KV with a log-sum-exp reduce, formats decoded in the kernel). Pallas on a
 CPU backend runs in Pallas' interpreter (`interpret=None` picks that automatically; pass False to insist on a
 compiled kernel). Shapes and semantics: `kvcache.reference`.
@@ -10,14 +11,14 @@ from __future__ import annotations
 
 import jax
 
-from kvcache import reference
+from kvcache import reference, split
 from kvcache.formats import Format
 from kvcache.kernels import attention as attention_kernel
 from kvcache.kernels import write as write_kernel
 
 __all__ = ["decode_attention", "unified_attention", "write", "IMPLEMENTATIONS", "check_implementation"]
 
-IMPLEMENTATIONS = ("xla", "pallas")
+IMPLEMENTATIONS = ("xla", "xla_split", "pallas")
 
 
 def check_implementation(implementation: str) -> None:
@@ -54,6 +55,8 @@ def unified_attention(q: jax.Array, fields: dict[str, jax.Array], block_tables: 
     """
     check_implementation(implementation)
     _check(q, fields, block_tables, seq_lens, fmt, 3)
+    if implementation == "xla_split":
+        raise ValueError("implementation = 'xla_split' runs decode_attention only; use 'xla' or 'pallas' here")
     if implementation == "xla":
         if partitions is not None:
             raise ValueError("partitions applies to implementation='pallas' only")
@@ -67,13 +70,18 @@ def unified_attention(q: jax.Array, fields: dict[str, jax.Array], block_tables: 
 def decode_attention(q: jax.Array, fields: dict[str, jax.Array], block_tables: jax.Array, seq_lens: jax.Array, *,
                      fmt: Format, implementation: str = "xla", sm_scale: float | None = None,
                      partitions: int | None = None, interpret: bool | None = None) -> jax.Array:
-    """One new token per sequence (q [B, H, D] -> [B, H, D] float32), split-KV in the Pallas kernel."""
+    """One new token per sequence (q [B, H, D] -> [B, H, D] float32), split-KV in the Pallas kernel and in
+    "xla_split" (`partitions` = blocks per partition there)."""
     check_implementation(implementation)
     _check(q, fields, block_tables, seq_lens, fmt, 3)
     if implementation == "xla":
         if partitions is not None:
-            raise ValueError("partitions applies to implementation='pallas' only")
+            raise ValueError("partitions applies to implementation='pallas' or 'xla_split' only")
         return reference.decode_attention(q, fields, block_tables, seq_lens, fmt=fmt, sm_scale=sm_scale)
+    if implementation == "xla_split":
+        per = split.BLOCKS_PER_PARTITION if partitions is None else -(-block_tables.shape[1] // partitions)
+        return split.decode_attention(q, fields, block_tables, seq_lens, fmt=fmt, sm_scale=sm_scale,
+                                      blocks_per_partition=per)
     return attention_kernel.decode_attention(q, fields, block_tables, seq_lens, fmt=fmt, sm_scale=sm_scale,
                                              partitions=partitions, interpret=_interpret(interpret))
 
@@ -82,6 +90,6 @@ def write(fields: dict[str, jax.Array], k: jax.Array, v: jax.Array, slot_mapping
           implementation: str = "xla", interpret: bool | None = None) -> dict[str, jax.Array]:
     """Quantise-on-write of k, v [T, K, D] into flat slots [T] (negative = skip); returns the updated fields."""
     check_implementation(implementation)
-    if implementation == "xla":
+    if implementation != "pallas":
         return reference.write(fields, k, v, slot_mapping, fmt=fmt)
     return write_kernel.write(fields, k, v, slot_mapping, fmt=fmt, interpret=_interpret(interpret))

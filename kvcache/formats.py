@@ -67,12 +67,16 @@ def encode_e2m1(x: jax.Array) -> jax.Array:
 
 
 def decode_e2m1(code: jax.Array) -> jax.Array:
-    """E2M1 value (float32) of codes 0..15, arithmetically (no table): magnitude index m = 2e + f gives
-    f / 2 for e = 0 and 2^(e-1) (1 + f / 2) otherwise."""
+    """E2M1 value (float32) of codes 0..15 by bit arithmetic (no table, no exp2; kernels use it too).
+
+    Magnitude index m = 2e + f (3 bits) is 2^(e-1) (1 + f/2) for e >= 1: placed at bit 22 of a float32, e lands in
+    the exponent field and f in the top mantissa bit, and adding 126 to the exponent field gives exactly that
+    value. e = 0 (0 and 0.5) is m / 2. The sign (bit 3) moves to bit 31."""
     code = code.astype(jnp.int32)
-    e, f = (code >> 1) & 3, (code & 1).astype(jnp.float32)
-    mag = jnp.where(e == 0, 0.5 * f, jnp.exp2((e - 1).astype(jnp.float32)) * (1.0 + 0.5 * f))
-    return jnp.where(code & 8, -mag, mag)
+    m = code & 7
+    bits = ((m << 22) + (126 << 23)) | ((code & 8) << 28)
+    normal = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    return jnp.where(m >= 2, normal, jnp.where(code & 8, -0.5, 0.5) * m.astype(jnp.float32))
 
 
 def _ue8m0_exponent(absmax: jax.Array, rule: str) -> jax.Array:

@@ -115,9 +115,13 @@ class PagedKVCache:
         kw = dict(fmt=self.pool.fmt, implementation=self.implementation, interpret=self.interpret)
         fields = attention.write(self.pool.layer(layer), k.reshape(b * t, *k.shape[2:]),
                                  v.reshape(b * t, *v.shape[2:]), slots, **kw)
-        qsl = jnp.arange(b + 1, dtype=jnp.int32) * t
-        out = attention.unified_attention(q.reshape(b * t, h, d), fields, self.block_tables, self.lengths + t, qsl,
-                                          max_query_len=t, **kw)
+        if t == 1:
+            out = attention.decode_attention(q[:, 0], fields, self.block_tables, self.lengths + 1, **kw)
+        else:
+            qsl = jnp.arange(b + 1, dtype=jnp.int32) * t
+            impl = "xla" if self.implementation == "xla_split" else self.implementation  # prefill: the reference
+            out = attention.unified_attention(q.reshape(b * t, h, d), fields, self.block_tables, self.lengths + t,
+                                              qsl, max_query_len=t, **{**kw, "implementation": impl})
         pool = self.pool.replace(fields={n: x.at[layer].set(fields[n]) for n, x in self.pool.fields.items()})
         return out.reshape(b, t, h, d).astype(q.dtype), self.replace(pool=pool)
 

@@ -99,15 +99,17 @@ def test_unified_kernel_matches_reference(name, head_dim, groups):
         np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5, err_msg=f"partitions={parts}")
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp4"])
-def test_decode_kernel_matches_reference(name):
-    """Split-KV decode over a long context: partitions 1, 2 and the automatic count equal the reference."""
+@pytest.mark.parametrize("implementation", ["pallas", "xla_split"])
+@pytest.mark.parametrize("name", ["bf16", "fp4-symmetric"])
+def test_split_decode_matches_reference(name, implementation):
+    """Split-KV decode (the kernel, and its algorithm as an XLA loop) over a ragged batch up to 19 blocks:
+    partitions 1, 2, 7 and the automatic count equal the reference."""
     fmt = FORMATS[name]
     lens = [1, 300, BS + 1, 129]
     q, fields, tables, seq_lens, _, _ = make_case(fmt, lens, [1] * 4, num_kv=2, groups=4, head_dim=64, seed=7)
     ref = np.asarray(decode_attention(q, fields, tables, seq_lens, fmt=fmt))
-    for parts in (1, 2, None):
-        out = decode_attention(q, fields, tables, seq_lens, fmt=fmt, implementation="pallas", partitions=parts)
+    for parts in (1, 2, 7, None):
+        out = decode_attention(q, fields, tables, seq_lens, fmt=fmt, implementation=implementation, partitions=parts)
         np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5, err_msg=f"partitions={parts}")
 
 
@@ -200,5 +202,5 @@ def test_bad_input_is_named():
         decode_attention(q[:, :3], fields, tables, seq_lens, fmt=fmt)
     with pytest.raises(ValueError, match="partitions = 9"):
         decode_attention(q, fields, tables, seq_lens, fmt=fmt, implementation="pallas", partitions=9)
-    with pytest.raises(ValueError, match="partitions applies to implementation='pallas' only"):
+    with pytest.raises(ValueError, match="partitions applies to implementation='pallas'"):
         decode_attention(q, fields, tables, seq_lens, fmt=fmt, partitions=2)

@@ -203,7 +203,9 @@ def train_markdown(result: dict) -> str:
              f"{steps} steps x 8 x 256 byte-tokens, seeds {result['seeds']} ({result['headline_seeds']} for "
              f"{', '.join(HEADLINE)}). Relative loss error: |L - L_bf16| / "
              f"L_bf16 of the training loss (logged every 10 steps, same seed and tokens as the BF16 run) averaged over "
-             f"the last 20% of steps; the paper's figure of merit. Held-out loss on 16 batches at the end.", "",
+             f"the last 20% of steps; the paper's figure of merit. Held-out loss on 16 batches at the end. The loss "
+             f"columns average each row's own seeds: compare them only between rows with the same seeds. tokens/s "
+             f"were measured with other jobs on the machine (`python -m experiments.bench.quant` times the steps).", "",
              "| recipe | rel. loss error (mean) | per seed | train loss, last 20% | held-out loss (mean) | tokens/s |",
              "|---|---|---|---|---|---|"]
     for r in result["rows"]:

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kvcache.formats import GROUP, Format
+from kvcache.formats import GROUP, Format, decode_e2m1
 
 __all__ = ["unified_attention", "decode_attention", "num_partitions", "MIN_ROWS"]
 
@@ -48,14 +48,6 @@ def num_partitions(max_blocks: int, programs: int, *, target: int = TARGET_PROGR
     return max(1, min(by_parallelism, by_length, max_blocks))
 
 
-def _decode_e2m1(code):
-    """E2M1 value of uint8 codes 0..15 (see formats.decode_e2m1), kernel-friendly (no tables)."""
-    code = code.astype(jnp.int32)
-    e, f = (code >> 1) & 3, (code & 1).astype(jnp.float32)
-    mag = jnp.where(e == 0, 0.5 * f, jnp.exp2((e - 1).astype(jnp.float32)) * (1.0 + 0.5 * f))
-    return jnp.where((code & 8) != 0, -mag, mag)
-
-
 def _groups(fmt: Format, refs: dict, prefix: str, blk, h, head_dim: int):
     """Yields (group index, values [bs, 32] float32, group scale [bs] or None) of K or V of one block and head."""
     if fmt.name in ("bf16", "fp8"):
@@ -68,7 +60,7 @@ def _groups(fmt: Format, refs: dict, prefix: str, blk, h, head_dim: int):
         chunk = codes_ref[blk, h, :, pl.ds(c * GROUP, GROUP)]
         for g, nibbles in ((c, chunk & 15), (c + half, chunk >> 4)):
             scale = jnp.exp2(scales_ref[blk, h, :, g].astype(jnp.float32) - 127.0)
-            yield g, _decode_e2m1(nibbles), scale
+            yield g, decode_e2m1(nibbles), scale
 
 
 def _kernel(bt_ref, seq_lens_ref, qsl_ref, q_ref, *refs, fmt: Format, names: tuple[str, ...], head_dim: int,

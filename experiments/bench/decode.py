@@ -1,0 +1,161 @@
+"""Long-context decode: time per step against context length for bf16, fp8 and fp4 KV caches, and the bytes each
+step reads against the copy bandwidth measured in the same run.
+
+    python -m experiments.bench.decode [--contexts 1024,4096,...] [--repeats 5] [--out results/bench]
+
+One attention layer of the spec's model (kvcache.md: 2 KV heads, head dim 256; 16 query heads, so GQA 8), batch 1,
+one new token per step over a paged cache (block size 16, blocks in shuffled order) holding `context` tokens,
+`kvcache.decode_attention` per format, without split-KV (`implementation="xla"`: gather the sequence's blocks,
+dequantise, one softmax) and with it (`"xla_split"`: partitions of 64 blocks visited in turn, merged by log-sum-exp).
+Reported per step: median milliseconds; KV bytes read (the stored bytes of
+`context` tokens: 4 D B per token and head for bf16, 2 D + 8 for fp8, D + D / 16 for fp4); effective bandwidth = KV bytes /
+time, against a jitted copy of a 256 MiB buffer (read + write bytes / time).
+
+The Pallas kernels run on a CPU only in Pallas' interpreter, which says nothing about speed: their times need a
+GPU run. Writes decode.json, decode.md and decode.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.bench.common import describe, machine, median_seconds, write_results
+from kvcache import PagedPool, decode_attention, formats
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK = 16, 2, 256, 16
+FORMATS = ("bf16", "fp8", "fp4")
+IMPLEMENTATIONS = ("xla", "xla_split")
+CONTEXTS = (1024, 4096, 16384, 65536, 131072, 262144)
+COPY_BYTES = 256 * 2**20
+
+
+def filled_pool(fmt: formats.Format, context: int) -> tuple[dict, jax.Array]:
+    """A one-layer pool of `context` tokens of quantised N(0, 1) keys/values (64 distinct blocks, tiled), and a
+    block table listing its blocks in a shuffled order."""
+    num_blocks = -(-context // BLOCK)
+    distinct = min(num_blocks, 64)
+    kv = jax.random.normal(jax.random.key(0), (2, distinct * BLOCK, NUM_KV_HEADS, HEAD_DIM))
+    stored = fmt.quantize(kv[0], kv[1])
+    fields = {}
+    for name, x in stored.items():
+        x = x.reshape(distinct, BLOCK, *x.shape[1:]).swapaxes(1, 2)  # [distinct, K, bs, ...]
+        fields[name] = jnp.tile(x, (-(-num_blocks // distinct),) + (1,) * (x.ndim - 1))[:num_blocks]
+    table = np.random.default_rng(0).permutation(num_blocks).astype(np.int32)[None]
+    return fields, jnp.asarray(table)
+
+
+def copy_bandwidth(repeats: int) -> float:
+    """Bytes per second of a jitted copy (read + write) of a 256 MiB float32 buffer."""
+    x = jnp.arange(COPY_BYTES // 4, dtype=jnp.float32)
+    copy = jax.jit(lambda a: a + 0)
+    return 2 * COPY_BYTES / median_seconds(lambda: copy(x), repeats=repeats, warmup=2)
+
+
+def run(contexts: list[int], repeats: int) -> dict:
+    copy = copy_bandwidth(repeats)
+    q = jax.random.normal(jax.random.key(1), (1, NUM_HEADS, HEAD_DIM))
+    rows = []
+    for context in contexts:
+        for name in FORMATS:
+            fmt = formats.get(name)
+            fields, table = filled_pool(fmt, context)
+            seq_lens = jnp.asarray([context], jnp.int32)
+            kv_bytes = context * fmt.bytes_per_token(NUM_KV_HEADS, HEAD_DIM)
+            for impl in IMPLEMENTATIONS:
+                step = jax.jit(lambda q, f, t, s, fmt=fmt, impl=impl: decode_attention(q, f, t, s, fmt=fmt,
+                                                                                        implementation=impl))
+                seconds = median_seconds(lambda: step(q, fields, table, seq_lens), repeats=repeats, warmup=1)
+                rows.append({"context": context, "format": name, "implementation": impl, "ms": 1e3 * seconds,
+                             "kv_bytes": kv_bytes, "gb_per_s": kv_bytes / seconds / 1e9,
+                             "of_copy": kv_bytes / seconds / copy})
+                print(f"context {context:>7,} {name:>5} {impl:>9}: {1e3 * seconds:8.2f} ms, "
+                      f"{kv_bytes / seconds / 1e9:6.2f} GB/s ({100 * kv_bytes / seconds / copy:.0f}% of copy)",
+                      flush=True)
+            del fields
+    return {"machine": machine(), "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS,
+                                            "head_dim": HEAD_DIM, "block_size": BLOCK, "batch": 1},
+            "copy_gb_per_s": copy / 1e9, "rows": rows}
+
+
+def markdown(result: dict) -> str:
+    rows, contexts = result["rows"], sorted({r["context"] for r in result["rows"]})
+    by = {(r["context"], r["format"], r["implementation"]): r for r in rows}
+    lines = ["# Long-context decode, one attention layer", "",
+             f"`python -m experiments.bench.decode`. {describe(result['machine'])} Batch 1, {NUM_HEADS} query / "
+             f"{NUM_KV_HEADS} KV heads, head dim {HEAD_DIM}, block size {BLOCK}; ms per decode step without split-KV "
+             "(`xla`) and with it (`xla_split`), and the split path's stored-KV bytes read per second against the "
+             f"copy bandwidth of the same run ({result['copy_gb_per_s']:.2f} GB/s, read + write). The Pallas "
+             "kernels are not timed: on a CPU they run only in Pallas' interpreter.", "",
+             "| context | " + " | ".join(f"{f} ms (no split / split) | {f} GB/s (of copy)" for f in FORMATS) +
+             " | fp4 / bf16 time (split) |", "|---|" + "---|---|" * len(FORMATS) + "---|"]
+    for c in contexts:
+        cells = [f"{by[c, f, 'xla']['ms']:.2f} / {by[c, f, 'xla_split']['ms']:.2f} | "
+                 f"{by[c, f, 'xla_split']['gb_per_s']:.2f} ({100 * by[c, f, 'xla_split']['of_copy']:.0f}%)"
+                 for f in FORMATS]
+        ratio = by[c, "fp4", "xla_split"]["ms"] / by[c, "bf16", "xla_split"]["ms"]
+        lines.append(f"| {c:,} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
+    if len(contexts) > 1:
+        first, last = contexts[1 if len(contexts) > 2 else 0], contexts[-1]
+        lines += ["", f"Time growth from {first:,} to {last:,} tokens divided by the context growth (1.00 = linear, "
+                  "> 1 = a cliff):"]
+        for impl in IMPLEMENTATIONS:
+            growth = {f: (by[last, f, impl]["ms"] / by[first, f, impl]["ms"]) / (last / first) for f in FORMATS}
+            lines.append(f"- {impl}: " + ", ".join(f"{f} {g:.2f}" for f, g in growth.items()))
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
+    for i, f in enumerate(FORMATS):
+        for impl, style in zip(IMPLEMENTATIONS, ("--", "-")):
+            rs = [r for r in result["rows"] if r["format"] == f and r["implementation"] == impl]
+            xs = [r["context"] for r in rs]
+            ax1.loglog(xs, [r["ms"] for r in rs], "o" + style, color=f"C{i}", label=f"{f} {impl}")
+            if impl == "xla_split":
+                ax2.semilogx(xs, [r["gb_per_s"] for r in rs], "o-", color=f"C{i}", label=f)
+    ax2.axhline(result["copy_gb_per_s"], color="k", ls="--", lw=1, label="copy (read + write)")
+    ax1.set_xlabel("context (tokens)")
+    ax1.set_ylabel("ms per decode step")
+    ax1.set_title("Decode time against context: one layer, without (--) and with (-) split-KV", fontsize=9)
+    ax2.set_xlabel("context (tokens)")
+    ax2.set_ylabel("stored KV bytes read / time (GB/s)")
+    ax2.set_title(f"Effective bandwidth of split-KV decode ({result['machine']['device']})", fontsize=9)
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="comma-separated context lengths")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per point (median)")
+    parser.add_argument("--out", default="results/bench", help="output directory")
+    args = parser.parse_args(argv)
+    try:
+        contexts = [int(c) for c in args.contexts.split(",") if c]
+    except ValueError:
+        parser.error(f"--contexts {args.contexts!r} must be comma-separated integers")
+    if not contexts or min(contexts) < 1:
+        parser.error(f"--contexts {args.contexts!r}: need at least one length, each >= 1")
+    if args.repeats < 1:
+        parser.error(f"--repeats = {args.repeats} must be >= 1")
+    result = run(contexts, args.repeats)
+    write_results(args.out, "decode", result, markdown)
+    plot(result, os.path.join(args.out, "decode.png"))
+
+
+if __name__ == "__main__":
+    main()
