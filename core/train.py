@@ -232,7 +232,7 @@ class MetricsLog:
 def checkpoint_compat(config: ml_collections.ConfigDict, data_fingerprint: str) -> dict[str, Any]:
     """Facts a checkpoint must share with the running program to be resumed: the architecture (`model` and every
     section other packages add, such as `moe`), the optimizer and the data."""
-    runtime = ("data", "optim", "train", "mesh", "checkpoint", "sample")
+    runtime = ("data", "optim", "train", "mesh", "checkpoint", "sample", "kvcache")  # kvcache: inference only
     arch = {name: config[name].to_dict() for name in config.keys() if name not in runtime}
     return {**arch, "optim.name": config.optim.name, "data": data_fingerprint,
             "data.seq_len": config.data.seq_len, "data.batch_size": config.data.batch_size}

@@ -14,7 +14,8 @@ kernel load each one contiguously; `pack_slots` / `unpack_slots` convert to and 
           the same matrix and cast to FP8 E4M3, so q.k is unchanged up to quantisation.
 
 fp4 scale rules (per 32-element group with absmax a):
-  "mse" (the open vLLM backend): s = 2^round(log2(0.156 a)); the largest values may clip at +-6 s.
+  "mse" (the open vLLM backend): s = 2^round(log2(0.156 a)) (halves round up); the largest values may clip
+        at +-6 s.
   "mx"  (OCP microscaling):      s = 2^(floor(log2 a) - 2), so a / s lies in [4, 8): values above 6 s saturate
         to +-6 s, as the OCP spec prescribes.
 
@@ -85,7 +86,7 @@ def _ue8m0_exponent(absmax: jax.Array, rule: str) -> jax.Array:
         _, exp = jnp.frexp(absmax)  # absmax = mant * 2^exp with mant in [0.5, 1): floor(log2 absmax) = exp - 1
         e = exp - 1 - 2
     else:
-        e = jnp.round(jnp.log2(MSE_FACTOR * absmax)).astype(jnp.int32)
+        e = jnp.floor(jnp.log2(MSE_FACTOR * absmax) + 0.5).astype(jnp.int32)  # round half up (Triton has no round)
     return jnp.clip(jnp.where(absmax > 0, e, 0), -127, 127)
 
 

@@ -86,6 +86,7 @@ def test_kill_and_rerun_resumes_to_the_same_metrics(tmp_path):
     assert summary["steps"] == 150 and summary["num_params"] > 0
     assert (tmp_path / "full" / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "full" / "sample.txt").read_text().startswith("def ")
+    _loaded_model_reproduces_the_held_out_loss(tmp_path / "full", summary["val_loss"])
 
     killed = tmp_path / "killed"
     proc = _cli(killed, *args, process=True)
@@ -110,6 +111,21 @@ def test_kill_and_rerun_resumes_to_the_same_metrics(tmp_path):
     assert other.returncode == 1, other.stdout + other.stderr
     assert "d_model: checkpoint 32, now 64" in other.stderr and "new --workdir" in other.stderr
     assert {p: p.read_bytes() for p in killed.rglob("*") if p.is_file()} == before
+
+
+def _loaded_model_reproduces_the_held_out_loss(workdir, val_loss):
+    """`experiments.load.trained_model` restores the final parameters: the held-out loss recomputed from them equals
+    the summary's."""
+    import numpy as np
+    import optax
+
+    from experiments import build, load
+
+    config, model = load.trained_model(str(workdir))
+    _, batches = build.build_data(config)
+    nll = [np.asarray(optax.softmax_cross_entropy_with_integer_labels(model(t[:, :-1])[0], t[:, 1:]), np.float64)
+           for t in batches.val_batches(config.train.eval_batches)]
+    assert abs(np.mean(nll) - val_loss) < 1e-5
 
 
 def _free_port():

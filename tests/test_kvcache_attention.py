@@ -204,3 +204,24 @@ def test_bad_input_is_named():
         decode_attention(q, fields, tables, seq_lens, fmt=fmt, implementation="pallas", partitions=9)
     with pytest.raises(ValueError, match="partitions applies to implementation='pallas'"):
         decode_attention(q, fields, tables, seq_lens, fmt=fmt, partitions=2)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8", "fp4", "fp4-mx-norot", "fp4-symmetric"])
+def test_kernels_lower_to_triton(name):
+    """Both kernels lower to Triton IR for CUDA (no GPU needed: lowering stops before PTX), so a GPU run does not
+    meet an unsupported primitive first."""
+    import jax
+
+    fmt = FORMATS[name]
+    kv, d = 2, 128
+    fields = {n: jax.ShapeDtypeStruct((8, kv, BS, *shape[1:]), dt) for n, (shape, dt) in fmt.fields(kv, d).items()}
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    attend = jax.jit(lambda *a: attention_kernel.unified_attention(*a, fmt=fmt, max_query_len=3, partitions=2))
+    text = attend.trace(f32(5, 8, d), fields, i32(3, 4), i32(3), i32(4)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "xla.gpu.triton" in text
+    from kvcache.kernels import write as write_kernel
+
+    store = jax.jit(lambda *a: write_kernel.write(*a, fmt=fmt))
+    text = store.trace(fields, f32(7, kv, d), f32(7, kv, d), i32(7)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "xla.gpu.triton" in text

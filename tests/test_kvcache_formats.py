@@ -31,7 +31,7 @@ def numpy_fp4(x: np.ndarray, rule: str) -> np.ndarray:
         a = np.abs(g[idx]).max()
         if a == 0:
             continue
-        e = math.floor(math.log2(a)) - 2 if rule == "mx" else round(math.log2(0.156 * a))
+        e = math.floor(math.log2(a)) - 2 if rule == "mx" else math.floor(math.log2(0.156 * a) + 0.5)
         out[idx] = numpy_e2m1(g[idx] / 2.0**e) * 2.0**e
     return out.reshape(x.shape)
 

@@ -29,6 +29,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from kvcache.formats import GROUP, Format, decode_e2m1
 
@@ -162,6 +163,7 @@ def unified_attention(q: jax.Array, fields: dict[str, jax.Array], block_tables: 
                    jax.ShapeDtypeStruct((parts, num_kv, batch, q_pad * heads), jnp.float32)),
         grid=(batch, num_kv, num_tiles, parts),
         interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=4),  # the Triton backend (not Mosaic GPU)
         name=f"paged_attention_{fmt.name}",
     )(block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32), qp,
       *(fields[n] for n in names))

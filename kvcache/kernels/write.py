@@ -16,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from kvcache.formats import E2M1_LEVELS, E4M3_MAX, GROUP, MSE_FACTOR, Format
 
@@ -41,7 +42,7 @@ def _scale_exponent(absmax, rule: str):
         e = jnp.where(jnp.exp2((e + 2).astype(jnp.float32)) > absmax, e - 1, e)
         e = jnp.where(jnp.exp2((e + 3).astype(jnp.float32)) <= absmax, e + 1, e)
     else:
-        e = jnp.round(jnp.log2(MSE_FACTOR * jnp.where(absmax > 0, absmax, 1.0))).astype(jnp.int32)
+        e = jnp.floor(jnp.log2(MSE_FACTOR * jnp.where(absmax > 0, absmax, 1.0)) + 0.5).astype(jnp.int32)
     return jnp.clip(jnp.where(absmax > 0, e, 0), -127, 127)
 
 
@@ -96,6 +97,7 @@ def write(fields: dict[str, jax.Array], k: jax.Array, v: jax.Array, slot_mapping
         grid=(t, num_kv),
         input_output_aliases={3 + i: i for i in range(len(names))},
         interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=4),  # the Triton backend (not Mosaic GPU)
         name=f"kv_write_{fmt.name}",
     )(slot_mapping.astype(jnp.int32), k, v, *(fields[n] for n in names))
     return dict(zip(names, out))

@@ -1,0 +1,300 @@
+"""UltraQuant at CPU scale: KV-format quality on a trained model's and on synthetic K/V, the held-out perplexity of
+the model decoding through each cache format, and the capacity table of the spec's model.
+
+    python -m experiments.reproduce.kvcache [--out results/kvcache] [--parts quality,perplexity,capacity]
+
+model: the quickstart MoE (experiments/configs/quickstart.py, d_model 128, 4 layers, 2 query heads sharing one KV
+head of dim 64) trained on one device for 400 steps (`<out>/runs/model`, reused when finished).
+
+quality: attention-output relative error ||o_fmt - o|| / ||o|| against float32 attention on the unquantised K/V
+(all causal positions of 8 held-out sequences x 256 tokens, every layer; q, k, v recorded from the model's own
+forward), and on synthetic K with outlier channels (2 of 128 channels x 20, 4 x 1024 tokens, 2 KV heads, GQA 4).
+Formats: bf16; fp8; fp4 with both scale rules, with and without K rotation, symmetric (K and V rotated) against
+UltraQuant's asymmetric treatment (only K), and with the query in fp32 instead of FP8 -> quality.md/json/png.
+
+perplexity: the model reads each held-out sequence through a KV cache the way a server would: a 32-token prefill,
+then one token per step (each token's K/V quantised on write; decode attention over the cache); cross-entropy of
+every next-token prediction -> held-out loss and perplexity per format, beside the uncached float32 forward
+-> perplexity.md/json.
+
+capacity: tokens a KV budget holds and the concurrency vLLM would report at 262K context for the spec's model (10
+full-attention layers, 2 KV heads, head dim 256) at the spec's 14.5 GiB budget -> capacity.md/json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+
+from experiments.reproduce import runs
+
+CONFIG = runs.config_path("quickstart")
+PARTS = ("quality", "perplexity", "capacity")
+STEPS = 400
+PREFILL = 32
+VARIANTS = {  # label -> (format name, options)
+    "bf16": ("bf16", {}),
+    "fp8": ("fp8", {}),
+    "fp4 (UltraQuant: mse, K rotated)": ("fp4", {}),
+    "fp4 mx, K rotated": ("fp4", {"scale_rule": "mx"}),
+    "fp4 mse, no rotation": ("fp4", {"rotate_k": False}),
+    "fp4 mx, no rotation": ("fp4", {"scale_rule": "mx", "rotate_k": False}),
+    "fp4 mse, symmetric (K and V rotated)": ("fp4", {"rotate_v": True}),
+    "fp4 mse, K rotated, fp32 query": ("fp4", {"fp8_query": False}),
+}
+
+
+def trained_model(out: str):
+    """(config, model): the quickstart MoE trained on one device for STEPS steps (trained here if needed)."""
+    from experiments import load
+
+    workdir = os.path.join(out, "runs", "model")
+    runs.run_or_reuse(CONFIG, workdir, ["--config.mesh.site=1", "--config.mesh.data=1",
+                                        f"--config.checkpoint.every={STEPS}", "--config.train.progress=False"], STEPS)
+    return load.trained_model(workdir)
+
+
+def _fmt(label: str):
+    from kvcache import formats
+
+    name, options = VARIANTS[label]
+    return formats.get(name, **options)
+
+
+# ----------------------------------------------------------------------------------------------------- quality
+
+def attention_error(q, k, v, fmt) -> float:
+    """||o_fmt - o|| / ||o|| of causal GQA attention; q [B, T, H, D], k, v [B, T, K, D] (float32)."""
+    import jax
+    import jax.numpy as jnp
+
+    def attend(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+    exact = attend(q, k, v)
+    k_hat, v_hat = fmt.dequantize(fmt.quantize(k, v), rotated=True)
+    approx = fmt.finish_output(attend(fmt.prepare_query(q), k_hat, v_hat))
+    return float(jnp.linalg.norm(approx - exact) / jnp.linalg.norm(exact))
+
+
+class RecordingCache:
+    """A float32 dense cache that also keeps every layer's (q, k, v) of the forward (for `quality`)."""
+
+    def __init__(self, inner):
+        self.inner, self.records = inner, {}
+        self.lengths = inner.lengths
+
+    def update_and_attend(self, layer, q, k, v):
+        self.records[layer] = (q, k, v)
+        out, self.inner = self.inner.update_and_attend(layer, q, k, v)
+        return out, self
+
+    def advance(self, n):
+        self.inner = self.inner.advance(n)
+        self.lengths = self.inner.lengths
+        return self
+
+
+def model_qkv(config, model) -> list[tuple]:
+    """Per layer (q, k, v) of the model's forward over 8 held-out sequences (post-RoPE, float32)."""
+    import jax.numpy as jnp
+
+    from core.attention import DenseKVCache
+    from experiments import build
+
+    _, batches = build.build_data(config)
+    tokens = jnp.asarray(batches.val_batches(1)[0][:, :-1])
+    cfg = model.cfg
+    cache = RecordingCache(DenseKVCache.create(num_layers=cfg.num_layers, batch=tokens.shape[0],
+                                               capacity=tokens.shape[1], num_kv_heads=cfg.num_kv_heads,
+                                               head_dim=cfg.head_dim, dtype=jnp.float32))
+    model(tokens, cache=cache)
+    return [cache.records[i] for i in range(cfg.num_layers)]
+
+
+def synthetic_qkv():
+    import jax
+    import jax.numpy as jnp
+
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    d = 128
+    outliers = jnp.where(jnp.isin(jnp.arange(d), jnp.asarray([11, 90])), 20.0, 1.0)
+    k = jax.random.normal(kk, (4, 1024, 2, d)) * outliers
+    q = jax.random.normal(kq, (4, 1024, 8, d)) * 0.2  # scores of order 1 on the outlier channels
+    return q, k, jax.random.normal(kv, (4, 1024, 2, d))
+
+
+def quality(out: str) -> None:
+    from experiments.bench.common import write_results
+
+    config, model = trained_model(out)
+    layers = model_qkv(config, model)
+    synthetic = synthetic_qkv()
+    rows = []
+    for label in VARIANTS:
+        fmt = _fmt(label)
+        per_layer = [attention_error(q, k, v, fmt) for q, k, v in layers]
+        rows.append({"format": label, "bytes_per_token_head_d128": fmt.bytes_per_token(1, 128),
+                     "model_error": float(np.mean(per_layer)), "model_error_per_layer": per_layer,
+                     "synthetic_error": attention_error(*synthetic[:3], fmt)})
+        print(f"{label}: model {rows[-1]['model_error']:.4f}, synthetic {rows[-1]['synthetic_error']:.4f}",
+              flush=True)
+    write_results(out, "quality", {"rows": rows}, quality_markdown)
+    quality_plot(rows, os.path.join(out, "quality.png"))
+
+
+def quality_markdown(result: dict) -> str:
+    lines = ["# KV-format quality: attention-output relative error against float32", "",
+             "`python -m experiments.reproduce.kvcache --parts quality`. ||o_fmt - o|| / ||o|| of causal attention "
+             "over every position: the trained quickstart model's own q, k, v (8 held-out sequences x 256 tokens; "
+             "mean over its 4 layers; 1 KV head of dim 64, 2 query heads), and synthetic K with 2 of 128 channels "
+             "x 20 (4 x 1024 tokens, 2 KV heads, GQA 4).", "",
+             "| format | bytes / token / head (D = 128) | trained model | per layer | synthetic outliers |",
+             "|---|---|---|---|---|"]
+    for r in result["rows"]:
+        per = " / ".join(f"{e:.4f}" for e in r["model_error_per_layer"])
+        lines.append(f"| {r['format']} | {r['bytes_per_token_head_d128']} | {r['model_error']:.4f} | {per} | "
+                     f"{r['synthetic_error']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def quality_plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4), dpi=120)
+    xs = np.arange(len(rows))
+    ax.bar(xs - 0.2, [r["model_error"] for r in rows], width=0.4, label="trained quickstart model")
+    ax.bar(xs + 0.2, [r["synthetic_error"] for r in rows], width=0.4, label="synthetic K, outlier channels")
+    ax.set_xticks(xs, [r["format"].replace(", ", ",\n").replace(" (", "\n(") for r in rows], fontsize=6)
+    ax.set_yscale("log")
+    ax.set_ylabel("attention-output relative error")
+    ax.set_title("KV-cache formats against float32 attention", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# -------------------------------------------------------------------------------------------------- perplexity
+
+def served_loss(model, tokens, cache_factory) -> float:
+    """Mean next-token cross-entropy of `tokens` [B, T + 1] read through a cache: a PREFILL-token prefill, then one
+    token per step (one jitted program)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    inputs, targets = jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def run(graphdef, state, cache):
+        model = nnx.merge(graphdef, state)
+        logits, _, cache = model(inputs[:, :PREFILL], cache=cache)
+
+        def step(cache, token):
+            logits, _, cache = model(token[:, None], cache=cache)
+            return cache, logits[:, 0]
+
+        _, rest = jax.lax.scan(step, cache, inputs[:, PREFILL:].T)
+        logits = jnp.concatenate([logits, rest.transpose(1, 0, 2)], axis=1)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+    return float(run(graphdef, state, cache_factory(tokens.shape[0], tokens.shape[1] - 1)))
+
+
+def perplexity(out: str, num_batches: int = 4) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from core import generate
+    from experiments import build
+    from experiments.bench.common import write_results
+    from kvcache import paged_cache_factory
+
+    config, model = trained_model(out)
+    _, batches = build.build_data(config)
+    val = batches.val_batches(num_batches)
+    cfg = model.cfg
+
+    def uncached(tokens):
+        logits = model(jnp.asarray(tokens[:, :-1]))[0]
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return float(-jnp.mean(jnp.take_along_axis(logp, jnp.asarray(tokens[:, 1:])[..., None], axis=-1)))
+
+    rows = [{"format": "no cache (float32 forward)", "loss": float(np.mean([uncached(t) for t in val]))}]
+    factories = {"dense float32 cache": generate.dense_cache_factory(model, jnp.float32)}
+    for label in VARIANTS:
+        factories[label] = paged_cache_factory(_fmt(label), num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                                               head_dim=cfg.head_dim, implementation="xla_split")
+    for label, factory in factories.items():
+        rows.append({"format": label, "loss": float(np.mean([served_loss(model, t, factory) for t in val]))})
+        print(f"{label}: held-out loss {rows[-1]['loss']:.4f}", flush=True)
+    base = rows[0]["loss"]
+    for r in rows:
+        r["perplexity"], r["bits_per_byte"] = float(np.exp(r["loss"])), r["loss"] / np.log(2)
+        r["delta_loss"] = r["loss"] - base
+    result = {"rows": rows, "num_sequences": num_batches * val[0].shape[0], "seq_len": val[0].shape[1] - 1,
+              "prefill": PREFILL}
+    write_results(out, "perplexity", result, perplexity_markdown)
+
+
+def perplexity_markdown(result: dict) -> str:
+    lines = ["# Held-out perplexity of the quickstart model decoding through each KV-cache format", "",
+             f"`python -m experiments.reproduce.kvcache --parts perplexity`. {result['num_sequences']} held-out "
+             f"sequences x {result['seq_len']} byte-tokens, each read as a server would: a {result['prefill']}-token "
+             "prefill, then one token per step, every token's K/V quantised on write (paged cache, split-KV decode "
+             "in XLA). Loss = mean next-token cross-entropy (nats); perplexity per byte = exp(loss).", "",
+             "| KV cache | held-out loss | perplexity | bits per byte | loss - uncached |", "|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['format']} | {r['loss']:.4f} | {r['perplexity']:.4f} | {r['bits_per_byte']:.4f} | "
+                     f"{r['delta_loss']:+.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------- capacity
+
+def capacity_table(out: str) -> None:
+    from experiments.bench.common import write_results
+    from kvcache import capacity
+
+    rows = capacity.plan(capacity.SPEC_BUDGET_BYTES, capacity.SPEC_MODEL)
+    result = {"rows": rows, "memory_bytes": capacity.SPEC_BUDGET_BYTES, "max_model_len": capacity.SPEC_MAX_MODEL_LEN}
+
+    def markdown(result):
+        table = capacity.markdown(result["rows"], title="At the spec's KV budget (262,144 tokens x 2.9 of bf16)",
+                                  memory_bytes=result["memory_bytes"], shape=capacity.SPEC_MODEL,
+                                  max_model_len=result["max_model_len"])
+        return f"# KV capacity of the spec's model\n\n`python -m experiments.reproduce.kvcache --parts capacity`.\n\n{table}"
+
+    write_results(out, "capacity", result, markdown)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="results/kvcache", help="output directory")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {list(PARTS)}")
+    args = parser.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    bad = [p for p in parts if p not in PARTS]
+    if bad:
+        parser.error(f"--parts {bad} unknown; allowed: {list(PARTS)}")
+    if "capacity" in parts:
+        capacity_table(args.out)
+    if "quality" in parts:
+        quality(args.out)
+    if "perplexity" in parts:
+        perplexity(args.out)
+
+
+if __name__ == "__main__":
+    main()
