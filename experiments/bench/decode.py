@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench.common import describe, machine, median_seconds, write_results
+from experiments.bench.common import describe, interleaved_medians, machine, write_results
 from kvcache import PagedPool, decode_attention, formats
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK = 16, 2, 256, 16
@@ -49,37 +49,36 @@ def filled_pool(fmt: formats.Format, context: int) -> tuple[dict, jax.Array]:
     return fields, jnp.asarray(table)
 
 
-def copy_bandwidth(repeats: int) -> float:
-    """Bytes per second of a jitted copy (read + write) of a 256 MiB float32 buffer."""
-    x = jnp.arange(COPY_BYTES // 4, dtype=jnp.float32)
-    copy = jax.jit(lambda a: a + 0)
-    return 2 * COPY_BYTES / median_seconds(lambda: copy(x), repeats=repeats, warmup=2)
-
-
 def run(contexts: list[int], repeats: int) -> dict:
-    copy = copy_bandwidth(repeats)
+    """Per context: every (format, implementation) and a 256 MiB copy, timed in interleaved rounds (one call of
+    each per round), so a drift of the machine's speed hits all of them and the copy bandwidth they are compared
+    with is measured at the same time."""
     q = jax.random.normal(jax.random.key(1), (1, NUM_HEADS, HEAD_DIM))
-    rows = []
+    buffer = jnp.arange(COPY_BYTES // 4, dtype=jnp.float32)
+    copy = jax.jit(lambda a: a + 0)
+    rows, copies = [], {}
     for context in contexts:
+        seq_lens = jnp.asarray([context], jnp.int32)
+        calls, kv_bytes = {"copy": lambda: copy(buffer)}, {}
         for name in FORMATS:
             fmt = formats.get(name)
             fields, table = filled_pool(fmt, context)
-            seq_lens = jnp.asarray([context], jnp.int32)
-            kv_bytes = context * fmt.bytes_per_token(NUM_KV_HEADS, HEAD_DIM)
+            kv_bytes[name] = context * fmt.bytes_per_token(NUM_KV_HEADS, HEAD_DIM)
             for impl in IMPLEMENTATIONS:
                 step = jax.jit(lambda q, f, t, s, fmt=fmt, impl=impl: decode_attention(q, f, t, s, fmt=fmt,
                                                                                         implementation=impl))
-                seconds = median_seconds(lambda: step(q, fields, table, seq_lens), repeats=repeats, warmup=1)
-                rows.append({"context": context, "format": name, "implementation": impl, "ms": 1e3 * seconds,
-                             "kv_bytes": kv_bytes, "gb_per_s": kv_bytes / seconds / 1e9,
-                             "of_copy": kv_bytes / seconds / copy})
-                print(f"context {context:>7,} {name:>5} {impl:>9}: {1e3 * seconds:8.2f} ms, "
-                      f"{kv_bytes / seconds / 1e9:6.2f} GB/s ({100 * kv_bytes / seconds / copy:.0f}% of copy)",
-                      flush=True)
-            del fields
+                calls[name, impl] = lambda step=step, fields=fields, table=table: step(q, fields, table, seq_lens)
+        seconds = interleaved_medians(calls, repeats=repeats, warmup=1)
+        copies[context] = 2 * COPY_BYTES / seconds.pop("copy")
+        for (name, impl), sec in seconds.items():
+            rows.append({"context": context, "format": name, "implementation": impl, "ms": 1e3 * sec,
+                         "kv_bytes": kv_bytes[name], "gb_per_s": kv_bytes[name] / sec / 1e9,
+                         "of_copy": kv_bytes[name] / sec / copies[context]})
+            print(f"context {context:>7,} {name:>5} {impl:>9}: {1e3 * sec:8.2f} ms, {rows[-1]['gb_per_s']:6.2f} GB/s "
+                  f"({100 * rows[-1]['of_copy']:.0f}% of the copy's {copies[context] / 1e9:.2f} GB/s)", flush=True)
     return {"machine": machine(), "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS,
                                             "head_dim": HEAD_DIM, "block_size": BLOCK, "batch": 1},
-            "copy_gb_per_s": copy / 1e9, "rows": rows}
+            "copy_gb_per_s": {str(c): b / 1e9 for c, b in copies.items()}, "rows": rows}
 
 
 def markdown(result: dict) -> str:
@@ -89,16 +88,16 @@ def markdown(result: dict) -> str:
              f"`python -m experiments.bench.decode`. {describe(result['machine'])} Batch 1, {NUM_HEADS} query / "
              f"{NUM_KV_HEADS} KV heads, head dim {HEAD_DIM}, block size {BLOCK}; ms per decode step without split-KV "
              "(`xla`) and with it (`xla_split`), and the split path's stored-KV bytes read per second against the "
-             f"copy bandwidth of the same run ({result['copy_gb_per_s']:.2f} GB/s, read + write). The Pallas "
-             "kernels are not timed: on a CPU they run only in Pallas' interpreter.", "",
+             "bandwidth of a 256 MiB copy (read + write) timed in the same interleaved rounds. The Pallas kernels "
+             "are not timed: on a CPU they run only in Pallas' interpreter.", "",
              "| context | " + " | ".join(f"{f} ms (no split / split) | {f} GB/s (of copy)" for f in FORMATS) +
-             " | fp4 / bf16 time (split) |", "|---|" + "---|---|" * len(FORMATS) + "---|"]
+             " | fp4 / bf16 time (split) | copy GB/s |", "|---|" + "---|---|" * len(FORMATS) + "---|---|"]
     for c in contexts:
         cells = [f"{by[c, f, 'xla']['ms']:.2f} / {by[c, f, 'xla_split']['ms']:.2f} | "
                  f"{by[c, f, 'xla_split']['gb_per_s']:.2f} ({100 * by[c, f, 'xla_split']['of_copy']:.0f}%)"
                  for f in FORMATS]
         ratio = by[c, "fp4", "xla_split"]["ms"] / by[c, "bf16", "xla_split"]["ms"]
-        lines.append(f"| {c:,} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
+        lines.append(f"| {c:,} | " + " | ".join(cells) + f" | {ratio:.2f}x | {result['copy_gb_per_s'][str(c)]:.2f} |")
     if len(contexts) > 1:
         first, last = contexts[1 if len(contexts) > 2 else 0], contexts[-1]
         lines += ["", f"Time growth from {first:,} to {last:,} tokens divided by the context growth (1.00 = linear, "
@@ -123,7 +122,8 @@ def plot(result: dict, path: str) -> None:
             ax1.loglog(xs, [r["ms"] for r in rs], "o" + style, color=f"C{i}", label=f"{f} {impl}")
             if impl == "xla_split":
                 ax2.semilogx(xs, [r["gb_per_s"] for r in rs], "o-", color=f"C{i}", label=f)
-    ax2.axhline(result["copy_gb_per_s"], color="k", ls="--", lw=1, label="copy (read + write)")
+    copies = sorted((int(c), b) for c, b in result["copy_gb_per_s"].items())
+    ax2.semilogx([c for c, _ in copies], [b for _, b in copies], "k--", lw=1, label="copy (read + write)")
     ax1.set_xlabel("context (tokens)")
     ax1.set_ylabel("ms per decode step")
     ax1.set_title("Decode time against context: one layer, without (--) and with (-) split-KV", fontsize=9)

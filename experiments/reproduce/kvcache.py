@@ -65,18 +65,25 @@ def _fmt(label: str):
 
 # ----------------------------------------------------------------------------------------------------- quality
 
-def attention_error(q, k, v, fmt) -> float:
-    """||o_fmt - o|| / ||o|| of causal GQA attention; q [B, T, H, D], k, v [B, T, K, D] (float32)."""
+def attention_error(q, k, v, fmt) -> tuple[float, float]:
+    """(||o_fmt - o|| / ||o|| of causal GQA attention, ||s_fmt - s|| / ||s|| of its scores q.k: the K side alone);
+    q [B, T, H, D], k, v [B, T, K, D] (float32)."""
     import jax
     import jax.numpy as jnp
 
     def attend(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
 
-    exact = attend(q, k, v)
+    def scores(q, k):
+        g = q.shape[2] // k.shape[2]
+        return jnp.einsum("bthd,bshd->bhts", q, jnp.repeat(k, g, axis=2), precision=jax.lax.Precision.HIGHEST)
+
     k_hat, v_hat = fmt.dequantize(fmt.quantize(k, v), rotated=True)
-    approx = fmt.finish_output(attend(fmt.prepare_query(q), k_hat, v_hat))
-    return float(jnp.linalg.norm(approx - exact) / jnp.linalg.norm(exact))
+    q_hat = fmt.prepare_query(q)
+    exact, approx = attend(q, k, v), fmt.finish_output(attend(q_hat, k_hat, v_hat))
+    s, s_hat = scores(q, k), scores(q_hat, k_hat)
+    rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))  # noqa: E731
+    return rel(approx, exact), rel(s_hat, s)
 
 
 class RecordingCache:
@@ -136,11 +143,14 @@ def quality(out: str) -> None:
     for label in VARIANTS:
         fmt = _fmt(label)
         per_layer = [attention_error(q, k, v, fmt) for q, k, v in layers]
+        synthetic_error, synthetic_score_error = attention_error(*synthetic, fmt)
         rows.append({"format": label, "bytes_per_token_head_d128": fmt.bytes_per_token(1, 128),
-                     "model_error": float(np.mean(per_layer)), "model_error_per_layer": per_layer,
-                     "synthetic_error": attention_error(*synthetic[:3], fmt)})
-        print(f"{label}: model {rows[-1]['model_error']:.4f}, synthetic {rows[-1]['synthetic_error']:.4f}",
-              flush=True)
+                     "model_error": float(np.mean([e for e, _ in per_layer])),
+                     "model_error_per_layer": [e for e, _ in per_layer],
+                     "model_score_error": float(np.mean([e for _, e in per_layer])),
+                     "synthetic_error": synthetic_error, "synthetic_score_error": synthetic_score_error})
+        print(f"{label}: model {rows[-1]['model_error']:.4f} (scores {rows[-1]['model_score_error']:.4f}), "
+              f"synthetic {synthetic_error:.4f} (scores {synthetic_score_error:.4f})", flush=True)
     write_results(out, "quality", {"rows": rows}, quality_markdown)
     quality_plot(rows, os.path.join(out, "quality.png"))
 
@@ -150,13 +160,15 @@ def quality_markdown(result: dict) -> str:
              "`python -m experiments.reproduce.kvcache --parts quality`. ||o_fmt - o|| / ||o|| of causal attention "
              "over every position: the trained quickstart model's own q, k, v (8 held-out sequences x 256 tokens; "
              "mean over its 4 layers; 1 KV head of dim 64, 2 query heads), and synthetic K with 2 of 128 channels "
-             "x 20 (4 x 1024 tokens, 2 KV heads, GQA 4).", "",
-             "| format | bytes / token / head (D = 128) | trained model | per layer | synthetic outliers |",
-             "|---|---|---|---|---|"]
+             "x 20 (4 x 1024 tokens, 2 KV heads, GQA 4). In brackets: the relative error of the scores q.k alone "
+             "(the K side: rotation and the FP8 query act there; V's error adds to the output's).", "",
+             "| format | bytes / token / head (D = 128) | trained model: output (scores) | per layer | "
+             "synthetic outliers: output (scores) |", "|---|---|---|---|---|"]
     for r in result["rows"]:
         per = " / ".join(f"{e:.4f}" for e in r["model_error_per_layer"])
-        lines.append(f"| {r['format']} | {r['bytes_per_token_head_d128']} | {r['model_error']:.4f} | {per} | "
-                     f"{r['synthetic_error']:.4f} |")
+        lines.append(f"| {r['format']} | {r['bytes_per_token_head_d128']} | {r['model_error']:.4f} "
+                     f"({r['model_score_error']:.4f}) | {per} | {r['synthetic_error']:.4f} "
+                     f"({r['synthetic_score_error']:.4f}) |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,327 @@
+"""A serving engine: continuous batching over a paged, quantised KV pool with prefix caching.
+
+Every `step()` runs one forward pass of the model over a ragged batch: one token for each decoding sequence and a
+chunk of prompt for sequences still in prefill, together at most `max_num_batched_tokens` tokens (vLLM's chunked
+prefill with a token budget). Their keys and values are quantised into the pool on write and each token attends
+its own sequence's cache with `kvcache.unified_attention` (causal inside a chunk).
+
+Memory: the pool is `memory_bytes` of blocks in the chosen format, so fp4 holds about 3.76x the tokens of bf16.
+Prefix caching: full blocks are registered under chained hashes (`kvcache.blocks`); a new request starts from the
+longest cached full-block prefix of its tokens (less its last token, which must be computed for its logits) and
+only computes the rest. Finished requests release their blocks to the cache; evictions take the least recently
+released.
+
+Scheduling (documented behaviour):
+  * Running sequences go first, in admission order; then waiting requests first-come first-served, while the
+    token budget and `max_num_seqs` allow and their blocks can be allocated (evicting cached blocks if needed).
+  * Admission control: a request whose prompt + max_new_tokens exceeds `max_model_len` or the whole pool is
+    rejected at `submit` with a ValueError; nothing else changes.
+  * Preemption: when a running sequence needs a block and none can be freed, the most recently admitted running
+    sequence is preempted: its blocks are released (full ones stay cached) and it returns to the front of the
+    queue, to be recomputed (from its cached prefix) when it is admitted again. Its generated tokens are kept.
+
+Metrics per request (engine clock = time.perf_counter()): arrival, first-token time, finish time and the time of
+every token; TTFT = first token - arrival; TPOT = (finish - first token) / (tokens - 1). Per engine: steps,
+preemptions, prompt tokens asked of and found in the prefix cache.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from core.data import EOS_ID
+from kvcache import attention
+from kvcache.blocks import BlockManager, block_hashes
+from kvcache.formats import Format
+from kvcache.paged import PagedPool
+
+__all__ = ["EngineConfig", "Request", "Engine"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """memory_bytes: KV pool size; max_num_seqs / max_num_batched_tokens: per-step limits; max_model_len: the
+    longest sequence (prompt + output) a request may reach; temperature 0 = greedy."""
+
+    memory_bytes: int
+    block_size: int = 16
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    max_model_len: int = 4096
+    implementation: str = "xla"
+    temperature: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("memory_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} = {getattr(self, name)}; must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"EngineConfig.temperature = {self.temperature}; must be >= 0")
+        attention.check_implementation(self.implementation)
+        if self.max_model_len < 2 * self.max_num_batched_tokens:
+            raise ValueError(f"EngineConfig.max_model_len = {self.max_model_len} must be >= 2 x "
+                             f"max_num_batched_tokens = {2 * self.max_num_batched_tokens} (a step's padded batch "
+                             "is addressed like one sequence)")
+        if self.implementation == "xla_split":
+            raise ValueError("EngineConfig.implementation = 'xla_split' runs decode only; the engine's batches mix "
+                             "prefill and decode: use 'xla' or 'pallas'")
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    arrival: float
+    output: list[int] = dataclasses.field(default_factory=list)
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the pool
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at (the last) admission
+    preemptions: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    token_times: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_time is not None
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token_time - self.arrival
+
+    @property
+    def tpot(self) -> float:
+        n = len(self.output)
+        return (self.finish_time - self.first_token_time) / (n - 1) if n > 1 else 0.0
+
+
+@struct.dataclass
+class _FlatBatchCache:
+    """`core.attention.KVCache` for one engine step: the model sees the whole ragged batch as one row of tokens
+    (explicit positions); this cache writes their K/V to their slots and runs unified attention."""
+
+    pool: PagedPool
+    slots: jax.Array  # [N]
+    block_tables: jax.Array  # [S, MB]
+    seq_lens: jax.Array  # [S]
+    query_start_loc: jax.Array  # [S + 1]
+    max_query_len: int = struct.field(pytree_node=False)
+    implementation: str = struct.field(pytree_node=False)
+
+    @property
+    def lengths(self):
+        return self.seq_lens
+
+    def update_and_attend(self, layer, q, k, v):
+        kw = dict(fmt=self.pool.fmt, implementation=self.implementation)
+        fields = attention.write(self.pool.layer(layer), k[0], v[0], self.slots, **kw)
+        out = attention.unified_attention(q[0], fields, self.block_tables, self.seq_lens, self.query_start_loc,
+                                          max_query_len=self.max_query_len, **kw)
+        pool = self.pool.replace(fields={n: x.at[layer].set(fields[n]) for n, x in self.pool.fields.items()})
+        return out[None].astype(q.dtype), self.replace(pool=pool)
+
+    def advance(self, num_tokens):
+        return self
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_query_len", "implementation"), donate_argnums=(2,))
+def _forward(graphdef, state, pool, tokens, positions, slots, block_tables, seq_lens, query_start_loc, last,
+             *, max_query_len, implementation):
+    model = nnx.merge(graphdef, state)
+    cache = _FlatBatchCache(pool, slots, block_tables, seq_lens, query_start_loc, max_query_len, implementation)
+    logits, _, cache = model(tokens[None], positions=positions[None], cache=cache)
+    return logits[0, last].astype(jnp.float32), cache.pool
+
+
+class Engine:
+    """Continuous-batching server of a `core.model.Transformer` over a paged KV pool in format `fmt`."""
+
+    def __init__(self, model: nnx.Module, fmt: Format, config: EngineConfig):
+        cfg = model.cfg
+        self.config, self.fmt = config, fmt
+        self.graphdef, self.state = nnx.split(model)
+        self.pool = PagedPool.create(fmt, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                                     head_dim=cfg.head_dim, block_size=config.block_size,
+                                     memory_bytes=config.memory_bytes)
+        self.blocks = BlockManager(self.pool.num_blocks, config.block_size)
+        self.max_blocks = -(-config.max_model_len // config.block_size)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.stats = {"steps": 0, "preemptions": 0, "prompt_tokens": 0, "cached_tokens": 0}
+        self._rng = np.random.default_rng(config.seed)
+        self._next_id = 0
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.config.block_size
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def submit(self, prompt, max_new_tokens: int, *, arrival: float | None = None) -> Request:
+        """Queues a request (prompt: token ids, at least one). Raises ValueError, changing nothing, if it cannot
+        ever fit: longer than max_model_len or than the whole pool."""
+        prompt = [int(t) for t in prompt]
+        need = len(prompt) + max_new_tokens
+        if not prompt or max_new_tokens < 1:
+            raise ValueError(f"a request needs >= 1 prompt token and max_new_tokens >= 1 (got {len(prompt)} and "
+                             f"{max_new_tokens})")
+        if need > self.config.max_model_len:
+            raise ValueError(f"request of {len(prompt)} prompt + {max_new_tokens} new tokens = {need} exceeds "
+                             f"max_model_len = {self.config.max_model_len}")
+        if -(-need // self.config.block_size) > self.pool.num_blocks:
+            raise ValueError(f"request of {need} tokens needs {-(-need // self.config.block_size)} blocks; the KV "
+                             f"pool has {self.pool.num_blocks} ({self.capacity_tokens} tokens in {self.fmt.label})")
+        request = Request(self._next_id, prompt, max_new_tokens, time.perf_counter() if arrival is None else arrival)
+        self._next_id += 1
+        self.waiting.append(request)
+        return request
+
+    # ----------------------------------------------------------------------------------------------- schedule
+
+    def _blocks_for(self, request: Request, num_tokens: int) -> int:
+        """New blocks `request` needs to hold `num_tokens` more tokens."""
+        return -(-(request.num_computed + num_tokens) // self.config.block_size) - len(request.blocks)
+
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.blocks.release(victim.blocks)
+        victim.blocks, victim.num_computed = [], 0
+        victim.preemptions += 1
+        self.stats["preemptions"] += 1
+        self.waiting.appendleft(victim)
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        budget, batch = self.config.max_num_batched_tokens, []
+        for request in list(self.running):
+            if request not in self.running or budget == 0:
+                continue
+            n = min(len(request.tokens) - request.num_computed, budget)
+            while True:
+                new = self.blocks.allocate(self._blocks_for(request, n))
+                if new is not None:
+                    break
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if request not in self.running:
+                continue
+            request.blocks += new
+            batch.append((request, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hit = self.blocks.match(request.tokens[:-1])
+            request.blocks, request.num_computed = hit, len(hit) * self.config.block_size
+            n = min(len(request.tokens) - request.num_computed, budget)
+            new = self.blocks.allocate(self._blocks_for(request, n))
+            if new is None:
+                self.blocks.release(hit)
+                request.blocks, request.num_computed = [], 0
+                break
+            self.waiting.popleft()
+            request.blocks += new
+            request.cached_tokens = request.num_computed
+            self.stats["prompt_tokens"] += len(request.tokens)
+            self.stats["cached_tokens"] += request.num_computed
+            self.running.append(request)
+            batch.append((request, n))
+            budget -= n
+        return batch
+
+    # --------------------------------------------------------------------------------------------------- step
+
+    def step(self) -> list[Request]:
+        """Schedules and runs one batch; returns the requests that finished in it."""
+        batch = self._schedule()
+        if not batch:
+            if self.waiting:  # nothing fits although the pool is free: cannot happen after submit's checks
+                raise RuntimeError("the scheduler could not place any request; the pool is smaller than a block")
+            return []
+        bs, s_max = self.config.block_size, self.config.max_num_seqs + 1  # + 1 row for the padding tokens
+        n_real = sum(n for _, n in batch)
+        n_pad = max(16, 1 << n_real.bit_length())  # a power of two > n_real: few distinct compiled shapes
+        tokens, positions = np.zeros(n_pad, np.int32), np.zeros(n_pad, np.int32)
+        slots = np.full(n_pad, -1, np.int32)
+        tables = np.zeros((s_max, self.max_blocks), np.int32)
+        seq_lens, qsl, last = np.ones(s_max, np.int32), np.zeros(s_max + 1, np.int32), np.zeros(s_max, np.int32)
+        at = 0
+        for i, (request, n) in enumerate(batch):
+            pos = np.arange(request.num_computed, request.num_computed + n)
+            tokens[at:at + n] = request.tokens[request.num_computed:request.num_computed + n]
+            positions[at:at + n] = pos
+            table = np.asarray(request.blocks, np.int32)
+            slots[at:at + n] = table[pos // bs] * bs + pos % bs
+            tables[i, :len(table)] = table
+            seq_lens[i] = request.num_computed + n
+            at += n
+            qsl[i + 1], last[i] = at, at - 1
+        qsl[len(batch) + 1:] = at
+        # The padding tokens are the last row's chunk; it "holds" as many keys as it has queries (block 0 repeated:
+        # finite garbage, never written, results discarded), so every padding query sees at least one key.
+        qsl[s_max], seq_lens[s_max - 1] = n_pad, n_pad - at
+        logits, self.pool = _forward(self.graphdef, self.state, self.pool, jnp.asarray(tokens),
+                                     jnp.asarray(positions), jnp.asarray(slots), jnp.asarray(tables),
+                                     jnp.asarray(seq_lens), jnp.asarray(qsl), jnp.asarray(last),
+                                     max_query_len=n_pad, implementation=self.config.implementation)
+        logits = np.asarray(logits)
+        now = time.perf_counter()
+        self.stats["steps"] += 1
+        finished = []
+        for i, (request, n) in enumerate(batch):
+            before = request.num_computed // bs
+            request.num_computed += n
+            hashes = block_hashes(request.tokens[:request.num_computed], bs)
+            for j in range(before, len(hashes)):
+                self.blocks.register(request.blocks[j], hashes[j])
+            if request.num_computed < len(request.tokens):
+                continue  # prefill not done: no token yet
+            token = self._sample(logits[i])
+            request.output.append(token)
+            request.token_times.append(now)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if token == EOS_ID or len(request.output) >= request.max_new_tokens:
+                request.finish_time = now
+                self.running.remove(request)
+                self.blocks.release(request.blocks)
+                request.blocks = []
+                finished.append(request)
+        return finished
+
+    def _sample(self, logits: np.ndarray) -> int:
+        """Greedy (temperature 0) or temperature sampling over the bytes and EOS (other specials never), as
+        `core.generate` samples."""
+        vocab = np.arange(logits.shape[-1])
+        logits = np.where((vocab < 256) | (vocab == EOS_ID), logits, -np.inf)
+        if self.config.temperature == 0:
+            return int(np.argmax(logits))
+        p = np.exp((logits - logits.max()) / self.config.temperature)
+        return int(self._rng.choice(len(p), p=p / p.sum()))
+
+    def run(self, on_step=None) -> list[Request]:
+        """Steps until every submitted request finished; `on_step(engine, finished)` after each step."""
+        done = []
+        while self.has_work:
+            finished = self.step()
+            done += finished
+            if on_step is not None:
+                on_step(self, finished)
+        return done
+
