@@ -1,0 +1,151 @@
+"""The serving engine: equal to isolated generation under interleaving, chunking, prefix hits, eviction and
+preemption; the block manager's reference counts and LRU; admission control; metrics from timestamps."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from core import generate as generate_lib
+from core.model import Transformer, TransformerConfig
+from kvcache import formats, paged_cache_factory
+from kvcache.blocks import BlockManager, block_hashes
+from kvcache.engine import Engine, EngineConfig, Request
+
+CFG = TransformerConfig(vocab_size=264, d_model=128, num_layers=2, num_heads=2, num_kv_heads=1, d_ff=96,
+                        init_std=0.3)  # large weights: varied greedy continuations
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(CFG, rngs=nnx.Rngs(0))
+
+
+def isolated(model, fmt, prompt, n):
+    """Greedy generation of one prompt alone through the paged cache of the same format."""
+    factory = paged_cache_factory(fmt, num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads,
+                                  head_dim=CFG.head_dim)
+    out = generate_lib.generate(model, [np.asarray(prompt)], max_new_tokens=n, key=jax.random.key(0),
+                                cache_factory=factory)[0].tolist()
+    return out[:out.index(256)] if 256 in out else out  # PAD after EOS
+
+
+def engine(model, fmt, blocks, **kw):
+    per_block = CFG.num_layers * BS * fmt.bytes_per_token(CFG.num_kv_heads, CFG.head_dim)
+    return Engine(model, fmt, EngineConfig(memory_bytes=blocks * per_block, block_size=BS, max_model_len=256,
+                                           **{"max_num_batched_tokens": 32, **kw}))
+
+
+def prompts_with_shared_prefix(seed=0):
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, 256, 2 * BS + 5).tolist()
+    return [shared + rng.integers(0, 256, n).tolist() for n in (3, 30, 11)] + [rng.integers(0, 256, 7).tolist()]
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp4"])
+def test_interleaved_requests_equal_isolated_generation(model, name):
+    """Four requests (shared prefix, lengths 7..67) with a 32-token budget: chunked prefills interleave with
+    decodes of other requests, and every output equals the request's isolated greedy generation."""
+    fmt = formats.get(name)
+    eng = engine(model, fmt, blocks=64, max_num_seqs=3)
+    prompts = prompts_with_shared_prefix()
+    requests = [eng.submit(p, 10) for p in prompts]
+    eng.run()
+    for prompt, request in zip(prompts, requests):
+        assert request.output == isolated(model, fmt, prompt, 10), request.id
+    assert eng.stats["steps"] > 10  # it did interleave
+    assert eng.blocks.num_available == eng.pool.num_blocks  # everything released
+
+
+def test_prefix_cache_hits_reuse_blocks(model):
+    """A second request sharing 2 full blocks with a finished one starts from them (the same block ids), computes
+    only the rest, and still generates what it would alone."""
+    fmt = formats.get("fp4")
+    eng = engine(model, fmt, blocks=64)
+    first, second = prompts_with_shared_prefix()[:2]
+    a = eng.submit(first, 4)
+    eng.run()
+    hashes = block_hashes(first, BS)
+    cached = [eng.blocks._block_of[h] for h in hashes]
+    b = eng.submit(second, 6)
+    eng.step()
+    assert b.cached_tokens == 2 * BS and b.blocks[:2] == cached
+    assert all(eng.blocks.refs(blk) == 1 for blk in cached)
+    eng.run()
+    assert b.output == isolated(model, fmt, second, 6) and a.output == isolated(model, fmt, first, 4)
+    assert eng.stats["cached_tokens"] == 2 * BS
+
+
+def test_eviction_and_preemption_keep_outputs_exact(model):
+    """A pool of 9 blocks (144 tokens) for requests of up to 83 tokens: cached blocks get evicted and running
+    sequences preempted; outputs still equal isolated generation, and a request whose prefix was evicted finds
+    fewer cached tokens (evicted blocks are never read)."""
+    fmt = formats.get("bf16")
+    eng = engine(model, fmt, blocks=9, max_num_seqs=4)
+    prompts = prompts_with_shared_prefix(seed=1)
+    requests = [eng.submit(p, 16) for p in prompts]
+    eng.run()
+    for prompt, request in zip(prompts, requests):
+        assert request.output == isolated(model, fmt, prompt, 16), request.id
+    assert eng.stats["preemptions"] > 0
+    # Fill the pool with unrelated requests: the shared prefix's blocks are evicted.
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        eng.submit(rng.integers(0, 256, 60).tolist(), 4)
+        eng.run()
+    again = eng.submit(prompts[1], 3)
+    eng.run()
+    assert again.cached_tokens < 2 * BS
+    assert again.output == isolated(model, fmt, prompts[1], 3)
+
+
+def test_request_larger_than_the_pool_is_rejected(model):
+    fmt = formats.get("fp4")
+    eng = engine(model, fmt, blocks=4)  # 64 tokens
+    ok = eng.submit(list(range(20)), 5)
+    with pytest.raises(ValueError, match="needs 5 blocks; the KV pool has 4"):
+        eng.submit(list(range(70)), 5)
+    with pytest.raises(ValueError, match="exceeds max_model_len = 256"):
+        eng.submit(list(range(250)), 10)
+    with pytest.raises(ValueError, match="max_new_tokens >= 1"):
+        eng.submit([1, 2], 0)
+    eng.run()
+    assert ok.output == isolated(model, fmt, list(range(20)), 5)
+    with pytest.raises(ValueError, match="max_model_len = 64 must be >= 2 x"):
+        EngineConfig(memory_bytes=1 << 20, max_model_len=64, max_num_batched_tokens=64)
+
+
+def test_block_manager_refcounts_and_lru():
+    blocks = BlockManager(4, 2)
+    a = blocks.allocate(2)
+    for blk, h in zip(a, block_hashes([1, 2, 3, 4], 2)):
+        blocks.register(blk, h)
+    blocks.release(a)  # cached, the tail (a[1]) first in line for eviction
+    assert blocks.num_available == 4
+    assert blocks.match([1, 2, 3, 4, 5]) == a and blocks.refs(a[0]) == 1
+    blocks.release(a)
+    assert blocks.match([1, 2, 9, 9]) == a[:1]  # a different second block: only the first matches
+    b = blocks.allocate(3)  # 2 free + evicts a[1], never a[0] (referenced)
+    assert a[1] in b and a[0] not in b
+    assert blocks.match([1, 2, 3, 4]) == a[:1]  # the evicted second block is gone from the cache
+    assert blocks.allocate(1) is None  # nothing left: no change
+    with pytest.raises(ValueError, match="released more often"):
+        blocks.release(a[1:] * 3)
+
+
+def test_metrics_from_timestamps():
+    r = Request(0, [1, 2], 3, arrival=10.0)
+    r.first_token_time, r.token_times, r.finish_time, r.output = 10.5, [10.5, 10.7, 11.1], 11.1, [5, 6, 7]
+    assert r.ttft == pytest.approx(0.5) and r.tpot == pytest.approx(0.3)
+
+
+def test_engine_records_consistent_times(model):
+    fmt = formats.get("fp8")
+    eng = engine(model, fmt, blocks=32)
+    requests = [eng.submit(p, 5) for p in prompts_with_shared_prefix()[:3]]
+    eng.run()
+    for r in requests:
+        assert r.arrival <= r.first_token_time == r.token_times[0] <= r.finish_time == r.token_times[-1]
+        assert len(r.token_times) == len(r.output) and np.all(np.diff(r.token_times) > 0)
+        assert r.ttft > 0 and r.tpot == pytest.approx((r.finish_time - r.first_token_time) / (len(r.output) - 1))
