@@ -82,6 +82,7 @@ class Request:
     prompt: list[int]
     max_new_tokens: int
     arrival: float
+    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
     output: list[int] = dataclasses.field(default_factory=list)
     blocks: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the pool
@@ -173,9 +174,11 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def submit(self, prompt, max_new_tokens: int, *, arrival: float | None = None) -> Request:
-        """Queues a request (prompt: token ids, at least one). Raises ValueError, changing nothing, if it cannot
-        ever fit: longer than max_model_len or than the whole pool."""
+    def submit(self, prompt, max_new_tokens: int, *, arrival: float | None = None,
+               ignore_eos: bool = False) -> Request:
+        """Queues a request (prompt: token ids, at least one); it ends at EOS or after max_new_tokens tokens
+        (exactly that many with `ignore_eos`). Raises ValueError, changing nothing, if it cannot ever fit: longer
+        than max_model_len or than the whole pool."""
         prompt = [int(t) for t in prompt]
         need = len(prompt) + max_new_tokens
         if not prompt or max_new_tokens < 1:
@@ -187,7 +190,8 @@ class Engine:
         if -(-need // self.config.block_size) > self.pool.num_blocks:
             raise ValueError(f"request of {need} tokens needs {-(-need // self.config.block_size)} blocks; the KV "
                              f"pool has {self.pool.num_blocks} ({self.capacity_tokens} tokens in {self.fmt.label})")
-        request = Request(self._next_id, prompt, max_new_tokens, time.perf_counter() if arrival is None else arrival)
+        request = Request(self._next_id, prompt, max_new_tokens, time.perf_counter() if arrival is None else arrival,
+                          ignore_eos)
         self._next_id += 1
         self.waiting.append(request)
         return request
@@ -256,7 +260,7 @@ class Engine:
             return []
         bs, s_max = self.config.block_size, self.config.max_num_seqs + 1  # + 1 row for the padding tokens
         n_real = sum(n for _, n in batch)
-        n_pad = max(16, 1 << n_real.bit_length())  # a power of two > n_real: few distinct compiled shapes
+        n_pad = _bucket(n_real)
         tokens, positions = np.zeros(n_pad, np.int32), np.zeros(n_pad, np.int32)
         slots = np.full(n_pad, -1, np.int32)
         tables = np.zeros((s_max, self.max_blocks), np.int32)
@@ -275,7 +279,7 @@ class Engine:
         qsl[len(batch) + 1:] = at
         # The padding tokens are the last row's chunk; it "holds" as many keys as it has queries (block 0 repeated:
         # finite garbage, never written, results discarded), so every padding query sees at least one key.
-        qsl[s_max], seq_lens[s_max - 1] = n_pad, n_pad - at
+        qsl[s_max], seq_lens[s_max - 1] = n_pad, max(1, n_pad - at)
         logits, self.pool = _forward(self.graphdef, self.state, self.pool, jnp.asarray(tokens),
                                      jnp.asarray(positions), jnp.asarray(slots), jnp.asarray(tables),
                                      jnp.asarray(seq_lens), jnp.asarray(qsl), jnp.asarray(last),
@@ -297,13 +301,29 @@ class Engine:
             request.token_times.append(now)
             if request.first_token_time is None:
                 request.first_token_time = now
-            if token == EOS_ID or len(request.output) >= request.max_new_tokens:
+            if (token == EOS_ID and not request.ignore_eos) or len(request.output) >= request.max_new_tokens:
                 request.finish_time = now
                 self.running.remove(request)
                 self.blocks.release(request.blocks)
                 request.blocks = []
                 finished.append(request)
         return finished
+
+    def warmup(self) -> None:
+        """Compiles the step for every batch-size bucket (slots all -1: the pool is not written), so that no
+        request's time to first token pays for compilation."""
+        s_max = self.config.max_num_seqs + 1
+        for n in sorted({_bucket(n) for n in range(1, self.config.max_num_batched_tokens + 1)}):
+            qsl = np.zeros(s_max + 1, np.int32)
+            qsl[-1] = n
+            seq_lens = np.ones(s_max, np.int32)
+            seq_lens[-1] = n
+            logits, self.pool = _forward(
+                self.graphdef, self.state, self.pool, jnp.zeros(n, jnp.int32), jnp.arange(n, dtype=jnp.int32),
+                jnp.full(n, -1, jnp.int32), jnp.zeros((s_max, self.max_blocks), jnp.int32), jnp.asarray(seq_lens),
+                jnp.asarray(qsl), jnp.zeros(s_max, jnp.int32), max_query_len=n,
+                implementation=self.config.implementation)
+            logits.block_until_ready()
 
     def _sample(self, logits: np.ndarray) -> int:
         """Greedy (temperature 0) or temperature sampling over the bytes and EOS (other specials never), as
@@ -325,3 +345,7 @@ class Engine:
                 on_step(self, finished)
         return done
 
+
+def _bucket(num_tokens: int) -> int:
+    """Padded batch size: the next power of two, at least 16 (few distinct compiled shapes)."""
+    return max(16, 1 << (num_tokens - 1).bit_length())

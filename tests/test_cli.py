@@ -74,7 +74,7 @@ def _metric_rows(workdir):
         return [{k: v for k, v in json.loads(line).items() if k != "tokens_per_second"} for line in f]
 
 
-def test_kill_and_rerun_resumes_to_the_same_metrics(tmp_path):
+def test_kill_and_rerun_resumes_to_the_same_metrics(tmp_path, capsys):
     """SIGKILL a run after its checkpoint of step 10 appears; rerunning the same command finishes with exactly the
     metrics of an uninterrupted run. Also checks the outputs a finished run leaves."""
     args = ["--config.train.steps=150", "--config.train.eval_every=40", "--config.checkpoint.every=5"]
@@ -87,6 +87,7 @@ def test_kill_and_rerun_resumes_to_the_same_metrics(tmp_path):
     assert (tmp_path / "full" / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "full" / "sample.txt").read_text().startswith("def ")
     _loaded_model_reproduces_the_held_out_loss(tmp_path / "full", summary["val_loss"])
+    _serve_streams_the_greedy_continuation(tmp_path / "full", capsys)
 
     killed = tmp_path / "killed"
     proc = _cli(killed, *args, process=True)
@@ -126,6 +127,31 @@ def _loaded_model_reproduces_the_held_out_loss(workdir, val_loss):
     nll = [np.asarray(optax.softmax_cross_entropy_with_integer_labels(model(t[:, :-1])[0], t[:, 1:]), np.float64)
            for t in batches.val_batches(config.train.eval_batches)]
     assert abs(np.mean(nll) - val_loss) < 1e-5
+
+
+def _serve_streams_the_greedy_continuation(workdir, capsys):
+    """`python -m experiments.serve` on the run: the streamed text of a greedy request is the prompt followed by
+    what `core.generate` produces with the same paged bf16 cache; a missing workdir exits 2 with a clear message."""
+    import jax
+    import numpy as np
+
+    from core import generate
+    from core.data import ByteTokenizer
+    from experiments import load, serve
+    from kvcache import formats, paged_cache_factory
+
+    assert serve.main([f"--workdir={workdir}", "--prompt=def f", "--max-new-tokens=6", "--kv-format=bf16",
+                       "--temperature=0"]) == 0
+    out = capsys.readouterr().out
+    _, model = load.trained_model(str(workdir))
+    cfg, tok = model.cfg, ByteTokenizer()
+    factory = paged_cache_factory(formats.get("bf16"), num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                                  head_dim=cfg.head_dim)
+    ids = generate.generate(model, [np.asarray(tok.encode("def f"))], max_new_tokens=6, key=jax.random.key(0),
+                            cache_factory=factory)[0]
+    assert out.splitlines()[0] == "def f" + tok.decode([t for t in ids if t != 256])
+    assert serve.main([f"--workdir={workdir}/nope", "--prompt=x"]) == 2
+    assert "missing" in capsys.readouterr().err
 
 
 def _free_port():
