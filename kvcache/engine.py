@@ -84,6 +84,8 @@ class Request:
     arrival: float
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
     output: list[int] = dataclasses.field(default_factory=list)
+    tokens: list[int] = dataclasses.field(default_factory=list)  # prompt + output (kept in step)
+    hashes: list[int] = dataclasses.field(default_factory=list)  # chained hashes of the computed full blocks
     blocks: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the pool
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at (the last) admission
@@ -92,9 +94,8 @@ class Request:
     finish_time: float | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)
 
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
+    def __post_init__(self):
+        self.tokens = self.prompt + self.output
 
     @property
     def finished(self) -> bool:
@@ -289,15 +290,16 @@ class Engine:
         self.stats["steps"] += 1
         finished = []
         for i, (request, n) in enumerate(batch):
-            before = request.num_computed // bs
             request.num_computed += n
-            hashes = block_hashes(request.tokens[:request.num_computed], bs)
-            for j in range(before, len(hashes)):
-                self.blocks.register(request.blocks[j], hashes[j])
+            done = len(request.hashes)
+            request.hashes = block_hashes(request.tokens[:request.num_computed], bs, request.hashes)
+            for j in range(done, len(request.hashes)):
+                self.blocks.register(request.blocks[j], request.hashes[j])
             if request.num_computed < len(request.tokens):
                 continue  # prefill not done: no token yet
             token = self._sample(logits[i])
             request.output.append(token)
+            request.tokens.append(token)
             request.token_times.append(now)
             if request.first_token_time is None:
                 request.first_token_time = now

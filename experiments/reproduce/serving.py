@@ -1,6 +1,7 @@
 """Serving a multi-round agent workload under KV-cache pressure: bf16, fp8 and fp4 KV at the same KV memory.
 
     python -m experiments.reproduce.serving [--out results/serving] [--memory-kib 4096] [--formats bf16,fp8,fp4]
+        [--sweep-kib 2048,3072,6144,8192]
 
 The trained quickstart model (the one `experiments.reproduce.kvcache` trains, reused from results/kvcache/runs) is
 served by `kvcache.engine.Engine` (continuous batching, 256-token steps, prefix caching, XLA attention) on
@@ -11,7 +12,9 @@ this model against a working set of about 8 x 1,000, so bf16 must evict; fp4 hol
 
 Reported per format: P50 / P90 time to first token per round, KV hit rate (prompt tokens found in the prefix cache),
 output throughput, preemptions -> table.md, table.json, ttft.png. The published result (UltraQuant against FP8 KV):
-late-round P50 TTFT 3.47x lower, output throughput 1.63x higher.
+late-round P50 TTFT 3.47x lower, output throughput 1.63x higher. `--sweep-kib` repeats fp8 against fp4 at other
+KV memories (the ratios depend on how much of the working set each format keeps) -> sweep.md, sweep.json,
+sweep.png.
 """
 
 from __future__ import annotations
@@ -54,7 +57,14 @@ def main(argv=None) -> None:
     parser.add_argument("--model-out", default="results/kvcache", help="where the trained model's run lives")
     parser.add_argument("--memory-kib", type=int, default=4096, help="KV memory of every format, KiB")
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated subset of {list(FORMATS)}")
+    parser.add_argument("--sweep-kib", default="", help="comma-separated KV memories (KiB) for fp8 against fp4")
     args = parser.parse_args(argv)
+    try:
+        sweep_kib = [int(m) for m in args.sweep_kib.split(",") if m]
+    except ValueError:
+        parser.error(f"--sweep-kib {args.sweep_kib!r} must be comma-separated integers")
+    if any(m < 1 for m in sweep_kib):
+        parser.error(f"--sweep-kib {args.sweep_kib!r}: every memory must be >= 1")
     names = [f for f in args.formats.split(",") if f]
     if not names or any(f not in FORMATS for f in names):
         parser.error(f"--formats {args.formats!r}: allowed {list(FORMATS)}")
@@ -62,6 +72,8 @@ def main(argv=None) -> None:
         parser.error(f"--memory-kib = {args.memory_kib} must be >= 1")
     _, model = kv_repro.trained_model(args.model_out)
     workload = AgentWorkload()
+    if sweep_kib:
+        return sweep(model, sweep_kib, workload, args.out)
     results = {}
     for name in names:
         print(f"serving with {name} KV ({args.memory_kib} KiB)", flush=True)
@@ -71,6 +83,69 @@ def main(argv=None) -> None:
                "workload": {k: v for k, v in vars(workload).items()}, "formats": results}
     write_results(args.out, "table", summary, markdown)
     plot(summary, os.path.join(args.out, "ttft.png"))
+
+
+def late_ttft_p50(result: dict, rounds: int) -> float:
+    """Median time to first token over the second half of the rounds."""
+    return float(np.median([x["ttft"] for x in result["records"] if x["round"] >= max(1, rounds // 2)]))
+
+
+def sweep(model, memories_kib: list[int], workload, out: str) -> None:
+    from experiments.bench.common import write_results
+
+    points = []
+    for kib in memories_kib:
+        point = {"memory_kib": kib}
+        for name in ("fp8", "fp4"):
+            print(f"serving with {name} KV ({kib} KiB)", flush=True)
+            r = serve(model, name, kib * 1024, workload)
+            point[name] = {"late_ttft_p50": late_ttft_p50(r, workload.rounds), "hit_rate": r["hit_rate"],
+                           "output_throughput": r["output_throughput"], "preemptions": r["preemptions"],
+                           "pool_tokens": r["pool_tokens"]}
+        points.append(point)
+    write_results(out, "sweep", {"workload": vars(workload), "points": points}, sweep_markdown)
+    sweep_plot(points, os.path.join(out, "sweep.png"))
+
+
+def sweep_markdown(result: dict) -> str:
+    lines = ["# fp4 against fp8 KV across KV memories", "",
+             "`python -m experiments.reproduce.serving --sweep-kib ...`: the workload of table.md at each KV memory.",
+             "", "| KV memory (KiB) | pool tokens fp8 / fp4 | hit rate fp8 / fp4 | late-round P50 TTFT fp8 / fp4 (s) | "
+             "TTFT ratio | output tok/s fp8 / fp4 | throughput ratio |", "|---|---|---|---|---|---|---|"]
+    for p in result["points"]:
+        a, b = p["fp8"], p["fp4"]
+        lines.append(f"| {p['memory_kib']:,} | {a['pool_tokens']:,} / {b['pool_tokens']:,} | "
+                     f"{100 * a['hit_rate']:.0f}% / {100 * b['hit_rate']:.0f}% | {a['late_ttft_p50']:.2f} / "
+                     f"{b['late_ttft_p50']:.2f} | {a['late_ttft_p50'] / b['late_ttft_p50']:.2f}x | "
+                     f"{a['output_throughput']:.1f} / {b['output_throughput']:.1f} | "
+                     f"{b['output_throughput'] / a['output_throughput']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def sweep_plot(points: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [p["memory_kib"] / 1024 for p in points]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    ax.plot(xs, [p["fp8"]["late_ttft_p50"] / p["fp4"]["late_ttft_p50"] for p in points], "o-",
+            label="late-round P50 TTFT, fp8 / fp4")
+    ax.plot(xs, [p["fp4"]["output_throughput"] / p["fp8"]["output_throughput"] for p in points], "s-",
+            label="output throughput, fp4 / fp8")
+    ax.axhline(3.47, color="C0", ls=":", lw=1, label="paper: TTFT 3.47x")
+    ax.axhline(1.63, color="C1", ls=":", lw=1, label="paper: throughput 1.63x")
+    ax.axhline(1.0, color="k", lw=0.5)
+    ax.set_xlabel("KV memory (MiB)")
+    ax.set_ylabel("fp4 advantage")
+    ax.set_yscale("log")
+    ax.set_title("fp4 against fp8 KV across memory pressure", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def markdown(summary: dict) -> str:
@@ -89,7 +164,7 @@ def markdown(summary: dict) -> str:
              "late-round P50 TTFT (s) | output tok/s | preemptions |", "|---|---|---|---|---|---|---|---|"]
     for name, r in res.items():
         rounds = r["rounds"]
-        late_p50 = float(np.median([x["ttft"] for x in r["records"] if x["round"] >= late]))
+        late_p50 = late_ttft_p50(r, w["rounds"])
         r["late_ttft_p50"] = late_p50
         lines.append(f"| {name} | {r['pool_tokens']:,} | " + " / ".join(f"{x['ttft_p50']:.2f}" for x in rounds)
                      + " | " + " / ".join(f"{x['ttft_p90']:.2f}" for x in rounds) + " | "
