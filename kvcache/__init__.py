@@ -1,4 +1,5 @@
-"""UltraQuant (arXiv 2606.20474): FP4 KV cache, paged split-KV and unified attention kernels, capacity planning.
+"""UltraQuant (arXiv 2606.20474): FP4 KV cache, paged split-KV and unified attention kernels, capacity planning,
+and a serving engine with prefix caching.
 
     from kvcache import formats, PagedPool, decode_attention, unified_attention
     fmt = formats.get("fp4")                       # or "bf16", "fp8"; fp4 takes scale_rule="mse" | "mx"
@@ -7,7 +8,9 @@
 
 from kvcache import capacity, formats
 from kvcache.attention import IMPLEMENTATIONS, decode_attention, unified_attention, write
-from kvcache.paged import BlockAllocator, PagedKVCache, PagedPool, paged_cache_factory
+from kvcache.blocks import BlockManager
+from kvcache.engine import Engine, EngineConfig
+from kvcache.paged import PagedKVCache, PagedPool, paged_cache_factory
 
-__all__ = ["capacity", "formats", "IMPLEMENTATIONS", "decode_attention", "unified_attention", "write", "BlockAllocator",
-           "PagedKVCache", "PagedPool", "paged_cache_factory"]
+__all__ = ["capacity", "formats", "IMPLEMENTATIONS", "decode_attention", "unified_attention", "write", "BlockManager",
+           "Engine", "EngineConfig", "PagedKVCache", "PagedPool", "paged_cache_factory"]

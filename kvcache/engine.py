@@ -43,7 +43,7 @@ from kvcache.blocks import BlockManager, block_hashes
 from kvcache.formats import Format
 from kvcache.paged import PagedPool
 
-__all__ = ["EngineConfig", "Request", "Engine"]
+__all__ = ["EngineConfig", "Request", "Scheduler", "Engine"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,27 +149,29 @@ def _forward(graphdef, state, pool, tokens, positions, slots, block_tables, seq_
     return logits[0, last].astype(jnp.float32), cache.pool
 
 
-class Engine:
-    """Continuous-batching server of a `core.model.Transformer` over a paged KV pool in format `fmt`."""
+class Scheduler:
+    """The host side of serving: requests, blocks and the prefix cache, scheduling, metrics. A subclass runs the
+    batches (`_execute`) and keeps the time (`clock`): `Engine` runs the model; `kvcache.simulate` a cost model."""
 
-    def __init__(self, model: nnx.Module, fmt: Format, config: EngineConfig):
-        cfg = model.cfg
+    def __init__(self, config: EngineConfig, fmt: Format, num_blocks: int):
         self.config, self.fmt = config, fmt
-        self.graphdef, self.state = nnx.split(model)
-        self.pool = PagedPool.create(fmt, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                                     head_dim=cfg.head_dim, block_size=config.block_size,
-                                     memory_bytes=config.memory_bytes)
-        self.blocks = BlockManager(self.pool.num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size)
         self.max_blocks = -(-config.max_model_len // config.block_size)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.stats = {"steps": 0, "preemptions": 0, "prompt_tokens": 0, "cached_tokens": 0}
-        self._rng = np.random.default_rng(config.seed)
         self._next_id = 0
+
+    def clock(self) -> float:
+        return time.perf_counter()
+
+    def _execute(self, batch: list[tuple[Request, int]]) -> list[int | None]:
+        """Runs one batch; returns the next token of every entry whose tokens are now all computed (else None)."""
+        raise NotImplementedError
 
     @property
     def capacity_tokens(self) -> int:
-        return self.pool.num_blocks * self.config.block_size
+        return self.blocks.num_blocks * self.config.block_size
 
     @property
     def has_work(self) -> bool:
@@ -188,10 +190,10 @@ class Engine:
         if need > self.config.max_model_len:
             raise ValueError(f"request of {len(prompt)} prompt + {max_new_tokens} new tokens = {need} exceeds "
                              f"max_model_len = {self.config.max_model_len}")
-        if -(-need // self.config.block_size) > self.pool.num_blocks:
+        if -(-need // self.config.block_size) > self.blocks.num_blocks:
             raise ValueError(f"request of {need} tokens needs {-(-need // self.config.block_size)} blocks; the KV "
-                             f"pool has {self.pool.num_blocks} ({self.capacity_tokens} tokens in {self.fmt.label})")
-        request = Request(self._next_id, prompt, max_new_tokens, time.perf_counter() if arrival is None else arrival,
+                             f"pool has {self.blocks.num_blocks} ({self.capacity_tokens} tokens in {self.fmt.label})")
+        request = Request(self._next_id, prompt, max_new_tokens, self.clock() if arrival is None else arrival,
                           ignore_eos)
         self._next_id += 1
         self.waiting.append(request)
@@ -259,6 +261,55 @@ class Engine:
             if self.waiting:  # nothing fits although the pool is free: cannot happen after submit's checks
                 raise RuntimeError("the scheduler could not place any request; the pool is smaller than a block")
             return []
+        tokens = self._execute(batch)
+        now = self.clock()
+        self.stats["steps"] += 1
+        bs, finished = self.config.block_size, []
+        for (request, n), token in zip(batch, tokens):
+            request.num_computed += n
+            done = len(request.hashes)
+            request.hashes = block_hashes(request.tokens, bs, request.hashes, upto=request.num_computed)
+            for j in range(done, len(request.hashes)):
+                self.blocks.register(request.blocks[j], request.hashes[j])
+            if token is None:
+                continue  # prefill not done: no token yet
+            request.output.append(token)
+            request.tokens.append(token)
+            request.token_times.append(now)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if (token == EOS_ID and not request.ignore_eos) or len(request.output) >= request.max_new_tokens:
+                request.finish_time = now
+                self.running.remove(request)
+                self.blocks.release(request.blocks)
+                request.blocks = []
+                finished.append(request)
+        return finished
+
+    def run(self, on_step=None) -> list[Request]:
+        """Steps until every submitted request finished; `on_step(engine, finished)` after each step."""
+        done = []
+        while self.has_work:
+            finished = self.step()
+            done += finished
+            if on_step is not None:
+                on_step(self, finished)
+        return done
+
+
+class Engine(Scheduler):
+    """Continuous-batching server of a `core.model.Transformer` over a paged KV pool in format `fmt`."""
+
+    def __init__(self, model: nnx.Module, fmt: Format, config: EngineConfig):
+        cfg = model.cfg
+        self.graphdef, self.state = nnx.split(model)
+        self.pool = PagedPool.create(fmt, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                                     head_dim=cfg.head_dim, block_size=config.block_size,
+                                     memory_bytes=config.memory_bytes)
+        super().__init__(config, fmt, self.pool.num_blocks)
+        self._rng = np.random.default_rng(config.seed)
+
+    def _execute(self, batch):
         bs, s_max = self.config.block_size, self.config.max_num_seqs + 1  # + 1 row for the padding tokens
         n_real = sum(n for _, n in batch)
         n_pad = _bucket(n_real)
@@ -286,30 +337,8 @@ class Engine:
                                      jnp.asarray(seq_lens), jnp.asarray(qsl), jnp.asarray(last),
                                      max_query_len=n_pad, implementation=self.config.implementation)
         logits = np.asarray(logits)
-        now = time.perf_counter()
-        self.stats["steps"] += 1
-        finished = []
-        for i, (request, n) in enumerate(batch):
-            request.num_computed += n
-            done = len(request.hashes)
-            request.hashes = block_hashes(request.tokens[:request.num_computed], bs, request.hashes)
-            for j in range(done, len(request.hashes)):
-                self.blocks.register(request.blocks[j], request.hashes[j])
-            if request.num_computed < len(request.tokens):
-                continue  # prefill not done: no token yet
-            token = self._sample(logits[i])
-            request.output.append(token)
-            request.tokens.append(token)
-            request.token_times.append(now)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if (token == EOS_ID and not request.ignore_eos) or len(request.output) >= request.max_new_tokens:
-                request.finish_time = now
-                self.running.remove(request)
-                self.blocks.release(request.blocks)
-                request.blocks = []
-                finished.append(request)
-        return finished
+        return [self._sample(logits[i]) if request.num_computed + n == len(request.tokens) else None
+                for i, (request, n) in enumerate(batch)]
 
     def warmup(self) -> None:
         """Compiles the step for every batch-size bucket (slots all -1: the pool is not written), so that no
@@ -336,17 +365,6 @@ class Engine:
             return int(np.argmax(logits))
         p = np.exp((logits - logits.max()) / self.config.temperature)
         return int(self._rng.choice(len(p), p=p / p.sum()))
-
-    def run(self, on_step=None) -> list[Request]:
-        """Steps until every submitted request finished; `on_step(engine, finished)` after each step."""
-        done = []
-        while self.has_work:
-            finished = self.step()
-            done += finished
-            if on_step is not None:
-                on_step(self, finished)
-        return done
-
 
 def _bucket(num_tokens: int) -> int:
     """Padded batch size: the next power of two, at least 16 (few distinct compiled shapes)."""

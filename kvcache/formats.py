@@ -9,7 +9,8 @@ kernel load each one contiguously; `pack_slots` / `unpack_slots` convert to and 
   "fp8":  E4M3 codes with one float32 scale per token and head        2 D + 8
           (scale = absmax / 448, so the largest entry maps to E4M3's largest finite value)
   "fp4":  UltraQuant (arXiv 2606.20474): E2M1 codes, two per byte;    D + D / 16   (136 B at D = 128)
-          one UE8M0 scale byte 2^(e - 127) per 32 head-dim elements per token and head; K rotated by the
+          one UE8M0 scale byte 2^(e - 127) per 32 head-dim elements per token and head (exponents clipped to
+          +-126, so scales and their inverses are normal floats); K rotated by the
           normalised Sylvester Hadamard matrix over the whole head dim (V not rotated); the query is rotated by
           the same matrix and cast to FP8 E4M3, so q.k is unchanged up to quantisation.
 
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["Format", "get", "NAMES", "SCALE_RULES", "E2M1_LEVELS", "hadamard", "pack_slots", "unpack_slots",
-           "encode_e2m1", "decode_e2m1"]
+           "encode_e2m1", "decode_e2m1", "pow2", "scale_value", "ue8m0_exponent"]
 
 NAMES = ("bf16", "fp8", "fp4")
 SCALE_RULES = ("mse", "mx")
@@ -58,13 +59,15 @@ def hadamard(d: int) -> np.ndarray:
 # ------------------------------------------------------------------------------------------------ E2M1 codes
 
 def encode_e2m1(x: jax.Array) -> jax.Array:
-    """Nearest E2M1 code (uint8 0..15) of x (already divided by its scale), ties to the even magnitude index,
-    saturating at +-6; sign in bit 3 (so -0 encodes as 8, which decodes to 0)."""
-    a = jnp.abs(x.astype(jnp.float32))
-    mids = [(lo + hi) / 2 for lo, hi in zip(E2M1_LEVELS, E2M1_LEVELS[1:])]
-    # Index i+1 wins over i above the midpoint; at the midpoint only when i+1 is even.
-    m = sum(((a > mid) | ((a == mid) & ((i + 1) % 2 == 0))).astype(jnp.uint8) for i, mid in enumerate(mids))
-    return m | (jnp.signbit(x).astype(jnp.uint8) << 3)
+    """Nearest E2M1 code (int32 0..15) of float32 x (already divided by its scale), ties to the even magnitude
+    index, saturating at +-6; sign in bit 3 (so -0 encodes as 8, which decodes to 0). Kernels use it too."""
+    x = x.astype(jnp.float32)
+    a = jnp.abs(x)
+    m = jnp.zeros(x.shape, jnp.int32)
+    for i, (lo, hi) in enumerate(zip(E2M1_LEVELS, E2M1_LEVELS[1:])):
+        mid = (lo + hi) / 2  # index i + 1 wins above the midpoint, and at it when i + 1 is even
+        m += ((a > mid) | ((a == mid) & ((i + 1) % 2 == 0))).astype(jnp.int32)
+    return m | jnp.where(jax.lax.bitcast_convert_type(x, jnp.int32) < 0, 8, 0)  # the sign bit, also of -0
 
 
 def decode_e2m1(code: jax.Array) -> jax.Array:
@@ -80,39 +83,49 @@ def decode_e2m1(code: jax.Array) -> jax.Array:
     return jnp.where(m >= 2, normal, jnp.where(code & 8, -0.5, 0.5) * m.astype(jnp.float32))
 
 
-def _ue8m0_exponent(absmax: jax.Array, rule: str) -> jax.Array:
-    """Unbiased scale exponent e (int32, in [-127, 127]) of each group's absmax; 0 for an all-zero group."""
+def pow2(e: jax.Array) -> jax.Array:
+    """2^e as float32 for integer e in [-126, 127], exactly (written into the exponent bits; kernels use it)."""
+    return jax.lax.bitcast_convert_type((e.astype(jnp.int32) + 127) << 23, jnp.float32)
+
+
+def scale_value(scale: jax.Array) -> jax.Array:
+    """The float32 value 2^(s - 127) of UE8M0 scale bytes s in [1, 253]."""
+    return jax.lax.bitcast_convert_type(scale.astype(jnp.int32) << 23, jnp.float32)
+
+
+def ue8m0_exponent(absmax: jax.Array, rule: str) -> jax.Array:
+    """Unbiased scale exponent e (int32) of each group's float32 absmax by the rule; 0 for an all-zero group.
+    Clipped to [-126, 126] so that the scale and its inverse are normal floats. Kernels use it too (no frexp, no
+    round: floor(log2 a) is corrected to the exact value by comparing with powers of two)."""
+    safe = jnp.where(absmax > 0, absmax, 1.0)
     if rule == "mx":
-        _, exp = jnp.frexp(absmax)  # absmax = mant * 2^exp with mant in [0.5, 1): floor(log2 absmax) = exp - 1
-        e = exp - 1 - 2
+        e = jnp.floor(jnp.log2(safe)).astype(jnp.int32)
+        e = jnp.where(pow2(jnp.clip(e, -126, 127)) > safe, e - 1, e)  # float log2 may round across an integer
+        e = jnp.where(pow2(jnp.clip(e + 1, -126, 127)) <= safe, e + 1, e) - 2
     else:
-        e = jnp.floor(jnp.log2(MSE_FACTOR * absmax) + 0.5).astype(jnp.int32)  # round half up (Triton has no round)
-    return jnp.clip(jnp.where(absmax > 0, e, 0), -127, 127)
+        e = jnp.floor(jnp.log2(MSE_FACTOR * safe) + 0.5).astype(jnp.int32)  # round, halves up
+    return jnp.clip(jnp.where(absmax > 0, e, 0), -126, 126)
 
 
 def _group_scales(x: jax.Array, rule: str) -> jax.Array:
     """UE8M0 scale bytes [..., D / 32] (biased exponent e + 127) of x [..., D]."""
     groups = x.reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
-    return (_ue8m0_exponent(jnp.max(jnp.abs(groups), axis=-1), rule) + 127).astype(jnp.uint8)
-
-
-def _scale_values(scales: jax.Array) -> jax.Array:
-    return jnp.exp2(scales.astype(jnp.float32) - 127.0)
+    return (ue8m0_exponent(jnp.max(jnp.abs(groups), axis=-1), rule) + 127).astype(jnp.uint8)
 
 
 def _fp4_encode(x: jax.Array, rule: str) -> tuple[jax.Array, jax.Array]:
     """x [..., D] float -> (codes [..., D/2] uint8 in split-half packing, scales [..., D/32] uint8)."""
     x = x.astype(jnp.float32)
     scales = _group_scales(x, rule)
-    per_elem = jnp.repeat(_scale_values(scales), GROUP, axis=-1)
-    codes = encode_e2m1(x / per_elem)
+    inverse = jnp.repeat(pow2(127 - scales.astype(jnp.int32)), GROUP, axis=-1)
+    codes = encode_e2m1(x * inverse)
     half = x.shape[-1] // 2
-    return codes[..., :half] | (codes[..., half:] << 4), scales
+    return (codes[..., :half] | (codes[..., half:] << 4)).astype(jnp.uint8), scales
 
 
 def _fp4_decode(codes: jax.Array, scales: jax.Array) -> jax.Array:
     values = jnp.concatenate([decode_e2m1(codes & 15), decode_e2m1(codes >> 4)], axis=-1)
-    return values * jnp.repeat(_scale_values(scales), GROUP, axis=-1)
+    return values * jnp.repeat(scale_value(scales), GROUP, axis=-1)
 
 
 def _fp8_encode(x: jax.Array) -> tuple[jax.Array, jax.Array]:

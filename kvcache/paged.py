@@ -3,7 +3,8 @@
   pool fields: `fields[name]` [L, NB, K, bs, *trailing] per stored array of the format (layers x blocks x KV heads
                x block tokens); one token of one layer costs `fmt.bytes_per_token(K, D)` bytes, so a byte budget
                holds 512 / 136 = 3.76x more fp4 tokens than bf16 tokens at D = 128.
-  BlockAllocator: the host-side free list (which blocks a sequence owns is the caller's block table).
+  Which blocks a sequence owns is its block table; `kvcache.blocks.BlockManager` hands blocks out (with a prefix
+  cache) on the host.
   PagedKVCache: the `core.attention.KVCache` protocol over a pool, so the model's cached generation runs on any
                format: each forward call writes its tokens' K/V (quantised) and runs unified attention.
 """
@@ -18,7 +19,7 @@ from flax import struct
 from kvcache import attention
 from kvcache.formats import Format
 
-__all__ = ["PagedPool", "BlockAllocator", "PagedKVCache", "paged_cache_factory", "IMPLEMENTATIONS"]
+__all__ = ["PagedPool", "PagedKVCache", "paged_cache_factory", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = attention.IMPLEMENTATIONS
 
@@ -62,32 +63,6 @@ class PagedPool:
 
     def layer(self, i: int) -> dict[str, jax.Array]:
         return {name: x[i] for name, x in self.fields.items()}
-
-
-class BlockAllocator:
-    """Host-side free list of pool blocks (lowest free ids first, so runs are reproducible)."""
-
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise MemoryError(f"KV pool exhausted: {n} blocks requested, {len(self._free)} of {self.num_blocks} free")
-        return [self._free.pop() for _ in range(n)]
-
-    def free(self, blocks) -> None:
-        blocks = [int(b) for b in blocks]
-        taken = set(range(self.num_blocks)) - set(self._free)
-        bad = [b for b in blocks if b not in taken]
-        if bad or len(set(blocks)) != len(blocks):
-            raise ValueError(f"freeing blocks {bad or blocks} that are not allocated (or twice)")
-        self._free.extend(sorted(blocks, reverse=True))
-        self._free.sort(reverse=True)
 
 
 @struct.dataclass

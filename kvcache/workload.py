@@ -14,7 +14,6 @@ new input and 200 output tokens per round. `AgentWorkload()` defaults to a CPU-s
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import numpy as np
 
@@ -70,7 +69,7 @@ def conversations(workload: AgentWorkload) -> list[Conversation]:
 
 
 def run(engine, workload: AgentWorkload, *, progress=None) -> dict:
-    """Serves the workload on `engine` (a `kvcache.engine.Engine`); returns per-request records and per-round
+    """Serves the workload on `engine` (a `kvcache.engine.Scheduler`: the real engine or a simulated one); returns per-request records and per-round
     summaries (P50 / P90 time to first token, KV hit rate = cached / prompt tokens) and the output throughput
     (output tokens / wall seconds). `progress(done, total)` is called as requests finish."""
     pending = conversations(workload)[::-1]
@@ -81,7 +80,7 @@ def run(engine, workload: AgentWorkload, *, progress=None) -> dict:
         request = engine.submit(conv.history + conv.inputs[conv.round], workload.output_tokens, ignore_eos=True)
         owner[request.id] = conv
 
-    started = time.perf_counter()
+    started = engine.clock()
     while pending or engine.has_work:
         while pending and active < workload.concurrency:
             submit(pending.pop())
@@ -99,7 +98,7 @@ def run(engine, workload: AgentWorkload, *, progress=None) -> dict:
                 active -= 1
             if progress is not None:
                 progress(len(records), total)
-    seconds = time.perf_counter() - started
+    seconds = engine.clock() - started
     rounds = []
     for r in range(workload.rounds):
         rs = [x for x in records if x["round"] == r]

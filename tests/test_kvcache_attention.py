@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvcache import BlockAllocator, PagedPool, decode_attention, formats, unified_attention, write
+from kvcache import PagedPool, decode_attention, formats, unified_attention, write
 from kvcache.kernels import attention as attention_kernel
 
 FORMATS = {"bf16": formats.get("bf16"), "fp8": formats.get("fp8"), "fp4": formats.get("fp4"),
@@ -163,19 +163,6 @@ def test_no_leak_between_sequences(implementation):
     changed = np.asarray(unified_attention(q, garbage, tables, seq_lens, qsl, **kw))
     np.testing.assert_array_equal(changed[:5], out[:5])
     assert not np.allclose(changed[5:], out[5:])  # the garbage did reach sequence 1
-
-
-def test_block_allocator():
-    alloc = BlockAllocator(5)
-    a = alloc.allocate(3)
-    b = alloc.allocate(2)
-    assert sorted(a + b) == list(range(5)) and alloc.num_free == 0
-    with pytest.raises(MemoryError, match="1 blocks requested, 0 of 5 free"):
-        alloc.allocate(1)
-    alloc.free(a)
-    assert alloc.num_free == 3 and alloc.allocate(1) == [min(a)]
-    with pytest.raises(ValueError, match="not allocated"):
-        alloc.free([a[0], a[0]])
 
 
 def test_pool_sized_in_bytes():

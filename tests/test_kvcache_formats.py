@@ -71,6 +71,19 @@ def test_fp4_matches_numpy_element_for_element(rule, head_dim):
     np.testing.assert_array_equal(np.asarray(v_hat, np.float64), numpy_fp4(v, rule))
 
 
+def test_scale_exponent_is_exact_at_powers_of_two():
+    """The mx rule's floor(log2 a) is exact at and next to powers of two over the whole normal range (float32
+    log2 alone rounds across integers there), and pow2 builds exact powers of two."""
+    k = np.arange(-120, 120)
+    p = (2.0 ** k).astype(np.float32)
+    a = np.concatenate([p, np.nextafter(p, np.float32(0)), np.nextafter(p, np.float32(np.inf))])
+    e = np.asarray(formats.ue8m0_exponent(jnp.asarray(a), "mx"))
+    np.testing.assert_array_equal(e, np.frexp(a.astype(np.float64))[1] - 1 - 2)
+    np.testing.assert_array_equal(np.asarray(formats.pow2(jnp.asarray(k))), 2.0 ** k)
+    assert int(formats.ue8m0_exponent(jnp.float32(0.0), "mx")) == 0
+    assert int(formats.ue8m0_exponent(jnp.float32(1e38), "mse")) == 124  # round(log2(0.156e38))
+
+
 def test_fp4_error_bound_mx():
     """OCP rule: a / s in [4, 8), so every element errs by at most s (half E2M1's widest step, 2) below 6 s and
     by at most 2 s where it saturates: |x - q| <= 2 s = absmax / 2 at worst, s otherwise."""

@@ -1,7 +1,7 @@
 """Serving a multi-round agent workload under KV-cache pressure: bf16, fp8 and fp4 KV at the same KV memory.
 
     python -m experiments.reproduce.serving [--out results/serving] [--memory-kib 4096] [--formats bf16,fp8,fp4]
-        [--sweep-kib 2048,3072,6144,8192]
+        [--sweep-kib 2048,3072,6144,8192] [--project]
 
 The trained quickstart model (the one `experiments.reproduce.kvcache` trains, reused from results/kvcache/runs) is
 served by `kvcache.engine.Engine` (continuous batching, 256-token steps, prefix caching, XLA attention) on
@@ -15,6 +15,12 @@ output throughput, preemptions -> table.md, table.json, ttft.png. The published 
 late-round P50 TTFT 3.47x lower, output throughput 1.63x higher. `--sweep-kib` repeats fp8 against fp4 at other
 KV memories (the ratios depend on how much of the working set each format keeps) -> sweep.md, sweep.json,
 sweep.png.
+
+`--project`: the published workload (100 conversations, 32 concurrent, 6 rounds, 2,048 shared + 25,000 own prefix
+tokens, 2,000-3,000 new input and 200 output tokens per round) on the spec's model and one H200, by the same
+scheduler on a cost model (`kvcache.simulate`: every hardware and model number is a stated parameter; the decode
+kernels are assumed to reach 80% of the bandwidth, fp4 75%, until a GPU session measures them), across KV budgets
+-> projection.md, projection.json, projection.png.
 """
 
 from __future__ import annotations
@@ -58,7 +64,10 @@ def main(argv=None) -> None:
     parser.add_argument("--memory-kib", type=int, default=4096, help="KV memory of every format, KiB")
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated subset of {list(FORMATS)}")
     parser.add_argument("--sweep-kib", default="", help="comma-separated KV memories (KiB) for fp8 against fp4")
+    parser.add_argument("--project", action="store_true", help="the published-scale projection on a cost model")
     args = parser.parse_args(argv)
+    if args.project:
+        return project(args.out)
     try:
         sweep_kib = [int(m) for m in args.sweep_kib.split(",") if m]
     except ValueError:
@@ -83,6 +92,91 @@ def main(argv=None) -> None:
                "workload": {k: v for k, v in vars(workload).items()}, "formats": results}
     write_results(args.out, "table", summary, markdown)
     plot(summary, os.path.join(args.out, "ttft.png"))
+
+
+PUBLISHED_WORKLOAD = dict(conversations=100, concurrency=32, rounds=6, system_prefix=2048, conversation_prefix=25000,
+                          new_input=(2000, 3000), output_tokens=200)
+PROJECTION_GIB = (6.0, 8.0, 10.0, 12.0, 14.5, 20.0)
+KERNEL_EFFICIENCY = {"bf16": 0.8, "fp8": 0.8, "fp4": 0.75}  # assumed until measured on a GPU
+
+
+def project(out: str) -> None:
+    from experiments.bench.common import write_results
+    from kvcache import capacity, formats
+    from kvcache import workload as workload_lib
+    from kvcache.engine import EngineConfig
+    from kvcache.simulate import H200, SPEC_MODEL_SERVING, SimulatedEngine, StepCost
+
+    workload = workload_lib.AgentWorkload(**PUBLISHED_WORKLOAD)
+    points = []
+    for gib in PROJECTION_GIB:
+        point = {"kv_gib": gib}
+        for name in FORMATS:
+            fmt = formats.get(name)
+            cost = StepCost(SPEC_MODEL_SERVING, H200, capacity.kv_bytes_per_token(capacity.SPEC_MODEL, fmt),
+                            KERNEL_EFFICIENCY[name])
+            engine = SimulatedEngine(fmt, EngineConfig(memory_bytes=int(gib * 2**30), max_num_seqs=32,
+                                                       max_num_batched_tokens=8192, max_model_len=65536),
+                                     SPEC_MODEL_SERVING, cost)
+            r = workload_lib.run(engine, workload)
+            point[name] = {"pool_tokens": engine.capacity_tokens, "hit_rate": r["hit_rate"],
+                           "ttft_p50": r["ttft_p50"], "late_ttft_p50": late_ttft_p50(r, workload.rounds),
+                           "output_throughput": r["output_throughput"], "preemptions": r["preemptions"],
+                           "round_ttft_p50": [x["ttft_p50"] for x in r["rounds"]]}
+            print(f"{gib:5.1f} GiB {name:>5}: hit {100 * r['hit_rate']:.0f}%, P50 TTFT {r['ttft_p50']:.2f} s, "
+                  f"{r['output_throughput']:.0f} tok/s", flush=True)
+        points.append(point)
+    result = {"workload": PUBLISHED_WORKLOAD, "hardware": vars(H200), "kernel_efficiency": KERNEL_EFFICIENCY,
+              "model": {"full_attention_layers": 10, "num_kv_heads": 2, "head_dim": 256, "num_heads": 16,
+                        "active_params": SPEC_MODEL_SERVING.active_params,
+                        "weight_bytes": SPEC_MODEL_SERVING.weight_bytes}, "points": points}
+    write_results(out, "projection", result, projection_markdown)
+    projection_plot(points, os.path.join(out, "projection.png"))
+
+
+def projection_markdown(result: dict) -> str:
+    lines = ["# Projection: the published agent workload on the spec's model and one H200", "",
+             "`python -m experiments.reproduce.serving --project`: the engine's scheduler (prefix caching, chunked "
+             "prefill of 8,192 tokens per step, 32 sequences) on a cost model (`kvcache.simulate`; H200 989 TFLOP/s "
+             "at 50% MFU, 4.8 TB/s at 80% for weights; decode kernels at 80% of it for bf16 and fp8, 75% for fp4, "
+             "assumed; 70 GB of bf16 weights read per step, 3B active parameters). Workload: 100 conversations, "
+             "32 concurrent, 6 rounds, 2,048 + 25,000 prefix tokens, 2,000-3,000 in and 200 out per round. A "
+             "projection, not a measurement.", "",
+             "| KV budget (GiB) | hit rate bf16 / fp8 / fp4 | late-round P50 TTFT (s) bf16 / fp8 / fp4 | "
+             "output tok/s bf16 / fp8 / fp4 | fp4 vs fp8: TTFT / throughput |", "|---|---|---|---|---|"]
+    for p in result["points"]:
+        a, b = p["fp8"], p["fp4"]
+        lines.append(f"| {p['kv_gib']:g} | " + " / ".join(f"{100 * p[f]['hit_rate']:.0f}%" for f in FORMATS) + " | "
+                     + " / ".join(f"{p[f]['late_ttft_p50']:.2f}" for f in FORMATS) + " | "
+                     + " / ".join(f"{p[f]['output_throughput']:,.0f}" for f in FORMATS)
+                     + f" | {a['late_ttft_p50'] / b['late_ttft_p50']:.2f}x / "
+                     f"{b['output_throughput'] / a['output_throughput']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def projection_plot(points: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [p["kv_gib"] for p in points]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
+    for name in FORMATS:
+        ax1.plot(xs, [p[name]["late_ttft_p50"] for p in points], "o-", label=name)
+        ax2.plot(xs, [p[name]["output_throughput"] for p in points], "o-", label=name)
+    ax1.set_yscale("log")
+    ax1.set_ylabel("late-round P50 time to first token (s)")
+    ax2.set_ylabel("output tokens / s")
+    for ax in (ax1, ax2):
+        ax.set_xlabel("KV budget (GiB)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax1.set_title("Projected TTFT, published workload, spec model on one H200", fontsize=9)
+    ax2.set_title("Projected output throughput", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def late_ttft_p50(result: dict, rounds: int) -> float:

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kvcache.formats import GROUP, Format, decode_e2m1
+from kvcache.formats import GROUP, Format, decode_e2m1, scale_value
 
 __all__ = ["unified_attention", "decode_attention", "num_partitions", "MIN_ROWS"]
 
@@ -60,7 +60,7 @@ def _groups(fmt: Format, refs: dict, prefix: str, blk, h, head_dim: int):
     for c in range(half):
         chunk = codes_ref[blk, h, :, pl.ds(c * GROUP, GROUP)]
         for g, nibbles in ((c, chunk & 15), (c + half, chunk >> 4)):
-            scale = jnp.exp2(scales_ref[blk, h, :, g].astype(jnp.float32) - 127.0)
+            scale = scale_value(scales_ref[blk, h, :, g])
             yield g, decode_e2m1(nibbles), scale
 
 

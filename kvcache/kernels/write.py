@@ -18,32 +18,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kvcache.formats import E2M1_LEVELS, E4M3_MAX, GROUP, MSE_FACTOR, Format
+from kvcache.formats import E4M3_MAX, GROUP, Format, encode_e2m1, pow2, ue8m0_exponent
 
 __all__ = ["write"]
-
-
-def _encode_e2m1(x):
-    """Nearest E2M1 code of x (already scaled), ties to the even magnitude index, sign in bit 3 (int32)."""
-    a = jnp.abs(x)
-    m = jnp.zeros(x.shape, jnp.int32)
-    for i, (lo, hi) in enumerate(zip(E2M1_LEVELS, E2M1_LEVELS[1:])):
-        mid = (lo + hi) / 2
-        up = (a > mid) | ((a == mid) & ((i + 1) % 2 == 0))
-        m += up.astype(jnp.int32)
-    return m | jnp.where(jax.lax.bitcast_convert_type(x, jnp.int32) < 0, 8, 0)  # the sign bit, also of -0
-
-
-def _scale_exponent(absmax, rule: str):
-    """Unbiased UE8M0 exponent in [-127, 127] (0 for an all-zero group), as in formats._ue8m0_exponent."""
-    if rule == "mx":
-        e = jnp.floor(jnp.log2(jnp.where(absmax > 0, absmax, 1.0))).astype(jnp.int32) - 2
-        # log2 of a float32 can round across an integer: correct floor(log2 a) exactly with one comparison.
-        e = jnp.where(jnp.exp2((e + 2).astype(jnp.float32)) > absmax, e - 1, e)
-        e = jnp.where(jnp.exp2((e + 3).astype(jnp.float32)) <= absmax, e + 1, e)
-    else:
-        e = jnp.floor(jnp.log2(MSE_FACTOR * jnp.where(absmax > 0, absmax, 1.0)) + 0.5).astype(jnp.int32)
-    return jnp.clip(jnp.where(absmax > 0, e, 0), -127, 127)
 
 
 def _kernel(slots_ref, k_ref, v_ref, *refs, fmt: Format, names: tuple[str, ...], head_dim: int, block_size: int):
@@ -69,8 +46,8 @@ def _kernel(slots_ref, k_ref, v_ref, *refs, fmt: Format, names: tuple[str, ...],
                 codes, scales = [], []
                 for g in range(head_dim // GROUP):
                     group = src[pl.ds(t, 1), h, pl.ds(g * GROUP, GROUP)].astype(jnp.float32)
-                    e = _scale_exponent(jnp.max(jnp.abs(group)), fmt.scale_rule)
-                    codes.append(_encode_e2m1(group * jnp.exp2(-e.astype(jnp.float32))))
+                    e = ue8m0_exponent(jnp.max(jnp.abs(group)), fmt.scale_rule)
+                    codes.append(encode_e2m1(group * pow2(-e)))
                     scales.append(e + 127)
                 for c in range(half):
                     packed = (codes[c] | (codes[c + half] << 4)).astype(jnp.uint8)
