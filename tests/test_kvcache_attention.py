@@ -1,6 +1,7 @@
 """Paged attention: the XLA reference against float64 NumPy; the Pallas kernels (interpret mode) against the
 reference; the quantise-and-write kernel bit for bit; no leaks between sequences."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -63,9 +64,11 @@ def test_reference_matches_numpy(name):
     q, fields, tables, seq_lens, qsl, kvs = make_case(fmt, SEQ_LENS, Q_LENS, num_kv=2, groups=2, head_dim=64)
     out = np.asarray(unified_attention(q, fields, tables, seq_lens, qsl, fmt=fmt, max_query_len=max(Q_LENS)))
     q_prep = np.asarray(fmt.prepare_query(q))
+    k_all, v_all = (jnp.asarray(np.concatenate([kv[i] for kv in kvs]), jnp.float32) for i in (0, 1))
+    k_hat_all, v_hat_all = (np.asarray(x) for x in fmt.dequantize(fmt.quantize(k_all, v_all), rotated=True))
+    starts = np.cumsum([0] + [len(k) for k, _ in kvs])
     for b, (k, v) in enumerate(kvs):
-        stored = fmt.quantize(jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32))
-        k_hat, v_hat = fmt.dequantize(stored, rotated=True)
+        k_hat, v_hat = k_hat_all[starts[b]:starts[b + 1]], v_hat_all[starts[b]:starts[b + 1]]
         lo, hi = int(qsl[b]), int(qsl[b + 1])
         pos = SEQ_LENS[b] - (hi - lo) + np.arange(hi - lo)
         want = numpy_attention(q_prep[lo:hi], k_hat, v_hat, pos, 2)
@@ -153,14 +156,15 @@ def test_no_leak_between_sequences(implementation):
     """Sequence 0's output does not change when every block it does not own is overwritten with garbage."""
     fmt = FORMATS["fp4"]
     q, fields, tables, seq_lens, qsl, _ = make_case(fmt, [40, 70], [5, 1], num_kv=1, groups=2, head_dim=64, seed=3)
-    kw = dict(fmt=fmt, max_query_len=5, implementation=implementation)
-    out = np.asarray(unified_attention(q, fields, tables, seq_lens, qsl, **kw))
+    attend = jax.jit(lambda f: unified_attention(q, f, tables, seq_lens, qsl, fmt=fmt, max_query_len=5,
+                                                 implementation=implementation))
+    out = np.asarray(attend(fields))
     owned = set(np.asarray(tables[0, :3]).tolist())
     others = np.array([b for b in range(fields["k_codes"].shape[0]) if b not in owned])
     rng = np.random.default_rng(0)
     garbage = {n: x.at[others].set(jnp.asarray(rng.integers(0, 255, x[others].shape), x.dtype))
                for n, x in fields.items()}
-    changed = np.asarray(unified_attention(q, garbage, tables, seq_lens, qsl, **kw))
+    changed = np.asarray(attend(garbage))
     np.testing.assert_array_equal(changed[:5], out[:5])
     assert not np.allclose(changed[5:], out[5:])  # the garbage did reach sequence 1
 
@@ -197,8 +201,6 @@ def test_bad_input_is_named():
 def test_kernels_lower_to_triton(name):
     """Both kernels lower to Triton IR for CUDA (no GPU needed: lowering stops before PTX), so a GPU run does not
     meet an unsupported primitive first."""
-    import jax
-
     fmt = FORMATS[name]
     kv, d = 2, 128
     fields = {n: jax.ShapeDtypeStruct((8, kv, BS, *shape[1:]), dt) for n, (shape, dt) in fmt.fields(kv, d).items()}

@@ -280,11 +280,13 @@ def plot(summary: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
-    for name, r in summary["formats"].items():
+    for i, (name, r) in enumerate(summary["formats"].items()):
         rounds = [x["round"] + 1 for x in r["rounds"]]
-        ax1.plot(rounds, [x["ttft_p50"] for x in r["rounds"]], "o-", label=f"{name} P50")
-        ax1.plot(rounds, [x["ttft_p90"] for x in r["rounds"]], "x--", alpha=0.5, label=f"{name} P90")
-        ax2.plot(rounds, [100 * x["hit_rate"] for x in r["rounds"]], "o-", label=name)
+        ax1.plot(rounds, [x["ttft_p50"] for x in r["rounds"]], "o-", color=f"C{i}", label=f"{name} P50")
+        ax1.plot(rounds, [x["ttft_p90"] for x in r["rounds"]], "x--", color=f"C{i}", alpha=0.5, label=f"{name} P90")
+        ax2.plot(rounds, [100 * x["hit_rate"] for x in r["rounds"]], "o-", color=f"C{i}", label=name)
+    ax1.set_xticks(rounds)
+    ax2.set_xticks(rounds)
     ax1.set_xlabel("round")
     ax1.set_ylabel("time to first token (s)")
     ax1.set_title(f"TTFT per round at {summary['memory_bytes'] // 1024} KiB of KV", fontsize=9)
