@@ -100,36 +100,58 @@ PROJECTION_GIB = (6.0, 8.0, 10.0, 12.0, 14.5, 20.0)
 KERNEL_EFFICIENCY = {"bf16": 0.8, "fp8": 0.8, "fp4": 0.75}  # assumed until measured on a GPU
 
 
-def project(out: str) -> None:
-    from experiments.bench.common import write_results
+SENSITIVITY_GIB = (8.0, 14.5)
+FP4_EFFICIENCIES = (0.75, 0.5, 0.35, 0.25)
+
+
+def simulate(gib: float, name: str, efficiency: float, workload) -> dict:
+    """The published workload on the spec's model with `gib` GiB of `name` KV, decode kernels at `efficiency`."""
     from kvcache import capacity, formats
     from kvcache import workload as workload_lib
     from kvcache.engine import EngineConfig
     from kvcache.simulate import H200, SPEC_MODEL_SERVING, SimulatedEngine, StepCost
+
+    fmt = formats.get(name)
+    cost = StepCost(SPEC_MODEL_SERVING, H200, capacity.kv_bytes_per_token(capacity.SPEC_MODEL, fmt), efficiency)
+    engine = SimulatedEngine(fmt, EngineConfig(memory_bytes=int(gib * 2**30), max_num_seqs=32,
+                                               max_num_batched_tokens=8192, max_model_len=65536),
+                             SPEC_MODEL_SERVING, cost)
+    r = workload_lib.run(engine, workload)
+    return {"pool_tokens": engine.capacity_tokens, "hit_rate": r["hit_rate"], "ttft_p50": r["ttft_p50"],
+            "late_ttft_p50": late_ttft_p50(r, workload.rounds), "output_throughput": r["output_throughput"],
+            "preemptions": r["preemptions"], "round_ttft_p50": [x["ttft_p50"] for x in r["rounds"]]}
+
+
+def project(out: str) -> None:
+    from experiments.bench.common import write_results
+    from kvcache import workload as workload_lib
+    from kvcache.simulate import H200, SPEC_MODEL_SERVING
 
     workload = workload_lib.AgentWorkload(**PUBLISHED_WORKLOAD)
     points = []
     for gib in PROJECTION_GIB:
         point = {"kv_gib": gib}
         for name in FORMATS:
-            fmt = formats.get(name)
-            cost = StepCost(SPEC_MODEL_SERVING, H200, capacity.kv_bytes_per_token(capacity.SPEC_MODEL, fmt),
-                            KERNEL_EFFICIENCY[name])
-            engine = SimulatedEngine(fmt, EngineConfig(memory_bytes=int(gib * 2**30), max_num_seqs=32,
-                                                       max_num_batched_tokens=8192, max_model_len=65536),
-                                     SPEC_MODEL_SERVING, cost)
-            r = workload_lib.run(engine, workload)
-            point[name] = {"pool_tokens": engine.capacity_tokens, "hit_rate": r["hit_rate"],
-                           "ttft_p50": r["ttft_p50"], "late_ttft_p50": late_ttft_p50(r, workload.rounds),
-                           "output_throughput": r["output_throughput"], "preemptions": r["preemptions"],
-                           "round_ttft_p50": [x["ttft_p50"] for x in r["rounds"]]}
+            point[name] = r = simulate(gib, name, KERNEL_EFFICIENCY[name], workload)
             print(f"{gib:5.1f} GiB {name:>5}: hit {100 * r['hit_rate']:.0f}%, P50 TTFT {r['ttft_p50']:.2f} s, "
                   f"{r['output_throughput']:.0f} tok/s", flush=True)
         points.append(point)
+    # The fp4 decode kernel's speed is the one number a GPU session has not measured: how slow may it be?
+    sensitivity = []
+    for gib in SENSITIVITY_GIB:
+        fp8 = next(p["fp8"] for p in points if p["kv_gib"] == gib)
+        for eff in FP4_EFFICIENCIES:
+            r = simulate(gib, "fp4", eff, workload)
+            sensitivity.append({"kv_gib": gib, "fp4_efficiency": eff,
+                                "ttft_ratio": fp8["late_ttft_p50"] / r["late_ttft_p50"],
+                                "throughput_ratio": r["output_throughput"] / fp8["output_throughput"]})
+            print(f"{gib:5.1f} GiB fp4 at {eff:.0%} of bandwidth: TTFT {sensitivity[-1]['ttft_ratio']:.2f}x, "
+                  f"throughput {sensitivity[-1]['throughput_ratio']:.2f}x against fp8", flush=True)
     result = {"workload": PUBLISHED_WORKLOAD, "hardware": vars(H200), "kernel_efficiency": KERNEL_EFFICIENCY,
               "model": {"full_attention_layers": 10, "num_kv_heads": 2, "head_dim": 256, "num_heads": 16,
                         "active_params": SPEC_MODEL_SERVING.active_params,
-                        "weight_bytes": SPEC_MODEL_SERVING.weight_bytes}, "points": points}
+                        "weight_bytes": SPEC_MODEL_SERVING.weight_bytes}, "points": points,
+              "fp4_kernel_sensitivity": sensitivity}
     write_results(out, "projection", result, projection_markdown)
     projection_plot(points, os.path.join(out, "projection.png"))
 
@@ -151,6 +173,13 @@ def projection_markdown(result: dict) -> str:
                      + " / ".join(f"{p[f]['output_throughput']:,.0f}" for f in FORMATS)
                      + f" | {a['late_ttft_p50'] / b['late_ttft_p50']:.2f}x / "
                      f"{b['output_throughput'] / a['output_throughput']:.2f}x |")
+    lines += ["", "How slow may the fp4 decode kernel be? fp4 at a lower fraction of the bandwidth against fp8 at "
+              f"{KERNEL_EFFICIENCY['fp8']:.0%} (the fp4 kernel's speed on a GPU is not measured yet).", "",
+              "| KV budget (GiB) | fp4 kernel efficiency | fp4 vs fp8: TTFT | fp4 vs fp8: throughput |",
+              "|---|---|---|---|"]
+    for s in result["fp4_kernel_sensitivity"]:
+        lines.append(f"| {s['kv_gib']:g} | {s['fp4_efficiency']:.0%} | {s['ttft_ratio']:.2f}x | "
+                     f"{s['throughput_ratio']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
