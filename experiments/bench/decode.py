@@ -11,8 +11,9 @@ Reported per step: median milliseconds; KV bytes read (the stored bytes of
 `context` tokens: 4 D B per token and head for bf16, 2 D + 8 for fp8, D + D / 16 for fp4); effective bandwidth = KV bytes /
 time, against a jitted copy of a 256 MiB buffer (read + write bytes / time).
 
-The Pallas kernels run on a CPU only in Pallas' interpreter, which says nothing about speed: their times need a
-GPU run. Writes decode.json, decode.md and decode.png.
+On a GPU the Pallas split-KV kernel (`implementation="pallas"`) is timed too, with the issue's goal at 128K (fp4 at
+least 2.5x faster than bf16 and at least 60% of the copy bandwidth). On a CPU Pallas runs only in its interpreter,
+which says nothing about speed, so it is left out. Writes decode.json, decode.md and decode.png.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from kvcache import PagedPool, decode_attention, formats
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK = 16, 2, 256, 16
 FORMATS = ("bf16", "fp8", "fp4")
-IMPLEMENTATIONS = ("xla", "xla_split")
+IMPLEMENTATIONS = ("xla", "xla_split")  # plus "pallas" on a GPU (on a CPU Pallas only interprets)
+GPU_GOAL = {"context": 131072, "fp4_speedup": 2.5, "of_copy": 0.6}  # the issue's goals for the fp4 kernel on a GPU
 CONTEXTS = (1024, 4096, 16384, 65536, 131072, 262144)
 COPY_BYTES = 256 * 2**20
 
@@ -49,6 +51,10 @@ def filled_pool(fmt: formats.Format, context: int) -> tuple[dict, jax.Array]:
     return fields, jnp.asarray(table)
 
 
+def implementations() -> tuple[str, ...]:
+    return IMPLEMENTATIONS + (("pallas",) if jax.default_backend() == "gpu" else ())
+
+
 def run(contexts: list[int], repeats: int) -> dict:
     """Per context: every (format, implementation) and a 256 MiB copy, timed in interleaved rounds (one call of
     each per round), so a drift of the machine's speed hits all of them and the copy bandwidth they are compared
@@ -64,7 +70,7 @@ def run(contexts: list[int], repeats: int) -> dict:
             fmt = formats.get(name)
             fields, table = filled_pool(fmt, context)
             kv_bytes[name] = context * fmt.bytes_per_token(NUM_KV_HEADS, HEAD_DIM)
-            for impl in IMPLEMENTATIONS:
+            for impl in implementations():
                 step = jax.jit(lambda q, f, t, s, fmt=fmt, impl=impl: decode_attention(q, f, t, s, fmt=fmt,
                                                                                         implementation=impl))
                 calls[name, impl] = lambda step=step, fields=fields, table=table: step(q, fields, table, seq_lens)
@@ -88,8 +94,9 @@ def markdown(result: dict) -> str:
              f"`python -m experiments.bench.decode`. {describe(result['machine'])} Batch 1, {NUM_HEADS} query / "
              f"{NUM_KV_HEADS} KV heads, head dim {HEAD_DIM}, block size {BLOCK}; ms per decode step without split-KV "
              "(`xla`) and with it (`xla_split`), and the split path's stored-KV bytes read per second against the "
-             "bandwidth of a 256 MiB copy (read + write) timed in the same interleaved rounds. The Pallas kernels "
-             "are not timed: on a CPU they run only in Pallas' interpreter.", "",
+             "bandwidth of a 256 MiB copy (read + write) timed in the same interleaved rounds. "
+             + ("The Pallas kernel is timed below." if any(r["implementation"] == "pallas" for r in rows) else
+                "The Pallas kernels are not timed: on a CPU they run only in Pallas' interpreter."), "",
              "| context | " + " | ".join(f"{f} ms (no split / split) | {f} GB/s (of copy)" for f in FORMATS) +
              " | fp4 / bf16 time (split) | copy GB/s |", "|---|" + "---|---|" * len(FORMATS) + "---|---|"]
     for c in contexts:
@@ -105,7 +112,30 @@ def markdown(result: dict) -> str:
         for impl in IMPLEMENTATIONS:
             growth = {f: (by[last, f, impl]["ms"] / by[first, f, impl]["ms"]) / (last / first) for f in FORMATS}
             lines.append(f"- {impl}: " + ", ".join(f"{f} {g:.2f}" for f, g in growth.items()))
+    if any(r["implementation"] == "pallas" for r in rows):
+        lines += pallas_markdown(by, contexts, result["copy_gb_per_s"])
     return "\n".join(lines) + "\n"
+
+
+def pallas_markdown(by: dict, contexts: list[int], copies: dict) -> list[str]:
+    """The Pallas split-KV decode kernel per format, and the issue's GPU goals for fp4."""
+    lines = ["", "Pallas split-KV decode kernel (compiled, not interpreted):", "",
+             "| context | " + " | ".join(f"{f} ms (GB/s, of copy)" for f in FORMATS) + " | bf16 / fp4 time |",
+             "|---|" + "---|" * len(FORMATS) + "---|"]
+    for c in contexts:
+        cells = [f"{by[c, f, 'pallas']['ms']:.3f} ({by[c, f, 'pallas']['gb_per_s']:.0f}, "
+                 f"{100 * by[c, f, 'pallas']['of_copy']:.0f}%)" for f in FORMATS]
+        ratio = by[c, "bf16", "pallas"]["ms"] / by[c, "fp4", "pallas"]["ms"]
+        lines.append(f"| {c:,} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
+    c = GPU_GOAL["context"]
+    if (c, "fp4", "pallas") in by:
+        speedup = by[c, "bf16", "pallas"]["ms"] / by[c, "fp4", "pallas"]["ms"]
+        of_copy = by[c, "fp4", "pallas"]["of_copy"]
+        met = speedup >= GPU_GOAL["fp4_speedup"] and of_copy >= GPU_GOAL["of_copy"]
+        lines += ["", f"Goal at {c:,} tokens: fp4 at least {GPU_GOAL['fp4_speedup']}x faster than bf16 and at least "
+                  f"{GPU_GOAL['of_copy']:.0%} of the copy bandwidth: measured {speedup:.2f}x and {of_copy:.0%} "
+                  f"({'met' if met else 'missed'})."]
+    return lines
 
 
 def plot(result: dict, path: str) -> None:
@@ -116,17 +146,19 @@ def plot(result: dict, path: str) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
     for i, f in enumerate(FORMATS):
-        for impl, style in zip(IMPLEMENTATIONS, ("--", "-")):
+        for impl, style in zip(IMPLEMENTATIONS + ("pallas",), ("--", "-", ":")):
             rs = [r for r in result["rows"] if r["format"] == f and r["implementation"] == impl]
+            if not rs:
+                continue
             xs = [r["context"] for r in rs]
             ax1.loglog(xs, [r["ms"] for r in rs], "o" + style, color=f"C{i}", label=f"{f} {impl}")
-            if impl == "xla_split":
-                ax2.semilogx(xs, [r["gb_per_s"] for r in rs], "o-", color=f"C{i}", label=f)
+            if impl != "xla":
+                ax2.semilogx(xs, [r["gb_per_s"] for r in rs], "o" + style, color=f"C{i}", label=f"{f} {impl}")
     copies = sorted((int(c), b) for c, b in result["copy_gb_per_s"].items())
     ax2.semilogx([c for c, _ in copies], [b for _, b in copies], "k--", lw=1, label="copy (read + write)")
     ax1.set_xlabel("context (tokens)")
     ax1.set_ylabel("ms per decode step")
-    ax1.set_title("Decode time against context: one layer, without (--) and with (-) split-KV", fontsize=9)
+    ax1.set_title("Decode time against context, one layer: xla (--), xla_split (-), pallas (:)", fontsize=9)
     ax2.set_xlabel("context (tokens)")
     ax2.set_ylabel("stored KV bytes read / time (GB/s)")
     ax2.set_title(f"Effective bandwidth of split-KV decode ({result['machine']['device']})", fontsize=9)

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Everything GPU-specific in one run, sized for one call of the `device` tool (one H200, 15 minutes a session):
+#   1. the Pallas kernel tests compiled for the GPU (JAX_PLATFORMS=cuda, so interpret=False) against their XLA
+#      references: unified attention, split-KV decode, quantise-and-write, every format;
+#   2. `experiments.bench.decode`, 1K-262K tokens, with the Pallas split-KV kernel timed beside the XLA paths and the
+#      issue's goal at 128K (fp4 >= 2.5x faster than bf16, >= 60% of the copy bandwidth);
+#   3. `experiments.bench.quant`: train step per 4-bit recipe against BF16.
+# Each part has its own time limit, so one that hangs or fails leaves the others' results.
+#
+# Before the call, once (ml-collections is not installed there; the wheel travels in .whl, which git ignores):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       -d .whl ml-collections==1.1.0
+# The call:  run(command="bash experiments/bench/gpu.sh", carry=[".whl"], timeout_s=560)
+# Results land in $OUT (on this machine: results/gpu): gpu.log, decode.{json,md,png}, quant.{json,md}.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out="${OUT:-results/gpu}"
+mkdir -p "$out"
+log="$out/gpu.log"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "gpu.sh: installing the carried wheels failed" | tee -a "$log"; exit 1; }
+  export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+
+part() {  # part NAME SECONDS COMMAND...: run one part under a time limit, its output appended to the log
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name ($(date +%T), limit ${limit}s)" | tee -a "$log"
+  timeout "$limit" "$@" 2>&1 | tee -a "$log"
+  echo "=== $name: exit ${PIPESTATUS[0]}" | tee -a "$log"
+}
+
+part environment 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
+  python3 -c "import jax; print(jax.__version__, jax.devices())"'
+part kernel-tests 200 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/test_kvcache_attention.py
+part decode-bench 180 python3 -m experiments.bench.decode --out "$out"
+part quant-bench 120 python3 -m experiments.bench.quant --out "$out"
