@@ -366,6 +366,7 @@ class Engine(Scheduler):
         p = np.exp((logits - logits.max()) / self.config.temperature)
         return int(self._rng.choice(len(p), p=p / p.sum()))
 
+
 def _bucket(num_tokens: int) -> int:
     """Padded batch size: the next power of two, at least 16 (few distinct compiled shapes)."""
     return max(16, 1 << (num_tokens - 1).bit_length())

@@ -1,6 +1,5 @@
 """The multi-round agent workload and its driver."""
 
-import numpy as np
 import pytest
 from flax import nnx
 

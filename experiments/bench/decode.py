@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.bench.common import describe, interleaved_medians, machine, write_results
-from kvcache import PagedPool, decode_attention, formats
+from kvcache import decode_attention, formats
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK = 16, 2, 256, 16
 FORMATS = ("bf16", "fp8", "fp4")
