@@ -18,7 +18,9 @@ Formats are decoded in the kernel, 32 head-dim columns at a time:
   fp4: a 32-byte chunk of split-half packed codes gives two 32-column groups (low and high nibbles), decoded
        arithmetically; the UE8M0 group scale multiplies that group's partial scores (K) or values (V).
 The query comes prepared by `Format.prepare_query` (Hadamard-rotated and FP8-rounded for fp4), so the score
-product needs no rotation: H^T H = I. Products accumulate in float32.
+product needs no rotation: H^T H = I. Products accumulate in float32 at JAX's default matmul precision: TF32 on
+a GPU, exact for fp4's E2M1 keys times FP8 queries, about 1e-3 relative for bf16 / fp8 queries; under
+`jax.default_matmul_precision("highest")` (the GPU tests) they are IEEE float32, as in the XLA reference.
 """
 
 from __future__ import annotations
