@@ -105,7 +105,8 @@ def _select(updates: list[jax.Array], grads: list[jax.Array], mask_ratio: float,
             chosen = _product(u, g, _score_dtype(u)) >= 0
             out[i] = chosen, count_at_least(chosen, [jnp.bool_(True)])[0] / max(n, 1)
         else:
-            out[i] = top_k_mask(_product(u, g, _score_dtype(u)), k), jnp.asarray(k / max(n, 1), jnp.float32)
+            # full_like: the constant carries u's mesh-axis type (a state leaf inside shard_map must)
+            out[i] = top_k_mask(_product(u, g, _score_dtype(u)), k), jnp.full_like(u, k / max(n, 1), jnp.float32, ())
     if not sampled:
         return out
     dtype = functools.reduce(jnp.promote_types, [_score_dtype(updates[i]) for i in sampled])

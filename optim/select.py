@@ -128,7 +128,9 @@ def top_k_mask(score: jax.Array, k: int) -> jax.Array:
     flat = ordered_keys(score.ravel())
     t, at_least, greater, _ = selection_key(flat, k)
     # The last position among the keys equal to t that is taken: all of them unless there are more ties than needed.
-    last = jax.lax.cond(at_least == k, lambda: jnp.int32(n), lambda: _position_of_nth(flat == t, k - greater))
+    # (full_like: the branch carries the data's mesh-axis type, as the other does inside shard_map)
+    last = jax.lax.cond(at_least == k, lambda: jnp.full_like(at_least, n, jnp.int32),
+                        lambda: _position_of_nth(flat == t, k - greater))
     keys = ordered_keys(score)
     position = sum(jax.lax.broadcasted_iota(jnp.int32, score.shape, d) * math.prod(score.shape[d + 1:])
                    for d in range(score.ndim)) if score.ndim else jnp.int32(0)

@@ -6,8 +6,8 @@ lhs [m, k] holds the tokens sorted by group (expert), group_sizes [g] how many e
   wgrad  dw_g = sum over the group's tokens Q(R x)^T Q(R dy)   along tokens
 The token blocks of wgrad must not straddle two groups (a scale or a rotation shared by two experts' tokens would
 mix their products), so wgrad scatters the rows into a layout where every group starts on a block boundary (at
-most g (block - 1) zero rows more). The products go through `inner` (the MoE's grouped matmul) and, for wgrad,
-the transpose of `jax.lax.ragged_dot`.
+most g (block - 1) zero rows more). The products go through `inner` (the MoE's grouped matmul), wgrad through
+its transpose.
 """
 
 from __future__ import annotations
@@ -67,8 +67,9 @@ def _bwd(cfg, inner, residuals, dy):
         multiple = math.lcm(block, r.wgrad.rht_block) if r.wgrad.rht else block
         (xs, sizes), (dys, _) = (group_aligned(a, group_sizes, multiple) for a in (x, dy))
         xs, dys = prepare_operands(xs, dys, 0, 0, r.wgrad, cfg, key=k_w, stochastic=(False, r.wgrad.stochastic_dy))
-    _, transpose = jax.vjp(lambda v: jax.lax.ragged_dot(xs, v, sizes, preferred_element_type=jnp.float32),
-                           jnp.zeros(w.shape, jnp.float32))
+    # The product is linear in v, so any primal point gives the same transpose. w itself (its forward product is
+    # dead code) keeps w's vmap batching and shard_map axis type, which a constant (zeros) would not have.
+    _, transpose = jax.vjp(lambda v: inner(xs, v, sizes, preferred_element_type=jnp.float32), w.astype(jnp.float32))
     dw = transpose(dys.astype(jnp.float32))[0]
     return dx.astype(x.dtype), dw.astype(w.dtype), None, None
 

@@ -49,8 +49,9 @@ def sharder(data: int, expert: int) -> mesh_lib.Sharder:
     return mesh_lib.Sharder(mesh_lib.make_mesh(c), tuple(tuple(r) for r in c.mesh.rules))
 
 
-def tiny_moe_transformer(resident=None, routing_mode="partitioned"):
-    """A 2-layer transformer whose FFNs are MoE layers of 8 experts (top-2), hosting `resident` of them."""
+def tiny_moe_transformer(resident=None, routing_mode="partitioned", precision=None):
+    """A 2-layer transformer whose FFNs are MoE layers of 8 experts (top-2), hosting `resident` of them; `precision`:
+    the matmul-precision slot of every projection and expert (default: plain products)."""
     from core.model import Transformer, TransformerConfig
     from moe import MoE
 
@@ -58,9 +59,9 @@ def tiny_moe_transformer(resident=None, routing_mode="partitioned"):
     m = MoEConfig(num_experts=8, top_k=2, expert_size=8)
 
     def ffn(layer, path, rngs):
-        return MoE(cfg, m, path=path, rngs=rngs, resident=resident, routing_mode=routing_mode)
+        return MoE(cfg, m, path=path, rngs=rngs, resident=resident, routing_mode=routing_mode, precision=precision)
 
-    return Transformer(cfg, rngs=nnx.Rngs(0), ffn_factory=ffn)
+    return Transformer(cfg, rngs=nnx.Rngs(0), ffn_factory=ffn, precision=precision)
 
 
 def train_losses(model: nnx.Module, optimizer, tokens: jax.Array, steps: int) -> list[float]:
