@@ -57,15 +57,7 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
     placement_at = _placements(config)
     placement = placement_at(0)
     mesh = federation.site_mesh(sites, f.overlap)
-    outer = diloco_outer(f.outer_learning_rate, f.outer_momentum) if f.outer == "diloco" else None
-    make = lambda **kw: build.build_model_fn(config, Sharder(), routing_mode=f.routing, **kw)(  # noqa: E731
-        nnx.Rngs(tc.seed))
-    site_model = make(resident=placement.experts[0])
-    optimizer = build.build_optimizer(config)
-    if f.placement == "random":  # arrived experts ramp their learning rate up (moe.reshuffle)
-        dims = reshuffle.expert_dims(nnx.state(site_model, nnx.Param))
-        optimizer = optax.chain(optimizer, reshuffle.arrival_warmup(dims, f.arrival_warmup))
-    graphdef, state = rounds.init_sites(make(), site_model, placement, optimizer, outer, mesh, tc.seed)
+    graphdef, optimizer, outer, state = initial_state(config, mesh)
     round_fn = rounds.make_round(graphdef, optimizer, mesh, method=f.outer, outer=outer)
     eval_fn = jax.jit(federation.per_site(train_lib.make_eval_step(graphdef), mesh, (0, 0, None)))
 
@@ -176,6 +168,24 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
                     # site 0's own model (its resident experts, its routing), e.g. to sample from
                     "final_state": jax.tree.map(lambda x: x[0], state.train) if jax.process_count() == 1 else None})
     return results
+
+
+def initial_state(config: ml_collections.ConfigDict, mesh=None):
+    """(site graphdef, inner optimizer, outer optimizer or None, the federation's initial FederatedState): what
+    `train_federated` starts from on the site `mesh`, and what a loader restores a checkpoint into (mesh None: on
+    the default device)."""
+    f = config.fomoe
+    placement = _placements(config)(0)
+    outer = diloco_outer(f.outer_learning_rate, f.outer_momentum) if f.outer == "diloco" else None
+    make = lambda **kw: build.build_model_fn(config, Sharder(), routing_mode=f.routing, **kw)(  # noqa: E731
+        nnx.Rngs(config.train.seed))
+    site_model = make(resident=placement.experts[0])
+    optimizer = build.build_optimizer(config)
+    if f.placement == "random":  # arrived experts ramp their learning rate up (moe.reshuffle)
+        dims = reshuffle.expert_dims(nnx.state(site_model, nnx.Param))
+        optimizer = optax.chain(optimizer, reshuffle.arrival_warmup(dims, f.arrival_warmup))
+    graphdef, state = rounds.init_sites(make(), site_model, placement, optimizer, outer, mesh, config.train.seed)
+    return graphdef, optimizer, outer, state
 
 
 def _host(tree):

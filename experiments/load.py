@@ -1,9 +1,11 @@
 """Loading a trained model back from a run's workdir (config.json, data.json and the latest checkpoint).
 
     config, model = load.trained_model("runs/quickstart")
+    config, model = load.trained_model("runs/composed", site=1)
 
-Single-device runs only: a federated run's checkpoint holds one model per site (their experts differ), so
-`trained_model` refuses it with the key to change.
+A federated run's checkpoint holds one model per site (its resident experts and, with partitioned routing, its
+router): `site` picks which one (default 0, the one the run's own sample uses). It loads on one device whatever
+devices the run trained on.
 """
 
 from __future__ import annotations
@@ -11,16 +13,18 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import ml_collections
 from flax import nnx
 
 __all__ = ["trained_model"]
 
 
-def trained_model(workdir: str) -> tuple[ml_collections.ConfigDict, nnx.Module]:
-    """(config, model with the latest checkpoint's parameters) of the run in `workdir`.
+def trained_model(workdir: str, *, site: int = 0) -> tuple[ml_collections.ConfigDict, nnx.Module]:
+    """(config, model with the latest checkpoint's parameters) of the run in `workdir`; for a federated run, site
+    `site`'s model.
 
-    Raises FileNotFoundError naming what is missing, or ValueError for a federated run.
+    Raises FileNotFoundError naming what is missing, or ValueError for a site the run does not have.
     """
     from core import checkpoint as checkpoint_lib
     from core import train as train_lib
@@ -36,24 +40,31 @@ def trained_model(workdir: str) -> tuple[ml_collections.ConfigDict, nnx.Module]:
         for section, values in json.load(f).items():
             config[section].update({k: _tuples(v) if isinstance(config[section][k], tuple) else v
                                     for k, v in values.items()})
-    if config.mesh.site > 1:
-        raise ValueError(f"{workdir} is a federated run (mesh.site = {config.mesh.site}): its checkpoint holds one "
-                         "model per site; load a single-site run (mesh.site = 1)")
-    config.mesh.data = 1  # one device is enough to hold the parameters for inference
-    build.validate(config, num_devices=1)
+    sites = config.mesh.site
+    if not 0 <= site < sites:
+        raise ValueError(f"site = {site}: the run in {workdir} has mesh.site = {sites} site(s); allowed 0..{sites - 1}")
     with open(paths["data.json"]) as f:
         fingerprint = json.load(f)["fingerprint"]
-    _, sharder = build.build_mesh(config)
-    optimizer = build.build_optimizer(config)
-    graphdef, state = train_lib.init_state(build.build_model_fn(config, sharder), optimizer, config.train.seed,
-                                           sharder)
     checkpointer = checkpoint_lib.Checkpointer(paths["checkpoints"])
     step = checkpointer.latest_step()
     if step is None:
         raise FileNotFoundError(f"{paths['checkpoints']} holds no checkpoint")
-    state, _ = checkpointer.restore(step, state, compat=train_lib.checkpoint_compat(config, fingerprint))
+    compat = train_lib.checkpoint_compat(config, fingerprint)
+    if sites > 1:
+        from experiments import federated
+
+        graphdef, _, _, state = federated.initial_state(config)  # [sites, ...] on this process's first device
+        state, _ = checkpointer.restore(step, state, compat=compat)
+        train = jax.tree.map(lambda x: x[site], state.train)
+    else:
+        config.mesh.data = 1  # one device is enough to hold the parameters for inference
+        build.validate(config, num_devices=1)
+        _, sharder = build.build_mesh(config)
+        graphdef, train = train_lib.init_state(build.build_model_fn(config, sharder), build.build_optimizer(config),
+                                               config.train.seed, sharder)
+        train, _ = checkpointer.restore(step, train, compat=compat)
     checkpointer.close()
-    return config, nnx.merge(graphdef, state.params, state.rest)
+    return config, nnx.merge(graphdef, train.params, train.rest)
 
 
 def _tuples(value):

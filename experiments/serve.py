@@ -2,8 +2,9 @@
 
     python -m experiments.serve --workdir runs/quickstart-1dev --prompt "def " [--prompt "import "]
         [--max-new-tokens 200] [--kv-format fp4] [--scale-rule mse] [--kv-memory-mib 64] [--temperature 0.7]
+        [--site 0]
 
-The workdir must hold a single-site run (`--config.mesh.site=1`; a federated run keeps one model per site). Every
+A federated run keeps one model per site (its own experts): `--site` picks it (default 0). Every
 prompt is one request of a continuous-batching engine (kvcache.engine) over a paged KV pool of `--kv-memory-mib` in
 the chosen format; the first prompt's text streams to the terminal, the others are printed when done, followed
 by each request's time to first token and time per output token.
@@ -25,6 +26,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-memory-mib", type=float, default=64.0, help="KV pool size in MiB")
     parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--site", type=int, default=0, help="a federated run's site whose model serves")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens = {args.max_new_tokens} must be >= 1")
@@ -39,7 +41,7 @@ def main(argv=None) -> int:
     from kvcache.engine import Engine, EngineConfig
 
     try:
-        _, model = load.trained_model(args.workdir)
+        _, model = load.trained_model(args.workdir, site=args.site)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -50,6 +50,7 @@ def init_sites(global_model: nnx.Module, site_model: nnx.Module, placement, opti
       site_model: the same architecture built with `resident=placement.experts[0]` (its graph serves all sites).
       placement: a `moe.placement.Placement`.
       outer: the outer optimizer for DiLoCo, or None.
+      mesh: the site mesh, or None to leave the state on the default device (e.g. to restore a checkpoint into).
     Returns:
       (site graphdef, FederatedState with every leaf's leading axis M sharded over the site mesh).
     """
@@ -63,6 +64,8 @@ def init_sites(global_model: nnx.Module, site_model: nnx.Module, placement, opti
                                  keys)
     outer_state = jax.vmap(outer.init)(params) if outer is not None else ()
     state = FederatedState(train, outer_state)
+    if mesh is None:
+        return graphdef, state
     return graphdef, jax.device_put(state, NamedSharding(mesh, PartitionSpec(federation.SITE_AXES)))
 
 

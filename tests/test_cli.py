@@ -14,6 +14,7 @@ from experiments import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "experiments", "configs", "quickstart.py")
+COMPOSED = os.path.join(ROOT, "experiments", "configs", "composed.py")
 TINY = [
     "--config.model.d_model=32", "--config.model.num_layers=2", "--config.model.num_heads=4",
     "--config.model.num_kv_heads=2", "--config.model.d_ff=64", "--config.data.seq_len=16",
@@ -61,9 +62,9 @@ def test_bad_data_path_is_rejected(capsys, tmp_path):
     assert code == 2 and "data.path" in err
 
 
-def _cli(workdir, *extra, env_devices=1, process=None):
+def _cli(workdir, *extra, env_devices=1, process=None, config=CONFIG):
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={env_devices}", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "experiments.run", f"--config={CONFIG}", f"--workdir={workdir}", *TINY, *extra]
+    cmd = [sys.executable, "-m", "experiments.run", f"--config={config}", f"--workdir={workdir}", *TINY, *extra]
     if process is not None:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -114,24 +115,31 @@ def test_kill_and_rerun_resumes_to_the_same_metrics(tmp_path, capsys):
     assert {p: p.read_bytes() for p in killed.rglob("*") if p.is_file()} == before
 
 
-def _loaded_model_reproduces_the_held_out_loss(workdir, val_loss):
-    """`experiments.load.trained_model` restores the final parameters: the held-out loss recomputed from them equals
-    the summary's."""
+def _loaded_model_reproduces_the_held_out_loss(workdir, val_loss, sites=1):
+    """`experiments.load.trained_model` restores the final parameters (of each site of a federated run): the held-out
+    loss recomputed from them (averaged over the sites) equals the summary's."""
     import numpy as np
     import optax
 
     from experiments import build, load
 
-    config, model = load.trained_model(str(workdir))
-    _, batches = build.build_data(config)
-    nll = [np.asarray(optax.softmax_cross_entropy_with_integer_labels(model(t[:, :-1])[0], t[:, 1:]), np.float64)
-           for t in batches.val_batches(config.train.eval_batches)]
-    assert abs(np.mean(nll) - val_loss) < 1e-5
+    losses = []
+    for site in range(sites):
+        config, model = load.trained_model(str(workdir), site=site)
+        _, batches = build.build_data(config)
+        losses.append(np.mean([
+            np.asarray(optax.softmax_cross_entropy_with_integer_labels(model(t[:, :-1])[0], t[:, 1:]), np.float64)
+            for t in batches.val_batches(config.train.eval_batches)]))
+    assert abs(np.mean(losses) - val_loss) < 1e-5, (losses, val_loss)
+    if sites > 1:
+        assert len(set(losses)) == sites  # different experts, different losses
+        with pytest.raises(ValueError, match=f"site = {sites}: .* allowed 0..{sites - 1}"):
+            load.trained_model(str(workdir), site=sites)
 
 
-def _serve_streams_the_greedy_continuation(workdir, capsys):
+def _serve_streams_the_greedy_continuation(workdir, capsys, kv_format="bf16"):
     """`python -m experiments.serve` on the run: the streamed text of a greedy request is the prompt followed by
-    what `core.generate` produces with the same paged bf16 cache; a missing workdir exits 2 with a clear message."""
+    what `core.generate` produces with the same paged cache; a missing workdir exits 2 with a clear message."""
     import jax
     import numpy as np
 
@@ -140,12 +148,12 @@ def _serve_streams_the_greedy_continuation(workdir, capsys):
     from experiments import load, serve
     from kvcache import formats, paged_cache_factory
 
-    assert serve.main([f"--workdir={workdir}", "--prompt=def f", "--max-new-tokens=6", "--kv-format=bf16",
+    assert serve.main([f"--workdir={workdir}", "--prompt=def f", "--max-new-tokens=6", f"--kv-format={kv_format}",
                        "--temperature=0"]) == 0
     out = capsys.readouterr().out
     _, model = load.trained_model(str(workdir))
     cfg, tok = model.cfg, ByteTokenizer()
-    factory = paged_cache_factory(formats.get("bf16"), num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+    factory = paged_cache_factory(formats.get(kv_format), num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                                   head_dim=cfg.head_dim)
     ids = generate.generate(model, [np.asarray(tok.encode("def f"))], max_new_tokens=6, key=jax.random.key(0),
                             cache_factory=factory)[0]
@@ -239,6 +247,25 @@ def test_federated_run_measures_its_bytes_and_resumes_after_a_killed_round(tmp_p
     for key in ("train_loss", "val_loss", "val_bits_per_byte", "steps", "bytes_per_site_per_round"):
         assert summary2[key] == summary[key], key
     assert _metric_rows(killed) == rows
+
+
+def test_the_composed_config_trains_sites_with_mgup_on_ufp4_and_serves_through_fp4_kv(tmp_path, capsys):
+    """experiments/configs/composed.py end to end: 2 federated sites train with MGUP-AdamW on UFP4 GEMMs (the run
+    records all three choices), the loaded model reproduces the held-out loss, and serving it through the fp4 KV
+    cache streams what `core.generate` gives with that cache."""
+    workdir = tmp_path / "composed"
+    done = _cli(workdir, "--config.mesh.site=2", "--config.mesh.data=1", "--config.fomoe.local_steps=2",
+                "--config.train.steps=6", "--config.train.eval_every=6", "--config.model.d_model=64",
+                "--config.model.num_heads=1", "--config.model.num_kv_heads=1", config=COMPOSED, env_devices=2)
+    assert done.returncode == 0, done.stdout + done.stderr
+    config = json.loads((workdir / "config.json").read_text())
+    assert (config["optim"]["name"], config["precision"]["recipe"], config["kvcache"]["format"]) == (
+        "mgup_adamw", "ufp4", "fp4")
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["rounds"] == 3 and summary["bytes_per_site_per_round"] > 0
+    assert (workdir / "sample.txt").read_text().startswith("def ")
+    _loaded_model_reproduces_the_held_out_loss(workdir, summary["val_loss"], sites=2)
+    _serve_streams_the_greedy_continuation(workdir, capsys, kv_format="fp4")
 
 
 @pytest.mark.parametrize("args, needles", [
