@@ -1,0 +1,143 @@
+"""The composed run and what each of its choices costs: experiments/configs/composed.py (the quickstart's FoMoE
+federation trained with MGUP-AdamW on UFP4 GEMMs) against the same run with the optimizer, the GEMMs or both set
+back (AdamW, BF16; both back = the quickstart).
+
+    python -m experiments.reproduce.composed [--out results/composed] [--steps 700] [--seeds 0,1,2]
+
+Every variant trains on the same steps with each seed (initialisation and data order; the same tokens for every
+variant of a seed), so effects are read as paired differences within a seed. Each run is `python -m experiments.run`
+in its own process (2 virtual CPU sites), in `<out>/runs/<name>_s<seed>`; finished runs are reused. Writes
+table.md, table.json and curves.png (held-out bits per byte over the steps, mean over seeds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+
+from experiments.reproduce import runs as runs_lib
+
+CONFIG = runs_lib.config_path("composed")
+VARIANTS = {  # name -> (optim.name, precision.recipe)
+    "adamw_bf16": ("adamw", "bf16"),
+    "mgup_adamw_bf16": ("mgup_adamw", "bf16"),
+    "adamw_ufp4": ("adamw", "ufp4"),
+    "mgup_adamw_ufp4": ("mgup_adamw", "ufp4"),
+}
+EFFECTS = {  # label -> (variant with the choice, the same variant without it)
+    "MGUP-AdamW vs AdamW, BF16 GEMMs": ("mgup_adamw_bf16", "adamw_bf16"),
+    "MGUP-AdamW vs AdamW, UFP4 GEMMs": ("mgup_adamw_ufp4", "adamw_ufp4"),
+    "UFP4 vs BF16, AdamW": ("adamw_ufp4", "adamw_bf16"),
+    "UFP4 vs BF16, MGUP-AdamW": ("mgup_adamw_ufp4", "mgup_adamw_bf16"),
+}
+
+
+def train(name: str, seed: int, steps: int, out: str) -> dict:
+    optimizer, recipe = VARIANTS[name]
+    workdir = os.path.join(out, "runs", f"{name}_s{seed}")
+    flags = [f"--config.optim.name={optimizer}", f"--config.precision.recipe={recipe}", "--config.train.progress=False",
+             f"--config.train.seed={seed}", f"--config.data.seed={seed}", f"--config.checkpoint.every={steps}"]
+    summary = runs_lib.run_or_reuse(CONFIG, workdir, flags, steps, devices=2)
+    return {"val_bits_per_byte": summary["val_bits_per_byte"],
+            "val_bits_per_byte_worst_site": summary["val_bits_per_byte_worst_site"],
+            "tokens_per_second": summary["tokens_per_second"],
+            "curve": runs_lib.read_metric(workdir, "val_bits_per_byte")}
+
+
+def summarise(runs: dict, seeds: list[int]) -> dict:
+    """Per variant the mean over seeds; per effect the paired differences (with - without) per seed, their mean and
+    its standard error (None for one seed)."""
+    variants = {}
+    for name, (optimizer, recipe) in VARIANTS.items():
+        per_seed = [runs[name][s] for s in seeds]
+        variants[name] = {"optimizer": optimizer, "recipe": recipe,
+                          "val_bits_per_byte": [r["val_bits_per_byte"] for r in per_seed],
+                          "val_bits_per_byte_worst_site": [r["val_bits_per_byte_worst_site"] for r in per_seed],
+                          "tokens_per_second": float(np.mean([r["tokens_per_second"] for r in per_seed]))}
+    effects = {}
+    for label, (with_, without) in EFFECTS.items():
+        diffs = np.subtract(variants[with_]["val_bits_per_byte"], variants[without]["val_bits_per_byte"])
+        stderr = float(np.std(diffs, ddof=1) / np.sqrt(len(diffs))) if len(diffs) > 1 else None
+        effects[label] = {"per_seed": diffs.tolist(), "mean": float(diffs.mean()), "stderr": stderr}
+    return {"variants": variants, "effects": effects}
+
+
+def markdown(result: dict) -> str:
+    seeds = result["seeds"]
+    lines = ["# All four results in one run", "",
+             f"`python -m experiments.reproduce.composed --steps {result['steps']} --seeds "
+             f"{','.join(map(str, seeds))}`: experiments/configs/composed.py (2 FoMoE sites, disjoint experts, "
+             "LocalAdamW every 10 steps) with the optimizer and the GEMM recipe set back one at a time; the same "
+             "tokens for every variant of a seed; 2-core CPU, tokens/s with other jobs on the machine.", "",
+             "| optimizer | GEMMs | held-out bits per byte, mean over seeds | per seed | worst site, per seed | "
+             "tokens / s |", "|---|---|---|---|---|---|"]
+    for name, r in result["variants"].items():
+        b = "**" if name == "mgup_adamw_ufp4" else ""
+        lines.append(f"| {b}{r['optimizer']}{b} | {b}{r['recipe']}{b} | {b}{np.mean(r['val_bits_per_byte']):.3f}{b} | "
+                     f"{' / '.join(f'{v:.3f}' for v in r['val_bits_per_byte'])} | "
+                     f"{' / '.join(f'{v:.3f}' for v in r['val_bits_per_byte_worst_site'])} | "
+                     f"{r['tokens_per_second']:,.0f} |")
+    lines += ["", "Paired differences in held-out bits per byte (with the choice minus without it, same seed; "
+              "negative = better):", "", "| effect | per seed | mean +- standard error | reading |", "|---|---|---|---|"]
+    for label, e in result["effects"].items():
+        if e["stderr"] is None:
+            spread, reading = f"{e['mean']:+.3f}", "one seed: no error estimate"
+        else:
+            spread = f"{e['mean']:+.3f} +- {e['stderr']:.3f}"
+            reading = "beyond 2 standard errors" if abs(e["mean"]) > 2 * e["stderr"] else "within 2 standard errors"
+        lines.append(f"| {label} | {' / '.join(f'{d:+.3f}' for d in e['per_seed'])} | {spread} | {reading} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    for name, r in result["variants"].items():
+        curves = [result["curves"][name][str(s)] for s in result["seeds"]]
+        steps = [step for step, _ in curves[0]]
+        values = np.mean([[v for _, v in c] for c in curves], axis=0)
+        ax.plot(steps, values, "o-", ms=3, label=f"{r['optimizer']}, {r['recipe']}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out bits per byte (mean over sites and seeds)")
+    ax.set_title(f"Composed run: FoMoE sites, optimizer x GEMM recipe ({len(result['seeds'])} seeds)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    from experiments.bench.common import write_results
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="results/composed", help="output directory")
+    parser.add_argument("--steps", type=int, default=700, help="training steps per run (a multiple of 10)")
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated non-negative seeds")
+    args = parser.parse_args(argv)
+    if args.steps < 10 or args.steps % 10:
+        parser.error(f"--steps = {args.steps} must be a positive multiple of fomoe.local_steps = 10")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        parser.error(f"--seeds = {args.seeds!r} must be distinct non-negative integers separated by commas")
+    runs = {name: {} for name in VARIANTS}
+    for i, (seed, name) in enumerate((s, n) for s in seeds for n in VARIANTS):
+        print(f"[{i + 1}/{len(seeds) * len(VARIANTS)}] {name}, seed {seed}", flush=True)
+        runs[name][seed] = train(name, seed, args.steps, args.out)
+    result = {"steps": args.steps, "seeds": seeds, **summarise(runs, seeds),
+              "curves": {n: {str(s): runs[n][s]["curve"] for s in seeds} for n in VARIANTS}}
+    write_results(args.out, "table", result, markdown)
+    plot(result, os.path.join(args.out, "curves.png"))
+
+
+if __name__ == "__main__":
+    main()
