@@ -337,8 +337,11 @@ def test_moe_train_steps_on_8_devices_equal_one_device(tiny_config):
     for a, b in zip(m8, m1):
         for k in a:
             np.testing.assert_allclose(a[k], b[k], rtol=2e-5, atol=1e-7, err_msg=k)
+    # AdamW normalises each element's step to about the learning rate, so an element whose gradient is a cancelling
+    # sum moves by a visibly different fraction of it when the sharded sum runs in another order (seen: 4e-3 of it);
+    # a wrong shard or a lost gradient moves elements by whole learning rates.
     for a, b in zip(jax.tree.leaves(s8.params), jax.tree.leaves(s1.params)):
-        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-2 * c.optim.learning_rate)
     up = s8.params["blocks"][0]["ffn"]["up"].get_value()
     assert up.sharding.spec == P("expert")
     assert up.addressable_shards[0].data.shape == (2, 32, 16)  # 8 experts over 4 devices

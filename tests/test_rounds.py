@@ -147,8 +147,10 @@ def test_diloco_outer_step_over_two_rounds_follows_its_formula():
             np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
         start, train = expected, state.train
         # the inner AdamW state stays with each site (not averaged)
-        np.testing.assert_allclose(jax.tree.leaves(state.train.opt_state[0].mu)[0],
-                                   jax.tree.leaves(local.opt_state[0].mu)[0], rtol=1e-6)
+        # (relative to the tensor's scale: elements near zero are cancelling sums, exact only to float rounding)
+        want_mu = np.asarray(jax.tree.leaves(local.opt_state[0].mu)[0])
+        np.testing.assert_allclose(jax.tree.leaves(state.train.opt_state[0].mu)[0], want_mu, rtol=1e-6,
+                                   atol=1e-6 * np.abs(want_mu).max())
 
 
 @pytest.mark.parametrize("overlap, method", [(1, "local_adamw"), (2, "local_adamw"), (2, "diloco"),
