@@ -90,9 +90,10 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
     probe_fn, probe_tokens = rounds.make_probe(graphdef, mesh), val[0][:, :-1]
     routes = _host(probe_fn(state.train.params, state.train.rest, probe_tokens))
     if is_main:
-        print(f"federation: {sites} sites, O_e = {f.overlap}, {placement.local_experts} of {placement.num_experts} experts per "
-              f"site, K = {k}, {f.outer}, {f.routing} routing; {bytes_info['measured'] / 1e6:.3f} MB per site per "
-              f"round (formula {bytes_info['formula'] / 1e6:.3f} MB)" + _migration_line(bytes_info, f), flush=True)
+        print(f"federation: {sites} sites, O_e = {f.overlap}, {placement.local_experts} of {placement.num_experts} "
+              f"experts per site, K = {k}, {f.outer}, {f.routing} routing; "
+              f"{bytes_info['measured'] / 1e6:.3f} MB per site per round "
+              f"(formula {bytes_info['formula'] / 1e6:.3f} MB)" + _migration_line(bytes_info, f), flush=True)
 
     total_rounds, start_round = tc.steps // k, int(_host(state.train.step)[0]) // k
     results: dict[str, Any] = {"steps": start_round * k, "resumed_from": resumed_from}

@@ -49,8 +49,9 @@ def main(argv=None) -> int:
     tok = ByteTokenizer()
     prompts = [tok.encode(p).tolist() for p in args.prompt]
     longest = max(map(len, prompts)) + args.max_new_tokens
-    config = EngineConfig(memory_bytes=int(args.kv_memory_mib * 2**20), max_model_len=max(512, -(-longest // 256) * 256),
-                          temperature=args.temperature, seed=args.seed)
+    config = EngineConfig(memory_bytes=int(args.kv_memory_mib * 2**20),
+                          max_model_len=max(512, -(-longest // 256) * 256), temperature=args.temperature,
+                          seed=args.seed)
     engine = Engine(model, fmt, config)
     try:
         requests = [engine.submit(p, args.max_new_tokens) for p in prompts]

@@ -21,7 +21,8 @@ def section() -> dict[str, Field]:
         "paged": Field(False, (bool,), "use the paged cache for bf16 as well (fp8 and fp4 always page)"),
         "block_size": Field(16, (int,), "tokens per paged-cache block", low=1),
         "implementation": Field("xla", (str,), "paged attention: xla (reference), xla_split (split-KV decode as an "
-                                "XLA loop: the fast CPU path) or pallas (kernels; interpreted on CPU)", choices=IMPLEMENTATIONS),
+                                "XLA loop: the fast CPU path) or pallas (kernels; interpreted on CPU)",
+                                choices=IMPLEMENTATIONS),
     }
 
 

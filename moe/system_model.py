@@ -31,8 +31,8 @@ import dataclasses
 from collections.abc import Mapping
 
 __all__ = ["PAPER_MODELS", "ModelShape", "param_count", "active_params", "local_experts", "bytes_per_round",
-           "sync_bytes", "ddp_bytes_per_step", "bytes_per_token", "flops_per_token", "memory_per_site", "round_seconds", "training_hours",
-           "Projection", "project"]
+           "sync_bytes", "ddp_bytes_per_step", "bytes_per_token", "flops_per_token", "memory_per_site", "round_seconds",
+           "training_hours", "Projection", "project"]
 
 BYTES_PER_PARAM = 4
 SITE_PEAK_FLOPS = 64 * 989e12

@@ -165,7 +165,8 @@ def scale_by_mgup(mask_ratio: float = 0.5, alpha: float = 2.0, gamma: float = 0.
             (ua, ga), (ub, gb) = [(treedef.flatten_up_to(u), treedef.flatten_up_to(g)) for u, g in samples]
             per_leaf = [((a, b), (c, d)) for a, b, c, d in zip(ua, ga, ub, gb)]
         pairs = _select(leaves, grads, mask_ratio, selection, per_leaf)
-        out = [(u * jnp.where(c, alpha, gamma).astype(_score_dtype(u))).astype(u.dtype) for u, (c, _) in zip(leaves, pairs)]
+        out = [(u * jnp.where(c, alpha, gamma).astype(_score_dtype(u))).astype(u.dtype)
+               for u, (c, _) in zip(leaves, pairs)]
         total = max(sum(u.size for u in leaves), 1)
         fraction = sum(f * (u.size / total) for u, (_, f) in zip(leaves, pairs))
         return treedef.unflatten(out), MGUPState(jnp.asarray(fraction, jnp.float32))
@@ -321,7 +322,8 @@ def mgup_lion(learning_rate: float | optax.Schedule = 1e-4, b1: float = 0.9, b2:
 
 
 def cautious_adamw(learning_rate: float | optax.Schedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
-                   eps: float = 1e-6, weight_decay: float = 0.0, *, weight_decay_mask=None) -> optax.GradientTransformation:
+                   eps: float = 1e-6, weight_decay: float = 0.0, *,
+                   weight_decay_mask=None) -> optax.GradientTransformation:
     """C-AdamW, the Cautious baseline, on the same HF-style AdamW as MGUP-AdamW (so the two differ by the mask)."""
     return with_mgup(scale_by_hf_adam(b1, b2, eps), scale_by_cautious(),
                      *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask))

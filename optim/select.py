@@ -7,8 +7,8 @@ entries at or above `WAYS` thresholds at once (one variadic reduction: about the
 keeps the sub-range that holds the answer. A first pass tests a bracket from a strided sample's quantiles, so a
 float32 tensor needs a handful of passes (4-8 on 1.6M normal, Cauchy and Adam-like products; tests/test_select.py)
 instead of 32 / log2(WAYS + 1). The search stops once exactly k keys lie at or above its lower end, or at the k-th
-largest key itself; ties there go to the first positions, found from per-row counts (XLA:CPU's cumsum over a whole tensor costs
-many counting passes). The mask is an elementwise function of the scores and three scalars, which XLA fuses
+largest key itself; ties there go to the first positions, found from per-row counts (XLA:CPU's cumsum over a whole
+tensor costs many counting passes). The mask is an elementwise function of the scores and three scalars, which XLA fuses
 into the parameter update. `approx_threshold` runs the same search on a strided sample only.
 NaN scores are not supported (they sort above +inf).
 """
@@ -20,7 +20,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-__all__ = ["WAYS", "ordered_keys", "count_at_least", "selection_key", "top_k_mask", "strided_sample", "approx_threshold"]
+__all__ = ["WAYS", "ordered_keys", "count_at_least", "selection_key", "top_k_mask", "strided_sample",
+           "approx_threshold"]
 
 WAYS = 6  # thresholds per counting pass (measured on 2 CPU cores: 2-8 cost about one plain count each)
 _BRACKET_SAMPLE = 4096
@@ -41,7 +42,8 @@ def count_at_least(keys: jax.Array, thresholds: list[jax.Array]) -> list[jax.Arr
     """[#(keys >= t) for t in thresholds] in one pass over `keys`: one variadic reduction of int32 indicators.
 
     XLA:CPU emits a variadic reduction as one vectorised loop, but rewrites a single-operand one into a slower tree
-    of windowed reductions (several times slower here); a lone threshold is therefore counted together with its complement.
+    of windowed reductions (several times slower here); a lone threshold is therefore counted together with its
+    complement.
     """
     ops = [(keys >= t).astype(jnp.int32).ravel() for t in thresholds]
     if len(ops) == 1:  # (both results are used, or XLA drops the complement again)

@@ -96,7 +96,8 @@ def _bwd(cfg, residuals, dy):
     x, w, key = residuals
     r = cfg.recipe
     k_d, k_w = backward_keys(key)
-    q_dy, q_w = prepare_operands(dy, w, 2, 2, r.dgrad, cfg, key=k_d, stochastic=(r.dgrad.stochastic_dy, False), weight=1)
+    q_dy, q_w = prepare_operands(dy, w, 2, 2, r.dgrad, cfg, key=k_d, stochastic=(r.dgrad.stochastic_dy, False),
+                                 weight=1)
     dx = jnp.einsum("bmn,bkn->bmk", q_dy, q_w, preferred_element_type=jnp.float32)
     q_x, q_dy = prepare_operands(x, dy, 1, 1, r.wgrad, cfg, key=k_w, stochastic=(False, r.wgrad.stochastic_dy))
     dw = jnp.einsum("bmk,bmn->bkn", q_x, q_dy, preferred_element_type=jnp.float32)

@@ -85,7 +85,8 @@ def uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
     Two rounds of MurmurHash3's finaliser over the element counter, keyed by two words drawn from `key`; elementwise,
     so XLA fuses it into the rounding (jax.random's threefry and XLA's Philox write the bits to memory first and
-    cost several times more here on CPU). Stochastic rounding needs independent uniform draws, not cryptographic strength.
+    cost several times more here on CPU). Stochastic rounding needs independent uniform draws, not cryptographic
+    strength.
     """
     seed = jax.random.bits(key, (2,), jnp.uint32)
     count = jax.lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)

@@ -12,7 +12,8 @@ from core.model import Transformer, TransformerConfig
 from experiments import build
 from kvcache import formats, paged_cache_factory
 
-CFG = TransformerConfig(vocab_size=264, d_model=128, num_layers=2, num_heads=2, num_kv_heads=1, d_ff=96)  # D = 64, GQA 2
+# D = 64, GQA 2
+CFG = TransformerConfig(vocab_size=264, d_model=128, num_layers=2, num_heads=2, num_kv_heads=1, d_ff=96)
 
 
 def _factory(fmt, **kw):

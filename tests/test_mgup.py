@@ -123,7 +123,8 @@ def test_mask_selects_exactly_k_per_tensor_and_k_zero_gives_gamma():
         np.testing.assert_allclose(phi, _np_mask(u, g, tau, 2.0, 0.1), rtol=1e-7)  # float32 phi
         assert (phi == 2.0).sum() == int(tau * n)
     u = jnp.asarray(rng.normal(size=(4, 5)))
-    np.testing.assert_array_equal(mgup.mgup_mask(u, -u, 0.5, 2.0, 0.1, selection="sign"), np.float32(0.1))  # all misaligned
+    # all misaligned
+    np.testing.assert_array_equal(mgup.mgup_mask(u, -u, 0.5, 2.0, 0.1, selection="sign"), np.float32(0.1))
     np.testing.assert_array_equal(mgup.mgup_mask(u, 0 * u, 0.5, 2.0, 0.1, selection="sign"), 2.0)  # >= 0
 
 
@@ -303,7 +304,8 @@ def test_approx_samples_from_the_inner_transform_equal_samples_of_the_direction(
     """with HF-Adam (a DirectionTransformation), with_mgup computes the samples from strided samples of the updated
     state and the gradient; the selection must be the one made from the same samples of the full direction."""
     rng = np.random.default_rng(3)
-    params = {"a": jnp.asarray(rng.normal(size=(300, 70)), jnp.float32), "b": jnp.asarray(rng.normal(size=(9,)), jnp.float32)}
+    params = {"a": jnp.asarray(rng.normal(size=(300, 70)), jnp.float32),
+              "b": jnp.asarray(rng.normal(size=(9,)), jnp.float32)}
     def make(hook):
         adam = mgup.scale_by_hf_adam()
         inner = adam if hook else optax.GradientTransformation(adam.init, adam.update)

@@ -204,7 +204,8 @@ class AuxFFN(nnx.Module):
         self.layer = layer
 
     def __call__(self, x, *, key=None):
-        return self.w.get_value() * x, {"loss/aux": jnp.float32(self.layer + 1), "metric": jnp.float32(2 * self.layer + 1)}
+        return self.w.get_value() * x, {"loss/aux": jnp.float32(self.layer + 1),
+                                        "metric": jnp.float32(2 * self.layer + 1)}
 
 
 def test_ffn_slot_and_aux_losses():

@@ -8,8 +8,8 @@ one new token per step over a paged cache (block size 16, blocks in shuffled ord
 `kvcache.decode_attention` per format, without split-KV (`implementation="xla"`: gather the sequence's blocks,
 dequantise, one softmax) and with it (`"xla_split"`: partitions of 64 blocks visited in turn, merged by log-sum-exp).
 Reported per step: median milliseconds; KV bytes read (the stored bytes of
-`context` tokens: 4 D B per token and head for bf16, 2 D + 8 for fp8, D + D / 16 for fp4); effective bandwidth = KV bytes /
-time, against a jitted copy of a 256 MiB buffer (read + write bytes / time).
+`context` tokens: 4 D B per token and head for bf16, 2 D + 8 for fp8, D + D / 16 for fp4); effective bandwidth =
+KV bytes / time, against a jitted copy of a 256 MiB buffer (read + write bytes / time).
 
 On a GPU the Pallas split-KV kernel (`implementation="pallas"`) is timed too, with the issue's goal at 128K (fp4 at
 least 2.5x faster than bf16 and at least 60% of the copy bandwidth). On a CPU Pallas runs only in its interpreter,

@@ -78,7 +78,8 @@ def markdown(result: dict) -> str:
     lines = ["# Optimizer step time", "",
              f"`python -m experiments.bench.optim`: {result['params'] / 1e6:.1f}M float32 parameters "
              f"(transformer-shaped, d_model {result['d_model']}, {result['layers']} layers), jitted update + apply, "
-             f"median of {result['repeats']} interleaved rounds; {describe(result['machine'])}", "", "| optimizer | base | step (ms) | / base | goal |", "|---|---|---|---|---|"]
+             f"median of {result['repeats']} interleaved rounds; {describe(result['machine'])}", "",
+             "| optimizer | base | step (ms) | / base | goal |", "|---|---|---|---|---|"]
     for r in result["rows"]:
         goal = "" if r["goal"] is None else f"<= {r['goal']:.2f} ({'met' if r['ratio'] <= r['goal'] else 'missed'})"
         lines.append(f"| {r['optimizer']} | {r['base']} | {1e3 * r['seconds']:.1f} | {r['ratio']:.2f}x | {goal} |")

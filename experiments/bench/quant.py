@@ -67,7 +67,8 @@ def markdown(result: dict) -> str:
              f"`python -m experiments.bench.quant`: {describe(result['machine'])} The recipes emulate 4-bit GEMMs "
              "(fake quantisation, then float matmuls): this is the quantisers' overhead, not 4-bit speed.", "",
              "Train step of the quickstart MoE (one device, batch 8 x 256, AdamW), median of "
-             f"{result['repeats']} interleaved rounds:", "", "| recipe | step (ms) | / bf16 | goal |", "|---|---|---|---|"]
+             f"{result['repeats']} interleaved rounds:", "",
+             "| recipe | step (ms) | / bf16 | goal |", "|---|---|---|---|"]
     for name, s in steps.items():
         ratio = s / steps["bf16"]
         goal = f"<= {GOAL[name]} ({'met' if ratio <= GOAL[name] else 'missed'})" if name in GOAL else ""

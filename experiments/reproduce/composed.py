@@ -80,7 +80,8 @@ def markdown(result: dict) -> str:
                      f"{' / '.join(f'{v:.3f}' for v in r['val_bits_per_byte_worst_site'])} | "
                      f"{r['tokens_per_second']:,.0f} |")
     lines += ["", "Paired differences in held-out bits per byte (with the choice minus without it, same seed; "
-              "negative = better):", "", "| effect | per seed | mean +- standard error | reading |", "|---|---|---|---|"]
+              "negative = better):", "",
+              "| effect | per seed | mean +- standard error | reading |", "|---|---|---|---|"]
     for label, e in result["effects"].items():
         if e["stderr"] is None:
             spread, reading = f"{e['mean']:+.3f}", "one seed: no error estimate"

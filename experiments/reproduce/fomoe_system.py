@@ -40,7 +40,8 @@ def parameter_table() -> list[dict]:
 def markdown(params: list[dict], projection: list[sm.Projection]) -> str:
     lines = ["# FoMoE system model", "", "Parameter counts (attention 4 d^2 per layer, experts 2 d h, router d N_e, "
              "tied vocabulary 200,019; `python -m experiments.reproduce.fomoe_system`):", "",
-             "| model | d_model | layers | experts | active | paper | ours | difference |", "|---|---|---|---|---|---|---|---|"]
+             "| model | d_model | layers | experts | active | paper | ours | difference |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in params:
         lines.append(f"| {r['model']} | {r['d_model']} | {r['layers']} | {r['experts']} | {r['active']} | "
                      f"{r['paper'] / 1e6:,.0f}M | {r['ours'] / 1e6:,.1f}M | {100 * r['relative_difference']:+.2f}% |")

@@ -286,7 +286,8 @@ def capacity_table(out: str) -> None:
         table = capacity.markdown(result["rows"], title="At the spec's KV budget (262,144 tokens x 2.9 of bf16)",
                                   memory_bytes=result["memory_bytes"], shape=capacity.SPEC_MODEL,
                                   max_model_len=result["max_model_len"])
-        return f"# KV capacity of the spec's model\n\n`python -m experiments.reproduce.kvcache --parts capacity`.\n\n{table}"
+        return ("# KV capacity of the spec's model\n\n"
+                f"`python -m experiments.reproduce.kvcache --parts capacity`.\n\n{table}")
 
     write_results(out, "capacity", result, markdown)
 

@@ -110,10 +110,11 @@ def markdown(result: dict) -> str:
     rows = result["rows"]
     by = {r["optimizer"]: r for r in rows}
     lines = ["# MGUP at CPU scale: the quickstart model with each optimizer", "",
-             f"`python -m experiments.reproduce.mgup --steps {result['steps']}`: quickstart MoE (d_model 128, 4 layers, "
-             f"8 experts top-2) on one device, {result['steps']} steps x 8 x 256 byte-tokens ({result['tokens']:,} "
-             f"tokens) for every run, seeds {result['seeds']} at the learning rate that won the seed-0 sweep. Held-out "
-             f"loss: nats per byte-token on {EVAL_BATCHES} batches. MGUP: tau 0.5, alpha 2, gamma 0.1, exact top-k.", "",
+             f"`python -m experiments.reproduce.mgup --steps {result['steps']}`: quickstart MoE (d_model 128, 4 "
+             f"layers, 8 experts top-2) on one device, {result['steps']} steps x 8 x 256 byte-tokens "
+             f"({result['tokens']:,} tokens) for every run, seeds {result['seeds']} at the learning rate that won "
+             f"the seed-0 sweep. Held-out loss: nats per byte-token on {EVAL_BATCHES} batches. MGUP: tau 0.5, "
+             "alpha 2, gamma 0.1, exact top-k.", "",
              "| optimizer | base | lr | held-out loss (mean) | seeds | spread | vs base | verdict | tokens/s |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -7,15 +7,15 @@ N(0,1) values, then the same with 2 of 256 channels scaled x30, in 1 x 16 blocks
 channels, with and without a 16-point RHT: SQNR, alpha = <Q(A), A> / |A|^2 and bucket entropy per format, beside
 the paper's numbers -> grid.md, grid.json, grid.png.
 
-train: the quickstart MoE (experiments/configs/quickstart.py on one device, mesh.site = 1; AdamW lr 5e-3, batch
-8 x 256) for `--steps` steps with each recipe (bf16, e2m1_baseline, ufp4, ufp4_int4, nvfp4, mxfp4) and seeds 0 and
-1 (initialisation and data order; the same tokens for every recipe of a seed), seeds 2 and 3 as well for bf16,
-e2m1_baseline and ufp4 (their difference is the paper's claim and lies inside two seeds' noise), plus the paper's ablation on the
-E1M2 grid (seed 0): no RHT, RHT on wgrad, on dgrad + wgrad, on fprop + wgrad (all without stochastic rounding),
-against full RHT + SR on dy (= UFP4). Reported: the BF16-relative loss error |L - L_bf16| / L_bf16 of the training
-loss over the last 20% of steps (logged every 10 steps, same seed's BF16 run), and the held-out loss at the end
--> table.md, table.json, loss_error.png. Each run is `python -m experiments.run` in `<out>/runs/<name>`; finished
-runs are reused.
+train: the quickstart MoE (experiments/configs/quickstart.py on one device, mesh.site = 1; AdamW lr 5e-3, batch 8 x
+256) for `--steps` steps with each recipe (bf16, e2m1_baseline, ufp4, ufp4_int4, nvfp4, mxfp4) and seeds 0 and 1
+(initialisation and data order; the same tokens for every recipe of a seed), seeds 2 and 3 as well for bf16,
+e2m1_baseline and ufp4 (their difference is the paper's claim and lies inside two seeds' noise), plus the paper's
+ablation on the E1M2 grid (seed 0): no RHT, RHT on wgrad, on dgrad + wgrad, on fprop + wgrad (all without stochastic
+rounding), against full RHT + SR on dy (= UFP4). Reported: the BF16-relative loss error |L - L_bf16| / L_bf16 of the
+training loss over the last 20% of steps (logged every 10 steps, same seed's BF16 run), and the held-out loss at the
+end -> table.md, table.json, loss_error.png. Each run is `python -m experiments.run` in `<out>/runs/<name>`;
+finished runs are reused.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def grid_analysis(out: str) -> None:
                 q = quantize(a, fmt)
                 paper = PAPER_SYNTHETIC.get((dist, fmt, rotated), (None, None))
                 rows.append({"data": dist, "fmt": fmt, "rht": rotated, "sqnr_db": float(analysis.sqnr(a, q)),
-                             "alpha": float(analysis.alpha(a, q)), "entropy_bits": float(analysis.bucket_entropy(a, fmt)),
+                             "alpha": float(analysis.alpha(a, q)),
+                             "entropy_bits": float(analysis.bucket_entropy(a, fmt)),
                              "paper_sqnr_db": paper[0], "paper_alpha": paper[1]})
     result = {"bias": bias, "rows": rows}
     write_results(out, "grid", result, grid_markdown)
@@ -87,7 +88,8 @@ def grid_markdown(result: dict) -> str:
               "| data | format | RHT | SQNR (dB) | paper | alpha | paper | bucket entropy (bits) |",
               "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        ps = "" if r["paper_sqnr_db"] is None else f"{r['paper_sqnr_db']:.2f} ({r['sqnr_db'] - r['paper_sqnr_db']:+.2f})"
+        paper = r["paper_sqnr_db"]
+        ps = "" if paper is None else f"{paper:.2f} ({r['sqnr_db'] - paper:+.2f})"
         pa = "" if r["paper_alpha"] is None else f"{r['paper_alpha']:.4f}"
         lines.append(f"| {r['data']} | {r['fmt']} | {'yes' if r['rht'] else 'no'} | {r['sqnr_db']:.2f} | {ps} | "
                      f"{r['alpha']:.4f} | {pa} | {r['entropy_bits']:.2f} |")
@@ -178,7 +180,8 @@ def train_all(out: str, steps: int, jobs: int) -> None:
                      "rel_error_mean": float(np.mean([e for e, _ in errors])),
                      "tail_loss": float(np.mean([t for _, t in errors])), "val_loss": val,
                      "val_loss_mean": float(np.mean(val)),
-                     "tokens_per_second": float(np.mean([results[f"{r}_s{s}"]["tokens_per_second"] for s in seeds(r)]))})
+                     "tokens_per_second": float(np.mean([results[f"{r}_s{s}"]["tokens_per_second"]
+                                                         for s in seeds(r)]))})
     ablation = []
     for name in (*ABLATION, "ufp4"):
         run = results[f"{name}_s0"]
@@ -221,7 +224,8 @@ def train_markdown(result: dict) -> str:
               f"{100 * paired['mean']:+.2f} +- {100 * paired['standard_error']:.2f} points (mean +- standard error "
               f"over {len(result['headline_seeds'])} seeds): at our scale UFP4's gap is **{verdict}**.", "",
               "Ablation on the E1M2 grid (seed 0; the paper's Dense 1.5B numbers beside, mean LM loss):", "",
-              "| configuration | train loss, last 20% | rel. loss error | held-out loss | paper |", "|---|---|---|---|---|"]
+              "| configuration | train loss, last 20% | rel. loss error | held-out loss | paper |",
+              "|---|---|---|---|---|"]
     for a in result["ablation"]:
         lines.append(f"| {a['name']} | {a['tail_loss']:.4f} | {100 * a['rel_error']:.2f}% | {a['val_loss']:.4f} | "
                      f"{a['paper_loss']:.5f} |")
