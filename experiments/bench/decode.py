@@ -90,12 +90,13 @@ def run(contexts: list[int], repeats: int) -> dict:
 def markdown(result: dict) -> str:
     rows, contexts = result["rows"], sorted({r["context"] for r in result["rows"]})
     by = {(r["context"], r["format"], r["implementation"]): r for r in rows}
+    timed_pallas = any(r["implementation"] == "pallas" for r in rows)
     lines = ["# Long-context decode, one attention layer", "",
              f"`python -m experiments.bench.decode`. {describe(result['machine'])} Batch 1, {NUM_HEADS} query / "
              f"{NUM_KV_HEADS} KV heads, head dim {HEAD_DIM}, block size {BLOCK}; ms per decode step without split-KV "
              "(`xla`) and with it (`xla_split`), and the split path's stored-KV bytes read per second against the "
              "bandwidth of a 256 MiB copy (read + write) timed in the same interleaved rounds. "
-             + ("The Pallas kernel is timed below." if any(r["implementation"] == "pallas" for r in rows) else
+             + ("The Pallas kernel is timed below." if timed_pallas else
                 "The Pallas kernels are not timed: on a CPU they run only in Pallas' interpreter."), "",
              "| context | " + " | ".join(f"{f} ms (no split / split) | {f} GB/s (of copy)" for f in FORMATS) +
              " | fp4 / bf16 time (split) | copy GB/s |", "|---|" + "---|---|" * len(FORMATS) + "---|---|"]
@@ -112,12 +113,12 @@ def markdown(result: dict) -> str:
         for impl in IMPLEMENTATIONS:
             growth = {f: (by[last, f, impl]["ms"] / by[first, f, impl]["ms"]) / (last / first) for f in FORMATS}
             lines.append(f"- {impl}: " + ", ".join(f"{f} {g:.2f}" for f, g in growth.items()))
-    if any(r["implementation"] == "pallas" for r in rows):
-        lines += pallas_markdown(by, contexts, result["copy_gb_per_s"])
+    if timed_pallas:
+        lines += pallas_markdown(by, contexts)
     return "\n".join(lines) + "\n"
 
 
-def pallas_markdown(by: dict, contexts: list[int], copies: dict) -> list[str]:
+def pallas_markdown(by: dict, contexts: list[int]) -> list[str]:
     """The Pallas split-KV decode kernel per format, and the issue's GPU goals for fp4."""
     lines = ["", "Pallas split-KV decode kernel (compiled, not interpreted):", "",
              "| context | " + " | ".join(f"{f} ms (GB/s, of copy)" for f in FORMATS) + " | bf16 / fp4 time |",

@@ -139,9 +139,10 @@ def project(out: str) -> None:
     # The fp4 decode kernel's speed is the one number a GPU session has not measured: how slow may it be?
     sensitivity = []
     for gib in SENSITIVITY_GIB:
-        fp8 = next(p["fp8"] for p in points if p["kv_gib"] == gib)
-        for eff in FP4_EFFICIENCIES:
-            r = simulate(gib, "fp4", eff, workload)
+        point = next(p for p in points if p["kv_gib"] == gib)
+        fp8 = point["fp8"]
+        for eff in FP4_EFFICIENCIES:  # the projection's own efficiency was simulated above
+            r = point["fp4"] if eff == KERNEL_EFFICIENCY["fp4"] else simulate(gib, "fp4", eff, workload)
             sensitivity.append({"kv_gib": gib, "fp4_efficiency": eff,
                                 "ttft_ratio": fp8["late_ttft_p50"] / r["late_ttft_p50"],
                                 "throughput_ratio": r["output_throughput"] / fp8["output_throughput"]})
