@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-__all__ = ["rope", "causal_attention", "KVCache", "DenseKVCache"]
+__all__ = ["DenseKVCache", "KVCache", "causal_attention", "rope"]
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -59,12 +59,12 @@ class KVCache(Protocol):
 
     lengths: jax.Array  # [B] int32
 
-    def update_and_attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, "KVCache"]:
+    def update_and_attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, KVCache]:
         """Writes k, v [B, T, K, D] of layer `layer` at the new positions and returns (attention of q [B, T, H, D]
         over cached positions <= each query's position, the updated cache). Does not advance `lengths`."""
         ...
 
-    def advance(self, num_tokens: jax.Array | int) -> "KVCache":
+    def advance(self, num_tokens: jax.Array | int) -> KVCache:
         """Returns the cache with `lengths` increased by `num_tokens` (a scalar or [B]), after all layers ran."""
         ...
 
@@ -81,8 +81,9 @@ class DenseKVCache:
     lengths: jax.Array
 
     @classmethod
-    def create(cls, *, num_layers: int, batch: int, capacity: int, num_kv_heads: int, head_dim: int,
-               dtype=jnp.bfloat16) -> "DenseKVCache":
+    def create(
+        cls, *, num_layers: int, batch: int, capacity: int, num_kv_heads: int, head_dim: int, dtype=jnp.bfloat16
+    ) -> DenseKVCache:
         shape = (num_layers, batch, capacity, num_kv_heads, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
@@ -91,15 +92,16 @@ class DenseKVCache:
         return self.keys.shape[2]
 
     def update_and_attend(self, layer: int, q, k, v):
-        b, t = q.shape[:2]
+        _b, t = q.shape[:2]
         write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice_in_dim(cache, new, start, axis=0))
         keys = write(self.keys[layer], k.astype(self.keys.dtype), self.lengths)
         values = write(self.values[layer], v.astype(self.values.dtype), self.lengths)
         q_pos = self.lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
         k_pos = jnp.arange(self.capacity)  # [S]
         mask = (k_pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, T, S]
-        out = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=mask,
-                                           implementation="xla")
+        out = jax.nn.dot_product_attention(
+            q, keys.astype(q.dtype), values.astype(q.dtype), mask=mask, implementation="xla"
+        )
         cache = self.replace(keys=self.keys.at[layer].set(keys), values=self.values.at[layer].set(values))
         return out, cache
 

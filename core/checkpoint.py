@@ -63,8 +63,7 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 2, async_save: bool = False):
         self.directory = os.path.abspath(os.fspath(directory))
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                               create=True)
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
@@ -78,8 +77,9 @@ class Checkpointer:
         """Saves `state` (any pytree of arrays) at `step` with JSON-serialisable `loop` and `compat` records."""
         flat = flatten(state)
         meta = {"manifest": _manifest(flat), "loop": dict(loop), "compat": dict(compat)}
-        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat),
-                                                         meta=ocp.args.JsonSave(meta)))
+        self._manager.save(
+            step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(meta))
+        )
 
     def restore(self, step: int, like, *, compat: Mapping[str, Any]):
         """Restores the state saved at `step` into the structure, shapes, dtypes and shardings of `like`.
@@ -97,12 +97,16 @@ class Checkpointer:
         try:
             meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # orbax raises many types for missing/corrupt files
-            raise CheckpointError(f"the {where} cannot be read ({type(e).__name__}: {e}). Nothing was changed. "
-                                  "Move that directory away to resume from an earlier checkpoint, or use a new "
-                                  "--workdir.") from e
+            raise CheckpointError(
+                f"the {where} cannot be read ({type(e).__name__}: {e}). Nothing was changed. "
+                "Move that directory away to resume from an earlier checkpoint, or use a new "
+                "--workdir."
+            ) from e
         if not isinstance(meta, dict) or not {"manifest", "loop", "compat"} <= set(meta):
-            raise CheckpointError(f"the {where} has no valid metadata record; it was not written by this program "
-                                  "or is damaged. Nothing was changed; use a new --workdir.")
+            raise CheckpointError(
+                f"the {where} has no valid metadata record; it was not written by this program "
+                "or is damaged. Nothing was changed; use a new --workdir."
+            )
         for key, value in compat.items():
             saved = meta["compat"].get(key)
             if saved != _jsonable(value):
@@ -112,22 +116,31 @@ class Checkpointer:
         saved = meta["manifest"]
         missing, extra = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
         if missing or extra:
-            raise CheckpointError(f"the {where} does not fit the running program: arrays missing from it "
-                                  f"{missing[:5]}, arrays it has that the program lacks {extra[:5]}. It was written "
-                                  "by a different model or optimizer; use a new --workdir. Nothing was changed.")
+            raise CheckpointError(
+                f"the {where} does not fit the running program: arrays missing from it "
+                f"{missing[:5]}, arrays it has that the program lacks {extra[:5]}. It was written "
+                "by a different model or optimizer; use a new --workdir. Nothing was changed."
+            )
         for key in expected:
             if expected[key] != saved[key]:
-                raise CheckpointError(f"the {where} holds '{key}' with shape/dtype {saved[key]} but the running "
-                                      f"program needs {expected[key]}; use a new --workdir. Nothing was changed.")
-        target = {k: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=getattr(v, "sharding", None))
-                  for k, v in flat_like.items()}
+                raise CheckpointError(
+                    f"the {where} holds '{key}' with shape/dtype {saved[key]} but the running "
+                    f"program needs {expected[key]}; use a new --workdir. Nothing was changed."
+                )
+        target = {
+            k: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=getattr(v, "sharding", None))
+            for k, v in flat_like.items()
+        }
         try:
-            restored = self._manager.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+            restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))[
+                "state"
+            ]
         except Exception as e:
-            raise CheckpointError(f"the arrays of the {where} cannot be read ({type(e).__name__}: {e}). Nothing "
-                                  "was changed. Move that directory away to resume from an earlier checkpoint, or "
-                                  "use a new --workdir.") from e
+            raise CheckpointError(
+                f"the arrays of the {where} cannot be read ({type(e).__name__}: {e}). Nothing "
+                "was changed. Move that directory away to resume from an earlier checkpoint, or "
+                "use a new --workdir."
+            ) from e
         logging.info("restored %s", where)
         return unflatten(like, restored), meta["loop"]
 
@@ -148,10 +161,15 @@ def _jsonable(value):
 
 def _compat_message(where: str, key: str, saved, current) -> str:
     if isinstance(saved, dict) and isinstance(current, dict):
-        diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}"
-                 for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+        diffs = [
+            f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}"
+            for k in sorted(set(saved) | set(current))
+            if saved.get(k) != current.get(k)
+        ]
         detail = "; ".join(diffs)
     else:
         detail = f"checkpoint {saved!r}, now {current!r}"
-    return (f"the {where} was written with a different {key} ({detail}). Resuming would mix two experiments; "
-            "use a new --workdir (or restore the original config). Nothing was changed.")
+    return (
+        f"the {where} was written with a different {key} ({detail}). Resuming would mix two experiments; "
+        "use a new --workdir (or restore the original config). Nothing was changed."
+    )

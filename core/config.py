@@ -26,8 +26,20 @@ from typing import Any
 
 import ml_collections
 
-__all__ = ["ConfigError", "Field", "Schema", "schema", "defaults", "validate", "unknown_key_error", "describe",
-           "mesh_shape", "mesh_axes", "rule_mesh_axes", "MESH_AXES"]
+__all__ = [
+    "MESH_AXES",
+    "ConfigError",
+    "Field",
+    "Schema",
+    "defaults",
+    "describe",
+    "mesh_axes",
+    "mesh_shape",
+    "rule_mesh_axes",
+    "schema",
+    "unknown_key_error",
+    "validate",
+]
 
 
 class ConfigError(ValueError):
@@ -134,32 +146,44 @@ def schema() -> Schema:
     """The core sections. Returns a fresh nested dict (callers may extend it)."""
     return {
         "model": {
-            "vocab_size": _int(264, "embedding rows; >= the tokenizer's 259 (bytes + PAD/BOS/EOS), a multiple of 8 "
-                               "keeps matmuls aligned", low=1),
+            "vocab_size": _int(
+                264,
+                "embedding rows; >= the tokenizer's 259 (bytes + PAD/BOS/EOS), a multiple of 8 keeps matmuls aligned",
+                low=1,
+            ),
             "d_model": _int(256, "residual stream width", low=1),
             "num_layers": _int(4, "transformer blocks", low=1),
             "num_heads": _int(8, "query heads; must divide d_model", low=1),
             "num_kv_heads": _int(8, "key/value heads (grouped-query attention); must divide num_heads", low=1),
             "d_ff": _int(1024, "hidden width of the dense MLP", low=1),
-            "mlp": _str("swiglu", "dense MLP form: 'swiglu' (SiLU-gated, 3 matrices) or 'silu' (2 matrices)",
-                        ("swiglu", "silu")),
+            "mlp": _str(
+                "swiglu", "dense MLP form: 'swiglu' (SiLU-gated, 3 matrices) or 'silu' (2 matrices)", ("swiglu", "silu")
+            ),
             "norm": _str("rmsnorm", "normalisation layer", ("rmsnorm", "layernorm")),
             "norm_eps": _float(1e-6, "epsilon inside the norm", low=0.0, low_open=True),
             "peri_ln": _bool(False, "Peri-LN: also normalise each sublayer's output before the residual add"),
             "rope_theta": _float(10_000.0, "RoPE base frequency", low=1.0),
             "tie_embeddings": _bool(True, "share the token embedding with the output head"),
-            "init_std": _float(0.02, "std of the normal initialiser (output projections are scaled by "
-                                     "1/sqrt(2 num_layers))", low=0.0, low_open=True),
+            "init_std": _float(
+                0.02,
+                "std of the normal initialiser (output projections are scaled by 1/sqrt(2 num_layers))",
+                low=0.0,
+                low_open=True,
+            ),
             "dtype": _str("float32", "activation / matmul dtype", ("float32", "bfloat16")),
             "param_dtype": _str("float32", "parameter storage dtype", ("float32", "bfloat16")),
             "attention_impl": _str("xla", "jax.nn.dot_product_attention backend for training", ("xla", "cudnn")),
         },
         "data": {
-            "path": _str("", "'': the built-in corpus (the Python standard library's "
-                          "sources); else a .txt/.md/.jsonl file, a directory or a glob"),
+            "path": _str(
+                "",
+                "'': the built-in corpus (the Python standard library's "
+                "sources); else a .txt/.md/.jsonl file, a directory or a glob",
+            ),
             "jsonl_field": _str("text", "string field holding a document in .jsonl files"),
-            "val_fraction": _float(0.02, "fraction of documents held out for evaluation", low=0.0, high=0.5,
-                                   low_open=True),
+            "val_fraction": _float(
+                0.02, "fraction of documents held out for evaluation", low=0.0, high=0.5, low_open=True
+            ),
             "seq_len": _int(256, "tokens per training sequence", low=1),
             "batch_size": _int(32, "global batch (sequences per step, over all processes)", low=1),
             "seed": _int(0, "seed of the batch sampler (batches are a pure function of seed and step)", low=0),
@@ -173,8 +197,9 @@ def schema() -> Schema:
             "b1": _float(0.9, "first-moment decay", low=0.0, high=1.0),
             "b2": _float(0.95, "second-moment decay", low=0.0, high=1.0),
             "eps": _float(1e-8, "denominator epsilon", low=0.0),
-            "weight_decay": _float(0.1, "decoupled weight decay (matrices only; not norms, biases, embeddings)",
-                                   low=0.0),
+            "weight_decay": _float(
+                0.1, "decoupled weight decay (matrices only; not norms, biases, embeddings)", low=0.0
+            ),
             "grad_clip_norm": _float(1.0, "clip the global gradient norm to this (0 disables)", low=0.0),
         },
         "train": {
@@ -190,15 +215,22 @@ def schema() -> Schema:
             "data": _int(-1, "mesh axis 'data' size (data parallel); -1 = all remaining devices", low=-1),
             "expert": _int(1, "mesh axis 'expert' size (expert parallel); -1 = all remaining devices", low=-1),
             "model": _int(1, "mesh axis 'model' size (tensor parallel); -1 = all remaining devices", low=-1),
-            "rules": Field(DEFAULT_RULES, (tuple,), "logical axis -> mesh axis rules: ((logical, mesh axis | "
-                           "tuple of mesh axes | None), ...)"),
+            "rules": Field(
+                DEFAULT_RULES,
+                (tuple,),
+                "logical axis -> mesh axis rules: ((logical, mesh axis | tuple of mesh axes | None), ...)",
+            ),
             "num_processes": _int(1, "processes in a multi-process run (jax.distributed)", low=1),
             "process_id": _int(0, "this process's index in a multi-process run", low=0),
             "coordinator_address": _str("", "host:port of process 0 in a multi-process run"),
         },
         "checkpoint": {
-            "every": _int(100, "steps between checkpoints (the last step is always saved); 0 = only the last; "
-                          "federated runs save after every round", low=0),
+            "every": _int(
+                100,
+                "steps between checkpoints (the last step is always saved); 0 = only the last; "
+                "federated runs save after every round",
+                low=0,
+            ),
             "keep": _int(2, "checkpoints kept on disk", low=1),
             "resume": _bool(True, "resume from the latest checkpoint in the workdir if there is one"),
             "async_save": _bool(False, "write checkpoints in a background thread"),
@@ -243,13 +275,13 @@ def validate(
     spec = schema() if spec is None else spec
     if not isinstance(config, (ml_collections.ConfigDict, Mapping)):
         raise ConfigError(f"a config must be an ml_collections.ConfigDict, got {type(config).__name__}.")
-    for section in config.keys():
+    for section in config:
         if section not in spec:
             raise unknown_key_error(section, list(spec))
         sub = config[section]
         if not isinstance(sub, (ml_collections.ConfigDict, Mapping)):
             raise ConfigError(f"config key '{section}' must be a section (ConfigDict), got {sub!r}.")
-        for key in sub.keys():
+        for key in sub:
             full = f"{section}.{key}"
             if key not in spec[section]:
                 raise unknown_key_error(full, [f"{section}.{k}" for k in spec[section]])
@@ -257,8 +289,10 @@ def validate(
     for section, fields in spec.items():
         for key in fields:
             if section not in config or key not in config[section]:
-                raise ConfigError(f"config key '{section}.{key}' is missing; start from a default config "
-                                  f"(core.config.defaults or experiments.build.default_config).")
+                raise ConfigError(
+                    f"config key '{section}.{key}' is missing; start from a default config "
+                    f"(core.config.defaults or experiments.build.default_config)."
+                )
     _check_core(config, num_devices)
 
 
@@ -270,19 +304,25 @@ def _mesh_shape(mesh_cfg, num_devices: int | None) -> dict[str, int]:
             raise ConfigError(f"config key 'mesh.{axis}' = 0; a mesh axis has size >= 1, or -1 for the rest.")
     free = [a for a, s in sizes.items() if s == -1]
     if len(free) > 1:
-        raise ConfigError(f"config keys {', '.join('mesh.' + a for a in free)} are all -1; at most one mesh "
-                          "axis may take the remaining devices.")
+        raise ConfigError(
+            f"config keys {', '.join('mesh.' + a for a in free)} are all -1; at most one mesh "
+            "axis may take the remaining devices."
+        )
     fixed = math.prod(s for s in sizes.values() if s != -1)
     if num_devices is None:
         return sizes
     if free:
         if num_devices % fixed:
-            raise ConfigError(f"config key 'mesh.{free[0]}' = -1 cannot take the remaining devices: the other "
-                              f"axes use {fixed} and {num_devices} devices are not a multiple of that.")
+            raise ConfigError(
+                f"config key 'mesh.{free[0]}' = -1 cannot take the remaining devices: the other "
+                f"axes use {fixed} and {num_devices} devices are not a multiple of that."
+            )
         sizes[free[0]] = num_devices // fixed
     elif fixed > num_devices:
-        raise ConfigError(f"the mesh {sizes} needs {fixed} devices but only {num_devices} are available; "
-                          "lower mesh.site/data/expert/model.")
+        raise ConfigError(
+            f"the mesh {sizes} needs {fixed} devices but only {num_devices} are available; "
+            "lower mesh.site/data/expert/model."
+        )
     return sizes
 
 
@@ -302,63 +342,87 @@ def mesh_axes(target) -> tuple[str, ...]:
 
 def rule_mesh_axes(rules, logical: str) -> tuple[str, ...]:
     """The mesh axes `rules` map the logical axis `logical` to (() when it is replicated)."""
-    return mesh_axes(dict((name, target) for name, target in rules).get(logical))
+    return mesh_axes(dict(rules).get(logical))
 
 
 def _check_core(config: ml_collections.ConfigDict, num_devices: int | None) -> None:
     m = config.model
     if m.d_model % m.num_heads:
-        raise ConfigError(f"config key 'model.num_heads' = {m.num_heads} must divide 'model.d_model' = "
-                          f"{m.d_model} (head dim = d_model / num_heads).")
+        raise ConfigError(
+            f"config key 'model.num_heads' = {m.num_heads} must divide 'model.d_model' = "
+            f"{m.d_model} (head dim = d_model / num_heads)."
+        )
     if m.num_heads % m.num_kv_heads:
-        raise ConfigError(f"config key 'model.num_kv_heads' = {m.num_kv_heads} must divide 'model.num_heads' = "
-                          f"{m.num_heads} (each KV head serves num_heads / num_kv_heads query heads).")
+        raise ConfigError(
+            f"config key 'model.num_kv_heads' = {m.num_kv_heads} must divide 'model.num_heads' = "
+            f"{m.num_heads} (each KV head serves num_heads / num_kv_heads query heads)."
+        )
     if (m.d_model // m.num_heads) % 2:
-        raise ConfigError(f"head dim d_model / num_heads = {m.d_model // m.num_heads} (model.d_model = "
-                          f"{m.d_model}, model.num_heads = {m.num_heads}) must be even for RoPE.")
+        raise ConfigError(
+            f"head dim d_model / num_heads = {m.d_model // m.num_heads} (model.d_model = "
+            f"{m.d_model}, model.num_heads = {m.num_heads}) must be even for RoPE."
+        )
     if m.vocab_size < 259:
-        raise ConfigError(f"config key 'model.vocab_size' = {m.vocab_size} is smaller than the byte "
-                          "tokenizer's 259 ids (256 bytes + PAD, BOS, EOS).")
+        raise ConfigError(
+            f"config key 'model.vocab_size' = {m.vocab_size} is smaller than the byte "
+            "tokenizer's 259 ids (256 bytes + PAD, BOS, EOS)."
+        )
     o = config.optim
     if o.warmup_steps > config.train.steps:
-        raise ConfigError(f"config key 'optim.warmup_steps' = {o.warmup_steps} exceeds 'train.steps' = "
-                          f"{config.train.steps}.")
+        raise ConfigError(
+            f"config key 'optim.warmup_steps' = {o.warmup_steps} exceeds 'train.steps' = {config.train.steps}."
+        )
     mesh = config.mesh
     if mesh.process_id >= mesh.num_processes:
-        raise ConfigError(f"config key 'mesh.process_id' = {mesh.process_id} must be < 'mesh.num_processes' = "
-                          f"{mesh.num_processes}.")
+        raise ConfigError(
+            f"config key 'mesh.process_id' = {mesh.process_id} must be < 'mesh.num_processes' = {mesh.num_processes}."
+        )
     if mesh.num_processes > 1 and not mesh.coordinator_address:
-        raise ConfigError(f"config key 'mesh.coordinator_address' is empty but 'mesh.num_processes' = "
-                          f"{mesh.num_processes}; give host:port of process 0 (e.g. 127.0.0.1:12355).")
+        raise ConfigError(
+            f"config key 'mesh.coordinator_address' is empty but 'mesh.num_processes' = "
+            f"{mesh.num_processes}; give host:port of process 0 (e.g. 127.0.0.1:12355)."
+        )
     if config.data.batch_size % mesh.num_processes:
-        raise ConfigError(f"config key 'data.batch_size' = {config.data.batch_size} must be divisible by "
-                          f"'mesh.num_processes' = {mesh.num_processes}.")
+        raise ConfigError(
+            f"config key 'data.batch_size' = {config.data.batch_size} must be divisible by "
+            f"'mesh.num_processes' = {mesh.num_processes}."
+        )
     _check_rules(mesh.rules)
     sizes = _mesh_shape(mesh, num_devices)
     if num_devices is not None:
         batch_axes = rule_mesh_axes(mesh.rules, "batch")
         batch_shards = math.prod(sizes[a] for a in batch_axes)
         if config.data.batch_size % batch_shards:
-            raise ConfigError(f"config key 'data.batch_size' = {config.data.batch_size} must be divisible by "
-                              f"{' x '.join('mesh.' + a for a in batch_axes)} = {batch_shards} (mesh.rules "
-                              "splits the batch over them).")
-        for key, axis_size, what in (("num_heads", sizes["model"], "model"),
-                                     ("num_kv_heads", sizes["model"], "model"),
-                                     ("d_ff", sizes["model"], "model")):
+            raise ConfigError(
+                f"config key 'data.batch_size' = {config.data.batch_size} must be divisible by "
+                f"{' x '.join('mesh.' + a for a in batch_axes)} = {batch_shards} (mesh.rules "
+                "splits the batch over them)."
+            )
+        for key, axis_size, what in (
+            ("num_heads", sizes["model"], "model"),
+            ("num_kv_heads", sizes["model"], "model"),
+            ("d_ff", sizes["model"], "model"),
+        ):
             if m[key] % axis_size:
-                raise ConfigError(f"config key 'model.{key}' = {m[key]} must be divisible by the mesh axis "
-                                  f"'{what}' = {axis_size} (mesh.{what}), which shards it.")
+                raise ConfigError(
+                    f"config key 'model.{key}' = {m[key]} must be divisible by the mesh axis "
+                    f"'{what}' = {axis_size} (mesh.{what}), which shards it."
+                )
 
 
 def _check_rules(rules: Any) -> None:
     for i, rule in enumerate(rules):
         if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
-            raise ConfigError(f"config key 'mesh.rules'[{i}] = {rule!r}; each rule is (logical axis name, "
-                              "mesh axis | tuple of mesh axes | None).")
+            raise ConfigError(
+                f"config key 'mesh.rules'[{i}] = {rule!r}; each rule is (logical axis name, "
+                "mesh axis | tuple of mesh axes | None)."
+            )
         for t in mesh_axes(rule[1]):
             if t not in MESH_AXES:
-                raise ConfigError(f"config key 'mesh.rules'[{i}] = {tuple(rule)!r} names mesh axis {t!r}; "
-                                  f"mesh axes are {list(MESH_AXES)}.")
+                raise ConfigError(
+                    f"config key 'mesh.rules'[{i}] = {tuple(rule)!r} names mesh axis {t!r}; "
+                    f"mesh axes are {list(MESH_AXES)}."
+                )
     names = [r[0] for r in rules]
     dups = sorted({n for n in names if names.count(n) > 1})
     if dups:

@@ -343,9 +343,7 @@ class Batches:
         if self.process_index >= self.process_count:
             raise DataError(f"process_index={process_index} must be < process_count={process_count}")
         if self.global_batch % self.process_count:
-            raise DataError(
-                f"data.batch_size={global_batch} must be divisible by process_count={process_count}"
-            )
+            raise DataError(f"data.batch_size={global_batch} must be divisible by process_count={process_count}")
         for name, stream in (("train", corpus.train), ("val", corpus.val)):
             if stream.size <= self.seq_len + 1:
                 raise DataError(
@@ -389,7 +387,7 @@ class Batches:
         g = self.global_batch
         return [self._rows(self._val, starts[b * g : (b + 1) * g]) for b in range(num_batches)]
 
-    def every_row(self) -> "Batches":
+    def every_row(self) -> Batches:
         """The same batch source as one process sees it (every row of every global batch), e.g. for an evaluation
         that every process runs on the whole held-out batch."""
         whole = copy.copy(self)

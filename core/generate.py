@@ -17,7 +17,7 @@ from flax import nnx
 from core import attention as attention_lib
 from core.data import EOS_ID, PAD_ID
 
-__all__ = ["generate", "dense_cache_factory"]
+__all__ = ["dense_cache_factory", "generate"]
 
 CacheFactory = Callable[[int, int], attention_lib.KVCache]
 """(batch, capacity) -> an empty cache."""
@@ -27,8 +27,13 @@ def dense_cache_factory(model, dtype=jnp.bfloat16) -> CacheFactory:
     """Empty `DenseKVCache`s shaped for `model` (a core.model.Transformer)."""
     cfg = model.cfg
     return lambda batch, capacity: attention_lib.DenseKVCache.create(
-        num_layers=cfg.num_layers, batch=batch, capacity=capacity, num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim, dtype=dtype)
+        num_layers=cfg.num_layers,
+        batch=batch,
+        capacity=capacity,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        dtype=dtype,
+    )
 
 
 def _sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int) -> jax.Array:
@@ -44,8 +49,16 @@ def _sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int) -
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def generate(model: nnx.Module, prompts: Sequence[np.ndarray], *, max_new_tokens: int, key: jax.Array,
-             temperature: float = 0.0, top_k: int = 0, cache_factory: CacheFactory | None = None) -> np.ndarray:
+def generate(
+    model: nnx.Module,
+    prompts: Sequence[np.ndarray],
+    *,
+    max_new_tokens: int,
+    key: jax.Array,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    cache_factory: CacheFactory | None = None,
+) -> np.ndarray:
     """Continues each prompt by `max_new_tokens` tokens.
 
     Args:
@@ -57,8 +70,7 @@ def generate(model: nnx.Module, prompts: Sequence[np.ndarray], *, max_new_tokens
       [B, max_new_tokens] int32; after a sequence emits EOS the rest of its row is PAD.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("generate needs at least one prompt and every prompt must hold at least one token "
-                         "(e.g. BOS)")
+        raise ValueError("generate needs at least one prompt and every prompt must hold at least one token (e.g. BOS)")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens = {max_new_tokens}; must be >= 1")
     lengths = np.array([len(p) for p in prompts], np.int32)
@@ -69,8 +81,19 @@ def generate(model: nnx.Module, prompts: Sequence[np.ndarray], *, max_new_tokens
     capacity = -(-(width + max_new_tokens) // 64) * 64  # round up: fewer distinct compiled shapes
     cache = (cache_factory or dense_cache_factory(model))(len(prompts), capacity)
     graphdef, state = nnx.split(model)
-    return np.asarray(_generate(graphdef, state, jnp.asarray(padded), jnp.asarray(lengths), cache, key,
-                                max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=int(top_k)))
+    return np.asarray(
+        _generate(
+            graphdef,
+            state,
+            jnp.asarray(padded),
+            jnp.asarray(lengths),
+            cache,
+            key,
+            max_new_tokens=max_new_tokens,
+            temperature=float(temperature),
+            top_k=int(top_k),
+        )
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k"))

@@ -12,8 +12,21 @@ import numpy as np
 
 __all__ = ["collective_bytes"]
 
-_DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2,
-                "u16": 2, "s8": 1, "u8": 1, "pred": 1}
+_DTYPE_BYTES = {
+    "f64": 8,
+    "s64": 8,
+    "u64": 8,
+    "f32": 4,
+    "s32": 4,
+    "u32": 4,
+    "bf16": 2,
+    "f16": 2,
+    "s16": 2,
+    "u16": 2,
+    "s8": 1,
+    "u8": 1,
+    "pred": 1,
+}
 _COLLECTIVE = re.compile(r"=\s*(?P<type>.+?)\s+(?P<op>all-reduce|all-gather)(?:-start)?\((?P<rest>.*)$")
 _ARRAY = re.compile(r"\b(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
 _GROUPS = re.compile(r"replica_groups=\{\{(?P<first>[\d,]*)\}")
@@ -40,8 +53,10 @@ def collective_bytes(hlo_text: str) -> dict[str, float]:
         if match is None:
             continue
         n = _group_size(match["rest"])
-        arrays = [_DTYPE_BYTES[a["dtype"]] * int(np.prod([int(d) for d in a["dims"].split(",") if d] or [1]))
-                  for a in _ARRAY.finditer(match["type"])]
+        arrays = [
+            _DTYPE_BYTES[a["dtype"]] * int(np.prod([int(d) for d in a["dims"].split(",") if d] or [1]))
+            for a in _ARRAY.finditer(match["type"])
+        ]
         # an async all-gather-start's type is (operand, result): the result is the last array
         size = arrays[-1] if match["op"] == "all-gather" else sum(arrays)
         ops += 1

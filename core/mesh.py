@@ -20,7 +20,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from core import config as config_lib
 
-__all__ = ["Rules", "Sharder", "make_mesh", "logical_to_spec", "initialize_distributed", "param_shardings"]
+__all__ = ["Rules", "Sharder", "initialize_distributed", "logical_to_spec", "make_mesh", "param_shardings"]
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
@@ -34,8 +34,9 @@ def make_mesh(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
     devices = list(jax.devices() if devices is None else devices)
     shape = config_lib.mesh_shape(config, len(devices))
     n = int(np.prod(list(shape.values())))
-    return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(AxisType.Auto,) * len(shape),
-                         devices=devices[:n])
+    return jax.make_mesh(
+        tuple(shape.values()), tuple(shape), axis_types=(AxisType.Auto,) * len(shape), devices=devices[:n]
+    )
 
 
 def logical_to_spec(axes: Sequence[str | None], rules: Rules, mesh: Mesh | None = None) -> PartitionSpec:
@@ -45,7 +46,7 @@ def logical_to_spec(axes: Sequence[str | None], rules: Rules, mesh: Mesh | None 
     (the first logical axis that claims it wins); mesh axes of size 1 in `mesh` are dropped, which keeps specs
     short and valid for any dimension size.
     """
-    table = {name: target for name, target in rules}
+    table = dict(rules)
     used: set[str] = set()
     spec = []
     for name in axes:
@@ -107,7 +108,15 @@ def initialize_distributed(config: ml_collections.ConfigDict) -> None:
     if jax.distributed.is_initialized():
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    logging.info("jax.distributed: process %d of %d, coordinator %s", mesh.process_id, mesh.num_processes,
-                 mesh.coordinator_address)
-    jax.distributed.initialize(coordinator_address=mesh.coordinator_address, num_processes=mesh.num_processes,
-                               process_id=mesh.process_id, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS)
+    logging.info(
+        "jax.distributed: process %d of %d, coordinator %s",
+        mesh.process_id,
+        mesh.num_processes,
+        mesh.coordinator_address,
+    )
+    jax.distributed.initialize(
+        coordinator_address=mesh.coordinator_address,
+        num_processes=mesh.num_processes,
+        process_id=mesh.process_id,
+        heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS,
+    )

@@ -34,8 +34,18 @@ from flax import nnx
 from core import attention as attention_lib
 from core.mesh import Sharder
 
-__all__ = ["TransformerConfig", "Precision", "DefaultPrecision", "Dense", "MLP", "Attention", "Block",
-           "Transformer", "count_params", "layer_key"]
+__all__ = [
+    "MLP",
+    "Attention",
+    "Block",
+    "DefaultPrecision",
+    "Dense",
+    "Precision",
+    "Transformer",
+    "TransformerConfig",
+    "count_params",
+    "layer_key",
+]
 
 DotGeneral = Callable[..., jax.Array]
 GroupedMatmul = Callable[..., jax.Array]
@@ -66,7 +76,7 @@ class TransformerConfig:
     attention_impl: str = "xla"
 
     @classmethod
-    def from_config(cls, model: ml_collections.ConfigDict) -> "TransformerConfig":
+    def from_config(cls, model: ml_collections.ConfigDict) -> TransformerConfig:
         return cls(**model.to_dict())
 
     @property
@@ -120,8 +130,18 @@ class Dense(nnx.Module):
       x: [..., in] in any float dtype; computed in `dtype` with float32 accumulation, returned in `dtype`.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, axes: tuple[str | None, str | None], path: str,
-                 precision: Precision, cfg: TransformerConfig, rngs: nnx.Rngs, std: float | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        axes: tuple[str | None, str | None],
+        path: str,
+        precision: Precision,
+        cfg: TransformerConfig,
+        rngs: nnx.Rngs,
+        std: float | None = None,
+    ):
         std = cfg.init_std if std is None else std
         w = std * jax.random.normal(rngs.params(), (in_features, out_features), jnp.float32)
         self.kernel = nnx.Param(w.astype(cfg.weight_dtype), axes=axes)
@@ -163,20 +183,23 @@ class MLP(nnx.Module):
     `__call__(x [B, T, d_model], *, key) -> (y [B, T, d_model], aux={})`, the FFN-slot signature.
     """
 
-    def __init__(self, cfg: TransformerConfig, *, path: str, precision: Precision, shard: Sharder,
-                 rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, *, path: str, precision: Precision, shard: Sharder, rngs: nnx.Rngs):
         dense = dict(path=path, precision=precision, cfg=cfg, rngs=rngs)
         self.gated = cfg.mlp == "swiglu"
         if self.gated:
             self.gate = Dense(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), **{**dense, "path": f"{path}.gate"})
         self.up = Dense(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), **{**dense, "path": f"{path}.up"})
-        self.down = Dense(cfg.d_ff, cfg.d_model, axes=("mlp", "embed"), **{**dense, "path": f"{path}.down"},
-                          std=cfg.init_std / math.sqrt(2 * cfg.num_layers))
+        self.down = Dense(
+            cfg.d_ff,
+            cfg.d_model,
+            axes=("mlp", "embed"),
+            **{**dense, "path": f"{path}.down"},
+            std=cfg.init_std / math.sqrt(2 * cfg.num_layers),
+        )
         self.shard = shard
 
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-        h = jax.nn.silu(self.gate(x, key=key)) * self.up(x, key=key) if self.gated else jax.nn.silu(
-            self.up(x, key=key))
+        h = jax.nn.silu(self.gate(x, key=key)) * self.up(x, key=key) if self.gated else jax.nn.silu(self.up(x, key=key))
         h = self.shard(h, ("batch", "seq", "mlp"))
         return self.down(h, key=key), {}
 
@@ -187,20 +210,33 @@ class Attention(nnx.Module):
     q: [B, T, H, D], k, v: [B, T, K, D]; output projection back to d_model.
     """
 
-    def __init__(self, cfg: TransformerConfig, *, layer: int, path: str, precision: Precision, shard: Sharder,
-                 rngs: nnx.Rngs):
+    def __init__(
+        self, cfg: TransformerConfig, *, layer: int, path: str, precision: Precision, shard: Sharder, rngs: nnx.Rngs
+    ):
         d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         common = dict(precision=precision, cfg=cfg, rngs=rngs)
         self.q = Dense(d, h * hd, axes=("embed", "heads"), path=f"{path}.q", **common)
         self.k = Dense(d, kv * hd, axes=("embed", "kv_heads"), path=f"{path}.k", **common)
         self.v = Dense(d, kv * hd, axes=("embed", "kv_heads"), path=f"{path}.v", **common)
-        self.o = Dense(h * hd, d, axes=("heads", "embed"), path=f"{path}.o", **common,
-                       std=cfg.init_std / math.sqrt(2 * cfg.num_layers))
+        self.o = Dense(
+            h * hd,
+            d,
+            axes=("heads", "embed"),
+            path=f"{path}.o",
+            **common,
+            std=cfg.init_std / math.sqrt(2 * cfg.num_layers),
+        )
         self.layer, self.num_heads, self.num_kv_heads, self.head_dim = layer, h, kv, hd
         self.rope_theta, self.impl, self.shard = cfg.rope_theta, cfg.attention_impl, shard
 
-    def __call__(self, x: jax.Array, positions: jax.Array, *, key: jax.Array | None = None,
-                 cache: attention_lib.KVCache | None = None):
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        *,
+        key: jax.Array | None = None,
+        cache: attention_lib.KVCache | None = None,
+    ):
         """x: [B, T, d_model], positions: [B, T]. Returns (y [B, T, d_model], cache)."""
         b, t, _ = x.shape
         q = self.q(x, key=key).reshape(b, t, self.num_heads, self.head_dim)
@@ -217,7 +253,6 @@ class Attention(nnx.Module):
         return self.o(out, key=key), cache
 
 
-
 FFNFactory = Callable[[int, str, nnx.Rngs], nnx.Module]
 """(layer index, module path, rngs) -> FFN module with `__call__(x, *, key) -> (y, aux)`."""
 
@@ -225,8 +260,16 @@ FFNFactory = Callable[[int, str, nnx.Rngs], nnx.Module]
 class Block(nnx.Module):
     """Pre-norm residual block (Peri-LN adds output norms): attention then FFN."""
 
-    def __init__(self, cfg: TransformerConfig, *, layer: int, precision: Precision, shard: Sharder,
-                 ffn_factory: FFNFactory, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        cfg: TransformerConfig,
+        *,
+        layer: int,
+        precision: Precision,
+        shard: Sharder,
+        ffn_factory: FFNFactory,
+        rngs: nnx.Rngs,
+    ):
         path = f"blocks.{layer}"
         self.attn_norm = Norm(cfg.d_model, cfg)
         self.attn = Attention(cfg, layer=layer, path=f"{path}.attn", precision=precision, shard=shard, rngs=rngs)
@@ -255,25 +298,51 @@ class Transformer(nnx.Module):
     at `cache.lengths` and the returned cache has advanced by T.
     """
 
-    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs, precision: Precision | None = None,
-                 ffn_factory: FFNFactory | None = None, shard: Sharder | None = None):
+    def __init__(
+        self,
+        cfg: TransformerConfig,
+        *,
+        rngs: nnx.Rngs,
+        precision: Precision | None = None,
+        ffn_factory: FFNFactory | None = None,
+        shard: Sharder | None = None,
+    ):
         precision = DefaultPrecision() if precision is None else precision
         shard = Sharder() if shard is None else shard
         if ffn_factory is None:
+
             def ffn_factory(layer, path, rngs):
                 return MLP(cfg, path=path, precision=precision, shard=shard, rngs=rngs)
+
         emb = cfg.init_std * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model), jnp.float32)
         self.embedding = nnx.Param(emb.astype(cfg.weight_dtype), axes=("vocab", "embed"))
-        self.blocks = nnx.List([Block(cfg, layer=i, precision=precision, shard=shard, ffn_factory=ffn_factory,
-                                      rngs=rngs) for i in range(cfg.num_layers)])
+        self.blocks = nnx.List(
+            [
+                Block(cfg, layer=i, precision=precision, shard=shard, ffn_factory=ffn_factory, rngs=rngs)
+                for i in range(cfg.num_layers)
+            ]
+        )
         self.final_norm = Norm(cfg.d_model, cfg)
         if not cfg.tie_embeddings:
-            self.head = Dense(cfg.d_model, cfg.vocab_size, axes=("embed", "vocab"), path="head",
-                              precision=precision, cfg=cfg, rngs=rngs)
+            self.head = Dense(
+                cfg.d_model,
+                cfg.vocab_size,
+                axes=("embed", "vocab"),
+                path="head",
+                precision=precision,
+                cfg=cfg,
+                rngs=rngs,
+            )
         self.cfg, self.precision, self.shard = cfg, precision, shard
 
-    def __call__(self, tokens: jax.Array, *, key: jax.Array | None = None,
-                 cache: attention_lib.KVCache | None = None, positions: jax.Array | None = None):
+    def __call__(
+        self,
+        tokens: jax.Array,
+        *,
+        key: jax.Array | None = None,
+        cache: attention_lib.KVCache | None = None,
+        positions: jax.Array | None = None,
+    ):
         b, t = tokens.shape
         if positions is None:
             start = jnp.zeros((b,), jnp.int32) if cache is None else cache.lengths
@@ -306,4 +375,3 @@ class Transformer(nnx.Module):
 def count_params(model: nnx.Module) -> int:
     """Number of scalar parameters (nnx.Param leaves)."""
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-

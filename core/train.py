@@ -18,8 +18,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import ml_collections
+import numpy as np
 import optax
 from flax import nnx
 
@@ -28,9 +28,22 @@ from core import hlo
 from core.data import PAD_ID, Batches
 from core.mesh import Sharder, param_shardings
 
-__all__ = ["TrainState", "NonFiniteLossError", "learning_rate_schedule", "lm_loss", "make_train_step",
-           "train_step_fn", "make_eval_step", "init_state", "evaluate", "train", "MetricsLog", "checkpoint_compat",
-           "open_checkpoints", "mirror"]
+__all__ = [
+    "MetricsLog",
+    "NonFiniteLossError",
+    "TrainState",
+    "checkpoint_compat",
+    "evaluate",
+    "init_state",
+    "learning_rate_schedule",
+    "lm_loss",
+    "make_eval_step",
+    "make_train_step",
+    "mirror",
+    "open_checkpoints",
+    "train",
+    "train_step_fn",
+]
 
 LN2 = math.log(2.0)
 
@@ -40,10 +53,15 @@ class NonFiniteLossError(FloatingPointError):
 
     def __init__(self, step: int, loss: float, grad_norm: float, last_checkpoint: int | None, directory: str):
         self.step, self.last_checkpoint = step, last_checkpoint
-        kept = (f"the last good checkpoint (step {last_checkpoint}) is kept in {directory}" if last_checkpoint
-                is not None else "no checkpoint had been written yet")
-        super().__init__(f"training stopped at step {step}: loss = {loss}, gradient norm = {grad_norm} (not "
-                         f"finite); {kept}. Lower optim.learning_rate or enable optim.grad_clip_norm.")
+        kept = (
+            f"the last good checkpoint (step {last_checkpoint}) is kept in {directory}"
+            if last_checkpoint is not None
+            else "no checkpoint had been written yet"
+        )
+        super().__init__(
+            f"training stopped at step {step}: loss = {loss}, gradient norm = {grad_norm} (not "
+            f"finite); {kept}. Lower optim.learning_rate or enable optim.grad_clip_norm."
+        )
 
 
 class TrainState(NamedTuple):
@@ -90,14 +108,16 @@ def lm_loss(model: nnx.Module, tokens: jax.Array, *, key: jax.Array | None = Non
     return objective, {"loss": loss, **aux}
 
 
-def make_train_step(graphdef, optimizer: optax.GradientTransformation,
-                    loss_fn: Callable = lm_loss) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
+def make_train_step(
+    graphdef, optimizer: optax.GradientTransformation, loss_fn: Callable = lm_loss
+) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
     """A jitted `(state, tokens [B, T+1]) -> (state, metrics)`; the state is donated."""
     return jax.jit(train_step_fn(graphdef, optimizer, loss_fn), donate_argnums=0)
 
 
-def train_step_fn(graphdef, optimizer: optax.GradientTransformation,
-                  loss_fn: Callable = lm_loss) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
+def train_step_fn(
+    graphdef, optimizer: optax.GradientTransformation, loss_fn: Callable = lm_loss
+) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
     """The train step as a plain function (to jit, vmap over sites, ...): forward, backward, optimizer update."""
 
     def step(state: TrainState, tokens: jax.Array):
@@ -131,14 +151,14 @@ def make_eval_step(graphdef) -> Callable[[Any, Any, jax.Array], dict]:
         logits, _, _ = model(inputs)
         nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
         mask = targets != PAD_ID
-        return {"nll_sum": jnp.sum(jnp.where(mask, nll, 0.0)), "tokens": jnp.sum(mask),
-                "bytes": jnp.sum(targets < 256)}
+        return {"nll_sum": jnp.sum(jnp.where(mask, nll, 0.0)), "tokens": jnp.sum(mask), "bytes": jnp.sum(targets < 256)}
 
     return step
 
 
-def init_state(model_fn: Callable[[nnx.Rngs], nnx.Module], optimizer: optax.GradientTransformation, seed: int,
-               sharder: Sharder) -> tuple[Any, TrainState]:
+def init_state(
+    model_fn: Callable[[nnx.Rngs], nnx.Module], optimizer: optax.GradientTransformation, seed: int, sharder: Sharder
+) -> tuple[Any, TrainState]:
     """Builds the model and optimizer state directly in their shardings: (graphdef, TrainState at step 0).
 
     Everything is created inside one `jax.jit` whose output shardings come from the parameters' logical `axes`
@@ -233,13 +253,17 @@ def checkpoint_compat(config: ml_collections.ConfigDict, data_fingerprint: str) 
     """Facts a checkpoint must share with the running program to be resumed: the architecture (`model` and every
     section other packages add, such as `moe`), the optimizer and the data."""
     runtime = ("data", "optim", "train", "mesh", "checkpoint", "sample", "kvcache")  # kvcache: inference only
-    arch = {name: config[name].to_dict() for name in config.keys() if name not in runtime}
-    return {**arch, "optim.name": config.optim.name, "data": data_fingerprint,
-            "data.seq_len": config.data.seq_len, "data.batch_size": config.data.batch_size}
+    arch = {name: config[name].to_dict() for name in config if name not in runtime}
+    return {
+        **arch,
+        "optim.name": config.optim.name,
+        "data": data_fingerprint,
+        "data.seq_len": config.data.seq_len,
+        "data.batch_size": config.data.batch_size,
+    }
 
 
-def open_checkpoints(config: ml_collections.ConfigDict, workdir: str, state, data_fingerprint: str,
-                     log: MetricsLog):
+def open_checkpoints(config: ml_collections.ConfigDict, workdir: str, state, data_fingerprint: str, log: MetricsLog):
     """The run's `<workdir>/checkpoints`: restores the latest checkpoint into `state` when `checkpoint.resume`
     allows (after checking it belongs to this program), and moves metric rows written after it aside.
 
@@ -248,20 +272,23 @@ def open_checkpoints(config: ml_collections.ConfigDict, workdir: str, state, dat
     while checkpoint.resume is False; nothing on disk changes then.
     """
     cc, steps = config.checkpoint, config.train.steps
-    checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=cc.keep,
-                                               async_save=cc.async_save)
+    checkpointer = checkpoint_lib.Checkpointer(
+        os.path.join(workdir, "checkpoints"), keep=cc.keep, async_save=cc.async_save
+    )
     compat = checkpoint_compat(config, data_fingerprint)
     latest = checkpointer.latest_step()
     if latest is not None and not cc.resume:
         raise checkpoint_lib.CheckpointError(
             f"{checkpointer.directory} already holds checkpoints and checkpoint.resume is False; use a new "
-            "--workdir so they are not overwritten.")
+            "--workdir so they are not overwritten."
+        )
     if latest is None:
         return checkpointer, compat, state, None, None
     if latest > steps:
         raise checkpoint_lib.CheckpointError(
             f"the latest checkpoint in {checkpointer.directory} is at step {latest}, beyond train.steps = "
-            f"{steps}; raise train.steps or use a new --workdir. Nothing was changed.")
+            f"{steps}; raise train.steps or use a new --workdir. Nothing was changed."
+        )
     state, loop = checkpointer.restore(latest, state, compat=compat)
     log.truncate_after(latest)
     if jax.process_index() == 0:
@@ -299,8 +326,7 @@ def train(
     os.makedirs(workdir, exist_ok=True)
     log = MetricsLog(workdir, enabled=is_main)
     graphdef, state = init_state(model_fn, optimizer, tc.seed, sharder)
-    checkpointer, compat, state, loop, resumed_from = open_checkpoints(config, workdir, state, data_fingerprint,
-                                                                       log)
+    checkpointer, compat, state, loop, resumed_from = open_checkpoints(config, workdir, state, data_fingerprint, log)
     loop = loop or {"window_loss_sum": 0.0, "window_steps": 0}
 
     if on_start is not None:
@@ -331,15 +357,20 @@ def train(
                 steady_time, steady_steps = steady_time + dt, steady_steps + 1
                 window_time, window_timed = window_time + dt, window_timed + 1
             if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
-                raise NonFiniteLossError(done, metrics["loss"], metrics["grad_norm"], last_saved,
-                                         checkpointer.directory)
+                raise NonFiniteLossError(
+                    done, metrics["loss"], metrics["grad_norm"], last_saved, checkpointer.directory
+                )
             loop["window_loss_sum"] += metrics["loss"]
             loop["window_steps"] += 1
             if done % tc.log_every == 0 or done == tc.steps:
-                row = {"step": done, "train_loss": loop["window_loss_sum"] / loop["window_steps"],
-                       "grad_norm": metrics["grad_norm"], "learning_rate": float(schedule(step)),
-                       "tokens_per_second": tokens_per_step * window_timed / window_time if window_timed else None,
-                       **{k: v for k, v in metrics.items() if k not in ("loss", "grad_norm")}}
+                row = {
+                    "step": done,
+                    "train_loss": loop["window_loss_sum"] / loop["window_steps"],
+                    "grad_norm": metrics["grad_norm"],
+                    "learning_rate": float(schedule(step)),
+                    "tokens_per_second": tokens_per_step * window_timed / window_time if window_timed else None,
+                    **{k: v for k, v in metrics.items() if k not in ("loss", "grad_norm")},
+                }
                 log.write(row)
                 results["train_loss"] = row["train_loss"]
                 progress.set_postfix(loss=f"{row['train_loss']:.3f}", refresh=False)
@@ -349,8 +380,11 @@ def train(
                 ev = evaluate(eval_step, state, val)
                 log.write({"step": done, **ev})
                 results.update(ev)
-                progress.set_postfix(loss=f"{results.get('train_loss', float('nan')):.3f}",
-                                     val_bpb=f"{ev['val_bits_per_byte']:.3f}", refresh=False)
+                progress.set_postfix(
+                    loss=f"{results.get('train_loss', float('nan')):.3f}",
+                    val_bpb=f"{ev['val_bits_per_byte']:.3f}",
+                    refresh=False,
+                )
             if (cc.every and done % cc.every == 0) or done == tc.steps:
                 checkpointer.save(done, state, loop=loop, compat=compat)
                 last_saved = done
@@ -364,8 +398,7 @@ def train(
         checkpointer.close()
     if "val_loss" not in results:  # resumed at the final step: evaluate the restored state
         results.update(evaluate(eval_step, state, val))
-        results["train_loss"] = next((r["train_loss"] for r in reversed(log.read()) if "train_loss" in r),
-                                     float("nan"))
+        results["train_loss"] = next((r["train_loss"] for r in reversed(log.read()) if "train_loss" in r), float("nan"))
     results["tokens_per_second"] = tokens_per_step * steady_steps / steady_time if steady_steps else None
     results["final_state"] = state
     results["graphdef"] = graphdef
@@ -376,5 +409,6 @@ def progress_bar(start: int, total: int, *, enabled: bool, desc: str = "train", 
     """The progress display of a training loop (tqdm on stderr; a no-op when disabled)."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=start, disable=not enabled, desc=desc, unit=unit, dynamic_ncols=True,
-                mininterval=1.0)
+    return tqdm(
+        total=total, initial=start, disable=not enabled, desc=desc, unit=unit, dynamic_ncols=True, mininterval=1.0
+    )

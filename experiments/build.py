@@ -17,9 +17,9 @@ from flax import nnx
 
 from core import config as config_lib
 from core import data as data_lib
+from core import generate as generate_lib
 from core import mesh as mesh_lib
 from core import model as model_lib
-from core import generate as generate_lib
 from core import train as train_lib
 from kvcache import config as kv_config
 from kvcache import paged_cache_factory
@@ -34,22 +34,58 @@ from quant.precision import QuantPrecision
 
 # name -> (learning-rate schedule, optim config) -> optax transformation (without clipping).
 OPTIMIZERS: dict[str, Callable[[optax.Schedule, ml_collections.ConfigDict], optax.GradientTransformation]] = {
-    "adamw": lambda lr, o: optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
-                                       mask=decay_mask),
-    "cautious_adamw": lambda lr, o: cautious_adamw(lr, o.b1, o.b2, o.eps, o.weight_decay,
-                                                   weight_decay_mask=decay_mask),
-    "mgup_adamw": lambda lr, o: mgup_adamw(lr, o.b1, o.b2, o.eps, o.weight_decay, o.mask_ratio, o.alpha, o.gamma,
-                                           selection=o.selection, weight_decay_mask=decay_mask),
-    "cautious_mgup_adamw": lambda lr, o: cautious_mgup_adamw(lr, o.b1, o.b2, o.eps, o.weight_decay, o.alpha, o.gamma,
-                                                             weight_decay_mask=decay_mask),
+    "adamw": lambda lr, o: optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask),
+    "cautious_adamw": lambda lr, o: cautious_adamw(lr, o.b1, o.b2, o.eps, o.weight_decay, weight_decay_mask=decay_mask),
+    "mgup_adamw": lambda lr, o: mgup_adamw(
+        lr,
+        o.b1,
+        o.b2,
+        o.eps,
+        o.weight_decay,
+        o.mask_ratio,
+        o.alpha,
+        o.gamma,
+        selection=o.selection,
+        weight_decay_mask=decay_mask,
+    ),
+    "cautious_mgup_adamw": lambda lr, o: cautious_mgup_adamw(
+        lr, o.b1, o.b2, o.eps, o.weight_decay, o.alpha, o.gamma, weight_decay_mask=decay_mask
+    ),
     "lion": lambda lr, o: optax.lion(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=decay_mask),
-    "mgup_lion": lambda lr, o: mgup_lion(lr, o.b1, o.b2, o.weight_decay, o.mask_ratio, o.alpha, o.gamma,
-                                         selection=o.selection, weight_decay_mask=decay_mask),
-    "muon": lambda lr, o: mgup_muon(lr, o.weight_decay, o.momentum, adam_b1=o.b1, adam_b2=o.b2, adam_eps=o.eps,
-                                    mgup=False, weight_decay_mask=decay_mask),
-    "mgup_muon": lambda lr, o: mgup_muon(lr, o.weight_decay, o.momentum, adam_b1=o.b1, adam_b2=o.b2, adam_eps=o.eps,
-                                         mask_ratio=o.mask_ratio, alpha=o.alpha, gamma=o.gamma, selection=o.selection,
-                                         weight_decay_mask=decay_mask),
+    "mgup_lion": lambda lr, o: mgup_lion(
+        lr,
+        o.b1,
+        o.b2,
+        o.weight_decay,
+        o.mask_ratio,
+        o.alpha,
+        o.gamma,
+        selection=o.selection,
+        weight_decay_mask=decay_mask,
+    ),
+    "muon": lambda lr, o: mgup_muon(
+        lr,
+        o.weight_decay,
+        o.momentum,
+        adam_b1=o.b1,
+        adam_b2=o.b2,
+        adam_eps=o.eps,
+        mgup=False,
+        weight_decay_mask=decay_mask,
+    ),
+    "mgup_muon": lambda lr, o: mgup_muon(
+        lr,
+        o.weight_decay,
+        o.momentum,
+        adam_b1=o.b1,
+        adam_b2=o.b2,
+        adam_eps=o.eps,
+        mask_ratio=o.mask_ratio,
+        alpha=o.alpha,
+        gamma=o.gamma,
+        selection=o.selection,
+        weight_decay_mask=decay_mask,
+    ),
 }
 
 
@@ -79,7 +115,8 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     if config.precision.last_blocks_high_precision > config.model.num_layers:
         raise config_lib.ConfigError(
             f"config key 'precision.last_blocks_high_precision' = {config.precision.last_blocks_high_precision} "
-            f"exceeds model.num_layers = {config.model.num_layers}.")
+            f"exceeds model.num_layers = {config.model.num_layers}."
+        )
     kv_config.check(config.kvcache, config.model.d_model // config.model.num_heads)
 
 
@@ -100,8 +137,9 @@ def build_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransfor
     return optax.chain(optax.clip_by_global_norm(o.grad_clip_norm), inner) if o.grad_clip_norm > 0 else inner
 
 
-def build_model_fn(config: ml_collections.ConfigDict, sharder: mesh_lib.Sharder, *,
-                   resident=None, routing_mode: str = "partitioned") -> Callable[[nnx.Rngs], model_lib.Transformer]:
+def build_model_fn(
+    config: ml_collections.ConfigDict, sharder: mesh_lib.Sharder, *, resident=None, routing_mode: str = "partitioned"
+) -> Callable[[nnx.Rngs], model_lib.Transformer]:
     """`rngs -> Transformer` with the precision and FFN slots chosen by the config. `resident` (global expert
     ids) and `routing_mode` build one FoMoE site's view (moe.layer.MoE); the default hosts every expert."""
     cfg = model_lib.TransformerConfig.from_config(config.model)
@@ -110,12 +148,21 @@ def build_model_fn(config: ml_collections.ConfigDict, sharder: mesh_lib.Sharder,
 
     def ffn_factory(layer: int, path: str, rngs: nnx.Rngs) -> nnx.Module:
         if moe.is_moe_layer(layer):
-            return MoE(cfg, moe, path=path, rngs=rngs, precision=precision, shard=sharder, resident=resident,
-                       routing_mode=routing_mode)
+            return MoE(
+                cfg,
+                moe,
+                path=path,
+                rngs=rngs,
+                precision=precision,
+                shard=sharder,
+                resident=resident,
+                routing_mode=routing_mode,
+            )
         return model_lib.MLP(cfg, path=path, precision=precision, shard=sharder, rngs=rngs)
 
-    return lambda rngs: model_lib.Transformer(cfg, rngs=rngs, precision=precision, ffn_factory=ffn_factory,
-                                              shard=sharder)
+    return lambda rngs: model_lib.Transformer(
+        cfg, rngs=rngs, precision=precision, ffn_factory=ffn_factory, shard=sharder
+    )
 
 
 def build_precision(config: ml_collections.ConfigDict, grouped: Callable) -> model_lib.Precision:
@@ -132,8 +179,14 @@ def build_cache_factory(config: ml_collections.ConfigDict, model: model_lib.Tran
     kv, cfg = config.kvcache, model.cfg
     if kv.format == "bf16" and not kv.paged:
         return generate_lib.dense_cache_factory(model)
-    return paged_cache_factory(kv_config.make_format(kv), num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                               head_dim=cfg.head_dim, block_size=kv.block_size, implementation=kv.implementation)
+    return paged_cache_factory(
+        kv_config.make_format(kv),
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        block_size=kv.block_size,
+        implementation=kv.implementation,
+    )
 
 
 def build_mesh(config: ml_collections.ConfigDict) -> tuple[jax.sharding.Mesh, mesh_lib.Sharder]:
@@ -145,6 +198,12 @@ def build_data(config: ml_collections.ConfigDict) -> tuple[data_lib.Corpus, data
     """Loads the corpus and the per-process batch source."""
     d = config.data
     corpus = data_lib.load_corpus(d.path or None, val_fraction=d.val_fraction, jsonl_field=d.jsonl_field)
-    batches = data_lib.Batches(corpus, seq_len=d.seq_len, global_batch=d.batch_size, seed=d.seed,
-                               process_index=jax.process_index(), process_count=jax.process_count())
+    batches = data_lib.Batches(
+        corpus,
+        seq_len=d.seq_len,
+        global_batch=d.batch_size,
+        seed=d.seed,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
     return corpus, batches

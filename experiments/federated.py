@@ -37,7 +37,8 @@ from moe import federation, reshuffle, rounds, system_model
 from moe.placement import Placement, fixed_placement, random_placement
 from optim import diloco_outer
 
-__all__ = ["train_federated", "SiteLostError"]
+__all__ = ["SiteLostError", "train_federated"]
+
 
 class SiteLostError(RuntimeError):
     """A collective across sites failed in a multi-process run: another site's process died or became unreachable."""
@@ -48,8 +49,9 @@ def _crossed(done: int, every: int, k: int) -> bool:
     return every > 0 and done // every > (done - k) // every
 
 
-def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches: Batches, data_fingerprint: str,
-                    on_start=None) -> dict[str, Any]:
+def train_federated(
+    config: ml_collections.ConfigDict, *, workdir: str, batches: Batches, data_fingerprint: str, on_start=None
+) -> dict[str, Any]:
     """Trains a federation of `mesh.site` sites; returns the same result keys as core.train.train plus `rounds`,
     `bytes_per_site_per_round` (measured from the compiled round and by the formula) and `bytes_per_token`."""
     f, tc = config.fomoe, config.train
@@ -63,8 +65,9 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
 
     is_main = jax.process_index() == 0
     log = train_lib.MetricsLog(workdir, enabled=is_main)
-    checkpointer, compat, state, _, resumed_from = train_lib.open_checkpoints(config, workdir, state,
-                                                                              data_fingerprint, log)
+    checkpointer, compat, state, _, resumed_from = train_lib.open_checkpoints(
+        config, workdir, state, data_fingerprint, log
+    )
     if on_start is not None:
         on_start(resumed_from)
 
@@ -80,26 +83,34 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
     round_exec = round_fn.lower(state, jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=token_sharding)).compile()
     migrate_exec, plan_sharding = None, NamedSharding(mesh, PartitionSpec(federation.SITE_AXES))
     if f.placement == "random":  # compiled once too: the plan is data
-        migrate_exec = jax.jit(functools.partial(reshuffle.migrate, mesh=mesh), donate_argnums=0).lower(
-            state, [jax.ShapeDtypeStruct(placement.experts.shape, jnp.int32, sharding=plan_sharding)] * 4).compile()
-    bytes_info = _round_bytes(round_exec.as_text(), migrate_exec and migrate_exec.as_text(), state.train.params,
-                              sites, f)
+        migrate_exec = (
+            jax.jit(functools.partial(reshuffle.migrate, mesh=mesh), donate_argnums=0)
+            .lower(state, [jax.ShapeDtypeStruct(placement.experts.shape, jnp.int32, sharding=plan_sharding)] * 4)
+            .compile()
+        )
+    bytes_info = _round_bytes(
+        round_exec.as_text(), migrate_exec and migrate_exec.as_text(), state.train.params, sites, f
+    )
     tokens_per_step = config.data.batch_size * config.data.seq_len
     bytes_info["bytes_per_token"] = system_model.bytes_per_token(bytes_info["measured"], sites, k, tokens_per_step)
     val = [jnp.asarray(b) for b in batches.every_row().val_batches(tc.eval_batches)]  # every site, every row
     probe_fn, probe_tokens = rounds.make_probe(graphdef, mesh), val[0][:, :-1]
     routes = _host(probe_fn(state.train.params, state.train.rest, probe_tokens))
     if is_main:
-        print(f"federation: {sites} sites, O_e = {f.overlap}, {placement.local_experts} of {placement.num_experts} "
-              f"experts per site, K = {k}, {f.outer}, {f.routing} routing; "
-              f"{bytes_info['measured'] / 1e6:.3f} MB per site per round "
-              f"(formula {bytes_info['formula'] / 1e6:.3f} MB)" + _migration_line(bytes_info, f), flush=True)
+        print(
+            f"federation: {sites} sites, O_e = {f.overlap}, {placement.local_experts} of {placement.num_experts} "
+            f"experts per site, K = {k}, {f.outer}, {f.routing} routing; "
+            f"{bytes_info['measured'] / 1e6:.3f} MB per site per round "
+            f"(formula {bytes_info['formula'] / 1e6:.3f} MB)" + _migration_line(bytes_info, f),
+            flush=True,
+        )
 
     total_rounds, start_round = tc.steps // k, int(_host(state.train.step)[0]) // k
     results: dict[str, Any] = {"steps": start_round * k, "resumed_from": resumed_from}
     timed, seconds = 0, 0.0
-    progress = train_lib.progress_bar(start_round, total_rounds, enabled=tc.progress and is_main, desc="rounds",
-                                      unit="round")
+    progress = train_lib.progress_bar(
+        start_round, total_rounds, enabled=tc.progress and is_main, desc="rounds", unit="round"
+    )
 
     def run_round(r: int) -> None:
         nonlocal state, routes, timed, seconds
@@ -111,14 +122,23 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
             timed, seconds = timed + 1, seconds + time.perf_counter() - t0
         done = (r + 1) * k
         if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
-            raise train_lib.NonFiniteLossError(done, metrics["loss"], metrics["grad_norm"],
-                                               checkpointer.latest_step(), checkpointer.directory)
+            raise train_lib.NonFiniteLossError(
+                done, metrics["loss"], metrics["grad_norm"], checkpointer.latest_step(), checkpointer.directory
+            )
         previous, routes = routes, _host(probe_fn(state.train.params, state.train.rest, probe_tokens))
         ghosts = {"moe/ideal_ghost_fraction": placement.ideal_ghost_fraction} if f.routing == "skip_token" else {}
-        log.write({"step": done, "round": r + 1, "train_loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
-                   "bytes_per_site_per_round": bytes_info["measured"],
-                   "routing/topk_agreement": rounds.topk_agreement(previous, routes), **ghosts,
-                   **{name: v for name, v in metrics.items() if name not in ("loss", "grad_norm")}})
+        log.write(
+            {
+                "step": done,
+                "round": r + 1,
+                "train_loss": metrics["loss"],
+                "grad_norm": metrics["grad_norm"],
+                "bytes_per_site_per_round": bytes_info["measured"],
+                "routing/topk_agreement": rounds.topk_agreement(previous, routes),
+                **ghosts,
+                **{name: v for name, v in metrics.items() if name not in ("loss", "grad_norm")},
+            }
+        )
         results["train_loss"] = metrics["loss"]
         progress.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
         if _crossed(done, tc.eval_every, k) or r + 1 == total_rounds:
@@ -126,14 +146,22 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
             log.write({"step": done, "round": r + 1, **ev})
             results.update(ev)
             if is_main:
-                progress.write(f"round {r + 1}/{total_rounds} (step {done}): train loss {metrics['loss']:.3f}, "
-                               f"held-out {ev['val_bits_per_byte']:.3f} bits/byte (mean over sites)")
+                progress.write(
+                    f"round {r + 1}/{total_rounds} (step {done}): train loss {metrics['loss']:.3f}, "
+                    f"held-out {ev['val_bits_per_byte']:.3f} bits/byte (mean over sites)"
+                )
         if migrate_exec is not None and (r + 1) % f.reshuffle_every == 0 and r + 1 < total_rounds:
             plan = reshuffle.plan_migration(placement_at(r), placement_at(r + 1))
-            state = migrate_exec(state, [jax.make_array_from_callback(a.shape, plan_sharding, a.__getitem__)
-                                         for a in plan.arrays()])
-            log.write({"step": done, "round": r + 1, "reshuffle/arrived_experts_per_site":
-                       float(plan.arrivals.sum(axis=1).mean())})
+            state = migrate_exec(
+                state, [jax.make_array_from_callback(a.shape, plan_sharding, a.__getitem__) for a in plan.arrays()]
+            )
+            log.write(
+                {
+                    "step": done,
+                    "round": r + 1,
+                    "reshuffle/arrived_experts_per_site": float(plan.arrivals.sum(axis=1).mean()),
+                }
+            )
         checkpointer.save(done, state, loop={"round": r + 1}, compat=compat)
         results["steps"] = done
         progress.update(1)
@@ -144,30 +172,37 @@ def train_federated(config: ml_collections.ConfigDict, *, workdir: str, batches:
             run_round(r)
     except (train_lib.NonFiniteLossError, checkpoint_lib.CheckpointError):
         raise
-    except Exception as e:  # noqa: BLE001 - in a multi-process run, a failed collective means a lost site
+    except Exception as e:
         if jax.process_count() == 1:
             raise
         raise SiteLostError(
             f"round {r + 1} failed in a collective across sites ({type(e).__name__}: {str(e)[:200]}): another "
             f"site's process has probably died. The last completed round's checkpoint is step "
             f"{checkpointer.latest_step()} in {checkpointer.directory}; rerun the same command on every site to "
-            "resume from it.") from None
+            "resume from it."
+        ) from None
     finally:
         progress.close()
     checkpointer.wait()
     checkpointer.close()
     if "val_loss" not in results:  # resumed at the final round: evaluate the restored state
         results.update(_evaluate(eval_fn, state, val))
-        results["train_loss"] = next((row["train_loss"] for row in reversed(log.read()) if "train_loss" in row),
-                                     float("nan"))
-    results.update({"rounds": total_rounds,
-                    "tokens_per_second": k * tokens_per_step * timed / seconds if timed else None,
-                    "bytes_per_site_per_round": bytes_info["measured"],
-                    "bytes_per_site_per_round_formula": bytes_info["formula"],
-                    "bytes_per_token": bytes_info["bytes_per_token"], "graphdef": graphdef,
-                    **{f"bytes_per_site_{name}": v for name, v in bytes_info.items() if name.startswith("migration")},
-                    # site 0's own model (its resident experts, its routing), e.g. to sample from
-                    "final_state": jax.tree.map(lambda x: x[0], state.train) if jax.process_count() == 1 else None})
+        results["train_loss"] = next(
+            (row["train_loss"] for row in reversed(log.read()) if "train_loss" in row), float("nan")
+        )
+    results.update(
+        {
+            "rounds": total_rounds,
+            "tokens_per_second": k * tokens_per_step * timed / seconds if timed else None,
+            "bytes_per_site_per_round": bytes_info["measured"],
+            "bytes_per_site_per_round_formula": bytes_info["formula"],
+            "bytes_per_token": bytes_info["bytes_per_token"],
+            "graphdef": graphdef,
+            **{f"bytes_per_site_{name}": v for name, v in bytes_info.items() if name.startswith("migration")},
+            # site 0's own model (its resident experts, its routing), e.g. to sample from
+            "final_state": jax.tree.map(lambda x: x[0], state.train) if jax.process_count() == 1 else None,
+        }
+    )
     return results
 
 
@@ -179,7 +214,8 @@ def initial_state(config: ml_collections.ConfigDict, mesh=None):
     placement = _placements(config)(0)
     outer = diloco_outer(f.outer_learning_rate, f.outer_momentum) if f.outer == "diloco" else None
     make = lambda **kw: build.build_model_fn(config, Sharder(), routing_mode=f.routing, **kw)(  # noqa: E731
-        nnx.Rngs(config.train.seed))
+        nnx.Rngs(config.train.seed)
+    )
     site_model = make(resident=placement.experts[0])
     optimizer = build.build_optimizer(config)
     if f.placement == "random":  # arrived experts ramp their learning rate up (moe.reshuffle)
@@ -207,8 +243,10 @@ def _migration_line(bytes_info: dict, f) -> str:
     if "migration_per_reshuffle" not in bytes_info:
         return ""
     moved, arrivals = bytes_info["migration_per_reshuffle"], bytes_info["migration_per_reshuffle_formula"]
-    return (f"; random placement reshuffled every {f.reshuffle_every} rounds: {moved / 1e6:.3f} MB per site per "
-            f"reshuffle (expected arrivals {arrivals / 1e6:.3f} MB), included per round")
+    return (
+        f"; random placement reshuffled every {f.reshuffle_every} rounds: {moved / 1e6:.3f} MB per site per "
+        f"reshuffle (expected arrivals {arrivals / 1e6:.3f} MB), included per round"
+    )
 
 
 def _round_bytes(round_hlo: str, migrate_hlo: str | None, params, sites: int, f) -> dict[str, float]:
@@ -233,5 +271,8 @@ def _round_bytes(round_hlo: str, migrate_hlo: str | None, params, sites: int, f)
 def _evaluate(eval_fn, state, val) -> dict[str, float]:
     """Held-out loss and bits per byte of every site's model, averaged over the sites (and the worst site)."""
     ev = train_lib.evaluate(eval_fn, state.train, val, fetch=_host)
-    return {"val_loss": float(np.mean(ev["val_loss"])), "val_bits_per_byte": float(np.mean(ev["val_bits_per_byte"])),
-            "val_bits_per_byte_worst_site": float(np.max(ev["val_bits_per_byte"]))}
+    return {
+        "val_loss": float(np.mean(ev["val_loss"])),
+        "val_bits_per_byte": float(np.mean(ev["val_bits_per_byte"])),
+        "val_bits_per_byte_worst_site": float(np.max(ev["val_bits_per_byte"])),
+    }

@@ -39,12 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--" in argv:
         split = argv.index("--")
-        own, run_args = argv[:split], argv[split + 1:]
+        own, run_args = argv[:split], argv[split + 1 :]
     else:
         own, run_args = argv, []
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     usage="python -m experiments.launch --processes N [--devices-per-process D] "
-                                           "-- <experiments.run arguments>")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        usage="python -m experiments.launch --processes N [--devices-per-process D] -- <experiments.run arguments>",
+    )
     parser.add_argument("--processes", type=int, required=True, help="number of local processes")
     parser.add_argument("--devices-per-process", type=int, default=1, help="CPU devices in each process")
     args = parser.parse_args(own)
@@ -58,12 +59,20 @@ def main(argv: list[str] | None = None) -> int:
         if any(a.startswith(f"--config.mesh.{flag}") for a in run_args):
             parser.error(f"--config.mesh.{flag} is set by the launcher; remove it from the run arguments")
     address = f"127.0.0.1:{_free_port()}"
-    env = dict(os.environ, PYTHONUNBUFFERED="1",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={args.devices_per_process}")
+    env = dict(
+        os.environ, PYTHONUNBUFFERED="1", XLA_FLAGS=f"--xla_force_host_platform_device_count={args.devices_per_process}"
+    )
     procs = []
     for i in range(args.processes):
-        cmd = [sys.executable, "-m", "experiments.run", *run_args, f"--config.mesh.num_processes={args.processes}",
-               f"--config.mesh.process_id={i}", f"--config.mesh.coordinator_address={address}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "experiments.run",
+            *run_args,
+            f"--config.mesh.num_processes={args.processes}",
+            f"--config.mesh.process_id={i}",
+            f"--config.mesh.coordinator_address={address}",
+        ]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         threading.Thread(target=_forward, args=(i, proc.stdout), daemon=True).start()
         procs.append(proc)
@@ -75,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         if failed_at is not None and time.time() - failed_at > GRACE_SECONDS:
             for p in procs:
                 if p.poll() is None:
-                    print(f"launch: terminating process {procs.index(p)} ({GRACE_SECONDS} s after a failure)",
-                          flush=True)
+                    print(
+                        f"launch: terminating process {procs.index(p)} ({GRACE_SECONDS} s after a failure)", flush=True
+                    )
                     p.terminate()
         time.sleep(0.2)
     codes = [p.returncode for p in procs]

@@ -33,13 +33,16 @@ def trained_model(workdir: str, *, site: int = 0) -> tuple[ml_collections.Config
     paths = {name: os.path.join(workdir, name) for name in ("config.json", "data.json", "checkpoints")}
     missing = [p for p in paths.values() if not os.path.exists(p)]
     if missing:
-        raise FileNotFoundError(f"{workdir} is not a finished run's workdir: missing {missing} (train one with "
-                                "`python -m experiments.run --config ... --workdir ...`)")
+        raise FileNotFoundError(
+            f"{workdir} is not a finished run's workdir: missing {missing} (train one with "
+            "`python -m experiments.run --config ... --workdir ...`)"
+        )
     config = build.default_config()  # sections added since the run was trained keep their defaults
     with open(paths["config.json"]) as f:
         for section, values in json.load(f).items():
-            config[section].update({k: _tuples(v) if isinstance(config[section][k], tuple) else v
-                                    for k, v in values.items()})
+            config[section].update(
+                {k: _tuples(v) if isinstance(config[section][k], tuple) else v for k, v in values.items()}
+            )
     sites = config.mesh.site
     if not 0 <= site < sites:
         raise ValueError(f"site = {site}: the run in {workdir} has mesh.site = {sites} site(s); allowed 0..{sites - 1}")
@@ -60,8 +63,9 @@ def trained_model(workdir: str, *, site: int = 0) -> tuple[ml_collections.Config
         config.mesh.data = 1  # one device is enough to hold the parameters for inference
         build.validate(config, num_devices=1)
         _, sharder = build.build_mesh(config)
-        graphdef, train = train_lib.init_state(build.build_model_fn(config, sharder), build.build_optimizer(config),
-                                               config.train.seed, sharder)
+        graphdef, train = train_lib.init_state(
+            build.build_model_fn(config, sharder), build.build_optimizer(config), config.train.seed, sharder
+        )
         train, _ = checkpointer.restore(step, train, compat=compat)
     checkpointer.close()
     return config, nnx.merge(graphdef, train.params, train.rest)

@@ -31,14 +31,15 @@ def moe_summary(config, num_params: int, *, metrics_path: str) -> dict:
     with open(metrics_path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     last = next((r for r in reversed(rows) if "moe/load_cv" in r), {})
-    return {"active_params_per_token": num_params - idle,
-            **{k: v for k, v in last.items() if k.startswith("moe/")}}
+    return {"active_params_per_token": num_params - idle, **{k: v for k, v in last.items() if k.startswith("moe/")}}
 
 
 def summary_table(summary: dict) -> str:
     """A two-column text table of the summary."""
-    rows = [(k, f"{v:,.4f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v))
-            for k, v in summary.items()]
+    rows = [
+        (k, f"{v:,.4f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v))
+        for k, v in summary.items()
+    ]
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 3 + max(len(v) for _, v in rows))
     return "\n".join([line, *(f"{k:<{width}} | {v}" for k, v in rows), line])
@@ -92,7 +93,13 @@ def sample_text(config, model_fn, results) -> str:
     model = nnx.merge(results["graphdef"], results["final_state"].params, results["final_state"].rest)
     tok = ByteTokenizer()
     s = config.sample
-    out = generate.generate(model, [tok.encode(s.prompt)], max_new_tokens=s.num_tokens,
-                            key=jax.random.PRNGKey(config.train.seed), temperature=s.temperature, top_k=s.top_k,
-                            cache_factory=build.build_cache_factory(config, model))
+    out = generate.generate(
+        model,
+        [tok.encode(s.prompt)],
+        max_new_tokens=s.num_tokens,
+        key=jax.random.PRNGKey(config.train.seed),
+        temperature=s.temperature,
+        top_k=s.top_k,
+        cache_factory=build.build_cache_factory(config, model),
+    )
     return s.prompt + tok.decode(out[0])

@@ -25,8 +25,10 @@ from ml_collections import config_flags
 from core import config as config_lib
 from core.data import DataError
 
-USAGE = ("usage: python -m experiments.run --config experiments/configs/<name>.py[:arg] --workdir <dir> "
-         "[--config.<section>.<key>=<value> ...]")
+USAGE = (
+    "usage: python -m experiments.run --config experiments/configs/<name>.py[:arg] --workdir <dir> "
+    "[--config.<section>.<key>=<value> ...]"
+)
 
 
 class UsageError(ValueError):
@@ -40,16 +42,18 @@ def parse_args(argv: list[str]):
     spec = build.schema()
     for arg in argv[1:]:
         if arg.startswith("--config."):
-            key = arg[len("--config."):].split("=", 1)[0]
+            key = arg[len("--config.") :].split("=", 1)[0]
             section, _, name = key.partition(".")
             if section not in spec or name not in spec[section]:
                 known = [f"{s}.{k}" for s, fields in spec.items() for k in fields]
                 raise UsageError(f"{arg}: {config_lib.unknown_key_error(key, known)}")
     fv = flags.FlagValues()
-    config_flag = config_flags.DEFINE_config_file("config", None, "experiment config file", flag_values=fv,
-                                                  lock_config=True, sys_argv=argv)
-    workdir_flag = flags.DEFINE_string("workdir", None, "output directory (resumes if it holds checkpoints)",
-                                       flag_values=fv)
+    config_flag = config_flags.DEFINE_config_file(
+        "config", None, "experiment config file", flag_values=fv, lock_config=True, sys_argv=argv
+    )
+    workdir_flag = flags.DEFINE_string(
+        "workdir", None, "output directory (resumes if it holds checkpoints)", flag_values=fv
+    )
     try:
         fv(argv)
     except flags.Error as e:
@@ -64,10 +68,12 @@ def parse_args(argv: list[str]):
     if not isinstance(config, ml_collections.ConfigDict):  # config_flags defers a load error to first access
         try:
             config.to_dict()
-        except Exception as e:  # noqa: BLE001 - any failure to load the file is a usage error
+        except Exception as e:
             raise UsageError(f"cannot load --config={fv['config'].config_filename}: {e}") from None
-        raise UsageError(f"--config={fv['config'].config_filename}: get_config() must return an "
-                         f"ml_collections.ConfigDict, got {type(config).__name__}")
+        raise UsageError(
+            f"--config={fv['config'].config_filename}: get_config() must return an "
+            f"ml_collections.ConfigDict, got {type(config).__name__}"
+        )
     return config, workdir_flag.value
 
 
@@ -117,10 +123,13 @@ def run(config, workdir: str) -> int:
     model_fn = build.build_model_fn(config, sharder)
     num_params = report.count_params(model_fn)
     if is_main:
-        print(f"model: {num_params:,} parameters | mesh {dict(mesh.shape)} on {jax.device_count()} "
-              f"{jax.devices()[0].platform} devices | corpus {corpus.info.get('source')} "
-              f"({len(corpus.train):,} train / {len(corpus.val):,} held-out tokens, "
-              f"fingerprint {corpus.fingerprint[:12]})", flush=True)
+        print(
+            f"model: {num_params:,} parameters | mesh {dict(mesh.shape)} on {jax.device_count()} "
+            f"{jax.devices()[0].platform} devices | corpus {corpus.info.get('source')} "
+            f"({len(corpus.train):,} train / {len(corpus.val):,} held-out tokens, "
+            f"fingerprint {corpus.fingerprint[:12]})",
+            flush=True,
+        )
 
     def write_records(resumed_from):  # only once any checkpoint in the workdir has been accepted
         if is_main:
@@ -132,12 +141,20 @@ def run(config, workdir: str) -> int:
 
     try:
         if federated:
-            results = federated_lib.train_federated(config, workdir=workdir, batches=batches,
-                                                    data_fingerprint=corpus.fingerprint, on_start=write_records)
+            results = federated_lib.train_federated(
+                config, workdir=workdir, batches=batches, data_fingerprint=corpus.fingerprint, on_start=write_records
+            )
         else:
-            results = train_lib.train(config, workdir=workdir, model_fn=model_fn,
-                                      optimizer=build.build_optimizer(config), batches=batches, sharder=sharder,
-                                      data_fingerprint=corpus.fingerprint, on_start=write_records)
+            results = train_lib.train(
+                config,
+                workdir=workdir,
+                model_fn=model_fn,
+                optimizer=build.build_optimizer(config),
+                batches=batches,
+                sharder=sharder,
+                data_fingerprint=corpus.fingerprint,
+                on_start=write_records,
+            )
     except (train_lib.NonFiniteLossError, checkpoint_lib.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -155,8 +172,12 @@ def run(config, workdir: str) -> int:
         "num_params": num_params,
         **report.moe_summary(config, num_params, metrics_path=os.path.join(workdir, "metrics.jsonl")),
         "steps": results["steps"],
-        **{key: v for key, v in results.items() if key in ("rounds", "bytes_per_token", "val_bits_per_byte_worst_site")
-           or key.startswith("bytes_per_site") or key.startswith("bytes_per_device")},
+        **{
+            key: v
+            for key, v in results.items()
+            if key in ("rounds", "bytes_per_token", "val_bits_per_byte_worst_site")
+            or key.startswith(("bytes_per_site", "bytes_per_device"))
+        },
         "resumed_from": results["resumed_from"],
         "data_fingerprint": corpus.fingerprint,
         "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
@@ -167,8 +188,11 @@ def run(config, workdir: str) -> int:
     print(report.summary_table(summary), flush=True)
     if config.sample.prompt and config.sample.num_tokens:
         if jax.process_count() > 1:
-            print("sample skipped: generation runs in single-process runs only (the parameters are spread over "
-                  "processes here)", flush=True)
+            print(
+                "sample skipped: generation runs in single-process runs only (the parameters are spread over "
+                "processes here)",
+                flush=True,
+            )
         else:
             text = report.sample_text(config, model_fn, results)
             with open(os.path.join(workdir, "sample.txt"), "w") as f:

@@ -49,9 +49,12 @@ def main(argv=None) -> int:
     tok = ByteTokenizer()
     prompts = [tok.encode(p).tolist() for p in args.prompt]
     longest = max(map(len, prompts)) + args.max_new_tokens
-    config = EngineConfig(memory_bytes=int(args.kv_memory_mib * 2**20),
-                          max_model_len=max(512, -(-longest // 256) * 256), temperature=args.temperature,
-                          seed=args.seed)
+    config = EngineConfig(
+        memory_bytes=int(args.kv_memory_mib * 2**20),
+        max_model_len=max(512, -(-longest // 256) * 256),
+        temperature=args.temperature,
+        seed=args.seed,
+    )
     engine = Engine(model, fmt, config)
     try:
         requests = [engine.submit(p, args.max_new_tokens) for p in prompts]
@@ -71,8 +74,11 @@ def main(argv=None) -> int:
     for text, request in zip(args.prompt[1:], requests[1:]):
         print(f"--- request {request.id}:\n{text}{tok.decode(request.output)}")
     for request in requests:
-        print(f"request {request.id}: {len(request.output)} tokens, time to first token {request.ttft * 1e3:.0f} ms, "
-              f"{request.tpot * 1e3:.1f} ms per output token", file=sys.stderr)
+        print(
+            f"request {request.id}: {len(request.output)} tokens, time to first token {request.ttft * 1e3:.0f} ms, "
+            f"{request.tpot * 1e3:.1f} ms per output token",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -12,5 +12,17 @@ from kvcache.blocks import BlockManager
 from kvcache.engine import Engine, EngineConfig
 from kvcache.paged import PagedKVCache, PagedPool, paged_cache_factory
 
-__all__ = ["capacity", "formats", "IMPLEMENTATIONS", "decode_attention", "unified_attention", "write", "BlockManager",
-           "Engine", "EngineConfig", "PagedKVCache", "PagedPool", "paged_cache_factory"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "BlockManager",
+    "Engine",
+    "EngineConfig",
+    "PagedKVCache",
+    "PagedPool",
+    "capacity",
+    "decode_attention",
+    "formats",
+    "paged_cache_factory",
+    "unified_attention",
+    "write",
+]

@@ -16,7 +16,7 @@ from kvcache.formats import Format
 from kvcache.kernels import attention as attention_kernel
 from kvcache.kernels import write as write_kernel
 
-__all__ = ["decode_attention", "unified_attention", "write", "IMPLEMENTATIONS", "check_implementation"]
+__all__ = ["IMPLEMENTATIONS", "check_implementation", "decode_attention", "unified_attention", "write"]
 
 IMPLEMENTATIONS = ("xla", "xla_split", "pallas")
 
@@ -41,14 +41,23 @@ def _check(q, fields, block_tables, seq_lens, fmt: Format, q_rank: int) -> None:
         raise ValueError(f"q has {q.shape[-2]} heads; must be a multiple of the cache's {num_kv} KV heads")
     fmt.check_head_dim(q.shape[-1])
     if block_tables.ndim != 2 or seq_lens.shape != block_tables.shape[:1]:
-        raise ValueError(f"block_tables {block_tables.shape} must be [B, max_blocks] and seq_lens {seq_lens.shape} "
-                         f"[B]")
+        raise ValueError(f"block_tables {block_tables.shape} must be [B, max_blocks] and seq_lens {seq_lens.shape} [B]")
 
 
-def unified_attention(q: jax.Array, fields: dict[str, jax.Array], block_tables: jax.Array, seq_lens: jax.Array,
-                      query_start_loc: jax.Array, *, fmt: Format, implementation: str = "xla",
-                      max_query_len: int | None = None, sm_scale: float | None = None,
-                      partitions: int | None = None, interpret: bool | None = None) -> jax.Array:
+def unified_attention(
+    q: jax.Array,
+    fields: dict[str, jax.Array],
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    query_start_loc: jax.Array,
+    *,
+    fmt: Format,
+    implementation: str = "xla",
+    max_query_len: int | None = None,
+    sm_scale: float | None = None,
+    partitions: int | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
     """A ragged batch of prefill chunks and decode tokens over the paged cache (q [T, H, D] -> [T, H, D] float32).
 
     See `kvcache.reference.unified_attention`; `partitions` (Pallas only) sets the split-KV partition count.
@@ -60,16 +69,35 @@ def unified_attention(q: jax.Array, fields: dict[str, jax.Array], block_tables: 
     if implementation == "xla":
         if partitions is not None:
             raise ValueError("partitions applies to implementation='pallas' only")
-        return reference.unified_attention(q, fields, block_tables, seq_lens, query_start_loc, fmt=fmt,
-                                           max_query_len=max_query_len, sm_scale=sm_scale)
-    return attention_kernel.unified_attention(q, fields, block_tables, seq_lens, query_start_loc, fmt=fmt,
-                                              max_query_len=max_query_len, sm_scale=sm_scale, partitions=partitions,
-                                              interpret=_interpret(interpret))
+        return reference.unified_attention(
+            q, fields, block_tables, seq_lens, query_start_loc, fmt=fmt, max_query_len=max_query_len, sm_scale=sm_scale
+        )
+    return attention_kernel.unified_attention(
+        q,
+        fields,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        fmt=fmt,
+        max_query_len=max_query_len,
+        sm_scale=sm_scale,
+        partitions=partitions,
+        interpret=_interpret(interpret),
+    )
 
 
-def decode_attention(q: jax.Array, fields: dict[str, jax.Array], block_tables: jax.Array, seq_lens: jax.Array, *,
-                     fmt: Format, implementation: str = "xla", sm_scale: float | None = None,
-                     partitions: int | None = None, interpret: bool | None = None) -> jax.Array:
+def decode_attention(
+    q: jax.Array,
+    fields: dict[str, jax.Array],
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    fmt: Format,
+    implementation: str = "xla",
+    sm_scale: float | None = None,
+    partitions: int | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
     """One new token per sequence (q [B, H, D] -> [B, H, D] float32), split-KV in the Pallas kernel and in
     "xla_split" (`partitions` = blocks per partition there)."""
     check_implementation(implementation)
@@ -80,14 +108,31 @@ def decode_attention(q: jax.Array, fields: dict[str, jax.Array], block_tables: j
         return reference.decode_attention(q, fields, block_tables, seq_lens, fmt=fmt, sm_scale=sm_scale)
     if implementation == "xla_split":
         per = split.BLOCKS_PER_PARTITION if partitions is None else -(-block_tables.shape[1] // partitions)
-        return split.decode_attention(q, fields, block_tables, seq_lens, fmt=fmt, sm_scale=sm_scale,
-                                      blocks_per_partition=per)
-    return attention_kernel.decode_attention(q, fields, block_tables, seq_lens, fmt=fmt, sm_scale=sm_scale,
-                                             partitions=partitions, interpret=_interpret(interpret))
+        return split.decode_attention(
+            q, fields, block_tables, seq_lens, fmt=fmt, sm_scale=sm_scale, blocks_per_partition=per
+        )
+    return attention_kernel.decode_attention(
+        q,
+        fields,
+        block_tables,
+        seq_lens,
+        fmt=fmt,
+        sm_scale=sm_scale,
+        partitions=partitions,
+        interpret=_interpret(interpret),
+    )
 
 
-def write(fields: dict[str, jax.Array], k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *, fmt: Format,
-          implementation: str = "xla", interpret: bool | None = None) -> dict[str, jax.Array]:
+def write(
+    fields: dict[str, jax.Array],
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    fmt: Format,
+    implementation: str = "xla",
+    interpret: bool | None = None,
+) -> dict[str, jax.Array]:
     """Quantise-on-write of k, v [T, K, D] into flat slots [T] (negative = skip); returns the updated fields."""
     check_implementation(implementation)
     if implementation != "pallas":

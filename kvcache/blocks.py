@@ -20,15 +20,16 @@ from collections.abc import Sequence
 __all__ = ["BlockManager", "block_hashes"]
 
 
-def block_hashes(tokens: Sequence[int], block_size: int, known: Sequence[int] = (), upto: int | None = None
-                 ) -> list[int]:
+def block_hashes(
+    tokens: Sequence[int], block_size: int, known: Sequence[int] = (), upto: int | None = None
+) -> list[int]:
     """Chained hashes of the full blocks of `tokens[:upto]` (a trailing partial block has none); `known` = the
     hashes of its first blocks, already computed (they are extended, not recomputed)."""
     hashes = list(known)
     parent = hashes[-1] if hashes else None
     end = len(tokens) if upto is None else upto
     for start in range(len(hashes) * block_size, end - block_size + 1, block_size):
-        parent = hash((parent, tuple(tokens[start:start + block_size])))
+        parent = hash((parent, tuple(tokens[start : start + block_size])))
         hashes.append(parent)
     return hashes
 

@@ -33,8 +33,18 @@ import numpy as np
 
 from kvcache import formats as kv_formats
 
-__all__ = ["ModelShape", "kv_bytes_per_token", "pool_tokens", "concurrency", "memory_for", "plan", "markdown",
-           "SPEC_MODEL", "SPEC_MAX_MODEL_LEN", "SPEC_BUDGET_BYTES"]
+__all__ = [
+    "SPEC_BUDGET_BYTES",
+    "SPEC_MAX_MODEL_LEN",
+    "SPEC_MODEL",
+    "ModelShape",
+    "concurrency",
+    "kv_bytes_per_token",
+    "markdown",
+    "memory_for",
+    "plan",
+    "pool_tokens",
+]
 
 GIB = 2**30
 
@@ -50,8 +60,7 @@ def _format(fmt: kv_formats.Format | str) -> kv_formats.Format:
     if isinstance(fmt, kv_formats.Format):
         return fmt
     if not isinstance(fmt, str) or fmt not in kv_formats.NAMES:
-        raise ValueError(f"fmt = {fmt!r} unknown; allowed: a kvcache.formats.Format or one of "
-                         f"{list(kv_formats.NAMES)}")
+        raise ValueError(f"fmt = {fmt!r} unknown; allowed: a kvcache.formats.Format or one of {list(kv_formats.NAMES)}")
     return kv_formats.get(fmt)
 
 
@@ -115,8 +124,14 @@ def concurrency(pool_tokens: int, max_model_len: int) -> float:
     return pool_tokens / _int("max_model_len", max_model_len, low=1)
 
 
-def plan(memory_bytes: int, shape: ModelShape, formats: Sequence[kv_formats.Format | str] = ("bf16", "fp8", "fp4"),
-         *, max_model_len: int = SPEC_MAX_MODEL_LEN, block_size: int = 16) -> list[dict]:
+def plan(
+    memory_bytes: int,
+    shape: ModelShape,
+    formats: Sequence[kv_formats.Format | str] = ("bf16", "fp8", "fp4"),
+    *,
+    max_model_len: int = SPEC_MAX_MODEL_LEN,
+    block_size: int = 16,
+) -> list[dict]:
     """One row per format of what `memory_bytes` bytes of KV cache hold for a model of this shape.
 
     Each row: "format" (its label), "bytes_per_token" (B, all full-attention layers), "pool_tokens" (tokens in whole
@@ -124,27 +139,41 @@ def plan(memory_bytes: int, shape: ModelShape, formats: Sequence[kv_formats.Form
     budget holds no bf16 block).
     """
     if isinstance(formats, (str, kv_formats.Format)) or not formats:
-        raise ValueError(f"formats = {formats!r}; must be a non-empty sequence of formats or names "
-                         f"{list(kv_formats.NAMES)}")
+        raise ValueError(
+            f"formats = {formats!r}; must be a non-empty sequence of formats or names {list(kv_formats.NAMES)}"
+        )
     _int("max_model_len", max_model_len, low=1)
     bf16_tokens = pool_tokens(memory_bytes, shape, "bf16", block_size=block_size)
     rows = []
     for fmt in map(_format, formats):
         tokens = pool_tokens(memory_bytes, shape, fmt, block_size=block_size)
-        rows.append({"format": fmt.label, "bytes_per_token": kv_bytes_per_token(shape, fmt), "pool_tokens": tokens,
-                     "concurrency": concurrency(tokens, max_model_len),
-                     "vs_bf16": tokens / bf16_tokens if bf16_tokens else math.nan})
+        rows.append(
+            {
+                "format": fmt.label,
+                "bytes_per_token": kv_bytes_per_token(shape, fmt),
+                "pool_tokens": tokens,
+                "concurrency": concurrency(tokens, max_model_len),
+                "vs_bf16": tokens / bf16_tokens if bf16_tokens else math.nan,
+            }
+        )
     return rows
 
 
 def markdown(rows: Sequence[dict], *, title: str, memory_bytes: int, shape: ModelShape, max_model_len: int) -> str:
     """`plan`'s rows as a markdown section: a heading, one line stating the budget and the model, then the table."""
-    lines = [f"### {title}", "",
-             f"KV budget {memory_bytes / GIB:.2f} GiB ({memory_bytes:,} B); {shape.full_attention_layers} "
-             f"full-attention layers, {shape.num_kv_heads} KV heads, head dim {shape.head_dim}; "
-             f"max_model_len {max_model_len:,} tokens.", "",
-             "| format | KV bytes / token | pool tokens | concurrency | tokens vs bf16 |",
-             "|---|---:|---:|---:|---:|"]
-    lines += [f"| {r['format']} | {r['bytes_per_token']:,} | {r['pool_tokens']:,} | {r['concurrency']:.2f}x "
-              f"| {r['vs_bf16']:.2f}x |" for r in rows]
+    lines = [
+        f"### {title}",
+        "",
+        f"KV budget {memory_bytes / GIB:.2f} GiB ({memory_bytes:,} B); {shape.full_attention_layers} "
+        f"full-attention layers, {shape.num_kv_heads} KV heads, head dim {shape.head_dim}; "
+        f"max_model_len {max_model_len:,} tokens.",
+        "",
+        "| format | KV bytes / token | pool tokens | concurrency | tokens vs bf16 |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['format']} | {r['bytes_per_token']:,} | {r['pool_tokens']:,} | {r['concurrency']:.2f}x "
+        f"| {r['vs_bf16']:.2f}x |"
+        for r in rows
+    ]
     return "\n".join(lines) + "\n"

@@ -43,7 +43,7 @@ from kvcache.blocks import BlockManager, block_hashes
 from kvcache.formats import Format
 from kvcache.paged import PagedPool
 
-__all__ = ["EngineConfig", "Request", "Scheduler", "Engine"]
+__all__ = ["Engine", "EngineConfig", "Request", "Scheduler"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,12 +68,16 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.temperature = {self.temperature}; must be >= 0")
         attention.check_implementation(self.implementation)
         if self.max_model_len < 2 * self.max_num_batched_tokens:
-            raise ValueError(f"EngineConfig.max_model_len = {self.max_model_len} must be >= 2 x "
-                             f"max_num_batched_tokens = {2 * self.max_num_batched_tokens} (a step's padded batch "
-                             "is addressed like one sequence)")
+            raise ValueError(
+                f"EngineConfig.max_model_len = {self.max_model_len} must be >= 2 x "
+                f"max_num_batched_tokens = {2 * self.max_num_batched_tokens} (a step's padded batch "
+                "is addressed like one sequence)"
+            )
         if self.implementation == "xla_split":
-            raise ValueError("EngineConfig.implementation = 'xla_split' runs decode only; the engine's batches mix "
-                             "prefill and decode: use 'xla' or 'pallas'")
+            raise ValueError(
+                "EngineConfig.implementation = 'xla_split' runs decode only; the engine's batches mix "
+                "prefill and decode: use 'xla' or 'pallas'"
+            )
 
 
 @dataclasses.dataclass(eq=False)
@@ -131,8 +135,9 @@ class _FlatBatchCache:
     def update_and_attend(self, layer, q, k, v):
         kw = dict(fmt=self.pool.fmt, implementation=self.implementation)
         fields = attention.write(self.pool.layer(layer), k[0], v[0], self.slots, **kw)
-        out = attention.unified_attention(q[0], fields, self.block_tables, self.seq_lens, self.query_start_loc,
-                                          max_query_len=self.max_query_len, **kw)
+        out = attention.unified_attention(
+            q[0], fields, self.block_tables, self.seq_lens, self.query_start_loc, max_query_len=self.max_query_len, **kw
+        )
         pool = self.pool.replace(fields={n: x.at[layer].set(fields[n]) for n, x in self.pool.fields.items()})
         return out[None].astype(q.dtype), self.replace(pool=pool)
 
@@ -141,8 +146,21 @@ class _FlatBatchCache:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_query_len", "implementation"), donate_argnums=(2,))
-def _forward(graphdef, state, pool, tokens, positions, slots, block_tables, seq_lens, query_start_loc, last,
-             *, max_query_len, implementation):
+def _forward(
+    graphdef,
+    state,
+    pool,
+    tokens,
+    positions,
+    slots,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    last,
+    *,
+    max_query_len,
+    implementation,
+):
     model = nnx.merge(graphdef, state)
     cache = _FlatBatchCache(pool, slots, block_tables, seq_lens, query_start_loc, max_query_len, implementation)
     logits, _, cache = model(tokens[None], positions=positions[None], cache=cache)
@@ -177,24 +195,29 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def submit(self, prompt, max_new_tokens: int, *, arrival: float | None = None,
-               ignore_eos: bool = False) -> Request:
+    def submit(self, prompt, max_new_tokens: int, *, arrival: float | None = None, ignore_eos: bool = False) -> Request:
         """Queues a request (prompt: token ids, at least one); it ends at EOS or after max_new_tokens tokens
         (exactly that many with `ignore_eos`). Raises ValueError, changing nothing, if it cannot ever fit: longer
         than max_model_len or than the whole pool."""
         prompt = [int(t) for t in prompt]
         need = len(prompt) + max_new_tokens
         if not prompt or max_new_tokens < 1:
-            raise ValueError(f"a request needs >= 1 prompt token and max_new_tokens >= 1 (got {len(prompt)} and "
-                             f"{max_new_tokens})")
+            raise ValueError(
+                f"a request needs >= 1 prompt token and max_new_tokens >= 1 (got {len(prompt)} and {max_new_tokens})"
+            )
         if need > self.config.max_model_len:
-            raise ValueError(f"request of {len(prompt)} prompt + {max_new_tokens} new tokens = {need} exceeds "
-                             f"max_model_len = {self.config.max_model_len}")
+            raise ValueError(
+                f"request of {len(prompt)} prompt + {max_new_tokens} new tokens = {need} exceeds "
+                f"max_model_len = {self.config.max_model_len}"
+            )
         if -(-need // self.config.block_size) > self.blocks.num_blocks:
-            raise ValueError(f"request of {need} tokens needs {-(-need // self.config.block_size)} blocks; the KV "
-                             f"pool has {self.blocks.num_blocks} ({self.capacity_tokens} tokens in {self.fmt.label})")
-        request = Request(self._next_id, prompt, max_new_tokens, self.clock() if arrival is None else arrival,
-                          ignore_eos)
+            raise ValueError(
+                f"request of {need} tokens needs {-(-need // self.config.block_size)} blocks; the KV "
+                f"pool has {self.blocks.num_blocks} ({self.capacity_tokens} tokens in {self.fmt.label})"
+            )
+        request = Request(
+            self._next_id, prompt, max_new_tokens, self.clock() if arrival is None else arrival, ignore_eos
+        )
         self._next_id += 1
         self.waiting.append(request)
         return request
@@ -303,9 +326,14 @@ class Engine(Scheduler):
     def __init__(self, model: nnx.Module, fmt: Format, config: EngineConfig):
         cfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
-        self.pool = PagedPool.create(fmt, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                                     head_dim=cfg.head_dim, block_size=config.block_size,
-                                     memory_bytes=config.memory_bytes)
+        self.pool = PagedPool.create(
+            fmt,
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            block_size=config.block_size,
+            memory_bytes=config.memory_bytes,
+        )
         super().__init__(config, fmt, self.pool.num_blocks)
         self._rng = np.random.default_rng(config.seed)
 
@@ -320,25 +348,37 @@ class Engine(Scheduler):
         at = 0
         for i, (request, n) in enumerate(batch):
             pos = np.arange(request.num_computed, request.num_computed + n)
-            tokens[at:at + n] = request.tokens[request.num_computed:request.num_computed + n]
-            positions[at:at + n] = pos
+            tokens[at : at + n] = request.tokens[request.num_computed : request.num_computed + n]
+            positions[at : at + n] = pos
             table = np.asarray(request.blocks, np.int32)
-            slots[at:at + n] = table[pos // bs] * bs + pos % bs
-            tables[i, :len(table)] = table
+            slots[at : at + n] = table[pos // bs] * bs + pos % bs
+            tables[i, : len(table)] = table
             seq_lens[i] = request.num_computed + n
             at += n
             qsl[i + 1], last[i] = at, at - 1
-        qsl[len(batch) + 1:] = at
+        qsl[len(batch) + 1 :] = at
         # The padding tokens are the last row's chunk; it "holds" as many keys as it has queries (block 0 repeated:
         # finite garbage, never written, results discarded), so every padding query sees at least one key.
         qsl[s_max], seq_lens[s_max - 1] = n_pad, max(1, n_pad - at)
-        logits, self.pool = _forward(self.graphdef, self.state, self.pool, jnp.asarray(tokens),
-                                     jnp.asarray(positions), jnp.asarray(slots), jnp.asarray(tables),
-                                     jnp.asarray(seq_lens), jnp.asarray(qsl), jnp.asarray(last),
-                                     max_query_len=n_pad, implementation=self.config.implementation)
+        logits, self.pool = _forward(
+            self.graphdef,
+            self.state,
+            self.pool,
+            jnp.asarray(tokens),
+            jnp.asarray(positions),
+            jnp.asarray(slots),
+            jnp.asarray(tables),
+            jnp.asarray(seq_lens),
+            jnp.asarray(qsl),
+            jnp.asarray(last),
+            max_query_len=n_pad,
+            implementation=self.config.implementation,
+        )
         logits = np.asarray(logits)
-        return [self._sample(logits[i]) if request.num_computed + n == len(request.tokens) else None
-                for i, (request, n) in enumerate(batch)]
+        return [
+            self._sample(logits[i]) if request.num_computed + n == len(request.tokens) else None
+            for i, (request, n) in enumerate(batch)
+        ]
 
     def warmup(self) -> None:
         """Compiles the step for every batch-size bucket (slots all -1: the pool is not written), so that no
@@ -350,10 +390,19 @@ class Engine(Scheduler):
             seq_lens = np.ones(s_max, np.int32)
             seq_lens[-1] = n
             logits, self.pool = _forward(
-                self.graphdef, self.state, self.pool, jnp.zeros(n, jnp.int32), jnp.arange(n, dtype=jnp.int32),
-                jnp.full(n, -1, jnp.int32), jnp.zeros((s_max, self.max_blocks), jnp.int32), jnp.asarray(seq_lens),
-                jnp.asarray(qsl), jnp.zeros(s_max, jnp.int32), max_query_len=n,
-                implementation=self.config.implementation)
+                self.graphdef,
+                self.state,
+                self.pool,
+                jnp.zeros(n, jnp.int32),
+                jnp.arange(n, dtype=jnp.int32),
+                jnp.full(n, -1, jnp.int32),
+                jnp.zeros((s_max, self.max_blocks), jnp.int32),
+                jnp.asarray(seq_lens),
+                jnp.asarray(qsl),
+                jnp.zeros(s_max, jnp.int32),
+                max_query_len=n,
+                implementation=self.config.implementation,
+            )
             logits.block_until_ready()
 
     def _sample(self, logits: np.ndarray) -> int:

@@ -28,14 +28,28 @@ is sign (bit 3) and magnitude index m (bits 0-2) into E2M1's levels 0, 0.5, 1, 1
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Format", "get", "NAMES", "SCALE_RULES", "E2M1_LEVELS", "hadamard", "pack_slots", "unpack_slots",
-           "encode_e2m1", "decode_e2m1", "pow2", "scale_value", "ue8m0_exponent"]
+__all__ = [
+    "E2M1_LEVELS",
+    "NAMES",
+    "SCALE_RULES",
+    "Format",
+    "decode_e2m1",
+    "encode_e2m1",
+    "get",
+    "hadamard",
+    "pack_slots",
+    "pow2",
+    "scale_value",
+    "ue8m0_exponent",
+    "unpack_slots",
+]
 
 NAMES = ("bf16", "fp8", "fp4")
 SCALE_RULES = ("mse", "mx")
@@ -58,13 +72,14 @@ def hadamard(d: int) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------------ E2M1 codes
 
+
 def encode_e2m1(x: jax.Array) -> jax.Array:
     """Nearest E2M1 code (int32 0..15) of float32 x (already divided by its scale), ties to the even magnitude
     index, saturating at +-6; sign in bit 3 (so -0 encodes as 8, which decodes to 0). Kernels use it too."""
     x = x.astype(jnp.float32)
     a = jnp.abs(x)
     m = jnp.zeros(x.shape, jnp.int32)
-    for i, (lo, hi) in enumerate(zip(E2M1_LEVELS, E2M1_LEVELS[1:])):
+    for i, (lo, hi) in enumerate(itertools.pairwise(E2M1_LEVELS)):
         mid = (lo + hi) / 2  # index i + 1 wins above the midpoint, and at it when i + 1 is even
         m += ((a > mid) | ((a == mid) & ((i + 1) % 2 == 0))).astype(jnp.int32)
     return m | jnp.where(jax.lax.bitcast_convert_type(x, jnp.int32) < 0, 8, 0)  # the sign bit, also of -0
@@ -138,6 +153,7 @@ def _fp8_encode(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 # --------------------------------------------------------------------------------------------------- formats
 
+
 @dataclasses.dataclass(frozen=True)
 class Format:
     """A KV-cache format. Pure functions of arrays; hashable, so it can be a static argument of jit.
@@ -167,15 +183,21 @@ class Format:
     def label(self) -> str:
         if self.name != "fp4":
             return self.name
-        extras = ([self.scale_rule] + ([] if self.rotate_k else ["K unrotated"]) + (["V rotated"] if self.rotate_v
-                  else []) + ([] if self.fp8_query else ["fp32 query"]))
+        extras = (
+            [self.scale_rule]
+            + ([] if self.rotate_k else ["K unrotated"])
+            + (["V rotated"] if self.rotate_v else [])
+            + ([] if self.fp8_query else ["fp32 query"])
+        )
         return "fp4 (" + ", ".join(extras) + ")"
 
     def check_head_dim(self, head_dim: int) -> None:
         if self.name == "fp4":
             if head_dim % (2 * GROUP):
-                raise ValueError(f"head_dim = {head_dim}: the fp4 KV format needs a multiple of {2 * GROUP} "
-                                 f"(two 32-element scale groups per packed 32-byte chunk)")
+                raise ValueError(
+                    f"head_dim = {head_dim}: the fp4 KV format needs a multiple of {2 * GROUP} "
+                    f"(two 32-element scale groups per packed 32-byte chunk)"
+                )
             if self.rotate_k or self.rotate_v:
                 hadamard(head_dim)
 
@@ -186,16 +208,26 @@ class Format:
         if self.name == "bf16":
             return {"k": (kd, jnp.bfloat16), "v": (kd, jnp.bfloat16)}
         if self.name == "fp8":
-            return {"k": (kd, jnp.float8_e4m3fn), "k_scale": ((num_kv_heads,), jnp.float32),
-                    "v": (kd, jnp.float8_e4m3fn), "v_scale": ((num_kv_heads,), jnp.float32)}
+            return {
+                "k": (kd, jnp.float8_e4m3fn),
+                "k_scale": ((num_kv_heads,), jnp.float32),
+                "v": (kd, jnp.float8_e4m3fn),
+                "v_scale": ((num_kv_heads,), jnp.float32),
+            }
         packed, groups = (num_kv_heads, head_dim // 2), (num_kv_heads, head_dim // GROUP)
-        return {"k_codes": (packed, jnp.uint8), "k_scales": (groups, jnp.uint8),
-                "v_codes": (packed, jnp.uint8), "v_scales": (groups, jnp.uint8)}
+        return {
+            "k_codes": (packed, jnp.uint8),
+            "k_scales": (groups, jnp.uint8),
+            "v_codes": (packed, jnp.uint8),
+            "v_scales": (groups, jnp.uint8),
+        }
 
     def bytes_per_token(self, num_kv_heads: int, head_dim: int) -> int:
         """Bytes one token occupies in one layer (keys, values and their scales)."""
-        return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
-                   for shape, dtype in self.fields(num_kv_heads, head_dim).values())
+        return sum(
+            int(np.prod(shape)) * np.dtype(dtype).itemsize
+            for shape, dtype in self.fields(num_kv_heads, head_dim).values()
+        )
 
     def rotation(self, head_dim: int) -> np.ndarray | None:
         """The matrix K (and the query) is rotated by, or None."""
@@ -233,8 +265,10 @@ class Format:
         if self.name == "bf16":
             return fields["k"].astype(jnp.float32), fields["v"].astype(jnp.float32)
         if self.name == "fp8":
-            return (fields["k"].astype(jnp.float32) * fields["k_scale"][..., None],
-                    fields["v"].astype(jnp.float32) * fields["v_scale"][..., None])
+            return (
+                fields["k"].astype(jnp.float32) * fields["k_scale"][..., None],
+                fields["v"].astype(jnp.float32) * fields["v_scale"][..., None],
+            )
         k = _fp4_decode(fields["k_codes"], fields["k_scales"])
         v = _fp4_decode(fields["v_codes"], fields["v_scales"])
         rot, vrot = self.rotation(k.shape[-1]), self.value_rotation(k.shape[-1])
@@ -276,6 +310,7 @@ def get(name: str, **options) -> Format:
 
 # --------------------------------------------------------------------------------------- the spec's byte slot
 
+
 def pack_slots(fmt: Format, fields: dict[str, jax.Array]) -> jax.Array:
     """The fields -> uint8 [..., K, slot_bytes]: per (token, KV head) the fields in `fields()` order as raw bytes;
     for fp4 this is the spec's slot [K codes D/2][K scales D/32][V codes D/2][V scales D/32] (136 B at D = 128).
@@ -295,15 +330,16 @@ def unpack_slots(fmt: Format, slots: jax.Array, head_dim: int) -> dict[str, jax.
     for name, (shape, dtype) in fmt.fields(num_kv_heads, head_dim).items():
         per_head = shape[1:] or (1,)
         size = int(np.prod(per_head)) * np.dtype(dtype).itemsize
-        raw = slots[..., start:start + size]
+        raw = slots[..., start : start + size]
         start += size
         itemsize = np.dtype(dtype).itemsize
         raw = raw.reshape(*raw.shape[:-1], -1, itemsize) if itemsize > 1 else raw
         x = jax.lax.bitcast_convert_type(raw, dtype)
         out[name] = x.reshape(*slots.shape[:-1], *shape[1:])
     if start != slots.shape[-1]:
-        raise ValueError(f"slots hold {slots.shape[-1]} bytes per head; format {fmt.label} at head_dim {head_dim} "
-                         f"needs {start}")
+        raise ValueError(
+            f"slots hold {slots.shape[-1]} bytes per head; format {fmt.label} at head_dim {head_dim} needs {start}"
+        )
     return out
 
 

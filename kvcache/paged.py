@@ -1,12 +1,12 @@
 """The paged KV cache: a pool of fixed-size blocks sized in bytes, block tables, quantise-on-write, free.
 
-  pool fields: `fields[name]` [L, NB, K, bs, *trailing] per stored array of the format (layers x blocks x KV heads
-               x block tokens); one token of one layer costs `fmt.bytes_per_token(K, D)` bytes, so a byte budget
-               holds 512 / 136 = 3.76x more fp4 tokens than bf16 tokens at D = 128.
-  Which blocks a sequence owns is its block table; `kvcache.blocks.BlockManager` hands blocks out (with a prefix
-  cache) on the host.
-  PagedKVCache: the `core.attention.KVCache` protocol over a pool, so the model's cached generation runs on any
-               format: each forward call writes its tokens' K/V (quantised) and runs unified attention.
+pool fields: `fields[name]` [L, NB, K, bs, *trailing] per stored array of the format (layers x blocks x KV heads
+             x block tokens); one token of one layer costs `fmt.bytes_per_token(K, D)` bytes, so a byte budget
+             holds 512 / 136 = 3.76x more fp4 tokens than bf16 tokens at D = 128.
+Which blocks a sequence owns is its block table; `kvcache.blocks.BlockManager` hands blocks out (with a prefix
+cache) on the host.
+PagedKVCache: the `core.attention.KVCache` protocol over a pool, so the model's cached generation runs on any
+             format: each forward call writes its tokens' K/V (quantised) and runs unified attention.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from flax import struct
 from kvcache import attention
 from kvcache.formats import Format
 
-__all__ = ["PagedPool", "PagedKVCache", "paged_cache_factory", "IMPLEMENTATIONS"]
+__all__ = ["IMPLEMENTATIONS", "PagedKVCache", "PagedPool", "paged_cache_factory"]
 
 IMPLEMENTATIONS = attention.IMPLEMENTATIONS
 
@@ -32,8 +32,17 @@ class PagedPool:
     fmt: Format = struct.field(pytree_node=False)
 
     @classmethod
-    def create(cls, fmt: Format, *, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int = 16,
-               memory_bytes: int | None = None, num_blocks: int | None = None) -> "PagedPool":
+    def create(
+        cls,
+        fmt: Format,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int = 16,
+        memory_bytes: int | None = None,
+        num_blocks: int | None = None,
+    ) -> PagedPool:
         """A zeroed pool of `num_blocks` blocks, or as many whole blocks as `memory_bytes` holds."""
         if (memory_bytes is None) == (num_blocks is None):
             raise ValueError("PagedPool.create needs exactly one of memory_bytes and num_blocks")
@@ -43,10 +52,14 @@ class PagedPool:
         if num_blocks is None:
             num_blocks = int(memory_bytes) // per_block
             if num_blocks < 1:
-                raise ValueError(f"memory_bytes = {memory_bytes} holds no block: one block of {block_size} tokens "
-                                 f"x {num_layers} layers in {fmt.label} takes {per_block} bytes")
-        fields = {name: jnp.zeros((num_layers, num_blocks, num_kv_heads, block_size, *shape[1:]), dtype)
-                  for name, (shape, dtype) in fmt.fields(num_kv_heads, head_dim).items()}
+                raise ValueError(
+                    f"memory_bytes = {memory_bytes} holds no block: one block of {block_size} tokens "
+                    f"x {num_layers} layers in {fmt.label} takes {per_block} bytes"
+                )
+        fields = {
+            name: jnp.zeros((num_layers, num_blocks, num_kv_heads, block_size, *shape[1:]), dtype)
+            for name, (shape, dtype) in fmt.fields(num_kv_heads, head_dim).items()
+        }
         return cls(fields, fmt)
 
     @property
@@ -88,15 +101,23 @@ class PagedKVCache:
         blocks = jnp.take_along_axis(self.block_tables, jnp.minimum(pos // bs, self.block_tables.shape[1] - 1), 1)
         slots = jnp.where(pos < self.capacity, blocks * bs + pos % bs, -1).reshape(-1)
         kw = dict(fmt=self.pool.fmt, implementation=self.implementation, interpret=self.interpret)
-        fields = attention.write(self.pool.layer(layer), k.reshape(b * t, *k.shape[2:]),
-                                 v.reshape(b * t, *v.shape[2:]), slots, **kw)
+        fields = attention.write(
+            self.pool.layer(layer), k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:]), slots, **kw
+        )
         if t == 1:
             out = attention.decode_attention(q[:, 0], fields, self.block_tables, self.lengths + 1, **kw)
         else:
             qsl = jnp.arange(b + 1, dtype=jnp.int32) * t
             impl = "xla" if self.implementation == "xla_split" else self.implementation  # prefill: the reference
-            out = attention.unified_attention(q.reshape(b * t, h, d), fields, self.block_tables, self.lengths + t,
-                                              qsl, max_query_len=t, **{**kw, "implementation": impl})
+            out = attention.unified_attention(
+                q.reshape(b * t, h, d),
+                fields,
+                self.block_tables,
+                self.lengths + t,
+                qsl,
+                max_query_len=t,
+                **{**kw, "implementation": impl},
+            )
         pool = self.pool.replace(fields={n: x.at[layer].set(fields[n]) for n, x in self.pool.fields.items()})
         return out.reshape(b, t, h, d).astype(q.dtype), self.replace(pool=pool)
 
@@ -104,20 +125,36 @@ class PagedKVCache:
         return self.replace(lengths=self.lengths + jnp.asarray(num_tokens, jnp.int32))
 
 
-def paged_cache_factory(fmt: Format, *, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int = 16,
-                        implementation: str = "xla", interpret: bool | None = None, shuffle_blocks: int | None = None):
+def paged_cache_factory(
+    fmt: Format,
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int = 16,
+    implementation: str = "xla",
+    interpret: bool | None = None,
+    shuffle_blocks: int | None = None,
+):
     """(batch, capacity) -> an empty PagedKVCache for `core.generate.generate`: ceil(capacity / bs) blocks per
     sequence. `shuffle_blocks=seed` hands the blocks out in a random order (tests: tables need not be contiguous)."""
     attention.check_implementation(implementation)
 
     def factory(batch: int, capacity: int) -> PagedKVCache:
         per_seq = -(-capacity // block_size)
-        pool = PagedPool.create(fmt, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                block_size=block_size, num_blocks=batch * per_seq)
+        pool = PagedPool.create(
+            fmt,
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            num_blocks=batch * per_seq,
+        )
         ids = np.arange(batch * per_seq, dtype=np.int32)
         if shuffle_blocks is not None:
             ids = np.random.default_rng(shuffle_blocks).permutation(ids)
-        return PagedKVCache(pool, jnp.asarray(ids.reshape(batch, per_seq)), jnp.zeros((batch,), jnp.int32),
-                            implementation, interpret)
+        return PagedKVCache(
+            pool, jnp.asarray(ids.reshape(batch, per_seq)), jnp.zeros((batch,), jnp.int32), implementation, interpret
+        )
 
     return factory

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from kvcache.formats import Format
 
-__all__ = ["gather_sequences", "unified_attention", "decode_attention", "write"]
+__all__ = ["decode_attention", "gather_sequences", "unified_attention", "write"]
 
 
 def gather_sequences(fields: dict[str, jax.Array], block_tables: jax.Array) -> dict[str, jax.Array]:
@@ -30,9 +30,17 @@ def gather_sequences(fields: dict[str, jax.Array], block_tables: jax.Array) -> d
     return out
 
 
-def unified_attention(q: jax.Array, fields: dict[str, jax.Array], block_tables: jax.Array, seq_lens: jax.Array,
-                      query_start_loc: jax.Array, *, fmt: Format, max_query_len: int | None = None,
-                      sm_scale: float | None = None) -> jax.Array:
+def unified_attention(
+    q: jax.Array,
+    fields: dict[str, jax.Array],
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    query_start_loc: jax.Array,
+    *,
+    fmt: Format,
+    max_query_len: int | None = None,
+    sm_scale: float | None = None,
+) -> jax.Array:
     """Attention of a ragged batch of query chunks over the paged cache: softmax(q k^T * sm_scale + mask) v.
 
     Args:
@@ -53,7 +61,7 @@ def unified_attention(q: jax.Array, fields: dict[str, jax.Array], block_tables: 
     keys, values = fmt.dequantize(kv, rotated=True)  # [B, K, S, D]
     num_kv = keys.shape[1]
     max_q = t if max_query_len is None else max_query_len
-    scale = d ** -0.5 if sm_scale is None else sm_scale
+    scale = d**-0.5 if sm_scale is None else sm_scale
 
     q_len = query_start_loc[1:] - query_start_loc[:-1]  # [B]
     j = jnp.arange(max_q)
@@ -71,16 +79,32 @@ def unified_attention(q: jax.Array, fields: dict[str, jax.Array], block_tables: 
     return fmt.finish_output(out[seq_of, jnp.arange(t) - query_start_loc[seq_of]])
 
 
-def decode_attention(q: jax.Array, fields: dict[str, jax.Array], block_tables: jax.Array, seq_lens: jax.Array, *,
-                     fmt: Format, sm_scale: float | None = None) -> jax.Array:
+def decode_attention(
+    q: jax.Array,
+    fields: dict[str, jax.Array],
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    fmt: Format,
+    sm_scale: float | None = None,
+) -> jax.Array:
     """One new query token per sequence: q [B, H, D] -> [B, H, D] float32 (`unified_attention` with q_len 1)."""
     b = q.shape[0]
-    return unified_attention(q, fields, block_tables, seq_lens, jnp.arange(b + 1, dtype=jnp.int32), fmt=fmt,
-                             max_query_len=1, sm_scale=sm_scale)
+    return unified_attention(
+        q,
+        fields,
+        block_tables,
+        seq_lens,
+        jnp.arange(b + 1, dtype=jnp.int32),
+        fmt=fmt,
+        max_query_len=1,
+        sm_scale=sm_scale,
+    )
 
 
-def write(fields: dict[str, jax.Array], k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *,
-          fmt: Format) -> dict[str, jax.Array]:
+def write(
+    fields: dict[str, jax.Array], k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *, fmt: Format
+) -> dict[str, jax.Array]:
     """Quantise-on-write: k, v [T, K, D] go to flat slots `slot_mapping` [T] (block * bs + offset; negative =
     skip, e.g. padding). Returns the updated fields [NB, K, bs, ...]."""
     new = fmt.quantize(k, v)  # [T, K, ...]

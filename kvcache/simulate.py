@@ -25,7 +25,7 @@ from kvcache import capacity
 from kvcache.engine import EngineConfig, Scheduler
 from kvcache.formats import Format
 
-__all__ = ["Hardware", "ServedModel", "StepCost", "SimulatedEngine", "H200", "SPEC_MODEL_SERVING"]
+__all__ = ["H200", "SPEC_MODEL_SERVING", "Hardware", "ServedModel", "SimulatedEngine", "StepCost"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +69,7 @@ class StepCost:
         new = sum(n for _, n in batch)
         attention = sum(n * (c + (n + 1) / 2) for c, n in batch)
         s = m.shape
-        compute = (2 * m.active_params * new + 4 * s.full_attention_layers * m.num_heads * s.head_dim * attention)
+        compute = 2 * m.active_params * new + 4 * s.full_attention_layers * m.num_heads * s.head_dim * attention
         compute /= hw.flops * hw.mfu
         memory = m.weight_bytes / (hw.bandwidth * hw.bandwidth_efficiency)
         memory += sum(c + n for c, n in batch) * self.kv_bytes_per_token / (hw.bandwidth * self.kernel_efficiency)

@@ -18,19 +18,26 @@ import jax.numpy as jnp
 
 from kvcache.formats import Format
 
-__all__ = ["decode_attention", "BLOCKS_PER_PARTITION"]
+__all__ = ["BLOCKS_PER_PARTITION", "decode_attention"]
 
 BLOCKS_PER_PARTITION = 64  # 1,024 tokens at block size 16: one partition's float32 K/V fit in a CPU's L2/L3
 
 
-def decode_attention(q: jax.Array, fields: dict[str, jax.Array], block_tables: jax.Array, seq_lens: jax.Array, *,
-                     fmt: Format, sm_scale: float | None = None,
-                     blocks_per_partition: int = BLOCKS_PER_PARTITION) -> jax.Array:
+def decode_attention(
+    q: jax.Array,
+    fields: dict[str, jax.Array],
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    fmt: Format,
+    sm_scale: float | None = None,
+    blocks_per_partition: int = BLOCKS_PER_PARTITION,
+) -> jax.Array:
     """q [B, H, D] -> [B, H, D] float32; see `reference.decode_attention`."""
     b, h, d = q.shape
     num_kv, block_size = next(iter(fields.values())).shape[1:3]
     groups = h // num_kv
-    scale = d ** -0.5 if sm_scale is None else sm_scale
+    scale = d**-0.5 if sm_scale is None else sm_scale
     per = min(blocks_per_partition, block_tables.shape[1])
     parts = -(-block_tables.shape[1] // per)
     tables = jnp.pad(block_tables, ((0, 0), (0, parts * per - block_tables.shape[1])))

@@ -37,14 +37,15 @@ class AgentWorkload:
                 raise ValueError(f"AgentWorkload.{name} = {getattr(self, name)}; must be >= 1")
         lo, hi = self.new_input
         if not 1 <= lo <= hi or self.system_prefix < 0 or self.conversation_prefix < 0:
-            raise ValueError(f"AgentWorkload: new_input = {self.new_input} must satisfy 1 <= lo <= hi; prefixes "
-                             f"({self.system_prefix}, {self.conversation_prefix}) must be >= 0")
+            raise ValueError(
+                f"AgentWorkload: new_input = {self.new_input} must satisfy 1 <= lo <= hi; prefixes "
+                f"({self.system_prefix}, {self.conversation_prefix}) must be >= 0"
+            )
 
     @property
     def max_tokens(self) -> int:
         """The longest a conversation gets: every prefix, input and output of all its rounds."""
-        return (self.system_prefix + self.conversation_prefix
-                + self.rounds * (self.new_input[1] + self.output_tokens))
+        return self.system_prefix + self.conversation_prefix + self.rounds * (self.new_input[1] + self.output_tokens)
 
 
 @dataclasses.dataclass
@@ -62,8 +63,10 @@ def conversations(workload: AgentWorkload) -> list[Conversation]:
     out = []
     for i in range(workload.conversations):
         prefix = rng.integers(0, 256, workload.conversation_prefix).tolist()
-        inputs = [rng.integers(0, 256, rng.integers(workload.new_input[0], workload.new_input[1] + 1)).tolist()
-                  for _ in range(workload.rounds)]
+        inputs = [
+            rng.integers(0, 256, rng.integers(workload.new_input[0], workload.new_input[1] + 1)).tolist()
+            for _ in range(workload.rounds)
+        ]
         out.append(Conversation(i, system + prefix, inputs))
     return out
 
@@ -88,9 +91,18 @@ def run(engine, workload: AgentWorkload, *, progress=None) -> dict:
             active += 1
         for request in engine.step():
             conv = owner.pop(request.id)
-            records.append({"conversation": conv.id, "round": conv.round, "prompt_tokens": len(request.prompt),
-                            "cached_tokens": request.cached_tokens, "ttft": request.ttft, "tpot": request.tpot,
-                            "output_tokens": len(request.output), "preemptions": request.preemptions})
+            records.append(
+                {
+                    "conversation": conv.id,
+                    "round": conv.round,
+                    "prompt_tokens": len(request.prompt),
+                    "cached_tokens": request.cached_tokens,
+                    "ttft": request.ttft,
+                    "tpot": request.tpot,
+                    "output_tokens": len(request.output),
+                    "preemptions": request.preemptions,
+                }
+            )
             conv.history = conv.history + conv.inputs[conv.round] + request.output
             conv.round += 1
             if conv.round < workload.rounds:
@@ -104,12 +116,23 @@ def run(engine, workload: AgentWorkload, *, progress=None) -> dict:
     for r in range(workload.rounds):
         rs = [x for x in records if x["round"] == r]
         ttft = np.array([x["ttft"] for x in rs])
-        rounds.append({"round": r, "ttft_p50": float(np.percentile(ttft, 50)),
-                       "ttft_p90": float(np.percentile(ttft, 90)),
-                       "hit_rate": sum(x["cached_tokens"] for x in rs) / sum(x["prompt_tokens"] for x in rs)})
+        rounds.append(
+            {
+                "round": r,
+                "ttft_p50": float(np.percentile(ttft, 50)),
+                "ttft_p90": float(np.percentile(ttft, 90)),
+                "hit_rate": sum(x["cached_tokens"] for x in rs) / sum(x["prompt_tokens"] for x in rs),
+            }
+        )
     out_tokens = sum(x["output_tokens"] for x in records)
-    return {"records": records, "rounds": rounds, "seconds": seconds, "output_tokens": out_tokens,
-            "output_throughput": out_tokens / seconds,
-            "hit_rate": sum(x["cached_tokens"] for x in records) / sum(x["prompt_tokens"] for x in records),
-            "ttft_p50": float(np.percentile([x["ttft"] for x in records], 50)),
-            "preemptions": engine.stats["preemptions"], "steps": engine.stats["steps"]}
+    return {
+        "records": records,
+        "rounds": rounds,
+        "seconds": seconds,
+        "output_tokens": out_tokens,
+        "output_throughput": out_tokens / seconds,
+        "hit_rate": sum(x["cached_tokens"] for x in records) / sum(x["prompt_tokens"] for x in records),
+        "ttft_p50": float(np.percentile([x["ttft"] for x in records], 50)),
+        "preemptions": engine.stats["preemptions"],
+        "steps": engine.stats["steps"],
+    }

@@ -12,32 +12,55 @@ from moe.grouped_matmul import IMPLEMENTATIONS
 from moe.layer import DISPATCH, ROUTING_MODES
 from moe.router import ROUTERS
 
-__all__ = ["section", "check", "fomoe_section", "check_fomoe"]
+__all__ = ["check", "check_fomoe", "fomoe_section", "section"]
 
 
 def section() -> dict[str, Field]:
     """The `moe` section: which layers are MoE and how they route and dispatch."""
     return {
-        "every": Field(0, (int,), "MoE FFN in every n-th block (layer i is MoE iff (i + 1) % every == 0; 1 = all "
-                       "blocks, 2 = blocks 1, 3, ...); 0 = a dense model", low=0),
+        "every": Field(
+            0,
+            (int,),
+            "MoE FFN in every n-th block (layer i is MoE iff (i + 1) % every == 0; 1 = all "
+            "blocks, 2 = blocks 1, 3, ...); 0 = a dense model",
+            low=0,
+        ),
         "num_experts": Field(8, (int,), "experts per MoE layer", low=1),
         "top_k": Field(2, (int,), "experts chosen per token", low=1),
-        "expert_size": Field(128, (int,), "hidden width of each expert (up: d_model -> expert_size, SiLU, down)",
-                             low=1),
+        "expert_size": Field(
+            128, (int,), "hidden width of each expert (up: d_model -> expert_size, SiLU, down)", low=1
+        ),
         "shared_expert_size": Field(0, (int,), "hidden width of an always-on shared expert (0 = none)", low=0),
-        "router": Field("sigmoid", (str,), "'sigmoid' (sigma-MoE: gates sigmoid(logit), not renormalised) or "
-                        "'softmax' (gates = softmax probabilities of the chosen experts)", choices=ROUTERS),
+        "router": Field(
+            "sigmoid",
+            (str,),
+            "'sigmoid' (sigma-MoE: gates sigmoid(logit), not renormalised) or "
+            "'softmax' (gates = softmax probabilities of the chosen experts)",
+            choices=ROUTERS,
+        ),
         "normalize_gates": Field(False, (bool,), "softmax router: divide the k gates by their sum (Mixtral)"),
-        "dispatch": Field("dropless", (str,), "'dropless' (sort + grouped matmul; all-to-all when experts are "
-                          "sharded) or 'capacity' (GShard einsum, drops assignments past capacity)",
-                          choices=DISPATCH),
-        "capacity_factor": Field(1.25, (float,), "capacity dispatch: slots per expert per sequence = "
-                                 "ceil(factor x seq_len x top_k / num_experts)", low=0.0, low_open=True),
+        "dispatch": Field(
+            "dropless",
+            (str,),
+            "'dropless' (sort + grouped matmul; all-to-all when experts are "
+            "sharded) or 'capacity' (GShard einsum, drops assignments past capacity)",
+            choices=DISPATCH,
+        ),
+        "capacity_factor": Field(
+            1.25,
+            (float,),
+            "capacity dispatch: slots per expert per sequence = ceil(factor x seq_len x top_k / num_experts)",
+            low=0.0,
+            low_open=True,
+        ),
         "load_balance_weight": Field(0.01, (float,), "weight of the Switch load-balance loss", low=0.0),
         "z_loss_weight": Field(0.001, (float,), "weight of the router z-loss", low=0.0),
-        "grouped_matmul": Field("auto", (str,), "dropless expert product: 'auto' (ragged_dot on GPU/TPU, "
-                                "windowed loop on CPU), 'ragged_dot', 'windowed'",
-                                choices=IMPLEMENTATIONS),
+        "grouped_matmul": Field(
+            "auto",
+            (str,),
+            "dropless expert product: 'auto' (ragged_dot on GPU/TPU, windowed loop on CPU), 'ragged_dot', 'windowed'",
+            choices=IMPLEMENTATIONS,
+        ),
     }
 
 
@@ -47,44 +70,75 @@ def check(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int] | None) 
     if m.every == 0:
         return
     if m.every > config.model.num_layers:
-        raise ConfigError(f"config key 'moe.every' = {m.every} exceeds 'model.num_layers' = "
-                          f"{config.model.num_layers}: no block would be MoE. Use 0 for a dense model.")
+        raise ConfigError(
+            f"config key 'moe.every' = {m.every} exceeds 'model.num_layers' = "
+            f"{config.model.num_layers}: no block would be MoE. Use 0 for a dense model."
+        )
     if m.top_k > m.num_experts:
-        raise ConfigError(f"config key 'moe.top_k' = {m.top_k} exceeds 'moe.num_experts' = {m.num_experts}; "
-                          "a token chooses at most every expert once.")
+        raise ConfigError(
+            f"config key 'moe.top_k' = {m.top_k} exceeds 'moe.num_experts' = {m.num_experts}; "
+            "a token chooses at most every expert once."
+        )
     if m.normalize_gates and m.router != "softmax":
-        raise ConfigError(f"config key 'moe.normalize_gates' = True needs 'moe.router' = 'softmax' (got "
-                          f"{m.router!r}); sigmoid gates are never renormalised.")
+        raise ConfigError(
+            f"config key 'moe.normalize_gates' = True needs 'moe.router' = 'softmax' (got "
+            f"{m.router!r}); sigmoid gates are never renormalised."
+        )
     if mesh_sizes is None:
         return
     targets = rule_mesh_axes(config.mesh.rules, "expert")
     shards = math.prod(mesh_sizes[axis] for axis in targets)
     if m.num_experts % shards:
-        raise ConfigError(f"config key 'moe.num_experts' = {m.num_experts} is not divisible by the mesh axes "
-                          f"{list(targets)} = {shards} devices that shard the experts (mesh.rules maps 'expert' "
-                          "to them); use a multiple of that or change the mesh.")
+        raise ConfigError(
+            f"config key 'moe.num_experts' = {m.num_experts} is not divisible by the mesh axes "
+            f"{list(targets)} = {shards} devices that shard the experts (mesh.rules maps 'expert' "
+            "to them); use a multiple of that or change the mesh."
+        )
 
 
 def fomoe_section() -> dict[str, Field]:
     """The `fomoe` section: federated training across `mesh.site` sites (used when mesh.site > 1)."""
     return {
-        "overlap": Field(1, (int,), "O_e: sites hosting each expert (1 = disjoint experts, mesh.site = full "
-                         "replica); must divide mesh.site, and O_e x moe.num_experts must be divisible by it", low=1),
+        "overlap": Field(
+            1,
+            (int,),
+            "O_e: sites hosting each expert (1 = disjoint experts, mesh.site = full "
+            "replica); must divide mesh.site, and O_e x moe.num_experts must be divisible by it",
+            low=1,
+        ),
         "local_steps": Field(32, (int,), "K: local optimizer steps per round; train.steps must be a multiple", low=1),
-        "outer": Field("local_adamw", (str,), "synchronisation: 'local_adamw' (average parameters and both AdamW "
-                       "moments) or 'diloco' (outer Nesterov step on the averaged change)",
-                       choices=("local_adamw", "diloco")),
+        "outer": Field(
+            "local_adamw",
+            (str,),
+            "synchronisation: 'local_adamw' (average parameters and both AdamW "
+            "moments) or 'diloco' (outer Nesterov step on the averaged change)",
+            choices=("local_adamw", "diloco"),
+        ),
         "outer_learning_rate": Field(0.7, (float,), "DiLoCo outer learning rate", low=0.0, low_open=True),
         "outer_momentum": Field(0.9, (float,), "DiLoCo outer Nesterov momentum", low=0.0, high=0.999),
-        "routing": Field("partitioned", (str,), "'partitioned' (a site routes over its resident experts, top "
-                         "min(k, N_le)) or 'skip_token' (global router; non-resident choices are skipped)",
-                         choices=ROUTING_MODES),
-        "placement": Field("fixed", (str,), "'fixed' (the spec's strided blocks) or 'random' (experts regrouped "
-                           "into the blocks at random every reshuffle_every rounds; arrived experts get fresh "
-                           "optimizer state and a learning-rate warm-up)", choices=("fixed", "random")),
+        "routing": Field(
+            "partitioned",
+            (str,),
+            "'partitioned' (a site routes over its resident experts, top "
+            "min(k, N_le)) or 'skip_token' (global router; non-resident choices are skipped)",
+            choices=ROUTING_MODES,
+        ),
+        "placement": Field(
+            "fixed",
+            (str,),
+            "'fixed' (the spec's strided blocks) or 'random' (experts regrouped "
+            "into the blocks at random every reshuffle_every rounds; arrived experts get fresh "
+            "optimizer state and a learning-rate warm-up)",
+            choices=("fixed", "random"),
+        ),
         "reshuffle_every": Field(4, (int,), "random placement: rounds between reshuffles (T)", low=1),
-        "arrival_warmup": Field(8, (int,), "random placement: local steps over which an arrived expert's "
-                                "learning rate ramps linearly up to the schedule's", low=1),
+        "arrival_warmup": Field(
+            8,
+            (int,),
+            "random placement: local steps over which an arrived expert's "
+            "learning rate ramps linearly up to the schedule's",
+            low=1,
+        ),
     }
 
 
@@ -99,22 +153,34 @@ def check_fomoe(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int] | 
     if mesh_sizes is not None:
         inner = {a: mesh_sizes[a] for a in ("data", "expert", "model") if mesh_sizes[a] != 1}
         if inner:
-            raise ConfigError(f"a federated run (mesh.site = {sites}) uses one device per site for now; got "
-                              f"{', '.join(f'mesh.{a} = {n}' for a, n in inner.items())}: set them to 1.")
+            raise ConfigError(
+                f"a federated run (mesh.site = {sites}) uses one device per site for now; got "
+                f"{', '.join(f'mesh.{a} = {n}' for a, n in inner.items())}: set them to 1."
+            )
     if f.overlap > sites or sites % f.overlap:
-        raise ConfigError(f"config key 'fomoe.overlap' = {f.overlap} must divide 'mesh.site' = {sites} (the sites "
-                          "form mesh.site / overlap replica groups).")
+        raise ConfigError(
+            f"config key 'fomoe.overlap' = {f.overlap} must divide 'mesh.site' = {sites} (the sites "
+            "form mesh.site / overlap replica groups)."
+        )
     if config.moe.every and (f.overlap * config.moe.num_experts) % sites:
-        raise ConfigError(f"config keys 'fomoe.overlap' x 'moe.num_experts' = {f.overlap} x "
-                          f"{config.moe.num_experts} must be divisible by 'mesh.site' = {sites}: each site hosts "
-                          "overlap x num_experts / site experts.")
+        raise ConfigError(
+            f"config keys 'fomoe.overlap' x 'moe.num_experts' = {f.overlap} x "
+            f"{config.moe.num_experts} must be divisible by 'mesh.site' = {sites}: each site hosts "
+            "overlap x num_experts / site experts."
+        )
     if f.placement == "random" and f.overlap == sites:
-        raise ConfigError(f"config key 'fomoe.placement' = 'random' needs 'fomoe.overlap' < 'mesh.site' (got "
-                          f"{f.overlap} = {sites}): with a full replica every site hosts every expert and there "
-                          "is nothing to reshuffle. Use 'fixed'.")
+        raise ConfigError(
+            f"config key 'fomoe.placement' = 'random' needs 'fomoe.overlap' < 'mesh.site' (got "
+            f"{f.overlap} = {sites}): with a full replica every site hosts every expert and there "
+            "is nothing to reshuffle. Use 'fixed'."
+        )
     if config.train.steps % f.local_steps:
-        raise ConfigError(f"config key 'train.steps' = {config.train.steps} must be a multiple of "
-                          f"'fomoe.local_steps' = {f.local_steps} (whole rounds).")
+        raise ConfigError(
+            f"config key 'train.steps' = {config.train.steps} must be a multiple of "
+            f"'fomoe.local_steps' = {f.local_steps} (whole rounds)."
+        )
     if config.data.batch_size % sites:
-        raise ConfigError(f"config key 'data.batch_size' = {config.data.batch_size} must be divisible by "
-                          f"'mesh.site' = {sites} (each site trains on its share of the global batch).")
+        raise ConfigError(
+            f"config key 'data.batch_size' = {config.data.batch_size} must be divisible by "
+            f"'mesh.site' = {sites} (each site trains on its share of the global batch)."
+        )

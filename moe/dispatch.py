@@ -24,8 +24,15 @@ import jax.numpy as jnp
 
 from core.model import DotGeneral, GroupedMatmul
 
-__all__ = ["permute", "expert_ffn", "dropless", "capacity_per_group", "capacity_assignment", "capacity",
-           "expert_parallel_dropless"]
+__all__ = [
+    "capacity",
+    "capacity_assignment",
+    "capacity_per_group",
+    "dropless",
+    "expert_ffn",
+    "expert_parallel_dropless",
+    "permute",
+]
 
 
 @jax.custom_vjp
@@ -48,8 +55,14 @@ def _sort_by(ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     return order, inverse
 
 
-def expert_ffn(xs: jax.Array, group_sizes: jax.Array, up: jax.Array, down: jax.Array, gmm_up: GroupedMatmul,
-               gmm_down: GroupedMatmul) -> jax.Array:
+def expert_ffn(
+    xs: jax.Array,
+    group_sizes: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    gmm_up: GroupedMatmul,
+    gmm_down: GroupedMatmul,
+) -> jax.Array:
     """silu(xs @ up[g]) @ down[g] per group. xs: [M, d] sorted by expert; up: [E, d, h]; down: [E, h, d].
     Products accumulate in float32 and return in xs.dtype; rows past sum(group_sizes) come out zero."""
     h = gmm_up(xs, up.astype(xs.dtype), group_sizes, preferred_element_type=jnp.float32)
@@ -63,8 +76,16 @@ def _combine(y_sorted: jax.Array, inverse: jax.Array, order: jax.Array, gates: j
     return jnp.einsum("nkd,nk->nd", y, gates.astype(y.dtype), preferred_element_type=jnp.float32).astype(y.dtype)
 
 
-def dropless(x: jax.Array, experts: jax.Array, gates: jax.Array, up: jax.Array, down: jax.Array, *,
-             gmm_up: GroupedMatmul, gmm_down: GroupedMatmul) -> jax.Array:
+def dropless(
+    x: jax.Array,
+    experts: jax.Array,
+    gates: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    *,
+    gmm_up: GroupedMatmul,
+    gmm_down: GroupedMatmul,
+) -> jax.Array:
     """Every assignment computed: sort the N k (token, expert) pairs by expert, run the experts as one grouped
     matmul, unsort and combine with the gates.
 
@@ -73,7 +94,7 @@ def dropless(x: jax.Array, experts: jax.Array, gates: jax.Array, up: jax.Array, 
     Returns:
       y: [N, d] in x.dtype.
     """
-    n, k = experts.shape
+    _n, k = experts.shape
     order, inverse = _sort_by(experts.reshape(-1))
     group_sizes = jnp.bincount(experts.reshape(-1), length=up.shape[0]).astype(jnp.int32)
     xs = permute(jnp.repeat(x, k, axis=0), order, inverse)
@@ -105,9 +126,17 @@ def capacity_assignment(experts: jax.Array, num_experts: int, slots: int) -> tup
     return position, position < slots
 
 
-def capacity(x: jax.Array, experts: jax.Array, gates: jax.Array, up: jax.Array, down: jax.Array, *,
-             capacity_factor: float, dot_general: DotGeneral,
-             shard: Callable[[jax.Array, tuple], jax.Array]) -> tuple[jax.Array, jax.Array]:
+def capacity(
+    x: jax.Array,
+    experts: jax.Array,
+    gates: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    *,
+    capacity_factor: float,
+    dot_general: DotGeneral,
+    shard: Callable[[jax.Array, tuple], jax.Array],
+) -> tuple[jax.Array, jax.Array]:
     """GShard capacity dispatch: one-hot dispatch/combine einsums, each sequence a group of T tokens with
     `capacity_per_group` slots per expert; assignments past capacity are dropped (`capacity_assignment` order).
 
@@ -120,7 +149,7 @@ def capacity(x: jax.Array, experts: jax.Array, gates: jax.Array, up: jax.Array, 
     Returns:
       (y [B, T, d] in x.dtype, keep [B, T, k] bool).
     """
-    b, t, k = experts.shape
+    _b, t, k = experts.shape
     num_experts = up.shape[0]
     slots = capacity_per_group(t, k, num_experts, capacity_factor)
     position, keep = capacity_assignment(experts, num_experts, slots)
@@ -138,8 +167,17 @@ def capacity(x: jax.Array, experts: jax.Array, gates: jax.Array, up: jax.Array, 
     return y, keep
 
 
-def expert_parallel_dropless(x: jax.Array, experts: jax.Array, gates: jax.Array, up: jax.Array, down: jax.Array,
-                             *, axis: str, gmm_up: GroupedMatmul, gmm_down: GroupedMatmul) -> jax.Array:
+def expert_parallel_dropless(
+    x: jax.Array,
+    experts: jax.Array,
+    gates: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    *,
+    axis: str,
+    gmm_up: GroupedMatmul,
+    gmm_down: GroupedMatmul,
+) -> jax.Array:
     """Dropless dispatch to experts sharded over mesh axis `axis`; call inside `jax.shard_map`.
 
     Each device holds n local tokens and E_l = E / P consecutive experts (device j: experts j E_l .. (j+1) E_l - 1).

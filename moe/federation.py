@@ -27,7 +27,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from moe.layer import Residency
 
-__all__ = ["SITE_AXES", "site_mesh", "per_site", "average", "is_expert_variable", "expert_flags", "to_sites"]
+__all__ = ["SITE_AXES", "average", "expert_flags", "is_expert_variable", "per_site", "site_mesh", "to_sites"]
 
 SITE_AXES = ("replica", "block")
 
@@ -39,8 +39,9 @@ def site_mesh(sites: int, overlap: int, devices: Sequence[jax.Device] | None = N
         raise ValueError(f"{sites} sites need {sites} devices, one per site; only {len(devices)} are available.")
     if not 1 <= overlap <= sites or sites % overlap:
         raise ValueError(f"overlap O_e = {overlap} must divide the number of sites M = {sites}.")
-    return jax.make_mesh((overlap, sites // overlap), SITE_AXES, axis_types=(AxisType.Auto,) * 2,
-                         devices=devices[:sites])
+    return jax.make_mesh(
+        (overlap, sites // overlap), SITE_AXES, axis_types=(AxisType.Auto,) * 2, devices=devices[:sites]
+    )
 
 
 def per_site(fn, mesh: Mesh, in_axes: Sequence[int | None], out_axes: Sequence[int] | int = 0):
@@ -55,6 +56,7 @@ def per_site(fn, mesh: Mesh, in_axes: Sequence[int | None], out_axes: Sequence[i
       in_axes / out_axes: for each argument / output, the position of its site axis (None: the same value for
         every site, e.g. evaluation tokens).
     """
+
     def spec(axis):
         return PartitionSpec() if axis is None else PartitionSpec(*([None] * axis), SITE_AXES)
 
@@ -78,8 +80,10 @@ def average(tree, is_expert, mesh: Mesh):
     flags, treedef = jax.tree.flatten(jax.tree.broadcast(is_expert, tree))
 
     def local(*leaves):  # integer leaves (step counts, expert ids) are never averaged
-        return [jax.lax.pmean(x, "replica" if e else SITE_AXES) if jnp.issubdtype(x.dtype, jnp.inexact) else x
-                for x, e in zip(leaves, flags)]
+        return [
+            jax.lax.pmean(x, "replica" if e else SITE_AXES) if jnp.issubdtype(x.dtype, jnp.inexact) else x
+            for x, e in zip(leaves, flags)
+        ]
 
     leaves = jax.tree.leaves(tree)
     out = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * len(leaves), out_specs=[spec] * len(leaves))(*leaves)

@@ -26,8 +26,14 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-__all__ = ["GroupedMatmul", "GroupedMatmulFn", "grouped_matmul", "windowed_grouped_matmul", "default_window",
-           "IMPLEMENTATIONS"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "GroupedMatmul",
+    "GroupedMatmulFn",
+    "default_window",
+    "grouped_matmul",
+    "windowed_grouped_matmul",
+]
 
 GroupedMatmul = Callable[..., jax.Array]
 """`(lhs [M, K], rhs [G, K, N], group_sizes [G] int32, *, preferred_element_type=None) -> [M, N]`."""
@@ -48,17 +54,28 @@ def default_window(num_rows: int, num_groups: int) -> int:
 
 def _check(lhs, rhs, group_sizes):
     if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
-        raise ValueError(f"grouped_matmul expects lhs [M, K], rhs [G, K, N], group_sizes [G]; got shapes "
-                         f"{lhs.shape}, {rhs.shape}, {group_sizes.shape}.")
+        raise ValueError(
+            f"grouped_matmul expects lhs [M, K], rhs [G, K, N], group_sizes [G]; got shapes "
+            f"{lhs.shape}, {rhs.shape}, {group_sizes.shape}."
+        )
     if lhs.shape[1] != rhs.shape[1] or rhs.shape[0] != group_sizes.shape[0]:
-        raise ValueError(f"grouped_matmul: lhs {lhs.shape} and rhs {rhs.shape} need lhs[1] == rhs[1] (K) and "
-                         f"group_sizes {group_sizes.shape} one entry per rhs group ({rhs.shape[0]}).")
+        raise ValueError(
+            f"grouped_matmul: lhs {lhs.shape} and rhs {rhs.shape} need lhs[1] == rhs[1] (K) and "
+            f"group_sizes {group_sizes.shape} one entry per rhs group ({rhs.shape[0]})."
+        )
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(f"grouped_matmul: group_sizes must be integer, got {group_sizes.dtype}.")
 
 
-def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, preferred_element_type=None, *,
-                   implementation: str = "auto", window: int | None = None) -> jax.Array:
+def grouped_matmul(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    preferred_element_type=None,
+    *,
+    implementation: str = "auto",
+    window: int | None = None,
+) -> jax.Array:
     """`out[i] = lhs[i] @ rhs[group(i)]` (see the module docstring); ragged_dot's signature and semantics.
 
     Args:
@@ -94,8 +111,9 @@ class GroupedMatmulFn:
     window: int | None = None
 
     def __call__(self, lhs, rhs, group_sizes, preferred_element_type=None):
-        return grouped_matmul(lhs, rhs, group_sizes, preferred_element_type, implementation=self.implementation,
-                              window=self.window)
+        return grouped_matmul(
+            lhs, rhs, group_sizes, preferred_element_type, implementation=self.implementation, window=self.window
+        )
 
 
 def _windows(group_sizes: jax.Array, num_rows: int, window: int):
@@ -165,7 +183,8 @@ def _bwd(window, out_dtype, res, g):
         x = jnp.where(mine, jax.lax.dynamic_slice_in_dim(x_pad, start, window), 0)
         dy = jax.lax.dynamic_slice_in_dim(g_pad, start, window)
         update = jax.lax.dynamic_index_in_dim(acc, gid, keepdims=False) + jax.lax.dot_general(
-            x, dy, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            x, dy, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
         return jax.lax.dynamic_update_index_in_dim(acc, update, gid, 0)
 
     d_rhs = jax.lax.fori_loop(0, count, body, _zeros(rhs.shape, jnp.float32, lhs, g)).astype(rhs.dtype)

@@ -35,12 +35,12 @@ from jax.sharding import PartitionSpec
 
 from core.config import mesh_axes
 from core.mesh import Sharder, logical_to_spec
-from core.model import Dense, DefaultPrecision, Precision, TransformerConfig, layer_key
+from core.model import DefaultPrecision, Dense, Precision, TransformerConfig, layer_key
 from moe import dispatch as dispatch_lib
 from moe import router as router_lib
 from moe.grouped_matmul import GroupedMatmulFn
 
-__all__ = ["MoEConfig", "MoE", "Residency", "expert_mesh_axis", "DISPATCH", "ROUTING_MODES"]
+__all__ = ["DISPATCH", "ROUTING_MODES", "MoE", "MoEConfig", "Residency", "expert_mesh_axis"]
 
 DISPATCH = ("dropless", "capacity")
 ROUTING_MODES = ("partitioned", "skip_token")
@@ -64,7 +64,7 @@ class MoEConfig:
     grouped_matmul: str = "auto"
 
     @classmethod
-    def from_config(cls, moe: ml_collections.ConfigDict) -> "MoEConfig":
+    def from_config(cls, moe: ml_collections.ConfigDict) -> MoEConfig:
         return cls(**moe.to_dict())
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -86,12 +86,16 @@ def expert_mesh_axis(shard: Sharder, num_experts: int) -> str | None:
     if target is None:
         return None
     if not isinstance(target, str):
-        raise ValueError(f"the logical axis 'expert' maps to mesh axes {target}; expert parallelism supports "
-                         "one mesh axis (set mesh.rules so that 'expert' maps to one axis, e.g. 'expert').")
+        raise ValueError(
+            f"the logical axis 'expert' maps to mesh axes {target}; expert parallelism supports "
+            "one mesh axis (set mesh.rules so that 'expert' maps to one axis, e.g. 'expert')."
+        )
     size = shard.mesh.shape[target]
     if num_experts % size:
-        raise ValueError(f"moe.num_experts = {num_experts} is not divisible by the mesh axis '{target}' = {size} "
-                         "that shards the experts; use a multiple of it or change mesh.expert.")
+        raise ValueError(
+            f"moe.num_experts = {num_experts} is not divisible by the mesh axis '{target}' = {size} "
+            "that shards the experts; use a multiple of it or change mesh.expert."
+        )
     return target
 
 
@@ -103,12 +107,23 @@ class MoE(nnx.Module):
     (moe.router.routing_stats).
     """
 
-    def __init__(self, cfg: TransformerConfig, moe: MoEConfig, *, path: str, rngs: nnx.Rngs,
-                 precision: Precision | None = None, shard: Sharder | None = None,
-                 resident: Sequence[int] | None = None, routing_mode: str = "partitioned"):
+    def __init__(
+        self,
+        cfg: TransformerConfig,
+        moe: MoEConfig,
+        *,
+        path: str,
+        rngs: nnx.Rngs,
+        precision: Precision | None = None,
+        shard: Sharder | None = None,
+        resident: Sequence[int] | None = None,
+        routing_mode: str = "partitioned",
+    ):
         if moe.router not in router_lib.ROUTERS or moe.dispatch not in DISPATCH:
-            raise ValueError(f"moe.router = {moe.router!r} (allowed {list(router_lib.ROUTERS)}) / moe.dispatch = "
-                             f"{moe.dispatch!r} (allowed {list(DISPATCH)}).")
+            raise ValueError(
+                f"moe.router = {moe.router!r} (allowed {list(router_lib.ROUTERS)}) / moe.dispatch = "
+                f"{moe.dispatch!r} (allowed {list(DISPATCH)})."
+            )
         if not 1 <= moe.top_k <= moe.num_experts:
             raise ValueError(f"moe.top_k = {moe.top_k} must be in [1, moe.num_experts = {moe.num_experts}].")
         if routing_mode not in ROUTING_MODES:
@@ -122,8 +137,9 @@ class MoE(nnx.Module):
         self.skip_token = routing_mode == "skip_token" and local < e
         self.shard = Sharder() if shard is None else shard
         self.ep_axis = expert_mesh_axis(self.shard, local) if moe.dispatch == "dropless" else None
-        self.precision = precision if precision is not None else DefaultPrecision(
-            grouped=GroupedMatmulFn(moe.grouped_matmul))
+        self.precision = (
+            precision if precision is not None else DefaultPrecision(grouped=GroupedMatmulFn(moe.grouped_matmul))
+        )
         self.moe, self.path, self.dtype = moe, path, cfg.compute_dtype
         self.record_routes = False  # True: keep each call's chosen global expert ids [N, k] in `last_routes`
         d, h = cfg.d_model, moe.expert_size
@@ -135,16 +151,17 @@ class MoE(nnx.Module):
         # Partitioned router: one column per resident expert, so the columns belong to the experts (logical axis
         # "expert": sharded and synchronised with them). Skip-token: a dense parameter over all N_e experts.
         dense_router = routing_mode == "skip_token"
-        self.router = nnx.Param(normal((d, e if dense_router else local), cfg.init_std),
-                                axes=("embed", None if dense_router else "expert"))
+        self.router = nnx.Param(
+            normal((d, e if dense_router else local), cfg.init_std), axes=("embed", None if dense_router else "expert")
+        )
         self.up = nnx.Param(normal((local, d, h), cfg.init_std), axes=("expert", "embed", "expert_mlp"))
         self.down = nnx.Param(normal((local, h, d), out_std), axes=("expert", "expert_mlp", "embed"))
         if moe.shared_expert_size:
             common = dict(precision=self.precision, cfg=cfg, rngs=rngs)
-            self.shared_up = Dense(d, moe.shared_expert_size, axes=("embed", "mlp"), path=f"{path}.shared.up",
-                                   **common)
-            self.shared_down = Dense(moe.shared_expert_size, d, axes=("mlp", "embed"), path=f"{path}.shared.down",
-                                     std=out_std, **common)
+            self.shared_up = Dense(d, moe.shared_expert_size, axes=("embed", "mlp"), path=f"{path}.shared.up", **common)
+            self.shared_down = Dense(
+                moe.shared_expert_size, d, axes=("mlp", "embed"), path=f"{path}.shared.down", std=out_std, **common
+            )
 
     def route(self, x: jax.Array, key: jax.Array | None = None, router: jax.Array | None = None) -> router_lib.Routing:
         """Router logits in float32 for x [..., d] flattened to [N, d]; the top-k Routing over the router's
@@ -160,8 +177,11 @@ class MoE(nnx.Module):
 
     def global_ids(self, experts: jax.Array) -> jax.Array:
         """Router column -> global expert id (the partitioned router's columns are the resident experts)."""
-        return experts if self.router.get_value().shape[1] == self.moe.num_experts else (
-            self.resident.get_value()[experts])
+        return (
+            experts
+            if self.router.get_value().shape[1] == self.moe.num_experts
+            else (self.resident.get_value()[experts])
+        )
 
     def local_ids(self, experts: jax.Array, resident: jax.Array | None = None) -> jax.Array:
         """Router column -> local expert slot; a ghost (not resident) -> N_le, which no dispatch computes."""
@@ -182,9 +202,15 @@ class MoE(nnx.Module):
             experts = self.local_ids(routing.experts)
             path = f"{self.path}.experts"
             y, keep = dispatch_lib.capacity(
-                x, experts.reshape(b, t, -1), routing.gates.reshape(b, t, -1), up, down,
-                capacity_factor=m.capacity_factor, dot_general=self.precision.dot_general(path, layer_key(key, path)),
-                shard=self.shard)
+                x,
+                experts.reshape(b, t, -1),
+                routing.gates.reshape(b, t, -1),
+                up,
+                down,
+                capacity_factor=m.capacity_factor,
+                dot_general=self.precision.dot_general(path, layer_key(key, path)),
+                shard=self.shard,
+            )
             keep = keep.reshape(b * t, -1)
         else:
             y, routing, experts = self._dropless(x.reshape(b * t, d), up, down, key)
@@ -195,8 +221,9 @@ class MoE(nnx.Module):
             y = y + self.shared_down(jax.nn.silu(self.shared_up(x, key=key)), key=key)
         y = self.shard(y, ("batch", "seq", "embed"))
         stats = router_lib.routing_stats(routing, keep)
-        aux = {f"moe/{name}": stats[name] for name in ("load_cv", "load_entropy", "token_entropy", "max_load",
-                                                        "dropped")}
+        aux = {
+            f"moe/{name}": stats[name] for name in ("load_cv", "load_entropy", "token_entropy", "max_load", "dropped")
+        }
         if self.skip_token:
             aux["moe/ghost_fraction"] = jnp.mean((experts == self.up.get_value().shape[0]).astype(jnp.float32))
         if m.load_balance_weight:
@@ -213,8 +240,10 @@ class MoE(nnx.Module):
         would gather every token), and with expert parallelism the tokens travel by all_to_all. A token count the
         devices cannot split evenly (e.g. one decode step of one sequence) is padded with zero rows, computed and
         discarded; they never enter the routing statistics."""
-        gmm_up, gmm_down = (self.precision.grouped_matmul(p, layer_key(key, p))
-                            for p in (f"{self.path}.experts.up", f"{self.path}.experts.down"))
+        gmm_up, gmm_down = (
+            self.precision.grouped_matmul(p, layer_key(key, p))
+            for p in (f"{self.path}.experts.up", f"{self.path}.experts.down")
+        )
 
         def local(x, router, resident, up, down):
             routing = self.route(x, key, router)
@@ -222,8 +251,9 @@ class MoE(nnx.Module):
             if self.ep_axis is None:
                 y = dispatch_lib.dropless(x, experts, routing.gates, up, down, gmm_up=gmm_up, gmm_down=gmm_down)
             else:
-                y = dispatch_lib.expert_parallel_dropless(x, experts, routing.gates, up, down, axis=self.ep_axis,
-                                                          gmm_up=gmm_up, gmm_down=gmm_down)
+                y = dispatch_lib.expert_parallel_dropless(
+                    x, experts, routing.gates, up, down, axis=self.ep_axis, gmm_up=gmm_up, gmm_down=gmm_down
+                )
             return y, routing, experts
 
         weights = (self.router.get_value(), self.resident.get_value(), up, down)
@@ -241,7 +271,11 @@ class MoE(nnx.Module):
         if pad:
             x = jnp.concatenate([x, jnp.zeros((pad,) + x.shape[1:], x.dtype)])
         tokens, experts_spec = PartitionSpec(token_axes), PartitionSpec(self.ep_axis)
-        fn = jax.shard_map(local, mesh=mesh, in_specs=(tokens, PartitionSpec(), PartitionSpec(), experts_spec,
-                                                       experts_spec), out_specs=tokens)
+        fn = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(tokens, PartitionSpec(), PartitionSpec(), experts_spec, experts_spec),
+            out_specs=tokens,
+        )
         y, routing, experts = fn(x, *weights)
         return y[:n], jax.tree.map(lambda a: a[:n], routing), experts[:n]

@@ -31,14 +31,20 @@ def _check(num_experts: int, sites: int, overlap: int) -> None:
         if not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"placement: {name} = {value!r} must be a positive integer.")
     if overlap > sites:
-        raise ValueError(f"placement: overlap O_e = {overlap} exceeds the number of sites M = {sites}; an expert "
-                         "can be hosted by at most every site (O_e = M is a full replica).")
+        raise ValueError(
+            f"placement: overlap O_e = {overlap} exceeds the number of sites M = {sites}; an expert "
+            "can be hosted by at most every site (O_e = M is a full replica)."
+        )
     if sites % overlap:
-        raise ValueError(f"placement: overlap O_e = {overlap} must divide the number of sites M = {sites} (the "
-                         f"sites form M / O_e replica groups of O_e sites).")
+        raise ValueError(
+            f"placement: overlap O_e = {overlap} must divide the number of sites M = {sites} (the "
+            f"sites form M / O_e replica groups of O_e sites)."
+        )
     if (overlap * num_experts) % sites:
-        raise ValueError(f"placement: O_e x N_e = {overlap} x {num_experts} is not divisible by M = {sites}; each "
-                         "site must host a whole number of experts (N_le = O_e N_e / M).")
+        raise ValueError(
+            f"placement: O_e x N_e = {overlap} x {num_experts} is not divisible by M = {sites}; each "
+            "site must host a whole number of experts (N_le = O_e N_e / M)."
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +84,7 @@ class Placement:
         np.put_along_axis(mask, self.experts, True, axis=1)
         return mask
 
-    def arrivals(self, previous: "Placement") -> np.ndarray:
+    def arrivals(self, previous: Placement) -> np.ndarray:
         """[M, N_le] bool: experts[s, j] was not on site s under `previous` (fresh state and warm-up needed)."""
         if previous.experts.shape != self.experts.shape or previous.num_experts != self.num_experts:
             raise ValueError(f"placements of different shapes: {previous.experts.shape} and {self.experts.shape}.")

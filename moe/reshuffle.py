@@ -36,7 +36,7 @@ from moe.federation import SITE_AXES, is_expert_variable
 from moe.layer import Residency
 from moe.placement import Placement
 
-__all__ = ["MigrationPlan", "plan_migration", "ArrivalWarmupState", "arrival_warmup", "expert_dims", "migrate"]
+__all__ = ["ArrivalWarmupState", "MigrationPlan", "arrival_warmup", "expert_dims", "migrate", "plan_migration"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +91,11 @@ class ArrivalWarmupState(NamedTuple):
 def expert_dims(params) -> Any:
     """A tree shaped like `expert_flags(params)`: the position of the "expert" axis of each expert parameter, -1
     for the others."""
-    return jax.tree.map(lambda v: v.axes.index("expert") if is_expert_variable(v) else -1, params,
-                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(
+        lambda v: v.axes.index("expert") if is_expert_variable(v) else -1,
+        params,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
 
 
 def _along(factor: jax.Array, dim: int, ndim: int) -> jax.Array:
@@ -160,14 +163,23 @@ def migrate(state, plan_arrays, mesh: Mesh):
             return jnp.where(_along(arrived, 1 + d, x.ndim), jnp.zeros_like(moved), moved)
 
         def opt(tree):
-            tree = jax.tree.map(lambda s: ArrivalWarmupState(jnp.where(arrived, 0, s.age[0, jnp.maximum(
-                kept_slot, 0)])[None]) if isinstance(s, ArrivalWarmupState) else s, tree,
-                is_leaf=lambda s: isinstance(s, ArrivalWarmupState))
+            tree = jax.tree.map(
+                lambda s: (
+                    ArrivalWarmupState(jnp.where(arrived, 0, s.age[0, jnp.maximum(kept_slot, 0)])[None])
+                    if isinstance(s, ArrivalWarmupState)
+                    else s
+                ),
+                tree,
+                is_leaf=lambda s: isinstance(s, ArrivalWarmupState),
+            )
             return jax.tree.map(keep, tree, train_lib.mirror(tree, train.params, dims, -1))
 
         params = jax.tree.map(gather, train.params, _leaf_tree(dims, train.params))
-        rest = jax.tree.map(lambda v: v.replace(experts[None].astype(v.get_value().dtype))
-                            if isinstance(v, Residency) else v, train.rest, is_leaf=lambda v: isinstance(v, Residency))
+        rest = jax.tree.map(
+            lambda v: v.replace(experts[None].astype(v.get_value().dtype)) if isinstance(v, Residency) else v,
+            train.rest,
+            is_leaf=lambda v: isinstance(v, Residency),
+        )
         return train._replace(params=params, rest=rest, opt_state=opt(train.opt_state)), opt(outer)
 
     out = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 6, out_specs=(spec, spec))(train, outer, *plan_arrays)

@@ -41,8 +41,15 @@ class FederatedState(NamedTuple):
     outer: Any
 
 
-def init_sites(global_model: nnx.Module, site_model: nnx.Module, placement, optimizer: optax.GradientTransformation,
-               outer: optax.GradientTransformation | None, mesh, seed: int) -> tuple[Any, FederatedState]:
+def init_sites(
+    global_model: nnx.Module,
+    site_model: nnx.Module,
+    placement,
+    optimizer: optax.GradientTransformation,
+    outer: optax.GradientTransformation | None,
+    mesh,
+    seed: int,
+) -> tuple[Any, FederatedState]:
     """Every site's initial state from one model holding all experts, so replicas of an expert start equal.
 
     Args:
@@ -60,8 +67,7 @@ def init_sites(global_model: nnx.Module, site_model: nnx.Module, placement, opti
     rest = federation.to_sites(rest, placement.experts)
     sites = placement.sites
     keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.PRNGKey(seed), s))(jnp.arange(sites))
-    train = train_lib.TrainState(jnp.zeros((sites,), jnp.int32), params, rest, jax.vmap(optimizer.init)(params),
-                                 keys)
+    train = train_lib.TrainState(jnp.zeros((sites,), jnp.int32), params, rest, jax.vmap(optimizer.init)(params), keys)
     outer_state = jax.vmap(outer.init)(params) if outer is not None else ()
     state = FederatedState(train, outer_state)
     if mesh is None:
@@ -69,9 +75,15 @@ def init_sites(global_model: nnx.Module, site_model: nnx.Module, placement, opti
     return graphdef, jax.device_put(state, NamedSharding(mesh, PartitionSpec(federation.SITE_AXES)))
 
 
-def make_round(graphdef, optimizer: optax.GradientTransformation, mesh, *, method: str,
-               outer: optax.GradientTransformation | None = None,
-               loss_fn: Callable = train_lib.lm_loss) -> Callable[[FederatedState, jax.Array], tuple]:
+def make_round(
+    graphdef,
+    optimizer: optax.GradientTransformation,
+    mesh,
+    *,
+    method: str,
+    outer: optax.GradientTransformation | None = None,
+    loss_fn: Callable = train_lib.lm_loss,
+) -> Callable[[FederatedState, jax.Array], tuple]:
     """A jitted `(state, tokens [K, M, B_site, T + 1]) -> (state, metrics)`: K local steps on every site, then the
     synchronisation of `method`. Metrics are the train-step metrics of every step and site, [K, M] each (averaged
     on the host, so the program's only cross-site collectives are the synchronisation's).

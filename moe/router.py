@@ -20,7 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Routing", "ROUTERS", "route", "load_balance_loss", "z_loss", "routing_stats"]
+__all__ = ["ROUTERS", "Routing", "load_balance_loss", "route", "routing_stats", "z_loss"]
 
 ROUTERS = ("softmax", "sigmoid")
 
@@ -54,8 +54,9 @@ def route(logits: jax.Array, k: int, kind: str = "softmax", *, normalize: bool =
     if not 1 <= k <= num_experts:
         raise ValueError(f"top_k = {k} must be in [1, num_experts = {num_experts}].")
     if normalize and kind == "sigmoid":
-        raise ValueError("normalize=True is only defined for the softmax router; sigmoid gates are never "
-                         "renormalised (sigma-MoE).")
+        raise ValueError(
+            "normalize=True is only defined for the softmax router; sigmoid gates are never renormalised (sigma-MoE)."
+        )
     logits = logits.astype(jnp.float32)
     top_logits, experts = jax.lax.top_k(logits, k)
     if kind == "softmax":

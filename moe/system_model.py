@@ -30,9 +30,23 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-__all__ = ["PAPER_MODELS", "ModelShape", "param_count", "active_params", "local_experts", "bytes_per_round",
-           "sync_bytes", "ddp_bytes_per_step", "bytes_per_token", "flops_per_token", "memory_per_site", "round_seconds",
-           "training_hours", "Projection", "project"]
+__all__ = [
+    "PAPER_MODELS",
+    "ModelShape",
+    "Projection",
+    "active_params",
+    "bytes_per_round",
+    "bytes_per_token",
+    "ddp_bytes_per_step",
+    "flops_per_token",
+    "local_experts",
+    "memory_per_site",
+    "param_count",
+    "project",
+    "round_seconds",
+    "sync_bytes",
+    "training_hours",
+]
 
 BYTES_PER_PARAM = 4
 SITE_PEAK_FLOPS = 64 * 989e12
@@ -63,16 +77,22 @@ PAPER_MODELS: Mapping[str, tuple[ModelShape, float]] = {
 }
 
 
-def param_count(d_model: int, num_layers: int, num_experts: int, expert_size: int = 128,
-                vocab_size: int = 200_019) -> dict[str, int]:
+def param_count(
+    d_model: int, num_layers: int, num_experts: int, expert_size: int = 128, vocab_size: int = 200_019
+) -> dict[str, int]:
     """Parameters of the paper's model family.
 
     Returns: embedding (tied, vocab x d), attention (4 d^2 per layer), router (d N_e per layer), experts
     (2 d h N_e per layer), per_expert (2 d h: one expert of one layer), dense = embedding + attention (the part
     every site holds), and total = dense + router + experts.
     """
-    for name, value in (("d_model", d_model), ("num_layers", num_layers), ("num_experts", num_experts),
-                        ("expert_size", expert_size), ("vocab_size", vocab_size)):
+    for name, value in (
+        ("d_model", d_model),
+        ("num_layers", num_layers),
+        ("num_experts", num_experts),
+        ("expert_size", expert_size),
+        ("vocab_size", vocab_size),
+    ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"param_count: {name} = {value!r} must be a positive integer.")
     embedding = vocab_size * d_model
@@ -81,8 +101,15 @@ def param_count(d_model: int, num_layers: int, num_experts: int, expert_size: in
     per_expert = 2 * d_model * expert_size
     experts = per_expert * num_experts * num_layers
     dense = embedding + attention
-    return {"embedding": embedding, "attention": attention, "router": router, "experts": experts,
-            "per_expert": per_expert, "dense": dense, "total": dense + router + experts}
+    return {
+        "embedding": embedding,
+        "attention": attention,
+        "router": router,
+        "experts": experts,
+        "per_expert": per_expert,
+        "dense": dense,
+        "total": dense + router + experts,
+    }
 
 
 def active_params(shape: ModelShape) -> float:
@@ -96,8 +123,10 @@ def local_experts(num_experts: int, sites: int, overlap: int) -> int:
     if not 1 <= overlap <= sites:
         raise ValueError(f"overlap O_e = {overlap} must be in [1, sites M = {sites}].")
     if (overlap * num_experts) % sites:
-        raise ValueError(f"O_e x N_e = {overlap} x {num_experts} = {overlap * num_experts} is not divisible by the "
-                         f"number of sites M = {sites}; each site must host a whole number of experts.")
+        raise ValueError(
+            f"O_e x N_e = {overlap} x {num_experts} = {overlap * num_experts} is not divisible by the "
+            f"number of sites M = {sites}; each site must host a whole number of experts."
+        )
     return overlap * num_experts // sites
 
 
@@ -105,9 +134,16 @@ def _ring(n: int) -> float:
     return 2.0 * (n - 1) / n
 
 
-def bytes_per_round(shape: ModelShape, sites: int, overlap: int, *, optimizer: str = "local_adamw",
-                    skip_token: bool = False, migration: float = 0.0,
-                    bytes_per_param: int = BYTES_PER_PARAM) -> dict[str, float]:
+def bytes_per_round(
+    shape: ModelShape,
+    sites: int,
+    overlap: int,
+    *,
+    optimizer: str = "local_adamw",
+    skip_token: bool = False,
+    migration: float = 0.0,
+    bytes_per_param: int = BYTES_PER_PARAM,
+) -> dict[str, float]:
     """Bytes each site sends (and receives) per synchronisation round.
 
     Args:
@@ -121,12 +157,25 @@ def bytes_per_round(shape: ModelShape, sites: int, overlap: int, *, optimizer: s
     p = param_count(shape.d_model, shape.num_layers, shape.num_experts, shape.expert_size, shape.vocab_size)
     dense_params = p["dense"] + (p["router"] if skip_token else 0)
     s_expert = p["per_expert"] + (0 if skip_token else shape.d_model)  # + its router row when partitioned
-    return sync_bytes(dense_params * bytes_per_param, shape.num_layers * n_le * s_expert * bytes_per_param, sites,
-                      overlap, optimizer=optimizer, migration=migration)
+    return sync_bytes(
+        dense_params * bytes_per_param,
+        shape.num_layers * n_le * s_expert * bytes_per_param,
+        sites,
+        overlap,
+        optimizer=optimizer,
+        migration=migration,
+    )
 
 
-def sync_bytes(dense_bytes: float, local_expert_bytes: float, sites: int, overlap: int, *,
-               optimizer: str = "local_adamw", migration: float = 0.0) -> dict[str, float]:
+def sync_bytes(
+    dense_bytes: float,
+    local_expert_bytes: float,
+    sites: int,
+    overlap: int,
+    *,
+    optimizer: str = "local_adamw",
+    migration: float = 0.0,
+) -> dict[str, float]:
     """The communication formulas on given byte counts: `dense_bytes` = S_dense (what every site averages over all
     M sites), `local_expert_bytes` = sum over layers of N_le s_expert (what a site averages over its O_e-site
     replica group). Returns {"dense", "sparse", "total"} bytes per site per round."""
@@ -151,8 +200,15 @@ def bytes_per_token(per_site_round_bytes: float, sites: int, local_steps: int, g
     return sites * per_site_round_bytes / (local_steps * global_batch_tokens)
 
 
-def flops_per_token(shape: ModelShape, sites: int = 1, overlap: int = 1, *, skip_token: bool = False,
-                    ghost_fraction: float | None = None, training: bool = True) -> dict[str, float]:
+def flops_per_token(
+    shape: ModelShape,
+    sites: int = 1,
+    overlap: int = 1,
+    *,
+    skip_token: bool = False,
+    ghost_fraction: float | None = None,
+    training: bool = True,
+) -> dict[str, float]:
     """FLOPs per token on one site (PaLM accounting: 2 per multiply-add of a weight, 4 L d T for attention).
 
     Per layer the MoE part is [min(k, N_le)/k * F_ffn + (N_le / N_e) * F_gate] with the partitioned router (each
@@ -179,24 +235,36 @@ def flops_per_token(shape: ModelShape, sites: int = 1, overlap: int = 1, *, skip
     return out
 
 
-def memory_per_site(shape: ModelShape, sites: int, overlap: int, *,
-                    bytes_per_param: float = TRAIN_STATE_BYTES_PER_PARAM) -> float:
+def memory_per_site(
+    shape: ModelShape, sites: int, overlap: int, *, bytes_per_param: float = TRAIN_STATE_BYTES_PER_PARAM
+) -> float:
     """Training-state bytes on one site: (dense + (O_e / M) x (experts and their router rows)) x 18 bytes."""
     local_experts(shape.num_experts, sites, overlap)
     p = param_count(shape.d_model, shape.num_layers, shape.num_experts, shape.expert_size, shape.vocab_size)
     return (p["dense"] + overlap / sites * (p["experts"] + p["router"])) * bytes_per_param
 
 
-def round_seconds(*, flops_per_token: float, tokens_per_step: float, local_steps: int, round_bytes: float,
-                  bandwidth_bits_per_second: float, latency_seconds: float = 0.05,
-                  peak_flops: float = SITE_PEAK_FLOPS,
-                  mfu: float = 0.4, overlap_fraction: float = 0.0) -> dict[str, float]:
+def round_seconds(
+    *,
+    flops_per_token: float,
+    tokens_per_step: float,
+    local_steps: int,
+    round_bytes: float,
+    bandwidth_bits_per_second: float,
+    latency_seconds: float = 0.05,
+    peak_flops: float = SITE_PEAK_FLOPS,
+    mfu: float = 0.4,
+    overlap_fraction: float = 0.0,
+) -> dict[str, float]:
     """t_comp = F_token * tokens_per_step / (MFU * peak) per local step; t_comm = bytes / bandwidth + latency;
     a round takes K t_comp + (1 - overlap) t_comm. `tokens_per_step` is one site's tokens per step."""
     t_comp = flops_per_token * tokens_per_step / (mfu * peak_flops)
     t_comm = 8.0 * round_bytes / bandwidth_bits_per_second + latency_seconds
-    return {"compute": local_steps * t_comp, "communication": t_comm,
-            "total": local_steps * t_comp + (1.0 - overlap_fraction) * t_comm}
+    return {
+        "compute": local_steps * t_comp,
+        "communication": t_comm,
+        "total": local_steps * t_comp + (1.0 - overlap_fraction) * t_comm,
+    }
 
 
 def training_hours(rounds: float, seconds_per_round: float) -> float:
@@ -216,12 +284,21 @@ class Projection:
     memory_gib_per_site: float
 
 
-def project(shape: ModelShape, *, sites: int = 32, overlaps=(1, 2, 4, 8, 16, 32), bandwidths_gbps=(1, 10, 100),
-            local_steps: int = 32, global_batch_tokens: int = 4 * 2**20,
-            tokens_per_active_param: float = TOKENS_PER_ACTIVE_PARAM,
-            optimizer: str = "local_adamw", skip_token: bool = False, peak_flops: float = SITE_PEAK_FLOPS,
-            mfu: float = 0.4,
-            latency_seconds: float = 0.05) -> list[Projection]:
+def project(
+    shape: ModelShape,
+    *,
+    sites: int = 32,
+    overlaps=(1, 2, 4, 8, 16, 32),
+    bandwidths_gbps=(1, 10, 100),
+    local_steps: int = 32,
+    global_batch_tokens: int = 4 * 2**20,
+    tokens_per_active_param: float = TOKENS_PER_ACTIVE_PARAM,
+    optimizer: str = "local_adamw",
+    skip_token: bool = False,
+    peak_flops: float = SITE_PEAK_FLOPS,
+    mfu: float = 0.4,
+    latency_seconds: float = 0.05,
+) -> list[Projection]:
     """Training time and traffic of FoMoE at each overlap, and of DDP, at each bandwidth (module decisions)."""
     total_tokens = tokens_per_active_param * active_params(shape)
     steps = total_tokens / global_batch_tokens
@@ -230,16 +307,48 @@ def project(shape: ModelShape, *, sites: int = 32, overlaps=(1, 2, 4, 8, 16, 32)
         for o in overlaps:
             b = bytes_per_round(shape, sites, o, optimizer=optimizer, skip_token=skip_token)["total"]
             f = flops_per_token(shape, sites, o, skip_token=skip_token)["total"]
-            t = round_seconds(flops_per_token=f, tokens_per_step=global_batch_tokens / sites, local_steps=local_steps,
-                              round_bytes=b, bandwidth_bits_per_second=gbps * 1e9, latency_seconds=latency_seconds,
-                              peak_flops=peak_flops, mfu=mfu)
+            t = round_seconds(
+                flops_per_token=f,
+                tokens_per_step=global_batch_tokens / sites,
+                local_steps=local_steps,
+                round_bytes=b,
+                bandwidth_bits_per_second=gbps * 1e9,
+                latency_seconds=latency_seconds,
+                peak_flops=peak_flops,
+                mfu=mfu,
+            )
             rounds = steps / local_steps
-            rows.append(Projection(f"FoMoE {optimizer}", o, gbps, b, rounds,
-                                   training_hours(rounds, t["total"]), memory_per_site(shape, sites, o) / 2**30))
+            rows.append(
+                Projection(
+                    f"FoMoE {optimizer}",
+                    o,
+                    gbps,
+                    b,
+                    rounds,
+                    training_hours(rounds, t["total"]),
+                    memory_per_site(shape, sites, o) / 2**30,
+                )
+            )
         f = flops_per_token(shape, sites, sites)["total"]
-        t = round_seconds(flops_per_token=f, tokens_per_step=global_batch_tokens / sites, local_steps=1,
-                          round_bytes=ddp_bytes_per_step(shape, sites), bandwidth_bits_per_second=gbps * 1e9,
-                          latency_seconds=latency_seconds, peak_flops=peak_flops, mfu=mfu)
-        rows.append(Projection("DDP", sites, gbps, ddp_bytes_per_step(shape, sites), steps,
-                               training_hours(steps, t["total"]), memory_per_site(shape, sites, sites) / 2**30))
+        t = round_seconds(
+            flops_per_token=f,
+            tokens_per_step=global_batch_tokens / sites,
+            local_steps=1,
+            round_bytes=ddp_bytes_per_step(shape, sites),
+            bandwidth_bits_per_second=gbps * 1e9,
+            latency_seconds=latency_seconds,
+            peak_flops=peak_flops,
+            mfu=mfu,
+        )
+        rows.append(
+            Projection(
+                "DDP",
+                sites,
+                gbps,
+                ddp_bytes_per_step(shape, sites),
+                steps,
+                training_hours(steps, t["total"]),
+                memory_per_site(shape, sites, sites) / 2**30,
+            )
+        )
     return rows

@@ -35,9 +35,22 @@ import optax
 
 from optim.select import approx_threshold, count_at_least, ordered_keys, strided_sample, top_k_mask
 
-__all__ = ["SELECTIONS", "APPROX_SAMPLE", "paper_defaults", "mgup_mask", "MGUPState", "scale_by_mgup", "with_mgup",
-           "scale_by_hf_adam", "scale_by_lion_direction", "scale_by_cautious", "mgup_adamw", "cautious_mgup_adamw",
-           "mgup_lion", "cautious_adamw"]
+__all__ = [
+    "APPROX_SAMPLE",
+    "SELECTIONS",
+    "MGUPState",
+    "cautious_adamw",
+    "cautious_mgup_adamw",
+    "mgup_adamw",
+    "mgup_lion",
+    "mgup_mask",
+    "paper_defaults",
+    "scale_by_cautious",
+    "scale_by_hf_adam",
+    "scale_by_lion_direction",
+    "scale_by_mgup",
+    "with_mgup",
+]
 
 SELECTIONS = ("exact", "approx", "sign")
 APPROX_SAMPLE = 1024  # per tensor: each sampled entry touches a cache line, so more samples cost a visible share
@@ -59,20 +72,23 @@ def _check_ratio(mask_ratio: float) -> None:
 def _check(mask_ratio: float, alpha: float, gamma: float, selection: str) -> None:
     _check_ratio(mask_ratio)
     if gamma <= 0 or alpha <= 0:
-        raise ValueError(f"alpha = {alpha} and gamma = {gamma} must be > 0 (gamma = 0 would drop the misaligned "
-                         "coordinates, which MGUP never does).")
+        raise ValueError(
+            f"alpha = {alpha} and gamma = {gamma} must be > 0 (gamma = 0 would drop the misaligned "
+            "coordinates, which MGUP never does)."
+        )
     if selection not in SELECTIONS:
         raise ValueError(f"selection = {selection!r}; allowed: {list(SELECTIONS)}.")
 
 
-def mgup_mask(update: jax.Array, grad: jax.Array, mask_ratio: float, alpha: float, gamma: float, *,
-              selection: str = "exact") -> jax.Array:
+def mgup_mask(
+    update: jax.Array, grad: jax.Array, mask_ratio: float, alpha: float, gamma: float, *, selection: str = "exact"
+) -> jax.Array:
     """phi for one tensor: alpha on the top int(mask_ratio * size) coordinates of update * grad, gamma elsewhere.
 
     selection: "exact" (top-k), "approx" (threshold from a sample) or "sign" (alpha where update * grad >= 0:
     Cautious-MGUP; `mask_ratio` unused). Returns phi in float32 (float64 for float64 updates), update's shape.
     """
-    (chosen, _), = _select([update], [grad], mask_ratio, selection)
+    ((chosen, _),) = _select([update], [grad], mask_ratio, selection)
     return jnp.where(chosen, alpha, gamma).astype(_score_dtype(update))
 
 
@@ -84,8 +100,9 @@ def _product(u: jax.Array, g: jax.Array, dtype) -> jax.Array:
     return u.astype(dtype) * g.astype(dtype)
 
 
-def _select(updates: list[jax.Array], grads: list[jax.Array], mask_ratio: float, selection: str,
-            samples: list | None = None) -> list[tuple[jax.Array, jax.Array]]:
+def _select(
+    updates: list[jax.Array], grads: list[jax.Array], mask_ratio: float, selection: str, samples: list | None = None
+) -> list[tuple[jax.Array, jax.Array]]:
     """Per tensor: (the coordinates that get alpha, bool of its shape; their fraction, exact or estimated).
 
     "approx": tensors of more than 2 APPROX_SAMPLE entries get the threshold of their strided sample, all such
@@ -139,8 +156,9 @@ class MGUPState(NamedTuple):
     selected_fraction: jax.Array
 
 
-def scale_by_mgup(mask_ratio: float = 0.5, alpha: float = 2.0, gamma: float = 0.1, *,
-                  selection: str = "exact") -> optax.GradientTransformationExtraArgs:
+def scale_by_mgup(
+    mask_ratio: float = 0.5, alpha: float = 2.0, gamma: float = 0.1, *, selection: str = "exact"
+) -> optax.GradientTransformationExtraArgs:
     """Multiplies each tensor of the incoming direction by its MGUP mask, ranked against the raw gradient.
 
     The gradient reaches it through the extra argument `grad=` (pass it from a wrapper, or use `with_mgup`), so
@@ -165,8 +183,9 @@ def scale_by_mgup(mask_ratio: float = 0.5, alpha: float = 2.0, gamma: float = 0.
             (ua, ga), (ub, gb) = [(treedef.flatten_up_to(u), treedef.flatten_up_to(g)) for u, g in samples]
             per_leaf = [((a, b), (c, d)) for a, b, c, d in zip(ua, ga, ub, gb)]
         pairs = _select(leaves, grads, mask_ratio, selection, per_leaf)
-        out = [(u * jnp.where(c, alpha, gamma).astype(_score_dtype(u))).astype(u.dtype)
-               for u, (c, _) in zip(leaves, pairs)]
+        out = [
+            (u * jnp.where(c, alpha, gamma).astype(_score_dtype(u))).astype(u.dtype) for u, (c, _) in zip(leaves, pairs)
+        ]
         total = max(sum(u.size for u in leaves), 1)
         fraction = sum(f * (u.size / total) for u, (_, f) in zip(leaves, pairs))
         return treedef.unflatten(out), MGUPState(jnp.asarray(fraction, jnp.float32))
@@ -174,8 +193,11 @@ def scale_by_mgup(mask_ratio: float = 0.5, alpha: float = 2.0, gamma: float = 0.
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-def with_mgup(inner: optax.GradientTransformation, mask: optax.GradientTransformationExtraArgs,
-              *after: optax.GradientTransformation) -> optax.GradientTransformation:
+def with_mgup(
+    inner: optax.GradientTransformation,
+    mask: optax.GradientTransformationExtraArgs,
+    *after: optax.GradientTransformation,
+) -> optax.GradientTransformation:
     """`inner` (a direction), then `mask` given the raw gradient, then `after` (weight decay, learning rate).
 
     If `inner` is a DirectionTransformation (HF-style Adam), the samples that "approx" and "sign" take of the
@@ -236,7 +258,7 @@ def scale_by_hf_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6) -> o
             t = state.count.astype(m.dtype)
             # m * (1 / (...)) rather than m / (...): XLA:CPU will not fuse a divide into a consumer that reads the
             # direction twice (the MGUP mask and the step), and would write the direction to memory instead.
-            return (jnp.sqrt(1 - b2 ** t) / (1 - b1 ** t) * m * (1 / (jnp.sqrt(v) + eps))).astype(g.dtype)
+            return (jnp.sqrt(1 - b2**t) / (1 - b1**t) * m * (1 / (jnp.sqrt(v) + eps))).astype(g.dtype)
 
         return jax.tree.map(one, state.mu, state.nu, grads)
 
@@ -262,8 +284,9 @@ def scale_by_lion_direction(b1: float = 0.9, b2: float = 0.99) -> optax.Gradient
 
     def update(grads, state, params=None):
         del params
-        out = jax.tree.map(lambda m, g: jnp.sign(b1 * m + (1 - b1) * g.astype(m.dtype)).astype(g.dtype), state.mu,
-                           grads)
+        out = jax.tree.map(
+            lambda m, g: jnp.sign(b1 * m + (1 - b1) * g.astype(m.dtype)).astype(g.dtype), state.mu, grads
+        )
         mu = jax.tree.map(lambda m, g: b2 * m + (1 - b2) * g.astype(m.dtype), state.mu, grads)
         return out, LionState(mu)
 
@@ -296,34 +319,79 @@ def _decay_and_lr(learning_rate, weight_decay: float, mask=None) -> list[optax.G
     return decay + [optax.scale_by_learning_rate(learning_rate)]
 
 
-def mgup_adamw(learning_rate: float | optax.Schedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
-               weight_decay: float = 0.0, mask_ratio: float = 0.5, alpha: float = 2.0, gamma: float = 0.1, *,
-               selection: str = "exact", weight_decay_mask=None) -> optax.GradientTransformation:
+def mgup_adamw(
+    learning_rate: float | optax.Schedule = 1e-3,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    weight_decay: float = 0.0,
+    mask_ratio: float = 0.5,
+    alpha: float = 2.0,
+    gamma: float = 0.1,
+    *,
+    selection: str = "exact",
+    weight_decay_mask=None,
+) -> optax.GradientTransformation:
     """MGUP-AdamW (reference MGUP_AdamW.py): HF-style AdamW whose direction u is multiplied by the MGUP mask of
     u * g per tensor. `weight_decay_mask`: which leaves decay (optax.add_decayed_weights' mask; default all)."""
-    return with_mgup(scale_by_hf_adam(b1, b2, eps), scale_by_mgup(mask_ratio, alpha, gamma, selection=selection),
-                     *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask))
+    return with_mgup(
+        scale_by_hf_adam(b1, b2, eps),
+        scale_by_mgup(mask_ratio, alpha, gamma, selection=selection),
+        *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask),
+    )
 
 
-def cautious_mgup_adamw(learning_rate: float | optax.Schedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
-                        eps: float = 1e-6, weight_decay: float = 0.0, alpha: float = 2.0,
-                        gamma: float = 0.1, *, weight_decay_mask=None) -> optax.GradientTransformation:
+def cautious_mgup_adamw(
+    learning_rate: float | optax.Schedule = 1e-3,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    weight_decay: float = 0.0,
+    alpha: float = 2.0,
+    gamma: float = 0.1,
+    *,
+    weight_decay_mask=None,
+) -> optax.GradientTransformation:
     """Cautious-MGUP-AdamW: alpha where u * g >= 0, gamma elsewhere (no top-k)."""
-    return with_mgup(scale_by_hf_adam(b1, b2, eps), scale_by_mgup(0.5, alpha, gamma, selection="sign"),
-                     *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask))
+    return with_mgup(
+        scale_by_hf_adam(b1, b2, eps),
+        scale_by_mgup(0.5, alpha, gamma, selection="sign"),
+        *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask),
+    )
 
 
-def mgup_lion(learning_rate: float | optax.Schedule = 1e-4, b1: float = 0.9, b2: float = 0.99,
-              weight_decay: float = 0.0, mask_ratio: float = 0.5, alpha: float = 2.0, gamma: float = 0.1, *,
-              selection: str = "exact", weight_decay_mask=None) -> optax.GradientTransformation:
+def mgup_lion(
+    learning_rate: float | optax.Schedule = 1e-4,
+    b1: float = 0.9,
+    b2: float = 0.99,
+    weight_decay: float = 0.0,
+    mask_ratio: float = 0.5,
+    alpha: float = 2.0,
+    gamma: float = 0.1,
+    *,
+    selection: str = "exact",
+    weight_decay_mask=None,
+) -> optax.GradientTransformation:
     """MGUP-Lion (reference MGUP_Lion.py): Lion's sign direction c multiplied by the MGUP mask of c * g."""
-    return with_mgup(scale_by_lion_direction(b1, b2), scale_by_mgup(mask_ratio, alpha, gamma, selection=selection),
-                     *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask))
+    return with_mgup(
+        scale_by_lion_direction(b1, b2),
+        scale_by_mgup(mask_ratio, alpha, gamma, selection=selection),
+        *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask),
+    )
 
 
-def cautious_adamw(learning_rate: float | optax.Schedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
-                   eps: float = 1e-6, weight_decay: float = 0.0, *,
-                   weight_decay_mask=None) -> optax.GradientTransformation:
+def cautious_adamw(
+    learning_rate: float | optax.Schedule = 1e-3,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    weight_decay: float = 0.0,
+    *,
+    weight_decay_mask=None,
+) -> optax.GradientTransformation:
     """C-AdamW, the Cautious baseline, on the same HF-style AdamW as MGUP-AdamW (so the two differ by the mask)."""
-    return with_mgup(scale_by_hf_adam(b1, b2, eps), scale_by_cautious(),
-                     *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask))
+    return with_mgup(
+        scale_by_hf_adam(b1, b2, eps),
+        scale_by_cautious(),
+        *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask),
+    )

@@ -26,7 +26,7 @@ import optax
 from optim.mgup import _check as check_mgup
 from optim.mgup import _decay_and_lr, mgup_mask, scale_by_hf_adam, scale_by_mgup, with_mgup
 
-__all__ = ["NS_COEFFICIENTS", "newton_schulz", "scale_by_muon", "default_muon_labels", "mgup_muon"]
+__all__ = ["NS_COEFFICIENTS", "default_muon_labels", "mgup_muon", "newton_schulz", "scale_by_muon"]
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 _NOT_MUON = re.compile(r"embed|head|lm_head|unembed", re.IGNORECASE)
@@ -53,9 +53,18 @@ class MuonState(NamedTuple):
     momentum: optax.Updates
 
 
-def scale_by_muon(momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5, *, mask_ratio: float = 0.5,
-                  alpha: float = 2.0, gamma: float = 0.1, mgup: bool = True, selection: str = "exact",
-                  ns_dtype=jnp.float32) -> optax.GradientTransformation:
+def scale_by_muon(
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    *,
+    mask_ratio: float = 0.5,
+    alpha: float = 2.0,
+    gamma: float = 0.1,
+    mgup: bool = True,
+    selection: str = "exact",
+    ns_dtype=jnp.float32,
+) -> optax.GradientTransformation:
     """The Muon direction 0.2 sqrt(max(rows, cols)) NS5(G_hat) x phi of every (2-D) leaf; phi = 1 if not `mgup`."""
     if mgup:
         check_mgup(mask_ratio, alpha, gamma, selection)
@@ -81,6 +90,7 @@ def scale_by_muon(momentum: float = 0.95, nesterov: bool = True, ns_steps: int =
 
 def default_muon_labels(params) -> object:
     """'muon' for 2-D leaves whose path names no embedding or head, 'adam' for the rest."""
+
     def label(path, leaf):
         name = jax.tree_util.keystr(path)
         return "muon" if jnp.ndim(leaf) == 2 and not _NOT_MUON.search(name) else "adam"
@@ -88,24 +98,53 @@ def default_muon_labels(params) -> object:
     return jax.tree_util.tree_map_with_path(label, params)
 
 
-def mgup_muon(learning_rate: float | optax.Schedule = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
-              nesterov: bool = True, ns_steps: int = 5, adam_b1: float = 0.95, adam_b2: float = 0.95,
-              adam_eps: float = 1e-8, mask_ratio: float = 0.5, alpha: float = 2.0, gamma: float = 0.1, *,
-              labels: Callable | None = None, adam_mgup: bool = False, mgup: bool = True, selection: str = "exact",
-              ns_dtype=jnp.float32, weight_decay_mask=None) -> optax.GradientTransformation:
+def mgup_muon(
+    learning_rate: float | optax.Schedule = 1e-3,
+    weight_decay: float = 0.1,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    adam_b1: float = 0.95,
+    adam_b2: float = 0.95,
+    adam_eps: float = 1e-8,
+    mask_ratio: float = 0.5,
+    alpha: float = 2.0,
+    gamma: float = 0.1,
+    *,
+    labels: Callable | None = None,
+    adam_mgup: bool = False,
+    mgup: bool = True,
+    selection: str = "exact",
+    ns_dtype=jnp.float32,
+    weight_decay_mask=None,
+) -> optax.GradientTransformation:
     """MGUP-Muon; `mgup=False` gives plain Moonlight-style Muon (the base optimizer) with the same code.
 
     labels: params -> a tree of 'muon' / 'adam' (default `default_muon_labels`); every 'muon' leaf must be 2-D.
     weight_decay_mask: which leaves decay, in both branches (optax.add_decayed_weights' mask; default all).
     """
     labels = labels or default_muon_labels
-    muon = optax.chain(scale_by_muon(momentum, nesterov, ns_steps, mask_ratio=mask_ratio, alpha=alpha, gamma=gamma,
-                                     mgup=mgup, selection=selection, ns_dtype=ns_dtype),
-                       *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask))
+    muon = optax.chain(
+        scale_by_muon(
+            momentum,
+            nesterov,
+            ns_steps,
+            mask_ratio=mask_ratio,
+            alpha=alpha,
+            gamma=gamma,
+            mgup=mgup,
+            selection=selection,
+            ns_dtype=ns_dtype,
+        ),
+        *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask),
+    )
     adam_direction = scale_by_hf_adam(adam_b1, adam_b2, adam_eps)
     if adam_mgup and mgup:
-        adam = with_mgup(adam_direction, scale_by_mgup(mask_ratio, alpha, gamma, selection=selection),
-                         *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask))
+        adam = with_mgup(
+            adam_direction,
+            scale_by_mgup(mask_ratio, alpha, gamma, selection=selection),
+            *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask),
+        )
     else:
         adam = optax.chain(adam_direction, *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask))
 
@@ -113,8 +152,10 @@ def mgup_muon(learning_rate: float | optax.Schedule = 1e-3, weight_decay: float 
         tree = labels(params)
         for (path, leaf), name in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(tree)):
             if name == "muon" and jnp.ndim(leaf) != 2:
-                raise ValueError(f"mgup_muon: {jax.tree_util.keystr(path)} (shape {jnp.shape(leaf)}) is labelled "
-                                 "'muon' but Muon takes 2-D matrices only; label it 'adam'.")
+                raise ValueError(
+                    f"mgup_muon: {jax.tree_util.keystr(path)} (shape {jnp.shape(leaf)}) is labelled "
+                    "'muon' but Muon takes 2-D matrices only; label it 'adam'."
+                )
         return tree
 
     return optax.multi_transform({"muon": muon, "adam": adam}, checked_labels)

@@ -20,8 +20,15 @@ import math
 import jax
 import jax.numpy as jnp
 
-__all__ = ["WAYS", "ordered_keys", "count_at_least", "selection_key", "top_k_mask", "strided_sample",
-           "approx_threshold"]
+__all__ = [
+    "WAYS",
+    "approx_threshold",
+    "count_at_least",
+    "ordered_keys",
+    "selection_key",
+    "strided_sample",
+    "top_k_mask",
+]
 
 WAYS = 6  # thresholds per counting pass (measured on 2 CPU cores: 2-8 cost about one plain count each)
 _BRACKET_SAMPLE = 4096
@@ -56,14 +63,15 @@ def _sample_bracket(keys: jax.Array, k: int, sample: int) -> tuple[jax.Array, ja
     """Keys that hold the k-th largest of `keys` between them with overwhelming probability: the quantiles
     q -+ 4 sigma of a strided sample (sorted: `sample` entries; 4096 cost about one counting pass of 1.6M)."""
     n = keys.size
-    s = jnp.sort(keys[::max(1, n // sample)])
+    s = jnp.sort(keys[:: max(1, n // sample)])
     m, q = s.size, 1.0 - k / n
     margin = 4.0 * math.sqrt(q * (1.0 - q) / m) + 2.0 / m
     return s[max(0, int((q - margin) * m))], s[min(m - 1, math.ceil((q + margin) * m))]
 
 
-def selection_key(keys: jax.Array, k: int, *,
-                  sample: int = _BRACKET_SAMPLE) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def selection_key(
+    keys: jax.Array, k: int, *, sample: int = _BRACKET_SAMPLE
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(t, at_least, greater, passes) for a 1-D array of keys and 1 <= k <= size: at_least = #(keys >= t) >= k, and
     either at_least == k (`keys >= t` selects exactly the k largest), or t is the k-th largest key and greater =
     #(keys > t) (< k; the rest of the k are ties at t). passes: the counting passes over `keys` it took.
@@ -99,8 +107,9 @@ def selection_key(keys: jax.Array, k: int, *,
 
     # Done when the range is one key (t = lo), or when exactly k keys are >= lo (then `keys >= lo` is the answer's
     # mask, and the k-th largest key, the least of them, is not needed).
-    (lo, _, c_lo, c_hi), passes = jax.lax.while_loop(lambda c: (c[0][1] - c[0][0] > 1) & (c[0][2] != k), body,
-                                                     (state, jnp.int32(1)))
+    (lo, _, c_lo, c_hi), passes = jax.lax.while_loop(
+        lambda c: (c[0][1] - c[0][0] > 1) & (c[0][2] != k), body, (state, jnp.int32(1))
+    )
     return lo, c_lo, c_hi, passes
 
 
@@ -131,11 +140,18 @@ def top_k_mask(score: jax.Array, k: int) -> jax.Array:
     t, at_least, greater, _ = selection_key(flat, k)
     # The last position among the keys equal to t that is taken: all of them unless there are more ties than needed.
     # (full_like: the branch carries the data's mesh-axis type, as the other does inside shard_map)
-    last = jax.lax.cond(at_least == k, lambda: jnp.full_like(at_least, n, jnp.int32),
-                        lambda: _position_of_nth(flat == t, k - greater))
+    last = jax.lax.cond(
+        at_least == k, lambda: jnp.full_like(at_least, n, jnp.int32), lambda: _position_of_nth(flat == t, k - greater)
+    )
     keys = ordered_keys(score)
-    position = sum(jax.lax.broadcasted_iota(jnp.int32, score.shape, d) * math.prod(score.shape[d + 1:])
-                   for d in range(score.ndim)) if score.ndim else jnp.int32(0)
+    position = (
+        sum(
+            jax.lax.broadcasted_iota(jnp.int32, score.shape, d) * math.prod(score.shape[d + 1 :])
+            for d in range(score.ndim)
+        )
+        if score.ndim
+        else jnp.int32(0)
+    )
     return (keys > t) | ((keys == t) & (position <= last))
 
 
@@ -145,7 +161,7 @@ def strided_sample(x: jax.Array, size: int, *, second: bool = False) -> jax.Arra
     if x.size <= size:
         return x.ravel()
     stride = x.size // size
-    return x.ravel()[(stride // 2 if second else 0)::stride][:size]
+    return x.ravel()[(stride // 2 if second else 0) :: stride][:size]
 
 
 def approx_threshold(sample: jax.Array, check: jax.Array, fraction: float) -> tuple[jax.Array, jax.Array]:

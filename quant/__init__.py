@@ -15,6 +15,23 @@ from quant.hadamard import hadamard, random_signs, rht
 from quant.precision import QuantPrecision
 from quant.quantize import quantize, quantize_tiles
 
-__all__ = ["FORMATS", "GRIDS", "QuantPrecision", "alpha", "analysis", "bucket_entropy", "dot_general",
-           "grouped_matmul", "hadamard", "levels", "quantize", "quantize_tiles", "random_signs", "recipes", "rht",
-           "round_to_grid", "shrinkage_bias", "sqnr"]
+__all__ = [
+    "FORMATS",
+    "GRIDS",
+    "QuantPrecision",
+    "alpha",
+    "analysis",
+    "bucket_entropy",
+    "dot_general",
+    "grouped_matmul",
+    "hadamard",
+    "levels",
+    "quantize",
+    "quantize_tiles",
+    "random_signs",
+    "recipes",
+    "rht",
+    "round_to_grid",
+    "shrinkage_bias",
+    "sqnr",
+]

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from quant.grids import levels, round_to_grid
 from quant.quantize import DEFAULT_BLOCK, _blocks, block_scales
 
-__all__ = ["shrinkage_bias", "sqnr", "alpha", "bucket_entropy", "report"]
+__all__ = ["alpha", "bucket_entropy", "report", "shrinkage_bias", "sqnr"]
 
 
 def shrinkage_bias(fmt: str) -> dict[float, float]:
@@ -51,5 +51,8 @@ def bucket_entropy(x: jax.Array, fmt: str, *, axis: int = -1, block_size: int | 
 
 def report(x: jax.Array, x_hat: jax.Array, fmt: str, **block) -> dict[str, float]:
     """{"sqnr_db", "alpha", "entropy_bits"} of one tensor and its quantisation."""
-    return {"sqnr_db": float(sqnr(x, x_hat)), "alpha": float(alpha(x, x_hat)),
-            "entropy_bits": float(bucket_entropy(x, fmt, **block))}
+    return {
+        "sqnr_db": float(sqnr(x, x_hat)),
+        "alpha": float(alpha(x, x_hat)),
+        "entropy_bits": float(bucket_entropy(x, fmt, **block)),
+    }

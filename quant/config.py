@@ -7,22 +7,34 @@ import dataclasses
 from core.config import Field
 from quant.recipes import RECIPES, Recipe
 
-__all__ = ["RHT_SCOPES", "section", "apply"]
+__all__ = ["RHT_SCOPES", "apply", "section"]
 
 RHT_SCOPES = ("recipe", "none", "fprop", "dgrad", "wgrad", "fprop+dgrad", "fprop+wgrad", "dgrad+wgrad", "all")
 
 
 def section() -> dict[str, Field]:
     return {
-        "recipe": Field("bf16", (str,), "matmul recipe of every projection and expert (quant/recipes.py): bf16 = "
-                        "unquantised; ufp4 / ufp4_int4 (uniform grid, RHT on all GEMMs), e2m1_baseline, nvfp4, mxfp4",
-                        choices=tuple(RECIPES)),
+        "recipe": Field(
+            "bf16",
+            (str,),
+            "matmul recipe of every projection and expert (quant/recipes.py): bf16 = "
+            "unquantised; ufp4 / ufp4_int4 (uniform grid, RHT on all GEMMs), e2m1_baseline, nvfp4, mxfp4",
+            choices=tuple(RECIPES),
+        ),
         "last_blocks_high_precision": Field(0, (int,), "keep the last n transformer blocks unquantised", low=0),
         "fresh_signs": Field(False, (bool,), "draw the RHT signs per step and layer (default: fixed for the run)"),
-        "rht": Field("recipe", (str,), "ablation: which GEMMs rotate their operands (RHT16), overriding the recipe",
-                     choices=RHT_SCOPES),
-        "stochastic_dy": Field("recipe", (str,), "ablation: stochastic rounding of dy in dgrad and wgrad, overriding "
-                               "the recipe", choices=("recipe", "on", "off")),
+        "rht": Field(
+            "recipe",
+            (str,),
+            "ablation: which GEMMs rotate their operands (RHT16), overriding the recipe",
+            choices=RHT_SCOPES,
+        ),
+        "stochastic_dy": Field(
+            "recipe",
+            (str,),
+            "ablation: stochastic rounding of dy in dgrad and wgrad, overriding the recipe",
+            choices=("recipe", "on", "off"),
+        ),
     }
 
 
@@ -33,7 +45,13 @@ def apply(recipe: Recipe, precision) -> Recipe:
         scope = {"none": (), "all": tuple(gemms)}.get(precision.rht, tuple(precision.rht.split("+")))
         gemms = {name: dataclasses.replace(g, rht=name in scope) for name, g in gemms.items()}
     if precision.stochastic_dy != "recipe":
-        gemms = {name: dataclasses.replace(g, stochastic_dy=name != "fprop" and precision.stochastic_dy == "on")
-                 for name, g in gemms.items()}
-    return dataclasses.replace(recipe, **gemms, last_blocks_high_precision=precision.last_blocks_high_precision,
-                               fresh_signs=precision.fresh_signs)
+        gemms = {
+            name: dataclasses.replace(g, stochastic_dy=name != "fprop" and precision.stochastic_dy == "on")
+            for name, g in gemms.items()
+        }
+    return dataclasses.replace(
+        recipe,
+        **gemms,
+        last_blocks_high_precision=precision.last_blocks_high_precision,
+        fresh_signs=precision.fresh_signs,
+    )

@@ -47,8 +47,18 @@ def _pad(x: jax.Array, axis: int, multiple: int) -> jax.Array:
     return jnp.pad(x, widths)
 
 
-def prepare_operands(a: jax.Array, b: jax.Array, axis_a: int, axis_b: int, gemm: Gemm, cfg: GemmConfig, *,
-             key: jax.Array | None, stochastic: tuple[bool, bool], weight: int | None = None):
+def prepare_operands(
+    a: jax.Array,
+    b: jax.Array,
+    axis_a: int,
+    axis_b: int,
+    gemm: Gemm,
+    cfg: GemmConfig,
+    *,
+    key: jax.Array | None,
+    stochastic: tuple[bool, bool],
+    weight: int | None = None,
+):
     """Both operands of one GEMM, rotated and quantised along their contraction axes (padded to whole blocks).
     `weight`: which operand (0 / 1) is the weight, for NVFP4's 2-D tiles (quantised once, along both axes)."""
     if gemm.fmt is None:
@@ -65,14 +75,24 @@ def prepare_operands(a: jax.Array, b: jax.Array, axis_a: int, axis_b: int, gemm:
     out = []
     for i, (x, axis) in enumerate(((a, axis_a), (b, axis_b))):
         if stochastic[i] and key is None:
-            raise ValueError(f"recipe {cfg.recipe.name}: stochastic rounding of dy needs a PRNG key; the training "
-                             "step passes one through the precision slot (a key of None is for inference).")
+            raise ValueError(
+                f"recipe {cfg.recipe.name}: stochastic rounding of dy needs a PRNG key; the training "
+                "step passes one through the precision slot (a key of None is for inference)."
+            )
         sub = jax.random.fold_in(key, i) if stochastic[i] else None
         if i == weight and cfg.recipe.weight_2d_blocks and not gemm.rht:
             out.append(quantize_tiles(x, gemm.fmt, tile=block))
         else:
-            out.append(cfg.quantizer(x, gemm.fmt, axis=axis, block_size=block,
-                                     rounding="stochastic" if stochastic[i] else "nearest", key=sub))
+            out.append(
+                cfg.quantizer(
+                    x,
+                    gemm.fmt,
+                    axis=axis,
+                    block_size=block,
+                    rounding="stochastic" if stochastic[i] else "nearest",
+                    key=sub,
+                )
+            )
     return tuple(out)
 
 
@@ -96,8 +116,9 @@ def _bwd(cfg, residuals, dy):
     x, w, key = residuals
     r = cfg.recipe
     k_d, k_w = backward_keys(key)
-    q_dy, q_w = prepare_operands(dy, w, 2, 2, r.dgrad, cfg, key=k_d, stochastic=(r.dgrad.stochastic_dy, False),
-                                 weight=1)
+    q_dy, q_w = prepare_operands(
+        dy, w, 2, 2, r.dgrad, cfg, key=k_d, stochastic=(r.dgrad.stochastic_dy, False), weight=1
+    )
     dx = jnp.einsum("bmn,bkn->bmk", q_dy, q_w, preferred_element_type=jnp.float32)
     q_x, q_dy = prepare_operands(x, dy, 1, 1, r.wgrad, cfg, key=k_w, stochastic=(False, r.wgrad.stochastic_dy))
     dw = jnp.einsum("bmk,bmn->bkn", q_x, q_dy, preferred_element_type=jnp.float32)
@@ -122,8 +143,10 @@ def dot_general(recipe: Recipe, *, key: jax.Array | None = None, quantizer: Call
         del precision
         (lc, rc), (lb, rb) = dimension_numbers
         if len(lc) != 1 or len(rc) != 1:
-            raise ValueError(f"quant.dot_general ({recipe.name}): one contracting dimension per operand is supported; "
-                             f"got {lc} and {rc} (shapes {lhs.shape}, {rhs.shape}).")
+            raise ValueError(
+                f"quant.dot_general ({recipe.name}): one contracting dimension per operand is supported; "
+                f"got {lc} and {rc} (shapes {lhs.shape}, {rhs.shape})."
+            )
         if not recipe.quantised:
             return jax.lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=preferred_element_type)
         lfree = [d for d in range(lhs.ndim) if d not in (*lc, *lb)]

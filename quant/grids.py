@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["FORMATS", "GRIDS", "levels", "grid_max", "round_to_grid", "uniform"]
+__all__ = ["FORMATS", "GRIDS", "grid_max", "levels", "round_to_grid", "uniform"]
 
 GRIDS: dict[str, tuple[float, ...]] = {
     "e2m1": (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0),

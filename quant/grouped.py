@@ -23,7 +23,7 @@ from quant.dot_general import GemmConfig, backward_keys, prepare_operands
 from quant.quantize import DEFAULT_BLOCK, quantize
 from quant.recipes import Recipe
 
-__all__ = ["grouped_matmul", "group_aligned"]
+__all__ = ["group_aligned", "grouped_matmul"]
 
 
 def group_aligned(x: jax.Array, group_sizes: jax.Array, multiple: int) -> tuple[jax.Array, jax.Array]:
@@ -57,8 +57,9 @@ def _bwd(cfg, inner, residuals, dy):
     x, w, group_sizes, key = residuals
     r = cfg.recipe
     k_d, k_w = backward_keys(key)
-    q_dy, q_w = prepare_operands(dy, w, 1, 2, r.dgrad, cfg, key=k_d, stochastic=(r.dgrad.stochastic_dy, False),
-                                 weight=1)
+    q_dy, q_w = prepare_operands(
+        dy, w, 1, 2, r.dgrad, cfg, key=k_d, stochastic=(r.dgrad.stochastic_dy, False), weight=1
+    )
     dx = inner(q_dy, jnp.swapaxes(q_w, 1, 2), group_sizes, preferred_element_type=jnp.float32)
     if r.wgrad.fmt is None:
         xs, dys, sizes = x, dy, group_sizes
@@ -77,8 +78,13 @@ def _bwd(cfg, inner, residuals, dy):
 _grouped.defvjp(_fwd, _bwd)
 
 
-def grouped_matmul(recipe: Recipe, *, key: jax.Array | None = None, inner: Callable = jax.lax.ragged_dot,
-                   quantizer: Callable = quantize) -> Callable:
+def grouped_matmul(
+    recipe: Recipe,
+    *,
+    key: jax.Array | None = None,
+    inner: Callable = jax.lax.ragged_dot,
+    quantizer: Callable = quantize,
+) -> Callable:
     """(lhs [m, k], rhs [g, k, n], group_sizes [g] int32, preferred_element_type=None) -> [m, n] with the three
     training GEMMs of `recipe` (see the module docstring). key: this layer's and step's PRNG key (None for
     inference); inner: the grouped matmul that multiplies the quantised operands."""

@@ -41,8 +41,8 @@ def rht(x: jax.Array, *, axis: int = -1, block_size: int = 16, signs: jax.Array 
     dtype = jnp.promote_types(x.dtype, jnp.float32)
     rotation = jnp.asarray(hadamard(block_size), dtype) * signs.astype(dtype)[None, :] / np.sqrt(block_size)
     axis = axis % x.ndim
-    blocks = x.astype(dtype).reshape(*x.shape[:axis], -1, block_size, *x.shape[axis + 1:])  # split in place
-    dims = "abcdefghijklmnopqrstuvwxy"[:blocks.ndim]
+    blocks = x.astype(dtype).reshape(*x.shape[:axis], -1, block_size, *x.shape[axis + 1 :])  # split in place
+    dims = "abcdefghijklmnopqrstuvwxy"[: blocks.ndim]
     inside = dims[axis + 1]
     spec = f"{dims},z{inside}->{dims.replace(inside, 'z')}"  # rotate the within-block axis, no transpose
     out = jnp.einsum(spec, blocks, rotation, precision=jax.lax.Precision.HIGHEST)

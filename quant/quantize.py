@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from quant.grids import FORMATS, grid_max, round_to_grid
 
-__all__ = ["DEFAULT_BLOCK", "quantize", "quantize_tiles", "block_scales"]
+__all__ = ["DEFAULT_BLOCK", "block_scales", "quantize", "quantize_tiles"]
 
 DEFAULT_BLOCK = {"e2m1": 16, "e1m2": 16, "int4": 16, "mxfp4": 32, "nvfp4": 16}
 E4M3_MAX = 448.0
@@ -29,9 +29,11 @@ def _blocks(x: jax.Array, axis: int, block: int) -> tuple[jax.Array, int]:
     axis = axis % x.ndim
     n = x.shape[axis]
     if block < 1 or n % block:
-        raise ValueError(f"quantize: length {n} of axis {axis} (shape {x.shape}) is not divisible by block_size = "
-                         f"{block}; pad the axis or pick a block size that divides it.")
-    return x.reshape(*x.shape[:axis], n // block, block, *x.shape[axis + 1:]), axis + 1
+        raise ValueError(
+            f"quantize: length {n} of axis {axis} (shape {x.shape}) is not divisible by block_size = "
+            f"{block}; pad the axis or pick a block size that divides it."
+        )
+    return x.reshape(*x.shape[:axis], n // block, block, *x.shape[axis + 1 :]), axis + 1
 
 
 def block_scales(blocks: jax.Array, fmt: str, axis: int = -1) -> jax.Array:
@@ -49,8 +51,15 @@ def block_scales(blocks: jax.Array, fmt: str, axis: int = -1) -> jax.Array:
     return amax / grid_max(fmt)
 
 
-def quantize(x: jax.Array, fmt: str, *, axis: int = -1, block_size: int | None = None, rounding: str = "nearest",
-             key: jax.Array | None = None) -> jax.Array:
+def quantize(
+    x: jax.Array,
+    fmt: str,
+    *,
+    axis: int = -1,
+    block_size: int | None = None,
+    rounding: str = "nearest",
+    key: jax.Array | None = None,
+) -> jax.Array:
     """Fake-quantises x (any float dtype and shape) in blocks along `axis`; returns x's shape and dtype.
 
     fmt in FORMATS; block_size defaults to DEFAULT_BLOCK[fmt]; rounding "nearest" (ties to even) or "stochastic"

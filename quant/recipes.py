@@ -26,7 +26,7 @@ import re
 
 from quant.grids import FORMATS
 
-__all__ = ["Gemm", "Recipe", "BF16", "E2M1_BASELINE", "UFP4", "UFP4_INT4", "NVFP4", "MXFP4", "RECIPES", "get"]
+__all__ = ["BF16", "E2M1_BASELINE", "MXFP4", "NVFP4", "RECIPES", "UFP4", "UFP4_INT4", "Gemm", "Recipe", "get"]
 
 HIGH_PRECISION = (r"(^|\.)head$", r"\.router$", r"embed")
 
@@ -81,8 +81,11 @@ class Recipe:
 
 
 def _all(fmt: str, *, rht: tuple[bool, bool, bool], **kw) -> dict[str, Gemm]:
-    return {"fprop": Gemm(fmt, rht=rht[0], **kw), "dgrad": Gemm(fmt, rht=rht[1], stochastic_dy=True, **kw),
-            "wgrad": Gemm(fmt, rht=rht[2], stochastic_dy=True, **kw)}
+    return {
+        "fprop": Gemm(fmt, rht=rht[0], **kw),
+        "dgrad": Gemm(fmt, rht=rht[1], stochastic_dy=True, **kw),
+        "wgrad": Gemm(fmt, rht=rht[2], stochastic_dy=True, **kw),
+    }
 
 
 BF16 = Recipe("bf16")

@@ -16,11 +16,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "experiments", "configs", "quickstart.py")
 COMPOSED = os.path.join(ROOT, "experiments", "configs", "composed.py")
 TINY = [
-    "--config.model.d_model=32", "--config.model.num_layers=2", "--config.model.num_heads=4",
-    "--config.model.num_kv_heads=2", "--config.model.d_ff=64", "--config.data.seq_len=16",
-    "--config.data.batch_size=8", "--config.optim.warmup_steps=2", "--config.train.log_every=2",
-    "--config.train.eval_batches=2", "--config.train.progress=False", "--config.sample.num_tokens=8",
-    "--config.mesh.site=1", "--config.mesh.data=-1",
+    "--config.model.d_model=32",
+    "--config.model.num_layers=2",
+    "--config.model.num_heads=4",
+    "--config.model.num_kv_heads=2",
+    "--config.model.d_ff=64",
+    "--config.data.seq_len=16",
+    "--config.data.batch_size=8",
+    "--config.optim.warmup_steps=2",
+    "--config.train.log_every=2",
+    "--config.train.eval_batches=2",
+    "--config.train.progress=False",
+    "--config.sample.num_tokens=8",
+    "--config.mesh.site=1",
+    "--config.mesh.data=-1",
 ]
 
 
@@ -29,15 +38,18 @@ def _main(capsys, *args):
     return code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args, needles", [
-    (["--config.model.dmodel=3"], ["model.dmodel", "model.d_model"]),
-    (["--config.train.steps=abc"], ["--config.train.steps=abc", "int"]),
-    (["--config.train.steps=2.5"], ["--config.train.steps=2.5"]),
-    (["--config.model.norm=batchnorm"], ["model.norm", "'batchnorm'", "rmsnorm"]),
-    (["--config.model.num_heads=7"], ["model.num_heads", "7", "model.d_model"]),
-    (["--config.mesh.model=64"], ["64", "devices"]),
-    (["--bogus=1"], ["bogus"]),
-])
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["--config.model.dmodel=3"], ["model.dmodel", "model.d_model"]),
+        (["--config.train.steps=abc"], ["--config.train.steps=abc", "int"]),
+        (["--config.train.steps=2.5"], ["--config.train.steps=2.5"]),
+        (["--config.model.norm=batchnorm"], ["model.norm", "'batchnorm'", "rmsnorm"]),
+        (["--config.model.num_heads=7"], ["model.num_heads", "7", "model.d_model"]),
+        (["--config.mesh.model=64"], ["64", "devices"]),
+        (["--bogus=1"], ["bogus"]),
+    ],
+)
 def test_bad_flags_are_rejected_clearly(capsys, tmp_path, args, needles):
     code, err = _main(capsys, f"--config={CONFIG}", f"--workdir={tmp_path}", *args)
     assert code == 2
@@ -57,8 +69,9 @@ def test_missing_required_flags(capsys, tmp_path):
 
 
 def test_bad_data_path_is_rejected(capsys, tmp_path):
-    code, err = _main(capsys, f"--config={CONFIG}", f"--workdir={tmp_path}", f"--config.data.path={tmp_path}/none",
-                      *TINY)
+    code, err = _main(
+        capsys, f"--config={CONFIG}", f"--workdir={tmp_path}", f"--config.data.path={tmp_path}/none", *TINY
+    )
     assert code == 2 and "data.path" in err
 
 
@@ -67,7 +80,7 @@ def _cli(workdir, *extra, env_devices=1, process=None, config=CONFIG):
     cmd = [sys.executable, "-m", "experiments.run", f"--config={config}", f"--workdir={workdir}", *TINY, *extra]
     if process is not None:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 def _metric_rows(workdir):
@@ -127,9 +140,16 @@ def _loaded_model_reproduces_the_held_out_loss(workdir, val_loss, sites=1):
     for site in range(sites):
         config, model = load.trained_model(str(workdir), site=site)
         _, batches = build.build_data(config)
-        losses.append(np.mean([
-            np.asarray(optax.softmax_cross_entropy_with_integer_labels(model(t[:, :-1])[0], t[:, 1:]), np.float64)
-            for t in batches.val_batches(config.train.eval_batches)]))
+        losses.append(
+            np.mean(
+                [
+                    np.asarray(
+                        optax.softmax_cross_entropy_with_integer_labels(model(t[:, :-1])[0], t[:, 1:]), np.float64
+                    )
+                    for t in batches.val_batches(config.train.eval_batches)
+                ]
+            )
+        )
     assert abs(np.mean(losses) - val_loss) < 1e-5, (losses, val_loss)
     if sites > 1:
         assert len(set(losses)) == sites  # different experts, different losses
@@ -148,15 +168,27 @@ def _serve_streams_the_greedy_continuation(workdir, capsys, kv_format="bf16"):
     from experiments import load, serve
     from kvcache import formats, paged_cache_factory
 
-    assert serve.main([f"--workdir={workdir}", "--prompt=def f", "--max-new-tokens=6", f"--kv-format={kv_format}",
-                       "--temperature=0"]) == 0
+    assert (
+        serve.main(
+            [
+                f"--workdir={workdir}",
+                "--prompt=def f",
+                "--max-new-tokens=6",
+                f"--kv-format={kv_format}",
+                "--temperature=0",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     _, model = load.trained_model(str(workdir))
     cfg, tok = model.cfg, ByteTokenizer()
-    factory = paged_cache_factory(formats.get(kv_format), num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                                  head_dim=cfg.head_dim)
-    ids = generate.generate(model, [np.asarray(tok.encode("def f"))], max_new_tokens=6, key=jax.random.key(0),
-                            cache_factory=factory)[0]
+    factory = paged_cache_factory(
+        formats.get(kv_format), num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim
+    )
+    ids = generate.generate(
+        model, [np.asarray(tok.encode("def f"))], max_new_tokens=6, key=jax.random.key(0), cache_factory=factory
+    )[0]
     assert out.splitlines()[0] == "def f" + tok.decode([t for t in ids if t != 256])
     assert serve.main([f"--workdir={workdir}/nope", "--prompt=x"]) == 2
     assert "missing" in capsys.readouterr().err
@@ -171,8 +203,17 @@ def _free_port():
 def _start_processes(workdir, *args, count=2):
     """`count` CLI processes of one jax.distributed run on 127.0.0.1 (one device each), started, not awaited."""
     addr = f"127.0.0.1:{_free_port()}"
-    return [_cli(workdir, *args, f"--config.mesh.num_processes={count}", f"--config.mesh.process_id={i}",
-                 f"--config.mesh.coordinator_address={addr}", process=True) for i in range(count)]
+    return [
+        _cli(
+            workdir,
+            *args,
+            f"--config.mesh.num_processes={count}",
+            f"--config.mesh.process_id={i}",
+            f"--config.mesh.coordinator_address={addr}",
+            process=True,
+        )
+        for i in range(count)
+    ]
 
 
 def _run_processes(workdir, *args, count=2):
@@ -186,8 +227,14 @@ def _run_processes(workdir, *args, count=2):
 def test_two_processes_equal_one_process_with_two_devices(tmp_path):
     """jax.distributed on 127.0.0.1 with gloo: 2 processes x 1 device train like 1 process x 2 devices. The MoE
     experts are sharded over the two devices, so the expert-parallel all-to-all crosses the processes."""
-    args = ["--config.train.steps=6", "--config.train.eval_every=3", "--config.checkpoint.every=3",
-            "--config.sample.num_tokens=0", "--config.mesh.data=1", "--config.mesh.expert=2"]
+    args = [
+        "--config.train.steps=6",
+        "--config.train.eval_every=3",
+        "--config.checkpoint.every=3",
+        "--config.sample.num_tokens=0",
+        "--config.mesh.data=1",
+        "--config.mesh.expert=2",
+    ]
     single = _cli(tmp_path / "single", *args, env_devices=2)
     assert single.returncode == 0, single.stdout + single.stderr
     outs = _run_processes(tmp_path / "multi", *args)
@@ -199,8 +246,15 @@ def test_two_processes_equal_one_process_with_two_devices(tmp_path):
         assert b[key] == pytest.approx(a[key], rel=1e-5), key
 
 
-FEDERATED = ["--config.mesh.site=4", "--config.mesh.data=1", "--config.fomoe.overlap=2", "--config.fomoe.local_steps=3",
-             "--config.train.steps=30", "--config.train.eval_every=15", "--config.sample.num_tokens=0"]
+FEDERATED = [
+    "--config.mesh.site=4",
+    "--config.mesh.data=1",
+    "--config.fomoe.overlap=2",
+    "--config.fomoe.local_steps=3",
+    "--config.train.steps=30",
+    "--config.train.eval_every=15",
+    "--config.sample.num_tokens=0",
+]
 
 
 @pytest.mark.parametrize("placement", ["fixed", "random"])
@@ -221,7 +275,8 @@ def test_federated_run_measures_its_bytes_and_resumes_after_a_killed_round(tmp_p
         moved = summary["bytes_per_site_migration_per_reshuffle"]
         assert moved == 2 * summary["bytes_per_site_migration_per_reshuffle_formula"] > 0
         assert summary["bytes_per_site_per_round"] - moved / 2 == pytest.approx(
-            summary["bytes_per_site_per_round_formula"] - moved / 4)
+            summary["bytes_per_site_per_round_formula"] - moved / 4
+        )
         arrived = [r["reshuffle/arrived_experts_per_site"] for r in rows if "reshuffle/arrived_experts_per_site" in r]
         assert len(arrived) == 4 and all(0 <= a <= 4 for a in arrived) and any(a > 0 for a in arrived)
     again = _cli(tmp_path / "full", *federated_run, env_devices=4)  # a finished run resumes at its last round
@@ -254,13 +309,26 @@ def test_the_composed_config_trains_sites_with_mgup_on_ufp4_and_serves_through_f
     records all three choices), the loaded model reproduces the held-out loss, and serving it through the fp4 KV
     cache streams what `core.generate` gives with that cache."""
     workdir = tmp_path / "composed"
-    done = _cli(workdir, "--config.mesh.site=2", "--config.mesh.data=1", "--config.fomoe.local_steps=2",
-                "--config.train.steps=6", "--config.train.eval_every=6", "--config.model.d_model=64",
-                "--config.model.num_heads=1", "--config.model.num_kv_heads=1", config=COMPOSED, env_devices=2)
+    done = _cli(
+        workdir,
+        "--config.mesh.site=2",
+        "--config.mesh.data=1",
+        "--config.fomoe.local_steps=2",
+        "--config.train.steps=6",
+        "--config.train.eval_every=6",
+        "--config.model.d_model=64",
+        "--config.model.num_heads=1",
+        "--config.model.num_kv_heads=1",
+        config=COMPOSED,
+        env_devices=2,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     config = json.loads((workdir / "config.json").read_text())
     assert (config["optim"]["name"], config["precision"]["recipe"], config["kvcache"]["format"]) == (
-        "mgup_adamw", "ufp4", "fp4")
+        "mgup_adamw",
+        "ufp4",
+        "fp4",
+    )
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["rounds"] == 3 and summary["bytes_per_site_per_round"] > 0
     assert (workdir / "sample.txt").read_text().startswith("def ")
@@ -268,13 +336,19 @@ def test_the_composed_config_trains_sites_with_mgup_on_ufp4_and_serves_through_f
     _serve_streams_the_greedy_continuation(workdir, capsys, kv_format="fp4")
 
 
-@pytest.mark.parametrize("args, needles", [
-    (["--config.fomoe.overlap=3"], ["fomoe.overlap", "3", "mesh.site", "4"]),
-    (["--config.fomoe.local_steps=4"], ["train.steps", "30", "fomoe.local_steps", "4"]),
-    (["--config.fomoe.outer=fedavg"], ["fomoe.outer", "fedavg", "local_adamw"]),
-    (["--config.fomoe.overlap=4", "--config.fomoe.placement=random"], ["fomoe.placement", "fomoe.overlap", "fixed"]),
-    (["--config.fomoe.placement=rand"], ["fomoe.placement", "'rand'", "random"]),
-])
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["--config.fomoe.overlap=3"], ["fomoe.overlap", "3", "mesh.site", "4"]),
+        (["--config.fomoe.local_steps=4"], ["train.steps", "30", "fomoe.local_steps", "4"]),
+        (["--config.fomoe.outer=fedavg"], ["fomoe.outer", "fedavg", "local_adamw"]),
+        (
+            ["--config.fomoe.overlap=4", "--config.fomoe.placement=random"],
+            ["fomoe.placement", "fomoe.overlap", "fixed"],
+        ),
+        (["--config.fomoe.placement=rand"], ["fomoe.placement", "'rand'", "random"]),
+    ],
+)
 def test_bad_federated_flags_are_rejected(capsys, tmp_path, args, needles):
     code, err = _main(capsys, f"--config={CONFIG}", f"--workdir={tmp_path}", *TINY, *FEDERATED, *args)
     assert code == 2, err
@@ -285,8 +359,15 @@ def test_bad_federated_flags_are_rejected(capsys, tmp_path, args, needles):
 def test_federated_sites_as_processes_equal_sites_as_virtual_devices(tmp_path):
     """One process per site (jax.distributed, gloo on 127.0.0.1) trains exactly like one process with a device
     per site: same losses, same held-out result, same measured bytes."""
-    args = ["--config.mesh.site=2", "--config.mesh.data=1", "--config.fomoe.overlap=1", "--config.fomoe.local_steps=3",
-            "--config.train.steps=9", "--config.train.eval_every=9", "--config.sample.num_tokens=0"]
+    args = [
+        "--config.mesh.site=2",
+        "--config.mesh.data=1",
+        "--config.fomoe.overlap=1",
+        "--config.fomoe.local_steps=3",
+        "--config.train.steps=9",
+        "--config.train.eval_every=9",
+        "--config.sample.num_tokens=0",
+    ]
     single = _cli(tmp_path / "single", *args, env_devices=2)
     assert single.returncode == 0, single.stdout + single.stderr
     _run_processes(tmp_path / "multi", *args)
@@ -299,8 +380,15 @@ def test_federated_sites_as_processes_equal_sites_as_virtual_devices(tmp_path):
 def test_a_lost_site_stops_the_others_and_a_rerun_resumes(tmp_path):
     """Kill one site's process mid-run: the other stops within 60 s with a clear error (no hang); rerunning both
     resumes from the last completed round and ends like an uninterrupted run."""
-    args = ["--config.mesh.site=2", "--config.mesh.data=1", "--config.fomoe.overlap=1", "--config.fomoe.local_steps=3",
-            "--config.train.steps=60", "--config.train.eval_every=30", "--config.sample.num_tokens=0"]
+    args = [
+        "--config.mesh.site=2",
+        "--config.mesh.data=1",
+        "--config.fomoe.overlap=1",
+        "--config.fomoe.local_steps=3",
+        "--config.train.steps=60",
+        "--config.train.eval_every=30",
+        "--config.sample.num_tokens=0",
+    ]
     reference = _cli(tmp_path / "reference", *args, env_devices=2)
     assert reference.returncode == 0, reference.stdout + reference.stderr
 
@@ -326,22 +414,41 @@ def test_a_lost_site_stops_the_others_and_a_rerun_resumes(tmp_path):
 
 
 def test_launcher_runs_one_process_per_site(tmp_path):
-    args = ["--config.mesh.site=2", "--config.mesh.data=1", "--config.fomoe.local_steps=3", "--config.train.steps=6",
-            "--config.train.eval_every=6", "--config.sample.num_tokens=0"]
-    cmd = [sys.executable, "-m", "experiments.launch", "--processes", "2", "--", f"--config={CONFIG}",
-           f"--workdir={tmp_path}", *TINY, *args]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    args = [
+        "--config.mesh.site=2",
+        "--config.mesh.data=1",
+        "--config.fomoe.local_steps=3",
+        "--config.train.steps=6",
+        "--config.train.eval_every=6",
+        "--config.sample.num_tokens=0",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.launch",
+        "--processes",
+        "2",
+        "--",
+        f"--config={CONFIG}",
+        f"--workdir={tmp_path}",
+        *TINY,
+        *args,
+    ]
+    out = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "launch: exit codes [0, 0]" in out.stdout and "[1] " in out.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["rounds"] == 2 and summary["devices"].startswith("2 x")
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--processes", "2"], "after '--'"),
-    (["--processes", "0", "--", "--workdir=x"], "--processes=0"),
-    (["--processes", "2", "--", "--config.mesh.process_id=1"], "set by the launcher"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--processes", "2"], "after '--'"),
+        (["--processes", "0", "--", "--workdir=x"], "--processes=0"),
+        (["--processes", "2", "--", "--config.mesh.process_id=1"], "set by the launcher"),
+    ],
+)
 def test_launcher_rejects_bad_arguments(capsys, argv, needle):
     from experiments import launch
 

@@ -13,7 +13,6 @@ import pytest
 from core import data
 from core.data import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, Batches, ByteTokenizer, Corpus, DataError
 
-
 # --------------------------------------------------------------------------- helpers
 
 
@@ -88,7 +87,7 @@ def test_tokenizer_round_trip(seed, bos, eos):
 def test_tokenizer_constants_and_errors():
     tok = ByteTokenizer()
     assert (tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id) == (259, 256, 257, 258)
-    assert tok.encode("é", bos=False).tolist() == list("é".encode("utf-8"))
+    assert tok.encode("é", bos=False).tolist() == list("é".encode())
     assert tok.decode([0xC3]) == "\ufffd"  # Truncated multi-byte sequence is replaced.
     assert tok.decode([]) == ""
     with pytest.raises(DataError, match="259"):
@@ -187,7 +186,10 @@ def test_split_depends_on_names_not_contents(tmp_path):
     for i in range(20):
         (a / f"{i}.txt").write_bytes(bytes([65 + i]) * (i + 1))
         (b / f"{i}.txt").write_bytes(rng.bytes(i + 1))
-    side = lambda c: [len(d) for d in split_documents(c.val)]  # Length i + 1 identifies file i.
+
+    def side(c):
+        return [len(d) for d in split_documents(c.val)]  # Length i + 1 identifies file i.
+
     assert side(data.load_corpus(str(a), val_fraction=0.2)) == side(data.load_corpus(str(b), val_fraction=0.2))
 
 
@@ -297,7 +299,10 @@ def test_corpus_errors(tmp_path):
 def test_train_batches(train_len, seq_len, global_batch):
     rng = np.random.default_rng(train_len + seq_len)
     corpus = random_corpus(rng, train_len, 200)
-    make = lambda **kw: Batches(corpus, seq_len=seq_len, global_batch=global_batch, seed=17, **kw)
+
+    def make(**kw):
+        return Batches(corpus, seq_len=seq_len, global_batch=global_batch, seed=17, **kw)
+
     run = make()
     batches = [run.train_batch(step) for step in range(6)]
     for batch in batches:

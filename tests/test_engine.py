@@ -12,8 +12,9 @@ from kvcache import formats, paged_cache_factory
 from kvcache.blocks import BlockManager, block_hashes
 from kvcache.engine import Engine, EngineConfig, Request
 
-CFG = TransformerConfig(vocab_size=264, d_model=128, num_layers=2, num_heads=2, num_kv_heads=1, d_ff=96,
-                        init_std=0.3)  # large weights: varied greedy continuations
+CFG = TransformerConfig(
+    vocab_size=264, d_model=128, num_layers=2, num_heads=2, num_kv_heads=1, d_ff=96, init_std=0.3
+)  # large weights: varied greedy continuations
 BS = 16
 
 
@@ -24,17 +25,22 @@ def model():
 
 def isolated(model, fmt, prompt, n):
     """Greedy generation of one prompt alone through the paged cache of the same format."""
-    factory = paged_cache_factory(fmt, num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads,
-                                  head_dim=CFG.head_dim)
-    out = generate_lib.generate(model, [np.asarray(prompt)], max_new_tokens=n, key=jax.random.key(0),
-                                cache_factory=factory)[0].tolist()
-    return out[:out.index(256)] if 256 in out else out  # PAD after EOS
+    factory = paged_cache_factory(fmt, num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads, head_dim=CFG.head_dim)
+    out = generate_lib.generate(
+        model, [np.asarray(prompt)], max_new_tokens=n, key=jax.random.key(0), cache_factory=factory
+    )[0].tolist()
+    return out[: out.index(256)] if 256 in out else out  # PAD after EOS
 
 
 def engine(model, fmt, blocks, **kw):
     per_block = CFG.num_layers * BS * fmt.bytes_per_token(CFG.num_kv_heads, CFG.head_dim)
-    return Engine(model, fmt, EngineConfig(memory_bytes=blocks * per_block, block_size=BS, max_model_len=256,
-                                           **{"max_num_batched_tokens": 32, **kw}))
+    return Engine(
+        model,
+        fmt,
+        EngineConfig(
+            memory_bytes=blocks * per_block, block_size=BS, max_model_len=256, **{"max_num_batched_tokens": 32, **kw}
+        ),
+    )
 
 
 def prompts_with_shared_prefix(seed=0):

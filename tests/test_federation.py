@@ -6,20 +6,24 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
+from moe_reference import tiny_moe_transformer
 
 from core import hlo
 from moe import federation, system_model
 from moe.placement import fixed_placement
-from moe_reference import tiny_moe_transformer
 
 SITES = 8
 
 
 def _stacked(mesh, rng, attn_dtype=np.float32):
     """A per-site state: dense leaves (an embedding, a norm, a matrix) and expert leaves (per-site experts)."""
-    shapes = {"embedding": ((SITES, 11, 6), np.float32), "norm": ((SITES, 6), np.float32),
-              "attn": ((SITES, 6, 4), attn_dtype), "experts_up": ((SITES, 2, 6, 3), np.float32),
-              "router_cols": ((SITES, 6, 2), np.float32)}
+    shapes = {
+        "embedding": ((SITES, 11, 6), np.float32),
+        "norm": ((SITES, 6), np.float32),
+        "attn": ((SITES, 6, 4), attn_dtype),
+        "experts_up": ((SITES, 2, 6, 3), np.float32),
+        "router_cols": ((SITES, 6, 2), np.float32),
+    }
     sharding = NamedSharding(mesh, PartitionSpec(federation.SITE_AXES))
     tree = {k: jax.device_put(jnp.asarray(rng.normal(size=s), dtype), sharding) for k, (s, dtype) in shapes.items()}
     is_expert = {"embedding": False, "norm": False, "attn": False, "experts_up": True, "router_cols": True}
@@ -58,8 +62,10 @@ def test_compiled_collectives_move_exactly_the_formula_bytes(overlap):
     if overlap == SITES:  # full replica: experts are averaged over all sites too
         assert measured["by_group_size"] == {SITES: pytest.approx(formula["total"], rel=1e-12)}
     elif overlap > 1:
-        assert measured["by_group_size"] == {SITES: pytest.approx(formula["dense"], rel=1e-12),
-                                             overlap: pytest.approx(formula["sparse"], rel=1e-12)}
+        assert measured["by_group_size"] == {
+            SITES: pytest.approx(formula["dense"], rel=1e-12),
+            overlap: pytest.approx(formula["sparse"], rel=1e-12),
+        }
     else:  # disjoint experts: nothing to average, and nothing is sent
         assert formula["sparse"] == 0
         assert measured["by_group_size"] == {SITES: pytest.approx(formula["dense"], rel=1e-12)}
@@ -111,9 +117,13 @@ def test_a_round_with_full_replication_and_one_local_step_equals_ddp():
     stacked_params = federation.to_sites(params, placement.experts)
     stacked_rest = federation.to_sites(rest, placement.experts)
     optimizer = optax.sgd(lr)
-    state = train_lib.TrainState(jnp.zeros((sites,), jnp.int32), stacked_params, stacked_rest,
-                                 jax.vmap(optimizer.init)(stacked_params),
-                                 jax.vmap(lambda s: jax.random.fold_in(jax.random.key(0), s))(jnp.arange(sites)))
+    state = train_lib.TrainState(
+        jnp.zeros((sites,), jnp.int32),
+        stacked_params,
+        stacked_rest,
+        jax.vmap(optimizer.init)(stacked_params),
+        jax.vmap(lambda s: jax.random.fold_in(jax.random.key(0), s))(jnp.arange(sites)),
+    )
     state = jax.device_put(state, NamedSharding(mesh, PartitionSpec(federation.SITE_AXES)))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(sites, 2, 9)), jnp.int32)
     local = jax.jit(jax.vmap(train_lib.train_step_fn(graphdef, optimizer)))
@@ -124,6 +134,7 @@ def test_a_round_with_full_replication_and_one_local_step_equals_ddp():
     def site_grad(tokens, key):
         def objective(p):
             return train_lib.lm_loss(nnx.merge(graphdef, p, rest), tokens, key=key)[0]
+
         return jax.grad(objective)(params)
 
     keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.fold_in(jax.random.key(0), s), 0))(jnp.arange(sites))

@@ -9,9 +9,13 @@ import pytest
 from kvcache import PagedPool, decode_attention, formats, unified_attention, write
 from kvcache.kernels import attention as attention_kernel
 
-FORMATS = {"bf16": formats.get("bf16"), "fp8": formats.get("fp8"), "fp4": formats.get("fp4"),
-           "fp4-mx-norot": formats.get("fp4", scale_rule="mx", rotate_k=False),
-           "fp4-symmetric": formats.get("fp4", rotate_v=True)}
+FORMATS = {
+    "bf16": formats.get("bf16"),
+    "fp8": formats.get("fp8"),
+    "fp4": formats.get("fp4"),
+    "fp4-mx-norot": formats.get("fp4", scale_rule="mx", rotate_k=False),
+    "fp4-symmetric": formats.get("fp4", rotate_v=True),
+}
 BS = 16
 # Sequence lengths 1, bs - 1, bs, bs + 1 and many blocks in one batch; query chunks of decode (1) and prefill.
 SEQ_LENS = [1, BS - 1, BS, BS + 1, 5 * BS + 3]
@@ -29,21 +33,29 @@ def make_case(fmt, seq_lens, q_lens, *, num_kv, groups, head_dim, seed=0, extra_
     tables = np.zeros((len(seq_lens), max_blocks), np.int32)
     kvs, slots, c = [], [], 0
     for b, (s, n) in enumerate(zip(seq_lens, blocks_per_seq)):
-        tables[b, :n] = order[c:c + n]
+        tables[b, :n] = order[c : c + n]
         c += n
         pos = np.arange(s)
         slots.append(tables[b, pos // BS] * BS + pos % BS)
-        kvs.append((rng.normal(size=(s, num_kv, head_dim)) * rng.uniform(0.5, 3.0),
-                    rng.normal(size=(s, num_kv, head_dim))))
-    pool = PagedPool.create(fmt, num_layers=1, num_kv_heads=num_kv, head_dim=head_dim, block_size=BS,
-                            num_blocks=num_blocks)
+        kvs.append(
+            (rng.normal(size=(s, num_kv, head_dim)) * rng.uniform(0.5, 3.0), rng.normal(size=(s, num_kv, head_dim)))
+        )
+    pool = PagedPool.create(
+        fmt, num_layers=1, num_kv_heads=num_kv, head_dim=head_dim, block_size=BS, num_blocks=num_blocks
+    )
     k = np.concatenate([a for a, _ in kvs]).astype(np.float32)
     v = np.concatenate([b for _, b in kvs]).astype(np.float32)
     fields = write(pool.layer(0), jnp.asarray(k), jnp.asarray(v), jnp.asarray(np.concatenate(slots)), fmt=fmt)
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q = rng.normal(size=(qsl[-1], num_kv * groups, head_dim)).astype(np.float32)
-    return (jnp.asarray(q), fields, jnp.asarray(tables), jnp.asarray(np.array(seq_lens, np.int32)),
-            jnp.asarray(qsl), kvs)
+    return (
+        jnp.asarray(q),
+        fields,
+        jnp.asarray(tables),
+        jnp.asarray(np.array(seq_lens, np.int32)),
+        jnp.asarray(qsl),
+        kvs,
+    )
 
 
 def numpy_attention(q, k, v, q_pos, groups):
@@ -67,8 +79,8 @@ def test_reference_matches_numpy(name):
     k_all, v_all = (jnp.asarray(np.concatenate([kv[i] for kv in kvs]), jnp.float32) for i in (0, 1))
     k_hat_all, v_hat_all = (np.asarray(x) for x in fmt.dequantize(fmt.quantize(k_all, v_all), rotated=True))
     starts = np.cumsum([0] + [len(k) for k, _ in kvs])
-    for b, (k, v) in enumerate(kvs):
-        k_hat, v_hat = k_hat_all[starts[b]:starts[b + 1]], v_hat_all[starts[b]:starts[b + 1]]
+    for b in range(len(kvs)):
+        k_hat, v_hat = k_hat_all[starts[b] : starts[b + 1]], v_hat_all[starts[b] : starts[b + 1]]
         lo, hi = int(qsl[b]), int(qsl[b + 1])
         pos = SEQ_LENS[b] - (hi - lo) + np.arange(hi - lo)
         want = numpy_attention(q_prep[lo:hi], k_hat, v_hat, pos, 2)
@@ -83,8 +95,11 @@ def test_reference_matches_numpy(name):
 
 
 # (format, head dim, GQA ratio): every format at every head dim, the GQA ratios 1, 4, 8 spread over them.
-KERNEL_CASES = [(n, d, g) for i, (n, d) in enumerate((n, d) for n in ("bf16", "fp8", "fp4") for d in (64, 128, 256))
-                for g in [(1, 4, 8)[i % 3]]] + [("fp4-mx-norot", 64, 4), ("fp4-symmetric", 128, 2)]
+KERNEL_CASES = [
+    (n, d, g)
+    for i, (n, d) in enumerate((n, d) for n in ("bf16", "fp8", "fp4") for d in (64, 128, 256))
+    for g in [(1, 4, 8)[i % 3]]
+] + [("fp4-mx-norot", 64, 4), ("fp4-symmetric", 128, 2)]
 
 
 @pytest.mark.parametrize("name,head_dim,groups", KERNEL_CASES)
@@ -93,8 +108,9 @@ def test_unified_kernel_matches_reference(name, head_dim, groups):
     split-KV partitions: the interpreted kernel equals the reference."""
     fmt = FORMATS[name]
     num_kv = 2 if groups < 8 else 1
-    q, fields, tables, seq_lens, qsl, _ = make_case(fmt, SEQ_LENS, Q_LENS, num_kv=num_kv, groups=groups,
-                                                    head_dim=head_dim, seed=head_dim + groups)
+    q, fields, tables, seq_lens, qsl, _ = make_case(
+        fmt, SEQ_LENS, Q_LENS, num_kv=num_kv, groups=groups, head_dim=head_dim, seed=head_dim + groups
+    )
     kw = dict(fmt=fmt, max_query_len=max(Q_LENS))
     ref = np.asarray(unified_attention(q, fields, tables, seq_lens, qsl, **kw))
     for parts in (1, 3):
@@ -135,8 +151,12 @@ def test_write_kernel_matches_reference_bit_for_bit(name):
     k[0, 0, :32], k[1, 0, 5] = 0.0, -0.0
     v = rng.normal(size=(t, num_kv, d))
     pool = PagedPool.create(fmt, num_layers=1, num_kv_heads=num_kv, head_dim=d, block_size=BS, num_blocks=6)
-    before = {n: jnp.asarray(rng.integers(0, 255, x.shape, np.uint8)).view(x.dtype) if x.dtype.itemsize == 1 else
-              jnp.asarray(rng.normal(size=x.shape)).astype(x.dtype) for n, x in pool.layer(0).items()}
+    before = {
+        n: jnp.asarray(rng.integers(0, 255, x.shape, np.uint8)).view(x.dtype)
+        if x.dtype.itemsize == 1
+        else jnp.asarray(rng.normal(size=x.shape)).astype(x.dtype)
+        for n, x in pool.layer(0).items()
+    }
     slots = jnp.asarray(np.array([3, 17, -1, 40, 95, 0, 50, 51, 52], np.int32))
     args = (before, jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32), slots)
     ref = write(*args, fmt=fmt)
@@ -147,8 +167,11 @@ def test_write_kernel_matches_reference_bit_for_bit(name):
         r, o, b = (np.asarray(x)[..., None].view(np.uint8) for x in (ref[n], out[n], before[n]))
         np.testing.assert_array_equal(o, r, err_msg=n)
         untouched = ~written.reshape(6, BS)
-        np.testing.assert_array_equal(o.transpose(0, 2, 1, *range(3, o.ndim))[untouched],
-                                      b.transpose(0, 2, 1, *range(3, b.ndim))[untouched], err_msg=n)
+        np.testing.assert_array_equal(
+            o.transpose(0, 2, 1, *range(3, o.ndim))[untouched],
+            b.transpose(0, 2, 1, *range(3, b.ndim))[untouched],
+            err_msg=n,
+        )
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
@@ -156,14 +179,18 @@ def test_no_leak_between_sequences(implementation):
     """Sequence 0's output does not change when every block it does not own is overwritten with garbage."""
     fmt = FORMATS["fp4"]
     q, fields, tables, seq_lens, qsl, _ = make_case(fmt, [40, 70], [5, 1], num_kv=1, groups=2, head_dim=64, seed=3)
-    attend = jax.jit(lambda f: unified_attention(q, f, tables, seq_lens, qsl, fmt=fmt, max_query_len=5,
-                                                 implementation=implementation))
+    attend = jax.jit(
+        lambda f: unified_attention(
+            q, f, tables, seq_lens, qsl, fmt=fmt, max_query_len=5, implementation=implementation
+        )
+    )
     out = np.asarray(attend(fields))
     owned = set(np.asarray(tables[0, :3]).tolist())
     others = np.array([b for b in range(fields["k_codes"].shape[0]) if b not in owned])
     rng = np.random.default_rng(0)
-    garbage = {n: x.at[others].set(jnp.asarray(rng.integers(0, 255, x[others].shape), x.dtype))
-               for n, x in fields.items()}
+    garbage = {
+        n: x.at[others].set(jnp.asarray(rng.integers(0, 255, x[others].shape), x.dtype)) for n, x in fields.items()
+    }
     changed = np.asarray(attend(garbage))
     np.testing.assert_array_equal(changed[:5], out[:5])
     assert not np.allclose(changed[5:], out[5:])  # the garbage did reach sequence 1
@@ -184,7 +211,7 @@ def test_pool_sized_in_bytes():
 
 def test_bad_input_is_named():
     fmt = FORMATS["fp4"]
-    q, fields, tables, seq_lens, qsl, _ = make_case(fmt, [20], [1], num_kv=2, groups=2, head_dim=64)
+    q, fields, tables, seq_lens, _qsl, _ = make_case(fmt, [20], [1], num_kv=2, groups=2, head_dim=64)
     with pytest.raises(ValueError, match="implementation = 'cuda'"):
         decode_attention(q, fields, tables, seq_lens, fmt=fmt, implementation="cuda")
     with pytest.raises(ValueError, match="do not match format"):

@@ -9,9 +9,11 @@ from kvcache import capacity, formats
 
 def _per_head_per_layer(name, d):
     """Bytes of K and V (codes and scales) for one token, head and layer, from the spec's layouts."""
-    return {"bf16": 2 * 2 * d,               # K and V, 2 bytes each
-            "fp8": 2 * (d + 4),              # K and V: one byte per element and one float32 scale
-            "fp4": 2 * (d // 2 + d // 32)}[name]  # K and V: two codes per byte, one scale byte per 32 elements
+    return {
+        "bf16": 2 * 2 * d,  # K and V, 2 bytes each
+        "fp8": 2 * (d + 4),  # K and V: one byte per element and one float32 scale
+        "fp4": 2 * (d // 2 + d // 32),
+    }[name]  # K and V: two codes per byte, one scale byte per 32 elements
 
 
 def test_spec_model_holds_20_kib_of_bf16_per_token():
@@ -52,13 +54,16 @@ def test_pool_tokens_matches_adding_blocks_until_memory_runs_out():
         block_bytes = block_size * capacity.kv_bytes_per_token(shape, name)
         memory = rng.randint(0, 300 * block_bytes)
         memory = rng.choice([memory, memory - memory % block_bytes, max(0, memory - memory % block_bytes - 1)])
-        expected = _brute_force_pool_tokens(memory, block_size, _per_head_per_layer(name, shape.head_dim)
-                                            * shape.full_attention_layers * shape.num_kv_heads)
+        expected = _brute_force_pool_tokens(
+            memory,
+            block_size,
+            _per_head_per_layer(name, shape.head_dim) * shape.full_attention_layers * shape.num_kv_heads,
+        )
         assert capacity.pool_tokens(memory, shape, name, block_size=block_size) == expected
 
 
 def test_spec_budget_gives_the_reported_concurrency():
-    assert capacity.SPEC_BUDGET_BYTES == int(14.5 * 2**30)
+    assert int(14.5 * 2**30) == capacity.SPEC_BUDGET_BYTES
     tokens = capacity.pool_tokens(capacity.SPEC_BUDGET_BYTES, capacity.SPEC_MODEL, "bf16")
     assert capacity.concurrency(tokens, 262_144) == pytest.approx(2.9, abs=0.01)
 
@@ -81,8 +86,13 @@ def test_plan_and_markdown_have_one_row_per_format():
     assert [r["format"] for r in rows] == ["bf16", "fp4 (mx)"]
     assert rows[0]["pool_tokens"] == capacity.SPEC_BUDGET_BYTES // (16 * 20480) * 16
     assert rows[1]["concurrency"] == rows[1]["pool_tokens"] / capacity.SPEC_MAX_MODEL_LEN
-    table = capacity.markdown(rows, title="KV", memory_bytes=capacity.SPEC_BUDGET_BYTES, shape=capacity.SPEC_MODEL,
-                              max_model_len=capacity.SPEC_MAX_MODEL_LEN)
+    table = capacity.markdown(
+        rows,
+        title="KV",
+        memory_bytes=capacity.SPEC_BUDGET_BYTES,
+        shape=capacity.SPEC_MODEL,
+        max_model_len=capacity.SPEC_MAX_MODEL_LEN,
+    )
     assert table.startswith("### KV") and "14.50 GiB" in table
     assert [line.split("|")[1].strip() for line in table.splitlines()[-2:]] == ["bf16", "fp4 (mx)"]
 
@@ -90,22 +100,25 @@ def test_plan_and_markdown_have_one_row_per_format():
 _SHAPE = capacity.SPEC_MODEL
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: capacity.ModelShape(0, 2, 256), r"full_attention_layers = 0.*>= 1"),
-    (lambda: capacity.ModelShape(10, 2.0, 256), r"num_kv_heads = 2\.0.*int"),
-    (lambda: capacity.ModelShape(10, 2, True), r"head_dim = True"),
-    (lambda: capacity.pool_tokens(-1, _SHAPE, "bf16"), r"memory_bytes = -1.*>= 0"),
-    (lambda: capacity.pool_tokens(2**30, _SHAPE, "bf16", block_size=0), r"block_size = 0.*>= 1"),
-    (lambda: capacity.memory_for(10, _SHAPE, "fp8", block_size=-16), r"block_size = -16"),
-    (lambda: capacity.memory_for(-5, _SHAPE, "fp8"), r"tokens = -5"),
-    (lambda: capacity.kv_bytes_per_token(_SHAPE, "int4"), r"fmt = 'int4'.*bf16.*fp8.*fp4"),
-    (lambda: capacity.concurrency(1000, 0), r"max_model_len = 0.*>= 1"),
-    (lambda: capacity.concurrency(-1, 10), r"pool_tokens = -1"),
-    (lambda: capacity.plan(2**30, _SHAPE, ()), r"formats = \(\)"),
-    (lambda: capacity.plan(2**30, _SHAPE, "fp4"), r"formats = 'fp4'.*sequence"),
-    (lambda: capacity.plan(2**30, _SHAPE, ("fp4", "nf4")), r"fmt = 'nf4'"),
-    (lambda: capacity.plan(2**30, _SHAPE, max_model_len=0), r"max_model_len = 0"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: capacity.ModelShape(0, 2, 256), r"full_attention_layers = 0.*>= 1"),
+        (lambda: capacity.ModelShape(10, 2.0, 256), r"num_kv_heads = 2\.0.*int"),
+        (lambda: capacity.ModelShape(10, 2, True), r"head_dim = True"),
+        (lambda: capacity.pool_tokens(-1, _SHAPE, "bf16"), r"memory_bytes = -1.*>= 0"),
+        (lambda: capacity.pool_tokens(2**30, _SHAPE, "bf16", block_size=0), r"block_size = 0.*>= 1"),
+        (lambda: capacity.memory_for(10, _SHAPE, "fp8", block_size=-16), r"block_size = -16"),
+        (lambda: capacity.memory_for(-5, _SHAPE, "fp8"), r"tokens = -5"),
+        (lambda: capacity.kv_bytes_per_token(_SHAPE, "int4"), r"fmt = 'int4'.*bf16.*fp8.*fp4"),
+        (lambda: capacity.concurrency(1000, 0), r"max_model_len = 0.*>= 1"),
+        (lambda: capacity.concurrency(-1, 10), r"pool_tokens = -1"),
+        (lambda: capacity.plan(2**30, _SHAPE, ()), r"formats = \(\)"),
+        (lambda: capacity.plan(2**30, _SHAPE, "fp4"), r"formats = 'fp4'.*sequence"),
+        (lambda: capacity.plan(2**30, _SHAPE, ("fp4", "nf4")), r"fmt = 'nf4'"),
+        (lambda: capacity.plan(2**30, _SHAPE, max_model_len=0), r"max_model_len = 0"),
+    ],
+)
 def test_bad_inputs_name_the_argument_and_the_rule(call, match):
     with pytest.raises(ValueError, match=match):
         call()

@@ -54,8 +54,9 @@ def test_e2m1_codes_round_trip_and_ties():
     values = np.asarray(formats.decode_e2m1(codes))
     np.testing.assert_array_equal(values, np.concatenate([LEVELS, -LEVELS]))
     mids = (LEVELS[1:] + LEVELS[:-1]) / 2
-    x = np.concatenate([LEVELS, mids, -mids, [7.0, -100.0, 5.0001],
-                        np.random.default_rng(0).uniform(-7, 7, 500)]).astype(np.float32)
+    x = np.concatenate(
+        [LEVELS, mids, -mids, [7.0, -100.0, 5.0001], np.random.default_rng(0).uniform(-7, 7, 500)]
+    ).astype(np.float32)
     got = np.asarray(formats.decode_e2m1(formats.encode_e2m1(jnp.asarray(x))))
     np.testing.assert_array_equal(got, numpy_e2m1(x.astype(np.float64)))
 
@@ -75,11 +76,11 @@ def test_scale_exponent_is_exact_at_powers_of_two():
     """The mx rule's floor(log2 a) is exact at and next to powers of two over the whole normal range (float32
     log2 alone rounds across integers there), and pow2 builds exact powers of two."""
     k = np.arange(-120, 120)
-    p = (2.0 ** k).astype(np.float32)
+    p = (2.0**k).astype(np.float32)
     a = np.concatenate([p, np.nextafter(p, np.float32(0)), np.nextafter(p, np.float32(np.inf))])
     e = np.asarray(formats.ue8m0_exponent(jnp.asarray(a), "mx"))
     np.testing.assert_array_equal(e, np.frexp(a.astype(np.float64))[1] - 1 - 2)
-    np.testing.assert_array_equal(np.asarray(formats.pow2(jnp.asarray(k))), 2.0 ** k)
+    np.testing.assert_array_equal(np.asarray(formats.pow2(jnp.asarray(k))), 2.0**k)
     assert int(formats.ue8m0_exponent(jnp.float32(0.0), "mx")) == 0
     assert int(formats.ue8m0_exponent(jnp.float32(1e38), "mse")) == 124  # round(log2(0.156e38))
 
@@ -111,7 +112,7 @@ def test_fp8_error_bound():
 def test_bf16_error_bound():
     k, v = _kv((2, 2, 64), seed=3)
     fmt = formats.get("bf16")
-    k_hat, v_hat = fmt.dequantize(fmt.quantize(jnp.asarray(k), jnp.asarray(v)))
+    k_hat, _v_hat = fmt.dequantize(fmt.quantize(jnp.asarray(k), jnp.asarray(v)))
     assert (np.abs(np.asarray(k_hat) - k) <= 2.0**-8 * np.abs(k)).all()
 
 
@@ -127,8 +128,7 @@ def test_rotation_is_orthonormal_and_keeps_scores(head_dim):
     fmt = formats.get("fp4", fp8_query=False)
     q_rot = np.asarray(fmt.prepare_query(jnp.asarray(q, jnp.float32)), np.float64)
     np.testing.assert_allclose((q_rot * (k @ h)).sum(-1), (q * k).sum(-1), rtol=1e-5, atol=1e-5)
-    k_rot_hat, _ = fmt.dequantize(fmt.quantize(jnp.asarray(k, jnp.float32), jnp.asarray(k, jnp.float32)),
-                                  rotated=True)
+    k_rot_hat, _ = fmt.dequantize(fmt.quantize(jnp.asarray(k, jnp.float32), jnp.asarray(k, jnp.float32)), rotated=True)
     k_hat, _ = fmt.dequantize(fmt.quantize(jnp.asarray(k, jnp.float32), jnp.asarray(k, jnp.float32)))
     np.testing.assert_allclose(np.asarray(k_hat, np.float64), np.asarray(k_rot_hat, np.float64) @ h, atol=1e-5)
 
@@ -170,7 +170,7 @@ def test_slots_round_trip_and_sizes(name, options, head_dim):
     if name == "fp4":  # the spec's layout: K codes first, then K scales, V codes, V scales
         half = head_dim // 2
         np.testing.assert_array_equal(slots[..., :half], fields["k_codes"])
-        np.testing.assert_array_equal(slots[..., half:half + head_dim // 32], fields["k_scales"])
+        np.testing.assert_array_equal(slots[..., half : half + head_dim // 32], fields["k_scales"])
     assert formats.get("fp4").bytes_per_token(1, 128) == 136
 
 
@@ -195,5 +195,6 @@ def test_bad_input_is_named():
         formats.get("fp4").quantize(jnp.ones((1, 1, 96)), jnp.ones((1, 1, 96)))
     with pytest.raises(ValueError, match="head_dim = 192"):
         formats.get("fp4").quantize(jnp.ones((1, 1, 192)), jnp.ones((1, 1, 192)))
-    assert jax.numpy.all(formats.get("fp4", rotate_k=False).quantize(jnp.ones((1, 1, 192)),
-                                                                        jnp.ones((1, 1, 192)))["k_scales"] > 0)
+    assert jax.numpy.all(
+        formats.get("fp4", rotate_k=False).quantize(jnp.ones((1, 1, 192)), jnp.ones((1, 1, 192)))["k_scales"] > 0
+    )

@@ -17,8 +17,9 @@ CFG = TransformerConfig(vocab_size=264, d_model=128, num_layers=2, num_heads=2, 
 
 
 def _factory(fmt, **kw):
-    return paged_cache_factory(fmt, num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads, head_dim=CFG.head_dim,
-                               shuffle_blocks=0, **kw)
+    return paged_cache_factory(
+        fmt, num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads, head_dim=CFG.head_dim, shuffle_blocks=0, **kw
+    )
 
 
 def _cached_logits(model, full, lengths, factory):
@@ -46,7 +47,7 @@ def test_paged_decode_matches_full_forward(name):
     got = _cached_logits(model, full, lengths, _factory(formats.get(name)))
     tol = {"bf16": 3e-3, "fp8": 2.5e-2, "fp4": 1e-1}[name]  # measured: 6e-4, 7e-3, 4e-2
     for b, n in enumerate(lengths):
-        want = ref[b, :n + 3]
+        want = ref[b, : n + 3]
         err = np.abs(got[b] - want).max() / np.abs(want).max()
         assert err < tol, (name, b, err)
 
@@ -55,9 +56,16 @@ def test_pallas_and_xla_generate_the_same_tokens():
     """Greedy generation with the fp4 paged cache: the Pallas kernels (interpreted) and the XLA reference agree."""
     model = Transformer(CFG, rngs=nnx.Rngs(2))
     prompts = [np.array([257, 10, 20, 30, 40]), np.array([257, 99])]
-    out = {impl: generate_lib.generate(model, prompts, max_new_tokens=4, key=jax.random.key(0),
-                                       cache_factory=_factory(formats.get("fp4"), implementation=impl))
-           for impl in ("xla", "pallas")}
+    out = {
+        impl: generate_lib.generate(
+            model,
+            prompts,
+            max_new_tokens=4,
+            key=jax.random.key(0),
+            cache_factory=_factory(formats.get("fp4"), implementation=impl),
+        )
+        for impl in ("xla", "pallas")
+    }
     np.testing.assert_array_equal(out["pallas"], out["xla"])
 
 
@@ -65,8 +73,10 @@ def test_config_selects_the_cache(tiny_config):
     c = tiny_config
     c.model.d_model, c.model.num_heads, c.model.num_kv_heads = 128, 2, 1  # head_dim 64
     c.moe.every = 0
-    model = Transformer(TransformerConfig(vocab_size=264, d_model=128, num_layers=2, num_heads=2, num_kv_heads=1,
-                                          d_ff=64), rngs=nnx.Rngs(0))
+    model = Transformer(
+        TransformerConfig(vocab_size=264, d_model=128, num_layers=2, num_heads=2, num_kv_heads=1, d_ff=64),
+        rngs=nnx.Rngs(0),
+    )
     build.validate(c)
     assert build.build_cache_factory(c, model)(1, 16).__class__.__name__ == "DenseKVCache"
     c.kvcache.format, c.kvcache.scale_rule = "fp4", "mx"

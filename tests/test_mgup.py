@@ -39,7 +39,7 @@ class NumpyMGUPAdamW:
         self.m = self.b1 * self.m + (1 - self.b1) * g
         self.v = self.b2 * self.v + (1 - self.b2) * g * g
         u = self.m / (np.sqrt(self.v) + self.eps)
-        step = lr * np.sqrt(1 - self.b2 ** self.t) / (1 - self.b1 ** self.t)
+        step = lr * np.sqrt(1 - self.b2**self.t) / (1 - self.b1**self.t)
         if self.mode == "mgup":
             phi = _np_mask(u, g, self.tau, self.alpha, self.gamma)
         elif self.mode == "cautious_mgup":
@@ -156,8 +156,10 @@ def test_zero_gradients_and_bf16_parameters():
             assert u.dtype == jnp.bfloat16 and not jnp.any(u)  # zero gradient, no decay: no step
         grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.5, p.dtype), params)
         updates, _ = jax.jit(tx.update)(grads, state, params)
-        assert all(u.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(u.astype(jnp.float32))))
-                   for u in jax.tree.leaves(updates))
+        assert all(
+            u.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(u.astype(jnp.float32))))
+            for u in jax.tree.leaves(updates)
+        )
 
 
 def test_bad_arguments_are_rejected():
@@ -187,8 +189,20 @@ class NumpyMGUPMuon:
     """The spec's Muon branch (2-D) or its AdamW backup branch, float64."""
 
     def __init__(self, lr, wd, mu, nesterov, steps, tau, alpha, gamma, muon, b1=0.95, b2=0.95, eps=1e-8):
-        self.__dict__.update(lr=lr, wd=wd, mu=mu, nesterov=nesterov, steps=steps, tau=tau, alpha=alpha, gamma=gamma,
-                             muon=muon, b1=b1, b2=b2, eps=eps)
+        self.__dict__.update(
+            lr=lr,
+            wd=wd,
+            mu=mu,
+            nesterov=nesterov,
+            steps=steps,
+            tau=tau,
+            alpha=alpha,
+            gamma=gamma,
+            muon=muon,
+            b1=b1,
+            b2=b2,
+            eps=eps,
+        )
         self.buf = self.m = self.v = None
         self.t = 0
 
@@ -199,7 +213,7 @@ class NumpyMGUPMuon:
             self.t += 1
             self.m = self.b1 * self.m + (1 - self.b1) * g
             self.v = self.b2 * self.v + (1 - self.b2) * g * g
-            scale = (1 - self.b1 ** self.t) / np.sqrt(1 - self.b2 ** self.t)
+            scale = (1 - self.b1**self.t) / np.sqrt(1 - self.b2**self.t)
             return p * (1 - self.lr * self.wd) - self.lr / scale * self.m / (self.eps + np.sqrt(self.v))
         if self.buf is None:
             self.buf = np.zeros_like(p)
@@ -220,11 +234,14 @@ def test_muon_matches_float64_reference(nesterov):
     lr, wd, tau, alpha, gamma = 2e-2, 0.1, 0.5, 2.0, 0.1
     rng = np.random.default_rng(int(nesterov))
     with jax.enable_x64(True):
-        tx = muon.mgup_muon(lr, weight_decay=wd, nesterov=nesterov, mask_ratio=tau, alpha=alpha, gamma=gamma,
-                            ns_dtype=jnp.float64)
+        tx = muon.mgup_muon(
+            lr, weight_decay=wd, nesterov=nesterov, mask_ratio=tau, alpha=alpha, gamma=gamma, ns_dtype=jnp.float64
+        )
         params = {k: rng.normal(size=s) for k, s in MUON_SHAPES.items()}
-        refs = {k: NumpyMGUPMuon(lr, wd, 0.95, nesterov, 5, tau, alpha, gamma, muon=k in ("wide", "tall"))
-                for k in MUON_SHAPES}
+        refs = {
+            k: NumpyMGUPMuon(lr, wd, 0.95, nesterov, 5, tau, alpha, gamma, muon=k in ("wide", "tall"))
+            for k in MUON_SHAPES
+        }
         p = {k: jnp.asarray(v) for k, v in params.items()}
         state, update = tx.init(p), jax.jit(tx.update)
         for _ in range(STEPS):
@@ -234,8 +251,13 @@ def test_muon_matches_float64_reference(nesterov):
             params = {k: refs[k].step(params[k], grads[k]) for k in MUON_SHAPES}
         for k in MUON_SHAPES:
             np.testing.assert_allclose(np.asarray(p[k]), params[k], rtol=1e-6, atol=1e-12, err_msg=k)
-    assert muon.default_muon_labels(params) == {"wide": "muon", "tall": "muon", "embedding": "adam", "bias": "adam",
-                                                "lm_head": "adam"}
+    assert muon.default_muon_labels(params) == {
+        "wide": "muon",
+        "tall": "muon",
+        "embedding": "adam",
+        "bias": "adam",
+        "lm_head": "adam",
+    }
 
 
 def test_newton_schulz_orthogonalises_and_muon_rejects_non_matrices():
@@ -243,18 +265,20 @@ def test_newton_schulz_orthogonalises_and_muon_rejects_non_matrices():
 
     g = jnp.asarray(np.random.default_rng(3).normal(size=(16, 40)), jnp.float32)
     s = np.linalg.svd(np.asarray(muon.newton_schulz(g, 5)), compute_uv=False)
-    assert 0.5 < s.min() and s.max() < 1.5  # the quintic's known band, not exactly 1
+    assert s.min() > 0.5 and s.max() < 1.5  # the quintic's known band, not exactly 1
     tx = muon.mgup_muon(labels=lambda p: {"w": "muon"})
     with pytest.raises(ValueError, match="labelled 'muon' but Muon takes 2-D"):
         tx.init({"w": jnp.ones((2, 3, 4))})
 
 
-@pytest.mark.parametrize("name", ["cautious_adamw", "mgup_adamw", "cautious_mgup_adamw", "lion", "mgup_lion", "muon",
-                                  "mgup_muon"])
+@pytest.mark.parametrize(
+    "name", ["cautious_adamw", "mgup_adamw", "cautious_mgup_adamw", "lion", "mgup_lion", "muon", "mgup_muon"]
+)
 def test_every_optimizer_is_selectable_from_the_config(name):
     """optim.name picks the optimizer for any experiment; a few steps of the tiny MoE model train with it."""
-    from experiments import build
     from moe_reference import tiny_moe_transformer, train_losses
+
+    from experiments import build
 
     config = build.default_config()
     config.optim.update(name=name, learning_rate=3e-3, warmup_steps=0)
@@ -264,23 +288,35 @@ def test_every_optimizer_is_selectable_from_the_config(name):
     assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
 
 
-@pytest.mark.parametrize("make", [lambda: mgup.mgup_adamw(1e-2, weight_decay=0.1), lambda: mgup.mgup_lion(1e-3),
-                                  lambda: __import__("optim").mgup_muon(1e-2),
-                                  lambda: mgup.mgup_adamw(1e-2, selection="approx")])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: mgup.mgup_adamw(1e-2, weight_decay=0.1),
+        lambda: mgup.mgup_lion(1e-3),
+        lambda: __import__("optim").mgup_muon(1e-2),
+        lambda: mgup.mgup_adamw(1e-2, selection="approx"),
+    ],
+)
 def test_sharded_parameters_keep_their_sharding_and_match_one_device(make):
     """8 virtual devices: parameters sharded by rows / columns; the state mirrors their sharding and three steps
     give the single-device values."""
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))  # as core.mesh builds them
-    specs = {"w": jax.sharding.PartitionSpec("x", None), "v": jax.sharding.PartitionSpec("x"),
-             "u": jax.sharding.PartitionSpec(None, "x")}
+    specs = {
+        "w": jax.sharding.PartitionSpec("x", None),
+        "v": jax.sharding.PartitionSpec("x"),
+        "u": jax.sharding.PartitionSpec(None, "x"),
+    }
     rng = np.random.default_rng(5)
     host = {"w": rng.normal(size=(16, 24)), "v": rng.normal(size=(40,)), "u": rng.normal(size=(6, 32))}
     grads = [{k: rng.normal(size=v.shape) for k, v in host.items()} for _ in range(3)]
     results = []
     for sharded in (False, True):
         tx = make()
-        put = (lambda k, x: jax.device_put(jnp.asarray(x, jnp.float32), jax.sharding.NamedSharding(mesh, specs[k]))
-               ) if sharded else (lambda k, x: jnp.asarray(x, jnp.float32))
+        put = (
+            (lambda k, x: jax.device_put(jnp.asarray(x, jnp.float32), jax.sharding.NamedSharding(mesh, specs[k])))
+            if sharded
+            else (lambda k, x: jnp.asarray(x, jnp.float32))
+        )
         params = {k: put(k, v) for k, v in host.items()}
         state = tx.init(params)
         if sharded:
@@ -294,8 +330,10 @@ def test_sharded_parameters_keep_their_sharding_and_match_one_device(make):
             params = optax.apply_updates(params, updates)
         results.append({k: np.asarray(v) for k, v in params.items()})
         if sharded:
-            assert all(params[k].sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, specs[k]), params[k].ndim)
-                       for k in host)
+            assert all(
+                params[k].sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, specs[k]), params[k].ndim)
+                for k in host
+            )
     for k in host:
         np.testing.assert_allclose(results[1][k], results[0][k], rtol=2e-5, atol=1e-6, err_msg=k)
 
@@ -304,8 +342,11 @@ def test_approx_samples_from_the_inner_transform_equal_samples_of_the_direction(
     """with HF-Adam (a DirectionTransformation), with_mgup computes the samples from strided samples of the updated
     state and the gradient; the selection must be the one made from the same samples of the full direction."""
     rng = np.random.default_rng(3)
-    params = {"a": jnp.asarray(rng.normal(size=(300, 70)), jnp.float32),
-              "b": jnp.asarray(rng.normal(size=(9,)), jnp.float32)}
+    params = {
+        "a": jnp.asarray(rng.normal(size=(300, 70)), jnp.float32),
+        "b": jnp.asarray(rng.normal(size=(9,)), jnp.float32),
+    }
+
     def make(hook):
         adam = mgup.scale_by_hf_adam()
         inner = adam if hook else optax.GradientTransformation(adam.init, adam.update)

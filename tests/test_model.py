@@ -14,16 +14,28 @@ from core.model import DefaultPrecision, Transformer, TransformerConfig, count_p
 
 CONFIGS = {
     "mha-rms": TransformerConfig(vocab_size=264, d_model=32, num_layers=2, num_heads=4, num_kv_heads=4, d_ff=48),
-    "gqa-layernorm-silu": TransformerConfig(vocab_size=264, d_model=48, num_layers=2, num_heads=6, num_kv_heads=2,
-                                            d_ff=40, norm="layernorm", mlp="silu"),
-    "mqa-periln-untied": TransformerConfig(vocab_size=272, d_model=32, num_layers=3, num_heads=4, num_kv_heads=1,
-                                           d_ff=64, peri_ln=True, tie_embeddings=False, rope_theta=500.0),
+    "gqa-layernorm-silu": TransformerConfig(
+        vocab_size=264, d_model=48, num_layers=2, num_heads=6, num_kv_heads=2, d_ff=40, norm="layernorm", mlp="silu"
+    ),
+    "mqa-periln-untied": TransformerConfig(
+        vocab_size=272,
+        d_model=32,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=1,
+        d_ff=64,
+        peri_ln=True,
+        tie_embeddings=False,
+        rope_theta=500.0,
+    ),
 }
 
 
 def _params(model):
-    return {".".join(map(str, k)): np.asarray(v.get_value(), np.float64)
-            for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    return {
+        ".".join(map(str, k)): np.asarray(v.get_value(), np.float64)
+        for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
 
 
 def numpy_forward(cfg: TransformerConfig, p: dict, tokens: np.ndarray) -> np.ndarray:
@@ -42,7 +54,7 @@ def numpy_forward(cfg: TransformerConfig, p: dict, tokens: np.ndarray) -> np.nda
         pos = np.arange(t)[:, None]
         freq = cfg.rope_theta ** (-np.arange(hd // 2) * 2.0 / hd)
         ang = (pos * freq)[None, :, None, :]
-        x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
         return np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)], -1)
 
     silu = lambda z: z / (1 + np.exp(-z))  # noqa: E731
@@ -112,14 +124,20 @@ def test_cached_decode_matches_full_forward(name):
     full = jax.random.randint(jax.random.key(5), (3, 12), 0, 256)
     ref = np.asarray(model(full)[0])
     lengths = jnp.array([3, 7, 5])
-    cache = DenseKVCache.create(num_layers=cfg.num_layers, batch=3, capacity=16, num_kv_heads=cfg.num_kv_heads,
-                                head_dim=cfg.head_dim, dtype=jnp.float32)
+    cache = DenseKVCache.create(
+        num_layers=cfg.num_layers,
+        batch=3,
+        capacity=16,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        dtype=jnp.float32,
+    )
     logits, _, cache = model(full[:, :7], cache=cache)  # padded prefill (row 0 and 2 hold extra tokens)
     cache = cache.advance(lengths - 7)
     for b, n in enumerate([3, 7, 5]):
         np.testing.assert_allclose(np.asarray(logits[b, :n]), ref[b, :n], rtol=1e-4, atol=1e-5)
     # Each sequence continues with its own next tokens, from its own length.
-    for step in range(4):
+    for _step in range(4):
         pos = np.asarray(cache.lengths)
         nxt = full[jnp.arange(3), pos][:, None]
         logits, _, cache = model(nxt, cache=cache)
@@ -133,8 +151,13 @@ def test_generate_greedy_matches_recompute():
     cfg = CONFIGS["gqa-layernorm-silu"]
     model = Transformer(cfg, rngs=nnx.Rngs(6))
     prompts = [np.array([257, 10, 20, 30]), np.array([257, 99])]
-    out = generate_lib.generate(model, prompts, max_new_tokens=6, key=jax.random.key(0),
-                                cache_factory=generate_lib.dense_cache_factory(model, jnp.float32))
+    out = generate_lib.generate(
+        model,
+        prompts,
+        max_new_tokens=6,
+        key=jax.random.key(0),
+        cache_factory=generate_lib.dense_cache_factory(model, jnp.float32),
+    )
     ids = np.arange(cfg.vocab_size)
     forward = jax.jit(lambda t: model(t)[0])  # causal: positions after the last real token do not matter
     for b, prompt in enumerate(prompts):
@@ -145,7 +168,7 @@ def test_generate_greedy_matches_recompute():
             logits[(ids >= 256) & (ids != 258)] = -np.inf
             assert out[b, i] == int(np.argmax(logits)), (b, i)
             if out[b, i] == 258:
-                assert (out[b, i + 1:] == 256).all()
+                assert (out[b, i + 1 :] == 256).all()
                 break
             buf[0, len(prompt) + i] = out[b, i]
 
@@ -179,8 +202,11 @@ def test_precision_slot_reaches_every_projection():
     tokens = jnp.ones((1, 4), jnp.int32)
     model(tokens, key=jax.random.PRNGKey(1))
     paths = [p for p, _ in precision.log]
-    expected = {f"blocks.{i}.{m}" for i in range(3) for m in
-                ("attn.q", "attn.k", "attn.v", "attn.o", "ffn.gate", "ffn.up", "ffn.down")} | {"head"}
+    expected = {
+        f"blocks.{i}.{m}"
+        for i in range(3)
+        for m in ("attn.q", "attn.k", "attn.v", "attn.o", "ffn.gate", "ffn.up", "ffn.down")
+    } | {"head"}
     assert set(paths) == expected and len(paths) == len(expected)
     keys = [k for _, k in precision.log]
     assert len(set(keys)) == len(keys), "each projection gets its own key"
@@ -204,8 +230,10 @@ class AuxFFN(nnx.Module):
         self.layer = layer
 
     def __call__(self, x, *, key=None):
-        return self.w.get_value() * x, {"loss/aux": jnp.float32(self.layer + 1),
-                                        "metric": jnp.float32(2 * self.layer + 1)}
+        return self.w.get_value() * x, {
+            "loss/aux": jnp.float32(self.layer + 1),
+            "metric": jnp.float32(2 * self.layer + 1),
+        }
 
 
 def test_ffn_slot_and_aux_losses():
@@ -214,7 +242,7 @@ def test_ffn_slot_and_aux_losses():
     cfg = CONFIGS["mha-rms"]
     model = Transformer(cfg, rngs=nnx.Rngs(0), ffn_factory=AuxFFN)
     tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 256)
-    logits, aux, _ = model(tokens[:, :-1])
+    _logits, aux, _ = model(tokens[:, :-1])
     # Losses add up over the layers; statistics are averaged over the layers that report them.
     assert float(aux["loss/aux"]) == 1.0 + 2.0 and float(aux["metric"]) == (1.0 + 3.0) / 2
     objective, metrics = lm_loss(model, tokens)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from moe_reference import reference, set_params, sharder
 
 from core import hlo
 from core import mesh as mesh_lib
@@ -16,31 +17,34 @@ from core.model import TransformerConfig
 from experiments import build
 from moe import MoE, MoEConfig, dispatch, grouped_matmul, load_balance_loss, route, routing_stats, z_loss
 from moe.router import Routing
-from moe_reference import reference, set_params, sharder
 
 RNG = np.random.default_rng(0)
 
 
 # ----------------------------------------------------------------------------------------------- grouped matmul
 
+
 def _gmm_reference(x, w, sizes):
     """float64: out rows of group g = x rows @ w[g]; rows past sum(sizes) zero. Also d/dx, d/dw of sum(out * ct)."""
     out = np.zeros((x.shape[0], w.shape[2]))
     start = 0
     for g, n in enumerate(sizes):
-        out[start:start + n] = x[start:start + n] @ w[g]
+        out[start : start + n] = x[start : start + n] @ w[g]
         start += n
     return out
 
 
 @pytest.mark.parametrize("implementation", ["windowed", "ragged_dot"])
-@pytest.mark.parametrize("m, k, n, sizes, window", [
-    (37, 5, 3, [10, 0, 7, 15], 4),        # an empty group, groups longer than the window, 5 rows past the total
-    (37, 5, 3, [10, 0, 7, 15], 32),       # windows longer than the groups
-    (64, 16, 8, [64], None),              # one group
-    (50, 8, 6, [1, 1, 1, 0, 0, 20, 27], 8),  # ragged, ends exactly at M
-    (9, 4, 4, [0, 0, 0], 4),              # nothing to compute
-])
+@pytest.mark.parametrize(
+    "m, k, n, sizes, window",
+    [
+        (37, 5, 3, [10, 0, 7, 15], 4),  # an empty group, groups longer than the window, 5 rows past the total
+        (37, 5, 3, [10, 0, 7, 15], 32),  # windows longer than the groups
+        (64, 16, 8, [64], None),  # one group
+        (50, 8, 6, [1, 1, 1, 0, 0, 20, 27], 8),  # ragged, ends exactly at M
+        (9, 4, 4, [0, 0, 0], 4),  # nothing to compute
+    ],
+)
 def test_grouped_matmul_and_gradients_equal_float64_loop(implementation, m, k, n, sizes, window):
     x = RNG.normal(size=(m, k))
     w = RNG.normal(size=(len(sizes), k, n))
@@ -52,7 +56,8 @@ def test_grouped_matmul_and_gradients_equal_float64_loop(implementation, m, k, n
         return jnp.sum(out * ct), out
 
     (_, out), (dx, dw) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
-        jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
+        jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)
+    )
     ref = _gmm_reference(x, w, sizes)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
     # d/dx row i = ct_i @ w[g]^T (0 past the total); d/dw[g] = x_g^T ct_g: the formulas, not autodiff.
@@ -79,6 +84,7 @@ def test_grouped_matmul_rejects_bad_shapes():
 
 
 # ---------------------------------------------------------------------------------------------------- routers
+
 
 @pytest.mark.parametrize("kind, normalize, k", [("softmax", False, 1), ("softmax", True, 2), ("sigmoid", False, 3)])
 def test_route_matches_formulas(kind, normalize, k):
@@ -118,10 +124,14 @@ def test_load_balance_and_z_loss_equal_their_formulas():
     p = (np.exp(logits) / np.exp(logits).sum(1, keepdims=True)).mean(0)
     np.testing.assert_allclose(load_balance_loss(r), e * np.sum(f * p), rtol=1e-5)
     lse = np.log(np.exp(logits).sum(1))
-    np.testing.assert_allclose(z_loss(r), np.mean(lse ** 2), rtol=1e-5)
+    np.testing.assert_allclose(z_loss(r), np.mean(lse**2), rtol=1e-5)
     # Uniform routing gives exactly 1; the count f_e carries no gradient, P_e does.
-    uniform = Routing(jnp.asarray(np.arange(n * k).reshape(n, k) % e, jnp.int32), jnp.ones((n, k)),
-                      jnp.full((n, e), 1 / e), jnp.zeros((n, e)))
+    uniform = Routing(
+        jnp.asarray(np.arange(n * k).reshape(n, k) % e, jnp.int32),
+        jnp.ones((n, k)),
+        jnp.full((n, e), 1 / e),
+        jnp.zeros((n, e)),
+    )
     np.testing.assert_allclose(load_balance_loss(uniform), 1.0, rtol=1e-6)
     grad = jax.grad(lambda lg: load_balance_loss(route(lg, k, "softmax")))(jnp.asarray(logits, jnp.float32))
     dp = e * f / n  # d loss / d probs[n, e]
@@ -132,26 +142,35 @@ def test_load_balance_and_z_loss_equal_their_formulas():
 
 def test_routing_stats_on_hand_built_routing():
     e = 4
-    collapsed = Routing(jnp.zeros((6, 1), jnp.int32), jnp.ones((6, 1)), jnp.eye(e)[jnp.zeros(6, int)],
-                        jnp.zeros((6, e)))
+    collapsed = Routing(
+        jnp.zeros((6, 1), jnp.int32), jnp.ones((6, 1)), jnp.eye(e)[jnp.zeros(6, int)], jnp.zeros((6, e))
+    )
     s = routing_stats(collapsed)
     np.testing.assert_allclose(s["load"], [1, 0, 0, 0])
     np.testing.assert_allclose(s["load_cv"], np.sqrt(e - 1), rtol=1e-6)  # std([1,0,0,0]) / 0.25
-    np.testing.assert_allclose([s["load_entropy"], s["token_entropy"], s["max_load"], s["dropped"]], [0, 0, e, 0],
-                               atol=1e-7)
-    balanced = Routing(jnp.asarray([[0, 1], [2, 3], [1, 0], [3, 2]], jnp.int32), jnp.ones((4, 2)),
-                       jnp.full((4, e), 1 / e), jnp.zeros((4, e)))
+    np.testing.assert_allclose(
+        [s["load_entropy"], s["token_entropy"], s["max_load"], s["dropped"]], [0, 0, e, 0], atol=1e-7
+    )
+    balanced = Routing(
+        jnp.asarray([[0, 1], [2, 3], [1, 0], [3, 2]], jnp.int32),
+        jnp.ones((4, 2)),
+        jnp.full((4, e), 1 / e),
+        jnp.zeros((4, e)),
+    )
     keep = jnp.asarray([[True, True], [True, False], [True, True], [False, False]])
     s = routing_stats(balanced, keep)
-    np.testing.assert_allclose([s["load_cv"], s["load_entropy"], s["token_entropy"], s["max_load"], s["dropped"]],
-                               [0, 1, 1, 1, 3 / 8], atol=1e-6)
-    skewed = Routing(jnp.asarray([[0], [0], [0], [1]], jnp.int32), jnp.ones((4, 1)), jnp.full((4, e), 1 / e),
-                     jnp.zeros((4, e)))
+    np.testing.assert_allclose(
+        [s["load_cv"], s["load_entropy"], s["token_entropy"], s["max_load"], s["dropped"]],
+        [0, 1, 1, 1, 3 / 8],
+        atol=1e-6,
+    )
+    skewed = Routing(
+        jnp.asarray([[0], [0], [0], [1]], jnp.int32), jnp.ones((4, 1)), jnp.full((4, e), 1 / e), jnp.zeros((4, e))
+    )
     load = np.array([0.75, 0.25, 0, 0])
     s = routing_stats(skewed)
     np.testing.assert_allclose(s["load_cv"], load.std() / load.mean(), rtol=1e-6)
-    np.testing.assert_allclose(s["load_entropy"], -(0.75 * np.log(0.75) + 0.25 * np.log(0.25)) / np.log(e),
-                               rtol=1e-6)
+    np.testing.assert_allclose(s["load_entropy"], -(0.75 * np.log(0.75) + 0.25 * np.log(0.25)) / np.log(e), rtol=1e-6)
 
 
 # ------------------------------------------------------------------------------------- the layer vs float64 loop
@@ -159,8 +178,9 @@ def test_routing_stats_on_hand_built_routing():
 MOE_CASES = {
     "sigmoid-k2": MoEConfig(num_experts=6, top_k=2, expert_size=8, router="sigmoid"),
     "softmax-k1": MoEConfig(num_experts=4, top_k=1, expert_size=12, router="softmax"),
-    "softmax-normalized-k3-shared": MoEConfig(num_experts=5, top_k=3, expert_size=8, router="softmax",
-                                              normalize_gates=True, shared_expert_size=10),
+    "softmax-normalized-k3-shared": MoEConfig(
+        num_experts=5, top_k=3, expert_size=8, router="softmax", normalize_gates=True, shared_expert_size=10
+    ),
 }
 
 
@@ -185,9 +205,10 @@ def test_dropless_layer_and_gradients_equal_float64_reference(name, shape):
         return jnp.sum(y * ct), y
 
     (_, y), (g_params, g_x) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
-        params, jnp.asarray(x, jnp.float32))
+        params, jnp.asarray(x, jnp.float32)
+    )
     flat_x = x.reshape(-1, shape[-1])
-    chosen = np.argsort(-(flat_x @ p["router"]), axis=1, kind="stable")[:, :m.top_k]
+    chosen = np.argsort(-(flat_x @ p["router"]), axis=1, kind="stable")[:, : m.top_k]
     with jax.enable_x64(True):
         ref_fn = lambda p, x: jnp.sum(reference(p, x, m, chosen) * ct.reshape(-1, shape[-1]))  # noqa: E731
         ref_y = np.asarray(reference(p, flat_x, m, chosen))
@@ -202,6 +223,7 @@ def test_dropless_layer_and_gradients_equal_float64_reference(name, shape):
 
 
 # ---------------------------------------------------------------------------------------------------- capacity
+
 
 def _queue_positions(experts: np.ndarray, num_experts: int):
     """Pure-Python GShard queue: for each group, all rank-0 choices in token order, then rank 1, ..."""
@@ -233,13 +255,14 @@ def test_capacity_drops_exactly_the_assignments_past_capacity_in_queue_order():
 
 @pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 100.0])
 def test_capacity_layer_equals_reference_without_the_dropped_assignments(capacity_factor):
-    m = MoEConfig(num_experts=4, top_k=2, expert_size=8, router="sigmoid", dispatch="capacity",
-                  capacity_factor=capacity_factor)
+    m = MoEConfig(
+        num_experts=4, top_k=2, expert_size=8, router="sigmoid", dispatch="capacity", capacity_factor=capacity_factor
+    )
     shape = (3, 10, 16)
     layer, p, x = _layer_and_reference(m, shape, seed=1)
     y, aux = layer(jnp.asarray(x, jnp.float32))
     flat_x = x.reshape(-1, shape[-1])
-    chosen = np.argsort(-(flat_x @ p["router"]), axis=1, kind="stable")[:, :m.top_k]
+    chosen = np.argsort(-(flat_x @ p["router"]), axis=1, kind="stable")[:, : m.top_k]
     slots = dispatch.capacity_per_group(shape[1], m.top_k, m.num_experts, capacity_factor)
     keep = (_queue_positions(chosen.reshape(shape[0], shape[1], -1), m.num_experts) < slots).reshape(-1, m.top_k)
     dropped = np.where(keep, chosen, -1)  # expert -1 matches no expert: the assignment contributes nothing
@@ -253,11 +276,13 @@ def test_capacity_layer_equals_reference_without_the_dropped_assignments(capacit
 
 # ------------------------------------------------------------------------------------------ expert parallelism
 
-@pytest.mark.parametrize("data, expert, dispatch_kind", [(2, 4, "dropless"), (1, 8, "dropless"),
-                                                          (4, 2, "dropless"), (2, 4, "capacity"), (8, 1, "dropless")])
+
+@pytest.mark.parametrize(
+    "data, expert, dispatch_kind",
+    [(2, 4, "dropless"), (1, 8, "dropless"), (4, 2, "dropless"), (2, 4, "capacity"), (8, 1, "dropless")],
+)
 def test_sharded_layer_and_gradients_equal_single_device(data, expert, dispatch_kind):
-    m = MoEConfig(num_experts=8, top_k=2, expert_size=8, router="softmax", dispatch=dispatch_kind,
-                  shared_expert_size=8)
+    m = MoEConfig(num_experts=8, top_k=2, expert_size=8, router="softmax", dispatch=dispatch_kind, shared_expert_size=8)
     cfg = TransformerConfig(d_model=16, num_layers=2)
     shard = sharder(data, expert)
     single = MoE(cfg, m, path="ffn", rngs=nnx.Rngs(3))
@@ -289,12 +314,13 @@ def test_data_parallel_routing_and_dispatch_stay_on_each_devices_tokens():
     cfg = TransformerConfig(d_model=16, num_layers=2)
     layer = MoE(cfg, m, path="ffn", rngs=nnx.Rngs(3), shard=sharder(8, 1))
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
-    x = jax.device_put(jnp.asarray(RNG.normal(size=(64, 64, 16)), jnp.float32), layer.shard.named(("batch", None,
-                                                                                                    None)))
+    x = jax.device_put(
+        jnp.asarray(RNG.normal(size=(64, 64, 16)), jnp.float32), layer.shard.named(("batch", None, None))
+    )
 
     def loss(params, x):
         y, aux = nnx.merge(graphdef, params, rest)(x)
-        return jnp.sum(y ** 2) + aux["loss/moe_balance"]
+        return jnp.sum(y**2) + aux["loss/moe_balance"]
 
     text = jax.jit(jax.grad(loss)).lower(params, x).compile().as_text()
     assert "all-gather" not in text
@@ -309,7 +335,11 @@ def test_expert_parallel_pads_token_counts_the_devices_cannot_split():
     cfg = TransformerConfig(d_model=16, num_layers=2)
     x = jnp.asarray(RNG.normal(size=(1, 3, 16)), jnp.float32)
     y1, aux1 = MoE(cfg, m, path="ffn", rngs=nnx.Rngs(4))(x)
-    y8, aux8 = jax.jit(lambda x: MoE(cfg, m, path="ffn", rngs=nnx.Rngs(4), shard=sharder(2, 4))(x))(x)
+
+    def sharded(x):  # the layer is built under jit, as the model builds it
+        return MoE(cfg, m, path="ffn", rngs=nnx.Rngs(4), shard=sharder(2, 4))(x)
+
+    y8, aux8 = jax.jit(sharded)(x)
     np.testing.assert_allclose(y8, y1, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(aux8["moe/load_cv"], aux1["moe/load_cv"], rtol=1e-6)
 
@@ -357,6 +387,7 @@ def test_moe_every_chooses_the_layers():
 
 # --------------------------------------------------------------------------------------------------- bad input
 
+
 def _validate(changes, num_devices=8):
     c = build.default_config()
     for key, value in changes.items():
@@ -365,20 +396,27 @@ def _validate(changes, num_devices=8):
     build.validate(c, num_devices=num_devices)
 
 
-@pytest.mark.parametrize("changes, needles", [
-    ({"moe.every": 1, "moe.top_k": 9}, ["moe.top_k", "9", "moe.num_experts", "8"]),
-    ({"moe.every": 1, "moe.num_experts": 6, "mesh.expert": 4, "mesh.data": 2},
-     ["moe.num_experts", "6", "4 devices"]),
-    ({"moe.every": 5}, ["moe.every", "5", "model.num_layers", "4"]),
-    ({"moe.every": 1, "moe.router": "sigmoid", "moe.normalize_gates": True}, ["moe.normalize_gates", "softmax"]),
-    ({"moe.router": "relu"}, ["moe.router", "relu", "sigmoid"]),
-    ({"moe.dispatch": "dense"}, ["moe.dispatch", "dropless", "capacity"]),
-    ({"moe.capacity_factor": 0.0}, ["moe.capacity_factor", "0.0"]),
-    ({"moe.num_expert": 8}, ["moe.num_expert", "moe.num_experts"]),
-    ({"moe.grouped_matmul": "cuda"}, ["moe.grouped_matmul", "windowed"]),
-    ({"moe.every": 1, "mesh.expert": 4, "mesh.data": 1, "data.batch_size": 6},
-     ["data.batch_size", "6", "mesh.expert"]),
-])
+@pytest.mark.parametrize(
+    "changes, needles",
+    [
+        ({"moe.every": 1, "moe.top_k": 9}, ["moe.top_k", "9", "moe.num_experts", "8"]),
+        (
+            {"moe.every": 1, "moe.num_experts": 6, "mesh.expert": 4, "mesh.data": 2},
+            ["moe.num_experts", "6", "4 devices"],
+        ),
+        ({"moe.every": 5}, ["moe.every", "5", "model.num_layers", "4"]),
+        ({"moe.every": 1, "moe.router": "sigmoid", "moe.normalize_gates": True}, ["moe.normalize_gates", "softmax"]),
+        ({"moe.router": "relu"}, ["moe.router", "relu", "sigmoid"]),
+        ({"moe.dispatch": "dense"}, ["moe.dispatch", "dropless", "capacity"]),
+        ({"moe.capacity_factor": 0.0}, ["moe.capacity_factor", "0.0"]),
+        ({"moe.num_expert": 8}, ["moe.num_expert", "moe.num_experts"]),
+        ({"moe.grouped_matmul": "cuda"}, ["moe.grouped_matmul", "windowed"]),
+        (
+            {"moe.every": 1, "mesh.expert": 4, "mesh.data": 1, "data.batch_size": 6},
+            ["data.batch_size", "6", "mesh.expert"],
+        ),
+    ],
+)
 def test_bad_moe_configs_are_rejected_naming_the_key(changes, needles):
     with pytest.raises(ConfigError) as e:
         _validate(changes)
@@ -388,5 +426,4 @@ def test_bad_moe_configs_are_rejected_naming_the_key(changes, needles):
 
 def test_layer_rejects_experts_not_divisible_by_the_expert_axis():
     with pytest.raises(ValueError, match="moe.num_experts = 6 is not divisible by the mesh axis 'expert' = 4"):
-        MoE(TransformerConfig(d_model=16), MoEConfig(num_experts=6), path="ffn", rngs=nnx.Rngs(0),
-            shard=sharder(2, 4))
+        MoE(TransformerConfig(d_model=16), MoEConfig(num_experts=6), path="ffn", rngs=nnx.Rngs(0), shard=sharder(2, 4))

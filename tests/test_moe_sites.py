@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from moe_reference import reference, set_params, sharder
 
 from core.model import DefaultPrecision, TransformerConfig
 from moe import MoE, MoEConfig
 from moe.grouped_matmul import GroupedMatmulFn
-from moe_reference import reference, set_params, sharder
 
 RNG = np.random.default_rng(1)
 CFG = TransformerConfig(d_model=16, num_layers=2)
@@ -35,8 +35,7 @@ class CountingPrecision(DefaultPrecision):
 def test_skip_token_equals_the_global_moe_without_ghosts_and_computes_only_resident_rows(resident, k):
     m = MoEConfig(num_experts=8, top_k=k, expert_size=8, router="sigmoid")
     counting = CountingPrecision()
-    layer = MoE(CFG, m, path="ffn", rngs=nnx.Rngs(0), resident=resident, routing_mode="skip_token",
-                precision=counting)
+    layer = MoE(CFG, m, path="ffn", rngs=nnx.Rngs(0), resident=resident, routing_mode="skip_token", precision=counting)
     p = set_params(layer, 0)
     assert p["router"].shape == (16, 8) and p["up"].shape == (len(resident), 16, 8)
     x = RNG.normal(size=(3, 7, 16))

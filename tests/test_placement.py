@@ -36,7 +36,7 @@ def test_random_placement_keeps_the_constraints(num_experts, sites, overlap):
 
 
 def test_arrivals_mark_experts_new_to_a_site():
-    before = fixed_placement(8, 4, 2)   # sites 0, 2: experts 0-3; sites 1, 3: experts 4-7
+    before = fixed_placement(8, 4, 2)  # sites 0, 2: experts 0-3; sites 1, 3: experts 4-7
     after = random_placement(8, 4, 2, seed=3)
     arrived = after.arrivals(before)
     for s in range(4):
@@ -45,12 +45,15 @@ def test_arrivals_mark_experts_new_to_a_site():
     assert arrived.sum() == sum(len(set(after.experts[s]) - set(before.experts[s])) for s in range(4))
 
 
-@pytest.mark.parametrize("args, needle", [
-    ((8, 8, 3), "must divide the number of sites M = 8"),
-    ((6, 4, 1), "O_e x N_e = 1 x 6 is not divisible by M = 4"),
-    ((8, 4, 5), "overlap O_e = 5 exceeds the number of sites M = 4"),
-    ((8, 0, 1), "sites = 0"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        ((8, 8, 3), "must divide the number of sites M = 8"),
+        ((6, 4, 1), "O_e x N_e = 1 x 6 is not divisible by M = 4"),
+        ((8, 4, 5), "overlap O_e = 5 exceeds the number of sites M = 4"),
+        ((8, 0, 1), "sites = 0"),
+    ],
+)
 def test_impossible_placements_are_rejected(args, needle):
     with pytest.raises(ValueError, match=needle):
         fixed_placement(*args)

@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from quant import recipes
 from quant.dot_general import dot_general
@@ -49,7 +50,10 @@ def test_grouped_off_or_identity_quantiser_equals_ragged_dot():
     x, w = jnp.asarray(rng.normal(size=(45, 24)), jnp.float32), jnp.asarray(rng.normal(size=(4, 24, 20)), jnp.float32)
     sizes = jnp.asarray([7, 0, 21, 14], jnp.int32)  # sum 42 < 45 rows; an empty group; no group a block multiple
     c = jnp.asarray(rng.normal(size=(45, 20)), jnp.float32)
-    loss = lambda f: jax.jit(jax.value_and_grad(lambda a, b: jnp.sum(c * f(a, b, sizes)), argnums=(0, 1)))(x, w)  # noqa: E731
+
+    def loss(f):
+        return jax.jit(jax.value_and_grad(lambda a, b: jnp.sum(c * f(a, b, sizes)), argnums=(0, 1)))(x, w)
+
     want = loss(jax.lax.ragged_dot)
     for f in (grouped_matmul(recipes.BF16), grouped_matmul(recipes.UFP4, key=KEY, quantizer=identity)):
         for a, b in zip(jax.tree.leaves(loss(f)), jax.tree.leaves(want)):
@@ -73,20 +77,34 @@ def test_each_gemm_quantises_the_right_operands_along_the_right_axes():
     x, w = jnp.ones((32, 48)), jnp.ones((48, 64))
     dims = (((1,), (0,)), ((), ()))
     calls = _recorded(lambda q: lambda a, b: dot_general(recipes.UFP4, key=KEY, quantizer=q)(a, b, dims), x, w)
-    assert calls == [((1, 32, 48), 2, "nearest"), ((1, 48, 64), 1, "nearest"),  # fprop: x, w along K
-                     ((1, 32, 64), 2, "stochastic"), ((1, 48, 64), 2, "nearest"),  # dgrad: dy, w along N
-                     ((1, 32, 48), 1, "nearest"), ((1, 32, 64), 1, "stochastic")]  # wgrad: x, dy along M
+    assert calls == [
+        ((1, 32, 48), 2, "nearest"),
+        ((1, 48, 64), 1, "nearest"),  # fprop: x, w along K
+        ((1, 32, 64), 2, "stochastic"),
+        ((1, 48, 64), 2, "nearest"),  # dgrad: dy, w along N
+        ((1, 32, 48), 1, "nearest"),
+        ((1, 32, 64), 1, "stochastic"),
+    ]  # wgrad: x, dy along M
     # the E2M1 baseline: the same operands and axes (its RHT is on wgrad only, which a recorder cannot see)
-    calls_e2m1 = _recorded(lambda q: lambda a, b: dot_general(recipes.E2M1_BASELINE, key=KEY, quantizer=q)(a, b, dims),
-                           x, w)
+    calls_e2m1 = _recorded(
+        lambda q: lambda a, b: dot_general(recipes.E2M1_BASELINE, key=KEY, quantizer=q)(a, b, dims), x, w
+    )
     assert calls_e2m1 == calls
     # grouped: tokens [m, k], experts [g, k, n]; wgrad on the group-aligned layout (3 groups, 16-row blocks)
     sizes = jnp.asarray([10, 0, 22], jnp.int32)
-    calls = _recorded(lambda q: lambda a, b: grouped_matmul(recipes.UFP4, key=KEY, quantizer=q)(a, b, sizes),
-                      jnp.ones((32, 48)), jnp.ones((3, 48, 64)))
-    assert calls == [((32, 48), 1, "nearest"), ((3, 48, 64), 1, "nearest"),
-                     ((32, 64), 1, "stochastic"), ((3, 48, 64), 2, "nearest"),
-                     ((80, 48), 0, "nearest"), ((80, 64), 0, "stochastic")]
+    calls = _recorded(
+        lambda q: lambda a, b: grouped_matmul(recipes.UFP4, key=KEY, quantizer=q)(a, b, sizes),
+        jnp.ones((32, 48)),
+        jnp.ones((3, 48, 64)),
+    )
+    assert calls == [
+        ((32, 48), 1, "nearest"),
+        ((3, 48, 64), 1, "nearest"),
+        ((32, 64), 1, "stochastic"),
+        ((3, 48, 64), 2, "nearest"),
+        ((80, 48), 0, "nearest"),
+        ((80, 64), 0, "stochastic"),
+    ]
 
 
 def test_rht_changes_the_quantised_product_only_where_the_recipe_says():
@@ -124,14 +142,15 @@ def test_bf16_operands_and_sharded_weights_on_8_devices():
     w = jnp.asarray(rng.normal(size=(64, 32)), jnp.bfloat16)
     dims = (((2,), (0,)), ((), ()))
     f = dot_general(recipes.NVFP4, key=KEY)
-    loss = jax.jit(jax.value_and_grad(lambda a, b: jnp.sum(f(a, b, dims, preferred_element_type=jnp.float32) ** 2),
-                                      argnums=(0, 1)))
+    loss = jax.jit(
+        jax.value_and_grad(lambda a, b: jnp.sum(f(a, b, dims, preferred_element_type=jnp.float32) ** 2), argnums=(0, 1))
+    )
     value, (gx, gw) = loss(x, w)
     assert gx.dtype == jnp.bfloat16 and gw.dtype == jnp.bfloat16 and value.dtype == jnp.float32
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)  # as core.mesh
     xs = jax.device_put(x, NamedSharding(mesh, P("data", None, None)))
     ws = jax.device_put(w, NamedSharding(mesh, P(None, "model")))
-    value_s, (gx_s, gw_s) = loss(xs, ws)
+    value_s, (_gx_s, gw_s) = loss(xs, ws)
     np.testing.assert_allclose(float(value_s), float(value), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(gw_s, np.float32), np.asarray(gw, np.float32), rtol=1e-2, atol=1e-2)
 
@@ -152,6 +171,7 @@ def test_precision_policy_keeps_the_right_layers():
     assert slot.dot_general("blocks.3.attn.q", KEY) is not jax.lax.dot_general
     assert slot.grouped_matmul("blocks.0.ffn.experts.up", KEY) is not jax.lax.ragged_dot
     import dataclasses
+
     last = QuantPrecision(dataclasses.replace(recipes.UFP4, last_blocks_high_precision=1), num_layers=4)
     assert last.dot_general("blocks.3.attn.q", KEY) is jax.lax.dot_general
     assert last.dot_general("blocks.2.attn.q", KEY) is not jax.lax.dot_general
@@ -164,10 +184,10 @@ def test_precision_recipe_from_the_config_trains_the_moe_model(recipe):
     training steps of a tiny MoE model lower the loss, and the quantised forward differs from bf16's."""
     import optax
     from flax import nnx
+    from moe_reference import train_losses
 
     from core import mesh as mesh_lib
     from experiments import build
-    from moe_reference import train_losses
 
     c = build.default_config()
     c.model.update(d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, d_ff=64)
@@ -192,8 +212,9 @@ def test_config_overrides_for_the_ablation():
 
     from quant import config as quant_config
 
-    p = ml_collections.ConfigDict({"rht": "fprop+wgrad", "stochastic_dy": "off", "last_blocks_high_precision": 1,
-                                   "fresh_signs": False})
+    p = ml_collections.ConfigDict(
+        {"rht": "fprop+wgrad", "stochastic_dy": "off", "last_blocks_high_precision": 1, "fresh_signs": False}
+    )
     r = quant_config.apply(recipes.UFP4, p)
     assert (r.fprop.rht, r.dgrad.rht, r.wgrad.rht) == (True, False, True)
     assert not r.dgrad.stochastic_dy and not r.wgrad.stochastic_dy and r.last_blocks_high_precision == 1

@@ -49,7 +49,8 @@ def test_stochastic_rounding_is_unbiased():
     y = jnp.asarray(np.random.default_rng(1).uniform(-6, 6, 64), jnp.float32)
     n = 4000
     draws = jax.vmap(lambda k: grids.round_to_grid(y, "e2m1", rounding="stochastic", key=k))(
-        jax.random.split(jax.random.key(0), n))
+        jax.random.split(jax.random.key(0), n)
+    )
     d = np.asarray(draws)
     lower = np.sign(y) * pos[np.clip(np.searchsorted(pos, np.abs(y), side="right") - 1, 0, 6)]
     gap = np.abs(np.sign(y) * pos[np.clip(np.searchsorted(pos, np.abs(y), side="right"), 1, 7)] - lower)
@@ -118,9 +119,11 @@ def test_synthetic_sqnr_table_of_the_spec():
     """2^20 N(0,1) values in 1x16 blocks; then 2 of 256 channels x30 with and without RHT16 (the spec's numbers,
     within 0.2 dB), including the rank flip between E2M1 and INT4 under RHT."""
     x = jnp.asarray(np.random.default_rng(0).normal(size=(4096, 256)), jnp.float32)
+
     def measure(v, fmt):
         q = quantize(v, fmt)
         return float(analysis.sqnr(v, q)), float(analysis.alpha(v, q))
+
     (e2m1, a_e2m1), (int4, a_int4) = measure(x, "e2m1"), measure(x, "int4")
     assert e2m1 == pytest.approx(20.52, abs=0.2) and int4 == pytest.approx(21.39, abs=0.2)
     assert a_e2m1 == pytest.approx(0.9959, abs=5e-4) and a_int4 == pytest.approx(1.0007, abs=5e-4)

@@ -10,9 +10,18 @@ from experiments.reproduce import composed
 
 
 def _runs(values: dict[str, list[float]]) -> dict:
-    return {name: {s: {"val_bits_per_byte": v, "val_bits_per_byte_worst_site": v + 0.01, "tokens_per_second": 10.0,
-                       "curve": [(10, v + 1.0), (20, v)]} for s, v in enumerate(vs)}
-            for name, vs in values.items()}
+    return {
+        name: {
+            s: {
+                "val_bits_per_byte": v,
+                "val_bits_per_byte_worst_site": v + 0.01,
+                "tokens_per_second": 10.0,
+                "curve": [(10, v + 1.0), (20, v)],
+            }
+            for s, v in enumerate(vs)
+        }
+        for name, vs in values.items()
+    }
 
 
 def test_effects_pair_variants_within_each_seed():

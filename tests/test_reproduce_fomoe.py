@@ -23,8 +23,12 @@ def test_grid_covers_the_issues_table():
 def _summary(loss, per_round=None, formula=None, per_step=None):
     s = {"val_loss": loss, "val_bits_per_byte": loss / math.log(2), "tokens_per_second": 1.0, "num_params": 1000}
     if per_round is not None:
-        s.update(bytes_per_site_per_round=per_round, bytes_per_site_per_round_formula=formula or per_round,
-                 bytes_per_token=per_round / 7, val_bits_per_byte_worst_site=loss)
+        s.update(
+            bytes_per_site_per_round=per_round,
+            bytes_per_site_per_round_formula=formula or per_round,
+            bytes_per_token=per_round / 7,
+            val_bits_per_byte_worst_site=loss,
+        )
     if per_step is not None:
         s["bytes_per_device_per_step"] = per_step
     return s
@@ -35,9 +39,11 @@ def test_rows_count_every_round_and_ratios_divide_bytes_over_the_same_tokens():
     ddp = {"name": "ddp_M4", "sites": 4, "overlap": None, "k": 1, "outer": "ddp", "placement": "-"}
     full = {"name": "f", "sites": 4, "overlap": 4, "k": 8, "outer": "local_adamw", "placement": "fixed"}
     part = {"name": "p", "sites": 4, "overlap": 2, "k": 8, "outer": "local_adamw", "placement": "fixed"}
-    rows = [fomoe.row(ddp, _summary(2.0, per_step=6000.0), steps, tps),
-            fomoe.row(full, _summary(2.1, per_round=9000.0), steps, tps),
-            fomoe.row(part, _summary(2.2, per_round=5000.0, formula=4000.0), steps, tps)]
+    rows = [
+        fomoe.row(ddp, _summary(2.0, per_step=6000.0), steps, tps),
+        fomoe.row(full, _summary(2.1, per_round=9000.0), steps, tps),
+        fomoe.row(part, _summary(2.2, per_round=5000.0, formula=4000.0), steps, tps),
+    ]
     assert rows[0]["bytes_per_site"] == 64 * 6000.0
     assert rows[0]["bytes_per_site_formula"] == pytest.approx(64 * 2 * 3 / 4 * 4 * 1000)  # fp32 gradients
     assert rows[0]["bytes_per_token"] == pytest.approx(4 * 6000.0 / tps)

@@ -8,13 +8,13 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from moe_reference import tiny_moe_transformer
 
 from core import hlo
 from core import train as train_lib
 from moe import federation, reshuffle, rounds
 from moe.layer import Residency
 from moe.placement import fixed_placement, random_placement
-from moe_reference import tiny_moe_transformer
 from optim import diloco_outer
 
 SITES, EXPERTS = 4, 8
@@ -116,8 +116,11 @@ def test_migration_matches_a_numpy_reference(overlap, outer):
         for j, e in enumerate(new.experts[s]):
             kept = list(old.experts[s]).index(e) if e in old.experts[s] else None
             assert ages1[0][s, j] == (0 if kept is None else ages0[0][s, kept])
-    residency = [v for v in jax.tree.leaves(after.train.rest, is_leaf=lambda v: isinstance(v, Residency))
-                 if isinstance(v, Residency)]
+    residency = [
+        v
+        for v in jax.tree.leaves(after.train.rest, is_leaf=lambda v: isinstance(v, Residency))
+        if isinstance(v, Residency)
+    ]
     assert residency and all((np.asarray(v.get_value()) == new.experts).all() for v in residency)
     # The migration's only collectives: an all-gather of the local experts over the B = M / O_e blocks.
     expert_bytes = sum(x.nbytes // SITES for x, d in zip(jax.tree.leaves(before.train.params), dim_list) if d >= 0)

@@ -7,12 +7,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from moe_reference import tiny_moe_transformer
 
 from core import hlo
 from core import train as train_lib
 from moe import federation, rounds
 from moe.placement import fixed_placement
-from moe_reference import tiny_moe_transformer
 from optim import diloco_outer
 
 SITES = 4
@@ -21,9 +21,15 @@ SITES = 4
 def _setup(overlap, optimizer, outer=None, precision=None):
     placement = fixed_placement(8, SITES, overlap)
     mesh = federation.site_mesh(SITES, overlap)
-    graphdef, state = rounds.init_sites(tiny_moe_transformer(precision=precision),
-                                        tiny_moe_transformer(placement.experts[0], precision=precision),
-                                        placement, optimizer, outer, mesh, seed=0)
+    graphdef, state = rounds.init_sites(
+        tiny_moe_transformer(precision=precision),
+        tiny_moe_transformer(placement.experts[0], precision=precision),
+        placement,
+        optimizer,
+        outer,
+        mesh,
+        seed=0,
+    )
     return placement, mesh, graphdef, state
 
 
@@ -56,7 +62,8 @@ def test_full_replication_one_local_step_and_plain_averaging_equal_ddp():
     rest0 = jax.tree.map(lambda x: x[0], state.train.rest)
     tokens = _tokens(1)
     new, metrics = rounds.make_round(graphdef, optimizer, mesh, method="diloco", outer=diloco_outer(1.0, 0.0))(
-        state, tokens)
+        state, tokens
+    )
 
     def site_grad(tok, key):
         return jax.grad(lambda p: train_lib.lm_loss(nnx.merge(graphdef, p, rest0), tok, key=key)[0])(params0)
@@ -81,8 +88,7 @@ def test_local_adamw_averages_parameters_and_both_moments_over_groups(overlap):
     flags = jax.tree.leaves(federation.expert_flags(manual.params))
     adam = manual.opt_state[0]
     new_adam = new.train.opt_state[0]
-    for tree_before, tree_after in ((manual.params, new.train.params), (adam.mu, new_adam.mu),
-                                    (adam.nu, new_adam.nu)):
+    for tree_before, tree_after in ((manual.params, new.train.params), (adam.mu, new_adam.mu), (adam.nu, new_adam.nu)):
         for before, after, expert in zip(jax.tree.leaves(tree_before), jax.tree.leaves(tree_after), flags):
             b = np.asarray(before, np.float64)
             expected = _group_mean(b, placement) if expert else np.broadcast_to(b.mean(0), b.shape)
@@ -119,8 +125,11 @@ def test_a_round_of_mgup_and_ufp4_sites_equals_their_unsharded_steps_then_the_me
     _, _, plain_graphdef, plain = _setup(2, optimizer)
     plain = _local_only(plain_graphdef, optimizer, plain.train, tokens)
     up = ("blocks", 0, "ffn", "up")
-    assert not np.allclose(dict(nnx.to_flat_state(plain.params))[up].get_value(),
-                           dict(nnx.to_flat_state(manual.params))[up].get_value(), atol=1e-6)
+    assert not np.allclose(
+        dict(nnx.to_flat_state(plain.params))[up].get_value(),
+        dict(nnx.to_flat_state(manual.params))[up].get_value(),
+        atol=1e-6,
+    )
 
 
 def test_diloco_outer_step_over_two_rounds_follows_its_formula():
@@ -149,12 +158,12 @@ def test_diloco_outer_step_over_two_rounds_follows_its_formula():
         # the inner AdamW state stays with each site (not averaged)
         # (relative to the tensor's scale: elements near zero are cancelling sums, exact only to float rounding)
         want_mu = np.asarray(jax.tree.leaves(local.opt_state[0].mu)[0])
-        np.testing.assert_allclose(jax.tree.leaves(state.train.opt_state[0].mu)[0], want_mu, rtol=1e-6,
-                                   atol=1e-6 * np.abs(want_mu).max())
+        np.testing.assert_allclose(
+            jax.tree.leaves(state.train.opt_state[0].mu)[0], want_mu, rtol=1e-6, atol=1e-6 * np.abs(want_mu).max()
+        )
 
 
-@pytest.mark.parametrize("overlap, method", [(1, "local_adamw"), (2, "local_adamw"), (2, "diloco"),
-                                             (4, "diloco")])
+@pytest.mark.parametrize("overlap, method", [(1, "local_adamw"), (2, "local_adamw"), (2, "diloco"), (4, "diloco")])
 def test_a_rounds_collectives_are_exactly_the_formula_bytes(overlap, method):
     """What the compiled round program all-reduces across sites equals moe.system_model.sync_bytes for this
     model's dense and expert parameter bytes (LocalAdamW: parameters and both moments)."""
@@ -163,8 +172,9 @@ def test_a_rounds_collectives_are_exactly_the_formula_bytes(overlap, method):
     optimizer = optax.adamw(1e-2)
     outer = diloco_outer() if method == "diloco" else None
     _, mesh, graphdef, state = _setup(overlap, optimizer, outer)
-    compiled = rounds.make_round(graphdef, optimizer, mesh, method=method, outer=outer).lower(
-        state, _tokens(2)).compile()
+    compiled = (
+        rounds.make_round(graphdef, optimizer, mesh, method=method, outer=outer).lower(state, _tokens(2)).compile()
+    )
     measured = hlo.collective_bytes(compiled.as_text())
     flags = jax.tree.leaves(federation.expert_flags(state.train.params))
     per_site = [x.nbytes // SITES for x in jax.tree.leaves(state.train.params)]
@@ -184,9 +194,11 @@ def test_local_steps_and_evaluation_move_nothing_across_sites():
     evaluate = federation.per_site(train_lib.make_eval_step(graphdef), mesh, (0, 0, None))
     probe = rounds.make_probe(graphdef, mesh)
     val = jnp.zeros((2, 9), jnp.int32)
-    for program in (jax.jit(local).lower(state.train, _tokens(2)),
-                    jax.jit(evaluate).lower(state.train.params, state.train.rest, val),
-                    probe.lower(state.train.params, state.train.rest, val[:, :-1])):
+    for program in (
+        jax.jit(local).lower(state.train, _tokens(2)),
+        jax.jit(evaluate).lower(state.train.params, state.train.rest, val),
+        probe.lower(state.train.params, state.train.rest, val[:, :-1]),
+    ):
         assert hlo.collective_bytes(program.compile().as_text())["ops"] == 0
 
 

@@ -25,7 +25,7 @@ def test_count_at_least_equals_numpy():
     rng = np.random.default_rng(1)
     keys = jnp.asarray(rng.integers(0, 1000, size=12_345), jnp.uint32)
     for thresholds in ([500], [0, 999, 1000], list(rng.integers(0, 1000, size=6))):
-        got = jax.jit(lambda k: select.count_at_least(k, [jnp.uint32(t) for t in thresholds]))(keys)
+        got = jax.jit(lambda k, ts=thresholds: select.count_at_least(k, [jnp.uint32(t) for t in ts]))(keys)
         assert [int(c) for c in got] == [int(np.sum(np.asarray(keys) >= t)) for t in thresholds]
 
 
@@ -39,16 +39,31 @@ def _adversarial(n, rng):
     return x
 
 
-@pytest.mark.parametrize("n, tau, kind", [(200_003, 0.5, "normal"), (50_000, 0.1, "cauchy"), (4_097, 0.9, "normal"),
-                                          (30_000, 0.5, "ties"), (3, 0.4, "normal"), (10_000, 0.5, "constant"),
-                                          (100_000, 0.97, "adversarial"), (20_000, 0.3, "float64")])
+@pytest.mark.parametrize(
+    "n, tau, kind",
+    [
+        (200_003, 0.5, "normal"),
+        (50_000, 0.1, "cauchy"),
+        (4_097, 0.9, "normal"),
+        (30_000, 0.5, "ties"),
+        (3, 0.4, "normal"),
+        (10_000, 0.5, "constant"),
+        (100_000, 0.97, "adversarial"),
+        (20_000, 0.3, "float64"),
+    ],
+)
 def test_top_k_mask_selects_exactly_the_k_largest(n, tau, kind):
     """The same set as a stable argsort (ties: the first positions), heavy tails, all-equal and adversarial inputs,
     float64 (64-bit keys)."""
     rng = np.random.default_rng(n)
-    x = {"normal": lambda: rng.normal(size=n), "cauchy": lambda: rng.standard_cauchy(size=n),
-         "ties": lambda: rng.integers(0, 50, size=n), "constant": lambda: np.ones(n),
-         "adversarial": lambda: _adversarial(n, rng), "float64": lambda: rng.normal(size=n) * 1e-200}[kind]()
+    x = {
+        "normal": lambda: rng.normal(size=n),
+        "cauchy": lambda: rng.standard_cauchy(size=n),
+        "ties": lambda: rng.integers(0, 50, size=n),
+        "constant": lambda: np.ones(n),
+        "adversarial": lambda: _adversarial(n, rng),
+        "float64": lambda: rng.normal(size=n) * 1e-200,
+    }[kind]()
     with jax.enable_x64(kind == "float64"):
         score = jnp.asarray(x, jnp.float64 if kind == "float64" else jnp.float32)
         k = int(tau * n)

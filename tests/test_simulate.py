@@ -25,16 +25,27 @@ def test_step_cost_formula():
 def _simulate(name, memory_bytes, workload):
     fmt = formats.get(name)
     cost = StepCost(SPEC_MODEL_SERVING, H200, capacity.kv_bytes_per_token(SPEC_MODEL_SERVING.shape, fmt), 0.8)
-    engine = SimulatedEngine(fmt, EngineConfig(memory_bytes=memory_bytes, max_num_seqs=4, max_num_batched_tokens=512,
-                                               max_model_len=8192), SPEC_MODEL_SERVING, cost)
+    engine = SimulatedEngine(
+        fmt,
+        EngineConfig(memory_bytes=memory_bytes, max_num_seqs=4, max_num_batched_tokens=512, max_model_len=8192),
+        SPEC_MODEL_SERVING,
+        cost,
+    )
     return engine, workload_lib.run(engine, workload)
 
 
 def test_simulated_engine_keeps_a_virtual_clock_and_the_cache_decides():
     """Pool sizes follow the capacity planner; with room for the working set the later rounds hit the cache and
     their first tokens come sooner than with a pool for about one conversation; fp4 holds 3.76x bf16's tokens."""
-    wl = workload_lib.AgentWorkload(conversations=6, concurrency=4, rounds=3, system_prefix=64,
-                                    conversation_prefix=1024, new_input=(100, 200), output_tokens=8)
+    wl = workload_lib.AgentWorkload(
+        conversations=6,
+        concurrency=4,
+        rounds=3,
+        system_prefix=64,
+        conversation_prefix=1024,
+        new_input=(100, 200),
+        output_tokens=8,
+    )
     per_token = capacity.kv_bytes_per_token(SPEC_MODEL_SERVING.shape, "bf16")
     small, roomy = 3000 * per_token, 20000 * per_token
     eng_small, tight = _simulate("bf16", small, wl)

@@ -1,5 +1,6 @@
 """FoMoE's system model against the paper's parameter table and hand-computed bytes, FLOPs and memory."""
 
+import itertools
 import math
 
 import pytest
@@ -21,8 +22,15 @@ def test_param_count_reproduces_the_paper_table(name):
 
 def test_param_count_by_hand_and_bad_input():
     p = sm.param_count(4, 2, 3, expert_size=5, vocab_size=7)
-    assert p == {"embedding": 28, "attention": 128, "router": 24, "experts": 240, "per_expert": 40, "dense": 156,
-                 "total": 420}
+    assert p == {
+        "embedding": 28,
+        "attention": 128,
+        "router": 24,
+        "experts": 240,
+        "per_expert": 40,
+        "dense": 156,
+        "total": 420,
+    }
     with pytest.raises(ValueError, match="d_model = 0"):
         sm.param_count(0, 2, 3)
 
@@ -91,9 +99,17 @@ def test_memory_and_round_time():
     shape = sm.ModelShape(d_model=4, num_layers=2, num_experts=8, top_k=2, expert_size=5, vocab_size=7)
     # 156 dense + O_e / M x (2 layers x 8 experts x 40 + 64 router) params, 18 bytes each.
     assert sm.memory_per_site(shape, 4, 2) == pytest.approx((156 + 0.5 * (640 + 64)) * 18)
-    t = sm.round_seconds(flops_per_token=100.0, tokens_per_step=10.0, local_steps=4, round_bytes=1e9,
-                         bandwidth_bits_per_second=8e9, latency_seconds=0.5, peak_flops=1000.0, mfu=0.5,
-                         overlap_fraction=0.25)
+    t = sm.round_seconds(
+        flops_per_token=100.0,
+        tokens_per_step=10.0,
+        local_steps=4,
+        round_bytes=1e9,
+        bandwidth_bits_per_second=8e9,
+        latency_seconds=0.5,
+        peak_flops=1000.0,
+        mfu=0.5,
+        overlap_fraction=0.25,
+    )
     assert t["compute"] == pytest.approx(4 * 2.0) and t["communication"] == pytest.approx(1.5)
     assert t["total"] == pytest.approx(8.0 + 0.75 * 1.5)
 
@@ -104,7 +120,7 @@ def test_projection_orders_methods_as_the_formulas_say():
     by = {(r.method.split()[0], r.overlap, r.bandwidth_gbps): r for r in rows}
     for gbps in (1, 10, 100):
         fomoe = [by[("FoMoE", o, gbps)] for o in (1, 2, 4, 8, 16, 32)]
-        assert all(a.bytes_per_site_per_round < b.bytes_per_site_per_round for a, b in zip(fomoe, fomoe[1:]))
-        assert all(a.memory_gib_per_site < b.memory_gib_per_site for a, b in zip(fomoe, fomoe[1:]))
+        assert all(a.bytes_per_site_per_round < b.bytes_per_site_per_round for a, b in itertools.pairwise(fomoe))
+        assert all(a.memory_gib_per_site < b.memory_gib_per_site for a, b in itertools.pairwise(fomoe))
         assert by[("DDP", 32, gbps)].hours > fomoe[-1].hours  # DDP syncs every step: 32x the rounds
     assert by[("FoMoE", 4, 1)].hours > by[("FoMoE", 4, 100)].hours

@@ -23,9 +23,16 @@ TIME_KEYS = {"tokens_per_second"}
 def _train(config, workdir, hooks=()):
     corpus, batches = build.build_data(config)
     _, sharder = build.build_mesh(config)
-    return train_lib.train(config, workdir=str(workdir), model_fn=build.build_model_fn(config, sharder),
-                           optimizer=build.build_optimizer(config), batches=batches, sharder=sharder,
-                           data_fingerprint=corpus.fingerprint, hooks=hooks)
+    return train_lib.train(
+        config,
+        workdir=str(workdir),
+        model_fn=build.build_model_fn(config, sharder),
+        optimizer=build.build_optimizer(config),
+        batches=batches,
+        sharder=sharder,
+        data_fingerprint=corpus.fingerprint,
+        hooks=hooks,
+    )
 
 
 def _rows(workdir):
@@ -49,8 +56,11 @@ def test_lm_loss_matches_numpy_cross_entropy():
     tokens[0, 5:] = PAD_ID  # padded tail: not counted
     loss, metrics = train_lib.lm_loss(model, jnp.asarray(tokens))
     logits = np.asarray(model(jnp.asarray(tokens[:, :-1]))[0], np.float64)
-    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
-        -1, keepdims=True)
+    logp = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        - logits.max(-1, keepdims=True)
+    )
     targets = tokens[:, 1:]
     nll = -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
     mask = targets != PAD_ID
@@ -68,8 +78,11 @@ def test_schedule_matches_formula(schedule):
             expected = 1e-2 * step / 10
         else:
             frac = (step - 10) / 100
-            expected = {"cosine": 1e-2 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))),
-                        "linear": 1e-2 * (1 - 0.9 * frac), "constant": 1e-2}[schedule]
+            expected = {
+                "cosine": 1e-2 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))),
+                "linear": 1e-2 * (1 - 0.9 * frac),
+                "constant": 1e-2,
+            }[schedule]
         np.testing.assert_allclose(float(lr(step)), expected, rtol=1e-5, atol=1e-9)
 
 

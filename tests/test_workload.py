@@ -9,8 +9,16 @@ from kvcache import workload as workload_lib
 from kvcache.engine import Engine, EngineConfig
 
 CFG = TransformerConfig(vocab_size=264, d_model=128, num_layers=2, num_heads=2, num_kv_heads=1, d_ff=96)
-SMALL = workload_lib.AgentWorkload(conversations=3, concurrency=2, rounds=3, system_prefix=20,
-                                   conversation_prefix=40, new_input=(5, 9), output_tokens=4, seed=1)
+SMALL = workload_lib.AgentWorkload(
+    conversations=3,
+    concurrency=2,
+    rounds=3,
+    system_prefix=20,
+    conversation_prefix=40,
+    new_input=(5, 9),
+    output_tokens=4,
+    seed=1,
+)
 
 
 def test_conversations_share_the_system_prefix_and_are_reproducible():
@@ -25,8 +33,9 @@ def test_driver_runs_every_round_and_the_history_hits_the_cache():
     """Each conversation's rounds run in order with the full history as prompt; with memory for everything, round
     r + 1 finds the full blocks of round r's prompt in the prefix cache."""
     model = Transformer(CFG, rngs=nnx.Rngs(0))
-    engine = Engine(model, formats.get("fp4"), EngineConfig(memory_bytes=1 << 20, max_num_batched_tokens=32,
-                                                             max_model_len=128))
+    engine = Engine(
+        model, formats.get("fp4"), EngineConfig(memory_bytes=1 << 20, max_num_batched_tokens=32, max_model_len=128)
+    )
     seen = []
     result = workload_lib.run(engine, SMALL, progress=lambda done, total: seen.append((done, total)))
     records = result["records"]

@@ -42,10 +42,17 @@ def interleaved_medians(calls: dict[str, Callable[[], object]], *, repeats: int,
 def machine() -> dict:
     """Device kind, platform, device and core counts, jax version, and a note for CPU-only runs."""
     device = jax.devices()[0]
-    return {"device": device.device_kind, "platform": device.platform, "num_devices": jax.device_count(),
-            "cpu_count": os.cpu_count(), "machine": platform.machine(), "jax": jax.__version__,
-            "note": ("CPU run: measured on this machine's cores; GPU numbers need a GPU run."
-                     if device.platform == "cpu" else "")}
+    return {
+        "device": device.device_kind,
+        "platform": device.platform,
+        "num_devices": jax.device_count(),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "jax": jax.__version__,
+        "note": (
+            "CPU run: measured on this machine's cores; GPU numbers need a GPU run." if device.platform == "cpu" else ""
+        ),
+    }
 
 
 def describe(m: dict) -> str:

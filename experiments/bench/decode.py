@@ -44,8 +44,8 @@ def filled_pool(fmt: formats.Format, context: int) -> tuple[dict, jax.Array]:
     kv = jax.random.normal(jax.random.key(0), (2, distinct * BLOCK, NUM_KV_HEADS, HEAD_DIM))
     stored = fmt.quantize(kv[0], kv[1])
     fields = {}
-    for name, x in stored.items():
-        x = x.reshape(distinct, BLOCK, *x.shape[1:]).swapaxes(1, 2)  # [distinct, K, bs, ...]
+    for name, flat in stored.items():
+        x = flat.reshape(distinct, BLOCK, *flat.shape[1:]).swapaxes(1, 2)  # [distinct, K, bs, ...]
         fields[name] = jnp.tile(x, (-(-num_blocks // distinct),) + (1,) * (x.ndim - 1))[:num_blocks]
     table = np.random.default_rng(0).permutation(num_blocks).astype(np.int32)[None]
     return fields, jnp.asarray(table)
@@ -71,45 +71,82 @@ def run(contexts: list[int], repeats: int) -> dict:
             fields, table = filled_pool(fmt, context)
             kv_bytes[name] = context * fmt.bytes_per_token(NUM_KV_HEADS, HEAD_DIM)
             for impl in implementations():
-                step = jax.jit(lambda q, f, t, s, fmt=fmt, impl=impl: decode_attention(q, f, t, s, fmt=fmt,
-                                                                                        implementation=impl))
-                calls[name, impl] = lambda step=step, fields=fields, table=table: step(q, fields, table, seq_lens)
+                step = jax.jit(
+                    lambda q, f, t, s, fmt=fmt, impl=impl: decode_attention(q, f, t, s, fmt=fmt, implementation=impl)
+                )
+                calls[name, impl] = lambda step=step, fields=fields, table=table, lens=seq_lens: step(
+                    q, fields, table, lens
+                )
         seconds = interleaved_medians(calls, repeats=repeats, warmup=1)
         copies[context] = 2 * COPY_BYTES / seconds.pop("copy")
         for (name, impl), sec in seconds.items():
-            rows.append({"context": context, "format": name, "implementation": impl, "ms": 1e3 * sec,
-                         "kv_bytes": kv_bytes[name], "gb_per_s": kv_bytes[name] / sec / 1e9,
-                         "of_copy": kv_bytes[name] / sec / copies[context]})
-            print(f"context {context:>7,} {name:>5} {impl:>9}: {1e3 * sec:8.2f} ms, {rows[-1]['gb_per_s']:6.2f} GB/s "
-                  f"({100 * rows[-1]['of_copy']:.0f}% of the copy's {copies[context] / 1e9:.2f} GB/s)", flush=True)
-    return {"machine": machine(), "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS,
-                                            "head_dim": HEAD_DIM, "block_size": BLOCK, "batch": 1},
-            "copy_gb_per_s": {str(c): b / 1e9 for c, b in copies.items()}, "rows": rows}
+            rows.append(
+                {
+                    "context": context,
+                    "format": name,
+                    "implementation": impl,
+                    "ms": 1e3 * sec,
+                    "kv_bytes": kv_bytes[name],
+                    "gb_per_s": kv_bytes[name] / sec / 1e9,
+                    "of_copy": kv_bytes[name] / sec / copies[context],
+                }
+            )
+            print(
+                f"context {context:>7,} {name:>5} {impl:>9}: {1e3 * sec:8.2f} ms, {rows[-1]['gb_per_s']:6.2f} GB/s "
+                f"({100 * rows[-1]['of_copy']:.0f}% of the copy's {copies[context] / 1e9:.2f} GB/s)",
+                flush=True,
+            )
+    return {
+        "machine": machine(),
+        "shape": {
+            "num_heads": NUM_HEADS,
+            "num_kv_heads": NUM_KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "block_size": BLOCK,
+            "batch": 1,
+        },
+        "copy_gb_per_s": {str(c): b / 1e9 for c, b in copies.items()},
+        "rows": rows,
+    }
 
 
 def markdown(result: dict) -> str:
     rows, contexts = result["rows"], sorted({r["context"] for r in result["rows"]})
     by = {(r["context"], r["format"], r["implementation"]): r for r in rows}
     timed_pallas = any(r["implementation"] == "pallas" for r in rows)
-    lines = ["# Long-context decode, one attention layer", "",
-             f"`python -m experiments.bench.decode`. {describe(result['machine'])} Batch 1, {NUM_HEADS} query / "
-             f"{NUM_KV_HEADS} KV heads, head dim {HEAD_DIM}, block size {BLOCK}; ms per decode step without split-KV "
-             "(`xla`) and with it (`xla_split`), and the split path's stored-KV bytes read per second against the "
-             "bandwidth of a 256 MiB copy (read + write) timed in the same interleaved rounds. "
-             + ("The Pallas kernel is timed below." if timed_pallas else
-                "The Pallas kernels are not timed: on a CPU they run only in Pallas' interpreter."), "",
-             "| context | " + " | ".join(f"{f} ms (no split / split) | {f} GB/s (of copy)" for f in FORMATS) +
-             " | fp4 / bf16 time (split) | copy GB/s |", "|---|" + "---|---|" * len(FORMATS) + "---|---|"]
+    lines = [
+        "# Long-context decode, one attention layer",
+        "",
+        f"`python -m experiments.bench.decode`. {describe(result['machine'])} Batch 1, {NUM_HEADS} query / "
+        f"{NUM_KV_HEADS} KV heads, head dim {HEAD_DIM}, block size {BLOCK}; ms per decode step without split-KV "
+        "(`xla`) and with it (`xla_split`), and the split path's stored-KV bytes read per second against the "
+        "bandwidth of a 256 MiB copy (read + write) timed in the same interleaved rounds. "
+        + (
+            "The Pallas kernel is timed below."
+            if timed_pallas
+            else "The Pallas kernels are not timed: on a CPU they run only in Pallas' interpreter."
+        ),
+        "",
+        "| context | "
+        + " | ".join(f"{f} ms (no split / split) | {f} GB/s (of copy)" for f in FORMATS)
+        + " | fp4 / bf16 time (split) | copy GB/s |",
+        "|---|" + "---|---|" * len(FORMATS) + "---|---|",
+    ]
     for c in contexts:
-        cells = [f"{by[c, f, 'xla']['ms']:.2f} / {by[c, f, 'xla_split']['ms']:.2f} | "
-                 f"{by[c, f, 'xla_split']['gb_per_s']:.2f} ({100 * by[c, f, 'xla_split']['of_copy']:.0f}%)"
-                 for f in FORMATS]
+        cells = [
+            f"{by[c, f, 'xla']['ms']:.2f} / {by[c, f, 'xla_split']['ms']:.2f} | "
+            f"{by[c, f, 'xla_split']['gb_per_s']:.2f} ({100 * by[c, f, 'xla_split']['of_copy']:.0f}%)"
+            for f in FORMATS
+        ]
         ratio = by[c, "fp4", "xla_split"]["ms"] / by[c, "bf16", "xla_split"]["ms"]
         lines.append(f"| {c:,} | " + " | ".join(cells) + f" | {ratio:.2f}x | {result['copy_gb_per_s'][str(c)]:.2f} |")
     if len(contexts) > 1:
         first, last = contexts[1 if len(contexts) > 2 else 0], contexts[-1]
-        lines += ["", f"Time growth from {first:,} to {last:,} tokens divided by the context growth (1.00 = linear, "
-                  "> 1 = a cliff):"]
+        lines += [
+            "",
+            f"Time growth from {first:,} to {last:,} tokens divided by the context growth (1.00 = linear, "
+            "> 1 = a cliff):",
+        ]
         for impl in IMPLEMENTATIONS:
             growth = {f: (by[last, f, impl]["ms"] / by[first, f, impl]["ms"]) / (last / first) for f in FORMATS}
             lines.append(f"- {impl}: " + ", ".join(f"{f} {g:.2f}" for f, g in growth.items()))
@@ -120,12 +157,19 @@ def markdown(result: dict) -> str:
 
 def pallas_markdown(by: dict, contexts: list[int]) -> list[str]:
     """The Pallas split-KV decode kernel per format, and the issue's GPU goals for fp4."""
-    lines = ["", "Pallas split-KV decode kernel (compiled, not interpreted):", "",
-             "| context | " + " | ".join(f"{f} ms (GB/s, of copy)" for f in FORMATS) + " | bf16 / fp4 time |",
-             "|---|" + "---|" * len(FORMATS) + "---|"]
+    lines = [
+        "",
+        "Pallas split-KV decode kernel (compiled, not interpreted):",
+        "",
+        "| context | " + " | ".join(f"{f} ms (GB/s, of copy)" for f in FORMATS) + " | bf16 / fp4 time |",
+        "|---|" + "---|" * len(FORMATS) + "---|",
+    ]
     for c in contexts:
-        cells = [f"{by[c, f, 'pallas']['ms']:.3f} ({by[c, f, 'pallas']['gb_per_s']:.0f}, "
-                 f"{100 * by[c, f, 'pallas']['of_copy']:.0f}%)" for f in FORMATS]
+        cells = [
+            f"{by[c, f, 'pallas']['ms']:.3f} ({by[c, f, 'pallas']['gb_per_s']:.0f}, "
+            f"{100 * by[c, f, 'pallas']['of_copy']:.0f}%)"
+            for f in FORMATS
+        ]
         ratio = by[c, "bf16", "pallas"]["ms"] / by[c, "fp4", "pallas"]["ms"]
         lines.append(f"| {c:,} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
     c = GPU_GOAL["context"]
@@ -133,9 +177,12 @@ def pallas_markdown(by: dict, contexts: list[int]) -> list[str]:
         speedup = by[c, "bf16", "pallas"]["ms"] / by[c, "fp4", "pallas"]["ms"]
         of_copy = by[c, "fp4", "pallas"]["of_copy"]
         met = speedup >= GPU_GOAL["fp4_speedup"] and of_copy >= GPU_GOAL["of_copy"]
-        lines += ["", f"Goal at {c:,} tokens: fp4 at least {GPU_GOAL['fp4_speedup']}x faster than bf16 and at least "
-                  f"{GPU_GOAL['of_copy']:.0%} of the copy bandwidth: measured {speedup:.2f}x and {of_copy:.0%} "
-                  f"({'met' if met else 'missed'})."]
+        lines += [
+            "",
+            f"Goal at {c:,} tokens: fp4 at least {GPU_GOAL['fp4_speedup']}x faster than bf16 and at least "
+            f"{GPU_GOAL['of_copy']:.0%} of the copy bandwidth: measured {speedup:.2f}x and {of_copy:.0%} "
+            f"({'met' if met else 'missed'}).",
+        ]
     return lines
 
 

@@ -47,23 +47,40 @@ def bench_layers(tokens: int, expert_size: int, repeats: int) -> list[dict]:
     x = jax.random.normal(jax.random.key(0), (tokens // SEQ, SEQ, D_MODEL), jnp.float32)
     rows = []
     for k in TOP_K:
-        dense = MLP(TransformerConfig(d_model=D_MODEL, num_layers=4, mlp="silu", d_ff=k * expert_size),
-                    path="ffn", precision=DefaultPrecision(), shard=Sharder(), rngs=nnx.Rngs(0))
+        dense = MLP(
+            TransformerConfig(d_model=D_MODEL, num_layers=4, mlp="silu", d_ff=k * expert_size),
+            path="ffn",
+            precision=DefaultPrecision(),
+            shard=Sharder(),
+            rngs=nnx.Rngs(0),
+        )
         for e in EXPERTS:
             calls = {"dense": _fwd_bwd(dense, x)}
             for dispatch in ("dropless", "capacity"):
-                layer = MoE(cfg, MoEConfig(num_experts=e, top_k=k, expert_size=expert_size, dispatch=dispatch),
-                            path="ffn", rngs=nnx.Rngs(0))
+                layer = MoE(
+                    cfg,
+                    MoEConfig(num_experts=e, top_k=k, expert_size=expert_size, dispatch=dispatch),
+                    path="ffn",
+                    rngs=nnx.Rngs(0),
+                )
                 calls[dispatch] = _fwd_bwd(layer, x)
             t = interleaved_medians(calls, repeats=repeats)
-            row = {"experts": e, "top_k": k, "expert_size": expert_size, "tokens": tokens,
-                   **{f"{name}_seconds": v for name, v in t.items()},
-                   "dropless_over_dense": t["dropless"] / t["dense"],
-                   "capacity_over_dropless": t["capacity"] / t["dropless"]}
+            row = {
+                "experts": e,
+                "top_k": k,
+                "expert_size": expert_size,
+                "tokens": tokens,
+                **{f"{name}_seconds": v for name, v in t.items()},
+                "dropless_over_dense": t["dropless"] / t["dense"],
+                "capacity_over_dropless": t["capacity"] / t["dropless"],
+            }
             rows.append(row)
-            print(f"h={expert_size} E={e:2d} k={k}: dense {t['dense'] * 1e3:7.1f} ms  dropless "
-                  f"{t['dropless'] * 1e3:7.1f} ms ({row['dropless_over_dense']:.2f}x dense)  capacity "
-                  f"{t['capacity'] * 1e3:7.1f} ms ({row['capacity_over_dropless']:.2f}x dropless)", flush=True)
+            print(
+                f"h={expert_size} E={e:2d} k={k}: dense {t['dense'] * 1e3:7.1f} ms  dropless "
+                f"{t['dropless'] * 1e3:7.1f} ms ({row['dropless_over_dense']:.2f}x dense)  capacity "
+                f"{t['capacity'] * 1e3:7.1f} ms ({row['capacity_over_dropless']:.2f}x dropless)",
+                flush=True,
+            )
     return rows
 
 
@@ -77,7 +94,8 @@ def bench_grouped_matmul(repeats: int) -> list[dict]:
         "windowed": lambda x, w: grouped_matmul(x, w, sizes, implementation="windowed"),
         "ragged_dot": lambda x, w: grouped_matmul(x, w, sizes, implementation="ragged_dot"),
         "batched einsum (equal groups only)": lambda x, w: jnp.einsum(
-            "gmk,gkn->gmn", x.reshape(g, m // g, k), w).reshape(m, n),
+            "gmk,gkn->gmn", x.reshape(g, m // g, k), w
+        ).reshape(m, n),
         "dense product (same FLOPs)": lambda x, w: x @ w[0],
     }
     calls = {}
@@ -96,30 +114,48 @@ def bench_grouped_matmul(repeats: int) -> list[dict]:
         times[("ragged_dot", "forward_backward")] = median_seconds(lambda: bwd(x, w), repeats=1)
     rows = []
     for name in candidates:
-        row = {"implementation": name, "forward_seconds": times[(name, "forward")],
-               "forward_backward_seconds": times[(name, "forward_backward")]}
+        row = {
+            "implementation": name,
+            "forward_seconds": times[(name, "forward")],
+            "forward_backward_seconds": times[(name, "forward_backward")],
+        }
         rows.append(row)
-        print(f"grouped matmul {name}: fwd {row['forward_seconds'] * 1e3:.1f} ms, fwd+bwd "
-              f"{row['forward_backward_seconds'] * 1e3:.1f} ms", flush=True)
+        print(
+            f"grouped matmul {name}: fwd {row['forward_seconds'] * 1e3:.1f} ms, fwd+bwd "
+            f"{row['forward_backward_seconds'] * 1e3:.1f} ms",
+            flush=True,
+        )
     return rows
 
 
 def markdown(result: dict) -> str:
-    lines = [f"MoE layer forward+backward on {result['device']} ({result['cpu_count']} cores, jax {result['jax']}, "
-             f"float32): {result['tokens']} tokens, d_model {D_MODEL}, sigmoid router; dense = SiLU FFN of hidden "
-             "k x h (same expert FLOPs); capacity factor 1.25, one group per sequence of 256. Medians of "
-             f"{result['repeats']} rounds; each round times the three side by side.", "",
-             "| expert size h | experts | top-k | dense (ms) | dropless (ms) | capacity (ms) | dropless / dense | "
-             "capacity / dropless |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"MoE layer forward+backward on {result['device']} ({result['cpu_count']} cores, jax {result['jax']}, "
+        f"float32): {result['tokens']} tokens, d_model {D_MODEL}, sigmoid router; dense = SiLU FFN of hidden "
+        "k x h (same expert FLOPs); capacity factor 1.25, one group per sequence of 256. Medians of "
+        f"{result['repeats']} rounds; each round times the three side by side.",
+        "",
+        "| expert size h | experts | top-k | dense (ms) | dropless (ms) | capacity (ms) | dropless / dense | "
+        "capacity / dropless |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["layers"]:
-        lines.append(f"| {r['expert_size']} | {r['experts']} | {r['top_k']} | {r['dense_seconds'] * 1e3:.1f} | "
-                     f"{r['dropless_seconds'] * 1e3:.1f} | {r['capacity_seconds'] * 1e3:.1f} | "
-                     f"{r['dropless_over_dense']:.2f} | {r['capacity_over_dropless']:.2f} |")
-    lines += ["", "Grouped matmul alone: 4096 x 256 -> 512, 64 equal groups.", "",
-              "| implementation | forward (ms) | forward+backward (ms) |", "|---|---|---|"]
+        lines.append(
+            f"| {r['expert_size']} | {r['experts']} | {r['top_k']} | {r['dense_seconds'] * 1e3:.1f} | "
+            f"{r['dropless_seconds'] * 1e3:.1f} | {r['capacity_seconds'] * 1e3:.1f} | "
+            f"{r['dropless_over_dense']:.2f} | {r['capacity_over_dropless']:.2f} |"
+        )
+    lines += [
+        "",
+        "Grouped matmul alone: 4096 x 256 -> 512, 64 equal groups.",
+        "",
+        "| implementation | forward (ms) | forward+backward (ms) |",
+        "|---|---|---|",
+    ]
     for r in result["grouped_matmul"]:
-        lines.append(f"| {r['implementation']} | {r['forward_seconds'] * 1e3:.1f} | "
-                     f"{r['forward_backward_seconds'] * 1e3:.1f} |")
+        lines.append(
+            f"| {r['implementation']} | {r['forward_seconds'] * 1e3:.1f} | {r['forward_backward_seconds'] * 1e3:.1f} |"
+        )
     if result.get("note"):
         lines += ["", result["note"]]
     return "\n".join(lines) + "\n"
@@ -143,8 +179,13 @@ def main(argv=None) -> None:
     if args.repeats < 1:
         parser.error(f"--repeats={args.repeats}: must be >= 1")
     layers = [row for h in sizes for row in bench_layers(args.tokens, h, args.repeats)]
-    result = {**machine(), "tokens": args.tokens, "repeats": args.repeats, "layers": layers,
-              "grouped_matmul": bench_grouped_matmul(args.repeats)}
+    result = {
+        **machine(),
+        "tokens": args.tokens,
+        "repeats": args.repeats,
+        "layers": layers,
+        "grouped_matmul": bench_grouped_matmul(args.repeats),
+    }
     write_results(args.out, "moe", result, markdown)
 
 

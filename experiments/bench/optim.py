@@ -30,9 +30,16 @@ def transformer_pytree(d: int, layers: int, seed: int = 0) -> dict:
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape) * 0.02, jnp.float32)  # noqa: E731
     tree = {"embedding": normal(256, d)}
     for i in range(layers):
-        tree[f"layer_{i}"] = {"q": normal(d, d), "k": normal(d, d), "v": normal(d, d), "o": normal(d, d),
-                              "mlp_up": normal(d, 4 * d), "mlp_down": normal(4 * d, d),
-                              "norm_1": jnp.ones((d,), jnp.float32), "norm_2": jnp.ones((d,), jnp.float32)}
+        tree[f"layer_{i}"] = {
+            "q": normal(d, d),
+            "k": normal(d, d),
+            "v": normal(d, d),
+            "o": normal(d, d),
+            "mlp_up": normal(d, 4 * d),
+            "mlp_down": normal(4 * d, d),
+            "norm_1": jnp.ones((d,), jnp.float32),
+            "norm_2": jnp.ones((d,), jnp.float32),
+        }
     return tree
 
 
@@ -58,8 +65,10 @@ def measure(d: int, layers: int, repeats: int) -> dict:
     grads = jax.tree.map(lambda x: jnp.asarray(np.random.default_rng(1).normal(size=x.shape), jnp.float32), params)
     calls, table = {}, optimizers()
     for name, (_, tx) in table.items():
-        step = jax.jit(lambda p, s, g, tx=tx: (lambda u, s2: (optax.apply_updates(p, u), s2))(*tx.update(g, s, p)),
-                       donate_argnums=(0, 1))
+        step = jax.jit(
+            lambda p, s, g, tx=tx: (lambda u, s2: (optax.apply_updates(p, u), s2))(*tx.update(g, s, p)),
+            donate_argnums=(0, 1),
+        )
         box = {"p": jax.tree.map(jnp.copy, params), "s": tx.init(params)}
 
         def call(step=step, box=box):
@@ -69,17 +78,30 @@ def measure(d: int, layers: int, repeats: int) -> dict:
         calls[name] = call
     seconds = interleaved_medians(calls, repeats=repeats, warmup=2)
     count = sum(x.size for x in jax.tree.leaves(params))
-    rows = [{"optimizer": name, "base": base, "seconds": seconds[name], "ratio": seconds[name] / seconds[base],
-             "goal": GOALS.get(name)} for name, (base, _) in table.items()]
+    rows = [
+        {
+            "optimizer": name,
+            "base": base,
+            "seconds": seconds[name],
+            "ratio": seconds[name] / seconds[base],
+            "goal": GOALS.get(name),
+        }
+        for name, (base, _) in table.items()
+    ]
     return {"machine": machine(), "params": count, "d_model": d, "layers": layers, "repeats": repeats, "rows": rows}
 
 
 def markdown(result: dict) -> str:
-    lines = ["# Optimizer step time", "",
-             f"`python -m experiments.bench.optim`: {result['params'] / 1e6:.1f}M float32 parameters "
-             f"(transformer-shaped, d_model {result['d_model']}, {result['layers']} layers), jitted update + apply, "
-             f"median of {result['repeats']} interleaved rounds; {describe(result['machine'])}", "",
-             "| optimizer | base | step (ms) | / base | goal |", "|---|---|---|---|---|"]
+    lines = [
+        "# Optimizer step time",
+        "",
+        f"`python -m experiments.bench.optim`: {result['params'] / 1e6:.1f}M float32 parameters "
+        f"(transformer-shaped, d_model {result['d_model']}, {result['layers']} layers), jitted update + apply, "
+        f"median of {result['repeats']} interleaved rounds; {describe(result['machine'])}",
+        "",
+        "| optimizer | base | step (ms) | / base | goal |",
+        "|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         goal = "" if r["goal"] is None else f"<= {r['goal']:.2f} ({'met' if r['ratio'] <= r['goal'] else 'missed'})"
         lines.append(f"| {r['optimizer']} | {r['base']} | {1e3 * r['seconds']:.1f} | {r['ratio']:.2f}x | {goal} |")

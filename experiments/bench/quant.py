@@ -63,18 +63,30 @@ def quantisers(repeats: int, n: int = 4096) -> dict[str, float]:
 
 def markdown(result: dict) -> str:
     steps, rates = result["train_step_seconds"], result["quantiser_gb_per_s"]
-    lines = ["# 4-bit training cost on CPU", "",
-             f"`python -m experiments.bench.quant`: {describe(result['machine'])} The recipes emulate 4-bit GEMMs "
-             "(fake quantisation, then float matmuls): this is the quantisers' overhead, not 4-bit speed.", "",
-             "Train step of the quickstart MoE (one device, batch 8 x 256, AdamW), median of "
-             f"{result['repeats']} interleaved rounds:", "",
-             "| recipe | step (ms) | / bf16 | goal |", "|---|---|---|---|"]
+    lines = [
+        "# 4-bit training cost on CPU",
+        "",
+        f"`python -m experiments.bench.quant`: {describe(result['machine'])} The recipes emulate 4-bit GEMMs "
+        "(fake quantisation, then float matmuls): this is the quantisers' overhead, not 4-bit speed.",
+        "",
+        "Train step of the quickstart MoE (one device, batch 8 x 256, AdamW), median of "
+        f"{result['repeats']} interleaved rounds:",
+        "",
+        "| recipe | step (ms) | / bf16 | goal |",
+        "|---|---|---|---|",
+    ]
     for name, s in steps.items():
         ratio = s / steps["bf16"]
         goal = f"<= {GOAL[name]} ({'met' if ratio <= GOAL[name] else 'missed'})" if name in GOAL else ""
         lines.append(f"| {name} | {1e3 * s:.1f} | {ratio:.2f}x | {goal} |")
-    lines += ["", "Quantiser throughput on a 4096 x 4096 float32 tensor (GB/s counted as 4 bytes read + 4 written per "
-              "entry; copy = the same traffic with no work):", "", "| quantiser | GB/s | / copy |", "|---|---|---|"]
+    lines += [
+        "",
+        "Quantiser throughput on a 4096 x 4096 float32 tensor (GB/s counted as 4 bytes read + 4 written per "
+        "entry; copy = the same traffic with no work):",
+        "",
+        "| quantiser | GB/s | / copy |",
+        "|---|---|---|",
+    ]
     for name, rate in rates.items():
         lines.append(f"| {name} | {rate:.2f} | {rate / rates['copy']:.2f} |")
     return "\n".join(lines) + "\n"
@@ -87,8 +99,12 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats = {args.repeats} must be >= 1")
-    result = {"machine": machine(), "repeats": args.repeats, "train_step_seconds": train_steps(args.repeats),
-              "quantiser_gb_per_s": quantisers(args.repeats)}
+    result = {
+        "machine": machine(),
+        "repeats": args.repeats,
+        "train_step_seconds": train_steps(args.repeats),
+        "quantiser_gb_per_s": quantisers(args.repeats),
+    }
     write_results(args.out, "quant", result, markdown)
 
 

@@ -51,25 +51,50 @@ def measure(experts: int, top_k: int, layers: int, seq: int, batch: int, ghosts:
         steps[g] = lambda run=run, state=state: run(state, tokens)
     seconds = interleaved_medians({str(g): steps[g] for g in ghosts}, repeats=repeats)
     base = seconds[str(ghosts[0])]
-    rows = [{"ghost_experts": g, "resident_experts": experts - g, "ghost_fraction": ghost_fraction[g],
-             "ideal_ghost_fraction": g / experts, "step_seconds": seconds[str(g)],
-             "tokens_per_second": batch * seq / seconds[str(g)], "speedup": base / seconds[str(g)]} for g in ghosts]
-    return {"machine": machine(), "experts": experts, "top_k": top_k, "layers": layers, "d_model": 512,
-            "expert_size": 128, "batch": batch, "seq_len": seq, "repeats": repeats, "rows": rows}
+    rows = [
+        {
+            "ghost_experts": g,
+            "resident_experts": experts - g,
+            "ghost_fraction": ghost_fraction[g],
+            "ideal_ghost_fraction": g / experts,
+            "step_seconds": seconds[str(g)],
+            "tokens_per_second": batch * seq / seconds[str(g)],
+            "speedup": base / seconds[str(g)],
+        }
+        for g in ghosts
+    ]
+    return {
+        "machine": machine(),
+        "experts": experts,
+        "top_k": top_k,
+        "layers": layers,
+        "d_model": 512,
+        "expert_size": 128,
+        "batch": batch,
+        "seq_len": seq,
+        "repeats": repeats,
+        "rows": rows,
+    }
 
 
 def markdown(result: dict) -> str:
-    lines = ["# Skip-token throughput", "",
-             f"`python -m experiments.bench.skip_token`: {result['layers']}-layer MoE transformer, d_model 512, "
-             f"{result['experts']} experts of size 128, top-{result['top_k']}, sigmoid router; train step (forward, "
-             f"backward, AdamW) on {result['batch']} x {result['seq_len']} tokens, median of {result['repeats']} "
-             f"interleaved repeats; {describe(result['machine'])}", "",
-             "| ghost experts | resident | ghost fraction (ideal) | step (ms) | tokens/s | speedup |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "# Skip-token throughput",
+        "",
+        f"`python -m experiments.bench.skip_token`: {result['layers']}-layer MoE transformer, d_model 512, "
+        f"{result['experts']} experts of size 128, top-{result['top_k']}, sigmoid router; train step (forward, "
+        f"backward, AdamW) on {result['batch']} x {result['seq_len']} tokens, median of {result['repeats']} "
+        f"interleaved repeats; {describe(result['machine'])}",
+        "",
+        "| ghost experts | resident | ghost fraction (ideal) | step (ms) | tokens/s | speedup |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['ghost_experts']} | {r['resident_experts']} | {r['ghost_fraction']:.3f} "
-                     f"({r['ideal_ghost_fraction']:.3f}) | {1e3 * r['step_seconds']:.1f} | "
-                     f"{r['tokens_per_second']:,.0f} | {r['speedup']:.2f}x |")
+        lines.append(
+            f"| {r['ghost_experts']} | {r['resident_experts']} | {r['ghost_fraction']:.3f} "
+            f"({r['ideal_ghost_fraction']:.3f}) | {1e3 * r['step_seconds']:.1f} | "
+            f"{r['tokens_per_second']:,.0f} | {r['speedup']:.2f}x |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -104,8 +129,12 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--ghosts", default="", help="comma-separated ghost counts (default: 0, N_e/4, N_e/2, 3N_e/4)")
     args = parser.parse_args(argv)
-    ghosts = [int(g) for g in args.ghosts.split(",") if g] or [0, args.experts // 4, args.experts // 2,
-                                                                 3 * args.experts // 4]
+    ghosts = [int(g) for g in args.ghosts.split(",") if g] or [
+        0,
+        args.experts // 4,
+        args.experts // 2,
+        3 * args.experts // 4,
+    ]
     if not all(0 <= g < args.experts for g in ghosts) or ghosts[0] != 0:
         parser.error(f"--ghosts {ghosts}: each must be in [0, {args.experts}) and the first 0 (the baseline).")
     result = measure(args.experts, args.top_k, args.layers, args.seq, args.batch, ghosts, args.repeats)

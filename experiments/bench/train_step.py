@@ -26,8 +26,11 @@ SIZES = {
     # name: overrides of the quickstart config (experiments/configs/quickstart.py)
     "quickstart": {},
     "quickstart-dense": {"moe": dict(every=0)},
-    "large": {"model": dict(d_model=512, num_layers=8, num_heads=8, num_kv_heads=8, d_ff=1536),
-              "moe": dict(expert_size=512), "data": dict(batch_size=16)},
+    "large": {
+        "model": dict(d_model=512, num_layers=8, num_heads=8, num_kv_heads=8, d_ff=1536),
+        "moe": dict(expert_size=512),
+        "data": dict(batch_size=16),
+    },
 }
 
 
@@ -68,16 +71,30 @@ def bench_size(name: str, steps: int) -> dict:
     # product), and the top_k / num_experts share of the 3-D expert weights.
     active_share = c.moe.top_k / c.moe.num_experts
     matmul_params = sum(x.size * active_share for _, x in leaves if x.ndim == 3) + sum(
-        x.size for path, x in leaves if x.ndim == 2 and not (
-        "embedding" in jax.tree_util.keystr(path) and not m.tie_embeddings))
+        x.size
+        for path, x in leaves
+        if x.ndim == 2 and not ("embedding" in jax.tree_util.keystr(path) and not m.tie_embeddings)
+    )
     model_flops = batch * seq * (6 * matmul_params + 12 * layers * d * seq)
     if any(x.ndim == 3 for _, x in leaves):  # XLA's cost analysis counts a loop body once, not per trip
         xla_flops = None
-    return {"size": name, "d_model": d, "layers": layers, "heads": m.num_heads, "kv_heads": m.num_kv_heads,
-            "d_ff": m.d_ff, "seq_len": seq, "batch": batch, "params": int(params), "step_seconds": seconds,
-            "tokens_per_second": batch * seq / seconds, "model_flops_per_step": model_flops,
-            "xla_flops_per_step": xla_flops, "model_flops_per_second": model_flops / seconds,
-            "xla_flops_per_second": None if xla_flops is None else xla_flops / seconds}
+    return {
+        "size": name,
+        "d_model": d,
+        "layers": layers,
+        "heads": m.num_heads,
+        "kv_heads": m.num_kv_heads,
+        "d_ff": m.d_ff,
+        "seq_len": seq,
+        "batch": batch,
+        "params": int(params),
+        "step_seconds": seconds,
+        "tokens_per_second": batch * seq / seconds,
+        "model_flops_per_step": model_flops,
+        "xla_flops_per_step": xla_flops,
+        "model_flops_per_second": model_flops / seconds,
+        "xla_flops_per_second": None if xla_flops is None else xla_flops / seconds,
+    }
 
 
 def main(argv=None) -> None:
@@ -102,28 +119,43 @@ def main(argv=None) -> None:
         xla = row["xla_flops_per_second"]
         row["xla_flops_fraction_of_peak"] = None if xla is None else xla / peak
         rows.append(row)
-        print(f"{name}: {row['tokens_per_second']:,.0f} tok/s, {row['model_flops_per_second'] / 1e9:.1f} GFLOP/s "
-              f"= {100 * row['model_flops_fraction_of_peak']:.1f}% of peak", flush=True)
+        print(
+            f"{name}: {row['tokens_per_second']:,.0f} tok/s, {row['model_flops_per_second'] / 1e9:.1f} GFLOP/s "
+            f"= {100 * row['model_flops_fraction_of_peak']:.1f}% of peak",
+            flush=True,
+        )
     result = {**machine(), "dtype": "float32", "matmul_peak_flops_per_second": peak, "rows": rows}
     write_results(args.out, "train_step", result, markdown)
 
 
 def markdown(result: dict) -> str:
-    lines = [f"Train step on {result['device']} ({result['cpu_count']} cores, jax {result['jax']}, "
-             f"{result['dtype']}); matmul peak {result['matmul_peak_flops_per_second'] / 1e9:.1f} GFLOP/s "
-             "(2048^3 jnp.dot, same run).", "",
-             "| size | params | d_model x layers | batch x seq | step (s) | tokens/s | model GFLOP/s | % of peak "
-             "| XLA-counted GFLOP/s | % of peak |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Train step on {result['device']} ({result['cpu_count']} cores, jax {result['jax']}, "
+        f"{result['dtype']}); matmul peak {result['matmul_peak_flops_per_second'] / 1e9:.1f} GFLOP/s "
+        "(2048^3 jnp.dot, same run).",
+        "",
+        "| size | params | d_model x layers | batch x seq | step (s) | tokens/s | model GFLOP/s | % of peak "
+        "| XLA-counted GFLOP/s | % of peak |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
-        xla = ("n/a | n/a" if r["xla_flops_per_second"] is None else
-               f"{r['xla_flops_per_second'] / 1e9:.1f} | {100 * r['xla_flops_fraction_of_peak']:.1f}%")
-        lines.append(f"| {r['size']} | {r['params'] / 1e6:.2f}M | {r['d_model']} x {r['layers']} | "
-                     f"{r['batch']} x {r['seq_len']} | {r['step_seconds']:.3f} | {r['tokens_per_second']:,.0f} | "
-                     f"{r['model_flops_per_second'] / 1e9:.1f} | {100 * r['model_flops_fraction_of_peak']:.1f}% | "
-                     f"{xla} |")
-    lines += ["", "Model FLOPs count the expert weights a token meets (top_k / num_experts of them). The XLA column "
-              "is n/a for MoE models: the CPU grouped matmul is a loop with a data-dependent trip count, which XLA's "
-              "cost analysis counts once."]
+        xla = (
+            "n/a | n/a"
+            if r["xla_flops_per_second"] is None
+            else f"{r['xla_flops_per_second'] / 1e9:.1f} | {100 * r['xla_flops_fraction_of_peak']:.1f}%"
+        )
+        lines.append(
+            f"| {r['size']} | {r['params'] / 1e6:.2f}M | {r['d_model']} x {r['layers']} | "
+            f"{r['batch']} x {r['seq_len']} | {r['step_seconds']:.3f} | {r['tokens_per_second']:,.0f} | "
+            f"{r['model_flops_per_second'] / 1e9:.1f} | {100 * r['model_flops_fraction_of_peak']:.1f}% | "
+            f"{xla} |"
+        )
+    lines += [
+        "",
+        "Model FLOPs count the expert weights a token meets (top_k / num_experts of them). The XLA column "
+        "is n/a for MoE models: the CPU grouped matmul is a loop with a data-dependent trip count, which XLA's "
+        "cost analysis counts once.",
+    ]
     if result.get("note"):
         lines += ["", result["note"]]
     return "\n".join(lines) + "\n"

@@ -37,13 +37,21 @@ EFFECTS = {  # label -> (variant with the choice, the same variant without it)
 def train(name: str, seed: int, steps: int, out: str) -> dict:
     optimizer, recipe = VARIANTS[name]
     workdir = os.path.join(out, "runs", f"{name}_s{seed}")
-    flags = [f"--config.optim.name={optimizer}", f"--config.precision.recipe={recipe}", "--config.train.progress=False",
-             f"--config.train.seed={seed}", f"--config.data.seed={seed}", f"--config.checkpoint.every={steps}"]
+    flags = [
+        f"--config.optim.name={optimizer}",
+        f"--config.precision.recipe={recipe}",
+        "--config.train.progress=False",
+        f"--config.train.seed={seed}",
+        f"--config.data.seed={seed}",
+        f"--config.checkpoint.every={steps}",
+    ]
     summary = runs_lib.run_or_reuse(CONFIG, workdir, flags, steps, devices=2)
-    return {"val_bits_per_byte": summary["val_bits_per_byte"],
-            "val_bits_per_byte_worst_site": summary["val_bits_per_byte_worst_site"],
-            "tokens_per_second": summary["tokens_per_second"],
-            "curve": runs_lib.read_metric(workdir, "val_bits_per_byte")}
+    return {
+        "val_bits_per_byte": summary["val_bits_per_byte"],
+        "val_bits_per_byte_worst_site": summary["val_bits_per_byte_worst_site"],
+        "tokens_per_second": summary["tokens_per_second"],
+        "curve": runs_lib.read_metric(workdir, "val_bits_per_byte"),
+    }
 
 
 def summarise(runs: dict, seeds: list[int]) -> dict:
@@ -52,10 +60,13 @@ def summarise(runs: dict, seeds: list[int]) -> dict:
     variants = {}
     for name, (optimizer, recipe) in VARIANTS.items():
         per_seed = [runs[name][s] for s in seeds]
-        variants[name] = {"optimizer": optimizer, "recipe": recipe,
-                          "val_bits_per_byte": [r["val_bits_per_byte"] for r in per_seed],
-                          "val_bits_per_byte_worst_site": [r["val_bits_per_byte_worst_site"] for r in per_seed],
-                          "tokens_per_second": float(np.mean([r["tokens_per_second"] for r in per_seed]))}
+        variants[name] = {
+            "optimizer": optimizer,
+            "recipe": recipe,
+            "val_bits_per_byte": [r["val_bits_per_byte"] for r in per_seed],
+            "val_bits_per_byte_worst_site": [r["val_bits_per_byte_worst_site"] for r in per_seed],
+            "tokens_per_second": float(np.mean([r["tokens_per_second"] for r in per_seed])),
+        }
     effects = {}
     for label, (with_, without) in EFFECTS.items():
         diffs = np.subtract(variants[with_]["val_bits_per_byte"], variants[without]["val_bits_per_byte"])
@@ -66,22 +77,34 @@ def summarise(runs: dict, seeds: list[int]) -> dict:
 
 def markdown(result: dict) -> str:
     seeds = result["seeds"]
-    lines = ["# All four results in one run", "",
-             f"`python -m experiments.reproduce.composed --steps {result['steps']} --seeds "
-             f"{','.join(map(str, seeds))}`: experiments/configs/composed.py (2 FoMoE sites, disjoint experts, "
-             "LocalAdamW every 10 steps) with the optimizer and the GEMM recipe set back one at a time; the same "
-             "tokens for every variant of a seed; 2-core CPU, tokens/s with other jobs on the machine.", "",
-             "| optimizer | GEMMs | held-out bits per byte, mean over seeds | per seed | worst site, per seed | "
-             "tokens / s |", "|---|---|---|---|---|---|"]
+    lines = [
+        "# All four results in one run",
+        "",
+        f"`python -m experiments.reproduce.composed --steps {result['steps']} --seeds "
+        f"{','.join(map(str, seeds))}`: experiments/configs/composed.py (2 FoMoE sites, disjoint experts, "
+        "LocalAdamW every 10 steps) with the optimizer and the GEMM recipe set back one at a time; the same "
+        "tokens for every variant of a seed; 2-core CPU, tokens/s with other jobs on the machine.",
+        "",
+        "| optimizer | GEMMs | held-out bits per byte, mean over seeds | per seed | worst site, per seed | "
+        "tokens / s |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, r in result["variants"].items():
         b = "**" if name == "mgup_adamw_ufp4" else ""
-        lines.append(f"| {b}{r['optimizer']}{b} | {b}{r['recipe']}{b} | {b}{np.mean(r['val_bits_per_byte']):.3f}{b} | "
-                     f"{' / '.join(f'{v:.3f}' for v in r['val_bits_per_byte'])} | "
-                     f"{' / '.join(f'{v:.3f}' for v in r['val_bits_per_byte_worst_site'])} | "
-                     f"{r['tokens_per_second']:,.0f} |")
-    lines += ["", "Paired differences in held-out bits per byte (with the choice minus without it, same seed; "
-              "negative = better):", "",
-              "| effect | per seed | mean +- standard error | reading |", "|---|---|---|---|"]
+        lines.append(
+            f"| {b}{r['optimizer']}{b} | {b}{r['recipe']}{b} | {b}{np.mean(r['val_bits_per_byte']):.3f}{b} | "
+            f"{' / '.join(f'{v:.3f}' for v in r['val_bits_per_byte'])} | "
+            f"{' / '.join(f'{v:.3f}' for v in r['val_bits_per_byte_worst_site'])} | "
+            f"{r['tokens_per_second']:,.0f} |"
+        )
+    lines += [
+        "",
+        "Paired differences in held-out bits per byte (with the choice minus without it, same seed; "
+        "negative = better):",
+        "",
+        "| effect | per seed | mean +- standard error | reading |",
+        "|---|---|---|---|",
+    ]
     for label, e in result["effects"].items():
         if e["stderr"] is None:
             spread, reading = f"{e['mean']:+.3f}", "one seed: no error estimate"
@@ -134,8 +157,12 @@ def main(argv=None) -> None:
     for i, (seed, name) in enumerate((s, n) for s in seeds for n in VARIANTS):
         print(f"[{i + 1}/{len(seeds) * len(VARIANTS)}] {name}, seed {seed}", flush=True)
         runs[name][seed] = train(name, seed, args.steps, args.out)
-    result = {"steps": args.steps, "seeds": seeds, **summarise(runs, seeds),
-              "curves": {n: {str(s): runs[n][s]["curve"] for s in seeds} for n in VARIANTS}}
+    result = {
+        "steps": args.steps,
+        "seeds": seeds,
+        **summarise(runs, seeds),
+        "curves": {n: {str(s): runs[n][s]["curve"] for s in seeds} for n in VARIANTS},
+    }
     write_results(args.out, "table", result, markdown)
     plot(result, os.path.join(args.out, "curves.png"))
 

@@ -39,12 +39,28 @@ def grid() -> list[dict]:
             for k in (8, 32):
                 for o in (1, 2, 4):
                     if o <= m:
-                        runs.append({"name": f"{outer}_M{m}_O{o}_K{k}", "sites": m, "overlap": o, "k": k,
-                                     "outer": outer, "placement": "fixed"})
+                        runs.append(
+                            {
+                                "name": f"{outer}_M{m}_O{o}_K{k}",
+                                "sites": m,
+                                "overlap": o,
+                                "k": k,
+                                "outer": outer,
+                                "placement": "fixed",
+                            }
+                        )
         for o in (1, 2, 4):
             if o < m:
-                runs.append({"name": f"local_adamw_M{m}_O{o}_K8_random", "sites": m, "overlap": o, "k": 8,
-                             "outer": "local_adamw", "placement": "random"})
+                runs.append(
+                    {
+                        "name": f"local_adamw_M{m}_O{o}_K8_random",
+                        "sites": m,
+                        "overlap": o,
+                        "k": 8,
+                        "outer": "local_adamw",
+                        "placement": "random",
+                    }
+                )
     return runs
 
 
@@ -52,16 +68,22 @@ def _flags(run: dict, steps: int) -> list[str]:
     common = [f"--config.train.eval_every={steps}", "--config.train.progress=False"]
     if run["outer"] == "ddp":
         return common + ["--config.mesh.site=1", f"--config.mesh.data={run['sites']}"]
-    return common + [f"--config.mesh.site={run['sites']}", "--config.mesh.data=1",
-                     f"--config.fomoe.overlap={run['overlap']}", f"--config.fomoe.local_steps={run['k']}",
-                     f"--config.fomoe.outer={run['outer']}", f"--config.fomoe.placement={run['placement']}",
-                     "--config.fomoe.reshuffle_every=4"]
+    return common + [
+        f"--config.mesh.site={run['sites']}",
+        "--config.mesh.data=1",
+        f"--config.fomoe.overlap={run['overlap']}",
+        f"--config.fomoe.local_steps={run['k']}",
+        f"--config.fomoe.outer={run['outer']}",
+        f"--config.fomoe.placement={run['placement']}",
+        "--config.fomoe.reshuffle_every=4",
+    ]
 
 
 def train(run: dict, steps: int, out: str) -> dict:
     """Runs (or resumes, or reuses) one configuration; returns its summary.json."""
-    return runs.run_or_reuse(CONFIG, os.path.join(out, "runs", run["name"]), _flags(run, steps), steps,
-                             devices=run["sites"])
+    return runs.run_or_reuse(
+        CONFIG, os.path.join(out, "runs", run["name"]), _flags(run, steps), steps, devices=run["sites"]
+    )
 
 
 def row(run: dict, summary: dict, steps: int, tokens_per_step: int) -> dict:
@@ -76,11 +98,17 @@ def row(run: dict, summary: dict, steps: int, tokens_per_step: int) -> dict:
         measured = rounds * summary["bytes_per_site_per_round"]
         formula = rounds * summary["bytes_per_site_per_round_formula"]
         per_token = summary["bytes_per_token"]
-    return {**run, "val_loss": summary["val_loss"], "perplexity": math.exp(summary["val_loss"]),
-            "val_bits_per_byte": summary["val_bits_per_byte"],
-            "worst_site_bits_per_byte": summary.get("val_bits_per_byte_worst_site", summary["val_bits_per_byte"]),
-            "bytes_per_site": measured, "bytes_per_site_formula": formula, "bytes_per_token": per_token,
-            "tokens_per_second": summary["tokens_per_second"]}
+    return {
+        **run,
+        "val_loss": summary["val_loss"],
+        "perplexity": math.exp(summary["val_loss"]),
+        "val_bits_per_byte": summary["val_bits_per_byte"],
+        "worst_site_bits_per_byte": summary.get("val_bits_per_byte_worst_site", summary["val_bits_per_byte"]),
+        "bytes_per_site": measured,
+        "bytes_per_site_formula": formula,
+        "bytes_per_token": per_token,
+        "tokens_per_second": summary["tokens_per_second"],
+    }
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -92,39 +120,61 @@ def ratios(rows: list[dict]) -> list[dict]:
         if r["outer"] == "ddp" or r["overlap"] == r["sites"]:
             continue
         full = by.get((r["sites"], r["sites"], r["k"], r["outer"], "fixed"))
-        out.append({"name": r["name"], "vs_ddp": ddp[r["sites"]]["bytes_per_site"] / r["bytes_per_site"],
-                    "vs_full_replica": full["bytes_per_site"] / r["bytes_per_site"] if full else None,
-                    "perplexity": r["perplexity"], "full_replica_perplexity": full["perplexity"] if full else None,
-                    "ddp_perplexity": ddp[r["sites"]]["perplexity"]})
+        out.append(
+            {
+                "name": r["name"],
+                "vs_ddp": ddp[r["sites"]]["bytes_per_site"] / r["bytes_per_site"],
+                "vs_full_replica": full["bytes_per_site"] / r["bytes_per_site"] if full else None,
+                "perplexity": r["perplexity"],
+                "full_replica_perplexity": full["perplexity"] if full else None,
+                "ddp_perplexity": ddp[r["sites"]]["perplexity"],
+            }
+        )
     return out
 
 
 def markdown(result: dict) -> str:
     rows, steps = result["rows"], result["steps"]
-    lines = ["# FoMoE at CPU scale: a small Table 6", "",
-             f"`python -m experiments.reproduce.fomoe --steps {steps}`: experiments/configs/fomoe.py (d_model 128, 4 "
-             f"layers, 8 experts top-2, expert size 128, sigmoid router, partitioned routing), {steps} steps of 16 x "
-             f"256 byte-tokens for every run ({result['tokens']:,} tokens), AdamW lr 5e-3. Perplexity: exp(held-out "
-             "loss per byte-token), mean over sites (worst site in bits/byte). Bytes: what each site sent over the "
-             "whole run, read from the compiled programs' all-reduce / all-gather ops (formula in brackets where it "
-             "differs). DDP: M devices, gradients all-reduced every step.", "",
-             "| run | M | O_e | K | outer | placement | perplexity | bits/byte (worst site) | MB per site | bytes per "
-             "token |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# FoMoE at CPU scale: a small Table 6",
+        "",
+        f"`python -m experiments.reproduce.fomoe --steps {steps}`: experiments/configs/fomoe.py (d_model 128, 4 "
+        f"layers, 8 experts top-2, expert size 128, sigmoid router, partitioned routing), {steps} steps of 16 x "
+        f"256 byte-tokens for every run ({result['tokens']:,} tokens), AdamW lr 5e-3. Perplexity: exp(held-out "
+        "loss per byte-token), mean over sites (worst site in bits/byte). Bytes: what each site sent over the "
+        "whole run, read from the compiled programs' all-reduce / all-gather ops (formula in brackets where it "
+        "differs). DDP: M devices, gradients all-reduced every step.",
+        "",
+        "| run | M | O_e | K | outer | placement | perplexity | bits/byte (worst site) | MB per site | bytes per "
+        "token |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        formula = "" if math.isclose(r["bytes_per_site"], r["bytes_per_site_formula"], rel_tol=1e-9) else (
-            f" ({r['bytes_per_site_formula'] / 1e6:,.1f})")
-        lines.append(f"| {r['name']} | {r['sites']} | {r['overlap'] or '-'} | {r['k']} | {r['outer']} | "
-                     f"{r['placement']} | {r['perplexity']:.3f} | {r['val_bits_per_byte']:.3f} "
-                     f"({r['worst_site_bits_per_byte']:.3f}) | {r['bytes_per_site'] / 1e6:,.1f}{formula} | "
-                     f"{r['bytes_per_token']:,.0f} |")
-    lines += ["", "Bytes saved by partial replication (DDP's or the full replica's bytes over the run's, same token "
-              "budget; the full replica has the same M, K and outer method):", "",
-              "| run | vs DDP | vs full replica | perplexity | full replica | DDP |", "|---|---|---|---|---|---|"]
+        formula = (
+            ""
+            if math.isclose(r["bytes_per_site"], r["bytes_per_site_formula"], rel_tol=1e-9)
+            else (f" ({r['bytes_per_site_formula'] / 1e6:,.1f})")
+        )
+        lines.append(
+            f"| {r['name']} | {r['sites']} | {r['overlap'] or '-'} | {r['k']} | {r['outer']} | "
+            f"{r['placement']} | {r['perplexity']:.3f} | {r['val_bits_per_byte']:.3f} "
+            f"({r['worst_site_bits_per_byte']:.3f}) | {r['bytes_per_site'] / 1e6:,.1f}{formula} | "
+            f"{r['bytes_per_token']:,.0f} |"
+        )
+    lines += [
+        "",
+        "Bytes saved by partial replication (DDP's or the full replica's bytes over the run's, same token "
+        "budget; the full replica has the same M, K and outer method):",
+        "",
+        "| run | vs DDP | vs full replica | perplexity | full replica | DDP |",
+        "|---|---|---|---|---|---|",
+    ]
     for q in result["ratios"]:
         full = f"{q['vs_full_replica']:.2f}x" if q["vs_full_replica"] else "-"
         fpp = f"{q['full_replica_perplexity']:.3f}" if q["full_replica_perplexity"] else "-"
-        lines.append(f"| {q['name']} | {q['vs_ddp']:.2f}x | {full} | {q['perplexity']:.3f} | {fpp} | "
-                     f"{q['ddp_perplexity']:.3f} |")
+        lines.append(
+            f"| {q['name']} | {q['vs_ddp']:.2f}x | {full} | {q['perplexity']:.3f} | {fpp} | {q['ddp_perplexity']:.3f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -139,17 +189,33 @@ def pareto_plot(rows: list[dict], path: str) -> None:
     colors = {1: "tab:blue", 2: "tab:orange", 4: "tab:green", None: "tab:red"}
     for r in rows:
         hollow = r["placement"] == "random" or r["k"] == 32
-        ax.scatter(r["bytes_per_site"] / 1e6, r["perplexity"], marker=styles[r["outer"]], s=60 if r["k"] != 32 else 40,
-                   facecolors="none" if hollow else colors[r["overlap"]], edgecolors=colors[r["overlap"]])
-        ax.annotate(r["name"].replace("local_adamw", "LA").replace("diloco", "DL"), (r["bytes_per_site"] / 1e6,
-                    r["perplexity"]), fontsize=5, xytext=(3, 2), textcoords="offset points")
+        ax.scatter(
+            r["bytes_per_site"] / 1e6,
+            r["perplexity"],
+            marker=styles[r["outer"]],
+            s=60 if r["k"] != 32 else 40,
+            facecolors="none" if hollow else colors[r["overlap"]],
+            edgecolors=colors[r["overlap"]],
+        )
+        ax.annotate(
+            r["name"].replace("local_adamw", "LA").replace("diloco", "DL"),
+            (r["bytes_per_site"] / 1e6, r["perplexity"]),
+            fontsize=5,
+            xytext=(3, 2),
+            textcoords="offset points",
+        )
     front, best = [], math.inf
     for r in sorted(rows, key=lambda r: r["bytes_per_site"]):
         if r["perplexity"] < best:
             best = r["perplexity"]
             front.append(r)
-    ax.plot([r["bytes_per_site"] / 1e6 for r in front], [r["perplexity"] for r in front], "k--", lw=0.8,
-            label="Pareto front")
+    ax.plot(
+        [r["bytes_per_site"] / 1e6 for r in front],
+        [r["perplexity"] for r in front],
+        "k--",
+        lw=0.8,
+        label="Pareto front",
+    )
     for label, marker in (("LocalAdamW", "o"), ("DiLoCo", "s"), ("DDP", "*")):
         ax.scatter([], [], marker=marker, c="gray", label=label)
     for o, c in colors.items():
@@ -157,8 +223,7 @@ def pareto_plot(rows: list[dict], path: str) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("MB sent per site over the run (measured)")
     ax.set_ylabel("held-out perplexity (byte tokens)")
-    ax.set_title("FoMoE at CPU scale: quality against communication (hollow: K = 32 or random placement)",
-                 fontsize=8)
+    ax.set_title("FoMoE at CPU scale: quality against communication (hollow: K = 32 or random placement)", fontsize=8)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
@@ -181,9 +246,12 @@ def table(out: str, steps: int, only: set[str] | None) -> None:
         t0 = time.time()
         summary = train(run, steps, out)
         rows.append(row(run, summary, steps, tokens_per_step))
-        print(f"[{i + 1}/{len(runs)}] {run['name']}: perplexity {rows[-1]['perplexity']:.3f}, "
-              f"{rows[-1]['bytes_per_site'] / 1e6:,.1f} MB per site ({time.time() - t0:.0f} s; "
-              f"{(time.time() - started) / 60:.1f} min so far)", flush=True)
+        print(
+            f"[{i + 1}/{len(runs)}] {run['name']}: perplexity {rows[-1]['perplexity']:.3f}, "
+            f"{rows[-1]['bytes_per_site'] / 1e6:,.1f} MB per site ({time.time() - t0:.0f} s; "
+            f"{(time.time() - started) / 60:.1f} min so far)",
+            flush=True,
+        )
     result = {"steps": steps, "tokens": steps * tokens_per_step, "rows": rows, "ratios": ratios(rows)}
     write_results(out, "table", result, markdown)
     pareto_plot(rows, os.path.join(out, "pareto.png"))

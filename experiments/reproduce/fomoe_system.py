@@ -30,35 +30,61 @@ def parameter_table() -> list[dict]:
     rows = []
     for name, (shape, stated) in sm.PAPER_MODELS.items():
         p = sm.param_count(shape.d_model, shape.num_layers, shape.num_experts, shape.expert_size, shape.vocab_size)
-        rows.append({"model": name, "d_model": shape.d_model, "layers": shape.num_layers,
-                     "experts": shape.num_experts, "active": shape.top_k, "paper": stated, "ours": p["total"],
-                     "dense": p["dense"], "expert_params": p["experts"] + p["router"],
-                     "relative_difference": p["total"] / stated - 1})
+        rows.append(
+            {
+                "model": name,
+                "d_model": shape.d_model,
+                "layers": shape.num_layers,
+                "experts": shape.num_experts,
+                "active": shape.top_k,
+                "paper": stated,
+                "ours": p["total"],
+                "dense": p["dense"],
+                "expert_params": p["experts"] + p["router"],
+                "relative_difference": p["total"] / stated - 1,
+            }
+        )
     return rows
 
 
 def markdown(params: list[dict], projection: list[sm.Projection]) -> str:
-    lines = ["# FoMoE system model", "", "Parameter counts (attention 4 d^2 per layer, experts 2 d h, router d N_e, "
-             "tied vocabulary 200,019; `python -m experiments.reproduce.fomoe_system`):", "",
-             "| model | d_model | layers | experts | active | paper | ours | difference |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# FoMoE system model",
+        "",
+        "Parameter counts (attention 4 d^2 per layer, experts 2 d h, router d N_e, "
+        "tied vocabulary 200,019; `python -m experiments.reproduce.fomoe_system`):",
+        "",
+        "| model | d_model | layers | experts | active | paper | ours | difference |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in params:
-        lines.append(f"| {r['model']} | {r['d_model']} | {r['layers']} | {r['experts']} | {r['active']} | "
-                     f"{r['paper'] / 1e6:,.0f}M | {r['ours'] / 1e6:,.1f}M | {100 * r['relative_difference']:+.2f}% |")
-    lines += ["", f"104B (XXL) at M = {SITES} sites, LocalAdamW, K = 32, fixed placement, partitioned router "
-              "(assumptions in `moe/system_model.py`):", "",
-              "| method | O_e | GB per site per round | memory per site (GiB) | hours at 1 Gbps | at 10 Gbps | "
-              "at 100 Gbps |", "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['model']} | {r['d_model']} | {r['layers']} | {r['experts']} | {r['active']} | "
+            f"{r['paper'] / 1e6:,.0f}M | {r['ours'] / 1e6:,.1f}M | {100 * r['relative_difference']:+.2f}% |"
+        )
+    lines += [
+        "",
+        f"104B (XXL) at M = {SITES} sites, LocalAdamW, K = 32, fixed placement, partitioned router "
+        "(assumptions in `moe/system_model.py`):",
+        "",
+        "| method | O_e | GB per site per round | memory per site (GiB) | hours at 1 Gbps | at 10 Gbps | at 100 Gbps |",
+        "|---|---|---|---|---|---|---|",
+    ]
     by = {(r.method, r.overlap, r.bandwidth_gbps): r for r in projection}
     for method, overlaps in (("FoMoE local_adamw", OVERLAPS), ("DDP", (SITES,))):
         for o in overlaps:
             first = by[(method, o, BANDWIDTHS[0])]
             hours = " | ".join(f"{by[(method, o, g)].hours:,.0f}" for g in BANDWIDTHS)
-            lines.append(f"| {method}{' (every step)' if method == 'DDP' else ''} | {o} | "
-                         f"{first.bytes_per_site_per_round / 1e9:,.0f} | {first.memory_gib_per_site:,.0f} | {hours} |")
-    lines += ["", "DDP's bytes are per step (it synchronises every step, K = 1); FoMoE's per round of K = 32 steps.",
-              "Full replica = FoMoE at O_e = 32. The paper states the large model as ~1.8B (two significant "
-              "digits), which our 1,819.6M rounds to."]
+            lines.append(
+                f"| {method}{' (every step)' if method == 'DDP' else ''} | {o} | "
+                f"{first.bytes_per_site_per_round / 1e9:,.0f} | {first.memory_gib_per_site:,.0f} | {hours} |"
+            )
+    lines += [
+        "",
+        "DDP's bytes are per step (it synchronises every step, K = 1); FoMoE's per round of K = 32 steps.",
+        "Full replica = FoMoE at O_e = 32. The paper states the large model as ~1.8B (two significant "
+        "digits), which our 1,819.6M rounds to.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -74,8 +100,11 @@ def plots(projection: list[sm.Projection], total_tokens: float, out: str) -> Non
             continue
         tokens = np.geomspace(1e9, total_tokens, 50)
         per_token = r.bytes_per_site_per_round * r.rounds / total_tokens
-        label = "DDP (every step)" if r.method == "DDP" else f"FoMoE O_e={r.overlap}" + (
-            " (full replica)" if r.overlap == SITES else "")
+        label = (
+            "DDP (every step)"
+            if r.method == "DDP"
+            else f"FoMoE O_e={r.overlap}" + (" (full replica)" if r.overlap == SITES else "")
+        )
         ax.loglog(tokens, tokens * per_token / 1e12, label=label, ls="--" if r.method == "DDP" else "-")
     ax.set_xlabel("tokens trained")
     ax.set_ylabel("cumulative TB sent per site")
@@ -113,8 +142,15 @@ def main(argv=None) -> None:
     params = parameter_table()
     projection = sm.project(shape, sites=SITES, overlaps=OVERLAPS, bandwidths_gbps=BANDWIDTHS)
     with open(os.path.join(args.out, "system_model.json"), "w") as f:
-        json.dump({"parameters": params, "shape": dataclasses.asdict(shape),
-                   "projection": [dataclasses.asdict(r) for r in projection]}, f, indent=2)
+        json.dump(
+            {
+                "parameters": params,
+                "shape": dataclasses.asdict(shape),
+                "projection": [dataclasses.asdict(r) for r in projection],
+            },
+            f,
+            indent=2,
+        )
     text = markdown(params, projection)
     with open(os.path.join(args.out, "system_model.md"), "w") as f:
         f.write(text)

@@ -51,8 +51,17 @@ def trained_model(out: str):
     from experiments import load
 
     workdir = os.path.join(out, "runs", "model")
-    runs.run_or_reuse(CONFIG, workdir, ["--config.mesh.site=1", "--config.mesh.data=1",
-                                        f"--config.checkpoint.every={STEPS}", "--config.train.progress=False"], STEPS)
+    runs.run_or_reuse(
+        CONFIG,
+        workdir,
+        [
+            "--config.mesh.site=1",
+            "--config.mesh.data=1",
+            f"--config.checkpoint.every={STEPS}",
+            "--config.train.progress=False",
+        ],
+        STEPS,
+    )
     return load.trained_model(workdir)
 
 
@@ -64,6 +73,7 @@ def _fmt(label: str):
 
 
 # ----------------------------------------------------------------------------------------------------- quality
+
 
 def attention_error(q, k, v, fmt) -> tuple[float, float]:
     """(||o_fmt - o|| / ||o|| of causal GQA attention, ||s_fmt - s|| / ||s|| of its scores q.k: the K side alone);
@@ -114,9 +124,16 @@ def model_qkv(config, model) -> list[tuple]:
     _, batches = build.build_data(config)
     tokens = jnp.asarray(batches.val_batches(1)[0][:, :-1])
     cfg = model.cfg
-    cache = RecordingCache(DenseKVCache.create(num_layers=cfg.num_layers, batch=tokens.shape[0],
-                                               capacity=tokens.shape[1], num_kv_heads=cfg.num_kv_heads,
-                                               head_dim=cfg.head_dim, dtype=jnp.float32))
+    cache = RecordingCache(
+        DenseKVCache.create(
+            num_layers=cfg.num_layers,
+            batch=tokens.shape[0],
+            capacity=tokens.shape[1],
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=jnp.float32,
+        )
+    )
     model(tokens, cache=cache)
     return [cache.records[i] for i in range(cfg.num_layers)]
 
@@ -144,31 +161,47 @@ def quality(out: str) -> None:
         fmt = _fmt(label)
         per_layer = [attention_error(q, k, v, fmt) for q, k, v in layers]
         synthetic_error, synthetic_score_error = attention_error(*synthetic, fmt)
-        rows.append({"format": label, "bytes_per_token_head_d128": fmt.bytes_per_token(1, 128),
-                     "model_error": float(np.mean([e for e, _ in per_layer])),
-                     "model_error_per_layer": [e for e, _ in per_layer],
-                     "model_score_error": float(np.mean([e for _, e in per_layer])),
-                     "synthetic_error": synthetic_error, "synthetic_score_error": synthetic_score_error})
-        print(f"{label}: model {rows[-1]['model_error']:.4f} (scores {rows[-1]['model_score_error']:.4f}), "
-              f"synthetic {synthetic_error:.4f} (scores {synthetic_score_error:.4f})", flush=True)
+        rows.append(
+            {
+                "format": label,
+                "bytes_per_token_head_d128": fmt.bytes_per_token(1, 128),
+                "model_error": float(np.mean([e for e, _ in per_layer])),
+                "model_error_per_layer": [e for e, _ in per_layer],
+                "model_score_error": float(np.mean([e for _, e in per_layer])),
+                "synthetic_error": synthetic_error,
+                "synthetic_score_error": synthetic_score_error,
+            }
+        )
+        print(
+            f"{label}: model {rows[-1]['model_error']:.4f} (scores {rows[-1]['model_score_error']:.4f}), "
+            f"synthetic {synthetic_error:.4f} (scores {synthetic_score_error:.4f})",
+            flush=True,
+        )
     write_results(out, "quality", {"rows": rows}, quality_markdown)
     quality_plot(rows, os.path.join(out, "quality.png"))
 
 
 def quality_markdown(result: dict) -> str:
-    lines = ["# KV-format quality: attention-output relative error against float32", "",
-             "`python -m experiments.reproduce.kvcache --parts quality`. ||o_fmt - o|| / ||o|| of causal attention "
-             "over every position: the trained quickstart model's own q, k, v (8 held-out sequences x 256 tokens; "
-             "mean over its 4 layers; 1 KV head of dim 64, 2 query heads), and synthetic K with 2 of 128 channels "
-             "x 20 (4 x 1024 tokens, 2 KV heads, GQA 4). In brackets: the relative error of the scores q.k alone "
-             "(the K side: rotation and the FP8 query act there; V's error adds to the output's).", "",
-             "| format | bytes / token / head (D = 128) | trained model: output (scores) | per layer | "
-             "synthetic outliers: output (scores) |", "|---|---|---|---|---|"]
+    lines = [
+        "# KV-format quality: attention-output relative error against float32",
+        "",
+        "`python -m experiments.reproduce.kvcache --parts quality`. ||o_fmt - o|| / ||o|| of causal attention "
+        "over every position: the trained quickstart model's own q, k, v (8 held-out sequences x 256 tokens; "
+        "mean over its 4 layers; 1 KV head of dim 64, 2 query heads), and synthetic K with 2 of 128 channels "
+        "x 20 (4 x 1024 tokens, 2 KV heads, GQA 4). In brackets: the relative error of the scores q.k alone "
+        "(the K side: rotation and the FP8 query act there; V's error adds to the output's).",
+        "",
+        "| format | bytes / token / head (D = 128) | trained model: output (scores) | per layer | "
+        "synthetic outliers: output (scores) |",
+        "|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         per = " / ".join(f"{e:.4f}" for e in r["model_error_per_layer"])
-        lines.append(f"| {r['format']} | {r['bytes_per_token_head_d128']} | {r['model_error']:.4f} "
-                     f"({r['model_score_error']:.4f}) | {per} | {r['synthetic_error']:.4f} "
-                     f"({r['synthetic_score_error']:.4f}) |")
+        lines.append(
+            f"| {r['format']} | {r['bytes_per_token_head_d128']} | {r['model_error']:.4f} "
+            f"({r['model_score_error']:.4f}) | {per} | {r['synthetic_error']:.4f} "
+            f"({r['synthetic_score_error']:.4f}) |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -194,6 +227,7 @@ def quality_plot(rows: list[dict], path: str) -> None:
 
 
 # -------------------------------------------------------------------------------------------------- perplexity
+
 
 def served_loss(model, tokens, cache_factory) -> float:
     """Mean next-token cross-entropy of `tokens` [B, T + 1] read through a cache: a PREFILL-token prefill, then one
@@ -246,8 +280,13 @@ def perplexity(out: str, num_batches: int = 4) -> None:
     rows = [{"format": "no cache (float32 forward)", "loss": float(np.mean([uncached(t) for t in val]))}]
     factories = {"dense float32 cache": generate.dense_cache_factory(model, jnp.float32)}
     for label in VARIANTS:
-        factories[label] = paged_cache_factory(_fmt(label), num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                                               head_dim=cfg.head_dim, implementation="xla_split")
+        factories[label] = paged_cache_factory(
+            _fmt(label),
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            implementation="xla_split",
+        )
     for label, factory in factories.items():
         rows.append({"format": label, "loss": float(np.mean([served_loss(model, t, factory) for t in val]))})
         print(f"{label}: held-out loss {rows[-1]['loss']:.4f}", flush=True)
@@ -255,25 +294,37 @@ def perplexity(out: str, num_batches: int = 4) -> None:
     for r in rows:
         r["perplexity"], r["bits_per_byte"] = float(np.exp(r["loss"])), r["loss"] / np.log(2)
         r["delta_loss"] = r["loss"] - base
-    result = {"rows": rows, "num_sequences": num_batches * val[0].shape[0], "seq_len": val[0].shape[1] - 1,
-              "prefill": PREFILL}
+    result = {
+        "rows": rows,
+        "num_sequences": num_batches * val[0].shape[0],
+        "seq_len": val[0].shape[1] - 1,
+        "prefill": PREFILL,
+    }
     write_results(out, "perplexity", result, perplexity_markdown)
 
 
 def perplexity_markdown(result: dict) -> str:
-    lines = ["# Held-out perplexity of the quickstart model decoding through each KV-cache format", "",
-             f"`python -m experiments.reproduce.kvcache --parts perplexity`. {result['num_sequences']} held-out "
-             f"sequences x {result['seq_len']} byte-tokens, each read as a server would: a {result['prefill']}-token "
-             "prefill, then one token per step, every token's K/V quantised on write (paged cache, split-KV decode "
-             "in XLA). Loss = mean next-token cross-entropy (nats); perplexity per byte = exp(loss).", "",
-             "| KV cache | held-out loss | perplexity | bits per byte | loss - uncached |", "|---|---|---|---|---|"]
+    lines = [
+        "# Held-out perplexity of the quickstart model decoding through each KV-cache format",
+        "",
+        f"`python -m experiments.reproduce.kvcache --parts perplexity`. {result['num_sequences']} held-out "
+        f"sequences x {result['seq_len']} byte-tokens, each read as a server would: a {result['prefill']}-token "
+        "prefill, then one token per step, every token's K/V quantised on write (paged cache, split-KV decode "
+        "in XLA). Loss = mean next-token cross-entropy (nats); perplexity per byte = exp(loss).",
+        "",
+        "| KV cache | held-out loss | perplexity | bits per byte | loss - uncached |",
+        "|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['format']} | {r['loss']:.4f} | {r['perplexity']:.4f} | {r['bits_per_byte']:.4f} | "
-                     f"{r['delta_loss']:+.4f} |")
+        lines.append(
+            f"| {r['format']} | {r['loss']:.4f} | {r['perplexity']:.4f} | {r['bits_per_byte']:.4f} | "
+            f"{r['delta_loss']:+.4f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------------- capacity
+
 
 def capacity_table(out: str) -> None:
     from experiments.bench.common import write_results
@@ -283,11 +334,17 @@ def capacity_table(out: str) -> None:
     result = {"rows": rows, "memory_bytes": capacity.SPEC_BUDGET_BYTES, "max_model_len": capacity.SPEC_MAX_MODEL_LEN}
 
     def markdown(result):
-        table = capacity.markdown(result["rows"], title="At the spec's KV budget (262,144 tokens x 2.9 of bf16)",
-                                  memory_bytes=result["memory_bytes"], shape=capacity.SPEC_MODEL,
-                                  max_model_len=result["max_model_len"])
-        return ("# KV capacity of the spec's model\n\n"
-                f"`python -m experiments.reproduce.kvcache --parts capacity`.\n\n{table}")
+        table = capacity.markdown(
+            result["rows"],
+            title="At the spec's KV budget (262,144 tokens x 2.9 of bf16)",
+            memory_bytes=result["memory_bytes"],
+            shape=capacity.SPEC_MODEL,
+            max_model_len=result["max_model_len"],
+        )
+        return (
+            "# KV capacity of the spec's model\n\n"
+            f"`python -m experiments.reproduce.kvcache --parts capacity`.\n\n{table}"
+        )
 
     write_results(out, "capacity", result, markdown)
 

@@ -28,9 +28,16 @@ from experiments.reproduce import runs as runs_lib
 CONFIG = runs_lib.config_path("quickstart")
 
 # optimizer -> (base it is compared with, family); the family fixes the learning-rate grid and the betas.
-OPTIMIZERS = {"adamw": ("adamw", "adamw"), "cautious_adamw": ("adamw", "adamw"), "mgup_adamw": ("adamw", "adamw"),
-              "cautious_mgup_adamw": ("adamw", "adamw"), "lion": ("lion", "lion"), "mgup_lion": ("lion", "lion"),
-              "muon": ("muon", "muon"), "mgup_muon": ("muon", "muon")}
+OPTIMIZERS = {
+    "adamw": ("adamw", "adamw"),
+    "cautious_adamw": ("adamw", "adamw"),
+    "mgup_adamw": ("adamw", "adamw"),
+    "cautious_mgup_adamw": ("adamw", "adamw"),
+    "lion": ("lion", "lion"),
+    "mgup_lion": ("lion", "lion"),
+    "muon": ("muon", "muon"),
+    "mgup_muon": ("muon", "muon"),
+}
 LEARNING_RATES = {"adamw": (2.5e-3, 5e-3, 1e-2), "lion": (2.5e-4, 5e-4, 1e-3), "muon": (2.5e-3, 5e-3, 1e-2)}
 BETAS = {"adamw": (0.9, 0.95), "lion": (0.9, 0.99), "muon": (0.9, 0.95)}
 SEEDS = (0, 1)
@@ -45,14 +52,27 @@ def train(optimizer: str, lr: float, seed: int, steps: int, out: str) -> dict:
     """Runs (or reuses) one training run; returns its final held-out loss, curves and speed."""
     workdir = os.path.join(out, "runs", run_name(optimizer, lr, seed))
     b1, b2 = BETAS[OPTIMIZERS[optimizer][1]]
-    flags = ["--config.mesh.site=1", "--config.mesh.data=1", f"--config.optim.name={optimizer}",
-             f"--config.optim.learning_rate={lr}", f"--config.optim.b1={b1}", f"--config.optim.b2={b2}",
-             f"--config.train.seed={seed}", f"--config.data.seed={seed}",
-             f"--config.train.eval_every={EVAL_EVERY}", f"--config.train.eval_batches={EVAL_BATCHES}",
-             f"--config.checkpoint.every={steps}", "--config.train.progress=False"]
+    flags = [
+        "--config.mesh.site=1",
+        "--config.mesh.data=1",
+        f"--config.optim.name={optimizer}",
+        f"--config.optim.learning_rate={lr}",
+        f"--config.optim.b1={b1}",
+        f"--config.optim.b2={b2}",
+        f"--config.train.seed={seed}",
+        f"--config.data.seed={seed}",
+        f"--config.train.eval_every={EVAL_EVERY}",
+        f"--config.train.eval_batches={EVAL_BATCHES}",
+        f"--config.checkpoint.every={steps}",
+        "--config.train.progress=False",
+    ]
     summary = runs_lib.run_or_reuse(CONFIG, workdir, flags, steps)
-    return {"val_loss": summary["val_loss"], "train_curve": runs_lib.read_metric(workdir, "train_loss"),
-            "val_curve": runs_lib.read_metric(workdir, "val_loss"), "tokens_per_second": summary["tokens_per_second"]}
+    return {
+        "val_loss": summary["val_loss"],
+        "train_curve": runs_lib.read_metric(workdir, "train_loss"),
+        "val_curve": runs_lib.read_metric(workdir, "val_loss"),
+        "tokens_per_second": summary["tokens_per_second"],
+    }
 
 
 def collect(optimizers: list[str], steps: int, out: str) -> dict:
@@ -63,14 +83,18 @@ def collect(optimizers: list[str], steps: int, out: str) -> dict:
     def go(o, lr, seed, i, total):
         t0 = time.time()
         runs[(o, lr, seed)] = train(o, lr, seed, steps, out)
-        print(f"[{i}/{total}] {run_name(o, lr, seed)}: held-out loss {runs[(o, lr, seed)]['val_loss']:.4f} "
-              f"({time.time() - t0:.0f} s; {(time.time() - started) / 60:.1f} min so far)", flush=True)
+        print(
+            f"[{i}/{total}] {run_name(o, lr, seed)}: held-out loss {runs[(o, lr, seed)]['val_loss']:.4f} "
+            f"({time.time() - t0:.0f} s; {(time.time() - started) / 60:.1f} min so far)",
+            flush=True,
+        )
 
     total = len(plan) + len(optimizers) * (len(SEEDS) - 1)
     for i, (o, lr, seed) in enumerate(plan):
         go(o, lr, seed, i + 1, total)
-    best = {o: min(LEARNING_RATES[OPTIMIZERS[o][1]], key=lambda lr: runs[(o, lr, SEEDS[0])]["val_loss"])
-            for o in optimizers}
+    best = {
+        o: min(LEARNING_RATES[OPTIMIZERS[o][1]], key=lambda lr: runs[(o, lr, SEEDS[0])]["val_loss"]) for o in optimizers
+    }
     i = len(plan)
     for o in optimizers:
         for seed in SEEDS[1:]:
@@ -84,11 +108,18 @@ def summarise(optimizers: list[str], collected: dict, steps: int) -> dict:
     rows = []
     for o in optimizers:
         losses = [runs[(o, best[o], s)]["val_loss"] for s in SEEDS]
-        rows.append({"optimizer": o, "base": OPTIMIZERS[o][0], "learning_rate": best[o], "val_losses": losses,
-                     "mean": sum(losses) / len(losses), "spread": max(losses) - min(losses),
-                     "tokens_per_second": sum(runs[(o, best[o], s)]["tokens_per_second"] for s in SEEDS) / len(SEEDS),
-                     "sweep": {f"{lr:g}": runs[(o, lr, SEEDS[0])]["val_loss"]
-                               for lr in LEARNING_RATES[OPTIMIZERS[o][1]]}})
+        rows.append(
+            {
+                "optimizer": o,
+                "base": OPTIMIZERS[o][0],
+                "learning_rate": best[o],
+                "val_losses": losses,
+                "mean": sum(losses) / len(losses),
+                "spread": max(losses) - min(losses),
+                "tokens_per_second": sum(runs[(o, best[o], s)]["tokens_per_second"] for s in SEEDS) / len(SEEDS),
+                "sweep": {f"{lr:g}": runs[(o, lr, SEEDS[0])]["val_loss"] for lr in LEARNING_RATES[OPTIMIZERS[o][1]]},
+            }
+        )
     by = {r["optimizer"]: r for r in rows}
     for r in rows:
         base = by.get(r["base"])
@@ -109,21 +140,32 @@ def verdict(r: dict, by: dict) -> str:
 def markdown(result: dict) -> str:
     rows = result["rows"]
     by = {r["optimizer"]: r for r in rows}
-    lines = ["# MGUP at CPU scale: the quickstart model with each optimizer", "",
-             f"`python -m experiments.reproduce.mgup --steps {result['steps']}`: quickstart MoE (d_model 128, 4 "
-             f"layers, 8 experts top-2) on one device, {result['steps']} steps x 8 x 256 byte-tokens "
-             f"({result['tokens']:,} tokens) for every run, seeds {result['seeds']} at the learning rate that won "
-             f"the seed-0 sweep. Held-out loss: nats per byte-token on {EVAL_BATCHES} batches. MGUP: tau 0.5, "
-             "alpha 2, gamma 0.1, exact top-k.", "",
-             "| optimizer | base | lr | held-out loss (mean) | seeds | spread | vs base | verdict | tokens/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# MGUP at CPU scale: the quickstart model with each optimizer",
+        "",
+        f"`python -m experiments.reproduce.mgup --steps {result['steps']}`: quickstart MoE (d_model 128, 4 "
+        f"layers, 8 experts top-2) on one device, {result['steps']} steps x 8 x 256 byte-tokens "
+        f"({result['tokens']:,} tokens) for every run, seeds {result['seeds']} at the learning rate that won "
+        f"the seed-0 sweep. Held-out loss: nats per byte-token on {EVAL_BATCHES} batches. MGUP: tau 0.5, "
+        "alpha 2, gamma 0.1, exact top-k.",
+        "",
+        "| optimizer | base | lr | held-out loss (mean) | seeds | spread | vs base | verdict | tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         vs = "" if r["vs_base"] is None else f"{r['vs_base']:+.4f}"
         seeds = " / ".join(f"{x:.4f}" for x in r["val_losses"])
-        lines.append(f"| {r['optimizer']} | {r['base']} | {r['learning_rate']:g} | {r['mean']:.4f} | {seeds} | "
-                     f"{r['spread']:.4f} | {vs} | {verdict(r, by)} | {r['tokens_per_second']:,.0f} |")
-    lines += ["", "Learning-rate sweep (seed 0, held-out loss):", "", "| optimizer | " + " | ".join(
-        ["lr 1", "lr 2", "lr 3"]) + " |", "|---|---|---|---|"]
+        lines.append(
+            f"| {r['optimizer']} | {r['base']} | {r['learning_rate']:g} | {r['mean']:.4f} | {seeds} | "
+            f"{r['spread']:.4f} | {vs} | {verdict(r, by)} | {r['tokens_per_second']:,.0f} |"
+        )
+    lines += [
+        "",
+        "Learning-rate sweep (seed 0, held-out loss):",
+        "",
+        "| optimizer | " + " | ".join(["lr 1", "lr 2", "lr 3"]) + " |",
+        "|---|---|---|---|",
+    ]
     for r in rows:
         lines.append(f"| {r['optimizer']} | " + " | ".join(f"{lr}: {v:.4f}" for lr, v in r["sweep"].items()) + " |")
     return "\n".join(lines) + "\n"

@@ -10,7 +10,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-__all__ = ["ROOT", "config_path", "run_or_reuse", "read_metric"]
+__all__ = ["ROOT", "config_path", "read_metric", "run_or_reuse"]
 
 
 def config_path(name: str) -> str:
@@ -27,9 +27,16 @@ def run_or_reuse(config: str, workdir: str, flags: list[str], steps: int, *, dev
         if summary["steps"] == steps:
             return summary
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    cmd = [sys.executable, "-m", "experiments.run", f"--config={config}", f"--workdir={workdir}",
-           f"--config.train.steps={steps}", *flags]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.run",
+        f"--config={config}",
+        f"--workdir={workdir}",
+        f"--config.train.steps={steps}",
+        *flags,
+    ]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"run failed ({' '.join(cmd)}):\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
     with open(path) as f:

@@ -41,14 +41,25 @@ ABLATION = {  # name -> precision flags (E1M2 grid, seed 0); the last row is UFP
     "e1m2_rht_dgrad_wgrad": {"recipe": "ufp4", "rht": "dgrad+wgrad", "stochastic_dy": "off"},
     "e1m2_rht_fprop_wgrad": {"recipe": "ufp4", "rht": "fprop+wgrad", "stochastic_dy": "off"},
 }
-PAPER_ABLATION = {"e1m2_no_rht": 1.89202, "e1m2_rht_wgrad": 1.88721, "e1m2_rht_dgrad_wgrad": 1.88912,
-                  "e1m2_rht_fprop_wgrad": 1.88558, "ufp4": 1.88079}
-PAPER_SYNTHETIC = {("gaussian", "e2m1", False): (20.52, 0.9959), ("gaussian", "int4", False): (21.39, 1.0007),
-                   ("outliers", "e2m1", False): (22.23, None), ("outliers", "int4", False): (20.55, None),
-                   ("outliers", "e2m1", True): (18.88, None), ("outliers", "int4", True): (25.47, None)}
+PAPER_ABLATION = {
+    "e1m2_no_rht": 1.89202,
+    "e1m2_rht_wgrad": 1.88721,
+    "e1m2_rht_dgrad_wgrad": 1.88912,
+    "e1m2_rht_fprop_wgrad": 1.88558,
+    "ufp4": 1.88079,
+}
+PAPER_SYNTHETIC = {
+    ("gaussian", "e2m1", False): (20.52, 0.9959),
+    ("gaussian", "int4", False): (21.39, 1.0007),
+    ("outliers", "e2m1", False): (22.23, None),
+    ("outliers", "int4", False): (20.55, None),
+    ("outliers", "e2m1", True): (18.88, None),
+    ("outliers", "int4", True): (25.47, None),
+}
 
 
 # ------------------------------------------------------------------------------------------------------- grid
+
 
 def grid_analysis(out: str) -> None:
     import jax
@@ -67,32 +78,53 @@ def grid_analysis(out: str) -> None:
                 a = rht(data) if rotated else data
                 q = quantize(a, fmt)
                 paper = PAPER_SYNTHETIC.get((dist, fmt, rotated), (None, None))
-                rows.append({"data": dist, "fmt": fmt, "rht": rotated, "sqnr_db": float(analysis.sqnr(a, q)),
-                             "alpha": float(analysis.alpha(a, q)),
-                             "entropy_bits": float(analysis.bucket_entropy(a, fmt)),
-                             "paper_sqnr_db": paper[0], "paper_alpha": paper[1]})
+                rows.append(
+                    {
+                        "data": dist,
+                        "fmt": fmt,
+                        "rht": rotated,
+                        "sqnr_db": float(analysis.sqnr(a, q)),
+                        "alpha": float(analysis.alpha(a, q)),
+                        "entropy_bits": float(analysis.bucket_entropy(a, fmt)),
+                        "paper_sqnr_db": paper[0],
+                        "paper_alpha": paper[1],
+                    }
+                )
     result = {"bias": bias, "rows": rows}
     write_results(out, "grid", result, grid_markdown)
     grid_plot(result, os.path.join(out, "grid.png"))
 
 
 def grid_markdown(result: dict) -> str:
-    lines = ["# UFP4 grid analysis", "", "`python -m experiments.reproduce.ufp4 --parts grid`. Mean rounding error of "
-             "each positive interior level's bin under locally uniform density, (2 q_i - q_{i-1} - q_{i+1}) / 4 in "
-             "grid units (negative levels mirror it):", "", "| grid | level: bias |", "|---|---|"]
+    lines = [
+        "# UFP4 grid analysis",
+        "",
+        "`python -m experiments.reproduce.ufp4 --parts grid`. Mean rounding error of "
+        "each positive interior level's bin under locally uniform density, (2 q_i - q_{i-1} - q_{i+1}) / 4 in "
+        "grid units (negative levels mirror it):",
+        "",
+        "| grid | level: bias |",
+        "|---|---|",
+    ]
     for fmt, levels in result["bias"].items():
         lines.append(f"| {fmt} | " + ", ".join(f"{q}: {b:+g}" for q, b in levels.items()) + " |")
-    lines += ["", "Synthetic tensors: 2^20 N(0,1) values as 4096 x 256, blocks along the 256 channels (1 x 16; 32 for "
-              "MXFP4), FP32 amax scales (E4M3 under a tensor scale for NVFP4, UE8M0 for MXFP4), round-to-nearest-even; "
-              "outliers: channels 3 and 77 scaled x30; RHT: 16-point, fixed signs. INT4 = E1M2 here.", "",
-              "| data | format | RHT | SQNR (dB) | paper | alpha | paper | bucket entropy (bits) |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Synthetic tensors: 2^20 N(0,1) values as 4096 x 256, blocks along the 256 channels (1 x 16; 32 for "
+        "MXFP4), FP32 amax scales (E4M3 under a tensor scale for NVFP4, UE8M0 for MXFP4), round-to-nearest-even; "
+        "outliers: channels 3 and 77 scaled x30; RHT: 16-point, fixed signs. INT4 = E1M2 here.",
+        "",
+        "| data | format | RHT | SQNR (dB) | paper | alpha | paper | bucket entropy (bits) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         paper = r["paper_sqnr_db"]
         ps = "" if paper is None else f"{paper:.2f} ({r['sqnr_db'] - paper:+.2f})"
         pa = "" if r["paper_alpha"] is None else f"{r['paper_alpha']:.4f}"
-        lines.append(f"| {r['data']} | {r['fmt']} | {'yes' if r['rht'] else 'no'} | {r['sqnr_db']:.2f} | {ps} | "
-                     f"{r['alpha']:.4f} | {pa} | {r['entropy_bits']:.2f} |")
+        lines.append(
+            f"| {r['data']} | {r['fmt']} | {'yes' if r['rht'] else 'no'} | {r['sqnr_db']:.2f} | {ps} | "
+            f"{r['alpha']:.4f} | {pa} | {r['entropy_bits']:.2f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -107,8 +139,13 @@ def grid_plot(result: dict, path: str) -> None:
 
     for marker, (fmt, levels) in zip("osd", result["bias"].items()):
         qs = [float(q) for q in levels]
-        ax1.plot([q / grid_max(fmt) for q in qs], [100 * b / q for q, b in zip(qs, levels.values())], marker + "-",
-                 label=fmt, alpha=0.8)
+        ax1.plot(
+            [q / grid_max(fmt) for q in qs],
+            [100 * b / q for q, b in zip(qs, levels.values())],
+            marker + "-",
+            label=fmt,
+            alpha=0.8,
+        )
     ax1.axhline(0, color="k", lw=0.5)
     ax1.set_xlabel("level / grid max")
     ax1.set_ylabel("mean rounding error of the level's bin (% of the level)")
@@ -118,8 +155,12 @@ def grid_plot(result: dict, path: str) -> None:
     labels = [f"{r['fmt']}{' +RHT' if r['rht'] else ''}" for r in rows if r["data"] == "gaussian"]
     xs = np.arange(len(labels))
     for j, dist in enumerate(("gaussian", "outliers")):
-        ax2.bar(xs + 0.4 * j - 0.2, [r["sqnr_db"] for r in rows if r["data"] == dist], width=0.4,
-                label="N(0,1)" if dist == "gaussian" else "2 channels x30")
+        ax2.bar(
+            xs + 0.4 * j - 0.2,
+            [r["sqnr_db"] for r in rows if r["data"] == dist],
+            width=0.4,
+            label="N(0,1)" if dist == "gaussian" else "2 channels x30",
+        )
     ax2.set_xticks(xs, labels, rotation=30, fontsize=7)
     ax2.set_ylabel("SQNR (dB)")
     ax2.set_ylim(15, 27)
@@ -131,6 +172,7 @@ def grid_plot(result: dict, path: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ train
+
 
 def seeds(recipe: str) -> tuple[int, ...]:
     return HEADLINE_SEEDS if recipe in HEADLINE else SEEDS
@@ -145,13 +187,23 @@ def plan() -> list[dict]:
 def train(run: dict, steps: int, out: str) -> dict:
     """Runs (or reuses) one training run; returns its held-out loss, training-loss curve and speed."""
     workdir = os.path.join(out, "runs", run["name"])
-    flags = ["--config.mesh.site=1", "--config.mesh.data=1", f"--config.train.seed={run['seed']}",
-             f"--config.data.seed={run['seed']}", f"--config.train.eval_every={steps}",
-             "--config.train.eval_batches=16", f"--config.checkpoint.every={steps}", "--config.train.progress=False",
-             *(f"--config.precision.{k}={v}" for k, v in run["flags"].items())]
+    flags = [
+        "--config.mesh.site=1",
+        "--config.mesh.data=1",
+        f"--config.train.seed={run['seed']}",
+        f"--config.data.seed={run['seed']}",
+        f"--config.train.eval_every={steps}",
+        "--config.train.eval_batches=16",
+        f"--config.checkpoint.every={steps}",
+        "--config.train.progress=False",
+        *(f"--config.precision.{k}={v}" for k, v in run["flags"].items()),
+    ]
     summary = runs.run_or_reuse(CONFIG, workdir, flags, steps)
-    return {"val_loss": summary["val_loss"], "curve": runs.read_metric(workdir, "train_loss"),
-            "tokens_per_second": summary["tokens_per_second"]}
+    return {
+        "val_loss": summary["val_loss"],
+        "curve": runs.read_metric(workdir, "train_loss"),
+        "tokens_per_second": summary["tokens_per_second"],
+    }
 
 
 def relative_error(run: dict, bf16: dict, steps: int) -> tuple[float, float]:
@@ -170,65 +222,106 @@ def train_all(out: str, steps: int, jobs: int) -> None:
         for i, future in enumerate(concurrent.futures.as_completed(futures)):
             run = futures[future]
             results[run["name"]] = future.result()
-            print(f"[{i + 1}/{len(runs)}] {run['name']}: held-out loss {results[run['name']]['val_loss']:.4f} "
-                  f"({(time.time() - started) / 60:.1f} min so far)", flush=True)
+            print(
+                f"[{i + 1}/{len(runs)}] {run['name']}: held-out loss {results[run['name']]['val_loss']:.4f} "
+                f"({(time.time() - started) / 60:.1f} min so far)",
+                flush=True,
+            )
     rows = []
     for r in RECIPES:
         errors = [relative_error(results[f"{r}_s{s}"], results[f"bf16_s{s}"], steps) for s in seeds(r)]
         val = [results[f"{r}_s{s}"]["val_loss"] for s in seeds(r)]
-        rows.append({"recipe": r, "seeds": list(seeds(r)), "rel_error": [e for e, _ in errors],
-                     "rel_error_mean": float(np.mean([e for e, _ in errors])),
-                     "tail_loss": float(np.mean([t for _, t in errors])), "val_loss": val,
-                     "val_loss_mean": float(np.mean(val)),
-                     "tokens_per_second": float(np.mean([results[f"{r}_s{s}"]["tokens_per_second"]
-                                                         for s in seeds(r)]))})
+        rows.append(
+            {
+                "recipe": r,
+                "seeds": list(seeds(r)),
+                "rel_error": [e for e, _ in errors],
+                "rel_error_mean": float(np.mean([e for e, _ in errors])),
+                "tail_loss": float(np.mean([t for _, t in errors])),
+                "val_loss": val,
+                "val_loss_mean": float(np.mean(val)),
+                "tokens_per_second": float(np.mean([results[f"{r}_s{s}"]["tokens_per_second"] for s in seeds(r)])),
+            }
+        )
     ablation = []
     for name in (*ABLATION, "ufp4"):
         run = results[f"{name}_s0"]
         error, tail = relative_error(run, results["bf16_s0"], steps)
-        ablation.append({"name": name, "tail_loss": tail, "rel_error": error, "val_loss": run["val_loss"],
-                         "paper_loss": PAPER_ABLATION[name]})
+        ablation.append(
+            {
+                "name": name,
+                "tail_loss": tail,
+                "rel_error": error,
+                "val_loss": run["val_loss"],
+                "paper_loss": PAPER_ABLATION[name],
+            }
+        )
     by = {r["recipe"]: r for r in rows}
     e2m1, ufp4 = by["e2m1_baseline"]["rel_error_mean"], by["ufp4"]["rel_error_mean"]
     paired = np.subtract(by["e2m1_baseline"]["rel_error"], by["ufp4"]["rel_error"])  # same seed, same tokens
-    result = {"steps": steps, "seeds": list(SEEDS), "headline_seeds": list(HEADLINE_SEEDS), "rows": rows,
-              "ablation": ablation, "ufp4_gap_vs_e2m1": 1 - ufp4 / e2m1,
-              "paired_difference": {"mean": float(paired.mean()),
-                                    "standard_error": float(paired.std(ddof=1) / np.sqrt(len(paired)))}}
+    result = {
+        "steps": steps,
+        "seeds": list(SEEDS),
+        "headline_seeds": list(HEADLINE_SEEDS),
+        "rows": rows,
+        "ablation": ablation,
+        "ufp4_gap_vs_e2m1": 1 - ufp4 / e2m1,
+        "paired_difference": {
+            "mean": float(paired.mean()),
+            "standard_error": float(paired.std(ddof=1) / np.sqrt(len(paired))),
+        },
+    }
     write_results(out, "table", result, train_markdown)
     error_plot(results, steps, os.path.join(out, "loss_error.png"))
 
 
 def train_markdown(result: dict) -> str:
     steps = result["steps"]
-    lines = ["# UFP4 at CPU scale: 4-bit training of the quickstart MoE", "",
-             f"`python -m experiments.reproduce.ufp4 --parts train --steps {steps}`: quickstart MoE on one device, "
-             f"{steps} steps x 8 x 256 byte-tokens, seeds {result['seeds']} ({result['headline_seeds']} for "
-             f"{', '.join(HEADLINE)}). Relative loss error: |L - L_bf16| / "
-             f"L_bf16 of the training loss (logged every 10 steps, same seed and tokens as the BF16 run) averaged over "
-             f"the last 20% of steps; the paper's figure of merit. Held-out loss on 16 batches at the end. The loss "
-             f"columns average each row's own seeds: compare them only between rows with the same seeds. tokens/s "
-             f"were measured with other jobs on the machine (`python -m experiments.bench.quant` times the steps).", "",
-             "| recipe | rel. loss error (mean) | per seed | train loss, last 20% | held-out loss (mean) | tokens/s |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "# UFP4 at CPU scale: 4-bit training of the quickstart MoE",
+        "",
+        f"`python -m experiments.reproduce.ufp4 --parts train --steps {steps}`: quickstart MoE on one device, "
+        f"{steps} steps x 8 x 256 byte-tokens, seeds {result['seeds']} ({result['headline_seeds']} for "
+        f"{', '.join(HEADLINE)}). Relative loss error: |L - L_bf16| / "
+        f"L_bf16 of the training loss (logged every 10 steps, same seed and tokens as the BF16 run) averaged over "
+        f"the last 20% of steps; the paper's figure of merit. Held-out loss on 16 batches at the end. The loss "
+        f"columns average each row's own seeds: compare them only between rows with the same seeds. tokens/s "
+        f"were measured with other jobs on the machine (`python -m experiments.bench.quant` times the steps).",
+        "",
+        "| recipe | rel. loss error (mean) | per seed | train loss, last 20% | held-out loss (mean) | tokens/s |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         per = " / ".join(f"{100 * e:.2f}%" for e in r["rel_error"])
-        lines.append(f"| {r['recipe']} | {100 * r['rel_error_mean']:.2f}% | {per} | {r['tail_loss']:.4f} | "
-                     f"{r['val_loss_mean']:.4f} | {r['tokens_per_second']:,.0f} |")
+        lines.append(
+            f"| {r['recipe']} | {100 * r['rel_error_mean']:.2f}% | {per} | {r['tail_loss']:.4f} | "
+            f"{r['val_loss_mean']:.4f} | {r['tokens_per_second']:,.0f} |"
+        )
     gap, paired = result["ufp4_gap_vs_e2m1"], result["paired_difference"]
-    verdict = ("smaller, beyond two standard errors" if paired["mean"] > 2 * paired["standard_error"] else
-               "larger, beyond two standard errors" if paired["mean"] < -2 * paired["standard_error"] else
-               "not distinguishable from E2M1's: the difference is within two standard errors")
-    lines += ["", f"UFP4's mean loss error is {100 * abs(gap):.0f}% {'smaller' if gap > 0 else 'larger'} than the "
-              f"E2M1 baseline's (the paper: about 20% smaller at 1.5B-124B). Per seed, E2M1 minus UFP4 is "
-              f"{100 * paired['mean']:+.2f} +- {100 * paired['standard_error']:.2f} points (mean +- standard error "
-              f"over {len(result['headline_seeds'])} seeds): at our scale UFP4's gap is **{verdict}**.", "",
-              "Ablation on the E1M2 grid (seed 0; the paper's Dense 1.5B numbers beside, mean LM loss):", "",
-              "| configuration | train loss, last 20% | rel. loss error | held-out loss | paper |",
-              "|---|---|---|---|---|"]
+    verdict = (
+        "smaller, beyond two standard errors"
+        if paired["mean"] > 2 * paired["standard_error"]
+        else "larger, beyond two standard errors"
+        if paired["mean"] < -2 * paired["standard_error"]
+        else "not distinguishable from E2M1's: the difference is within two standard errors"
+    )
+    lines += [
+        "",
+        f"UFP4's mean loss error is {100 * abs(gap):.0f}% {'smaller' if gap > 0 else 'larger'} than the "
+        f"E2M1 baseline's (the paper: about 20% smaller at 1.5B-124B). Per seed, E2M1 minus UFP4 is "
+        f"{100 * paired['mean']:+.2f} +- {100 * paired['standard_error']:.2f} points (mean +- standard error "
+        f"over {len(result['headline_seeds'])} seeds): at our scale UFP4's gap is **{verdict}**.",
+        "",
+        "Ablation on the E1M2 grid (seed 0; the paper's Dense 1.5B numbers beside, mean LM loss):",
+        "",
+        "| configuration | train loss, last 20% | rel. loss error | held-out loss | paper |",
+        "|---|---|---|---|---|",
+    ]
     for a in result["ablation"]:
-        lines.append(f"| {a['name']} | {a['tail_loss']:.4f} | {100 * a['rel_error']:.2f}% | {a['val_loss']:.4f} | "
-                     f"{a['paper_loss']:.5f} |")
+        lines.append(
+            f"| {a['name']} | {a['tail_loss']:.4f} | {100 * a['rel_error']:.2f}% | {a['val_loss']:.4f} | "
+            f"{a['paper_loss']:.5f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

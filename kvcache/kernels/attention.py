@@ -35,15 +35,16 @@ from jax.experimental.pallas import triton as pltriton
 
 from kvcache.formats import GROUP, Format, decode_e2m1, scale_value
 
-__all__ = ["unified_attention", "decode_attention", "num_partitions", "MIN_ROWS"]
+__all__ = ["MIN_ROWS", "decode_attention", "num_partitions", "unified_attention"]
 
 MIN_ROWS = 16  # rows of the query tile: tensor-core matrix products need M >= 16
 TARGET_PROGRAMS = 512  # programs to aim for when splitting (about 4 per SM on an H200's 132 SMs)
 MIN_BLOCKS_PER_PARTITION = 8  # do not split below 8 blocks (128 tokens at block size 16) per partition
 
 
-def num_partitions(max_blocks: int, programs: int, *, target: int = TARGET_PROGRAMS,
-                   min_blocks: int = MIN_BLOCKS_PER_PARTITION) -> int:
+def num_partitions(
+    max_blocks: int, programs: int, *, target: int = TARGET_PROGRAMS, min_blocks: int = MIN_BLOCKS_PER_PARTITION
+) -> int:
     """Partitions per (sequence, KV head, query tile): enough to give about `target` programs in all, never
     fewer than `min_blocks` blocks per partition, at least 1. `programs` = B * K * QT without splitting."""
     by_parallelism = math.ceil(target / max(programs, 1))
@@ -66,10 +67,23 @@ def _groups(fmt: Format, refs: dict, prefix: str, blk, h, head_dim: int):
             yield g, decode_e2m1(nibbles), scale
 
 
-def _kernel(bt_ref, seq_lens_ref, qsl_ref, q_ref, *refs, fmt: Format, names: tuple[str, ...], head_dim: int,
-            block_size: int, tile: int, heads: int, blocks_per_partition: int, sm_scale: float):
-    fields = dict(zip(names, refs[:len(names)]))
-    o_ref, lse_ref = refs[len(names):]
+def _kernel(
+    bt_ref,
+    seq_lens_ref,
+    qsl_ref,
+    q_ref,
+    *refs,
+    fmt: Format,
+    names: tuple[str, ...],
+    head_dim: int,
+    block_size: int,
+    tile: int,
+    heads: int,
+    blocks_per_partition: int,
+    sm_scale: float,
+):
+    fields = dict(zip(names, refs[: len(names)]))
+    o_ref, lse_ref = refs[len(names) :]
     b, h, i, p = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     rows = tile * heads
     num_groups = head_dim // GROUP
@@ -103,13 +117,16 @@ def _kernel(bt_ref, seq_lens_ref, qsl_ref, q_ref, *refs, fmt: Format, names: tup
         if fmt.name == "fp8":
             probs = probs * fields["v_scale"][blk, h, :][None, :]
         acc = list(acc)
-        for g, v, scale in _groups(fmt, fields, "v", blk, h, head_dim):
-            v = v if scale is None else v * scale[:, None]
+        for g, values, scale in _groups(fmt, fields, "v", blk, h, head_dim):
+            v = values if scale is None else values * scale[:, None]
             acc[g] = alpha * acc[g] + jnp.dot(probs, v, preferred_element_type=jnp.float32)
         return m_new, l, tuple(acc)
 
-    init = (jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-            tuple(jnp.zeros((rows, GROUP), jnp.float32) for _ in range(num_groups)))
+    init = (
+        jnp.full((rows, 1), -jnp.inf, jnp.float32),
+        jnp.zeros((rows, 1), jnp.float32),
+        tuple(jnp.zeros((rows, GROUP), jnp.float32) for _ in range(num_groups)),
+    )
     m, l, acc = jax.lax.fori_loop(start, jnp.maximum(start, stop), body, init)
     empty = l == 0.0
     inv = 1.0 / jnp.where(empty, 1.0, l)
@@ -118,10 +135,20 @@ def _kernel(bt_ref, seq_lens_ref, qsl_ref, q_ref, *refs, fmt: Format, names: tup
     lse_ref[p, h, b, pl.ds(i * rows, rows)] = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))[:, 0]
 
 
-def unified_attention(q: jax.Array, fields: dict[str, jax.Array], block_tables: jax.Array, seq_lens: jax.Array,
-                      query_start_loc: jax.Array, *, fmt: Format, max_query_len: int | None = None,
-                      sm_scale: float | None = None, partitions: int | None = None, tile: int | None = None,
-                      interpret: bool = False) -> jax.Array:
+def unified_attention(
+    q: jax.Array,
+    fields: dict[str, jax.Array],
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    query_start_loc: jax.Array,
+    *,
+    fmt: Format,
+    max_query_len: int | None = None,
+    sm_scale: float | None = None,
+    partitions: int | None = None,
+    tile: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
     """The Pallas kernel behind `kvcache.unified_attention` (see `kvcache.reference.unified_attention`).
 
     Extra args:
@@ -156,19 +183,34 @@ def unified_attention(q: jax.Array, fields: dict[str, jax.Array], block_tables: 
     qp = qp.transpose(2, 0, 1, 3, 4).reshape(num_kv, batch, q_pad * heads, d)
 
     names = tuple(fields)
-    kernel = functools.partial(_kernel, fmt=fmt, names=names, head_dim=d, block_size=block_size, tile=tile,
-                               heads=heads, blocks_per_partition=blocks_per_partition,
-                               sm_scale=d ** -0.5 if sm_scale is None else float(sm_scale))
+    kernel = functools.partial(
+        _kernel,
+        fmt=fmt,
+        names=names,
+        head_dim=d,
+        block_size=block_size,
+        tile=tile,
+        heads=heads,
+        blocks_per_partition=blocks_per_partition,
+        sm_scale=d**-0.5 if sm_scale is None else float(sm_scale),
+    )
     out, lse = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((parts, num_kv, batch, q_pad * heads, d), jnp.float32),
-                   jax.ShapeDtypeStruct((parts, num_kv, batch, q_pad * heads), jnp.float32)),
+        out_shape=(
+            jax.ShapeDtypeStruct((parts, num_kv, batch, q_pad * heads, d), jnp.float32),
+            jax.ShapeDtypeStruct((parts, num_kv, batch, q_pad * heads), jnp.float32),
+        ),
         grid=(batch, num_kv, num_tiles, parts),
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=4),  # the Triton backend (not Mosaic GPU)
         name=f"paged_attention_{fmt.name}",
-    )(block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32), qp,
-      *(fields[n] for n in names))
+    )(
+        block_tables.astype(jnp.int32),
+        seq_lens.astype(jnp.int32),
+        query_start_loc.astype(jnp.int32),
+        qp,
+        *(fields[n] for n in names),
+    )
 
     # Log-sum-exp reduce over partitions; empty partitions (lse = -inf) weigh 0.
     total = jax.nn.logsumexp(lse, axis=0)
@@ -180,10 +222,29 @@ def unified_attention(q: jax.Array, fields: dict[str, jax.Array], block_tables: 
     return fmt.finish_output(merged[seq_of, jnp.arange(t) - query_start_loc[seq_of]])
 
 
-def decode_attention(q: jax.Array, fields: dict[str, jax.Array], block_tables: jax.Array, seq_lens: jax.Array, *,
-                     fmt: Format, sm_scale: float | None = None, partitions: int | None = None,
-                     interpret: bool = False) -> jax.Array:
+def decode_attention(
+    q: jax.Array,
+    fields: dict[str, jax.Array],
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    fmt: Format,
+    sm_scale: float | None = None,
+    partitions: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
     """Split-KV decode: one query token per sequence, q [B, H, D] -> [B, H, D] float32."""
     b = q.shape[0]
-    return unified_attention(q, fields, block_tables, seq_lens, jnp.arange(b + 1, dtype=jnp.int32), fmt=fmt,
-                             max_query_len=1, sm_scale=sm_scale, partitions=partitions, tile=1, interpret=interpret)
+    return unified_attention(
+        q,
+        fields,
+        block_tables,
+        seq_lens,
+        jnp.arange(b + 1, dtype=jnp.int32),
+        fmt=fmt,
+        max_query_len=1,
+        sm_scale=sm_scale,
+        partitions=partitions,
+        tile=1,
+        interpret=interpret,
+    )

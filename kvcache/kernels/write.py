@@ -25,7 +25,7 @@ __all__ = ["write"]
 
 
 def _kernel(slots_ref, k_ref, v_ref, *refs, fmt: Format, names: tuple[str, ...], head_dim: int, block_size: int):
-    outs = dict(zip(names, refs[len(names):]))  # refs[:len(names)] are the aliased inputs
+    outs = dict(zip(names, refs[len(names) :]))  # refs[:len(names)] are the aliased inputs
     t, h = pl.program_id(0), pl.program_id(1)
     slot = slots_ref[t]
 
@@ -40,7 +40,8 @@ def _kernel(slots_ref, k_ref, v_ref, *refs, fmt: Format, names: tuple[str, ...],
                 absmax = jnp.max(jnp.abs(row))
                 scale = jnp.where(absmax > 0, absmax / E4M3_MAX, 1.0)
                 outs[prefix][blk, h, pl.ds(off, 1), :] = jnp.clip(row / scale, -E4M3_MAX, E4M3_MAX).astype(
-                    jnp.float8_e4m3fn)
+                    jnp.float8_e4m3fn
+                )
                 outs[prefix + "_scale"][blk, h, pl.ds(off, 1)] = jnp.reshape(scale, (1,))
             else:
                 half = head_dim // (2 * GROUP)
@@ -55,16 +56,30 @@ def _kernel(slots_ref, k_ref, v_ref, *refs, fmt: Format, names: tuple[str, ...],
                     outs[prefix + "_codes"][blk, h, pl.ds(off, 1), pl.ds(c * GROUP, GROUP)] = packed
                 for g, s in enumerate(scales):
                     outs[prefix + "_scales"][blk, h, pl.ds(off, 1), pl.ds(g, 1)] = jnp.reshape(s, (1, 1)).astype(
-                        jnp.uint8)
+                        jnp.uint8
+                    )
 
 
-def write(fields: dict[str, jax.Array], k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *, fmt: Format,
-          interpret: bool = False) -> dict[str, jax.Array]:
+def write(
+    fields: dict[str, jax.Array],
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    fmt: Format,
+    interpret: bool = False,
+) -> dict[str, jax.Array]:
     """Quantise-on-write kernel: k, v [T, K, D] -> updated pool fields [NB, K, bs, ...] (see reference.write)."""
     t, num_kv, d = k.shape
     fmt.check_head_dim(d)
-    rotate = lambda x, rot: x if rot is None else jnp.einsum(  # noqa: E731
-        "tkd,de->tke", x.astype(jnp.float32), jnp.asarray(rot), precision=jax.lax.Precision.HIGHEST)
+
+    def rotate(x, rot):
+        return (
+            x
+            if rot is None
+            else jnp.einsum("tkd,de->tke", x.astype(jnp.float32), jnp.asarray(rot), precision=jax.lax.Precision.HIGHEST)
+        )
+
     k, v = rotate(k, fmt.rotation(d)), rotate(v, fmt.value_rotation(d))
     names = tuple(fields)
     block_size = fields[names[0]].shape[2]
