@@ -1,19 +1,23 @@
-"""What every benchmark script shares: median timers, a description of the machine, writing the results."""
+"""What the benchmark and reproduction scripts share: the command-line head (`parser` and the flag types), median
+timers, a description of the machine, writing the results. JAX is imported by the functions that use it, so a
+reproduction script's --help and its bookkeeping stay cheap."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-import jax
 import numpy as np
 
 
 def median_seconds(call: Callable[[], object], *, repeats: int, warmup: int = 1) -> float:
     """Median seconds of `call()` (whose result is blocked on) over `repeats` calls after `warmup` calls."""
+    import jax
+
     for _ in range(warmup):
         jax.block_until_ready(call())
     times = []
@@ -27,6 +31,8 @@ def median_seconds(call: Callable[[], object], *, repeats: int, warmup: int = 1)
 def interleaved_medians(calls: dict[str, Callable[[], object]], *, repeats: int, warmup: int = 1) -> dict[str, float]:
     """Median seconds of each call, timed in rounds (one call of each per round) so that slow drifts of a shared
     machine's speed hit every candidate alike: the ratios are what such a benchmark reports."""
+    import jax
+
     for call in calls.values():
         for _ in range(warmup):
             jax.block_until_ready(call())
@@ -41,6 +47,8 @@ def interleaved_medians(calls: dict[str, Callable[[], object]], *, repeats: int,
 
 def machine() -> dict:
     """Device kind, platform, device and core counts, jax version, and a note for CPU-only runs."""
+    import jax
+
     device = jax.devices()[0]
     return {
         "device": device.device_kind,
@@ -69,3 +77,112 @@ def write_results(out_dir: str, name: str, result: dict, markdown: Callable[[dic
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write(table)
     print(table)
+
+
+# ------------------------------------------------------------------------------------------------ command line
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default after its help, except an empty default (whose meaning the help states) and a
+    switch's (it takes no value)."""
+
+    def _get_help_string(self, action):
+        if action.default in ("", None) or action.default is argparse.SUPPRESS or action.nargs == 0:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def first_paragraph(doc: str) -> str:
+    """The first paragraph of a docstring (up to its first blank line), its lines joined by single spaces."""
+    paragraph = doc.strip().split("\n\n", 1)[0]
+    return " ".join(line.strip() for line in paragraph.splitlines())
+
+
+def parser(doc: str, *, out: str, repeats: int | None = None) -> argparse.ArgumentParser:
+    """The argument parser every script starts from: `doc`'s first paragraph as the description, every flag's
+    default shown in --help, `--out` (the output directory, default `out`) and, for a benchmark, `--repeats`
+    (timed rounds per measurement, default `repeats`)."""
+    p = argparse.ArgumentParser(description=first_paragraph(doc), formatter_class=_HelpFormatter)
+    p.add_argument("--out", default=out, help="output directory (created if missing; files in it are overwritten)")
+    if repeats is not None:
+        p.add_argument(
+            "--repeats",
+            type=integer(1),
+            default=repeats,
+            help="timed rounds per measurement, an integer >= 1; the median is reported",
+        )
+    return p
+
+
+def add_steps(p: argparse.ArgumentParser, *, default: int, multiple_of: int, why: str) -> None:
+    """`--steps` of a reproduction: the training steps of every run, a positive multiple of `multiple_of` (`why`
+    says what makes that the rule)."""
+    p.add_argument(
+        "--steps",
+        type=integer(multiple_of, multiple_of=multiple_of),
+        default=default,
+        help=f"training steps of every run: a multiple of {multiple_of} ({why.replace('%', '%%')}), >= {multiple_of}",
+    )
+
+
+def add_parts(p: argparse.ArgumentParser, parts: Sequence[str]) -> None:
+    """`--parts` of a reproduction made of parts: a comma-separated subset of `parts` (default: all of them)."""
+    p.add_argument(
+        "--parts",
+        type=names(parts),
+        default=",".join(parts),
+        help=f"what to run: a comma-separated subset of {list(parts)}",
+    )
+
+
+def integer(minimum: int = 1, *, multiple_of: int = 1) -> Callable[[str], int]:
+    """An argparse `type`: an integer >= `minimum` that is a multiple of `multiple_of`; otherwise argparse reports
+    the flag, the value and this rule."""
+    rule = f"an integer >= {minimum}" + (f" and a multiple of {multiple_of}" if multiple_of > 1 else "")
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum or value % multiple_of:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {rule}")
+        return value
+
+    return parse
+
+
+def integers(minimum: int = 1, *, distinct: bool = False, empty: bool = False) -> Callable[[str], list[int]]:
+    """An argparse `type`: comma-separated integers, each >= `minimum` (all different if `distinct`); an empty
+    string gives [] when `empty`, else it is refused."""
+    rule = f"comma-separated integers >= {minimum}" + (", all different" if distinct else "")
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            values = None
+        if values is None or (not values and not empty) or any(v < minimum for v in values):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {rule}")
+        if distinct and len(set(values)) != len(values):
+            raise argparse.ArgumentTypeError(f"{text!r} repeats a value; give {rule}")
+        return values
+
+    return parse
+
+
+def names(allowed: Sequence[str], *, empty: bool = False) -> Callable[[str], list[str]]:
+    """An argparse `type`: a comma-separated subset of `allowed` (in the order given); an empty string gives []
+    when `empty`, else it is refused."""
+    allowed = list(allowed)
+
+    def parse(text: str) -> list[str]:
+        values = [v for v in text.split(",") if v]
+        unknown = [v for v in values if v not in allowed]
+        if unknown or (not values and not empty):
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: {'unknown ' + repr(unknown) if unknown else 'give at least one'}; allowed: {allowed}"
+            )
+        return values
+
+    return parse

@@ -18,13 +18,14 @@ which says nothing about speed, so it is left out. Writes decode.json, decode.md
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import plotting
+from experiments.bench import common
 from experiments.bench.common import describe, interleaved_medians, machine, write_results
 from kvcache import decode_attention, formats
 
@@ -187,52 +188,38 @@ def pallas_markdown(by: dict, contexts: list[int]) -> list[str]:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
-    for i, f in enumerate(FORMATS):
-        for impl, style in zip(IMPLEMENTATIONS + ("pallas",), ("--", "-", ":")):
-            rs = [r for r in result["rows"] if r["format"] == f and r["implementation"] == impl]
-            if not rs:
-                continue
-            xs = [r["context"] for r in rs]
-            ax1.loglog(xs, [r["ms"] for r in rs], "o" + style, color=f"C{i}", label=f"{f} {impl}")
-            if impl != "xla":
-                ax2.semilogx(xs, [r["gb_per_s"] for r in rs], "o" + style, color=f"C{i}", label=f"{f} {impl}")
-    copies = sorted((int(c), b) for c, b in result["copy_gb_per_s"].items())
-    ax2.semilogx([c for c, _ in copies], [b for _, b in copies], "k--", lw=1, label="copy (read + write)")
-    ax1.set_xlabel("context (tokens)")
-    ax1.set_ylabel("ms per decode step")
-    ax1.set_title("Decode time against context, one layer: xla (--), xla_split (-), pallas (:)", fontsize=9)
-    ax2.set_xlabel("context (tokens)")
-    ax2.set_ylabel("stored KV bytes read / time (GB/s)")
-    ax2.set_title(f"Effective bandwidth of split-KV decode ({result['machine']['device']})", fontsize=9)
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    """decode.png: ms per step against context (log-log) and the split paths' bandwidth against the copy's."""
+    color = plotting.colors(FORMATS)
+    with plotting.figure(path, size=(11, 4), ncols=2) as (ax1, ax2):
+        for f in FORMATS:
+            for impl, style in zip(IMPLEMENTATIONS + ("pallas",), ("--", "-", ":")):
+                rs = [r for r in result["rows"] if r["format"] == f and r["implementation"] == impl]
+                if not rs:
+                    continue
+                xs = [r["context"] for r in rs]
+                ax1.loglog(xs, [r["ms"] for r in rs], "o" + style, color=color[f], label=f"{f} {impl}")
+                if impl != "xla":
+                    ax2.semilogx(xs, [r["gb_per_s"] for r in rs], "o" + style, color=color[f], label=f"{f} {impl}")
+        copies = sorted((int(c), b) for c, b in result["copy_gb_per_s"].items())
+        ax2.semilogx([c for c, _ in copies], [b for _, b in copies], "k--", lw=1, label="copy (read + write)")
+        ax1.set_xlabel("context (tokens)")
+        ax1.set_ylabel("ms per decode step")
+        ax1.set_title("Decode time against context, one layer: xla (--), xla_split (-), pallas (:)", fontsize=9)
+        ax2.set_xlabel("context (tokens)")
+        ax2.set_ylabel("stored KV bytes read / time (GB/s)")
+        ax2.set_title(f"Effective bandwidth of split-KV decode ({result['machine']['device']})", fontsize=9)
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="comma-separated context lengths")
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps per point (median)")
-    parser.add_argument("--out", default="results/bench", help="output directory")
+    parser = common.parser(__doc__, out="results/bench", repeats=5)
+    parser.add_argument(
+        "--contexts",
+        type=common.integers(1),
+        default=",".join(map(str, CONTEXTS)),
+        help="context lengths to time, in tokens: comma-separated integers >= 1",
+    )
     args = parser.parse_args(argv)
-    try:
-        contexts = [int(c) for c in args.contexts.split(",") if c]
-    except ValueError:
-        parser.error(f"--contexts {args.contexts!r} must be comma-separated integers")
-    if not contexts or min(contexts) < 1:
-        parser.error(f"--contexts {args.contexts!r}: need at least one length, each >= 1")
-    if args.repeats < 1:
-        parser.error(f"--repeats = {args.repeats} must be >= 1")
-    result = run(contexts, args.repeats)
+    result = run(args.contexts, args.repeats)
     write_results(args.out, "decode", result, markdown)
     plot(result, os.path.join(args.out, "decode.png"))
 

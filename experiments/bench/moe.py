@@ -14,14 +14,13 @@ Writes moe.json and moe.md.
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from core.mesh import Sharder
 from core.model import MLP, DefaultPrecision, TransformerConfig
+from experiments.bench import common
 from experiments.bench.common import interleaved_medians, machine, median_seconds, write_results
 from moe import MoE, MoEConfig
 from moe.grouped_matmul import grouped_matmul
@@ -162,23 +161,21 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=4096, help=f"tokens per layer call (a multiple of {SEQ})")
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (median reported)")
-    parser.add_argument("--expert-sizes", default="128,512", help="comma-separated expert hidden sizes")
-    parser.add_argument("--out", default="results/bench", help="output directory")
+    parser = common.parser(__doc__, out="results/bench", repeats=5)
+    parser.add_argument(
+        "--tokens",
+        type=common.integer(SEQ, multiple_of=SEQ),
+        default=4096,
+        help=f"tokens per layer call: a multiple of {SEQ} (the sequence length), >= {SEQ}",
+    )
+    parser.add_argument(
+        "--expert-sizes",
+        type=common.integers(1),
+        default="128,512",
+        help="expert hidden sizes h to time: comma-separated integers >= 1",
+    )
     args = parser.parse_args(argv)
-    try:
-        sizes = [int(h) for h in args.expert_sizes.split(",") if h]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        parser.error(f"--expert-sizes={args.expert_sizes}: give positive integers separated by commas, e.g. 128,512")
-    if args.tokens < SEQ or args.tokens % SEQ:
-        parser.error(f"--tokens={args.tokens}: must be a positive multiple of {SEQ}")
-    if args.repeats < 1:
-        parser.error(f"--repeats={args.repeats}: must be >= 1")
-    layers = [row for h in sizes for row in bench_layers(args.tokens, h, args.repeats)]
+    layers = [row for h in args.expert_sizes for row in bench_layers(args.tokens, h, args.repeats)]
     result = {
         **machine(),
         "tokens": args.tokens,

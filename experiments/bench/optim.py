@@ -12,13 +12,12 @@ MGUP-AdamW / AdamW <= 1.25 with exact top-k, <= 1.10 with the approximate select
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from experiments.bench import common
 from experiments.bench.common import describe, interleaved_medians, machine, write_results
 from optim import cautious_adamw, cautious_mgup_adamw, mgup_adamw, mgup_lion, mgup_muon
 
@@ -109,11 +108,13 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--d-model", type=int, default=640)
-    parser.add_argument("--layers", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default="results/bench")
+    parser = common.parser(__doc__, out="results/bench", repeats=5)
+    parser.add_argument(
+        "--d-model", type=common.integer(1), default=640, help="model width d of the parameter pytree, >= 1"
+    )
+    parser.add_argument(
+        "--layers", type=common.integer(1), default=10, help="transformer layers of the parameter pytree, >= 1"
+    )
     args = parser.parse_args(argv)
     write_results(args.out, "optim", measure(args.d_model, args.layers, args.repeats), markdown)
 

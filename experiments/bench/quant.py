@@ -13,13 +13,12 @@ against a jitted copy of the same tensor. Writes quant.json and quant.md.
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 import jax.numpy as jnp
 
 from core import train as train_lib
 from experiments import build
+from experiments.bench import common
 from experiments.bench.common import describe, interleaved_medians, machine, write_results
 from experiments.configs import quickstart
 from quant import quantize, recipes, rht
@@ -93,12 +92,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default="results/bench")
-    args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error(f"--repeats = {args.repeats} must be >= 1")
+    args = common.parser(__doc__, out="results/bench", repeats=5).parse_args(argv)
     result = {
         "machine": machine(),
         "repeats": args.repeats,

@@ -14,14 +14,14 @@ speedup against the site hosting every expert. Writes skip_token.json, skip_toke
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import jax
 import numpy as np
 
 from core import train as train_lib
-from experiments import build
+from experiments import build, plotting
+from experiments.bench import common
 from experiments.bench.common import describe, interleaved_medians, machine, write_results
 
 
@@ -99,44 +99,38 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """skip_token.png: training throughput against the number of ghost experts, beside the paper's 1.4x."""
     rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(5, 3.5), dpi=120)
-    ax.plot([r["ghost_experts"] for r in rows], [r["speedup"] for r in rows], "o-", label="measured (CPU)")
-    ax.axhline(1.4, color="gray", ls=":", label="paper: up to 1.4x")
-    ax.set_xlabel(f"ghost experts (of {result['experts']})")
-    ax.set_ylabel("training throughput / all resident")
-    ax.set_title("Skip-token: work skipped for non-resident experts", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    with plotting.figure(path, size=(5, 3.5)) as ax:
+        ax.plot([r["ghost_experts"] for r in rows], [r["speedup"] for r in rows], "o-", label="measured (CPU)")
+        ax.axhline(1.4, color="gray", ls=":", label="paper: up to 1.4x")
+        ax.set_xlabel(f"ghost experts (of {result['experts']})")
+        ax.set_ylabel("training throughput / all resident")
+        ax.set_title("Skip-token: work skipped for non-resident experts", fontsize=9)
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="results/fomoe")
-    parser.add_argument("--experts", type=int, default=32)
-    parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--ghosts", default="", help="comma-separated ghost counts (default: 0, N_e/4, N_e/2, 3N_e/4)")
+    parser = common.parser(__doc__, out="results/fomoe", repeats=5)
+    parser.add_argument("--experts", type=common.integer(1), default=32, help="experts N_e per MoE layer, >= 1")
+    parser.add_argument(
+        "--top-k", type=common.integer(1), default=8, help="experts chosen per token, in [1, --experts]"
+    )
+    parser.add_argument("--layers", type=common.integer(1), default=4, help="transformer layers (all MoE), >= 1")
+    parser.add_argument("--batch", type=common.integer(1), default=8, help="sequences per train step, >= 1")
+    parser.add_argument("--seq", type=common.integer(1), default=256, help="tokens per sequence, >= 1")
+    parser.add_argument(
+        "--ghosts",
+        type=common.integers(0, distinct=True, empty=True),
+        default="",
+        help="ghost-expert counts to time: comma-separated integers in [0, --experts), the first 0 (the "
+        "baseline); empty: 0, N_e/4, N_e/2, 3 N_e/4",
+    )
     args = parser.parse_args(argv)
-    ghosts = [int(g) for g in args.ghosts.split(",") if g] or [
-        0,
-        args.experts // 4,
-        args.experts // 2,
-        3 * args.experts // 4,
-    ]
+    ghosts = args.ghosts or [0, args.experts // 4, args.experts // 2, 3 * args.experts // 4]
     if not all(0 <= g < args.experts for g in ghosts) or ghosts[0] != 0:
         parser.error(f"--ghosts {ghosts}: each must be in [0, {args.experts}) and the first 0 (the baseline).")
+    if args.top_k > args.experts:
+        parser.error(f"--top-k = {args.top_k} must be <= --experts = {args.experts}")
     result = measure(args.experts, args.top_k, args.layers, args.seq, args.batch, ghosts, args.repeats)
     write_results(args.out, "skip_token", result, markdown)
     plot(result, os.path.join(args.out, "skip_token.png"))

@@ -12,13 +12,12 @@ matmul can do. Writes train_step.json and train_step.md.
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 import jax.numpy as jnp
 
 from core import train as train_lib
 from experiments import build
+from experiments.bench import common
 from experiments.bench.common import machine, median_seconds, write_results
 from experiments.configs import quickstart
 
@@ -98,22 +97,22 @@ def bench_size(name: str, steps: int) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per size (median reported)")
-    parser.add_argument("--out", default="results/bench", help="output directory")
-    parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated subset of {list(SIZES)}")
+    parser = common.parser(__doc__, out="results/bench")
+    parser.add_argument(
+        "--steps", type=common.integer(1), default=5, help="timed train steps per size, >= 1; the median is reported"
+    )
+    parser.add_argument(
+        "--sizes",
+        type=common.names(SIZES),
+        default=",".join(SIZES),
+        help=f"model sizes to time: a comma-separated subset of {list(SIZES)}",
+    )
     args = parser.parse_args(argv)
-    sizes = [s for s in args.sizes.split(",") if s]
-    unknown = [s for s in sizes if s not in SIZES]
-    if unknown:
-        parser.error(f"--sizes: unknown {unknown}; choose from {list(SIZES)}")
-    if args.steps < 1:
-        parser.error(f"--steps={args.steps}: must be >= 1")
     device = jax.devices()[0]
     peak = matmul_peak()
     print(f"matmul peak (2048^3 float32 jnp.dot): {peak / 1e9:.1f} GFLOP/s on {device.device_kind}", flush=True)
     rows = []
-    for name in sizes:
+    for name in args.sizes:
         row = bench_size(name, args.steps)
         row["model_flops_fraction_of_peak"] = row["model_flops_per_second"] / peak
         xla = row["xla_flops_per_second"]

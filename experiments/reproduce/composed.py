@@ -12,11 +12,12 @@ table.md, table.json and curves.png (held-out bits per byte over the steps, mean
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import numpy as np
 
+from experiments import plotting
+from experiments.bench import common
 from experiments.reproduce import runs as runs_lib
 
 CONFIG = runs_lib.config_path("composed")
@@ -116,43 +117,28 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    for name, r in result["variants"].items():
-        curves = [result["curves"][name][str(s)] for s in result["seeds"]]
-        steps = [step for step, _ in curves[0]]
-        values = np.mean([[v for _, v in c] for c in curves], axis=0)
-        ax.plot(steps, values, "o-", ms=3, label=f"{r['optimizer']}, {r['recipe']}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("held-out bits per byte (mean over sites and seeds)")
-    ax.set_title(f"Composed run: FoMoE sites, optimizer x GEMM recipe ({len(result['seeds'])} seeds)", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    """curves.png: held-out bits per byte against step per variant, mean over seeds."""
+    title = f"Composed run: FoMoE sites, optimizer x GEMM recipe ({len(result['seeds'])} seeds)"
+    with plotting.figure(path, size=(6, 4), legend_size=8) as ax:
+        for name, r in result["variants"].items():
+            steps, values = plotting.mean_curve([result["curves"][name][str(s)] for s in result["seeds"]])
+            ax.plot(steps, values, "o-", ms=3, label=f"{r['optimizer']}, {r['recipe']}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("held-out bits per byte (mean over sites and seeds)")
+        ax.set_title(title, fontsize=9)
 
 
 def main(argv=None) -> None:
-    from experiments.bench.common import write_results
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="results/composed", help="output directory")
-    parser.add_argument("--steps", type=int, default=700, help="training steps per run (a multiple of 10)")
-    parser.add_argument("--seeds", default="0,1,2", help="comma-separated non-negative seeds")
+    parser = common.parser(__doc__, out="results/composed")
+    common.add_steps(parser, default=700, multiple_of=10, why="whole rounds of fomoe.local_steps = 10")
+    parser.add_argument(
+        "--seeds",
+        type=common.integers(0, distinct=True),
+        default="0,1,2",
+        help="seeds (initialisation and data order): comma-separated distinct integers >= 0",
+    )
     args = parser.parse_args(argv)
-    if args.steps < 10 or args.steps % 10:
-        parser.error(f"--steps = {args.steps} must be a positive multiple of fomoe.local_steps = 10")
-    try:
-        seeds = [int(s) for s in args.seeds.split(",")]
-    except ValueError:
-        seeds = []
-    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
-        parser.error(f"--seeds = {args.seeds!r} must be distinct non-negative integers separated by commas")
+    seeds = args.seeds
     runs = {name: {} for name in VARIANTS}
     for i, (seed, name) in enumerate((s, n) for s in seeds for n in VARIANTS):
         print(f"[{i + 1}/{len(seeds) * len(VARIANTS)}] {name}, seed {seed}", flush=True)
@@ -163,7 +149,7 @@ def main(argv=None) -> None:
         **summarise(runs, seeds),
         "curves": {n: {str(s): runs[n][s]["curve"] for s in seeds} for n in VARIANTS},
     }
-    write_results(args.out, "table", result, markdown)
+    common.write_results(args.out, "table", result, markdown)
     plot(result, os.path.join(args.out, "curves.png"))
 
 

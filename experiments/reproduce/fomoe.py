@@ -18,11 +18,12 @@ system: `experiments.reproduce.fomoe_system` (parameter table and the 104B proje
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import time
 
+from experiments import plotting
+from experiments.bench import common
 from experiments.reproduce import runs
 from moe import system_model as sm
 
@@ -179,67 +180,55 @@ def markdown(result: dict) -> str:
 
 
 def pareto_plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    """pareto.png: held-out perplexity against MB sent per site (log), the Pareto front dashed."""
     styles = {"local_adamw": "o", "diloco": "s", "ddp": "*"}
     colors = {1: "tab:blue", 2: "tab:orange", 4: "tab:green", None: "tab:red"}
-    for r in rows:
-        hollow = r["placement"] == "random" or r["k"] == 32
-        ax.scatter(
-            r["bytes_per_site"] / 1e6,
-            r["perplexity"],
-            marker=styles[r["outer"]],
-            s=60 if r["k"] != 32 else 40,
-            facecolors="none" if hollow else colors[r["overlap"]],
-            edgecolors=colors[r["overlap"]],
+    with plotting.figure(path, size=(7, 4.5), grid="both", legend_size=6, legend_columns=2) as ax:
+        for r in rows:
+            hollow = r["placement"] == "random" or r["k"] == 32
+            ax.scatter(
+                r["bytes_per_site"] / 1e6,
+                r["perplexity"],
+                marker=styles[r["outer"]],
+                s=60 if r["k"] != 32 else 40,
+                facecolors="none" if hollow else colors[r["overlap"]],
+                edgecolors=colors[r["overlap"]],
+            )
+            ax.annotate(
+                r["name"].replace("local_adamw", "LA").replace("diloco", "DL"),
+                (r["bytes_per_site"] / 1e6, r["perplexity"]),
+                fontsize=5,
+                xytext=(3, 2),
+                textcoords="offset points",
+            )
+        front, best = [], math.inf
+        for r in sorted(rows, key=lambda r: r["bytes_per_site"]):
+            if r["perplexity"] < best:
+                best = r["perplexity"]
+                front.append(r)
+        ax.plot(
+            [r["bytes_per_site"] / 1e6 for r in front],
+            [r["perplexity"] for r in front],
+            "k--",
+            lw=0.8,
+            label="Pareto front",
         )
-        ax.annotate(
-            r["name"].replace("local_adamw", "LA").replace("diloco", "DL"),
-            (r["bytes_per_site"] / 1e6, r["perplexity"]),
-            fontsize=5,
-            xytext=(3, 2),
-            textcoords="offset points",
+        for label, marker in (("LocalAdamW", "o"), ("DiLoCo", "s"), ("DDP", "*")):
+            ax.scatter([], [], marker=marker, c="gray", label=label)
+        for o, c in colors.items():
+            ax.scatter([], [], marker="o", c=c, label=f"O_e = {o}" if o else "DDP")
+        ax.set_xscale("log")
+        ax.set_xlabel("MB sent per site over the run (measured)")
+        ax.set_ylabel("held-out perplexity (byte tokens)")
+        ax.set_title(
+            "FoMoE at CPU scale: quality against communication (hollow: K = 32 or random placement)", fontsize=8
         )
-    front, best = [], math.inf
-    for r in sorted(rows, key=lambda r: r["bytes_per_site"]):
-        if r["perplexity"] < best:
-            best = r["perplexity"]
-            front.append(r)
-    ax.plot(
-        [r["bytes_per_site"] / 1e6 for r in front],
-        [r["perplexity"] for r in front],
-        "k--",
-        lw=0.8,
-        label="Pareto front",
-    )
-    for label, marker in (("LocalAdamW", "o"), ("DiLoCo", "s"), ("DDP", "*")):
-        ax.scatter([], [], marker=marker, c="gray", label=label)
-    for o, c in colors.items():
-        ax.scatter([], [], marker="o", c=c, label=f"O_e = {o}" if o else "DDP")
-    ax.set_xscale("log")
-    ax.set_xlabel("MB sent per site over the run (measured)")
-    ax.set_ylabel("held-out perplexity (byte tokens)")
-    ax.set_title("FoMoE at CPU scale: quality against communication (hollow: K = 32 or random placement)", fontsize=8)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
-def table(out: str, steps: int, only: set[str] | None) -> None:
-    from experiments.bench.common import write_results
-
+def table(out: str, steps: int, only: list[str]) -> None:
+    """Trains (or reuses) the grid's runs (`only` of them if given) for `steps` steps each; writes table.md,
+    table.json and pareto.png."""
     runs = [r for r in grid() if not only or r["name"] in only]
-    unknown = (only or set()) - {r["name"] for r in grid()}
-    if unknown:
-        raise SystemExit(f"error: --only names {sorted(unknown)} are not runs; allowed: {[r['name'] for r in grid()]}")
-    if steps % 32:
-        raise SystemExit(f"error: --steps = {steps} must be a multiple of 32 (whole rounds at K = 32).")
     tokens_per_step = 16 * 256
     rows, started = [], time.time()
     for i, run in enumerate(runs):
@@ -253,24 +242,25 @@ def table(out: str, steps: int, only: set[str] | None) -> None:
             flush=True,
         )
     result = {"steps": steps, "tokens": steps * tokens_per_step, "rows": rows, "ratios": ratios(rows)}
-    write_results(out, "table", result, markdown)
+    common.write_results(out, "table", result, markdown)
     pareto_plot(rows, os.path.join(out, "pareto.png"))
     print(f"wrote {out}/table.md, table.json, pareto.png")
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="results/fomoe", help="output directory")
-    parser.add_argument("--steps", type=int, default=256, help="training steps of every run (multiple of 32)")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {list(PARTS)}")
-    parser.add_argument("--only", default="", help="comma-separated run names of the table (default: all)")
+    parser = common.parser(__doc__, out="results/fomoe")
+    common.add_steps(parser, default=256, multiple_of=32, why="whole rounds at K = 32")
+    common.add_parts(parser, PARTS)
+    parser.add_argument(
+        "--only",
+        type=common.names([r["name"] for r in grid()], empty=True),
+        default="",
+        help="run names of the table to train (comma-separated; empty: the whole grid)",
+    )
     args = parser.parse_args(argv)
-    parts = [p for p in args.parts.split(",") if p]
-    bad = [p for p in parts if p not in PARTS]
-    if bad:
-        parser.error(f"--parts {bad} unknown; allowed: {list(PARTS)}")
+    parts = args.parts
     if "table" in parts:
-        table(args.out, args.steps, set(filter(None, args.only.split(","))) or None)
+        table(args.out, args.steps, args.only)
     if "throughput" in parts:
         from experiments.bench import skip_token
 

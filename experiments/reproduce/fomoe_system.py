@@ -12,13 +12,13 @@ the wire, 20 tokens per active parameter, 4M-token global batch, K = 32, a 64-ac
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 
 import numpy as np
 
+from experiments import plotting
+from experiments.bench import common
 from moe import system_model as sm
 
 OVERLAPS = (1, 2, 4, 8, 16, 32)
@@ -89,73 +89,49 @@ def markdown(params: list[dict], projection: list[sm.Projection]) -> str:
 
 
 def plots(projection: list[sm.Projection], total_tokens: float, out: str) -> None:
-    import matplotlib
+    """cumulative_bytes.png (TB each site has sent against tokens trained, log-log, at the first bandwidth) and
+    training_hours.png (hours against O_e per bandwidth, DDP dotted)."""
+    with plotting.figure(os.path.join(out, "cumulative_bytes.png"), size=(6, 4), grid="both") as ax:
+        for r in projection:
+            if r.bandwidth_gbps != BANDWIDTHS[0]:
+                continue
+            tokens = np.geomspace(1e9, total_tokens, 50)
+            per_token = r.bytes_per_site_per_round * r.rounds / total_tokens
+            label = (
+                "DDP (every step)"
+                if r.method == "DDP"
+                else f"FoMoE O_e={r.overlap}" + (" (full replica)" if r.overlap == SITES else "")
+            )
+            ax.loglog(tokens, tokens * per_token / 1e12, label=label, ls="--" if r.method == "DDP" else "-")
+        ax.set_xlabel("tokens trained")
+        ax.set_ylabel("cumulative TB sent per site")
+        ax.set_title(f"104B MoE, M = {SITES} sites, LocalAdamW, K = 32", fontsize=9)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    for r in projection:
-        if r.bandwidth_gbps != BANDWIDTHS[0]:
-            continue
-        tokens = np.geomspace(1e9, total_tokens, 50)
-        per_token = r.bytes_per_site_per_round * r.rounds / total_tokens
-        label = (
-            "DDP (every step)"
-            if r.method == "DDP"
-            else f"FoMoE O_e={r.overlap}" + (" (full replica)" if r.overlap == SITES else "")
-        )
-        ax.loglog(tokens, tokens * per_token / 1e12, label=label, ls="--" if r.method == "DDP" else "-")
-    ax.set_xlabel("tokens trained")
-    ax.set_ylabel("cumulative TB sent per site")
-    ax.set_title(f"104B MoE, M = {SITES} sites, LocalAdamW, K = 32", fontsize=9)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "cumulative_bytes.png"))
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    for g in BANDWIDTHS:
-        rows = [r for r in projection if r.bandwidth_gbps == g and r.method != "DDP"]
-        line = ax.plot([r.overlap for r in rows], [r.hours for r in rows], "o-", label=f"FoMoE, {g} Gbps")
-        ddp = next(r for r in projection if r.bandwidth_gbps == g and r.method == "DDP")
-        ax.axhline(ddp.hours, color=line[0].get_color(), ls=":", lw=1, label=f"DDP, {g} Gbps")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("overlap O_e (sites per expert; 32 = full replica)")
-    ax.set_ylabel("training hours")
-    ax.set_title("104B MoE, M = 32 sites (projection)", fontsize=9)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "training_hours.png"))
-    plt.close(fig)
+    with plotting.figure(os.path.join(out, "training_hours.png"), size=(6, 4), grid="both") as ax:
+        for g in BANDWIDTHS:
+            rows = [r for r in projection if r.bandwidth_gbps == g and r.method != "DDP"]
+            line = ax.plot([r.overlap for r in rows], [r.hours for r in rows], "o-", label=f"FoMoE, {g} Gbps")
+            ddp = next(r for r in projection if r.bandwidth_gbps == g and r.method == "DDP")
+            ax.axhline(ddp.hours, color=line[0].get_color(), ls=":", lw=1, label=f"DDP, {g} Gbps")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("overlap O_e (sites per expert; 32 = full replica)")
+        ax.set_ylabel("training hours")
+        ax.set_title("104B MoE, M = 32 sites (projection)", fontsize=9)
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="results/fomoe", help="output directory")
-    args = parser.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
+    args = common.parser(__doc__, out="results/fomoe").parse_args(argv)
     shape = sm.PAPER_MODELS["XXL"][0]
     params = parameter_table()
     projection = sm.project(shape, sites=SITES, overlaps=OVERLAPS, bandwidths_gbps=BANDWIDTHS)
-    with open(os.path.join(args.out, "system_model.json"), "w") as f:
-        json.dump(
-            {
-                "parameters": params,
-                "shape": dataclasses.asdict(shape),
-                "projection": [dataclasses.asdict(r) for r in projection],
-            },
-            f,
-            indent=2,
-        )
-    text = markdown(params, projection)
-    with open(os.path.join(args.out, "system_model.md"), "w") as f:
-        f.write(text)
+    result = {
+        "parameters": params,
+        "shape": dataclasses.asdict(shape),
+        "projection": [dataclasses.asdict(r) for r in projection],
+    }
+    common.write_results(args.out, "system_model", result, lambda _: markdown(params, projection))
     plots(projection, sm.TOKENS_PER_ACTIVE_PARAM * sm.active_params(shape), args.out)
-    print(text)
     print(f"wrote {args.out}/system_model.md, system_model.json, cumulative_bytes.png, training_hours.png")
 
 

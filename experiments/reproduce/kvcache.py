@@ -23,11 +23,12 @@ full-attention layers, 2 KV heads, head dim 256) at the spec's 14.5 GiB budget -
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import numpy as np
 
+from experiments import plotting
+from experiments.bench import common
 from experiments.reproduce import runs
 
 CONFIG = runs.config_path("quickstart")
@@ -151,8 +152,6 @@ def synthetic_qkv():
 
 
 def quality(out: str) -> None:
-    from experiments.bench.common import write_results
-
     config, model = trained_model(out)
     layers = model_qkv(config, model)
     synthetic = synthetic_qkv()
@@ -177,7 +176,7 @@ def quality(out: str) -> None:
             f"synthetic {synthetic_error:.4f} (scores {synthetic_score_error:.4f})",
             flush=True,
         )
-    write_results(out, "quality", {"rows": rows}, quality_markdown)
+    common.write_results(out, "quality", {"rows": rows}, quality_markdown)
     quality_plot(rows, os.path.join(out, "quality.png"))
 
 
@@ -206,24 +205,15 @@ def quality_markdown(result: dict) -> str:
 
 
 def quality_plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4), dpi=120)
-    xs = np.arange(len(rows))
-    ax.bar(xs - 0.2, [r["model_error"] for r in rows], width=0.4, label="trained quickstart model")
-    ax.bar(xs + 0.2, [r["synthetic_error"] for r in rows], width=0.4, label="synthetic K, outlier channels")
-    ax.set_xticks(xs, [r["format"].replace(", ", ",\n").replace(" (", "\n(") for r in rows], fontsize=6)
-    ax.set_yscale("log")
-    ax.set_ylabel("attention-output relative error")
-    ax.set_title("KV-cache formats against float32 attention", fontsize=9)
-    ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    """quality.png: attention-output relative error per format (log), trained model beside synthetic outliers."""
+    with plotting.figure(path, size=(9, 4), grid_axis="y", legend_size=8) as ax:
+        xs = np.arange(len(rows))
+        ax.bar(xs - 0.2, [r["model_error"] for r in rows], width=0.4, label="trained quickstart model")
+        ax.bar(xs + 0.2, [r["synthetic_error"] for r in rows], width=0.4, label="synthetic K, outlier channels")
+        ax.set_xticks(xs, [r["format"].replace(", ", ",\n").replace(" (", "\n(") for r in rows], fontsize=6)
+        ax.set_yscale("log")
+        ax.set_ylabel("attention-output relative error")
+        ax.set_title("KV-cache formats against float32 attention", fontsize=9)
 
 
 # -------------------------------------------------------------------------------------------------- perplexity
@@ -264,7 +254,6 @@ def perplexity(out: str, num_batches: int = 4) -> None:
 
     from core import generate
     from experiments import build
-    from experiments.bench.common import write_results
     from kvcache import paged_cache_factory
 
     config, model = trained_model(out)
@@ -300,7 +289,7 @@ def perplexity(out: str, num_batches: int = 4) -> None:
         "seq_len": val[0].shape[1] - 1,
         "prefill": PREFILL,
     }
-    write_results(out, "perplexity", result, perplexity_markdown)
+    common.write_results(out, "perplexity", result, perplexity_markdown)
 
 
 def perplexity_markdown(result: dict) -> str:
@@ -327,7 +316,6 @@ def perplexity_markdown(result: dict) -> str:
 
 
 def capacity_table(out: str) -> None:
-    from experiments.bench.common import write_results
     from kvcache import capacity
 
     rows = capacity.plan(capacity.SPEC_BUDGET_BYTES, capacity.SPEC_MODEL)
@@ -346,18 +334,14 @@ def capacity_table(out: str) -> None:
             f"`python -m experiments.reproduce.kvcache --parts capacity`.\n\n{table}"
         )
 
-    write_results(out, "capacity", result, markdown)
+    common.write_results(out, "capacity", result, markdown)
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="results/kvcache", help="output directory")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {list(PARTS)}")
+    parser = common.parser(__doc__, out="results/kvcache")
+    common.add_parts(parser, PARTS)
     args = parser.parse_args(argv)
-    parts = [p for p in args.parts.split(",") if p]
-    bad = [p for p in parts if p not in PARTS]
-    if bad:
-        parser.error(f"--parts {bad} unknown; allowed: {list(PARTS)}")
+    parts = args.parts
     if "capacity" in parts:
         capacity_table(args.out)
     if "quality" in parts:

@@ -25,10 +25,12 @@ kernels are assumed to reach 80% of the bandwidth, fp4 75%, until a GPU session 
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import numpy as np
+
+from experiments import plotting
+from experiments.bench import common
 
 FORMATS = ("bf16", "fp8", "fp4")
 
@@ -64,31 +66,39 @@ def serve(model, fmt_name: str, memory_bytes: int, workload) -> dict:
 
 
 def main(argv=None) -> None:
-    from experiments.bench.common import machine, write_results
     from experiments.reproduce import kvcache as kv_repro
     from kvcache.workload import AgentWorkload
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="results/serving", help="output directory")
-    parser.add_argument("--model-out", default="results/kvcache", help="where the trained model's run lives")
-    parser.add_argument("--memory-kib", type=int, default=4096, help="KV memory of every format, KiB")
-    parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated subset of {list(FORMATS)}")
-    parser.add_argument("--sweep-kib", default="", help="comma-separated KV memories (KiB) for fp8 against fp4")
-    parser.add_argument("--project", action="store_true", help="the published-scale projection on a cost model")
+    parser = common.parser(__doc__, out="results/serving")
+    parser.add_argument(
+        "--model-out",
+        default="results/kvcache",
+        help="the --out of experiments.reproduce.kvcache: its runs/model holds the trained model (trained if absent)",
+    )
+    parser.add_argument(
+        "--memory-kib", type=common.integer(1), default=4096, help="KV memory of every format, in KiB, >= 1"
+    )
+    parser.add_argument(
+        "--formats",
+        type=common.names(FORMATS),
+        default=",".join(FORMATS),
+        help=f"KV formats to serve with: a comma-separated subset of {list(FORMATS)}",
+    )
+    parser.add_argument(
+        "--sweep-kib",
+        type=common.integers(1, empty=True),
+        default="",
+        help="instead of the table: fp8 against fp4 at each of these KV memories (comma-separated KiB, >= 1)",
+    )
+    parser.add_argument(
+        "--project",
+        action="store_true",
+        help="instead of serving: the published-scale workload on the spec's model and an H200 cost model",
+    )
     args = parser.parse_args(argv)
     if args.project:
         return project(args.out)
-    try:
-        sweep_kib = [int(m) for m in args.sweep_kib.split(",") if m]
-    except ValueError:
-        parser.error(f"--sweep-kib {args.sweep_kib!r} must be comma-separated integers")
-    if any(m < 1 for m in sweep_kib):
-        parser.error(f"--sweep-kib {args.sweep_kib!r}: every memory must be >= 1")
-    names = [f for f in args.formats.split(",") if f]
-    if not names or any(f not in FORMATS for f in names):
-        parser.error(f"--formats {args.formats!r}: allowed {list(FORMATS)}")
-    if args.memory_kib < 1:
-        parser.error(f"--memory-kib = {args.memory_kib} must be >= 1")
+    sweep_kib, names = args.sweep_kib, args.formats
     _, model = kv_repro.trained_model(args.model_out)
     workload = AgentWorkload()
     if sweep_kib:
@@ -99,12 +109,12 @@ def main(argv=None) -> None:
         r = serve(model, name, args.memory_kib * 1024, workload)
         results[name] = dict(r.items())
     summary = {
-        "machine": machine(),
+        "machine": common.machine(),
         "memory_bytes": args.memory_kib * 1024,
         "workload": dict(vars(workload).items()),
         "formats": results,
     }
-    write_results(args.out, "table", summary, markdown)
+    common.write_results(args.out, "table", summary, markdown)
     plot(summary, os.path.join(args.out, "ttft.png"))
 
 
@@ -153,7 +163,6 @@ def simulate(gib: float, name: str, efficiency: float, workload) -> dict:
 
 
 def project(out: str) -> None:
-    from experiments.bench.common import write_results
     from kvcache import workload as workload_lib
     from kvcache.simulate import H200, SPEC_MODEL_SERVING
 
@@ -204,7 +213,7 @@ def project(out: str) -> None:
         "points": points,
         "fp4_kernel_sensitivity": sensitivity,
     }
-    write_results(out, "projection", result, projection_markdown)
+    common.write_results(out, "projection", result, projection_markdown)
     projection_plot(points, os.path.join(out, "projection.png"))
 
 
@@ -251,28 +260,20 @@ def projection_markdown(result: dict) -> str:
 
 
 def projection_plot(points: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """projection.png: projected late-round P50 TTFT (log) and output throughput against the KV budget."""
     xs = [p["kv_gib"] for p in points]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
-    for name in FORMATS:
-        ax1.plot(xs, [p[name]["late_ttft_p50"] for p in points], "o-", label=name)
-        ax2.plot(xs, [p[name]["output_throughput"] for p in points], "o-", label=name)
-    ax1.set_yscale("log")
-    ax1.set_ylabel("late-round P50 time to first token (s)")
-    ax2.set_ylabel("output tokens / s")
-    for ax in (ax1, ax2):
-        ax.set_xlabel("KV budget (GiB)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    ax1.set_title("Projected TTFT, published workload, spec model on one H200", fontsize=9)
-    ax2.set_title("Projected output throughput", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    color = plotting.colors(FORMATS)
+    with plotting.figure(path, size=(11, 4), ncols=2, legend_size=8) as (ax1, ax2):
+        for name in FORMATS:
+            ax1.plot(xs, [p[name]["late_ttft_p50"] for p in points], "o-", color=color[name], label=name)
+            ax2.plot(xs, [p[name]["output_throughput"] for p in points], "o-", color=color[name], label=name)
+        ax1.set_yscale("log")
+        ax1.set_ylabel("late-round P50 time to first token (s)")
+        ax2.set_ylabel("output tokens / s")
+        for ax in (ax1, ax2):
+            ax.set_xlabel("KV budget (GiB)")
+        ax1.set_title("Projected TTFT, published workload, spec model on one H200", fontsize=9)
+        ax2.set_title("Projected output throughput", fontsize=9)
 
 
 def late_ttft_p50(result: dict, rounds: int) -> float:
@@ -281,8 +282,6 @@ def late_ttft_p50(result: dict, rounds: int) -> float:
 
 
 def sweep(model, memories_kib: list[int], workload, out: str) -> None:
-    from experiments.bench.common import write_results
-
     points = []
     for kib in memories_kib:
         point = {"memory_kib": kib}
@@ -297,7 +296,7 @@ def sweep(model, memories_kib: list[int], workload, out: str) -> None:
                 "pool_tokens": r["pool_tokens"],
             }
         points.append(point)
-    write_results(out, "sweep", {"workload": vars(workload), "points": points}, sweep_markdown)
+    common.write_results(out, "sweep", {"workload": vars(workload), "points": points}, sweep_markdown)
     sweep_plot(points, os.path.join(out, "sweep.png"))
 
 
@@ -324,37 +323,29 @@ def sweep_markdown(result: dict) -> str:
 
 
 def sweep_plot(points: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """sweep.png: fp4's advantage over fp8 (TTFT and throughput ratios, log) against the KV memory, beside the
+    paper's 3.47x and 1.63x."""
     xs = [p["memory_kib"] / 1024 for p in points]
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    ax.plot(
-        xs,
-        [p["fp8"]["late_ttft_p50"] / p["fp4"]["late_ttft_p50"] for p in points],
-        "o-",
-        label="late-round P50 TTFT, fp8 / fp4",
-    )
-    ax.plot(
-        xs,
-        [p["fp4"]["output_throughput"] / p["fp8"]["output_throughput"] for p in points],
-        "s-",
-        label="output throughput, fp4 / fp8",
-    )
-    ax.axhline(3.47, color="C0", ls=":", lw=1, label="paper: TTFT 3.47x")
-    ax.axhline(1.63, color="C1", ls=":", lw=1, label="paper: throughput 1.63x")
-    ax.axhline(1.0, color="k", lw=0.5)
-    ax.set_xlabel("KV memory (MiB)")
-    ax.set_ylabel("fp4 advantage")
-    ax.set_yscale("log")
-    ax.set_title("fp4 against fp8 KV across memory pressure", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    with plotting.figure(path, size=(6, 4)) as ax:
+        ax.plot(
+            xs,
+            [p["fp8"]["late_ttft_p50"] / p["fp4"]["late_ttft_p50"] for p in points],
+            "o-",
+            label="late-round P50 TTFT, fp8 / fp4",
+        )
+        ax.plot(
+            xs,
+            [p["fp4"]["output_throughput"] / p["fp8"]["output_throughput"] for p in points],
+            "s-",
+            label="output throughput, fp4 / fp8",
+        )
+        ax.axhline(3.47, color="C0", ls=":", lw=1, label="paper: TTFT 3.47x")
+        ax.axhline(1.63, color="C1", ls=":", lw=1, label="paper: throughput 1.63x")
+        ax.axhline(1.0, color="k", lw=0.5)
+        ax.set_xlabel("KV memory (MiB)")
+        ax.set_ylabel("fp4 advantage")
+        ax.set_yscale("log")
+        ax.set_title("fp4 against fp8 KV across memory pressure", fontsize=9)
 
 
 def markdown(summary: dict) -> str:
@@ -402,31 +393,29 @@ def markdown(summary: dict) -> str:
 
 
 def plot(summary: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
-    for i, (name, r) in enumerate(summary["formats"].items()):
-        rounds = [x["round"] + 1 for x in r["rounds"]]
-        ax1.plot(rounds, [x["ttft_p50"] for x in r["rounds"]], "o-", color=f"C{i}", label=f"{name} P50")
-        ax1.plot(rounds, [x["ttft_p90"] for x in r["rounds"]], "x--", color=f"C{i}", alpha=0.5, label=f"{name} P90")
-        ax2.plot(rounds, [100 * x["hit_rate"] for x in r["rounds"]], "o-", color=f"C{i}", label=name)
-    ax1.set_xticks(rounds)
-    ax2.set_xticks(rounds)
-    ax1.set_xlabel("round")
-    ax1.set_ylabel("time to first token (s)")
-    ax1.set_title(f"TTFT per round at {summary['memory_bytes'] // 1024} KiB of KV", fontsize=9)
-    ax2.set_xlabel("round")
-    ax2.set_ylabel("prompt tokens found in the prefix cache (%)")
-    ax2.set_title("KV hit rate per round", fontsize=9)
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    """ttft.png: P50 and P90 time to first token per round, and the KV hit rate per round, per format."""
+    color = plotting.colors(FORMATS)
+    with plotting.figure(path, size=(11, 4), ncols=2) as (ax1, ax2):
+        for name, r in summary["formats"].items():
+            rounds = [x["round"] + 1 for x in r["rounds"]]
+            ax1.plot(rounds, [x["ttft_p50"] for x in r["rounds"]], "o-", color=color[name], label=f"{name} P50")
+            ax1.plot(
+                rounds,
+                [x["ttft_p90"] for x in r["rounds"]],
+                "x--",
+                color=color[name],
+                alpha=0.5,
+                label=f"{name} P90",
+            )
+            ax2.plot(rounds, [100 * x["hit_rate"] for x in r["rounds"]], "o-", color=color[name], label=name)
+        ax1.set_xticks(rounds)
+        ax2.set_xticks(rounds)
+        ax1.set_xlabel("round")
+        ax1.set_ylabel("time to first token (s)")
+        ax1.set_title(f"TTFT per round at {summary['memory_bytes'] // 1024} KiB of KV", fontsize=9)
+        ax2.set_xlabel("round")
+        ax2.set_ylabel("prompt tokens found in the prefix cache (%)")
+        ax2.set_title("KV hit rate per round", fontsize=9)
 
 
 if __name__ == "__main__":

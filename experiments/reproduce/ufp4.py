@@ -20,13 +20,14 @@ finished runs are reused.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import os
 import time
 
 import numpy as np
 
+from experiments import plotting
+from experiments.bench import common
 from experiments.reproduce import runs
 
 CONFIG = runs.config_path("quickstart")
@@ -65,7 +66,6 @@ def grid_analysis(out: str) -> None:
     import jax
     import jax.numpy as jnp
 
-    from experiments.bench.common import write_results
     from quant import analysis, quantize, rht, shrinkage_bias
 
     bias = {fmt: {f"{q:g}": b for q, b in shrinkage_bias(fmt).items() if q > 0} for fmt in ("e2m1", "e1m2", "int4")}
@@ -91,7 +91,7 @@ def grid_analysis(out: str) -> None:
                     }
                 )
     result = {"bias": bias, "rows": rows}
-    write_results(out, "grid", result, grid_markdown)
+    common.write_results(out, "grid", result, grid_markdown)
     grid_plot(result, os.path.join(out, "grid.png"))
 
 
@@ -129,46 +129,37 @@ def grid_markdown(result: dict) -> str:
 
 
 def grid_plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
+    """grid.png: the shrinkage bias per level of each grid, and the SQNR of every format with and without RHT."""
     from quant.grids import grid_max
 
-    for marker, (fmt, levels) in zip("osd", result["bias"].items()):
-        qs = [float(q) for q in levels]
-        ax1.plot(
-            [q / grid_max(fmt) for q in qs],
-            [100 * b / q for q, b in zip(qs, levels.values())],
-            marker + "-",
-            label=fmt,
-            alpha=0.8,
-        )
-    ax1.axhline(0, color="k", lw=0.5)
-    ax1.set_xlabel("level / grid max")
-    ax1.set_ylabel("mean rounding error of the level's bin (% of the level)")
-    ax1.set_title("Shrinkage bias per level (locally uniform density): E2M1 -6.25% at 2 and 4", fontsize=9)
-    ax1.legend(fontsize=8)
-    rows = result["rows"]
-    labels = [f"{r['fmt']}{' +RHT' if r['rht'] else ''}" for r in rows if r["data"] == "gaussian"]
-    xs = np.arange(len(labels))
-    for j, dist in enumerate(("gaussian", "outliers")):
-        ax2.bar(
-            xs + 0.4 * j - 0.2,
-            [r["sqnr_db"] for r in rows if r["data"] == dist],
-            width=0.4,
-            label="N(0,1)" if dist == "gaussian" else "2 channels x30",
-        )
-    ax2.set_xticks(xs, labels, rotation=30, fontsize=7)
-    ax2.set_ylabel("SQNR (dB)")
-    ax2.set_ylim(15, 27)
-    ax2.set_title("SQNR of 1 x 16 block quantisation: RHT helps the uniform grid, hurts E2M1", fontsize=9)
-    ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    with plotting.figure(path, size=(11, 4), ncols=2, grid=None, legend_size=8) as (ax1, ax2):
+        for marker, (fmt, levels) in zip("osd", result["bias"].items()):
+            qs = [float(q) for q in levels]
+            ax1.plot(
+                [q / grid_max(fmt) for q in qs],
+                [100 * b / q for q, b in zip(qs, levels.values())],
+                marker + "-",
+                label=fmt,
+                alpha=0.8,
+            )
+        ax1.axhline(0, color="k", lw=0.5)
+        ax1.set_xlabel("level / grid max")
+        ax1.set_ylabel("mean rounding error of the level's bin (% of the level)")
+        ax1.set_title("Shrinkage bias per level (locally uniform density): E2M1 -6.25% at 2 and 4", fontsize=9)
+        rows = result["rows"]
+        labels = [f"{r['fmt']}{' +RHT' if r['rht'] else ''}" for r in rows if r["data"] == "gaussian"]
+        xs = np.arange(len(labels))
+        for j, dist in enumerate(("gaussian", "outliers")):
+            ax2.bar(
+                xs + 0.4 * j - 0.2,
+                [r["sqnr_db"] for r in rows if r["data"] == dist],
+                width=0.4,
+                label="N(0,1)" if dist == "gaussian" else "2 channels x30",
+            )
+        ax2.set_xticks(xs, labels, rotation=30, fontsize=7)
+        ax2.set_ylabel("SQNR (dB)")
+        ax2.set_ylim(15, 27)
+        ax2.set_title("SQNR of 1 x 16 block quantisation: RHT helps the uniform grid, hurts E2M1", fontsize=9)
 
 
 # ------------------------------------------------------------------------------------------------------ train
@@ -214,8 +205,6 @@ def relative_error(run: dict, bf16: dict, steps: int) -> tuple[float, float]:
 
 
 def train_all(out: str, steps: int, jobs: int) -> None:
-    from experiments.bench.common import write_results
-
     runs, started, results = plan(), time.time(), {}
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         futures = {pool.submit(train, run, steps, out): run for run in runs}
@@ -271,7 +260,7 @@ def train_all(out: str, steps: int, jobs: int) -> None:
             "standard_error": float(paired.std(ddof=1) / np.sqrt(len(paired))),
         },
     }
-    write_results(out, "table", result, train_markdown)
+    common.write_results(out, "table", result, train_markdown)
     error_plot(results, steps, os.path.join(out, "loss_error.png"))
 
 
@@ -326,48 +315,37 @@ def train_markdown(result: dict) -> str:
 
 
 def error_plot(results: dict, steps: int, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    for r in RECIPES[1:]:
-        curves = []
-        for s in seeds(r):
-            ref = dict(results[f"bf16_s{s}"]["curve"])
-            curves.append([(st, (loss - ref[st]) / ref[st]) for st, loss in results[f"{r}_s{s}"]["curve"]])
-        xs = [st for st, _ in curves[0]]
-        ys = np.mean([[e for _, e in c] for c in curves], axis=0)
-        smooth = np.convolve(ys, np.ones(5) / 5, mode="valid")
-        ax.plot(xs[4:], 100 * smooth, label=r)
-    ax.axhline(0, color="k", lw=0.5)
-    ax.axvspan(0.8 * steps, steps, color="gray", alpha=0.1, label="last 20%")
-    ax.set_xlabel("step")
-    ax.set_ylabel("(L - L_bf16) / L_bf16 (%), 5-point mean")
-    ax.set_title("Training loss relative to BF16, quickstart MoE, mean over seeds", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    """loss_error.png: each 4-bit recipe's training loss relative to BF16's (same seed), mean over seeds, as a
+    5-point mean against step; the last 20% (where the table averages) shaded."""
+    with plotting.figure(path, size=(7, 4)) as ax:
+        for r in RECIPES[1:]:
+            curves = []
+            for s in seeds(r):
+                ref = dict(results[f"bf16_s{s}"]["curve"])
+                curves.append([(st, (loss - ref[st]) / ref[st]) for st, loss in results[f"{r}_s{s}"]["curve"]])
+            xs, smooth = plotting.moving_average(*plotting.mean_curve(curves), 5)
+            ax.plot(xs, 100 * smooth, label=r)
+        ax.axhline(0, color="k", lw=0.5)
+        ax.axvspan(0.8 * steps, steps, color="gray", alpha=0.1, label="last 20%")
+        ax.set_xlabel("step")
+        ax.set_ylabel("(L - L_bf16) / L_bf16 (%), 5-point mean")
+        ax.set_title("Training loss relative to BF16, quickstart MoE, mean over seeds", fontsize=9)
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="results/ufp4", help="output directory")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {list(PARTS)}")
-    parser.add_argument("--steps", type=int, default=400, help="training steps of every run (multiple of 50)")
-    parser.add_argument("--jobs", type=int, default=1, help="training runs at once")
+    parser = common.parser(__doc__, out="results/ufp4")
+    common.add_parts(parser, PARTS)
+    common.add_steps(
+        parser,
+        default=400,
+        multiple_of=50,
+        why="the last 20%, where the loss error is averaged, is whole 10-step logging intervals",
+    )
+    parser.add_argument(
+        "--jobs", type=common.integer(1), default=1, help="training runs at once (each its own process), >= 1"
+    )
     args = parser.parse_args(argv)
-    parts = [p for p in args.parts.split(",") if p]
-    bad = [p for p in parts if p not in PARTS]
-    if bad:
-        parser.error(f"--parts {bad} unknown; allowed: {list(PARTS)}")
-    if args.steps < 50 or args.steps % 50:
-        parser.error(f"--steps = {args.steps} must be a positive multiple of 50")
-    if args.jobs < 1:
-        parser.error(f"--jobs = {args.jobs} must be >= 1")
+    parts = args.parts
     if "grid" in parts:
         grid_analysis(args.out)
     if "train" in parts:

@@ -1,0 +1,102 @@
+"""The command-line head of the 13 benchmark and reproduction scripts (experiments.bench.common.parser and its flag
+types): --help renders, says what the script does in full, documents every flag with its default, and bad values
+are refused naming the flag, the value and the rule."""
+
+import argparse
+import importlib
+
+import pytest
+
+from experiments.bench import common
+
+MODULES = [
+    *(f"experiments.bench.{m}" for m in ("decode", "moe", "optim", "quant", "skip_token", "train_step")),
+    *(
+        f"experiments.reproduce.{m}"
+        for m in ("composed", "fomoe", "fomoe_system", "kvcache", "mgup", "serving", "ufp4")
+    ),
+]
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _help(module, monkeypatch, capsys) -> tuple[argparse.ArgumentParser, str]:
+    """The parser `module.main` builds and its --help text."""
+    made = []
+    real = common.parser
+    monkeypatch.setattr(common, "parser", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--help"])
+    assert exit_.value.code == 0
+    return made[0], capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_help_states_the_whole_first_paragraph_and_every_flag_with_its_default(name, monkeypatch, capsys):
+    module = importlib.import_module(name)
+    parser, text = _help(module, monkeypatch, capsys)
+    first = module.__doc__.strip().split("\n\n")[0]
+    assert _words(first) in _words(text)  # the whole paragraph, not its first line cut mid-sentence
+    flags = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert "--out" in [f for a in flags for f in a.option_strings]
+    for action in flags:
+        assert action.help and len(action.help) > 10, f"{name} {action.option_strings}: no help text"
+        if action.default not in ("", None, False):
+            assert f"(default: {action.default})" in _words(text), f"{name} {action.option_strings}: default not shown"
+
+
+@pytest.mark.parametrize(
+    "name, argv, words",
+    [
+        ("experiments.reproduce.fomoe", ["--steps", "48"], ["--steps", "'48'", "multiple of 32"]),
+        ("experiments.reproduce.ufp4", ["--steps", "425"], ["--steps", "'425'", "multiple of 50"]),
+        ("experiments.reproduce.mgup", ["--only", "adamw,sgd"], ["--only", "'sgd'", "allowed"]),
+        ("experiments.bench.moe", ["--tokens", "300"], ["--tokens", "'300'", "multiple of 256"]),
+        ("experiments.bench.decode", ["--contexts", "1024,0"], ["--contexts", "'1024,0'", ">= 1"]),
+        ("experiments.reproduce.serving", ["--formats", "fp16"], ["--formats", "'fp16'", "bf16"]),
+        ("experiments.bench.skip_token", ["--ghosts", "4,8"], ["--ghosts", "first 0"]),
+    ],
+)
+def test_a_bad_value_is_refused_naming_flag_value_and_rule(name, argv, words, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(name).main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
+
+
+@pytest.mark.parametrize("minimum, multiple", [(1, 1), (32, 32), (10, 10), (0, 3)])
+def test_integer_accepts_exactly_the_multiples_at_or_above_the_minimum(minimum, multiple):
+    parse = common.integer(minimum, multiple_of=multiple)
+    for n in range(-5, 100):
+        if n >= minimum and n % multiple == 0:
+            assert parse(str(n)) == n
+        else:
+            with pytest.raises(argparse.ArgumentTypeError, match=repr(str(n))):
+                parse(str(n))
+    for bad in ("", "1.5", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(bad)
+
+
+def test_integer_and_name_lists():
+    seeds = common.integers(0, distinct=True)
+    assert seeds("3,0,11") == [3, 0, 11]
+    for bad in ("", "0,0", "-1", "1,a"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            seeds(bad)
+    assert common.integers(1, empty=True)("") == [] and common.integers(1)("7,7") == [7, 7]
+    parts = common.names(["grid", "train"])
+    assert parts("train,grid") == ["train", "grid"]
+    with pytest.raises(argparse.ArgumentTypeError, match="allowed"):
+        parts("grid,tran")
+    with pytest.raises(argparse.ArgumentTypeError):
+        parts("")
+    assert common.names(["a"], empty=True)("") == []
+
+
+def test_first_paragraph_joins_the_lines_up_to_the_blank_line():
+    doc = "One sentence that\n    runs over two lines.\n\n    python -m x\n\nMore."
+    assert common.first_paragraph(doc) == "One sentence that runs over two lines."
