@@ -46,42 +46,36 @@ def summary_table(summary: dict) -> str:
 
 
 def plot_loss_curve(metrics_path: str, out_path: str) -> None:
-    """Train loss and held-out bits per byte against step, in bits, from metrics.jsonl."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Train loss and held-out bits per byte against step, in bits, from metrics.jsonl; beside it, for a MoE
+    model, the routing balance (expert-load CV and load entropy) against step."""
+    from experiments import plotting
 
     with open(metrics_path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     train = [(r["step"], r["train_loss"] / LN2) for r in rows if "train_loss" in r]
     val = [(r["step"], r["val_bits_per_byte"]) for r in rows if "val_bits_per_byte" in r]
     routing = [(r["step"], r["moe/load_cv"], r["moe/load_entropy"]) for r in rows if "moe/load_cv" in r]
-    fig, axes = plt.subplots(1, 2 if routing else 1, figsize=(11 if routing else 6, 4), dpi=120, squeeze=False)
-    ax = axes[0, 0]
-    if train:
-        ax.plot(*zip(*train), label="train loss (bits / token)", lw=1.2)
-    if val:
-        ax.plot(*zip(*val), "o-", label="held-out bits / byte", lw=1.2, ms=3)
-    ax.axhline(8.0, color="grey", ls=":", lw=0.8, label="uniform over bytes (8 bits)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("bits")
-    ax.set_ylim(0, max(9.0, 1.05 * max((v for _, v in train + val), default=9.0)))
-    ax.grid(alpha=0.3)
-    ax.legend()
-    if routing:
-        steps, cv, entropy = zip(*routing)
-        ax = axes[0, 1]
-        ax.plot(steps, cv, label="expert load CV (0 = balanced)", lw=1.2)
-        ax.plot(steps, entropy, label="load entropy / log E (1 = balanced)", lw=1.2)
+    ncols = 2 if routing else 1
+    with plotting.figure(
+        out_path, size=(11 if routing else 6, 4), ncols=ncols, squeeze=False, legend_size="medium"
+    ) as axes:
+        ax = axes[0]
+        if train:
+            ax.plot(*zip(*train), label="train loss (bits / token)", lw=1.2)
+        if val:
+            ax.plot(*zip(*val), "o-", label="held-out bits / byte", lw=1.2, ms=3)
+        ax.axhline(8.0, color="grey", ls=":", lw=0.8, label="uniform over bytes (8 bits)")
         ax.set_xlabel("step")
-        ax.set_title("MoE routing (mean over MoE layers)", fontsize=9)
-        ax.set_ylim(0, max(1.1, 1.05 * max(cv)))
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_path)
-    plt.close(fig)
+        ax.set_ylabel("bits")
+        ax.set_ylim(0, max(9.0, 1.05 * max((v for _, v in train + val), default=9.0)))
+        if routing:
+            steps, cv, entropy = zip(*routing)
+            ax = axes[1]
+            ax.plot(steps, cv, label="expert load CV (0 = balanced)", lw=1.2)
+            ax.plot(steps, entropy, label="load entropy / log E (1 = balanced)", lw=1.2)
+            ax.set_xlabel("step")
+            ax.set_title("MoE routing (mean over MoE layers)", fontsize=9)
+            ax.set_ylim(0, max(1.1, 1.05 * max(cv)))
 
 
 def sample_text(config, model_fn, results) -> str:

@@ -19,10 +19,11 @@ and curves.png (training loss, smoothed, and held-out loss at the tuned learning
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
+from experiments import plotting
+from experiments.bench import common
 from experiments.reproduce import runs as runs_lib
 
 CONFIG = runs_lib.config_path("quickstart")
@@ -172,54 +173,39 @@ def markdown(result: dict) -> str:
 
 
 def curves_plot(optimizers: list[str], collected: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
+    """curves.png: one panel per optimizer family; training loss (5-point mean) and held-out loss (dots) at each
+    optimizer's tuned learning rate, mean over seeds."""
     runs, best = collected["runs"], collected["best"]
     families = [f for f in LEARNING_RATES if any(OPTIMIZERS[o][1] == f for o in optimizers)]
-    fig, axes = plt.subplots(1, len(families), figsize=(5 * len(families), 4), dpi=120, squeeze=False)
-    for ax, family in zip(axes[0], families):
-        for i, o in enumerate(o for o in optimizers if OPTIMIZERS[o][1] == family):
-            color = f"C{i}"
-            curves = [runs[(o, best[o], s)] for s in SEEDS]
-            steps = np.array([s for s, _ in curves[0]["train_curve"]])
-            train = np.mean([[v for _, v in c["train_curve"]] for c in curves], axis=0)
-            smooth = np.convolve(train, np.ones(5) / 5, mode="valid")
-            ax.plot(steps[4:], smooth, color=color, lw=1, alpha=0.6)
-            vsteps = [s for s, _ in curves[0]["val_curve"]]
-            val = np.mean([[v for _, v in c["val_curve"]] for c in curves], axis=0)
-            ax.plot(vsteps, val, "o-", color=color, ms=4, label=f"{o} (lr {best[o]:g})")
-        ax.set_ylim(top=2.6)
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss (nats per byte)")
-        ax.set_title(f"{family} family: train (line, 5-point mean) and held-out (dots)", fontsize=8)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"MGUP against its base, quickstart MoE, mean of seeds {list(SEEDS)}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    title = f"MGUP against its base, quickstart MoE, mean of seeds {list(SEEDS)}"
+    with plotting.figure(path, size=(5 * len(families), 4), ncols=len(families), squeeze=False, title=title) as axes:
+        for ax, family in zip(axes, families):
+            members = [o for o in optimizers if OPTIMIZERS[o][1] == family]
+            for o, color in plotting.colors(members).items():
+                curves = [runs[(o, best[o], s)] for s in SEEDS]
+                steps, train = plotting.mean_curve([c["train_curve"] for c in curves])
+                ax.plot(*plotting.moving_average(steps, train, 5), color=color, lw=1, alpha=0.6)
+                vsteps, val = plotting.mean_curve([c["val_curve"] for c in curves])
+                ax.plot(vsteps, val, "o-", color=color, ms=4, label=f"{o} (lr {best[o]:g})")
+            ax.set_ylim(top=2.6)
+            ax.set_xlabel("step")
+            ax.set_ylabel("loss (nats per byte)")
+            ax.set_title(f"{family} family: train (line, 5-point mean) and held-out (dots)", fontsize=8)
 
 
 def main(argv=None) -> None:
-    from experiments.bench.common import write_results
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="results/mgup", help="output directory")
-    parser.add_argument("--steps", type=int, default=400, help="training steps of every run")
-    parser.add_argument("--only", default="", help=f"comma-separated subset of {list(OPTIMIZERS)} (default: all)")
+    parser = common.parser(__doc__, out="results/mgup")
+    common.add_steps(parser, default=400, multiple_of=EVAL_EVERY, why="the evaluation interval")
+    parser.add_argument(
+        "--only",
+        type=common.names(OPTIMIZERS, empty=True),
+        default="",
+        help=f"optimizers to run: a comma-separated subset of {list(OPTIMIZERS)} (empty: all)",
+    )
     args = parser.parse_args(argv)
-    optimizers = [o for o in args.only.split(",") if o] or list(OPTIMIZERS)
-    unknown = [o for o in optimizers if o not in OPTIMIZERS]
-    if unknown:
-        parser.error(f"--only {unknown} unknown; allowed: {list(OPTIMIZERS)}")
-    if args.steps < EVAL_EVERY or args.steps % EVAL_EVERY:
-        parser.error(f"--steps = {args.steps} must be a positive multiple of {EVAL_EVERY} (the evaluation interval)")
+    optimizers = args.only or list(OPTIMIZERS)
     collected = collect(optimizers, args.steps, args.out)
-    write_results(args.out, "table", summarise(optimizers, collected, args.steps), markdown)
+    common.write_results(args.out, "table", summarise(optimizers, collected, args.steps), markdown)
     curves_plot(optimizers, collected, os.path.join(args.out, "curves.png"))
     print(f"wrote {args.out}/table.md, table.json, curves.png")
 
