@@ -1,4 +1,4 @@
-"""Synchronising FoMoE sites (spec: ../shared/specs/fomoe.md, "Partial expert replication" and "Synchronisation").
+"""Synchronising FoMoE sites (docs/fomoe.md, "Partial expert replication" and "Synchronisation").
 
 The M sites form a mesh whose site axis is factored into ("replica", "block") = (O_e, M / O_e): device index
 s = r B + b is site s, replica r of block b, which is exactly the fixed placement's layout (block b on sites

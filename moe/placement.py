@@ -1,4 +1,4 @@
-"""Which experts each site hosts: FoMoE's partial replication (spec: ../shared/specs/fomoe.md, "Partial expert
+"""Which experts each site hosts: FoMoE's partial replication (docs/fomoe.md, "Partial expert
 replication").
 
 M sites, N_e experts per layer, overlap O_e (sites per expert). Each site hosts N_le = O_e N_e / M experts.

@@ -1,5 +1,5 @@
-"""Random placement's reshuffles: moving experts between sites at a round boundary (spec: ../shared/specs/fomoe.md,
-"Random placement").
+"""Random placement's reshuffles: moving experts between sites at a round boundary (docs/fomoe.md,
+"Partial expert replication", random placement).
 
 A reshuffle happens after a round's synchronisation, when every replica of an expert holds the same weights. Each
 site's expert slots are then refilled for the new placement (`moe.placement.random_placement`; a site keeps its

@@ -1,4 +1,4 @@
-"""FoMoE's communication, compute and memory model (spec: ../shared/specs/fomoe.md, "Communication model" and
+"""FoMoE's communication, compute and memory model (docs/fomoe.md, "Communication model" and
 "System model"); projects a federation of MoEs to the paper's 100B scale.
 
 Model family (the paper's): attention 4 d^2 per layer, experts of two matrices d x h and h x d, a router d x N_e
