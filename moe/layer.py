@@ -13,7 +13,7 @@ down [E, h, d] ("expert", "expert_mlp", "embed"); the shared expert's matrices l
 The layer imports nothing from `quant`: it asks the precision slot for its dot_general (router, shared expert,
 capacity products) and its grouped matmul (dropless experts), by module path.
 
-FoMoE sites (spec: ../shared/specs/fomoe.md, "Routing"): a layer may host only some of the `num_experts` experts
+FoMoE sites (docs/fomoe.md, "Routing"): a layer may host only some of the `num_experts` experts
 (`resident`, global ids). Then `routing_mode` says how tokens are routed:
   * "partitioned": the router has one column per resident expert and takes the top min(k, N_le) of them;
   * "skip_token": the router scores all N_e experts (a dense parameter) and takes the global top-k; a chosen

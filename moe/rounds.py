@@ -1,4 +1,4 @@
-"""FoMoE rounds: K local steps on every site, then synchronisation (spec: ../shared/specs/fomoe.md,
+"""FoMoE rounds: K local steps on every site, then synchronisation (docs/fomoe.md,
 "Synchronisation (one round)").
 
 All sites run in one jitted program: their states are stacked along a leading site axis (sharded over the
