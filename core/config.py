@@ -1,10 +1,12 @@
 """Experiment configuration: declared fields, defaults, and validation before anything compiles.
 
 A configuration is an `ml_collections.ConfigDict` with one sub-dict per section (`model`, `data`, `optim`,
-`train`, `mesh`, `checkpoint`, `sample`). Every leaf is declared once as a `Field`: its default, the Python
-types it accepts, its allowed choices or range, and one line of documentation. From that single declaration we
-derive the default ConfigDict (`defaults`), the reference table in docs/configuration.md (`describe`), and
-the checks of `validate`:
+`train`, `mesh`, `checkpoint`, `sample`, and the sections other packages add). Each section is declared once, as a
+frozen dataclass whose fields are declared with `field`: the default, the accepted types (from the annotation),
+the allowed choices or range, and one line of documentation; its class variable `compat` says which of its keys a
+checkpoint must share to be resumed. Code reads a section as that dataclass (`from_config`); from the same
+declaration we derive the default ConfigDict (`defaults`), the reference table in docs/configuration.md
+(`describe`), the resume-compatibility facts (`checkpoint_compat`) and the checks of `validate`:
 
   * an unknown key (a typo such as `model.dmodel`) -> error naming the key and the closest known keys;
   * a wrong type (`train.steps = "300"`)           -> error naming the key, the value and the accepted types;
@@ -12,8 +14,8 @@ the checks of `validate`:
   * an impossible combination (heads not dividing d_model, a mesh larger than the devices, a batch the data
     axis cannot split, ...)                        -> error naming every key involved.
 
-Other packages declare their own sections the same way (a `dict[str, Field]`); the composition root
-(`experiments/build.py`) adds them to `schema()` and fills registered choices (e.g. `optim.name`).
+Other packages declare their own sections the same way (moe.config, quant.config, kvcache.config, optim.config);
+the composition root (`experiments/build.py`) adds them to `SECTIONS` and fills registered choices (`optim.name`).
 """
 
 from __future__ import annotations
@@ -21,22 +23,40 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import types
+import typing
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import ml_collections
 
+from core.data import NUM_BYTES, VOCAB_SIZE
+
 __all__ = [
+    "DEFAULT_RULES",
     "MESH_AXES",
+    "SECTIONS",
+    "CheckpointConfig",
+    "Compat",
     "ConfigError",
+    "DataConfig",
     "Field",
+    "MeshConfig",
+    "OptimConfig",
+    "SampleConfig",
     "Schema",
+    "TrainConfig",
+    "TransformerConfig",
+    "checkpoint_compat",
     "defaults",
     "describe",
+    "field",
+    "from_config",
     "mesh_axes",
     "mesh_shape",
     "rule_mesh_axes",
     "schema",
+    "section_fields",
     "unknown_key_error",
     "validate",
 ]
@@ -71,8 +91,7 @@ class Field:
         """Raises ConfigError if `value` is not an acceptable value for `key`."""
         if not _has_type(value, self.types):
             raise ConfigError(
-                f"config key '{key}' = {value!r} has type {type(value).__name__}; "
-                f"expected {' or '.join(t.__name__ for t in self.types)}."
+                f"config key '{key}' = {value!r} has type {type(value).__name__}; expected {_names(self.types)}."
             )
         if self.choices is not None and value not in self.choices:
             raise ConfigError(f"config key '{key}' = {value!r} is not one of the allowed values {list(self.choices)}.")
@@ -93,40 +112,105 @@ class Field:
         """What is allowed, in words (for docs)."""
         if self.choices is not None:
             return "one of " + ", ".join(repr(c) for c in self.choices)
-        kinds = " or ".join(t.__name__ for t in self.types)
+        kinds = _names(tuple(t for t in self.types if t is not type(None)))
         if self.low is not None or self.high is not None:
-            return f"{kinds} in {self._range()}"
-        return kinds
+            kinds = f"{kinds} in {self._range()}"
+        return f"{kinds} or None" if type(None) in self.types else kinds
 
 
-def _has_type(value: Any, types: tuple[type, ...]) -> bool:
+def _names(accepted: tuple[type, ...]) -> str:
+    return " or ".join("None" if t is type(None) else t.__name__ for t in accepted)
+
+
+def _has_type(value: Any, accepted: tuple[type, ...]) -> bool:
     if isinstance(value, bool):
-        return bool in types
-    if float in types and isinstance(value, int):
+        return bool in accepted
+    if float in accepted and isinstance(value, int):
         return True
-    if tuple in types and isinstance(value, list):  # ConfigDict and CLI parsing may turn tuples into lists
+    if tuple in accepted and isinstance(value, list):  # ConfigDict and CLI parsing may turn tuples into lists
         return True
-    return isinstance(value, types)
+    return isinstance(value, accepted)
 
 
-def _int(default, doc, low=None, high=None):
-    return Field(default, (int,), doc, low=low, high=high)
+def field(
+    default: Any,
+    doc: str,
+    *,
+    choices: tuple[Any, ...] | None = None,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+) -> Any:
+    """Declares one key of a config section: a dataclass field whose metadata holds its documentation and rules.
+
+    The accepted types come from the field's annotation (`int`, `float`, `str`, `bool`, `tuple[...]`, or one of
+    them `| None`), so a section is declared once, as a frozen dataclass:
+
+        @dataclasses.dataclass(frozen=True)
+        class TrainConfig:
+            compat: ClassVar[Compat] = False
+            steps: int = field(1000, "optimizer steps", low=1)
+    """
+    rules = {"doc": doc, "choices": choices, "low": low, "high": high, "low_open": low_open}
+    return dataclasses.field(default=default, metadata={_RULES: rules})
 
 
-def _float(default, doc, low=None, high=None, low_open=False):
-    return Field(default, (float,), doc, low=low, high=high, low_open=low_open)
+_RULES = "core.config"  # the metadata key of a field's rules
+
+Compat = bool | tuple[str, ...]
+"""How a section takes part in resume compatibility (`checkpoint_compat`): True, every key must equal the
+checkpoint's; False, none (runtime choices: the mesh, cadences, the sampling prompt); a tuple names the keys that
+must (the optimizer's `name`, but not its learning rate, which a resumed run may change)."""
+
+_SCALARS: dict[Any, tuple[type, ...]] = {int: (int,), float: (float,), str: (str,), bool: (bool,), tuple: (tuple,)}
 
 
-def _str(default, doc, choices=None):
-    return Field(default, (str,), doc, choices=choices)
+def _types(annotation: Any, where: str) -> tuple[type, ...]:
+    """The Python types a field's annotation accepts: int, float, str, bool, tuple[...], or one of them | None."""
+    if annotation in _SCALARS:
+        return _SCALARS[annotation]
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is tuple:
+        return (tuple,)
+    if origin in (types.UnionType, typing.Union) and len(args) == 2 and type(None) in args:
+        inner = next(a for a in args if a is not type(None))
+        return (*_types(inner, where), type(None))
+    raise TypeError(
+        f"{where}: config fields are int, float, str, bool, tuple[...] or one of them | None; got {annotation!r}."
+    )
 
 
-def _bool(default, doc):
-    return Field(default, (bool,), doc)
+def section_fields(section: type) -> dict[str, Field]:
+    """key -> Field of a section dataclass (each key declared with `field`), in declaration order."""
+    hints = typing.get_type_hints(section)
+    out = {}
+    for f in dataclasses.fields(section):
+        if _RULES not in f.metadata:
+            raise TypeError(f"{section.__name__}.{f.name} is not declared with core.config.field(...).")
+        out[f.name] = Field(f.default, _types(hints[f.name], f"{section.__name__}.{f.name}"), **f.metadata[_RULES])
+    return out
+
+
+_S = typing.TypeVar("_S")
+
+
+def from_config(section: type[_S], values: Mapping[str, Any]) -> _S:
+    """The section dataclass holding a config section's values (lists become tuples: ConfigDict and the command
+    line may turn tuples into lists). Raises ConfigError naming a key the section does not declare."""
+    items = values.to_dict() if isinstance(values, ml_collections.ConfigDict) else dict(values)
+    known = [f.name for f in dataclasses.fields(section)]  # type: ignore[arg-type]
+    for key in items:
+        if key not in known:
+            raise unknown_key_error(key, known)
+    return section(**{k: _tuples(v) for k, v in items.items()})
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 Schema = dict[str, dict[str, Field]]
-"""section name -> key -> Field."""
+"""section name -> key -> Field (what `validate`, `defaults` and `describe` read)."""
 
 # Logical axis -> mesh axes. Parameters and activations name their dimensions with the logical axes on the left;
 # a rule maps each to zero, one or several mesh axes (a tuple shards the dimension over their product).
@@ -141,114 +225,212 @@ DEFAULT_RULES = (
     ("expert", "expert"),
 )
 
+_DTYPES = ("float32", "bfloat16")
 
-def schema() -> Schema:
-    """The core sections. Returns a fresh nested dict (callers may extend it)."""
-    return {
-        "model": {
-            "vocab_size": _int(
-                264,
-                "embedding rows; >= the tokenizer's 259 (bytes + PAD/BOS/EOS), a multiple of 8 keeps matmuls aligned",
-                low=1,
-            ),
-            "d_model": _int(256, "residual stream width", low=1),
-            "num_layers": _int(4, "transformer blocks", low=1),
-            "num_heads": _int(8, "query heads; must divide d_model", low=1),
-            "num_kv_heads": _int(8, "key/value heads (grouped-query attention); must divide num_heads", low=1),
-            "d_ff": _int(1024, "hidden width of the dense MLP", low=1),
-            "mlp": _str(
-                "swiglu", "dense MLP form: 'swiglu' (SiLU-gated, 3 matrices) or 'silu' (2 matrices)", ("swiglu", "silu")
-            ),
-            "norm": _str("rmsnorm", "normalisation layer", ("rmsnorm", "layernorm")),
-            "norm_eps": _float(1e-6, "epsilon inside the norm", low=0.0, low_open=True),
-            "peri_ln": _bool(False, "Peri-LN: also normalise each sublayer's output before the residual add"),
-            "rope_theta": _float(10_000.0, "RoPE base frequency", low=1.0),
-            "tie_embeddings": _bool(True, "share the token embedding with the output head"),
-            "init_std": _float(
-                0.02,
-                "std of the normal initialiser (output projections are scaled by 1/sqrt(2 num_layers))",
-                low=0.0,
-                low_open=True,
-            ),
-            "dtype": _str("float32", "activation / matmul dtype", ("float32", "bfloat16")),
-            "param_dtype": _str("float32", "parameter storage dtype", ("float32", "bfloat16")),
-            "attention_impl": _str("xla", "jax.nn.dot_product_attention backend for training", ("xla", "cudnn")),
-        },
-        "data": {
-            "path": _str(
-                "",
-                "'': the built-in corpus (the Python standard library's "
-                "sources); else a .txt/.md/.jsonl file, a directory or a glob",
-            ),
-            "jsonl_field": _str("text", "string field holding a document in .jsonl files"),
-            "val_fraction": _float(
-                0.02, "fraction of documents held out for evaluation", low=0.0, high=0.5, low_open=True
-            ),
-            "seq_len": _int(256, "tokens per training sequence", low=1),
-            "batch_size": _int(32, "global batch (sequences per step, over all processes)", low=1),
-            "seed": _int(0, "seed of the batch sampler (batches are a pure function of seed and step)", low=0),
-        },
-        "optim": {
-            "name": _str("adamw", "optimizer", ("adamw",)),
-            "learning_rate": _float(3e-3, "peak learning rate", low=0.0),
-            "warmup_steps": _int(100, "linear warm-up steps from 0 to the peak", low=0),
-            "schedule": _str("cosine", "decay after warm-up", ("cosine", "constant", "linear")),
-            "min_lr_ratio": _float(0.1, "final learning rate as a fraction of the peak", low=0.0, high=1.0),
-            "b1": _float(0.9, "first-moment decay", low=0.0, high=1.0),
-            "b2": _float(0.95, "second-moment decay", low=0.0, high=1.0),
-            "eps": _float(1e-8, "denominator epsilon", low=0.0),
-            "weight_decay": _float(
-                0.1, "decoupled weight decay (matrices only; not norms, biases, embeddings)", low=0.0
-            ),
-            "grad_clip_norm": _float(1.0, "clip the global gradient norm to this (0 disables)", low=0.0),
-        },
-        "train": {
-            "steps": _int(1000, "optimizer steps", low=1),
-            "seed": _int(0, "seed of parameter initialisation and per-step randomness", low=0),
-            "log_every": _int(10, "steps between train-metric rows in metrics.jsonl", low=1),
-            "eval_every": _int(200, "steps between evaluations (and always at the last step)", low=1),
-            "eval_batches": _int(8, "held-out batches per evaluation", low=1),
-            "progress": _bool(True, "show a progress bar"),
-        },
-        "mesh": {
-            "site": _int(1, "mesh axis 'site' size (federated sites); -1 = all remaining devices", low=-1),
-            "data": _int(-1, "mesh axis 'data' size (data parallel); -1 = all remaining devices", low=-1),
-            "expert": _int(1, "mesh axis 'expert' size (expert parallel); -1 = all remaining devices", low=-1),
-            "model": _int(1, "mesh axis 'model' size (tensor parallel); -1 = all remaining devices", low=-1),
-            "rules": Field(
-                DEFAULT_RULES,
-                (tuple,),
-                "logical axis -> mesh axis rules: ((logical, mesh axis | tuple of mesh axes | None), ...)",
-            ),
-            "num_processes": _int(1, "processes in a multi-process run (jax.distributed)", low=1),
-            "process_id": _int(0, "this process's index in a multi-process run", low=0),
-            "coordinator_address": _str("", "host:port of process 0 in a multi-process run"),
-        },
-        "checkpoint": {
-            "every": _int(
-                100,
-                "steps between checkpoints (the last step is always saved); 0 = only the last; "
-                "federated runs save after every round",
-                low=0,
-            ),
-            "keep": _int(2, "checkpoints kept on disk", low=1),
-            "resume": _bool(True, "resume from the latest checkpoint in the workdir if there is one"),
-            "async_save": _bool(False, "write checkpoints in a background thread"),
-        },
-        "sample": {
-            "prompt": _str("def ", "prompt for the sample printed after training ('' = no sample)"),
-            "num_tokens": _int(200, "tokens to generate", low=0),
-            "temperature": _float(0.7, "sampling temperature (0 = greedy)", low=0.0),
-            "top_k": _int(0, "sample from the k most likely tokens (0 = all)", low=0),
-        },
-    }
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """The section `model`: the transformer's hyper-parameters (core.model.Transformer)."""
+
+    compat: ClassVar[Compat] = True
+
+    vocab_size: int = field(
+        264,
+        f"embedding rows; >= the tokenizer's {VOCAB_SIZE} (bytes + PAD/BOS/EOS), a multiple of 8 keeps matmuls "
+        "aligned",
+        low=1,
+    )
+    d_model: int = field(256, "residual stream width", low=1)
+    num_layers: int = field(4, "transformer blocks", low=1)
+    num_heads: int = field(8, "query heads; must divide d_model", low=1)
+    num_kv_heads: int = field(8, "key/value heads (grouped-query attention); must divide num_heads", low=1)
+    d_ff: int = field(1024, "hidden width of the dense MLP", low=1)
+    mlp: str = field(
+        "swiglu",
+        "dense MLP form: 'swiglu' (SiLU-gated, 3 matrices) or 'silu' (2 matrices)",
+        choices=("swiglu", "silu"),
+    )
+    norm: str = field("rmsnorm", "normalisation layer", choices=("rmsnorm", "layernorm"))
+    norm_eps: float = field(1e-6, "epsilon inside the norm", low=0.0, low_open=True)
+    peri_ln: bool = field(False, "Peri-LN: also normalise each sublayer's output before the residual add")
+    rope_theta: float = field(10_000.0, "RoPE base frequency", low=1.0)
+    tie_embeddings: bool = field(True, "share the token embedding with the output head")
+    init_std: float = field(
+        0.02,
+        "std of the normal initialiser (output projections are scaled by 1/sqrt(2 num_layers))",
+        low=0.0,
+        low_open=True,
+    )
+    dtype: str = field("float32", "activation / matmul dtype", choices=_DTYPES)
+    param_dtype: str = field("float32", "parameter storage dtype", choices=_DTYPES)
+    attention_impl: str = field("xla", "jax.nn.dot_product_attention backend for training", choices=("xla", "cudnn"))
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def compute_dtype(self) -> Any:
+        """`dtype` as a JAX dtype."""
+        import jax.numpy as jnp  # the config module imports JAX only once a model is built
+
+        return jnp.dtype(self.dtype)
+
+    @property
+    def weight_dtype(self) -> Any:
+        """`param_dtype` as a JAX dtype."""
+        import jax.numpy as jnp
+
+        return jnp.dtype(self.param_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The section `data`: the corpus and its batches (core.data). The corpus itself takes part in resume
+    compatibility through its fingerprint."""
+
+    compat: ClassVar[Compat] = ("seq_len", "batch_size")
+
+    path: str = field(
+        "",
+        "'': the built-in corpus (the Python standard library's sources); else a .txt/.md/.jsonl file, a "
+        "directory or a glob",
+    )
+    jsonl_field: str = field("text", "string field holding a document in .jsonl files")
+    val_fraction: float = field(0.02, "fraction of documents held out for evaluation", low=0.0, high=0.5, low_open=True)
+    seq_len: int = field(256, "tokens per training sequence", low=1)
+    batch_size: int = field(32, "global batch (sequences per step, over all processes)", low=1)
+    seed: int = field(0, "seed of the batch sampler (batches are a pure function of seed and step)", low=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """The section `optim`: which optimizer, its learning-rate schedule and clipping (core.train). Optimizer
+    families add their own keys by subclassing (optim.config); the composition root registers the names."""
+
+    compat: ClassVar[Compat] = ("name",)
+
+    name: str = field("adamw", "optimizer", choices=("adamw",))
+    learning_rate: float = field(3e-3, "peak learning rate", low=0.0)
+    warmup_steps: int = field(100, "linear warm-up steps from 0 to the peak", low=0)
+    schedule: str = field("cosine", "decay after warm-up", choices=("cosine", "constant", "linear"))
+    min_lr_ratio: float = field(0.1, "final learning rate as a fraction of the peak", low=0.0, high=1.0)
+    b1: float = field(0.9, "first-moment decay", low=0.0, high=1.0)
+    b2: float = field(0.95, "second-moment decay", low=0.0, high=1.0)
+    eps: float = field(1e-8, "denominator epsilon", low=0.0)
+    weight_decay: float = field(0.1, "decoupled weight decay (matrices only; not norms, biases, embeddings)", low=0.0)
+    grad_clip_norm: float = field(1.0, "clip the global gradient norm to this (0 disables)", low=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The section `train`: the length, seed and cadences of the training loop (core.train)."""
+
+    compat: ClassVar[Compat] = False
+
+    steps: int = field(1000, "optimizer steps", low=1)
+    seed: int = field(0, "seed of parameter initialisation and per-step randomness", low=0)
+    log_every: int = field(10, "steps between train-metric rows in metrics.jsonl", low=1)
+    eval_every: int = field(200, "steps between evaluations (and always at the last step)", low=1)
+    eval_batches: int = field(8, "held-out batches per evaluation", low=1)
+    progress: bool = field(True, "show a progress bar")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """The section `mesh`: the device mesh, the logical-axis rules and the processes (core.mesh)."""
+
+    compat: ClassVar[Compat] = False
+
+    site: int = field(1, "mesh axis 'site' size (federated sites); -1 = all remaining devices", low=-1)
+    data: int = field(-1, "mesh axis 'data' size (data parallel); -1 = all remaining devices", low=-1)
+    expert: int = field(1, "mesh axis 'expert' size (expert parallel); -1 = all remaining devices", low=-1)
+    model: int = field(1, "mesh axis 'model' size (tensor parallel); -1 = all remaining devices", low=-1)
+    rules: tuple[tuple[str, Any], ...] = field(
+        DEFAULT_RULES, "logical axis -> mesh axis rules: ((logical, mesh axis | tuple of mesh axes | None), ...)"
+    )
+    num_processes: int = field(1, "processes in a multi-process run (jax.distributed)", low=1)
+    process_id: int = field(0, "this process's index in a multi-process run", low=0)
+    coordinator_address: str = field("", "host:port of process 0 in a multi-process run")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """The section `checkpoint`: when checkpoints are written and whether a run resumes (core.checkpoint)."""
+
+    compat: ClassVar[Compat] = False
+
+    every: int = field(
+        100,
+        "steps between checkpoints (the last step is always saved); 0 = only the last; federated runs save after "
+        "every round",
+        low=0,
+    )
+    keep: int = field(2, "checkpoints kept on disk", low=1)
+    resume: bool = field(True, "resume from the latest checkpoint in the workdir if there is one")
+    async_save: bool = field(False, "write checkpoints in a background thread")
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleConfig:
+    """The section `sample`: the text generated after training (core.generate)."""
+
+    compat: ClassVar[Compat] = False
+
+    prompt: str = field("def ", "prompt for the sample printed after training ('' = no sample)")
+    num_tokens: int = field(200, "tokens to generate", low=0)
+    temperature: float = field(0.7, "sampling temperature (0 = greedy)", low=0.0)
+    top_k: int = field(0, "sample from the k most likely tokens (0 = all)", low=0)
+
+
+SECTIONS: dict[str, type] = {
+    "model": TransformerConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "train": TrainConfig,
+    "mesh": MeshConfig,
+    "checkpoint": CheckpointConfig,
+    "sample": SampleConfig,
+}
+"""The core sections: name -> declaration. Other packages declare theirs the same way; the composition root
+(`experiments/build.py`) adds them."""
+
+
+def schema(sections: Mapping[str, type] | None = None) -> Schema:
+    """The fields of `sections` (default: the core ones) as a fresh nested dict (callers may extend it)."""
+    return {name: section_fields(cls) for name, cls in (SECTIONS if sections is None else sections).items()}
+
+
+def checkpoint_compat(
+    config: ml_collections.ConfigDict, sections: Mapping[str, type], data_fingerprint: str
+) -> dict[str, Any]:
+    """The facts a checkpoint must share with the running program to be resumed, from each section's `compat`
+    declaration: whole sections as `{name: {key: value}}`, single keys as `{"name.key": value}`, and the corpus
+    as `{"data": fingerprint}`."""
+    facts: dict[str, Any] = {}
+    for name, cls in sections.items():
+        keys = getattr(cls, "compat", None)
+        if keys is None:
+            raise TypeError(f"config section {name!r} ({cls.__name__}) does not declare `compat`.")
+        if keys is True:
+            facts[name] = config[name].to_dict()
+        elif keys:
+            facts.update({f"{name}.{key}": config[name][key] for key in keys})
+    return {**facts, "data": data_fingerprint}
 
 
 def defaults(spec: Schema | None = None) -> ml_collections.ConfigDict:
-    """The default ConfigDict of a schema (the core schema by default)."""
+    """The default ConfigDict of a schema (the core schema by default). A key whose default is None holds a typed
+    placeholder, so that the command line can still set it (`--config.optim.b2=0.99`)."""
     spec = schema() if spec is None else spec
+
+    def default(f: Field) -> Any:
+        if f.default is not None:
+            return f.default
+        return ml_collections.config_dict.placeholder(next(t for t in f.types if t is not type(None)))
+
     return ml_collections.ConfigDict(
-        {section: {key: f.default for key, f in fields.items()} for section, fields in spec.items()}
+        {section: {key: default(f) for key, f in fields.items()} for section, fields in spec.items()}
     )
 
 
@@ -362,10 +544,10 @@ def _check_core(config: ml_collections.ConfigDict, num_devices: int | None) -> N
             f"head dim d_model / num_heads = {m.d_model // m.num_heads} (model.d_model = "
             f"{m.d_model}, model.num_heads = {m.num_heads}) must be even for RoPE."
         )
-    if m.vocab_size < 259:
+    if m.vocab_size < VOCAB_SIZE:
         raise ConfigError(
-            f"config key 'model.vocab_size' = {m.vocab_size} is smaller than the byte "
-            "tokenizer's 259 ids (256 bytes + PAD, BOS, EOS)."
+            f"config key 'model.vocab_size' = {m.vocab_size} is smaller than the byte tokenizer's {VOCAB_SIZE} ids "
+            f"({NUM_BYTES} bytes + PAD, BOS, EOS)."
         )
     o = config.optim
     if o.warmup_steps > config.train.steps:

@@ -37,10 +37,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-PAD_ID = 256
-BOS_ID = 257
-EOS_ID = 258
-VOCAB_SIZE = 259  # 256 byte values + PAD, BOS, EOS.
+NUM_BYTES = 256  # token ids 0..255 are the byte values
+PAD_ID = NUM_BYTES
+BOS_ID = NUM_BYTES + 1
+EOS_ID = NUM_BYTES + 2
+VOCAB_SIZE = NUM_BYTES + 3  # the byte values + PAD, BOS, EOS
 
 TEXT_SUFFIXES = (".md", ".py", ".text", ".txt")  # One file is one document.
 JSONL_SUFFIXES = (".jsonl",)  # One document per line, from a string field.
@@ -59,7 +60,7 @@ class DataError(ValueError):
 
 
 class ByteTokenizer:
-    """Stateless byte-level tokenizer: token ``i < 256`` is byte ``i``; 256..258 are specials."""
+    """Stateless byte-level tokenizer: token ``i < NUM_BYTES`` (256) is byte ``i``; PAD, BOS, EOS follow."""
 
     vocab_size: ClassVar[int] = VOCAB_SIZE
     pad_id: ClassVar[int] = PAD_ID
@@ -85,16 +86,16 @@ class ByteTokenizer:
         bad = (ids < 0) | (ids >= VOCAB_SIZE)
         if bad.any():
             raise DataError(f"token id {ids[bad][0]} is outside [0, {VOCAB_SIZE})")
-        return ids[ids < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+        return ids[ids < NUM_BYTES].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
 def count_bytes(targets: np.ndarray) -> int:
-    """Number of byte tokens (``< 256``) in ``targets`` (any shape, integer).
+    """Number of byte tokens (``< NUM_BYTES``) in ``targets`` (any shape, integer).
 
     Bits per byte of a batch is ``total_nll_nats / (ln 2 * count_bytes(targets))``: specials
     (PAD, BOS, EOS) are not bytes of text and are not counted.
     """
-    return int(np.count_nonzero(np.asarray(targets) < 256))
+    return int(np.count_nonzero(np.asarray(targets) < NUM_BYTES))
 
 
 # --------------------------------------------------------------------------- corpus

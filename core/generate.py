@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from core import attention as attention_lib
-from core.data import EOS_ID, PAD_ID
+from core.data import EOS_ID, NUM_BYTES, PAD_ID
 
 __all__ = ["dense_cache_factory", "generate"]
 
@@ -39,7 +39,7 @@ def dense_cache_factory(model, dtype=jnp.bfloat16) -> CacheFactory:
 def _sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int) -> jax.Array:
     """logits [B, V] -> tokens [B]; greedy when temperature == 0. Special ids other than EOS are never sampled."""
     vocab = jnp.arange(logits.shape[-1])
-    logits = jnp.where((vocab < 256) | (vocab == EOS_ID), logits, -jnp.inf)
+    logits = jnp.where((vocab < NUM_BYTES) | (vocab == EOS_ID), logits, -jnp.inf)
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / temperature

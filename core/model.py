@@ -28,10 +28,10 @@ from typing import Protocol
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from flax import nnx
 
 from core import attention as attention_lib
+from core.config import TransformerConfig
 from core.mesh import Sharder
 
 __all__ = [
@@ -51,45 +51,6 @@ DotGeneral = Callable[..., jax.Array]
 GroupedMatmul = Callable[..., jax.Array]
 """`(lhs [M, K], rhs [G, K, N], group_sizes [G] int32, *, preferred_element_type=None) -> [M, N]`, the signature
 of `jax.lax.ragged_dot`: rows sorted by group, group g multiplied by rhs[g] (a MoE's experts)."""
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-@dataclasses.dataclass(frozen=True)
-class TransformerConfig:
-    """Hyper-parameters of the transformer; the fields of the config section `model` (see core.config)."""
-
-    vocab_size: int = 264
-    d_model: int = 256
-    num_layers: int = 4
-    num_heads: int = 8
-    num_kv_heads: int = 8
-    d_ff: int = 1024
-    mlp: str = "swiglu"
-    norm: str = "rmsnorm"
-    norm_eps: float = 1e-6
-    peri_ln: bool = False
-    rope_theta: float = 10_000.0
-    tie_embeddings: bool = True
-    init_std: float = 0.02
-    dtype: str = "float32"
-    param_dtype: str = "float32"
-    attention_impl: str = "xla"
-
-    @classmethod
-    def from_config(cls, model: ml_collections.ConfigDict) -> TransformerConfig:
-        return cls(**model.to_dict())
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
-
-    @property
-    def compute_dtype(self):
-        return _DTYPES[self.dtype]
-
-    @property
-    def weight_dtype(self):
-        return _DTYPES[self.param_dtype]
 
 
 class Precision(Protocol):
@@ -291,9 +252,12 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
     """The decoder-only language model.
 
-    Call: `model(tokens [B, T] int32, *, key=None, cache=None, positions=None)` returns
-    `(logits [B, T, vocab] float32, aux, cache)`: aux entries named `loss/*` are summed over layers (they join
-    the objective), the others (statistics) averaged over the layers that report them. Without a cache, positions
+    Call: `model(tokens [B, T] int32, *, key=None, cache=None, positions=None, intermediates=False)` returns
+    `(logits [B, T, vocab] float32, aux, cache)`: scalar aux entries named `loss/*` are summed over layers (they
+    join the objective), the other scalars (statistics) averaged over the layers that report them. Non-scalar
+    entries an FFN reports are per-layer intermediates (a MoE layer's "routes"): with `intermediates=True`,
+    `aux["intermediates"][name]` holds them in layer order (a tuple, one per reporting layer); otherwise they are
+    dropped, and XLA prunes their computation. Without a cache, positions
     default to 0..T-1 and attention is causal over the T tokens; with a cache, the tokens continue each sequence
     at `cache.lengths` and the returned cache has advanced by T.
     """
@@ -342,6 +306,7 @@ class Transformer(nnx.Module):
         key: jax.Array | None = None,
         cache: attention_lib.KVCache | None = None,
         positions: jax.Array | None = None,
+        intermediates: bool = False,
     ):
         b, t = tokens.shape
         if positions is None:
@@ -351,14 +316,20 @@ class Transformer(nnx.Module):
         x = self.shard(x, ("batch", "seq", "embed"))
         sums: dict[str, jax.Array] = {}
         counts: dict[str, int] = {}
+        per_layer: dict[str, list[jax.Array]] = {}
         for block in self.blocks:
             x, block_aux, cache = block(x, positions, key=key, cache=cache)
             for name, value in block_aux.items():
+                if jnp.ndim(value):  # an intermediate (a MoE layer's routes): kept per layer, on request only
+                    per_layer.setdefault(name, []).append(value)
+                    continue
                 sums[name] = sums.get(name, 0.0) + value
                 counts[name] = counts.get(name, 0) + 1
         # Losses add up over layers; statistics (e.g. a router's load balance) are averaged over the layers
         # that report them.
-        aux = {k: v if k.startswith("loss/") else v / counts[k] for k, v in sums.items()}
+        aux: dict = {k: v if k.startswith("loss/") else v / counts[k] for k, v in sums.items()}
+        if intermediates:
+            aux["intermediates"] = {name: tuple(values) for name, values in per_layer.items()}
         x = self.final_norm(x)
         if self.cfg.tie_embeddings:
             dot_general = self.precision.dot_general("head", layer_key(key, "head"))

@@ -1,19 +1,22 @@
-"""Training: the loss, jitted train and eval steps, the learning-rate schedule, and the loop.
+"""Training: the loss, jitted train and eval steps, the learning-rate schedule, and the one training loop.
 
-The loop is deliberately plain: for each step it builds the batch (a pure function of the step), runs the jitted
-step, checks the loss is finite, appends metrics, evaluates and checkpoints on their cadences. Everything it needs
-to continue (parameters, optimizer state, step, PRNG key and the running metric window) is in the checkpoint, so
-rerunning the same command after a crash resumes and writes the same metrics as an uninterrupted run.
+`run` is the loop every experiment uses. It drives a `Stepper`, which advances the state by one call: one train step
+(`PlainStepper`, `train`) or one federated round of K local steps and their synchronisation
+(experiments/federated.py). The loop itself is deliberately plain and the same for both: run the call, check the
+loss is finite, write metric rows, evaluate and checkpoint on their cadences. Everything it needs to continue
+(parameters, optimizer state, step, PRNG key and the open metric window) is in the checkpoint, so rerunning the
+same command after a crash resumes and writes the same metrics as an uninterrupted run.
 """
 
 from __future__ import annotations
 
+import abc
 import functools
 import json
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -25,14 +28,18 @@ from flax import nnx
 
 from core import checkpoint as checkpoint_lib
 from core import hlo
-from core.data import PAD_ID, Batches
+from core.data import NUM_BYTES, PAD_ID, Batches
 from core.mesh import Sharder, param_shardings
 
 __all__ = [
     "MetricsLog",
     "NonFiniteLossError",
+    "PeerLostError",
+    "PlainStepper",
+    "StateMetrics",
+    "Stepper",
     "TrainState",
-    "checkpoint_compat",
+    "crossed",
     "evaluate",
     "init_state",
     "learning_rate_schedule",
@@ -40,7 +47,8 @@ __all__ = [
     "make_eval_step",
     "make_train_step",
     "mirror",
-    "open_checkpoints",
+    "progress_bar",
+    "run",
     "train",
     "train_step_fn",
 ]
@@ -48,19 +56,34 @@ __all__ = [
 LN2 = math.log(2.0)
 
 
-class NonFiniteLossError(FloatingPointError):
-    """The loss or gradient norm became NaN/Inf. Carries the step and the last good checkpoint."""
+StateMetrics = Callable[[Any], dict[str, jax.Array]]
+"""opt_state -> metrics the optimizer reports about its last update (e.g. MGUP's selected fraction)."""
 
-    def __init__(self, step: int, loss: float, grad_norm: float, last_checkpoint: int | None, directory: str):
-        self.step, self.last_checkpoint = step, last_checkpoint
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss or gradient norm became NaN/Inf. Carries `step` (the last step of the call that produced it),
+    `where` ("step 7", or "round 3 (steps 7-9)") and `last_checkpoint` (the last good checkpoint's step or None)."""
+
+    def __init__(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        last_checkpoint: int | None,
+        directory: str,
+        *,
+        where: str | None = None,
+    ):
+        where = f"step {step}" if where is None else where
+        self.step, self.where, self.last_checkpoint = step, where, last_checkpoint
         kept = (
             f"the last good checkpoint (step {last_checkpoint}) is kept in {directory}"
             if last_checkpoint is not None
             else "no checkpoint had been written yet"
         )
         super().__init__(
-            f"training stopped at step {step}: loss = {loss}, gradient norm = {grad_norm} (not "
-            f"finite); {kept}. Lower optim.learning_rate or enable optim.grad_clip_norm."
+            f"training stopped at {where}: loss = {loss}, gradient norm = {grad_norm} (not finite); {kept}. "
+            "Lower optim.learning_rate or enable optim.grad_clip_norm."
         )
 
 
@@ -109,16 +132,28 @@ def lm_loss(model: nnx.Module, tokens: jax.Array, *, key: jax.Array | None = Non
 
 
 def make_train_step(
-    graphdef, optimizer: optax.GradientTransformation, loss_fn: Callable = lm_loss
+    graphdef,
+    optimizer: optax.GradientTransformation,
+    loss_fn: Callable = lm_loss,
+    *,
+    state_metrics: StateMetrics | None = None,
 ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
     """A jitted `(state, tokens [B, T+1]) -> (state, metrics)`; the state is donated."""
-    return jax.jit(train_step_fn(graphdef, optimizer, loss_fn), donate_argnums=0)
+    return jax.jit(train_step_fn(graphdef, optimizer, loss_fn, state_metrics=state_metrics), donate_argnums=0)
 
 
 def train_step_fn(
-    graphdef, optimizer: optax.GradientTransformation, loss_fn: Callable = lm_loss
+    graphdef,
+    optimizer: optax.GradientTransformation,
+    loss_fn: Callable = lm_loss,
+    *,
+    state_metrics: StateMetrics | None = None,
 ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
-    """The train step as a plain function (to jit, vmap over sites, ...): forward, backward, optimizer update."""
+    """The train step as a plain function (to jit, vmap over sites, ...): forward, backward, optimizer update.
+
+    Metrics: the loss function's, "grad_norm" (global norm of the gradient before clipping), and
+    `state_metrics(new optimizer state)` when given.
+    """
 
     def step(state: TrainState, tokens: jax.Array):
         key = jax.random.fold_in(state.key, state.step)
@@ -132,6 +167,8 @@ def train_step_fn(
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {**metrics, "grad_norm": _global_norm(grads)}
+        if state_metrics is not None:
+            metrics.update(state_metrics(opt_state))
         return TrainState(state.step + 1, params, rest, opt_state, state.key), metrics
 
     return step
@@ -151,7 +188,11 @@ def make_eval_step(graphdef) -> Callable[[Any, Any, jax.Array], dict]:
         logits, _, _ = model(inputs)
         nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
         mask = targets != PAD_ID
-        return {"nll_sum": jnp.sum(jnp.where(mask, nll, 0.0)), "tokens": jnp.sum(mask), "bytes": jnp.sum(targets < 256)}
+        return {
+            "nll_sum": jnp.sum(jnp.where(mask, nll, 0.0)),
+            "tokens": jnp.sum(mask),
+            "bytes": jnp.sum(targets < NUM_BYTES),
+        }
 
     return step
 
@@ -249,33 +290,232 @@ class MetricsLog:
             return [json.loads(line) for line in f if line.strip()]
 
 
-def checkpoint_compat(config: ml_collections.ConfigDict, data_fingerprint: str) -> dict[str, Any]:
-    """Facts a checkpoint must share with the running program to be resumed: the architecture (`model` and every
-    section other packages add, such as `moe`), the optimizer and the data."""
-    runtime = ("data", "optim", "train", "mesh", "checkpoint", "sample", "kvcache")  # kvcache: inference only
-    arch = {name: config[name].to_dict() for name in config if name not in runtime}
-    return {
-        **arch,
-        "optim.name": config.optim.name,
-        "data": data_fingerprint,
-        "data.seq_len": config.data.seq_len,
-        "data.batch_size": config.data.batch_size,
-    }
+class PeerLostError(RuntimeError):
+    """A call failed in a multi-process run: another process died or became unreachable and the collective that
+    joined them broke. The message names the last checkpoint to resume from."""
 
 
-def open_checkpoints(config: ml_collections.ConfigDict, workdir: str, state, data_fingerprint: str, log: MetricsLog):
+class Stepper(abc.ABC):
+    """What the training driver (`run`) advances: one call runs `steps_per_call` optimizer steps.
+
+    A plain run calls one train step (`PlainStepper`); a federated run calls one round of K local steps on every
+    site and their synchronisation (experiments/federated.py). The driver does everything else the same way for
+    both: NaN/Inf guard, metric rows, evaluation and checkpoint cadences, progress, resume, cleanup.
+    """
+
+    steps_per_call: int = 1
+    unit: str = "step"  # what one call is called in the progress bar and in error messages
+    warmup_calls: int = 1  # first calls of a process left out of the throughput (they compile or warm up)
+
+    @abc.abstractmethod
+    def completed_steps(self, state: Any) -> int:
+        """Optimizer steps `state` has completed (a whole number of calls)."""
+
+    @abc.abstractmethod
+    def step(self, state: Any, call: int) -> tuple[Any, dict[str, float]]:
+        """Runs call number `call` (0-based: steps call * steps_per_call + 1 .. (call + 1) * steps_per_call).
+        Returns the new state and host floats: "loss" and "grad_norm" (the driver checks both are finite) and any
+        other metric, each the mean over the call's steps (and sites)."""
+
+    @abc.abstractmethod
+    def evaluate(self, state: Any) -> dict[str, float]:
+        """Held-out metrics of `state`: at least "val_loss" and "val_bits_per_byte"."""
+
+    def checkpoint_every(self, every: int) -> int:
+        """Steps between checkpoints given `checkpoint.every` (0: only the last step)."""
+        return every
+
+    def tags(self, call: int) -> dict[str, Any]:
+        """Columns that identify the call in every metric row it writes (a federated round's number)."""
+        del call
+        return {}
+
+    def after_step(self, state: Any, call: int) -> tuple[Any, dict[str, float]]:
+        """Work between a call's evaluation and its checkpoint (a federation's reshuffle); returns the new state and
+        metrics for a row of their own ({} writes none)."""
+        del call
+        return state, {}
+
+    def results(self, state: Any) -> dict[str, Any]:
+        """Entries the driver's result adds at the end: final_state, graphdef, measured bytes, ..."""
+        return {"final_state": state}
+
+
+def crossed(done: int, every: int, span: int) -> bool:
+    """Whether the call that ended at step `done` (`span` steps long) passed a multiple of `every` (0: never)."""
+    return every > 0 and done // every > (done - span) // every
+
+
+def run(
+    config: ml_collections.ConfigDict,
+    stepper: Stepper,
+    state: Any,
+    *,
+    workdir: str,
+    compat: Mapping[str, Any],
+    hooks: Sequence[Callable[[int, dict[str, float]], None]] = (),
+    on_start: Callable[[int | None], None] | None = None,
+) -> dict[str, Any]:
+    """The one training loop: advances `state` by `stepper` calls up to `train.steps`, resuming from
+    `<workdir>/checkpoints` when it holds one.
+
+    Every call: the stepper runs; a non-finite loss or gradient norm stops the run (`NonFiniteLossError`, naming
+    the step and the last good checkpoint); a row of train metrics is written whenever the call passes a multiple
+    of `train.log_every` (train_loss: the mean over the calls since the last row), an evaluation row at multiples
+    of `train.eval_every` and at the end, and a checkpoint at multiples of the stepper's checkpoint cadence and at
+    the end. The checkpoint holds the state and the open metric window, so a rerun after a crash resumes and writes
+    the same rows as an uninterrupted run. Checkpointer and progress bar are closed whatever happens.
+
+    Args:
+      state: the initial state (its structure and shardings are also the template a checkpoint restores into).
+      compat: what a checkpoint must share with this program to be resumed (core.config.checkpoint_compat).
+      hooks: called after every call as `hook(step, metrics)`; an exception stops the run as a crash would.
+      on_start: called once the state is built or restored, before the first call, with the step resumed from
+        (or None); the place to write run records, since a refused checkpoint never gets there.
+    Returns:
+      train_loss (of the last row), val_loss, val_bits_per_byte and the other evaluation entries, tokens_per_second
+      (steady state, warm-up calls excluded; None if none ran), steps, resumed_from, and the stepper's `results`.
+    Raises:
+      NonFiniteLossError, checkpoint.CheckpointError (a checkpoint beyond train.steps, from another program, or
+      present while checkpoint.resume is False; nothing on disk changes then), PeerLostError.
+    """
+    tc, k = config.train, stepper.steps_per_call
+    is_main = jax.process_index() == 0
+    os.makedirs(workdir, exist_ok=True)
+    log = MetricsLog(workdir, enabled=is_main)
+    checkpointer, state, window, resumed_from = _open_checkpoints(config, workdir, state, compat, log)
+    if on_start is not None:
+        on_start(resumed_from)
+    schedule = learning_rate_schedule(config.optim, tc.steps)
+    tokens_per_call = config.data.batch_size * config.data.seq_len * k
+    checkpoint_every = stepper.checkpoint_every(config.checkpoint.every)
+    start, total = stepper.completed_steps(state) // k, tc.steps // k
+    results: dict[str, Any] = {"steps": start * k, "resumed_from": resumed_from}
+    steady = _Timer()
+    progress = progress_bar(
+        start, total, enabled=tc.progress and is_main, desc=f"train ({stepper.unit}s)", unit=stepper.unit
+    )
+    last_saved, call = resumed_from, start
+    try:
+        for call in range(start, total):
+            t0 = time.perf_counter()
+            state, metrics = stepper.step(state, call)
+            seconds = time.perf_counter() - t0
+            done = (call + 1) * k
+            if call >= start + stepper.warmup_calls:
+                steady.add(seconds)
+                window.time.add(seconds)
+            if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
+                where = f"step {done}" if k == 1 else f"{stepper.unit} {call + 1} (steps {done - k + 1}-{done})"
+                raise NonFiniteLossError(
+                    done, metrics["loss"], metrics["grad_norm"], last_saved, checkpointer.directory, where=where
+                )
+            window.add(metrics["loss"])
+            tags = {"step": done, **stepper.tags(call)}
+            if crossed(done, tc.log_every, k) or done == tc.steps:
+                row = {
+                    **tags,
+                    "train_loss": window.mean(),
+                    "grad_norm": metrics["grad_norm"],
+                    "learning_rate": float(schedule(done - 1)),
+                    "tokens_per_second": window.time.rate(tokens_per_call),
+                    **{name: v for name, v in metrics.items() if name not in ("loss", "grad_norm")},
+                }
+                log.write(row)
+                results["train_loss"] = row["train_loss"]
+                progress.set_postfix(loss=f"{row['train_loss']:.3f}", refresh=False)
+                window = _Window()
+            if crossed(done, tc.eval_every, k) or done == tc.steps:
+                ev = stepper.evaluate(state)
+                log.write({**tags, **ev})
+                results.update(ev)
+                if is_main:
+                    progress.write(
+                        f"{stepper.unit} {call + 1}/{total} (step {done}): held-out "
+                        f"{ev['val_bits_per_byte']:.3f} bits/byte"
+                    )
+            state, extra = stepper.after_step(state, call)
+            if extra:
+                log.write({**tags, **extra})
+            if crossed(done, checkpoint_every, k) or done == tc.steps:
+                checkpointer.save(done, state, loop=window.record(), compat=compat)
+                last_saved = done
+            results["steps"] = done
+            progress.update(1)
+            for hook in hooks:
+                hook(done, metrics)
+    except (NonFiniteLossError, checkpoint_lib.CheckpointError):
+        raise
+    except Exception as e:
+        if jax.process_count() == 1:
+            raise
+        kept = f"step {last_saved} in {checkpointer.directory}" if last_saved is not None else "none was written"
+        raise PeerLostError(
+            f"{stepper.unit} {call + 1} failed in a collective across processes ({type(e).__name__}: "
+            f"{str(e)[:200]}): another process has probably died. The last checkpoint: {kept}; rerun the same "
+            "command on every process to resume from it."
+        ) from None
+    finally:
+        progress.close()
+        checkpointer.wait()
+        checkpointer.close()
+    if "val_loss" not in results:  # resumed at the final step: evaluate the restored state
+        results.update(stepper.evaluate(state))
+        results["train_loss"] = next((r["train_loss"] for r in reversed(log.read()) if "train_loss" in r), math.nan)
+    results["tokens_per_second"] = steady.rate(tokens_per_call)
+    return {**results, **stepper.results(state)}
+
+
+class _Timer:
+    """Seconds and count of timed calls."""
+
+    def __init__(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+    def add(self, seconds: float) -> None:
+        self.seconds, self.calls = self.seconds + seconds, self.calls + 1
+
+    def rate(self, per_call: float) -> float | None:
+        return per_call * self.calls / self.seconds if self.calls else None
+
+
+class _Window:
+    """The calls since the last train row: the sum of their mean losses (saved in checkpoints) and their timing
+    (not saved: a resumed window is timed from the resume on)."""
+
+    def __init__(self, loss_sum: float = 0.0, calls: int = 0) -> None:
+        self.loss_sum, self.calls, self.time = loss_sum, calls, _Timer()
+
+    def add(self, loss: float) -> None:
+        self.loss_sum, self.calls = self.loss_sum + loss, self.calls + 1
+
+    def mean(self) -> float:
+        return self.loss_sum / self.calls
+
+    def record(self) -> dict[str, Any]:
+        return {"window_loss_sum": self.loss_sum, "window_calls": self.calls}
+
+    @classmethod
+    def restore(cls, record: Mapping[str, Any] | None) -> _Window:
+        record = record or {}
+        # "window_steps": checkpoints of plain runs written before calls and steps were told apart
+        return cls(record.get("window_loss_sum", 0.0), record.get("window_calls", record.get("window_steps", 0)))
+
+
+def _open_checkpoints(
+    config: ml_collections.ConfigDict, workdir: str, state: Any, compat: Mapping[str, Any], log: MetricsLog
+) -> tuple[checkpoint_lib.Checkpointer, Any, _Window, int | None]:
     """The run's `<workdir>/checkpoints`: restores the latest checkpoint into `state` when `checkpoint.resume`
     allows (after checking it belongs to this program), and moves metric rows written after it aside.
 
-    Returns (checkpointer, compat facts, state, the saved loop record or None, the step resumed from or None).
-    Raises CheckpointError for a checkpoint beyond train.steps, one from another program, or checkpoints present
-    while checkpoint.resume is False; nothing on disk changes then.
+    Returns (checkpointer, state, the open metric window, the step resumed from or None). Raises CheckpointError
+    for a checkpoint beyond train.steps, one from another program, or checkpoints present while checkpoint.resume
+    is False; nothing on disk changes then.
     """
     cc, steps = config.checkpoint, config.train.steps
     checkpointer = checkpoint_lib.Checkpointer(
         os.path.join(workdir, "checkpoints"), keep=cc.keep, async_save=cc.async_save
     )
-    compat = checkpoint_compat(config, data_fingerprint)
     latest = checkpointer.latest_step()
     if latest is not None and not cc.resume:
         raise checkpoint_lib.CheckpointError(
@@ -283,7 +523,7 @@ def open_checkpoints(config: ml_collections.ConfigDict, workdir: str, state, dat
             "--workdir so they are not overwritten."
         )
     if latest is None:
-        return checkpointer, compat, state, None, None
+        return checkpointer, state, _Window(), None
     if latest > steps:
         raise checkpoint_lib.CheckpointError(
             f"the latest checkpoint in {checkpointer.directory} is at step {latest}, beyond train.steps = "
@@ -293,7 +533,56 @@ def open_checkpoints(config: ml_collections.ConfigDict, workdir: str, state, dat
     log.truncate_after(latest)
     if jax.process_index() == 0:
         print(f"resuming from the checkpoint of step {latest} in {checkpointer.directory}", flush=True)
-    return checkpointer, compat, state, loop, latest
+    return checkpointer, state, _Window.restore(loop), latest
+
+
+class PlainStepper(Stepper):
+    """One jitted train step per call on the (data / tensor / expert parallel) mesh of `sharder`.
+
+    Each call puts step s's global batch (a pure function of s, `core.data.Batches`) onto the mesh. On several
+    devices the first call also reads what the step's all-reduces move per device (`core.hlo`).
+    """
+
+    warmup_calls = 2  # the first two calls compile (the second because donated outputs come back re-sharded)
+
+    def __init__(
+        self,
+        graphdef,
+        optimizer: optax.GradientTransformation,
+        batches: Batches,
+        sharder: Sharder,
+        *,
+        eval_batches: int,
+        state_metrics: StateMetrics | None = None,
+    ):
+        self.graphdef = graphdef
+        self.train_step = make_train_step(graphdef, optimizer, state_metrics=state_metrics)
+        self.eval_step = make_eval_step(graphdef)
+        batch_sharding = sharder.named(("batch", None))
+        self.put = lambda b: jax.make_array_from_process_local_data(batch_sharding, b)
+        self.batches = batches
+        self.val = [self.put(b) for b in batches.val_batches(eval_batches)]
+        self.bytes_per_step: float | None = None
+
+    def completed_steps(self, state: TrainState) -> int:
+        return int(state.step)
+
+    def step(self, state: TrainState, call: int) -> tuple[TrainState, dict[str, float]]:
+        tokens = self.put(self.batches.train_batch(call))
+        if self.bytes_per_step is None and jax.device_count() > 1:  # what data parallelism sends per step
+            compiled = self.train_step.lower(state, tokens).compile()
+            self.bytes_per_step = hlo.collective_bytes(compiled.as_text())["bytes_per_device"]
+        state, metrics = self.train_step(state, tokens)
+        return state, {name: float(v) for name, v in jax.device_get(metrics).items()}
+
+    def evaluate(self, state: TrainState) -> dict[str, float]:
+        return evaluate(self.eval_step, state, self.val)
+
+    def results(self, state: TrainState) -> dict[str, Any]:
+        out = {"final_state": state, "graphdef": self.graphdef}
+        if self.bytes_per_step is not None:
+            out["bytes_per_device_per_step"] = self.bytes_per_step
+        return out
 
 
 def train(
@@ -304,105 +593,19 @@ def train(
     optimizer: optax.GradientTransformation,
     batches: Batches,
     sharder: Sharder,
-    data_fingerprint: str,
+    compat: Mapping[str, Any],
+    state_metrics: StateMetrics | None = None,
     hooks: Sequence[Callable[[int, dict[str, float]], None]] = (),
     on_start: Callable[[int | None], None] | None = None,
 ) -> dict[str, Any]:
-    """Trains the model built by `model_fn(rngs)`, resuming from `<workdir>/checkpoints` when it holds one.
-
-    Args:
-      hooks: called at the end of every step (after logging, evaluation and checkpointing) as
-        `hook(step, metrics)` with host floats; an exception stops the run as a crash would.
-      on_start: called once the state is built or restored, before the first step, with the step resumed
-        from (or None); the place to write run records, since a refused checkpoint never gets there.
-    Returns:
-      the run's results: train_loss (mean over the last log window), val_loss, val_bits_per_byte,
-      tokens_per_second (steady state, compile steps excluded; None if no step ran), steps, resumed_from,
-      bytes_per_device_per_step (on several devices: what the step's all-reduces move, `core.hlo`),
-      final_state (TrainState) and graphdef.
-    """
-    tc, cc = config.train, config.checkpoint
-    is_main = jax.process_index() == 0
-    os.makedirs(workdir, exist_ok=True)
-    log = MetricsLog(workdir, enabled=is_main)
-    graphdef, state = init_state(model_fn, optimizer, tc.seed, sharder)
-    checkpointer, compat, state, loop, resumed_from = open_checkpoints(config, workdir, state, data_fingerprint, log)
-    loop = loop or {"window_loss_sum": 0.0, "window_steps": 0}
-
-    if on_start is not None:
-        on_start(resumed_from)
-    train_step, eval_step = make_train_step(graphdef, optimizer), make_eval_step(graphdef)
-    batch_sharding = sharder.named(("batch", None))
-    put = lambda b: jax.make_array_from_process_local_data(batch_sharding, b)  # noqa: E731
-    val = [put(b) for b in batches.val_batches(tc.eval_batches)]
-    schedule = learning_rate_schedule(config.optim, tc.steps)
-    tokens_per_step = config.data.batch_size * config.data.seq_len
-    start = int(state.step)
-    results: dict[str, Any] = {"steps": start, "resumed_from": resumed_from}
-    steady_time, steady_steps, window_time, window_timed = 0.0, 0, 0.0, 0
-    progress = progress_bar(start, tc.steps, enabled=tc.progress and is_main)
-    last_saved = resumed_from
-    try:
-        for step in range(start, tc.steps):
-            tokens = put(batches.train_batch(step))
-            if step == start and jax.device_count() > 1:  # what data parallelism sends per step (its all-reduces)
-                compiled = train_step.lower(state, tokens).compile()
-                results["bytes_per_device_per_step"] = hlo.collective_bytes(compiled.as_text())["bytes_per_device"]
-            t0 = time.perf_counter()
-            state, metrics = train_step(state, tokens)
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            dt = time.perf_counter() - t0
-            done = step + 1
-            if step > start + 1:  # the first two calls of a process include compilation
-                steady_time, steady_steps = steady_time + dt, steady_steps + 1
-                window_time, window_timed = window_time + dt, window_timed + 1
-            if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
-                raise NonFiniteLossError(
-                    done, metrics["loss"], metrics["grad_norm"], last_saved, checkpointer.directory
-                )
-            loop["window_loss_sum"] += metrics["loss"]
-            loop["window_steps"] += 1
-            if done % tc.log_every == 0 or done == tc.steps:
-                row = {
-                    "step": done,
-                    "train_loss": loop["window_loss_sum"] / loop["window_steps"],
-                    "grad_norm": metrics["grad_norm"],
-                    "learning_rate": float(schedule(step)),
-                    "tokens_per_second": tokens_per_step * window_timed / window_time if window_timed else None,
-                    **{k: v for k, v in metrics.items() if k not in ("loss", "grad_norm")},
-                }
-                log.write(row)
-                results["train_loss"] = row["train_loss"]
-                progress.set_postfix(loss=f"{row['train_loss']:.3f}", refresh=False)
-                loop = {"window_loss_sum": 0.0, "window_steps": 0}
-                window_time, window_timed = 0.0, 0
-            if done % tc.eval_every == 0 or done == tc.steps:
-                ev = evaluate(eval_step, state, val)
-                log.write({"step": done, **ev})
-                results.update(ev)
-                progress.set_postfix(
-                    loss=f"{results.get('train_loss', float('nan')):.3f}",
-                    val_bpb=f"{ev['val_bits_per_byte']:.3f}",
-                    refresh=False,
-                )
-            if (cc.every and done % cc.every == 0) or done == tc.steps:
-                checkpointer.save(done, state, loop=loop, compat=compat)
-                last_saved = done
-            progress.update(1)
-            results["steps"] = done
-            for hook in hooks:
-                hook(done, metrics)
-    finally:
-        progress.close()
-        checkpointer.wait()
-        checkpointer.close()
-    if "val_loss" not in results:  # resumed at the final step: evaluate the restored state
-        results.update(evaluate(eval_step, state, val))
-        results["train_loss"] = next((r["train_loss"] for r in reversed(log.read()) if "train_loss" in r), float("nan"))
-    results["tokens_per_second"] = tokens_per_step * steady_steps / steady_time if steady_steps else None
-    results["final_state"] = state
-    results["graphdef"] = graphdef
-    return results
+    """Trains the model built by `model_fn(rngs)` with `optimizer` one step per call (`PlainStepper` driven by
+    `run`), building the state directly in its shardings. Arguments and results as `run`'s; the results add
+    `graphdef` and, on several devices, `bytes_per_device_per_step` (what the step's all-reduces move)."""
+    graphdef, state = init_state(model_fn, optimizer, config.train.seed, sharder)
+    stepper = PlainStepper(
+        graphdef, optimizer, batches, sharder, eval_batches=config.train.eval_batches, state_metrics=state_metrics
+    )
+    return run(config, stepper, state, workdir=workdir, compat=compat, hooks=hooks, on_start=on_start)
 
 
 def progress_bar(start: int, total: int, *, enabled: bool, desc: str = "train", unit: str = "step"):

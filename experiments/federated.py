@@ -1,21 +1,16 @@
-"""The federated training loop (FoMoE, mesh.site > 1): rounds of K local steps on every site, synchronised.
+"""Federated training (FoMoE, mesh.site > 1): the round that the one training loop (`core.train.run`) drives.
 
 Composes moe.placement (which experts each site hosts), moe.rounds (one jitted round), moe.federation (the site
-mesh, the measured collective bytes), moe.system_model (the formula bytes), core.checkpoint and core.data. Each
-round: the K global batches of its steps (pure functions of the step) are split over the sites, the round runs,
-its metrics (means over steps and sites) are logged, and the state is checkpointed, so a rerun resumes from the
-last completed round. Evaluation: every site evaluates its own model (its resident experts, its routing) on the
-same held-out batches; the reported loss is the mean over sites. Routing stability per round: the MoE statistics
-(entropy, load CV, ghost fraction against its ideal 1 - N_le / N_e with skip-token) and the top-k agreement of
-every site's routing on a fixed probe batch (the first held-out batch) with the previous round's.
+mesh, the measured collective bytes), moe.system_model (the formula bytes) and core.data into a `Stepper` whose
+one call is one round: the K global batches of its steps (pure functions of the step) are split over the sites,
+the K local steps and the synchronisation run as one compiled program, and its metrics are the means over steps
+and sites. Checkpoints are written after every round, so a rerun resumes from the last completed round.
 """
 
 from __future__ import annotations
 
 import functools
-import math
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -27,7 +22,6 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from core import checkpoint as checkpoint_lib
 from core import hlo
 from core import train as train_lib
 from core.data import Batches
@@ -37,173 +31,157 @@ from moe import federation, reshuffle, rounds, system_model
 from moe.placement import Placement, fixed_placement, random_placement
 from optim import diloco_outer
 
-__all__ = ["SiteLostError", "train_federated"]
+__all__ = ["FederatedStepper", "initial_state", "train_federated"]
 
 
-class SiteLostError(RuntimeError):
-    """A collective across sites failed in a multi-process run: another site's process died or became unreachable."""
+class FederatedStepper(train_lib.Stepper):
+    """One call = one round: K local steps on every site, then their synchronisation (moe.rounds), compiled once.
 
+    The round's metrics are means over its K steps and M sites, plus what the round moved per site
+    ("bytes_per_site_per_round", read from the compiled program) and the routing stability:
+    "routing/topk_agreement" of every site's routing on a fixed probe batch (the first held-out batch) with the
+    previous round's, and with skip-token the ideal ghost fraction 1 - N_le / N_e. With random placement the
+    experts move to the next placement after every `reshuffle_every` rounds (a metric row of its own).
+    Evaluation: every site evaluates its own model (its resident experts, its routing) on the same held-out
+    batches; the reported loss is the mean over sites (and the worst site's bits per byte).
+    """
 
-def _crossed(done: int, every: int, k: int) -> bool:
-    """Whether the round that ended at step `done` (K steps long) passed a multiple of `every`."""
-    return every > 0 and done // every > (done - k) // every
+    unit = "round"
 
-
-def train_federated(
-    config: ml_collections.ConfigDict, *, workdir: str, batches: Batches, data_fingerprint: str, on_start=None
-) -> dict[str, Any]:
-    """Trains a federation of `mesh.site` sites; returns the same result keys as core.train.train plus `rounds`,
-    `bytes_per_site_per_round` (measured from the compiled round and by the formula) and `bytes_per_token`."""
-    f, tc = config.fomoe, config.train
-    sites, k = config.mesh.site, f.local_steps
-    placement_at = _placements(config)
-    placement = placement_at(0)
-    mesh = federation.site_mesh(sites, f.overlap)
-    graphdef, optimizer, outer, state = initial_state(config, mesh)
-    round_fn = rounds.make_round(graphdef, optimizer, mesh, method=f.outer, outer=outer)
-    eval_fn = jax.jit(federation.per_site(train_lib.make_eval_step(graphdef), mesh, (0, 0, None)))
-
-    is_main = jax.process_index() == 0
-    log = train_lib.MetricsLog(workdir, enabled=is_main)
-    checkpointer, compat, state, _, resumed_from = train_lib.open_checkpoints(
-        config, workdir, state, data_fingerprint, log
-    )
-    if on_start is not None:
-        on_start(resumed_from)
-
-    token_sharding = NamedSharding(mesh, PartitionSpec(None, federation.SITE_AXES))
-    batch_shape = (k, sites, config.data.batch_size // sites, config.data.seq_len + 1)
-
-    def round_tokens(r: int) -> jax.Array:
-        local = np.stack([batches.train_batch(step) for step in range(r * k, (r + 1) * k)])
-        local = rounds.site_batches(local, sites // jax.process_count())
-        return jax.make_array_from_process_local_data(token_sharding, local, batch_shape)
-
-    # Compiled once: the executable both runs every round and tells the bytes its all-reduces move.
-    round_exec = round_fn.lower(state, jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=token_sharding)).compile()
-    migrate_exec, plan_sharding = None, NamedSharding(mesh, PartitionSpec(federation.SITE_AXES))
-    if f.placement == "random":  # compiled once too: the plan is data
-        migrate_exec = (
-            jax.jit(functools.partial(reshuffle.migrate, mesh=mesh), donate_argnums=0)
-            .lower(state, [jax.ShapeDtypeStruct(placement.experts.shape, jnp.int32, sharding=plan_sharding)] * 4)
-            .compile()
+    def __init__(
+        self,
+        config: ml_collections.ConfigDict,
+        batches: Batches,
+        mesh: jax.sharding.Mesh,
+        graphdef: Any,
+        optimizer: optax.GradientTransformation,
+        outer: optax.GradientTransformation | None,
+        state: rounds.FederatedState,
+        *,
+        state_metrics: train_lib.StateMetrics | None = None,
+    ):
+        f = config.fomoe
+        self.config, self.batches, self.graphdef = config, batches, graphdef
+        self.sites, self.steps_per_call = config.mesh.site, f.local_steps
+        self.placement_at = _placements(config)
+        placement = self.placement_at(0)
+        round_fn = rounds.make_round(
+            graphdef, optimizer, mesh, method=f.outer, outer=outer, state_metrics=state_metrics
         )
-    bytes_info = _round_bytes(
-        round_exec.as_text(), migrate_exec and migrate_exec.as_text(), state.train.params, sites, f
-    )
-    tokens_per_step = config.data.batch_size * config.data.seq_len
-    bytes_info["bytes_per_token"] = system_model.bytes_per_token(bytes_info["measured"], sites, k, tokens_per_step)
-    val = [jnp.asarray(b) for b in batches.every_row().val_batches(tc.eval_batches)]  # every site, every row
-    probe_fn, probe_tokens = rounds.make_probe(graphdef, mesh), val[0][:, :-1]
-    routes = _host(probe_fn(state.train.params, state.train.rest, probe_tokens))
-    if is_main:
-        print(
-            f"federation: {sites} sites, O_e = {f.overlap}, {placement.local_experts} of {placement.num_experts} "
-            f"experts per site, K = {k}, {f.outer}, {f.routing} routing; "
-            f"{bytes_info['measured'] / 1e6:.3f} MB per site per round "
-            f"(formula {bytes_info['formula'] / 1e6:.3f} MB)" + _migration_line(bytes_info, f),
-            flush=True,
+        self.eval_fn = jax.jit(federation.per_site(train_lib.make_eval_step(graphdef), mesh, (0, 0, None)))
+        self.token_sharding = NamedSharding(mesh, PartitionSpec(None, federation.SITE_AXES))
+        k, sites = self.steps_per_call, self.sites
+        self.batch_shape = (k, sites, config.data.batch_size // sites, config.data.seq_len + 1)
+        # Compiled once: the executable both runs every round and tells the bytes its all-reduces move.
+        tokens = jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.token_sharding)
+        self.round_exec = round_fn.lower(state, tokens).compile()
+        self.migrate_exec, self.plan_sharding = None, NamedSharding(mesh, PartitionSpec(federation.SITE_AXES))
+        if f.placement == "random":  # compiled once too: the plan is data
+            plan = jax.ShapeDtypeStruct(placement.experts.shape, jnp.int32, sharding=self.plan_sharding)
+            migrate = jax.jit(functools.partial(reshuffle.migrate, mesh=mesh), donate_argnums=0)
+            self.migrate_exec = migrate.lower(state, [plan] * 4).compile()
+        self.bytes_info = _round_bytes(
+            self.round_exec.as_text(), self.migrate_exec and self.migrate_exec.as_text(), state.train.params, sites, f
         )
-
-    total_rounds, start_round = tc.steps // k, int(_host(state.train.step)[0]) // k
-    results: dict[str, Any] = {"steps": start_round * k, "resumed_from": resumed_from}
-    timed, seconds = 0, 0.0
-    progress = train_lib.progress_bar(
-        start_round, total_rounds, enabled=tc.progress and is_main, desc="rounds", unit="round"
-    )
-
-    def run_round(r: int) -> None:
-        nonlocal state, routes, timed, seconds
-        tokens = round_tokens(r)
-        t0 = time.perf_counter()
-        state, metrics = round_exec(state, tokens)
-        metrics = {name: float(np.mean(v)) for name, v in _host(metrics).items()}
-        if r > start_round:  # the first round of a process warms up
-            timed, seconds = timed + 1, seconds + time.perf_counter() - t0
-        done = (r + 1) * k
-        if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
-            raise train_lib.NonFiniteLossError(
-                done, metrics["loss"], metrics["grad_norm"], checkpointer.latest_step(), checkpointer.directory
+        tokens_per_step = config.data.batch_size * config.data.seq_len
+        self.bytes_info["bytes_per_token"] = system_model.bytes_per_token(
+            self.bytes_info["measured"], sites, k, tokens_per_step
+        )
+        self.val = [jnp.asarray(b) for b in batches.every_row().val_batches(config.train.eval_batches)]
+        self.probe_fn, self.probe_tokens = rounds.make_probe(graphdef, mesh), self.val[0][:, :-1]
+        self.routes: np.ndarray | None = None  # every site's routes on the probe batch after the last round
+        self.ghosts = {"moe/ideal_ghost_fraction": placement.ideal_ghost_fraction} if f.routing == "skip_token" else {}
+        if jax.process_index() == 0:
+            print(
+                f"federation: {sites} sites, O_e = {f.overlap}, {placement.local_experts} of "
+                f"{placement.num_experts} experts per site, K = {k}, {f.outer}, {f.routing} routing; "
+                f"{self.bytes_info['measured'] / 1e6:.3f} MB per site per round "
+                f"(formula {self.bytes_info['formula'] / 1e6:.3f} MB)" + _migration_line(self.bytes_info, f),
+                flush=True,
             )
-        previous, routes = routes, _host(probe_fn(state.train.params, state.train.rest, probe_tokens))
-        ghosts = {"moe/ideal_ghost_fraction": placement.ideal_ghost_fraction} if f.routing == "skip_token" else {}
-        log.write(
-            {
-                "step": done,
-                "round": r + 1,
-                "train_loss": metrics["loss"],
-                "grad_norm": metrics["grad_norm"],
-                "bytes_per_site_per_round": bytes_info["measured"],
-                "routing/topk_agreement": rounds.topk_agreement(previous, routes),
-                **ghosts,
-                **{name: v for name, v in metrics.items() if name not in ("loss", "grad_norm")},
-            }
-        )
-        results["train_loss"] = metrics["loss"]
-        progress.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
-        if _crossed(done, tc.eval_every, k) or r + 1 == total_rounds:
-            ev = _evaluate(eval_fn, state, val)
-            log.write({"step": done, "round": r + 1, **ev})
-            results.update(ev)
-            if is_main:
-                progress.write(
-                    f"round {r + 1}/{total_rounds} (step {done}): train loss {metrics['loss']:.3f}, "
-                    f"held-out {ev['val_bits_per_byte']:.3f} bits/byte (mean over sites)"
-                )
-        if migrate_exec is not None and (r + 1) % f.reshuffle_every == 0 and r + 1 < total_rounds:
-            plan = reshuffle.plan_migration(placement_at(r), placement_at(r + 1))
-            state = migrate_exec(
-                state, [jax.make_array_from_callback(a.shape, plan_sharding, a.__getitem__) for a in plan.arrays()]
-            )
-            log.write(
-                {
-                    "step": done,
-                    "round": r + 1,
-                    "reshuffle/arrived_experts_per_site": float(plan.arrivals.sum(axis=1).mean()),
-                }
-            )
-        checkpointer.save(done, state, loop={"round": r + 1}, compat=compat)
-        results["steps"] = done
-        progress.update(1)
 
-    r = start_round
-    try:
-        for r in range(start_round, total_rounds):
-            run_round(r)
-    except (train_lib.NonFiniteLossError, checkpoint_lib.CheckpointError):
-        raise
-    except Exception as e:
-        if jax.process_count() == 1:
-            raise
-        raise SiteLostError(
-            f"round {r + 1} failed in a collective across sites ({type(e).__name__}: {str(e)[:200]}): another "
-            f"site's process has probably died. The last completed round's checkpoint is step "
-            f"{checkpointer.latest_step()} in {checkpointer.directory}; rerun the same command on every site to "
-            "resume from it."
-        ) from None
-    finally:
-        progress.close()
-    checkpointer.wait()
-    checkpointer.close()
-    if "val_loss" not in results:  # resumed at the final round: evaluate the restored state
-        results.update(_evaluate(eval_fn, state, val))
-        results["train_loss"] = next(
-            (row["train_loss"] for row in reversed(log.read()) if "train_loss" in row), float("nan")
-        )
-    results.update(
-        {
-            "rounds": total_rounds,
-            "tokens_per_second": k * tokens_per_step * timed / seconds if timed else None,
-            "bytes_per_site_per_round": bytes_info["measured"],
-            "bytes_per_site_per_round_formula": bytes_info["formula"],
-            "bytes_per_token": bytes_info["bytes_per_token"],
-            "graphdef": graphdef,
-            **{f"bytes_per_site_{name}": v for name, v in bytes_info.items() if name.startswith("migration")},
+    def completed_steps(self, state: rounds.FederatedState) -> int:
+        return int(_host(state.train.step)[0])
+
+    def checkpoint_every(self, every: int) -> int:
+        del every
+        return self.steps_per_call  # after every round
+
+    def tags(self, call: int) -> dict[str, Any]:
+        return {"round": call + 1}
+
+    def step(self, state: rounds.FederatedState, call: int) -> tuple[rounds.FederatedState, dict[str, float]]:
+        if self.routes is None:  # the routes the first round of this process is compared with
+            self.routes = self._probe(state)
+        k = self.steps_per_call
+        local = np.stack([self.batches.train_batch(step) for step in range(call * k, (call + 1) * k)])
+        local = rounds.site_batches(local, self.sites // jax.process_count())
+        tokens = jax.make_array_from_process_local_data(self.token_sharding, local, self.batch_shape)
+        state, metrics = self.round_exec(state, tokens)
+        means = {name: float(np.mean(v)) for name, v in _host(metrics).items()}
+        previous, self.routes = self.routes, self._probe(state)
+        return state, {
+            "loss": means.pop("loss"),
+            "grad_norm": means.pop("grad_norm"),
+            "bytes_per_site_per_round": self.bytes_info["measured"],
+            "routing/topk_agreement": rounds.topk_agreement(previous, self.routes),
+            **self.ghosts,
+            **means,
+        }
+
+    def evaluate(self, state: rounds.FederatedState) -> dict[str, float]:
+        ev = train_lib.evaluate(self.eval_fn, state.train, self.val, fetch=_host)
+        return {
+            "val_loss": float(np.mean(ev["val_loss"])),
+            "val_bits_per_byte": float(np.mean(ev["val_bits_per_byte"])),
+            "val_bits_per_byte_worst_site": float(np.max(ev["val_bits_per_byte"])),
+        }
+
+    def after_step(self, state: rounds.FederatedState, call: int) -> tuple[rounds.FederatedState, dict[str, float]]:
+        """Random placement: after every `reshuffle_every` rounds but the last, the experts move to the next
+        placement (arrived ones with fresh optimizer state)."""
+        every, total = self.config.fomoe.reshuffle_every, self.config.train.steps // self.steps_per_call
+        if self.migrate_exec is None or (call + 1) % every or call + 1 == total:
+            return state, {}
+        plan = reshuffle.plan_migration(self.placement_at(call), self.placement_at(call + 1))
+        arrays = [jax.make_array_from_callback(a.shape, self.plan_sharding, a.__getitem__) for a in plan.arrays()]
+        arrived = float(plan.arrivals.sum(axis=1).mean())
+        return self.migrate_exec(state, arrays), {"reshuffle/arrived_experts_per_site": arrived}
+
+    def results(self, state: rounds.FederatedState) -> dict[str, Any]:
+        info = self.bytes_info
+        return {
+            "rounds": self.config.train.steps // self.steps_per_call,
+            "bytes_per_site_per_round": info["measured"],
+            "bytes_per_site_per_round_formula": info["formula"],
+            "bytes_per_token": info["bytes_per_token"],
+            **{f"bytes_per_site_{name}": v for name, v in info.items() if name.startswith("migration")},
+            "graphdef": self.graphdef,
             # site 0's own model (its resident experts, its routing), e.g. to sample from
             "final_state": jax.tree.map(lambda x: x[0], state.train) if jax.process_count() == 1 else None,
         }
-    )
-    return results
+
+    def _probe(self, state: rounds.FederatedState) -> np.ndarray:
+        return _host(self.probe_fn(state.train.params, state.train.rest, self.probe_tokens))
+
+
+def train_federated(
+    config: ml_collections.ConfigDict,
+    *,
+    workdir: str,
+    batches: Batches,
+    compat: Mapping[str, Any],
+    state_metrics: train_lib.StateMetrics | None = None,
+    hooks: Sequence[Callable[[int, dict[str, float]], None]] = (),
+    on_start: Callable[[int | None], None] | None = None,
+) -> dict[str, Any]:
+    """Trains a federation of `mesh.site` sites: the one training loop (`core.train.run`) driving a
+    `FederatedStepper`. Arguments as `run`'s; the results add `rounds`, `bytes_per_site_per_round` (measured from
+    the compiled round, and by the formula), `bytes_per_token`, and site 0's final TrainState (single process)."""
+    mesh = federation.site_mesh(config.mesh.site, config.fomoe.overlap)
+    graphdef, optimizer, outer, state = initial_state(config, mesh)
+    stepper = FederatedStepper(config, batches, mesh, graphdef, optimizer, outer, state, state_metrics=state_metrics)
+    return train_lib.run(config, stepper, state, workdir=workdir, compat=compat, hooks=hooks, on_start=on_start)
 
 
 def initial_state(config: ml_collections.ConfigDict, mesh=None):
@@ -266,13 +244,3 @@ def _round_bytes(round_hlo: str, migrate_hlo: str | None, params, sites: int, f)
         out["migration_per_reshuffle_formula"] = (1.0 - f.overlap / sites) * experts
         out["measured"] += out["migration_per_reshuffle"] / f.reshuffle_every
     return out
-
-
-def _evaluate(eval_fn, state, val) -> dict[str, float]:
-    """Held-out loss and bits per byte of every site's model, averaged over the sites (and the worst site)."""
-    ev = train_lib.evaluate(eval_fn, state.train, val, fetch=_host)
-    return {
-        "val_loss": float(np.mean(ev["val_loss"])),
-        "val_bits_per_byte": float(np.mean(ev["val_bits_per_byte"])),
-        "val_bits_per_byte_worst_site": float(np.max(ev["val_bits_per_byte"])),
-    }

@@ -52,7 +52,7 @@ def trained_model(workdir: str, *, site: int = 0) -> tuple[ml_collections.Config
     step = checkpointer.latest_step()
     if step is None:
         raise FileNotFoundError(f"{paths['checkpoints']} holds no checkpoint")
-    compat = train_lib.checkpoint_compat(config, fingerprint)
+    compat = build.checkpoint_compat(config, fingerprint)
     if sites > 1:
         from experiments import federated
 

@@ -17,6 +17,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable, Sequence
 
 import ml_collections
 from absl import flags
@@ -99,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def run(config, workdir: str) -> int:
-    """Validates, trains, and writes the summary. Returns the exit code."""
+def run(config, workdir: str, *, hooks: Sequence[Callable[[int, dict[str, float]], None]] = ()) -> int:
+    """Validates, trains, and writes the summary. Returns the exit code. `hooks` are called after every step
+    (`core.train.run`); an exception they raise stops the run as a crash would (tests use one)."""
     from experiments import build
 
     build.validate(config)  # static checks: no JAX backend touched yet
@@ -139,29 +141,27 @@ def run(config, workdir: str) -> int:
     federated = config.mesh.site > 1
     from experiments import federated as federated_lib
 
+    common = dict(
+        workdir=workdir,
+        batches=batches,
+        compat=build.checkpoint_compat(config, corpus.fingerprint),
+        state_metrics=build.optimizer_metrics,
+        hooks=hooks,
+        on_start=write_records,
+    )
     try:
         if federated:
-            results = federated_lib.train_federated(
-                config, workdir=workdir, batches=batches, data_fingerprint=corpus.fingerprint, on_start=write_records
-            )
+            results = federated_lib.train_federated(config, **common)
         else:
-            results = train_lib.train(
-                config,
-                workdir=workdir,
-                model_fn=model_fn,
-                optimizer=build.build_optimizer(config),
-                batches=batches,
-                sharder=sharder,
-                data_fingerprint=corpus.fingerprint,
-                on_start=write_records,
-            )
+            optimizer = build.build_optimizer(config)
+            results = train_lib.train(config, model_fn=model_fn, optimizer=optimizer, sharder=sharder, **common)
     except (train_lib.NonFiniteLossError, checkpoint_lib.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except federated_lib.SiteLostError as e:
+    except train_lib.PeerLostError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(1)  # skip jax.distributed's shutdown barrier, which would wait for the lost site and abort
+        os._exit(1)  # skip jax.distributed's shutdown barrier, which would wait for the lost process and abort
     if not is_main:
         return 0
     summary = {

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from core.data import EOS_ID
+from core.data import EOS_ID, NUM_BYTES
 from kvcache import attention
 from kvcache.blocks import BlockManager, block_hashes
 from kvcache.formats import Format
@@ -409,7 +409,7 @@ class Engine(Scheduler):
         """Greedy (temperature 0) or temperature sampling over the bytes and EOS (other specials never), as
         `core.generate` samples."""
         vocab = np.arange(logits.shape[-1])
-        logits = np.where((vocab < 256) | (vocab == EOS_ID), logits, -np.inf)
+        logits = np.where((vocab < NUM_BYTES) | (vocab == EOS_ID), logits, -np.inf)
         if self.config.temperature == 0:
             return int(np.argmax(logits))
         p = np.exp((logits - logits.max()) / self.config.temperature)

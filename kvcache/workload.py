@@ -17,6 +17,8 @@ import dataclasses
 
 import numpy as np
 
+from core.data import NUM_BYTES
+
 __all__ = ["AgentWorkload", "Conversation", "conversations", "run"]
 
 
@@ -59,12 +61,12 @@ class Conversation:
 def conversations(workload: AgentWorkload) -> list[Conversation]:
     """The workload's conversations with their random byte tokens (a pure function of `workload.seed`)."""
     rng = np.random.default_rng(workload.seed)
-    system = rng.integers(0, 256, workload.system_prefix).tolist()
+    system = rng.integers(0, NUM_BYTES, workload.system_prefix).tolist()
     out = []
     for i in range(workload.conversations):
-        prefix = rng.integers(0, 256, workload.conversation_prefix).tolist()
+        prefix = rng.integers(0, NUM_BYTES, workload.conversation_prefix).tolist()
         inputs = [
-            rng.integers(0, 256, rng.integers(workload.new_input[0], workload.new_input[1] + 1)).tolist()
+            rng.integers(0, NUM_BYTES, rng.integers(workload.new_input[0], workload.new_input[1] + 1)).tolist()
             for _ in range(workload.rounds)
         ]
         out.append(Conversation(i, system + prefix, inputs))

@@ -1,67 +1,71 @@
-"""The config sections `moe` (the MoE layers) and `fomoe` (federated training): declared fields and the checks
+"""The config sections `moe` (the MoE layers) and `fomoe` (federated training): their declarations and the checks
 that involve other sections."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import ClassVar
 
 import ml_collections
 
-from core.config import ConfigError, Field, rule_mesh_axes
+from core.config import Compat, ConfigError, field, rule_mesh_axes
 from moe.grouped_matmul import IMPLEMENTATIONS
-from moe.layer import DISPATCH, ROUTING_MODES
 from moe.router import ROUTERS
 
-__all__ = ["check", "check_fomoe", "fomoe_section", "section"]
+__all__ = ["DISPATCH", "ROUTING_MODES", "FoMoEConfig", "MoEConfig", "check", "check_fomoe"]
 
 
-def section() -> dict[str, Field]:
-    """The `moe` section: which layers are MoE and how they route and dispatch."""
-    return {
-        "every": Field(
-            0,
-            (int,),
-            "MoE FFN in every n-th block (layer i is MoE iff (i + 1) % every == 0; 1 = all "
-            "blocks, 2 = blocks 1, 3, ...); 0 = a dense model",
-            low=0,
-        ),
-        "num_experts": Field(8, (int,), "experts per MoE layer", low=1),
-        "top_k": Field(2, (int,), "experts chosen per token", low=1),
-        "expert_size": Field(
-            128, (int,), "hidden width of each expert (up: d_model -> expert_size, SiLU, down)", low=1
-        ),
-        "shared_expert_size": Field(0, (int,), "hidden width of an always-on shared expert (0 = none)", low=0),
-        "router": Field(
-            "sigmoid",
-            (str,),
-            "'sigmoid' (sigma-MoE: gates sigmoid(logit), not renormalised) or "
-            "'softmax' (gates = softmax probabilities of the chosen experts)",
-            choices=ROUTERS,
-        ),
-        "normalize_gates": Field(False, (bool,), "softmax router: divide the k gates by their sum (Mixtral)"),
-        "dispatch": Field(
-            "dropless",
-            (str,),
-            "'dropless' (sort + grouped matmul; all-to-all when experts are "
-            "sharded) or 'capacity' (GShard einsum, drops assignments past capacity)",
-            choices=DISPATCH,
-        ),
-        "capacity_factor": Field(
-            1.25,
-            (float,),
-            "capacity dispatch: slots per expert per sequence = ceil(factor x seq_len x top_k / num_experts)",
-            low=0.0,
-            low_open=True,
-        ),
-        "load_balance_weight": Field(0.01, (float,), "weight of the Switch load-balance loss", low=0.0),
-        "z_loss_weight": Field(0.001, (float,), "weight of the router z-loss", low=0.0),
-        "grouped_matmul": Field(
-            "auto",
-            (str,),
-            "dropless expert product: 'auto' (ragged_dot on GPU/TPU, windowed loop on CPU), 'ragged_dot', 'windowed'",
-            choices=IMPLEMENTATIONS,
-        ),
-    }
+DISPATCH = ("dropless", "capacity")
+ROUTING_MODES = ("partitioned", "skip_token")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """The section `moe`: which blocks have a MoE FFN and how it routes and dispatches (moe.layer.MoE)."""
+
+    compat: ClassVar[Compat] = True
+
+    every: int = field(
+        0,
+        "MoE FFN in every n-th block (layer i is MoE iff (i + 1) % every == 0; 1 = all blocks, 2 = blocks 1, 3, "
+        "...); 0 = a dense model",
+        low=0,
+    )
+    num_experts: int = field(8, "experts per MoE layer", low=1)
+    top_k: int = field(2, "experts chosen per token", low=1)
+    expert_size: int = field(128, "hidden width of each expert (up: d_model -> expert_size, SiLU, down)", low=1)
+    shared_expert_size: int = field(0, "hidden width of an always-on shared expert (0 = none)", low=0)
+    router: str = field(
+        "sigmoid",
+        "'sigmoid' (sigma-MoE: gates sigmoid(logit), not renormalised) or 'softmax' (gates = softmax "
+        "probabilities of the chosen experts)",
+        choices=ROUTERS,
+    )
+    normalize_gates: bool = field(False, "softmax router: divide the k gates by their sum (Mixtral)")
+    dispatch: str = field(
+        "dropless",
+        "'dropless' (sort + grouped matmul; all-to-all when experts are sharded) or 'capacity' (GShard einsum, "
+        "drops assignments past capacity)",
+        choices=DISPATCH,
+    )
+    capacity_factor: float = field(
+        1.25,
+        "capacity dispatch: slots per expert per sequence = ceil(factor x seq_len x top_k / num_experts)",
+        low=0.0,
+        low_open=True,
+    )
+    load_balance_weight: float = field(0.01, "weight of the Switch load-balance loss", low=0.0)
+    z_loss_weight: float = field(0.001, "weight of the router z-loss", low=0.0)
+    grouped_matmul: str = field(
+        "auto",
+        "dropless expert product: 'auto' (ragged_dot on GPU/TPU, windowed loop on CPU), 'ragged_dot', 'windowed'",
+        choices=IMPLEMENTATIONS,
+    )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Layer i (0-based) is a MoE layer iff every > 0 and (i + 1) % every == 0 (every=2: layers 1, 3, ...)."""
+        return self.every > 0 and (layer + 1) % self.every == 0
 
 
 def check(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int] | None) -> None:
@@ -96,50 +100,46 @@ def check(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int] | None) 
         )
 
 
-def fomoe_section() -> dict[str, Field]:
-    """The `fomoe` section: federated training across `mesh.site` sites (used when mesh.site > 1)."""
-    return {
-        "overlap": Field(
-            1,
-            (int,),
-            "O_e: sites hosting each expert (1 = disjoint experts, mesh.site = full "
-            "replica); must divide mesh.site, and O_e x moe.num_experts must be divisible by it",
-            low=1,
-        ),
-        "local_steps": Field(32, (int,), "K: local optimizer steps per round; train.steps must be a multiple", low=1),
-        "outer": Field(
-            "local_adamw",
-            (str,),
-            "synchronisation: 'local_adamw' (average parameters and both AdamW "
-            "moments) or 'diloco' (outer Nesterov step on the averaged change)",
-            choices=("local_adamw", "diloco"),
-        ),
-        "outer_learning_rate": Field(0.7, (float,), "DiLoCo outer learning rate", low=0.0, low_open=True),
-        "outer_momentum": Field(0.9, (float,), "DiLoCo outer Nesterov momentum", low=0.0, high=0.999),
-        "routing": Field(
-            "partitioned",
-            (str,),
-            "'partitioned' (a site routes over its resident experts, top "
-            "min(k, N_le)) or 'skip_token' (global router; non-resident choices are skipped)",
-            choices=ROUTING_MODES,
-        ),
-        "placement": Field(
-            "fixed",
-            (str,),
-            "'fixed' (the spec's strided blocks) or 'random' (experts regrouped "
-            "into the blocks at random every reshuffle_every rounds; arrived experts get fresh "
-            "optimizer state and a learning-rate warm-up)",
-            choices=("fixed", "random"),
-        ),
-        "reshuffle_every": Field(4, (int,), "random placement: rounds between reshuffles (T)", low=1),
-        "arrival_warmup": Field(
-            8,
-            (int,),
-            "random placement: local steps over which an arrived expert's "
-            "learning rate ramps linearly up to the schedule's",
-            low=1,
-        ),
-    }
+@dataclasses.dataclass(frozen=True)
+class FoMoEConfig:
+    """The section `fomoe`: federated training across `mesh.site` sites (used when mesh.site > 1)."""
+
+    compat: ClassVar[Compat] = True
+
+    overlap: int = field(
+        1,
+        "O_e: sites hosting each expert (1 = disjoint experts, mesh.site = full replica); must divide mesh.site, "
+        "and O_e x moe.num_experts must be divisible by it",
+        low=1,
+    )
+    local_steps: int = field(32, "K: local optimizer steps per round; train.steps must be a multiple", low=1)
+    outer: str = field(
+        "local_adamw",
+        "synchronisation: 'local_adamw' (average parameters and both AdamW moments) or 'diloco' (outer Nesterov "
+        "step on the averaged change)",
+        choices=("local_adamw", "diloco"),
+    )
+    outer_learning_rate: float = field(0.7, "DiLoCo outer learning rate", low=0.0, low_open=True)
+    outer_momentum: float = field(0.9, "DiLoCo outer Nesterov momentum", low=0.0, high=0.999)
+    routing: str = field(
+        "partitioned",
+        "'partitioned' (a site routes over its resident experts, top min(k, N_le)) or 'skip_token' (global "
+        "router; non-resident choices are skipped)",
+        choices=ROUTING_MODES,
+    )
+    placement: str = field(
+        "fixed",
+        "'fixed' (the spec's strided blocks) or 'random' (experts regrouped into the blocks at random every "
+        "reshuffle_every rounds; arrived experts get fresh optimizer state and a learning-rate warm-up)",
+        choices=("fixed", "random"),
+    )
+    reshuffle_every: int = field(4, "random placement: rounds between reshuffles (T)", low=1)
+    arrival_warmup: int = field(
+        8,
+        "random placement: local steps over which an arrived expert's learning rate ramps linearly up to the "
+        "schedule's",
+        low=1,
+    )
 
 
 def check_fomoe(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int] | None) -> None:

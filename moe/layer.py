@@ -23,13 +23,11 @@ FoMoE sites (docs/fomoe.md, "Routing"): a layer may host only some of the `num_e
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from flax import nnx
 from jax.sharding import PartitionSpec
 
@@ -38,38 +36,10 @@ from core.mesh import Sharder, logical_to_spec
 from core.model import DefaultPrecision, Dense, Precision, TransformerConfig, layer_key
 from moe import dispatch as dispatch_lib
 from moe import router as router_lib
+from moe.config import DISPATCH, ROUTING_MODES, MoEConfig
 from moe.grouped_matmul import GroupedMatmulFn
 
-__all__ = ["DISPATCH", "ROUTING_MODES", "MoE", "MoEConfig", "Residency", "expert_mesh_axis"]
-
-DISPATCH = ("dropless", "capacity")
-ROUTING_MODES = ("partitioned", "skip_token")
-
-
-@dataclasses.dataclass(frozen=True)
-class MoEConfig:
-    """The MoE hyper-parameters: the fields of the config section `moe` (see moe.config)."""
-
-    every: int = 1
-    num_experts: int = 8
-    top_k: int = 2
-    expert_size: int = 128
-    shared_expert_size: int = 0
-    router: str = "sigmoid"
-    normalize_gates: bool = False
-    dispatch: str = "dropless"
-    capacity_factor: float = 1.25
-    load_balance_weight: float = 0.01
-    z_loss_weight: float = 0.001
-    grouped_matmul: str = "auto"
-
-    @classmethod
-    def from_config(cls, moe: ml_collections.ConfigDict) -> MoEConfig:
-        return cls(**moe.to_dict())
-
-    def is_moe_layer(self, layer: int) -> bool:
-        """Layer i (0-based) is a MoE layer iff every > 0 and (i + 1) % every == 0 (every=2: layers 1, 3, ...)."""
-        return self.every > 0 and (layer + 1) % self.every == 0
+__all__ = ["MoE", "Residency", "expert_mesh_axis"]
 
 
 class Residency(nnx.Variable):
@@ -104,7 +74,8 @@ class MoE(nnx.Module):
 
     aux: "loss/moe_balance" (load_balance_weight x Switch loss), "loss/moe_z" (z_loss_weight x z-loss), and the
     statistics "moe/load_cv", "moe/load_entropy", "moe/token_entropy", "moe/max_load", "moe/dropped"
-    (moe.router.routing_stats).
+    (moe.router.routing_stats), scalars; and the intermediate "routes", the chosen global expert ids [B T, k] int32,
+    which the transformer returns only when asked (`Transformer(..., intermediates=True)`).
     """
 
     def __init__(
@@ -141,7 +112,6 @@ class MoE(nnx.Module):
             precision if precision is not None else DefaultPrecision(grouped=GroupedMatmulFn(moe.grouped_matmul))
         )
         self.moe, self.path, self.dtype = moe, path, cfg.compute_dtype
-        self.record_routes = False  # True: keep each call's chosen global expert ids [N, k] in `last_routes`
         d, h = cfg.d_model, moe.expert_size
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
 
@@ -215,8 +185,6 @@ class MoE(nnx.Module):
         else:
             y, routing, experts = self._dropless(x.reshape(b * t, d), up, down, key)
             y = y.reshape(b, t, d)
-        if self.record_routes:
-            self.last_routes = nnx.Intermediate(self.global_ids(routing.experts))
         if m.shared_expert_size:
             y = y + self.shared_down(jax.nn.silu(self.shared_up(x, key=key)), key=key)
         y = self.shard(y, ("batch", "seq", "embed"))
@@ -230,6 +198,7 @@ class MoE(nnx.Module):
             aux["loss/moe_balance"] = m.load_balance_weight * router_lib.load_balance_loss(routing)
         if m.z_loss_weight:
             aux["loss/moe_z"] = m.z_loss_weight * router_lib.z_loss(routing)
+        aux["routes"] = self.global_ids(routing.experts)  # an intermediate: the model returns it only on request
         return y, aux
 
     def _dropless(self, x, up, down, key):

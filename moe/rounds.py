@@ -83,6 +83,7 @@ def make_round(
     method: str,
     outer: optax.GradientTransformation | None = None,
     loss_fn: Callable = train_lib.lm_loss,
+    state_metrics: train_lib.StateMetrics | None = None,
 ) -> Callable[[FederatedState, jax.Array], tuple]:
     """A jitted `(state, tokens [K, M, B_site, T + 1]) -> (state, metrics)`: K local steps on every site, then the
     synchronisation of `method`. Metrics are the train-step metrics of every step and site, [K, M] each (averaged
@@ -92,7 +93,7 @@ def make_round(
         raise ValueError(f"outer method = {method!r}; allowed: {list(OUTER_METHODS)}.")
     if (method == "diloco") != (outer is not None):
         raise ValueError("method 'diloco' needs its outer optimizer (optim.diloco_outer); 'local_adamw' takes none.")
-    step = train_lib.train_step_fn(graphdef, optimizer, loss_fn)
+    step = train_lib.train_step_fn(graphdef, optimizer, loss_fn, state_metrics=state_metrics)
     # one site's K steps (tokens [K, B_site, T + 1]), on its own device (federation.per_site)
     local_steps = federation.per_site(lambda train, tokens: jax.lax.scan(step, train, tokens), mesh, (0, 1), (0, 1))
 
@@ -128,13 +129,8 @@ def make_probe(graphdef, mesh) -> Callable:
     in every MoE layer on a fixed probe batch (for the routing agreement between rounds)."""
 
     def one_site(params, rest, tokens):
-        model = nnx.merge(graphdef, params, rest)
-        layers = [m for _, m in nnx.iter_modules(model) if hasattr(m, "record_routes")]
-        for layer in layers:
-            layer.record_routes = True
-        model(tokens)
-        routes = [layer.last_routes.get_value() for layer in layers]
-        return jnp.stack(routes)
+        _, aux, _ = nnx.merge(graphdef, params, rest)(tokens, intermediates=True)
+        return jnp.stack(aux["intermediates"]["routes"])
 
     return jax.jit(federation.per_site(one_site, mesh, (0, 0, None)))
 

@@ -3,43 +3,42 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
-from core.config import Field
+from core.config import Compat, field
 from quant.recipes import RECIPES, Recipe
 
-__all__ = ["RHT_SCOPES", "apply", "section"]
+__all__ = ["RHT_SCOPES", "PrecisionConfig", "apply"]
 
 RHT_SCOPES = ("recipe", "none", "fprop", "dgrad", "wgrad", "fprop+dgrad", "fprop+wgrad", "dgrad+wgrad", "all")
 
 
-def section() -> dict[str, Field]:
-    return {
-        "recipe": Field(
-            "bf16",
-            (str,),
-            "matmul recipe of every projection and expert (quant/recipes.py): bf16 = "
-            "unquantised; ufp4 / ufp4_int4 (uniform grid, RHT on all GEMMs), e2m1_baseline, nvfp4, mxfp4",
-            choices=tuple(RECIPES),
-        ),
-        "last_blocks_high_precision": Field(0, (int,), "keep the last n transformer blocks unquantised", low=0),
-        "fresh_signs": Field(False, (bool,), "draw the RHT signs per step and layer (default: fixed for the run)"),
-        "rht": Field(
-            "recipe",
-            (str,),
-            "ablation: which GEMMs rotate their operands (RHT16), overriding the recipe",
-            choices=RHT_SCOPES,
-        ),
-        "stochastic_dy": Field(
-            "recipe",
-            (str,),
-            "ablation: stochastic rounding of dy in dgrad and wgrad, overriding the recipe",
-            choices=("recipe", "on", "off"),
-        ),
-    }
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+    """The section `precision`: the quant recipe every projection and expert trains with (quant.recipes)."""
+
+    compat: ClassVar[Compat] = True
+
+    recipe: str = field(
+        "bf16",
+        "matmul recipe of every projection and expert (quant/recipes.py): bf16 = unquantised; ufp4 / ufp4_int4 "
+        "(uniform grid, RHT on all GEMMs), e2m1_baseline, nvfp4, mxfp4",
+        choices=tuple(RECIPES),
+    )
+    last_blocks_high_precision: int = field(0, "keep the last n transformer blocks unquantised", low=0)
+    fresh_signs: bool = field(False, "draw the RHT signs per step and layer (default: fixed for the run)")
+    rht: str = field(
+        "recipe", "ablation: which GEMMs rotate their operands (RHT16), overriding the recipe", choices=RHT_SCOPES
+    )
+    stochastic_dy: str = field(
+        "recipe",
+        "ablation: stochastic rounding of dy in dgrad and wgrad, overriding the recipe",
+        choices=("recipe", "on", "off"),
+    )
 
 
-def apply(recipe: Recipe, precision) -> Recipe:
-    """The recipe with the config's overrides (a `precision` config section) applied."""
+def apply(recipe: Recipe, precision: PrecisionConfig) -> Recipe:
+    """The recipe with the `precision` section's overrides applied."""
     gemms = {name: getattr(recipe, name) for name in ("fprop", "dgrad", "wgrad")}
     if precision.rht != "recipe":
         scope = {"none": (), "all": tuple(gemms)}.get(precision.rht, tuple(precision.rht.split("+")))

@@ -8,7 +8,6 @@ import pytest
 
 from core import config as config_lib
 from core.config import ConfigError
-from core.model import TransformerConfig
 from experiments import build
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -21,10 +20,55 @@ def test_defaults_are_valid_and_every_default_passes_its_field():
             field.check(f"{section}.{key}", field.default)
 
 
-def test_model_section_matches_transformer_config():
-    assert set(build.schema()["model"]) == {f.name for f in dataclasses.fields(TransformerConfig)}
-    defaults = build.default_config().model.to_dict()
-    assert TransformerConfig(**defaults) == TransformerConfig()
+@pytest.mark.parametrize("name", list(build.SECTIONS))
+def test_each_section_is_declared_once_and_its_dataclass_matches_the_schema(name):
+    """The schema, the default ConfigDict and the dataclass code reads are one declaration: same keys in the same
+    order, same defaults, each key documented, and `compat` names only keys the section has."""
+    cls = build.SECTIONS[name]
+    fields = build.schema()[name]
+    assert list(fields) == [f.name for f in dataclasses.fields(cls)]
+    section = build.default_config()[name]
+    assert set(section.keys()) == set(fields)
+    assert config_lib.from_config(cls, section) == cls()
+    for key, field in fields.items():
+        assert field.doc, f"{name}.{key} has no documentation"
+        assert getattr(cls(), key) == field.default
+    assert cls.compat in (True, False) or (isinstance(cls.compat, tuple) and set(cls.compat) <= set(fields))
+
+
+def test_checkpoint_compat_follows_the_section_declarations():
+    c = build.default_config()
+    facts = build.checkpoint_compat(c, "fingerprint")
+    expected = {"data": "fingerprint"}
+    for name, cls in build.SECTIONS.items():
+        if cls.compat is True:
+            expected[name] = c[name].to_dict()
+        elif cls.compat:
+            expected.update({f"{name}.{key}": c[name][key] for key in cls.compat})
+    assert facts == expected
+    # what a resumed run may change (runtime choices) and what it may not (the architecture, the optimizer)
+    assert {"model", "moe", "fomoe", "precision", "optim.name", "data.seq_len", "data.batch_size"} <= set(facts)
+    assert not {"kvcache", "train", "mesh", "checkpoint", "sample", "optim.learning_rate"} & set(facts)
+
+
+def test_from_config_rejects_unknown_keys_and_restores_tuples():
+    mesh = build.default_config().mesh.to_dict()
+    mesh["rules"] = [list(rule) for rule in mesh["rules"]]  # as JSON or the command line gives them back
+    assert config_lib.from_config(config_lib.MeshConfig, mesh) == config_lib.MeshConfig()
+    with pytest.raises(ConfigError, match="dmodel"):
+        config_lib.from_config(config_lib.TransformerConfig, {"dmodel": 3})
+
+
+def test_a_none_default_can_be_set_from_the_command_line():
+    """Keys whose default is None (the optimizer family's default) hold typed placeholders."""
+    spec = {"s": {"x": config_lib.Field(None, (float, type(None)), "doc", low=0.0)}}
+    c = config_lib.defaults(spec)
+    assert c.s.x is None
+    c.s.x = 0.5
+    spec["s"]["x"].check("s.x", c.s.x)
+    with pytest.raises(ConfigError, match="s.x"):
+        spec["s"]["x"].check("s.x", -1.0)
+    assert spec["s"]["x"].describe() == "float in [0, inf) or None"
 
 
 def _error(changes, num_devices=8):

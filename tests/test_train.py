@@ -30,7 +30,7 @@ def _train(config, workdir, hooks=()):
         optimizer=build.build_optimizer(config),
         batches=batches,
         sharder=sharder,
-        data_fingerprint=corpus.fingerprint,
+        compat=build.checkpoint_compat(config, corpus.fingerprint),
         hooks=hooks,
     )
 
