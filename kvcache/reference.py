@@ -8,6 +8,13 @@ Sequence b holds `seq_lens[b]` tokens in blocks `block_tables[b, :ceil(seq_lens[
 `query_start_loc[b] : query_start_loc[b + 1]` of q, the last new tokens of the sequence (their keys and values are
 already in the cache): query j of a q_len-token chunk sits at position seq_lens[b] - q_len + j and attends the
 positions <= its own (causal inside the chunk, everything before it).
+
+Masked positions are excluded by selection, never by a zero weight. A sequence's gathered context also holds slots
+it does not own: the unused tail of its last block, and whole blocks behind the padding columns of its block table
+(a freed block of another request, or one never written). Those bytes are arbitrary and may decode to NaN or Inf
+(an fp8 NaN code, a NaN scale, fp4's scale byte 0xFF = 2^128); a probability of exactly zero does not remove them,
+since 0 * NaN = 0 * Inf = NaN. So the scores of positions a query may not see are set to -inf by `jnp.where`, and
+the values of positions past the sequence's length to 0 by `jnp.where`, before the products that would mix them in.
 """
 
 from __future__ import annotations
@@ -53,7 +60,8 @@ def unified_attention(
     Returns:
       [T, H, D] float32. Keys and values are dequantised in the basis the format stores them in, the query is
       prepared by `fmt.prepare_query` (rotation and FP8 for fp4) and the output by `fmt.finish_output`, exactly as
-      the kernels do.
+      the kernels do. Positions a query may not see are excluded by selection (scores -inf, values of slots past
+      `seq_lens` 0), so whatever those slots hold, NaN and Inf included, never reaches the output.
     """
     t, h, d = q.shape
     b = block_tables.shape[0]
@@ -71,8 +79,10 @@ def unified_attention(
     q_pos = seq_lens[:, None] - q_len[:, None] + j[None]  # [B, max_q]
     k_pos = jnp.arange(keys.shape[2])
     visible = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq_lens[:, None, None])
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)  # selection: a NaN score becomes -inf
     probs = jax.nn.softmax(scores, axis=-1)
+    owned = k_pos[None, :] < seq_lens[:, None]  # [B, S]: slots of the sequence, the rest may hold NaN / Inf
+    values = jnp.where(owned[:, None, :, None], values, 0.0)  # so that 0 probability x value is 0, never NaN
     out = jnp.einsum("bkgqs,bksd->bqkgd", probs, values, precision=jax.lax.Precision.HIGHEST).reshape(b, max_q, h, d)
     # Each token reads its slot back: token i of sequence s is slot i - query_start_loc[s].
     seq_of = jnp.searchsorted(query_start_loc[1:], jnp.arange(t), side="right")

@@ -9,6 +9,11 @@ local softmax: everything stays in cache) and keeps (output, lse) per partition,
 
 Partitions past a batch's longest sequence are skipped (`lax.cond`). Same signature and result as
 `reference.decode_attention`; the CPU fast path (`implementation="xla_split"`).
+
+As in the reference, positions past a sequence's length (its last block's tail, the blocks behind padding columns
+of the block table, the columns padded onto the table to fill the last partition) are excluded by selection: their
+scores become -inf and their values 0 by `jnp.where`. Those slots may hold NaN or Inf, and a zero probability times
+NaN or Inf is NaN, so multiplying by the zero probability alone would not exclude them.
 """
 
 from __future__ import annotations
@@ -33,7 +38,12 @@ def decode_attention(
     sm_scale: float | None = None,
     blocks_per_partition: int = BLOCKS_PER_PARTITION,
 ) -> jax.Array:
-    """q [B, H, D] -> [B, H, D] float32; see `reference.decode_attention`."""
+    """q [B, H, D] -> [B, H, D] float32; see `reference.decode_attention`.
+
+    out = sum_p exp(lse_p - LSE) out_p over partitions p of `blocks_per_partition` blocks, where out_p and lse_p are
+    the softmax-weighted values and the log-sum-exp of the scores q k^T * sm_scale of the partition's positions
+    below `seq_lens` (the others are excluded by selection).
+    """
     b, h, d = q.shape
     num_kv, block_size = next(iter(fields.values())).shape[1:3]
     groups = h // num_kv
@@ -52,7 +62,9 @@ def decode_attention(
             keys, values = fmt.dequantize(kv, rotated=True)  # [B, K, L, D]
             s = jnp.einsum("bkgd,bkld->bkgl", qk, keys, precision=jax.lax.Precision.HIGHEST) * scale
             pos = p * per * block_size + jnp.arange(per * block_size)
-            s = jnp.where((pos[None, :] < seq_lens[:, None])[:, None, None], s, -jnp.inf)
+            owned = pos[None, :] < seq_lens[:, None]  # [B, L]: the other slots may hold NaN / Inf
+            s = jnp.where(owned[:, None, None], s, -jnp.inf)
+            values = jnp.where(owned[:, None, :, None], values, 0.0)  # selection: 0 x NaN would be NaN
             m = jnp.max(s, axis=-1, keepdims=True)
             m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
             e = jnp.exp(s - m_safe)

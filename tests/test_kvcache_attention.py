@@ -241,3 +241,76 @@ def test_kernels_lower_to_triton(name):
     store = jax.jit(lambda *a: write_kernel.write(*a, fmt=fmt))
     text = store.trace(fields, f32(7, kv, d), f32(7, kv, d), i32(7)).lower(lowering_platforms=("cuda",)).as_text()
     assert "xla.gpu.triton" in text
+
+
+# ------------------------------------------------------------------ masked positions are excluded by selection
+
+_unified = jax.jit(
+    unified_attention, static_argnames=("fmt", "implementation", "max_query_len", "partitions", "interpret")
+)
+_decode = jax.jit(decode_attention, static_argnames=("fmt", "implementation", "partitions", "interpret"))
+
+
+def poison(fields, tables, seq_lens, seed):
+    """Every slot no live sequence owns (unused blocks, the tail of each sequence's last block, the blocks padding
+    columns point at) overwritten with bytes that decode to NaN or +-Inf: bf16 NaN/+-Inf; fp8 NaN codes (E4M3 has
+    no Inf) and NaN/+-Inf float32 scales; fp4 random codes (all finite) under scale byte 0xFF = 2^128 = +Inf."""
+    tables, seq_lens = np.asarray(tables), np.asarray(seq_lens)
+    nb, _, bs = next(iter(fields.values())).shape[:3]
+    owned = np.zeros((nb, bs), bool)
+    for b, n in enumerate(seq_lens):
+        pos = np.arange(n)
+        owned[tables[b, pos // bs], pos % bs] = True
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, field in fields.items():
+        x = np.asarray(field)
+        if x.dtype == np.uint8:  # fp4: codes random, scales 0xFF
+            bad = rng.integers(0, 256, x.shape).astype(np.uint8) if name.endswith("codes") else np.full_like(x, 255)
+        elif x.dtype.itemsize == 1:  # fp8 codes: NaN (0x7F, 0xFF) or a random byte
+            nan = np.where(rng.random(x.shape) < 0.5, 0x7F, 0xFF)
+            bad = np.where(rng.random(x.shape) < 0.7, nan, rng.integers(0, 256, x.shape)).astype(np.uint8)
+            bad = bad.view(x.dtype)
+        else:  # bf16 values, fp8 float32 scales
+            bad = rng.choice(np.array([np.nan, np.inf, -np.inf], np.float32), x.shape).astype(x.dtype)
+        dead = ~owned[:, None, :].reshape(nb, 1, bs, *[1] * (x.ndim - 3))
+        out[name] = jnp.asarray(np.where(dead, bad, x))
+    return out
+
+
+def _bits(x):
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
+POISON_FORMATS = ["bf16", "fp8", "fp4", "fp4-mx-norot", "fp4-symmetric"]
+
+
+@pytest.mark.parametrize("implementation", ["xla", "xla_split", "pallas"])
+@pytest.mark.parametrize("name", POISON_FORMATS)
+def test_masked_slots_never_reach_the_output(name, implementation):
+    """NaN / Inf in every slot no query may see (unused blocks, block tails, padding columns of the block table)
+    leave decode and unified attention bit-identical to a pool with zeros there: masked positions are excluded by
+    selection, not multiplied by a zero probability. Ragged batch: lengths 1, bs-1, bs, bs+1 and 5 bs + 3, decode
+    tokens, a chunk of 3, a whole-sequence prefill and a 20-token chunk."""
+    fmt = FORMATS[name]
+    q, fields, tables, seq_lens, qsl, _ = make_case(fmt, SEQ_LENS, Q_LENS, num_kv=2, groups=2, head_dim=64, seed=5)
+    num_blocks = next(iter(fields.values())).shape[0]
+    tables = np.array(tables)
+    blocks = [-(-int(s) // BS) for s in SEQ_LENS]
+    used = {int(tables[b, c]) for b, n in enumerate(blocks) for c in range(n)}
+    spare = [blk for blk in range(num_blocks) if blk not in used]
+    for b, n in enumerate(blocks):
+        tables[b, n:] = spare[b % len(spare)]
+    tables = jnp.asarray(tables)
+    bad = poison(fields, tables, seq_lens, seed=1)
+    outs = {}
+    parts = {"xla": None, "xla_split": 3, "pallas": 2}[implementation]
+    if implementation != "xla_split":
+        kw = dict(fmt=fmt, implementation=implementation, max_query_len=max(Q_LENS), partitions=parts)
+        outs["unified"] = [_unified(q, f, tables, seq_lens, qsl, **kw) for f in (fields, bad)]
+    qd = q[np.asarray(qsl[:-1])]  # one query per sequence
+    kw = dict(fmt=fmt, implementation=implementation, partitions=parts)
+    outs["decode"] = [_decode(qd, f, tables, seq_lens, **kw) for f in (fields, bad)]
+    for entry, (clean, poisoned) in outs.items():
+        assert np.isfinite(np.asarray(clean)).all(), entry
+        np.testing.assert_array_equal(_bits(poisoned), _bits(clean), err_msg=entry)

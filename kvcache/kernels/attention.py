@@ -17,6 +17,14 @@ Formats are decoded in the kernel, 32 head-dim columns at a time:
   bf16 / fp8: the columns' values (fp8's per-token scale multiplies the scores and the probabilities);
   fp4: a 32-byte chunk of split-half packed codes gives two 32-column groups (low and high nibbles), decoded
        arithmetically; the UE8M0 group scale multiplies that group's partial scores (K) or values (V).
+Masked positions are excluded by selection inside the tiles already loaded, never by a zero weight alone. A
+program reads only the blocks its queries can see, but the last of them may end in slots past the sequence's length
+(its unused tail), and those hold arbitrary bytes: NaN or Inf after decoding (an fp8 NaN code or scale, fp4's
+scale byte 0xFF = 2^128). A probability of 0 does not remove them (0 * NaN = 0 * Inf = NaN), so: scores of
+invisible positions become -inf (`jnp.where`); the tail's value rows become 0 (bf16 / fp8: `jnp.where` on the
+decoded [bs, 32] columns; fp4: on the [bs] group scale, since its E2M1 codes are always finite); fp8's V scale
+is selected the same way before it multiplies the probabilities. No extra pass over the cache: one select per
+element of a tile that is already in registers.
 The query comes prepared by `Format.prepare_query` (Hadamard-rotated and FP8-rounded for fp4), so the score
 product needs no rotation: H^T H = I. Products accumulate in float32 at JAX's default matmul precision: TF32 on
 a GPU, exact for fp4's E2M1 keys times FP8 queries, about 1e-3 relative for bf16 / fp8 queries; under
@@ -107,18 +115,24 @@ def _kernel(
         if fmt.name == "fp8":
             scores *= fields["k_scale"][blk, h, :][None, :]
         key_pos = j * block_size + jax.lax.broadcasted_iota(jnp.int32, (1, block_size), 1)
-        visible = (key_pos <= row_pos) & (key_pos < seq_len)
-        scores = jnp.where(visible, scores * sm_scale, -jnp.inf)
+        owned = key_pos < seq_len  # [1, bs]: the block's tail past the sequence may hold NaN / Inf
+        owned_rows = j * block_size + jax.lax.broadcasted_iota(jnp.int32, (block_size, 1), 0) < seq_len  # [bs, 1]
+        visible = (key_pos <= row_pos) & owned
+        scores = jnp.where(visible, scores * sm_scale, -jnp.inf)  # selection: a NaN score becomes -inf
         m_new = jnp.maximum(m, jnp.max(scores, axis=1, keepdims=True))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that sees nothing yet stays at l = 0
         probs = jnp.exp(scores - m_safe)
         alpha = jnp.exp(m - m_safe)
         l = alpha * l + jnp.sum(probs, axis=1, keepdims=True)
         if fmt.name == "fp8":
-            probs = probs * fields["v_scale"][blk, h, :][None, :]
+            probs = probs * jnp.where(owned, fields["v_scale"][blk, h, :][None, :], 0.0)
         acc = list(acc)
         for g, values, scale in _groups(fmt, fields, "v", blk, h, head_dim):
-            v = values if scale is None else values * scale[:, None]
+            # Selection, not 0 x value: the tail's rows become 0 (for fp4 via its scale; E2M1 codes are finite).
+            if scale is None:
+                v = jnp.where(owned_rows, values, 0.0)
+            else:
+                v = values * jnp.where(owned_rows, scale[:, None], 0.0)
             acc[g] = alpha * acc[g] + jnp.dot(probs, v, preferred_element_type=jnp.float32)
         return m_new, l, tuple(acc)
 
@@ -155,7 +169,8 @@ def unified_attention(
       partitions: KV partitions per query tile (default `num_partitions(...)`; 1 = no split-KV).
       tile: query tokens per program (default min(max_query_len, 16), rounded to a power of two).
       interpret: run the kernel in Pallas' interpreter (CPU tests).
-    Returns: [T, H, D] float32.
+    Returns: [T, H, D] float32. Positions a query may not see, and the slots past a sequence's length, are
+      excluded by selection (see the module docstring), so NaN or Inf in them never reaches the output.
     """
     t, num_heads, d = q.shape
     name0 = "k_codes" if fmt.name == "fp4" else "k"
