@@ -1,5 +1,21 @@
-"""Paged attention: the XLA reference against float64 NumPy; the Pallas kernels (interpret mode) against the
-reference; the quantise-and-write kernel bit for bit; no leaks between sequences."""
+"""Paged attention: the XLA reference against float64 NumPy; the Pallas kernels (interpreted on a CPU, compiled on a
+GPU) against the reference; the quantise-and-write kernel bit for bit; slots no query may see (unused blocks, block
+tails, padding columns) holding NaN / Inf, and other sequences' blocks, never reach an output.
+
+Interpreted Pallas compiles slowly (seconds per kernel shape), so by default the kernels run on representative
+cases: each kernel path once, at the smallest size that shows it. Every format; the unified kernel (tile 16) and the
+decode kernel (tile 1, query heads padded to 16 rows); one, two and three split-KV partitions (the shortest
+sequences' later partitions empty); GQA 1, 2, 4 and 8; fp4 at D = 128 (two packed chunks per row); one ragged batch
+of lengths 1, bs - 1, bs, bs + 1 and 5 bs + 3 mixing decode tokens, a 3-token chunk, a whole-sequence prefill and a
+20-token chunk. Every call goes through a module-level `jax.jit`, so tests that share a shape share its compilation.
+
+KVCACHE_FULL_KERNEL_TESTS=1 runs the full matrix as well: every format at head dims 64, 128 and 256 with GQA 1, 4
+and 8, each at 1 and 3 partitions; split-KV decode of up to 19 blocks at 1, 2, 7 and the automatic partition count
+through the kernel; every format through the decode kernel. experiments/bench/gpu.sh sets it for the compiled kernels
+on a GPU.
+"""
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +25,8 @@ import pytest
 from kvcache import PagedPool, decode_attention, formats, unified_attention, write
 from kvcache.kernels import attention as attention_kernel
 
+FULL = os.environ.get("KVCACHE_FULL_KERNEL_TESTS", "") == "1"
+
 FORMATS = {
     "bf16": formats.get("bf16"),
     "fp8": formats.get("fp8"),
@@ -17,23 +35,83 @@ FORMATS = {
     "fp4-symmetric": formats.get("fp4", rotate_v=True),
 }
 BS = 16
-# Sequence lengths 1, bs - 1, bs, bs + 1 and many blocks in one batch; query chunks of decode (1) and prefill.
+# Sequence lengths 1, bs - 1, bs, bs + 1 and many blocks in one batch; query chunks of decode (1) and prefill
+# (3 tokens, a whole 16-token sequence, 20 of 83 tokens).
 SEQ_LENS = [1, BS - 1, BS, BS + 1, 5 * BS + 3]
 Q_LENS = [1, 3, BS, 1, 20]
 
+# One kernel case per format: (head dim D, GQA group size G, KV heads K, partitions).
+CASES = {
+    "bf16": (64, 1, 2, 1),  # GQA 1, one partition
+    "fp8": (64, 4, 1, 3),  # per-token scales, GQA 4, three partitions
+    "fp4": (128, 2, 2, 2),  # two packed 32-byte chunks per row (groups c and c + 2), two partitions
+    "fp4-mx-norot": (64, 8, 1, 1),  # the mx scale rule, K unrotated, GQA 8
+    "fp4-symmetric": (64, 2, 2, 3),  # V rotated: the output is rotated back after the partition merge
+}
+# The decode kernel (tile 1) for the kernel's three decoders; the fp4 variants differ from "fp4" only in the bytes
+# written and in the query / output rotations outside the kernel.
+DECODE_FORMATS = list(FORMATS) if FULL else ["bf16", "fp8", "fp4"]
+# The full matrix: every format at every head dim, GQA 1, 4 and 8 spread over them, at 1 and 3 partitions.
+_FULL_CASES = [
+    (n, d, g)
+    for i, (n, d) in enumerate((n, d) for n in ("bf16", "fp8", "fp4") for d in (64, 128, 256))
+    for g in [(1, 4, 8)[i % 3]]
+] + [("fp4-mx-norot", 64, 4), ("fp4-symmetric", 128, 2)]
+UNIFIED_CASES = list(
+    dict.fromkeys(
+        [(n, *c) for n, c in CASES.items()]
+        + ([(n, d, g, 2 if g < 8 else 1, p) for n, d, g in _FULL_CASES for p in (1, 3)] if FULL else [])
+    )
+)
+
+_unified = jax.jit(unified_attention, static_argnames=("fmt", "implementation", "max_query_len", "partitions"))
+_decode = jax.jit(decode_attention, static_argnames=("fmt", "implementation", "partitions"))
+_write = jax.jit(write, static_argnames=("fmt", "implementation"))
+
+
+# Every static argument passed explicitly: jit caches a passed and a defaulted keyword apart, and equal shapes
+# should compile once per session.
+def attend(q, fields, tables, seq_lens, qsl, *, fmt, implementation="xla", partitions=None, max_query_len=None):
+    """Jitted `unified_attention` (max_query_len defaults to the batch's, max(Q_LENS))."""
+    max_query_len = max(Q_LENS) if max_query_len is None else max_query_len
+    return _unified(
+        q,
+        fields,
+        tables,
+        seq_lens,
+        qsl,
+        fmt=fmt,
+        implementation=implementation,
+        max_query_len=max_query_len,
+        partitions=partitions,
+    )
+
+
+def attend_decode(q, fields, tables, seq_lens, *, fmt, implementation="xla", partitions=None):
+    """Jitted `decode_attention`."""
+    return _decode(q, fields, tables, seq_lens, fmt=fmt, implementation=implementation, partitions=partitions)
+
+
+def store(fields, k, v, slots, *, fmt, implementation="xla"):
+    """Jitted `write`."""
+    return _write(fields, k, v, slots, fmt=fmt, implementation=implementation)
+
 
 def make_case(fmt, seq_lens, q_lens, *, num_kv, groups, head_dim, seed=0, extra_blocks=3):
-    """A pool holding every sequence's tokens in shuffled blocks (written through `write`), the block tables,
-    queries, and the float32 K/V that were written."""
+    """A pool holding every sequence's tokens in shuffled blocks (written through `write`), the block tables (one
+    padding column at least, pointing at blocks no sequence owns), queries, and the float32 K/V that were written.
+    The slots no sequence owns are zeros."""
     rng = np.random.default_rng(seed)
     blocks_per_seq = [-(-s // BS) for s in seq_lens]
     num_blocks = sum(blocks_per_seq) + extra_blocks
     max_blocks = max(blocks_per_seq) + 1
     order = rng.permutation(num_blocks)
+    spare = order[sum(blocks_per_seq) :]
     tables = np.zeros((len(seq_lens), max_blocks), np.int32)
     kvs, slots, c = [], [], 0
     for b, (s, n) in enumerate(zip(seq_lens, blocks_per_seq)):
         tables[b, :n] = order[c : c + n]
+        tables[b, n:] = spare[b % len(spare)]
         c += n
         pos = np.arange(s)
         slots.append(tables[b, pos // BS] * BS + pos % BS)
@@ -45,7 +123,7 @@ def make_case(fmt, seq_lens, q_lens, *, num_kv, groups, head_dim, seed=0, extra_
     )
     k = np.concatenate([a for a, _ in kvs]).astype(np.float32)
     v = np.concatenate([b for _, b in kvs]).astype(np.float32)
-    fields = write(pool.layer(0), jnp.asarray(k), jnp.asarray(v), jnp.asarray(np.concatenate(slots)), fmt=fmt)
+    fields = store(pool.layer(0), jnp.asarray(k), jnp.asarray(v), jnp.asarray(np.concatenate(slots)), fmt=fmt)
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q = rng.normal(size=(qsl[-1], num_kv * groups, head_dim)).astype(np.float32)
     return (
@@ -58,6 +136,14 @@ def make_case(fmt, seq_lens, q_lens, *, num_kv, groups, head_dim, seed=0, extra_
     )
 
 
+def kernel_case(name, seed=0):
+    """make_case over the ragged batch with the format's kernel case (D, G, K); also the decode queries (one per
+    sequence, the first of its chunk's queries: attention then sees the positions up to seq_len - 1)."""
+    head_dim, groups, num_kv, _ = CASES[name]
+    case = make_case(FORMATS[name], SEQ_LENS, Q_LENS, num_kv=num_kv, groups=groups, head_dim=head_dim, seed=seed)
+    return case, case[0][np.asarray(case[4][:-1])]
+
+
 def numpy_attention(q, k, v, q_pos, groups):
     """float64 softmax attention of queries q [n, H, D] at positions q_pos over keys/values [S, K, D]."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
@@ -68,22 +154,30 @@ def numpy_attention(q, k, v, q_pos, groups):
     return np.einsum("nhs,shd->nhd", p / p.sum(-1, keepdims=True), v)
 
 
+def _bits(x):
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_reference_matches_numpy(name):
     """The XLA reference equals float64 attention over the format's dequantised K/V (with the prepared query, in
     the stored basis), per sequence, causal inside each chunk."""
     fmt = FORMATS[name]
-    q, fields, tables, seq_lens, qsl, kvs = make_case(fmt, SEQ_LENS, Q_LENS, num_kv=2, groups=2, head_dim=64)
-    out = np.asarray(unified_attention(q, fields, tables, seq_lens, qsl, fmt=fmt, max_query_len=max(Q_LENS)))
-    q_prep = np.asarray(fmt.prepare_query(q))
+    groups = CASES[name][1]
+    (q, fields, tables, seq_lens, qsl, kvs), _ = kernel_case(name)
+    out = np.asarray(attend(q, fields, tables, seq_lens, qsl, fmt=fmt))
     k_all, v_all = (jnp.asarray(np.concatenate([kv[i] for kv in kvs]), jnp.float32) for i in (0, 1))
-    k_hat_all, v_hat_all = (np.asarray(x) for x in fmt.dequantize(fmt.quantize(k_all, v_all), rotated=True))
+    # Jitted: compiling the round trip once is faster than dispatching its operations one by one.
+    q_prep, k_hat_all, v_hat_all = jax.jit(
+        lambda q, k, v: (fmt.prepare_query(q), *fmt.dequantize(fmt.quantize(k, v), rotated=True))
+    )(q, k_all, v_all)
+    q_prep, k_hat_all, v_hat_all = np.asarray(q_prep), np.asarray(k_hat_all), np.asarray(v_hat_all)
     starts = np.cumsum([0] + [len(k) for k, _ in kvs])
     for b in range(len(kvs)):
         k_hat, v_hat = k_hat_all[starts[b] : starts[b + 1]], v_hat_all[starts[b] : starts[b + 1]]
         lo, hi = int(qsl[b]), int(qsl[b + 1])
         pos = SEQ_LENS[b] - (hi - lo) + np.arange(hi - lo)
-        want = numpy_attention(q_prep[lo:hi], k_hat, v_hat, pos, 2)
+        want = numpy_attention(q_prep[lo:hi], k_hat, v_hat, pos, groups)
         if fmt.rotate_v:  # the output of rotated values, rotated back
             want = want @ formats.hadamard(want.shape[-1]).astype(np.float64)
         np.testing.assert_allclose(out[lo:hi], want, rtol=2e-5, atol=2e-5)
@@ -91,45 +185,123 @@ def test_reference_matches_numpy(name):
         for b, (k, v) in enumerate(kvs):
             lo, hi = int(qsl[b]), int(qsl[b + 1])
             pos = SEQ_LENS[b] - (hi - lo) + np.arange(hi - lo)
-            np.testing.assert_allclose(out[lo:hi], numpy_attention(q[lo:hi], k, v, pos, 2), atol=3e-2)
+            np.testing.assert_allclose(out[lo:hi], numpy_attention(q[lo:hi], k, v, pos, groups), atol=3e-2)
 
 
-# (format, head dim, GQA ratio): every format at every head dim, the GQA ratios 1, 4, 8 spread over them.
-KERNEL_CASES = [
-    (n, d, g)
-    for i, (n, d) in enumerate((n, d) for n in ("bf16", "fp8", "fp4") for d in (64, 128, 256))
-    for g in [(1, 4, 8)[i % 3]]
-] + [("fp4-mx-norot", 64, 4), ("fp4-symmetric", 128, 2)]
-
-
-@pytest.mark.parametrize("name,head_dim,groups", KERNEL_CASES)
-def test_unified_kernel_matches_reference(name, head_dim, groups):
-    """Ragged batch (lengths 1, bs-1, bs, bs+1, many blocks; decode tokens and prefill chunks) with 1 and 3
-    split-KV partitions: the interpreted kernel equals the reference."""
+@pytest.mark.parametrize("name,head_dim,groups,num_kv,partitions", UNIFIED_CASES)
+def test_unified_kernel_matches_reference(name, head_dim, groups, num_kv, partitions):
+    """The unified kernel over the ragged batch (decode tokens and prefill chunks, lengths 1, bs-1, bs, bs+1 and
+    5 bs + 3) with `partitions` split-KV partitions equals the reference."""
     fmt = FORMATS[name]
-    num_kv = 2 if groups < 8 else 1
     q, fields, tables, seq_lens, qsl, _ = make_case(
         fmt, SEQ_LENS, Q_LENS, num_kv=num_kv, groups=groups, head_dim=head_dim, seed=head_dim + groups
     )
-    kw = dict(fmt=fmt, max_query_len=max(Q_LENS))
-    ref = np.asarray(unified_attention(q, fields, tables, seq_lens, qsl, **kw))
-    for parts in (1, 3):
-        out = unified_attention(q, fields, tables, seq_lens, qsl, implementation="pallas", partitions=parts, **kw)
-        np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5, err_msg=f"partitions={parts}")
+    ref = np.asarray(attend(q, fields, tables, seq_lens, qsl, fmt=fmt))
+    out = attend(q, fields, tables, seq_lens, qsl, fmt=fmt, implementation="pallas", partitions=partitions)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("implementation", ["pallas", "xla_split"])
-@pytest.mark.parametrize("name", ["bf16", "fp4-symmetric"])
+@pytest.mark.parametrize("name", DECODE_FORMATS)
+def test_decode_kernel_matches_reference(name):
+    """The decode kernel (one query per sequence, tile 1) over the ragged batch at the format's case (GQA 1 with
+    one partition, GQA 4 with three, fp4 at D = 128 with two) equals the reference."""
+    fmt = FORMATS[name]
+    (_, fields, tables, seq_lens, _, _), qd = kernel_case(name, seed=11)
+    ref = np.asarray(attend_decode(qd, fields, tables, seq_lens, fmt=fmt))
+    out = attend_decode(qd, fields, tables, seq_lens, fmt=fmt, implementation="pallas", partitions=CASES[name][3])
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "name,implementation",
+    [("fp4-symmetric", "xla_split")]
+    + ([("fp4-symmetric", "pallas"), ("bf16", "pallas"), ("bf16", "xla_split")] if FULL else []),
+)
 def test_split_decode_matches_reference(name, implementation):
-    """Split-KV decode (the kernel, and its algorithm as an XLA loop) over a ragged batch up to 19 blocks:
-    partitions 1, 2, 7 and the automatic count equal the reference."""
+    """Split-KV decode over a ragged batch up to 19 blocks (lengths 1, 300, bs + 1, 129) equals the reference: its
+    algorithm as an XLA loop at 1 and 7 partitions (the last one short); with the full matrix also the kernel at 1,
+    2, 7 and the automatic count (2 here)."""
     fmt = FORMATS[name]
     lens = [1, 300, BS + 1, 129]
     q, fields, tables, seq_lens, _, _ = make_case(fmt, lens, [1] * 4, num_kv=2, groups=4, head_dim=64, seed=7)
-    ref = np.asarray(decode_attention(q, fields, tables, seq_lens, fmt=fmt))
-    for parts in (1, 2, 7, None):
-        out = decode_attention(q, fields, tables, seq_lens, fmt=fmt, implementation=implementation, partitions=parts)
+    ref = np.asarray(attend_decode(q, fields, tables, seq_lens, fmt=fmt))
+    for parts in (1, 2, 7, None) if implementation == "pallas" else (1, 7):  # xla_split: None is 1 here
+        out = attend_decode(q, fields, tables, seq_lens, fmt=fmt, implementation=implementation, partitions=parts)
         np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5, err_msg=f"partitions={parts}")
+
+
+def poison(fields, tables, seq_lens, seed):
+    """Every slot no live sequence owns (unused blocks, the tail of each sequence's last block, the blocks padding
+    columns point at) overwritten with bytes that decode to NaN or +-Inf: bf16 NaN/+-Inf; fp8 NaN codes (E4M3 has
+    no Inf) and NaN/+-Inf float32 scales; fp4 random codes (all finite) under scale byte 0xFF = 2^128 = +Inf."""
+    tables, seq_lens = np.asarray(tables), np.asarray(seq_lens)
+    nb, _, bs = next(iter(fields.values())).shape[:3]
+    owned = np.zeros((nb, bs), bool)
+    for b, n in enumerate(seq_lens):
+        pos = np.arange(n)
+        owned[tables[b, pos // bs], pos % bs] = True
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, field in fields.items():
+        x = np.asarray(field)
+        if x.dtype == np.uint8:  # fp4: codes random, scales 0xFF
+            bad = rng.integers(0, 256, x.shape).astype(np.uint8) if name.endswith("codes") else np.full_like(x, 255)
+        elif x.dtype.itemsize == 1:  # fp8 codes: mostly NaN (0x7F, 0xFF), some random bytes
+            nan = np.where(rng.random(x.shape) < 0.5, 0x7F, 0xFF)
+            bad = np.where(rng.random(x.shape) < 0.7, nan, rng.integers(0, 256, x.shape)).astype(np.uint8)
+            bad = bad.view(x.dtype)
+        else:  # bf16 values, fp8 float32 scales
+            bad = rng.choice(np.array([np.nan, np.inf, -np.inf], np.float32), x.shape).astype(x.dtype)
+        dead = ~owned[:, None, :].reshape(nb, 1, bs, *[1] * (x.ndim - 3))
+        out[name] = jnp.asarray(np.where(dead, bad, x))
+    return out
+
+
+@pytest.mark.parametrize("implementation", ["xla", "xla_split", "pallas"])
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_masked_slots_never_reach_the_output(name, implementation):
+    """NaN / Inf in every slot no query may see (unused blocks, block tails, the blocks behind padding columns of
+    the block table) leave decode and unified attention bit-identical to the same pool with zeros there: masked
+    positions are excluded by selection, not multiplied by a zero probability. The ragged batch of the kernel
+    cases (lengths 1, bs - 1, bs, bs + 1, 5 bs + 3: exact multiples of the block size and not; decode tokens, a
+    3-token chunk, a whole-sequence prefill, a 20-token chunk), split into several partitions where the
+    implementation splits."""
+    fmt = FORMATS[name]
+    (q, fields, tables, seq_lens, qsl, _), qd = kernel_case(name, seed=5)
+    bad = poison(fields, tables, seq_lens, seed=1)
+    parts = {"xla": None, "xla_split": 3, "pallas": CASES[name][3]}[implementation]
+    outs = {}
+    if implementation != "xla_split":
+        kw = dict(fmt=fmt, implementation=implementation, partitions=parts)
+        outs["unified"] = [attend(q, f, tables, seq_lens, qsl, **kw) for f in (fields, bad)]
+    if implementation != "pallas" or name in DECODE_FORMATS:
+        kw = dict(fmt=fmt, implementation=implementation, partitions=parts)
+        outs["decode"] = [attend_decode(qd, f, tables, seq_lens, **kw) for f in (fields, bad)]
+    for entry, (clean, poisoned) in outs.items():
+        assert np.isfinite(np.asarray(clean)).all(), entry
+        np.testing.assert_array_equal(_bits(poisoned), _bits(clean), err_msg=entry)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_no_leak_between_sequences(implementation):
+    """The longest sequence's outputs (a 20-token chunk of 83 tokens) do not change when every block it does not
+    own is overwritten with random bytes, while the other sequences' outputs do."""
+    name = "fp4"
+    fmt = FORMATS[name]
+    (q, fields, tables, seq_lens, qsl, _), _ = kernel_case(name, seed=3)
+    parts = CASES[name][3] if implementation == "pallas" else None
+    kw = dict(fmt=fmt, implementation=implementation, partitions=parts)
+    out = np.asarray(attend(q, fields, tables, seq_lens, qsl, **kw))
+    owned = set(np.asarray(tables[-1, : -(-SEQ_LENS[-1] // BS)]).tolist())
+    others = np.array([b for b in range(fields["k_codes"].shape[0]) if b not in owned])
+    rng = np.random.default_rng(0)
+    garbage = {
+        n: x.at[others].set(jnp.asarray(rng.integers(0, 256, x[others].shape), x.dtype)) for n, x in fields.items()
+    }
+    changed = np.asarray(attend(q, garbage, tables, seq_lens, qsl, **kw))
+    mine = slice(int(qsl[-2]), int(qsl[-1]))
+    np.testing.assert_array_equal(_bits(changed[mine]), _bits(out[mine]))
+    assert not np.allclose(changed[: mine.start], out[: mine.start])  # the garbage did reach the others
 
 
 def test_num_partitions():
@@ -159,8 +331,8 @@ def test_write_kernel_matches_reference_bit_for_bit(name):
     }
     slots = jnp.asarray(np.array([3, 17, -1, 40, 95, 0, 50, 51, 52], np.int32))
     args = (before, jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32), slots)
-    ref = write(*args, fmt=fmt)
-    out = write(*args, fmt=fmt, implementation="pallas")
+    ref = store(*args, fmt=fmt)
+    out = store(*args, fmt=fmt, implementation="pallas")
     written = np.zeros(6 * BS, bool)
     written[np.asarray(slots)[np.asarray(slots) >= 0]] = True
     for n in ref:
@@ -172,28 +344,6 @@ def test_write_kernel_matches_reference_bit_for_bit(name):
             b.transpose(0, 2, 1, *range(3, b.ndim))[untouched],
             err_msg=n,
         )
-
-
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
-def test_no_leak_between_sequences(implementation):
-    """Sequence 0's output does not change when every block it does not own is overwritten with garbage."""
-    fmt = FORMATS["fp4"]
-    q, fields, tables, seq_lens, qsl, _ = make_case(fmt, [40, 70], [5, 1], num_kv=1, groups=2, head_dim=64, seed=3)
-    attend = jax.jit(
-        lambda f: unified_attention(
-            q, f, tables, seq_lens, qsl, fmt=fmt, max_query_len=5, implementation=implementation
-        )
-    )
-    out = np.asarray(attend(fields))
-    owned = set(np.asarray(tables[0, :3]).tolist())
-    others = np.array([b for b in range(fields["k_codes"].shape[0]) if b not in owned])
-    rng = np.random.default_rng(0)
-    garbage = {
-        n: x.at[others].set(jnp.asarray(rng.integers(0, 255, x[others].shape), x.dtype)) for n, x in fields.items()
-    }
-    changed = np.asarray(attend(garbage))
-    np.testing.assert_array_equal(changed[:5], out[:5])
-    assert not np.allclose(changed[5:], out[5:])  # the garbage did reach sequence 1
 
 
 def test_pool_sized_in_bytes():
@@ -224,10 +374,10 @@ def test_bad_input_is_named():
         decode_attention(q, fields, tables, seq_lens, fmt=fmt, partitions=2)
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp8", "fp4", "fp4-mx-norot", "fp4-symmetric"])
+@pytest.mark.parametrize("name", list(FORMATS))
 def test_kernels_lower_to_triton(name):
-    """Both kernels lower to Triton IR for CUDA (no GPU needed: lowering stops before PTX), so a GPU run does not
-    meet an unsupported primitive first."""
+    """The unified, decode and write kernels lower to Triton IR for CUDA (no GPU needed: lowering stops before
+    PTX), so a GPU run does not meet an unsupported primitive first."""
     fmt = FORMATS[name]
     kv, d = 2, 128
     fields = {n: jax.ShapeDtypeStruct((8, kv, BS, *shape[1:]), dt) for n, (shape, dt) in fmt.fields(kv, d).items()}
@@ -236,81 +386,11 @@ def test_kernels_lower_to_triton(name):
     attend = jax.jit(lambda *a: attention_kernel.unified_attention(*a, fmt=fmt, max_query_len=3, partitions=2))
     text = attend.trace(f32(5, 8, d), fields, i32(3, 4), i32(3), i32(4)).lower(lowering_platforms=("cuda",)).as_text()
     assert "xla.gpu.triton" in text
+    decode = jax.jit(lambda *a: attention_kernel.decode_attention(*a, fmt=fmt, partitions=2))
+    text = decode.trace(f32(3, 8, d), fields, i32(3, 4), i32(3)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "xla.gpu.triton" in text
     from kvcache.kernels import write as write_kernel
 
     store = jax.jit(lambda *a: write_kernel.write(*a, fmt=fmt))
     text = store.trace(fields, f32(7, kv, d), f32(7, kv, d), i32(7)).lower(lowering_platforms=("cuda",)).as_text()
     assert "xla.gpu.triton" in text
-
-
-# ------------------------------------------------------------------ masked positions are excluded by selection
-
-_unified = jax.jit(
-    unified_attention, static_argnames=("fmt", "implementation", "max_query_len", "partitions", "interpret")
-)
-_decode = jax.jit(decode_attention, static_argnames=("fmt", "implementation", "partitions", "interpret"))
-
-
-def poison(fields, tables, seq_lens, seed):
-    """Every slot no live sequence owns (unused blocks, the tail of each sequence's last block, the blocks padding
-    columns point at) overwritten with bytes that decode to NaN or +-Inf: bf16 NaN/+-Inf; fp8 NaN codes (E4M3 has
-    no Inf) and NaN/+-Inf float32 scales; fp4 random codes (all finite) under scale byte 0xFF = 2^128 = +Inf."""
-    tables, seq_lens = np.asarray(tables), np.asarray(seq_lens)
-    nb, _, bs = next(iter(fields.values())).shape[:3]
-    owned = np.zeros((nb, bs), bool)
-    for b, n in enumerate(seq_lens):
-        pos = np.arange(n)
-        owned[tables[b, pos // bs], pos % bs] = True
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, field in fields.items():
-        x = np.asarray(field)
-        if x.dtype == np.uint8:  # fp4: codes random, scales 0xFF
-            bad = rng.integers(0, 256, x.shape).astype(np.uint8) if name.endswith("codes") else np.full_like(x, 255)
-        elif x.dtype.itemsize == 1:  # fp8 codes: NaN (0x7F, 0xFF) or a random byte
-            nan = np.where(rng.random(x.shape) < 0.5, 0x7F, 0xFF)
-            bad = np.where(rng.random(x.shape) < 0.7, nan, rng.integers(0, 256, x.shape)).astype(np.uint8)
-            bad = bad.view(x.dtype)
-        else:  # bf16 values, fp8 float32 scales
-            bad = rng.choice(np.array([np.nan, np.inf, -np.inf], np.float32), x.shape).astype(x.dtype)
-        dead = ~owned[:, None, :].reshape(nb, 1, bs, *[1] * (x.ndim - 3))
-        out[name] = jnp.asarray(np.where(dead, bad, x))
-    return out
-
-
-def _bits(x):
-    return np.asarray(x, np.float32).view(np.uint32)
-
-
-POISON_FORMATS = ["bf16", "fp8", "fp4", "fp4-mx-norot", "fp4-symmetric"]
-
-
-@pytest.mark.parametrize("implementation", ["xla", "xla_split", "pallas"])
-@pytest.mark.parametrize("name", POISON_FORMATS)
-def test_masked_slots_never_reach_the_output(name, implementation):
-    """NaN / Inf in every slot no query may see (unused blocks, block tails, padding columns of the block table)
-    leave decode and unified attention bit-identical to a pool with zeros there: masked positions are excluded by
-    selection, not multiplied by a zero probability. Ragged batch: lengths 1, bs-1, bs, bs+1 and 5 bs + 3, decode
-    tokens, a chunk of 3, a whole-sequence prefill and a 20-token chunk."""
-    fmt = FORMATS[name]
-    q, fields, tables, seq_lens, qsl, _ = make_case(fmt, SEQ_LENS, Q_LENS, num_kv=2, groups=2, head_dim=64, seed=5)
-    num_blocks = next(iter(fields.values())).shape[0]
-    tables = np.array(tables)
-    blocks = [-(-int(s) // BS) for s in SEQ_LENS]
-    used = {int(tables[b, c]) for b, n in enumerate(blocks) for c in range(n)}
-    spare = [blk for blk in range(num_blocks) if blk not in used]
-    for b, n in enumerate(blocks):
-        tables[b, n:] = spare[b % len(spare)]
-    tables = jnp.asarray(tables)
-    bad = poison(fields, tables, seq_lens, seed=1)
-    outs = {}
-    parts = {"xla": None, "xla_split": 3, "pallas": 2}[implementation]
-    if implementation != "xla_split":
-        kw = dict(fmt=fmt, implementation=implementation, max_query_len=max(Q_LENS), partitions=parts)
-        outs["unified"] = [_unified(q, f, tables, seq_lens, qsl, **kw) for f in (fields, bad)]
-    qd = q[np.asarray(qsl[:-1])]  # one query per sequence
-    kw = dict(fmt=fmt, implementation=implementation, partitions=parts)
-    outs["decode"] = [_decode(qd, f, tables, seq_lens, **kw) for f in (fields, bad)]
-    for entry, (clean, poisoned) in outs.items():
-        assert np.isfinite(np.asarray(clean)).all(), entry
-        np.testing.assert_array_equal(_bits(poisoned), _bits(clean), err_msg=entry)
