@@ -81,7 +81,7 @@ class FederatedStepper(train_lib.Stepper):
             migrate = jax.jit(functools.partial(reshuffle.migrate, mesh=mesh), donate_argnums=0)
             self.migrate_exec = migrate.lower(state, [plan] * 4).compile()
         self.bytes_info = _round_bytes(
-            self.round_exec.as_text(), self.migrate_exec and self.migrate_exec.as_text(), state.train.params, sites, f
+            self.round_exec.as_text(), self.migrate_exec and self.migrate_exec.as_text(), state.train, sites, f
         )
         tokens_per_step = config.data.batch_size * config.data.seq_len
         self.bytes_info["bytes_per_token"] = system_model.bytes_per_token(
@@ -95,8 +95,8 @@ class FederatedStepper(train_lib.Stepper):
             print(
                 f"federation: {sites} sites, O_e = {f.overlap}, {placement.local_experts} of "
                 f"{placement.num_experts} experts per site, K = {k}, {f.outer}, {f.routing} routing; "
-                f"{self.bytes_info['measured'] / 1e6:.3f} MB per site per round "
-                f"(formula {self.bytes_info['formula'] / 1e6:.3f} MB)" + _migration_line(self.bytes_info, f),
+                f"{self.bytes_info['measured']:,.0f} bytes per site per round (formula "
+                f"{self.bytes_info['formula']:,.0f})" + _migration_line(self.bytes_info, f),
                 flush=True,
             )
 
@@ -222,22 +222,33 @@ def _migration_line(bytes_info: dict, f) -> str:
         return ""
     moved, arrivals = bytes_info["migration_per_reshuffle"], bytes_info["migration_per_reshuffle_formula"]
     return (
-        f"; random placement reshuffled every {f.reshuffle_every} rounds: {moved / 1e6:.3f} MB per site per "
-        f"reshuffle (expected arrivals {arrivals / 1e6:.3f} MB), included per round"
+        f"; random placement reshuffled every {f.reshuffle_every} rounds: {moved:,.0f} bytes per site per "
+        f"reshuffle (expected arrivals {arrivals:,.0f}), included per round"
     )
 
 
-def _round_bytes(round_hlo: str, migrate_hlo: str | None, params, sites: int, f) -> dict[str, float]:
-    """Bytes per site per round, read from the compiled programs' collectives and by the spec's formulas. With
+def _split_bytes(tree, flags, sites: int) -> tuple[int, int]:
+    """(dense, expert) bytes per site of a stacked tree's floating leaves, by `flags` (True expert, False dense,
+    None not averaged)."""
+    totals = {False: 0, True: 0}
+    for x, e in zip(jax.tree.leaves(tree), federation.leaf_flags(flags, tree)):
+        if e is not None and jnp.issubdtype(x.dtype, jnp.inexact):
+            totals[bool(e)] += x.nbytes // sites
+    return totals[False], totals[True]
+
+
+def _round_bytes(round_hlo: str, migrate_hlo: str | None, train: train_lib.TrainState, sites: int, f) -> dict:
+    """Bytes per site per round, read from the compiled programs' collectives and by the spec's formulas (their
+    inputs: the bytes of the parameters and of the optimizer state LocalAdamW averages, from the state's tree). With
     random placement a reshuffle's bytes count 1 / reshuffle_every per round: measured, what the migration's
     all-gather moves; by formula, the expected arrivals (P with gamma = 1 / reshuffle_every)."""
     measured = hlo.collective_bytes(round_hlo)["bytes_per_device"]
-    flags = jax.tree.leaves(federation.expert_flags(params))
-    per_site = [x.nbytes // sites for x in jax.tree.leaves(params)]
-    dense = sum(b for b, e in zip(per_site, flags) if not e)
-    experts = sum(b for b, e in zip(per_site, flags) if e)
+    dense, experts = _split_bytes(train.params, federation.expert_flags(train.params), sites)
+    state = _split_bytes(train.opt_state, rounds.moment_flags(train.opt_state, train.params), sites)
     gamma = 1.0 / f.reshuffle_every if migrate_hlo is not None else 0.0
-    formula = system_model.sync_bytes(dense, experts, sites, f.overlap, optimizer=f.outer, migration=gamma)["total"]
+    formula = system_model.sync_bytes(
+        dense, experts, sites, f.overlap, optimizer=f.outer, migration=gamma, state_bytes=state
+    )["total"]
     out = {"measured": measured, "formula": formula}
     if migrate_hlo is not None:
         out["migration_per_reshuffle"] = hlo.collective_bytes(migrate_hlo)["bytes_per_device"]

@@ -27,7 +27,16 @@ from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from moe.layer import Residency
 
-__all__ = ["SITE_AXES", "average", "expert_flags", "is_expert_variable", "per_site", "site_mesh", "to_sites"]
+__all__ = [
+    "SITE_AXES",
+    "average",
+    "expert_flags",
+    "is_expert_variable",
+    "leaf_flags",
+    "per_site",
+    "site_mesh",
+    "to_sites",
+]
 
 SITE_AXES = ("replica", "block")
 
@@ -71,23 +80,33 @@ def average(tree, is_expert, mesh: Mesh):
 
     Args:
       tree: leaves [M, ...], site s's value at index s.
-      is_expert: a pytree of Python bools with `tree`'s structure (or a prefix of it): True for leaves averaged
-        over the replica group only.
+      is_expert: a pytree with `tree`'s structure (or a prefix of it) of Python bools: True for leaves averaged
+        over the replica group only, False for leaves averaged over all sites; or None for leaves each site keeps
+        (not averaged).
     Returns:
       the averaged tree, same shapes and sharding; integer leaves are returned unchanged.
     """
     spec = PartitionSpec(SITE_AXES)
-    flags, treedef = jax.tree.flatten(jax.tree.broadcast(is_expert, tree))
+    leaves, treedef = jax.tree.flatten(tree)
+    flags = leaf_flags(is_expert, tree)
 
     def local(*leaves):  # integer leaves (step counts, expert ids) are never averaged
         return [
-            jax.lax.pmean(x, "replica" if e else SITE_AXES) if jnp.issubdtype(x.dtype, jnp.inexact) else x
+            x
+            if e is None or not jnp.issubdtype(x.dtype, jnp.inexact)
+            else jax.lax.pmean(x, "replica" if e else SITE_AXES)
             for x, e in zip(leaves, flags)
         ]
 
-    leaves = jax.tree.leaves(tree)
     out = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * len(leaves), out_specs=[spec] * len(leaves))(*leaves)
     return jax.tree.unflatten(treedef, out)
+
+
+def leaf_flags(flags, tree) -> list:
+    """One flag per leaf of `tree` from `flags`, a tree with `tree`'s structure or a prefix of it whose leaves may
+    be None (e.g. `average`'s is_expert)."""
+    full = jax.tree.broadcast(flags, tree, is_leaf=lambda x: x is None)
+    return jax.tree.structure(tree).flatten_up_to(full)
 
 
 def is_expert_variable(variable) -> bool:

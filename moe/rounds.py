@@ -103,8 +103,7 @@ def make_round(
         flags = federation.expert_flags(train.params)
         averaged = federation.average(train.params, flags, mesh)
         if method == "local_adamw":
-            moment_flags = train_lib.mirror(train.opt_state, train.params, flags, False)  # step counts: dense
-            opt_state = federation.average(train.opt_state, moment_flags, mesh)
+            opt_state = federation.average(train.opt_state, moment_flags(train.opt_state, train.params), mesh)
             params, outer_state = averaged, state.outer
         else:
             delta = jax.tree.map(lambda s, a: s - a, start, averaged)
@@ -113,6 +112,14 @@ def make_round(
         return FederatedState(train._replace(params=params, opt_state=opt_state), outer_state), metrics
 
     return jax.jit(round_fn, donate_argnums=0)
+
+
+def moment_flags(opt_state: Any, params: Any) -> Any:
+    """LocalAdamW's averaging of the optimizer state: the leaves that mirror a parameter (Adam's moments, Lion's and
+    Muon's momentum) are averaged like that parameter (True: expert, over its replica group; False: dense, over all
+    sites); the others (step counts, MGUP's selected fraction, injected hyperparameters) are each site's own (None),
+    identical across sites or a per-site statistic, and cost no bytes."""
+    return train_lib.mirror(opt_state, params, federation.expert_flags(params), None)
 
 
 def site_batches(tokens: np.ndarray, sites: int) -> np.ndarray:

@@ -175,17 +175,27 @@ def sync_bytes(
     *,
     optimizer: str = "local_adamw",
     migration: float = 0.0,
+    state_bytes: tuple[float, float] | None = None,
 ) -> dict[str, float]:
-    """The communication formulas on given byte counts: `dense_bytes` = S_dense (what every site averages over all
-    M sites), `local_expert_bytes` = sum over layers of N_le s_expert (what a site averages over its O_e-site
-    replica group). Returns {"dense", "sparse", "total"} bytes per site per round."""
+    """The communication formulas on given byte counts: `dense_bytes` = S_dense (the parameters every site
+    averages over all M sites), `local_expert_bytes` = sum over layers of N_le s_expert (what a site averages over
+    its O_e-site replica group).
+
+    LocalAdamW also averages the optimizer state that mirrors the parameters: `state_bytes` = (dense, expert)
+    bytes of it; by default AdamW's two moments, 2 x the parameters (Lion and Muon keep one momentum buffer per
+    parameter; counts and statistics are not averaged). A reshuffle (`migration` gamma) moves expert weights only.
+    Returns {"dense", "sparse", "total"} bytes per site per round."""
     if optimizer not in ("diloco", "local_adamw"):
         raise ValueError(f"optimizer = {optimizer!r}; allowed: ['diloco', 'local_adamw'].")
     if not 0.0 <= migration <= 1.0:
         raise ValueError(f"migration gamma = {migration} must be in [0, 1].")
-    copies = 3 if optimizer == "local_adamw" else 1
-    dense = _ring(sites) * dense_bytes * copies
-    sparse = (_ring(overlap) * copies + migration * (1.0 - overlap / sites)) * local_expert_bytes
+    dense_state, expert_state = (2 * dense_bytes, 2 * local_expert_bytes) if state_bytes is None else state_bytes
+    if optimizer == "diloco":
+        dense_state = expert_state = 0.0
+    dense = _ring(sites) * (dense_bytes + dense_state)
+    sparse = _ring(overlap) * (local_expert_bytes + expert_state) + migration * (1.0 - overlap / sites) * (
+        local_expert_bytes
+    )
     return {"dense": dense, "sparse": sparse, "total": dense + sparse}
 
 

@@ -16,6 +16,16 @@ from moe.placement import fixed_placement
 from optim import diloco_outer
 
 SITES = 4
+OPTIMIZER_NAMES = (
+    "adamw",
+    "cautious_adamw",
+    "mgup_adamw",
+    "cautious_mgup_adamw",
+    "lion",
+    "mgup_lion",
+    "muon",
+    "mgup_muon",
+)
 
 
 def _setup(overlap, optimizer, outer=None, precision=None):
@@ -163,25 +173,53 @@ def test_diloco_outer_step_over_two_rounds_follows_its_formula():
         )
 
 
-@pytest.mark.parametrize("overlap, method", [(1, "local_adamw"), (2, "local_adamw"), (2, "diloco"), (4, "diloco")])
-def test_a_rounds_collectives_are_exactly_the_formula_bytes(overlap, method):
-    """What the compiled round program all-reduces across sites equals moe.system_model.sync_bytes for this
-    model's dense and expert parameter bytes (LocalAdamW: parameters and both moments)."""
+def _state_copies(name, path, shape):
+    """Optimizer-state tensors per parameter that LocalAdamW averages, by the optimizer's definition: Adam keeps two
+    moments, Lion one momentum, Muon one momentum for 2-D matrices that are not the embedding (AdamW's two for
+    the rest)."""
+    if "lion" in name:
+        return 1
+    if "muon" in name:
+        return 1 if len(shape) == 2 and "embedding" not in path else 2
+    return 2
+
+
+@pytest.mark.parametrize(
+    "name, overlap, method",
+    [(name, 2, "local_adamw") for name in OPTIMIZER_NAMES] + [("adamw", 1, "local_adamw"), ("adamw", 4, "diloco")],
+)
+def test_a_rounds_collectives_are_exactly_the_formula_bytes(name, overlap, method):
+    """What the compiled round program all-reduces across sites equals moe.system_model.sync_bytes, to the byte,
+    for every optimizer: parameters (dense over all sites, experts over their replica group) and, with
+    LocalAdamW, the optimizer state that mirrors them (counts and MGUP's selected fraction stay with each site)."""
+    from experiments import build
     from moe import system_model
 
-    optimizer = optax.adamw(1e-2)
+    config = build.default_config()
+    config.optim.name = name
+    optimizer = build.build_optimizer(config)
     outer = diloco_outer() if method == "diloco" else None
     _, mesh, graphdef, state = _setup(overlap, optimizer, outer)
     compiled = (
         rounds.make_round(graphdef, optimizer, mesh, method=method, outer=outer).lower(state, _tokens(2)).compile()
     )
-    measured = hlo.collective_bytes(compiled.as_text())
+    measured = hlo.collective_bytes(compiled.as_text())["bytes_per_device"]
+    params = jax.tree_util.tree_flatten_with_path(state.train.params)[0]
     flags = jax.tree.leaves(federation.expert_flags(state.train.params))
-    per_site = [x.nbytes // SITES for x in jax.tree.leaves(state.train.params)]
-    dense = sum(b for b, e in zip(per_site, flags) if not e)
-    experts = sum(b for b, e in zip(per_site, flags) if e)
-    formula = system_model.sync_bytes(dense, experts, SITES, overlap, optimizer=method)
-    assert measured["bytes_per_device"] == pytest.approx(formula["total"], rel=1e-12)
+    sizes = {False: [0, 0], True: [0, 0]}  # expert? -> [parameter bytes, state bytes] per site
+    for (path, x), expert in zip(params, flags):
+        per_site = x.nbytes // SITES
+        sizes[expert][0] += per_site
+        sizes[expert][1] += per_site * _state_copies(name, jax.tree_util.keystr(path), x.shape[1:])
+    formula = system_model.sync_bytes(
+        sizes[False][0],
+        sizes[True][0],
+        SITES,
+        overlap,
+        optimizer=method,
+        state_bytes=(sizes[False][1], sizes[True][1]),
+    )
+    assert measured == formula["total"]
 
 
 def test_local_steps_and_evaluation_move_nothing_across_sites():
