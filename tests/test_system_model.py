@@ -3,6 +3,7 @@
 import itertools
 import math
 
+import numpy as np
 import pytest
 
 from moe import system_model as sm
@@ -20,19 +21,76 @@ def test_param_count_reproduces_the_paper_table(name):
     assert abs(p["total"] - stated) <= max(0.01 * stated, half_unit), (p["total"], stated)
 
 
-def test_param_count_by_hand_and_bad_input():
-    p = sm.param_count(4, 2, 3, expert_size=5, vocab_size=7)
-    assert p == {
-        "embedding": 28,
-        "attention": 128,
-        "router": 24,
-        "experts": 240,
-        "per_expert": 40,
-        "dense": 156,
-        "total": 420,
-    }
+def test_param_count_equals_the_built_models_parameters():
+    """The paper family's count against the parameters of our transformer with MoE FFNs of that shape (tied
+    embedding, d x d attention projections, router d x N_e and experts 2 d h per layer), less the norms the paper's
+    table leaves out."""
+    from flax import nnx
+
+    from core.config import TransformerConfig
+    from core.model import Transformer, count_params
+    from moe import MoE, MoEConfig
+
+    d, layers, experts, h, vocab = 16, 3, 6, 10, 300
+    cfg = TransformerConfig(vocab_size=vocab, d_model=d, num_layers=layers, num_heads=2, num_kv_heads=2)
+    m = MoEConfig(every=1, num_experts=experts, top_k=2, expert_size=h)
+    model = Transformer(cfg, rngs=nnx.Rngs(0), ffn_factory=lambda i, path, rngs: MoE(cfg, m, path=path, rngs=rngs))
+    norms = (2 * layers + 1) * d
+    p = sm.param_count(d, layers, experts, expert_size=h, vocab_size=vocab)
+    assert p["total"] == count_params(model) - norms
+    assert p["per_expert"] * experts * layers == sum(
+        x.size for path, x in nnx.to_flat_state(nnx.state(model, nnx.Param)) if path[-1] in ("up", "down")
+    )
     with pytest.raises(ValueError, match="d_model = 0"):
         sm.param_count(0, 2, 3)
+
+
+def _ring_allreduce_bytes(values: list, itemsize: int) -> list[int]:
+    """Bytes each of len(values) participants sends in a ring all-reduce of equal-length vectors, simulated chunk by
+    chunk (reduce-scatter then all-gather, as NCCL and gloo do); asserts every participant ends with the sum."""
+    n = len(values)
+    if n == 1:
+        return [0]
+    chunks = [list(np.array_split(np.asarray(v, np.float64), n)) for v in values]
+    sent = [0] * n
+    for phase in ("reduce-scatter", "all-gather"):
+        for step in range(n - 1):
+            moves = []
+            for p in range(n):
+                c = (p - step + (0 if phase == "reduce-scatter" else 1)) % n
+                moves.append((p, (p + 1) % n, c, chunks[p][c].copy()))
+            for src, dst, c, data in moves:
+                sent[src] += data.size * itemsize
+                chunks[dst][c] = chunks[dst][c] + data if phase == "reduce-scatter" else data
+    total = np.sum(values, axis=0)
+    for p in range(n):
+        np.testing.assert_allclose(np.concatenate(chunks[p]), total)
+    return sent
+
+
+@pytest.mark.parametrize("sites, overlap, optimizer", [(4, 1, "diloco"), (4, 2, "local_adamw"), (6, 3, "diloco")])
+def test_bytes_per_round_equal_a_simulated_ring_all_reduce(sites, overlap, optimizer):
+    """Every site all-reduces the dense parameters (and with LocalAdamW both moments) over all M sites and each
+    expert's parameters (with its router row) over the O_e sites hosting it: the bytes a simulated ring sends per
+    site equal the formula's."""
+    # sizes that 4 and 6 sites (and groups of 2 and 3) split into equal chunks, as the formula assumes
+    shape = sm.ModelShape(d_model=6, num_layers=2, num_experts=12, top_k=2, expert_size=5, vocab_size=8)
+    p = sm.param_count(6, 2, 12, 5, 8)
+    copies = 3 if optimizer == "local_adamw" else 1
+    rng = np.random.default_rng(0)
+    sent = np.zeros(sites)
+    dense = rng.normal(size=(sites, p["dense"] * copies))
+    sent += _ring_allreduce_bytes(list(dense), itemsize=4)
+    groups = [list(range(g, sites, sites // overlap)) for g in range(sites // overlap)]  # strided blocks
+    expert_size = (p["per_expert"] + shape.d_model) * copies  # + its router row (partitioned router)
+    for _ in range(shape.num_layers):
+        for e in range(shape.num_experts):
+            members = groups[e % len(groups)]
+            values = list(rng.normal(size=(len(members), expert_size)))
+            for member, b in zip(members, _ring_allreduce_bytes(values, itemsize=4)):
+                sent[member] += b
+    want = sm.bytes_per_round(shape, sites, overlap, optimizer=optimizer)["total"]
+    np.testing.assert_allclose(sent, want, rtol=1e-12)
 
 
 def test_local_experts_and_its_errors():
