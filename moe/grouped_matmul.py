@@ -7,8 +7,8 @@ rows at and beyond sum(group_sizes) are zero in the output. This is the expert c
 (tokens sorted by expert) and the precision slot's second callable (a quantised version has the same signature).
 
 Implementations, chosen per backend by `grouped_matmul(..., implementation="auto")`:
-  * "ragged_dot": `jax.lax.ragged_dot`, native on GPU and TPU. On XLA:CPU it lowers to a slow generic loop
-    (4096x256 rows, 64 groups, 256->512: ~1 s forward where a dense product of the same FLOPs takes ~6 ms).
+  * "ragged_dot": `jax.lax.ragged_dot`, native on GPU and TPU. On XLA:CPU it lowers to a generic loop far slower
+    than a dense product of the same FLOPs (measured: results/bench/moe.md, `python -m experiments.bench.moe`).
   * "windowed" (the CPU default): a `lax.fori_loop` over row windows of W rows, each window a plain 2-D matmul
     with its group's matrix. A group of n rows takes ceil(n / W) windows; the last one overlaps the next group and
     its extra rows are overwritten by that group's windows, which run later. The trip count is dynamic, so only
@@ -45,8 +45,8 @@ def default_window(num_rows: int, num_groups: int) -> int:
     """Rows per window: the mean group size rounded down to a power of two, within [32, 512].
 
     Smaller windows waste fewer rows at group ends (about W/2 per group); larger ones run each 2-D matmul, above
-    all the d(rhs) product that contracts over the window's rows, more efficiently. XLA:CPU runs such small
-    matmuls on one core (~85 GFLOP/s on the 2-core CPU machine, against ~165 for one large dot on both cores).
+    all the d(rhs) product that contracts over the window's rows, more efficiently (XLA:CPU runs small matmuls on
+    one core).
     """
     mean = max(num_rows // max(num_groups, 1), 1)
     return int(min(512, max(32, 1 << (mean.bit_length() - 1))))
