@@ -32,54 +32,68 @@ from quant import config as quant_config
 from quant import recipes as quant_recipes
 from quant.precision import QuantPrecision
 
-# name -> (learning-rate schedule, optim config) -> optax transformation (without clipping).
-OPTIMIZERS: dict[str, Callable[[optax.Schedule, ml_collections.ConfigDict], optax.GradientTransformation]] = {
-    "adamw": lambda lr, o: optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask),
-    "cautious_adamw": lambda lr, o: cautious_adamw(lr, o.b1, o.b2, o.eps, o.weight_decay, weight_decay_mask=decay_mask),
-    "mgup_adamw": lambda lr, o: mgup_adamw(
+# name -> (learning-rate schedule, optim config section, its family's b1 / b2 / eps / momentum as resolved by
+# optim.config.hyperparameters) -> optax transformation (without clipping). Every argument by keyword.
+OPTIMIZERS: dict[
+    str, Callable[[optax.Schedule, ml_collections.ConfigDict, dict[str, float]], optax.GradientTransformation]
+] = {
+    "adamw": lambda lr, o, h: optax.adamw(
+        lr, b1=h["b1"], b2=h["b2"], eps=h["eps"], weight_decay=o.weight_decay, mask=decay_mask
+    ),
+    "cautious_adamw": lambda lr, o, h: cautious_adamw(
+        lr, b1=h["b1"], b2=h["b2"], eps=h["eps"], weight_decay=o.weight_decay, weight_decay_mask=decay_mask
+    ),
+    "mgup_adamw": lambda lr, o, h: mgup_adamw(
         lr,
-        o.b1,
-        o.b2,
-        o.eps,
-        o.weight_decay,
-        o.mask_ratio,
-        o.alpha,
-        o.gamma,
+        b1=h["b1"],
+        b2=h["b2"],
+        eps=h["eps"],
+        weight_decay=o.weight_decay,
+        mask_ratio=o.mask_ratio,
+        alpha=o.alpha,
+        gamma=o.gamma,
         selection=o.selection,
         weight_decay_mask=decay_mask,
     ),
-    "cautious_mgup_adamw": lambda lr, o: cautious_mgup_adamw(
-        lr, o.b1, o.b2, o.eps, o.weight_decay, o.alpha, o.gamma, weight_decay_mask=decay_mask
-    ),
-    "lion": lambda lr, o: optax.lion(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=decay_mask),
-    "mgup_lion": lambda lr, o: mgup_lion(
+    "cautious_mgup_adamw": lambda lr, o, h: cautious_mgup_adamw(
         lr,
-        o.b1,
-        o.b2,
-        o.weight_decay,
-        o.mask_ratio,
-        o.alpha,
-        o.gamma,
+        b1=h["b1"],
+        b2=h["b2"],
+        eps=h["eps"],
+        weight_decay=o.weight_decay,
+        alpha=o.alpha,
+        gamma=o.gamma,
+        weight_decay_mask=decay_mask,
+    ),
+    "lion": lambda lr, o, h: optax.lion(lr, b1=h["b1"], b2=h["b2"], weight_decay=o.weight_decay, mask=decay_mask),
+    "mgup_lion": lambda lr, o, h: mgup_lion(
+        lr,
+        b1=h["b1"],
+        b2=h["b2"],
+        weight_decay=o.weight_decay,
+        mask_ratio=o.mask_ratio,
+        alpha=o.alpha,
+        gamma=o.gamma,
         selection=o.selection,
         weight_decay_mask=decay_mask,
     ),
-    "muon": lambda lr, o: mgup_muon(
+    "muon": lambda lr, o, h: mgup_muon(
         lr,
-        o.weight_decay,
-        o.momentum,
-        adam_b1=o.b1,
-        adam_b2=o.b2,
-        adam_eps=o.eps,
+        weight_decay=o.weight_decay,
+        momentum=h["momentum"],
+        adam_b1=h["b1"],
+        adam_b2=h["b2"],
+        adam_eps=h["eps"],
         mgup=False,
         weight_decay_mask=decay_mask,
     ),
-    "mgup_muon": lambda lr, o: mgup_muon(
+    "mgup_muon": lambda lr, o, h: mgup_muon(
         lr,
-        o.weight_decay,
-        o.momentum,
-        adam_b1=o.b1,
-        adam_b2=o.b2,
-        adam_eps=o.eps,
+        weight_decay=o.weight_decay,
+        momentum=h["momentum"],
+        adam_b1=h["b1"],
+        adam_b2=h["b2"],
+        adam_eps=h["eps"],
         mask_ratio=o.mask_ratio,
         alpha=o.alpha,
         gamma=o.gamma,
@@ -121,7 +135,8 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
 
 
 def decay_mask(params):
-    """Weight decay on matrices only (ndim >= 2), never on norms or the embedding table."""
+    """Which leaves weight decay applies to: a tree of bools like `params`, True for matrices (ndim >= 2) whose path
+    does not name the embedding table; False for norms, biases and the embedding."""
 
     def keep(path, leaf):
         return leaf.ndim >= 2 and "embedding" not in jax.tree_util.keystr(path)
@@ -130,10 +145,12 @@ def decay_mask(params):
 
 
 def build_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-    """Gradient clipping (if enabled) followed by the chosen optimizer on the warm-up + decay schedule."""
+    """Gradient clipping (if enabled) followed by the chosen optimizer on the warm-up + decay schedule, with its
+    family's b1 / b2 / eps / momentum unless the config sets them (optim.config.hyperparameters; the table is in
+    docs/configuration.md). Raises ConfigError for a family key the chosen optimizer does not use."""
     o = config.optim
     schedule = train_lib.learning_rate_schedule(o, config.train.steps)
-    inner = OPTIMIZERS[o.name](schedule, o)
+    inner = OPTIMIZERS[o.name](schedule, o, optim_config.hyperparameters(o))
     return optax.chain(optax.clip_by_global_norm(o.grad_clip_norm), inner) if o.grad_clip_norm > 0 else inner
 
 

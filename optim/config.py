@@ -1,15 +1,84 @@
-"""The `optim` fields MGUP adds to the core optimizer section (merged by experiments/build.py)."""
+"""The `optim` fields the optimizer families add to the core optimizer section (merged by experiments/build.py),
+and each family's defaults.
+
+b1, b2, eps and momentum default to None, meaning "the family's default" (`FAMILY_DEFAULTS`); a value set in the
+config is used as given. `hyperparameters(section)` resolves them for the chosen optimizer.
+"""
 
 from __future__ import annotations
 
-from core.config import Field
+from collections.abc import Mapping
+from typing import Any
+
+from core.config import ConfigError, Field
 from optim.mgup import SELECTIONS
 
-__all__ = ["fields"]
+__all__ = ["FAMILIES", "FAMILY_DEFAULTS", "FAMILY_SOURCES", "fields", "hyperparameters"]
+
+FAMILIES: dict[str, str] = {
+    "adamw": "adamw",
+    "cautious_adamw": "adamw",
+    "mgup_adamw": "adamw",
+    "cautious_mgup_adamw": "adamw",
+    "lion": "lion",
+    "mgup_lion": "lion",
+    "muon": "muon",
+    "mgup_muon": "muon",
+}
+"""Optimizer name (`optim.name`) -> its family, whose defaults it takes."""
+
+FAMILY_DEFAULTS: dict[str, dict[str, float]] = {
+    "adamw": {"b1": 0.9, "b2": 0.95, "eps": 1e-8},
+    "lion": {"b1": 0.9, "b2": 0.99},
+    "muon": {"b1": 0.95, "b2": 0.95, "eps": 1e-8, "momentum": 0.95},
+}
+"""Family -> the value of each family key it uses when the config leaves the key unset. A key a family does not
+list (Lion's eps, momentum outside Muon) is not used by it, and setting it is an error."""
+
+FAMILY_SOURCES: dict[str, str] = {
+    "adamw": "the pre-training betas (0.9, 0.95) and eps 1e-8 the quickstart has always trained with",
+    "lion": "the Lion paper's (Chen et al., arXiv 2302.06675) and the MGUP reference's MGUP_Lion.py betas",
+    "muon": "the MGUP reference's MGUP_Muon.py / Moonlight: AdamW backup betas (0.95, 0.95), eps 1e-8; momentum 0.95",
+}
+"""Family -> where its defaults come from (for docs/configuration.md)."""
+
+_FAMILY_KEYS = ("b1", "b2", "eps", "momentum")
 
 
 def fields() -> dict[str, Field]:
+    """The keys of the `optim` section declared here (b1, b2 and eps replace the core section's)."""
+    optional = (float, type(None))
     return {
+        "b1": Field(
+            None,
+            optional,
+            "AdamW: first-moment decay; Lion: interpolation beta of the update sign; Muon: the AdamW backup's b1. "
+            "None: the family's default (adamw 0.9, lion 0.9, muon 0.95)",
+            low=0.0,
+            high=1.0,
+        ),
+        "b2": Field(
+            None,
+            optional,
+            "AdamW: second-moment decay; Lion: momentum decay; Muon: the AdamW backup's b2. None: the family's "
+            "default (adamw 0.95, lion 0.99, muon 0.95)",
+            low=0.0,
+            high=1.0,
+        ),
+        "eps": Field(
+            None,
+            optional,
+            "AdamW and Muon's AdamW backup: denominator epsilon; not used by Lion. None: the family's default "
+            "(adamw 1e-8, muon 1e-8)",
+            low=0.0,
+        ),
+        "momentum": Field(
+            None,
+            optional,
+            "Muon only: momentum of the Nesterov SGD buffer. None: the family's default (0.95)",
+            low=0.0,
+            high=1.0,
+        ),
         "mask_ratio": Field(
             0.5,
             (float,),
@@ -38,5 +107,27 @@ def fields() -> dict[str, Field]:
             "MGUP: 'exact' top-k per tensor or 'approx' (threshold from a sample)",
             choices=tuple(s for s in SELECTIONS if s != "sign"),
         ),
-        "momentum": Field(0.95, (float,), "Muon: momentum of the Nesterov SGD buffer", low=0.0, high=1.0),
     }
+
+
+def hyperparameters(section: Mapping[str, Any]) -> dict[str, float]:
+    """The family keys (b1, b2, eps, momentum) the optimizer `section["name"]` uses: the config's value where it is
+    set (not None), its family's default elsewhere. Raises ConfigError naming the key if the config sets a key the
+    family does not use (e.g. `optim.eps` with Lion), or if the name has no family."""
+    name = section["name"]
+    if name not in FAMILIES:
+        raise ConfigError(f"config key 'optim.name' = {name!r} has no optimizer family; known: {sorted(FAMILIES)}.")
+    family = FAMILIES[name]
+    defaults = FAMILY_DEFAULTS[family]
+    out = {}
+    for key in _FAMILY_KEYS:
+        value = section.get(key)
+        if key not in defaults:
+            if value is not None:
+                raise ConfigError(
+                    f"config key 'optim.{key}' = {value!r} is not used by optim.name = {name!r} ({family} family; "
+                    f"it uses {', '.join(f'optim.{k}' for k in defaults)}); leave it unset (None)."
+                )
+            continue
+        out[key] = defaults[key] if value is None else float(value)
+    return out

@@ -1,4 +1,4 @@
-"""MGUP-Muon (reference MGUP_Muon.py, Moonlight-style Muon) as an optax transform.
+"""MGUP-Muon (reference MGUP_Muon.py, Moonlight-style Muon; docs/mgup.md, "MGUP-Muon") as an optax transform.
 
 Muon for 2-D weight matrices (by default all except embeddings and the output head), AdamW for everything else:
 
@@ -10,31 +10,43 @@ Muon for 2-D weight matrices (by default all except embeddings and the output he
 
 The AdamW branch is the reference's HF-style AdamW with the same lr and wd (betas 0.95, 0.95, eps 1e-8), without
 a mask unless `adam_mgup=True`. The reference runs Newton-Schulz in bfloat16; `ns_dtype` chooses (float32 by
-default here: XLA:CPU's bfloat16 matmuls are slow and no more faithful to the math).
+default here: XLA:CPU's bfloat16 matmuls are slow and no more faithful to the math). Every argument after the
+learning rate is keyword-only; the numeric ones may be arrays (optax.inject_hyperparams, see optim/mgup.py).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from optim.mgup import _check as check_mgup
-from optim.mgup import _decay_and_lr, mgup_mask, scale_by_hf_adam, scale_by_mgup, with_mgup
+from optim.mgup import (
+    MGUPState,
+    Scalar,
+    _check,
+    _decay_and_lr,
+    _leaves_like,
+    _masks,
+    scale_by_hf_adam,
+    scale_by_mgup,
+    with_mgup,
+)
 
-__all__ = ["NS_COEFFICIENTS", "default_muon_labels", "mgup_muon", "newton_schulz", "scale_by_muon"]
+__all__ = ["NS_COEFFICIENTS", "MuonState", "default_muon_labels", "mgup_muon", "newton_schulz", "scale_by_muon"]
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 _NOT_MUON = re.compile(r"embed|head|lm_head|unembed", re.IGNORECASE)
 
 
-def newton_schulz(g: jax.Array, steps: int = 5, *, dtype=None) -> jax.Array:
-    """The quintic Newton-Schulz iteration of Muon: approximately U V^T of g = U S V^T (singular values land in
-    about [0.5, 1.5]). Computed in `dtype` (default: g's, at least float32); returns g's dtype."""
+def newton_schulz(g: jax.Array, steps: int | jax.Array = 5, *, dtype=None) -> jax.Array:
+    """The quintic Newton-Schulz iteration of Muon on a matrix g [rows, cols]: approximately U V^T of g = U S V^T
+    (singular values land in about [0.5, 1.5]). With x = g / (||g||_F + 1e-7) (transposed when rows > cols), `steps`
+    times: s = x x^T, x <- a x + (b s + c s s) x, (a, b, c) = NS_COEFFICIENTS. Computed in `dtype` (default: g's, at
+    least float32); returns g's dtype and shape. `steps`: a Python int (unrolled) or an int scalar array (a loop)."""
     if g.ndim != 2:
         raise ValueError(f"newton_schulz needs a 2-D matrix; got shape {g.shape}.")
     a, b, c = NS_COEFFICIENTS
@@ -43,47 +55,66 @@ def newton_schulz(g: jax.Array, steps: int = 5, *, dtype=None) -> jax.Array:
     if tall:
         x = x.T
     x = x / (jnp.linalg.norm(x) + 1e-7)
-    for _ in range(steps):
+
+    def step(x):
         s = x @ x.T
-        x = a * x + (b * s + c * s @ s) @ x
+        return a * x + (b * s + c * s @ s) @ x
+
+    if isinstance(steps, int):
+        for _ in range(steps):
+            x = step(x)
+    else:
+        x = jax.lax.fori_loop(0, steps, lambda _, x: step(x), x)
     return (x.T if tall else x).astype(g.dtype)
 
 
 class MuonState(NamedTuple):
+    """momentum: the SGD buffer, a tree like the parameters (float32 or wider); mgup: MGUPState (the selected
+    fraction over the Muon leaves) when the mask is on, else None."""
+
     momentum: optax.Updates
+    mgup: MGUPState | None
 
 
 def scale_by_muon(
-    momentum: float = 0.95,
+    *,
+    momentum: Scalar = 0.95,
     nesterov: bool = True,
     ns_steps: int = 5,
-    *,
-    mask_ratio: float = 0.5,
-    alpha: float = 2.0,
-    gamma: float = 0.1,
+    mask_ratio: Scalar = 0.5,
+    alpha: Scalar = 2.0,
+    gamma: Scalar = 0.1,
     mgup: bool = True,
     selection: str = "exact",
-    ns_dtype=jnp.float32,
+    ns_dtype: Any = None,
 ) -> optax.GradientTransformation:
-    """The Muon direction 0.2 sqrt(max(rows, cols)) NS5(G_hat) x phi of every (2-D) leaf; phi = 1 if not `mgup`."""
+    """The Muon direction of every (2-D) leaf G [rows, cols]: 0.2 sqrt(max(rows, cols)) NS5(G_hat) * phi, in G's
+    dtype, with buf <- mu buf + G, G_hat = G + mu buf (Nesterov) or buf, phi = mgup_mask(G_hat, G) (phi = 1 if not
+    `mgup`). ns_dtype: Newton-Schulz's dtype (default float32). State: MuonState."""
     if mgup:
-        check_mgup(mask_ratio, alpha, gamma, selection)
+        _check(mask_ratio, alpha, gamma, selection)
+    ns_dtype = ns_dtype or jnp.float32
 
     def init(params):
-        return MuonState(jax.tree.map(lambda p: jnp.zeros_like(p, jnp.promote_types(p.dtype, jnp.float32)), params))
+        buf = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.promote_types(p.dtype, jnp.float32)), params)
+        return MuonState(buf, MGUPState(jnp.zeros((), jnp.float32)) if mgup else None)
 
     def update(grads, state, params=None):
         del params
         buf = jax.tree.map(lambda m, g: momentum * m + g.astype(m.dtype), state.momentum, grads)
-
-        def one(m, g):
-            g_hat = g.astype(m.dtype) + momentum * m if nesterov else m
-            o = newton_schulz(g_hat, ns_steps, dtype=ns_dtype).astype(m.dtype)
+        leaves, treedef = jax.tree.flatten(buf)
+        g_leaves = _leaves_like(buf, grads)
+        g_hat = [g.astype(m.dtype) + momentum * m if nesterov else m for m, g in zip(leaves, g_leaves)]
+        if mgup:
+            chosen, fraction = _masks(g_hat, g_leaves, mask_ratio, selection)
+            phis = [jnp.where(c, alpha, gamma).astype(m.dtype) for c, m in zip(chosen, leaves)]
+        out = []
+        for i, (m, g, h) in enumerate(zip(leaves, g_leaves, g_hat)):
+            o = newton_schulz(h, ns_steps, dtype=ns_dtype).astype(m.dtype)
             if mgup:
-                o = o * mgup_mask(g_hat, g, mask_ratio, alpha, gamma, selection=selection).astype(m.dtype)
-            return (0.2 * max(g.shape) ** 0.5 * o).astype(g.dtype)
-
-        return jax.tree.map(one, buf, grads), MuonState(buf)
+                o = o * phis[i]
+            out.append((0.2 * max(g.shape) ** 0.5 * o).astype(g.dtype))
+        return jax.tree.unflatten(treedef, out), MuonState(buf, MGUPState(fraction) if mgup else None)
 
     return optax.GradientTransformation(init, update)
 
@@ -99,36 +130,41 @@ def default_muon_labels(params) -> object:
 
 
 def mgup_muon(
-    learning_rate: float | optax.Schedule = 1e-3,
-    weight_decay: float = 0.1,
-    momentum: float = 0.95,
+    learning_rate: Scalar | optax.Schedule = 1e-3,
+    *,
+    weight_decay: Scalar = 0.1,
+    momentum: Scalar = 0.95,
     nesterov: bool = True,
     ns_steps: int = 5,
-    adam_b1: float = 0.95,
-    adam_b2: float = 0.95,
-    adam_eps: float = 1e-8,
-    mask_ratio: float = 0.5,
-    alpha: float = 2.0,
-    gamma: float = 0.1,
-    *,
+    adam_b1: Scalar = 0.95,
+    adam_b2: Scalar = 0.95,
+    adam_eps: Scalar = 1e-8,
+    mask_ratio: Scalar = 0.5,
+    alpha: Scalar = 2.0,
+    gamma: Scalar = 0.1,
     labels: Callable | None = None,
     adam_mgup: bool = False,
     mgup: bool = True,
     selection: str = "exact",
-    ns_dtype=jnp.float32,
-    weight_decay_mask=None,
+    ns_dtype: Any = None,
+    weight_decay_mask: Any = None,
 ) -> optax.GradientTransformation:
-    """MGUP-Muon; `mgup=False` gives plain Moonlight-style Muon (the base optimizer) with the same code.
+    """MGUP-Muon (defaults: the reference's); `mgup=False` gives plain Moonlight-style Muon (the base optimizer)
+    with the same code. Per 'muon' leaf: p <- p (1 - lr wd) - lr * scale_by_muon's direction; per 'adam' leaf:
+    p <- p (1 - lr wd) - lr * u, u = scale_by_hf_adam(b1=adam_b1, b2=adam_b2, eps=adam_eps)'s direction (times
+    its own MGUP mask if `adam_mgup`).
 
     labels: params -> a tree of 'muon' / 'adam' (default `default_muon_labels`); every 'muon' leaf must be 2-D.
     weight_decay_mask: which leaves decay, in both branches (optax.add_decayed_weights' mask; default all).
+    ns_dtype: Newton-Schulz's dtype (default float32). With optax.inject_hyperparams, name `labels` and a callable
+    `weight_decay_mask` in `static_args`.
     """
     labels = labels or default_muon_labels
     muon = optax.chain(
         scale_by_muon(
-            momentum,
-            nesterov,
-            ns_steps,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
             mask_ratio=mask_ratio,
             alpha=alpha,
             gamma=gamma,
@@ -138,15 +174,16 @@ def mgup_muon(
         ),
         *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask),
     )
-    adam_direction = scale_by_hf_adam(adam_b1, adam_b2, adam_eps)
+    adam_direction = scale_by_hf_adam(b1=adam_b1, b2=adam_b2, eps=adam_eps)
     if adam_mgup and mgup:
         adam = with_mgup(
             adam_direction,
-            scale_by_mgup(mask_ratio, alpha, gamma, selection=selection),
+            scale_by_mgup(mask_ratio=mask_ratio, alpha=alpha, gamma=gamma, selection=selection),
             *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask),
         )
     else:
-        adam = optax.chain(adam_direction, *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask))
+        plain = optax.GradientTransformation(adam_direction.init, adam_direction.update)
+        adam = optax.chain(plain, *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask))
 
     def checked_labels(params):
         tree = labels(params)

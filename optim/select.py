@@ -1,16 +1,20 @@
-"""Selecting the k largest entries of a tensor without sorting it: the top-k behind MGUP's mask.
+"""Selecting the k largest entries of a tensor without sorting it: the top-k behind MGUP's mask (docs/mgup.md).
 
-XLA:CPU's `lax.top_k` of half a tensor costs a full sort (0.4 s for 1.6M floats), and even a top_k of 256 costs
-several passes. Selection here only counts. Floats are mapped to unsigned integer keys in the same order
-(`ordered_keys`); the k-th largest key is found by a multiway search over the key range: each pass counts the
-entries at or above `WAYS` thresholds at once (one variadic reduction: about the cost of one count on XLA:CPU) and
+Design: a full sort (`lax.top_k` of half a tensor lowers to one on XLA:CPU), and even a top_k of a few hundred,
+costs several passes over the tensor, while selection only needs counts. Floats are mapped to unsigned integer keys
+in the same order (`ordered_keys`); the k-th largest key is found by a multiway search over the key range: each pass
+counts the entries at or above `WAYS` thresholds at once (one variadic reduction, about the cost of one count) and
 keeps the sub-range that holds the answer. A first pass tests a bracket from a strided sample's quantiles, so a
-float32 tensor needs a handful of passes (4-8 on 1.6M normal, Cauchy and Adam-like products; tests/test_select.py)
-instead of 32 / log2(WAYS + 1). The search stops once exactly k keys lie at or above its lower end, or at the k-th
-largest key itself; ties there go to the first positions, found from per-row counts (XLA:CPU's cumsum over a whole
-tensor costs many counting passes). The mask is an elementwise function of the scores and three scalars, which XLA fuses
-into the parameter update. `approx_threshold` runs the same search on a strided sample only.
-NaN scores are not supported (they sort above +inf).
+float32 tensor needs a handful of passes (at most 8 on 1.6M normal, Cauchy and Adam-like products;
+tests/test_select.py) instead of 32 / log2(WAYS + 1). The search stops once exactly k keys lie at or above its lower
+end, or at the k-th largest key itself; ties there go to the first positions, found from per-row counts (a cumsum
+over a whole tensor costs many counting passes on XLA:CPU). The mask is an elementwise function of the scores and
+three scalars, which XLA fuses into the parameter update. `approx_threshold` runs the same search on a strided
+sample only. Timings: results/bench/optim.md.
+
+k may be a Python int (its edge cases resolved while tracing) or an int32 scalar array (a traced hyperparameter,
+e.g. from `optax.inject_hyperparams`); both select the same entries. NaN scores are not supported (they sort above
++inf).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ __all__ = [
     "top_k_mask",
 ]
 
-WAYS = 6  # thresholds per counting pass (measured on 2 CPU cores: 2-8 cost about one plain count each)
+WAYS = 6  # thresholds per counting pass: up to about 8 cost about one plain count on XLA:CPU
 _BRACKET_SAMPLE = 4096
 
 
@@ -59,28 +63,37 @@ def count_at_least(keys: jax.Array, thresholds: list[jax.Array]) -> list[jax.Arr
     return [(out[0] + keys.size - out[1]) // 2] if len(thresholds) == 1 else list(out)
 
 
-def _sample_bracket(keys: jax.Array, k: int, sample: int) -> tuple[jax.Array, jax.Array]:
+def _sample_bracket(keys: jax.Array, k: int | jax.Array, sample: int) -> tuple[jax.Array, jax.Array]:
     """Keys that hold the k-th largest of `keys` between them with overwhelming probability: the quantiles
-    q -+ 4 sigma of a strided sample (sorted: `sample` entries; 4096 cost about one counting pass of 1.6M)."""
+    q -+ (4 sigma + 2 / m) of a sorted strided sample of about `sample` entries (m of them), q = 1 - k / size.
+    (Sorting 4096 entries costs about one counting pass over 1.6M.) Only the number of passes depends on it."""
     n = keys.size
     s = jnp.sort(keys[:: max(1, n // sample)])
-    m, q = s.size, 1.0 - k / n
-    margin = 4.0 * math.sqrt(q * (1.0 - q) / m) + 2.0 / m
-    return s[max(0, int((q - margin) * m))], s[min(m - 1, math.ceil((q + margin) * m))]
+    m = s.size
+    if isinstance(k, int):
+        q = 1.0 - k / n
+        margin = 4.0 * math.sqrt(q * (1.0 - q) / m) + 2.0 / m
+        return s[max(0, int((q - margin) * m))], s[min(m - 1, math.ceil((q + margin) * m))]
+    quantile = 1.0 - k.astype(jnp.float32) / n
+    width = 4.0 * jnp.sqrt(quantile * (1.0 - quantile) / m) + 2.0 / m
+    lo = jnp.clip(jnp.floor((quantile - width) * m), 0, m - 1).astype(jnp.int32)
+    hi = jnp.clip(jnp.ceil((quantile + width) * m), 0, m - 1).astype(jnp.int32)
+    return s[lo], s[hi]
 
 
 def selection_key(
-    keys: jax.Array, k: int, *, sample: int = _BRACKET_SAMPLE
+    keys: jax.Array, k: int | jax.Array, *, sample: int = _BRACKET_SAMPLE
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(t, at_least, greater, passes) for a 1-D array of keys and 1 <= k <= size: at_least = #(keys >= t) >= k, and
-    either at_least == k (`keys >= t` selects exactly the k largest), or t is the k-th largest key and greater =
-    #(keys > t) (< k; the rest of the k are ties at t). passes: the counting passes over `keys` it took.
+    """(t, at_least, greater, passes) for a 1-D array of keys [n] and 1 <= k <= n (a Python int, or an int32 scalar
+    the caller keeps in range): at_least = #(keys >= t) >= k, and either at_least == k (`keys >= t` selects exactly
+    the k largest), or t is the k-th largest key and greater = #(keys > t) (< k; the rest of the k are ties at t).
+    passes: the counting passes over `keys` it took. All int32 scalars but t (keys' dtype).
 
     Invariant of the search: #(keys >= lo) >= k > #(keys >= hi). The first pass counts at the sample bracket, every
     later pass at WAYS thresholds evenly spread over (lo, hi).
     """
     n = keys.size
-    if not 1 <= k <= n:
+    if isinstance(k, int) and not 1 <= k <= n:
         raise ValueError(f"selection_key: k = {k} must be in [1, {n}].")
     utype = keys.dtype
     top = jnp.asarray(jnp.iinfo(utype).max, utype)
@@ -127,21 +140,24 @@ def _position_of_nth(flags: jax.Array, nth: jax.Array, row: int = 1024) -> jax.A
     return r * row + jnp.searchsorted(inside, nth - before)
 
 
-def top_k_mask(score: jax.Array, k: int) -> jax.Array:
-    """Bool mask of exactly the k largest entries of `score` (any shape; ties at the k-th value go to the first
-    positions in row-major order), k in [0, size]. An elementwise function of `score` and three scalars, so XLA can
-    fuse it into whatever consumes it."""
+def top_k_mask(score: jax.Array, k: int | jax.Array) -> jax.Array:
+    """Bool mask (score's shape) of exactly the k largest entries of `score` (any shape, float32 or float64; ties at
+    the k-th value go to the first positions in row-major order). k: a Python int or an int32 scalar array; k <= 0
+    selects nothing, k >= size everything. An elementwise function of `score` and three scalars, so XLA can fuse it
+    into whatever consumes it."""
     n = score.size
-    if k <= 0:
+    static = isinstance(k, int)
+    if n == 0 or (static and k <= 0):
         return jnp.zeros(score.shape, bool)
-    if k >= n:
+    if static and k >= n:
         return jnp.ones(score.shape, bool)
+    kk = k if static else jnp.clip(jnp.asarray(k, jnp.int32), 1, n)  # the search needs 1 <= k <= n
     flat = ordered_keys(score.ravel())
-    t, at_least, greater, _ = selection_key(flat, k)
+    t, at_least, greater, _ = selection_key(flat, kk)
     # The last position among the keys equal to t that is taken: all of them unless there are more ties than needed.
     # (full_like: the branch carries the data's mesh-axis type, as the other does inside shard_map)
     last = jax.lax.cond(
-        at_least == k, lambda: jnp.full_like(at_least, n, jnp.int32), lambda: _position_of_nth(flat == t, k - greater)
+        at_least == kk, lambda: jnp.full_like(at_least, n, jnp.int32), lambda: _position_of_nth(flat == t, kk - greater)
     )
     keys = ordered_keys(score)
     position = (
@@ -152,7 +168,8 @@ def top_k_mask(score: jax.Array, k: int) -> jax.Array:
         if score.ndim
         else jnp.int32(0)
     )
-    return (keys > t) | ((keys == t) & (position <= last))
+    mask = (keys > t) | ((keys == t) & (position <= last))
+    return mask if static else (mask & (k > 0)) | (k >= n)
 
 
 def strided_sample(x: jax.Array, size: int, *, second: bool = False) -> jax.Array:
@@ -164,11 +181,24 @@ def strided_sample(x: jax.Array, size: int, *, second: bool = False) -> jax.Arra
     return x.ravel()[(stride // 2 if second else 0) :: stride][:size]
 
 
-def approx_threshold(sample: jax.Array, check: jax.Array, fraction: float) -> tuple[jax.Array, jax.Array]:
-    """(t, estimate) from two samples of a tensor's scores: t, the exact key above which `fraction` of `sample` lies,
-    for the test ordered_keys(score) >= t; and the fraction of `check` (a disjoint sample) at or above t, an unbiased
-    estimate of the fraction the test realises on the whole tensor (standard errors about 0.5 / sqrt(size))."""
+def approx_threshold(sample: jax.Array, check: jax.Array, fraction: float | jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(t, estimate) from two samples of a tensor's scores (float32 or float64, m and any number of entries).
+
+    t: the k-th largest key (`ordered_keys`) of `sample`, k = round(fraction m) clipped to [1, m], for the test
+    ordered_keys(score) >= t; estimate: the fraction of `check` (a disjoint sample) at or above t, an unbiased
+    estimate of the fraction the test realises on the whole tensor (standard error about 0.5 / sqrt(check.size)),
+    float32. `fraction`: a Python float or a float scalar array (k is then computed on device, as Python's round
+    when fraction m is exact: always for float64, and for float32 when m is a power of two, as MGUP's samples are).
+    """
     keys = ordered_keys(sample.ravel())
-    k = max(1, min(keys.size, round(fraction * keys.size)))
-    t = selection_key(keys, k, sample=min(keys.size, 512))[0]
+    m = keys.size
+    if isinstance(fraction, (int, float)):
+        k: int | jax.Array = max(1, min(m, round(fraction * m)))
+    else:
+        f = jnp.asarray(fraction)
+        k = jnp.clip(jnp.round(f.astype(jnp.promote_types(f.dtype, jnp.float32)) * m), 1, m).astype(jnp.int32)
+    lo = selection_key(keys, k, sample=min(m, 512))[0]
+    # The search may stop at any key with exactly k keys at or above it; the least of those keys is the k-th largest
+    # itself, so that t depends on the sample only (not on the search's path).
+    t = jnp.min(jnp.where(keys >= lo, keys, jnp.asarray(jnp.iinfo(keys.dtype).max, keys.dtype)))
     return t, jnp.mean(ordered_keys(check.ravel()) >= t, dtype=jnp.float32)

@@ -1,8 +1,11 @@
 """MGUP optax transforms against an independent float64 NumPy transcription of the spec's updates (50 steps on a
 pytree of mixed shapes, including a tensor with k = 0), plus the mask's edge cases."""
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
@@ -26,7 +29,8 @@ class NumpyMGUPAdamW:
     """The spec's MGUP-AdamW (and, with cautious=True, Cautious-MGUP; with c_adamw=True, C-AdamW), float64."""
 
     def __init__(self, lr, b1, b2, eps, wd, tau, alpha, gamma, mode="mgup"):
-        self.__dict__.update(lr=lr, b1=b1, b2=b2, eps=eps, wd=wd, tau=tau, alpha=alpha, gamma=gamma, mode=mode)
+        self.lr, self.b1, self.b2, self.eps, self.wd, self.mode = lr, b1, b2, eps, wd, mode
+        self.tau, self.alpha, self.gamma = tau, alpha, gamma
         self.t, self.m, self.v = 0, None, None
 
     def step(self, p, g):
@@ -52,7 +56,7 @@ class NumpyMGUPAdamW:
 
 class NumpyMGUPLion:
     def __init__(self, lr, b1, b2, wd, tau, alpha, gamma):
-        self.__dict__.update(lr=lr, b1=b1, b2=b2, wd=wd, tau=tau, alpha=alpha, gamma=gamma)
+        self.lr, self.b1, self.b2, self.wd, self.tau, self.alpha, self.gamma = lr, b1, b2, wd, tau, alpha, gamma
         self.m = None
 
     def step(self, p, g):
@@ -83,7 +87,7 @@ def _run(tx, references, seed, dtype=jnp.float64):
 @pytest.mark.parametrize("wd, schedule", [(0.0, False), (0.1, True)])
 @pytest.mark.parametrize("mode", ["mgup", "cautious_mgup", "c_adamw"])
 def test_adamw_family_matches_float64_reference(mode, wd, schedule):
-    hp = dict(b1=0.9, b2=0.999, eps=1e-6)
+    hp: dict[str, Any] = dict(b1=0.9, b2=0.999, eps=1e-6)
     lr = optax.linear_schedule(1e-2, 1e-3, STEPS) if schedule else 1e-2
     np_lr = (lambda t: 1e-2 + (1e-3 - 1e-2) * min(t, STEPS) / STEPS) if schedule else 1e-2
     tau, alpha, gamma = 0.3, 2.5, 0.2
@@ -112,32 +116,32 @@ def test_lion_matches_float64_reference(wd):
             np.testing.assert_allclose(np.asarray(p[k]), ref[k], rtol=1e-6, atol=1e-12, err_msg=k)
     total = sum(int(np.prod(s)) for s in SHAPES.values())
     chosen = sum(int(tau * int(np.prod(s))) for s in SHAPES.values())
-    assert float(state[1].selected_fraction) == pytest.approx(chosen / total)
+    assert float(state.mask.selected_fraction) == pytest.approx(chosen / total)
 
 
 def test_mask_selects_exactly_k_per_tensor_and_k_zero_gives_gamma():
     rng = np.random.default_rng(0)
     for n, tau in ((10, 0.5), (7, 0.3), (1, 0.5), (64, 0.0), (33, 1.0)):
         u, g = rng.normal(size=n), rng.normal(size=n)
-        phi = np.asarray(mgup.mgup_mask(jnp.asarray(u), jnp.asarray(g), tau, 2.0, 0.1))
+        phi = np.asarray(mgup.mgup_mask(jnp.asarray(u), jnp.asarray(g), mask_ratio=tau, alpha=2.0, gamma=0.1))
         np.testing.assert_allclose(phi, _np_mask(u, g, tau, 2.0, 0.1), rtol=1e-7)  # float32 phi
         assert (phi == 2.0).sum() == int(tau * n)
-    u = jnp.asarray(rng.normal(size=(4, 5)))
+    x = jnp.asarray(rng.normal(size=(4, 5)))
     # all misaligned
-    np.testing.assert_array_equal(mgup.mgup_mask(u, -u, 0.5, 2.0, 0.1, selection="sign"), np.float32(0.1))
-    np.testing.assert_array_equal(mgup.mgup_mask(u, 0 * u, 0.5, 2.0, 0.1, selection="sign"), 2.0)  # >= 0
+    np.testing.assert_array_equal(mgup.mgup_mask(x, -x, alpha=2.0, gamma=0.1, selection="sign"), np.float32(0.1))
+    np.testing.assert_array_equal(mgup.mgup_mask(x, 0 * x, alpha=2.0, gamma=0.1, selection="sign"), 2.0)  # >= 0
 
 
 def test_approx_selection_realises_about_the_fraction():
     rng = np.random.default_rng(1)
     u, g = jnp.asarray(rng.normal(size=(300, 700)), jnp.float32), jnp.asarray(rng.normal(size=(300, 700)), jnp.float32)
-    phi = mgup.mgup_mask(u, g, 0.25, 2.0, 0.1, selection="approx")
-    exact = mgup.mgup_mask(u, g, 0.25, 2.0, 0.1)
+    phi = mgup.mgup_mask(u, g, mask_ratio=0.25, selection="approx")
+    exact = mgup.mgup_mask(u, g, mask_ratio=0.25)
     realised = float(jnp.mean(phi == 2.0))
     bound = 4 * (0.25 * 0.75 / mgup.APPROX_SAMPLE) ** 0.5 + 2 / mgup.APPROX_SAMPLE  # sample quantile, 4 sigma
     assert abs(realised - 0.25) < bound
     assert float(jnp.mean(phi == exact)) > 1 - bound  # it disagrees only near the threshold
-    tx = mgup.scale_by_mgup(0.25, 2.0, 0.1, selection="approx")
+    tx = mgup.scale_by_mgup(mask_ratio=0.25, selection="approx")
     _, state = tx.update({"w": u}, tx.init({"w": u}), grad={"w": g})
     assert abs(float(state.selected_fraction) - realised) < bound  # an estimate from a second sample
     tx = mgup.scale_by_mgup(selection="sign")
@@ -146,20 +150,84 @@ def test_approx_selection_realises_about_the_fraction():
     assert abs(float(state.selected_fraction) - aligned) < 4 * (0.25 / mgup.APPROX_SAMPLE) ** 0.5
 
 
-def test_zero_gradients_and_bf16_parameters():
+def test_zero_gradients_give_no_step_in_bf16():
     params = {"w": jnp.ones((4, 6), jnp.bfloat16), "b": jnp.zeros((3,), jnp.bfloat16)}
     for tx in (mgup.mgup_adamw(1e-2), mgup.mgup_lion(1e-2), mgup.cautious_mgup_adamw(1e-2), mgup.cautious_adamw()):
-        state = tx.init(params)
         zeros = jax.tree.map(jnp.zeros_like, params)
-        updates, state = jax.jit(tx.update)(zeros, state, params)
+        updates, _ = jax.jit(tx.update)(zeros, tx.init(params), params)
         for u in jax.tree.leaves(updates):
             assert u.dtype == jnp.bfloat16 and not jnp.any(u)  # zero gradient, no decay: no step
-        grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.5, p.dtype), params)
-        updates, _ = jax.jit(tx.update)(grads, state, params)
-        assert all(
-            u.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(u.astype(jnp.float32))))
-            for u in jax.tree.leaves(updates)
-        )
+
+
+BF16_ROUNDINGS = 6  # bf16 roundings of an update: direction, direction x phi, wd p, their sum, x lr; one spare
+
+
+@pytest.mark.parametrize(
+    "case, steps",
+    [("mgup_adamw_tau1", 5), ("mgup_adamw", 1), ("mgup_lion", 5), ("cautious_mgup_adamw", 5), ("c_adamw", 5)],
+)
+def test_bf16_updates_match_the_float64_reference(case, steps):
+    """bf16 parameters and gradients against the float64 NumPy reference given the same (bf16-exact) parameters
+    and gradients at every step. The moments are float32 (no visible error); the direction (gradient dtype), its
+    product with phi, wd p, their sum and the learning-rate product are each rounded to bf16, unit roundoff 2^-8,
+    so |update - reference| <= BF16_ROUNDINGS 2^-8 (|lr wd p| + |direction part|) entrywise. The selections are
+    robust to those roundings: tau = 1 (every coordinate), tau = 0.5 at step 1 (|u| = |g| / (|g| + eps /
+    sqrt(1 - b2)), monotone in |g| as its bf16 rounding is, so both rank by |g|), Lion (c = sign), the Cautious
+    variants (sign(u g), which rounding keeps)."""
+    lr, wd, tau, alpha, gamma = 1e-2, 0.1, 0.5, 2.0, 0.1
+    hp: dict[str, Any] = dict(b1=0.9, b2=0.999, eps=1e-6)
+    if case == "mgup_lion":
+        tx = mgup.mgup_lion(lr, weight_decay=wd, mask_ratio=tau)
+        refs: dict[str, Any] = {k: NumpyMGUPLion(lr, 0.9, 0.99, wd, tau, alpha, gamma) for k in SHAPES}
+    else:
+        tau = 1.0 if case == "mgup_adamw_tau1" else tau
+        tx = {
+            "mgup_adamw_tau1": lambda: mgup.mgup_adamw(lr, **hp, weight_decay=wd, mask_ratio=tau),
+            "mgup_adamw": lambda: mgup.mgup_adamw(lr, **hp, weight_decay=wd, mask_ratio=tau),
+            "cautious_mgup_adamw": lambda: mgup.cautious_mgup_adamw(lr, **hp, weight_decay=wd),
+            "c_adamw": lambda: mgup.cautious_adamw(lr, **hp, weight_decay=wd),
+        }[case]()
+        mode = {"cautious_mgup_adamw": "cautious_mgup", "c_adamw": "c_adamw"}.get(case, "mgup")
+        refs = {k: NumpyMGUPAdamW(lr, hp["b1"], hp["b2"], hp["eps"], wd, tau, alpha, gamma, mode) for k in SHAPES}
+    rng = np.random.default_rng(11)
+    bf16 = lambda x: np.asarray(x).astype(ml_dtypes.bfloat16)  # noqa: E731
+    params = {k: jnp.asarray(bf16(rng.normal(size=s))) for k, s in SHAPES.items()}
+    state, update = tx.init(params), jax.jit(tx.update)
+    for step in range(steps):
+        grads = {k: jnp.asarray(bf16(rng.normal(size=s))) for k, s in SHAPES.items()}
+        updates, state = update(grads, state, params)
+        for k in SHAPES:
+            p, g = np.asarray(params[k], np.float64), np.asarray(grads[k], np.float64)
+            want = refs[k].step(p, g) - p
+            decay = lr * wd * np.abs(p)
+            bound = BF16_ROUNDINGS * 2.0**-8 * (decay + np.abs(want + lr * wd * p))
+            got = np.asarray(updates[k], np.float64)
+            assert updates[k].dtype == jnp.bfloat16
+            assert np.all(np.abs(got - want) <= bound), (case, step, k, np.max(np.abs(got - want) / bound))
+        params = optax.apply_updates(params, updates)
+
+
+def test_num_selected_on_device_equals_pythons_int_of_the_product():
+    """k = num_selected(tau, n) for tau given as an array (traced: inject_hyperparams) equals int(float(tau) * n),
+    the static path's and the reference's rule: float32 ratios (exact 32-bit integer arithmetic) including 0, 1,
+    subnormals and the float32 neighbours of j / n where the floor changes, n up to 2^28 - 1; bfloat16 ratios
+    (widened exactly); float64 ratios under x64 (Python's rounded double product: 0.7 * 10 -> 7, 0.29 * 100 -> 28)."""
+    rng = np.random.default_rng(0)
+    fixed = [0.0, 1.0, 0.5, 0.7, 0.29, 0.1, 1e-45, 1e-38, 1 - 2**-24, 2**-24]
+    sizes = [1, 3, 10, 4097, 65_536, 65_537, 999_983, 2**24 + 1, 2**28 - 1]
+    count = jax.jit(jax.vmap(mgup.num_selected, in_axes=(0, None)), static_argnums=1)
+    for n in sizes:
+        edges = (rng.integers(0, n + 1, size=30) / n).astype(np.float32)
+        r = np.concatenate([rng.random(100), fixed, edges, np.nextafter(edges, 0), np.nextafter(edges, 1)])
+        r = np.clip(r.astype(np.float32), 0, 1)
+        np.testing.assert_array_equal(count(jnp.asarray(r), n), [int(float(x) * n) for x in r], err_msg=str(n))
+        half = jnp.asarray(r[:40], jnp.bfloat16)
+        np.testing.assert_array_equal(count(half, n), [int(float(x) * n) for x in np.asarray(half)], err_msg=str(n))
+    assert mgup.num_selected(0.7, 10) == 7 and mgup.num_selected(0.29, 100) == 28  # static: Python's product
+    with jax.enable_x64(True):
+        r = np.concatenate([rng.random(100), [0.7, 0.29, 0.0, 1.0]])
+        for n in (10, 100, 2**31 - 1):
+            np.testing.assert_array_equal(count(jnp.asarray(r), n), [int(x * n) for x in r], err_msg=str(n))
 
 
 def test_bad_arguments_are_rejected():
@@ -170,6 +238,12 @@ def test_bad_arguments_are_rejected():
     with pytest.raises(ValueError, match="selection = 'fast'"):
         mgup.mgup_adamw(selection="fast")
     assert mgup.paper_defaults(0.25) == {"mask_ratio": 0.25, "alpha": 4.0, "gamma": 0.25}
+    with pytest.raises(TypeError, match="positional"):  # everything after the learning rate by keyword
+        mgup.mgup_adamw(1e-3, 0.9)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="mask_ratio = 1.5"):  # an array that is known is checked too
+        mgup.scale_by_mgup(mask_ratio=jnp.float32(1.5))
+    traced = jax.jit(lambda r: mgup.scale_by_mgup(mask_ratio=r).update({"a": r}, None, grad={"a": r})[0]["a"])
+    assert float(traced(jnp.float32(0.5))) == pytest.approx(0.05)  # traced: not checked; k = int(0.5) = 0: gamma
     with pytest.raises(ValueError, match="needs the raw gradient"):
         tx = mgup.scale_by_mgup()
         tx.update({"a": jnp.ones(3)}, tx.init({"a": jnp.ones(3)}))
@@ -189,20 +263,8 @@ class NumpyMGUPMuon:
     """The spec's Muon branch (2-D) or its AdamW backup branch, float64."""
 
     def __init__(self, lr, wd, mu, nesterov, steps, tau, alpha, gamma, muon, b1=0.95, b2=0.95, eps=1e-8):
-        self.__dict__.update(
-            lr=lr,
-            wd=wd,
-            mu=mu,
-            nesterov=nesterov,
-            steps=steps,
-            tau=tau,
-            alpha=alpha,
-            gamma=gamma,
-            muon=muon,
-            b1=b1,
-            b2=b2,
-            eps=eps,
-        )
+        self.lr, self.wd, self.mu, self.nesterov, self.steps, self.muon = lr, wd, mu, nesterov, steps, muon
+        self.tau, self.alpha, self.gamma, self.b1, self.b2, self.eps = tau, alpha, gamma, b1, b2, eps
         self.buf = self.m = self.v = None
         self.t = 0
 
@@ -271,21 +333,26 @@ def test_newton_schulz_orthogonalises_and_muon_rejects_non_matrices():
         tx.init({"w": jnp.ones((2, 3, 4))})
 
 
-@pytest.mark.parametrize(
-    "name", ["cautious_adamw", "mgup_adamw", "cautious_mgup_adamw", "lion", "mgup_lion", "muon", "mgup_muon"]
-)
-def test_every_optimizer_is_selectable_from_the_config(name):
-    """optim.name picks the optimizer for any experiment; a few steps of the tiny MoE model train with it."""
-    from moe_reference import tiny_moe_transformer, train_losses
+def test_muon_labels_on_a_real_model():
+    """default_muon_labels on the tiny MoE's parameter tree: Muon for the 2-D attention kernels and routers, the
+    AdamW backup for the embedding, the norms and the 3-D expert weights; mgup_muon from the config initialises on
+    it. (tests/test_optimizers.py checks every optimizer's wiring bit for bit.)"""
+    from flax import nnx
+    from moe_reference import tiny_moe_transformer
 
     from experiments import build
+    from optim import muon
 
+    params = nnx.state(tiny_moe_transformer(), nnx.Param)
+    labels = muon.default_muon_labels(params)
+    for (path, leaf), label in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(labels)):
+        name = jax.tree_util.keystr(path)
+        want = "muon" if leaf.ndim == 2 and "embedding" not in name else "adam"
+        assert label == want, name
+    assert {"muon", "adam"} == set(jax.tree.leaves(labels))
     config = build.default_config()
-    config.optim.update(name=name, learning_rate=3e-3, warmup_steps=0)
-    build.validate(config)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(4, 17)), jnp.int32)
-    losses = train_losses(tiny_moe_transformer(), build.build_optimizer(config), tokens, 4)
-    assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+    config.optim.name = "mgup_muon"
+    build.build_optimizer(config).init(params)
 
 
 @pytest.mark.parametrize(
@@ -350,7 +417,9 @@ def test_approx_samples_from_the_inner_transform_equal_samples_of_the_direction(
     def make(hook):
         adam = mgup.scale_by_hf_adam()
         inner = adam if hook else optax.GradientTransformation(adam.init, adam.update)
-        return mgup.with_mgup(inner, mgup.scale_by_mgup(0.3, selection="approx"), optax.scale_by_learning_rate(1e-2))
+        return mgup.with_mgup(
+            inner, mgup.scale_by_mgup(mask_ratio=0.3, selection="approx"), optax.scale_by_learning_rate(1e-2)
+        )
 
     fused, plain = make(True), make(False)
     s1, s2 = fused.init(params), plain.init(params)
@@ -360,4 +429,4 @@ def test_approx_samples_from_the_inner_transform_equal_samples_of_the_direction(
         u2, s2 = jax.jit(plain.update)(g, s2, params)
         for k in params:
             np.testing.assert_allclose(np.asarray(u1[k]), np.asarray(u2[k]), rtol=1e-6, err_msg=f"{k} step {step}")
-        assert float(s1[1].selected_fraction) == pytest.approx(float(s2[1].selected_fraction), abs=1e-6)
+        assert float(s1.mask.selected_fraction) == pytest.approx(float(s2.mask.selected_fraction), abs=1e-6)

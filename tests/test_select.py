@@ -91,3 +91,35 @@ def test_the_search_takes_a_handful_of_passes():
         keys = select.ordered_keys(jnp.asarray(x, jnp.float32))
         for k in (n // 10, n // 2, n - n // 10):
             assert 1 <= int(count(keys, k)) <= 8
+
+
+@pytest.mark.parametrize("shape, kind", [((1,), "normal"), ((37,), "ties"), ((50, 101), "normal")])
+def test_top_k_mask_with_a_traced_k_selects_as_with_a_python_k(shape, kind):
+    """k as an int32 array (a traced hyperparameter): the same set as a stable argsort (as a Python k gives, above),
+    for k inside (0, n), at the edges 0 and n, and outside (clipped: nothing, everything); one compilation."""
+    rng = np.random.default_rng(len(shape))
+    n = int(np.prod(shape))
+    x = rng.integers(0, 5, size=shape) if kind == "ties" else rng.normal(size=shape)
+    score = jnp.asarray(x, jnp.float32)
+    mask = jax.jit(select.top_k_mask)
+    order = np.argsort(-np.asarray(score).ravel(), kind="stable")
+    for k in sorted({-2, 0, 1, n // 3, n // 2, n - 1, n, n + 5}):
+        want = np.zeros(n, bool)
+        want[order[: max(k, 0)]] = True
+        np.testing.assert_array_equal(np.asarray(mask(score, jnp.int32(k))).ravel(), want, err_msg=f"k = {k}")
+
+
+def test_approx_threshold_is_the_kth_largest_key_of_the_sample():
+    """t is the k-th largest key of the sample, k = round(fraction m) (not any key the search stopped at), the same
+    for a Python and an array fraction; the estimate is the share of the check sample at or above t."""
+    rng = np.random.default_rng(4)
+    for sample in (rng.normal(size=1024), rng.integers(0, 9, size=1024).astype(float), rng.normal(size=300)):
+        check = rng.normal(size=1024)
+        s, c = jnp.asarray(sample, jnp.float32), jnp.asarray(check, jnp.float32)
+        keys = np.sort(np.asarray(select.ordered_keys(s)))[::-1]
+        for fraction in (0.001, 0.1, 0.375, 0.5, 0.9, 1.0):
+            k = max(1, min(s.size, round(fraction * s.size)))
+            for given in (fraction, jnp.float32(fraction)):
+                t, estimate = jax.jit(select.approx_threshold)(s, c, given)
+                assert int(t) == int(keys[k - 1]), (fraction, given)
+                assert float(estimate) == pytest.approx(np.mean(np.asarray(select.ordered_keys(c)) >= keys[k - 1]))
