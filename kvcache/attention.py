@@ -5,6 +5,11 @@
 `"pallas"` runs `kvcache.kernels` (split-KV with a log-sum-exp reduce, formats decoded in the kernel). Pallas on a
 CPU backend runs in Pallas' interpreter (`interpret=None` picks that automatically; pass False to insist on a
 compiled kernel). Shapes and semantics: `kvcache.reference`.
+
+All three exclude the positions a query may not see by selection (`jnp.where` on scores, values and scales), not by
+multiplying them with a zero probability: slots past a sequence's length (the tail of its last block, the blocks
+behind padding columns of its block table) may hold NaN or Inf left by another request or never written, and
+0 * NaN is NaN. Whatever those slots hold, the output is the same bit for bit.
 """
 
 from __future__ import annotations

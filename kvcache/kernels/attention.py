@@ -17,6 +17,7 @@ Formats are decoded in the kernel, 32 head-dim columns at a time:
   bf16 / fp8: the columns' values (fp8's per-token scale multiplies the scores and the probabilities);
   fp4: a 32-byte chunk of split-half packed codes gives two 32-column groups (low and high nibbles), decoded
        arithmetically; the UE8M0 group scale multiplies that group's partial scores (K) or values (V).
+
 Masked positions are excluded by selection inside the tiles already loaded, never by a zero weight alone. A
 program reads only the blocks its queries can see, but the last of them may end in slots past the sequence's length
 (its unused tail), and those hold arbitrary bytes: NaN or Inf after decoding (an fp8 NaN code or scale, fp4's
@@ -25,6 +26,7 @@ invisible positions become -inf (`jnp.where`); the tail's value rows become 0 (b
 decoded [bs, 32] columns; fp4: on the [bs] group scale, since its E2M1 codes are always finite); fp8's V scale
 is selected the same way before it multiplies the probabilities. No extra pass over the cache: one select per
 element of a tile that is already in registers.
+
 The query comes prepared by `Format.prepare_query` (Hadamard-rotated and FP8-rounded for fp4), so the score
 product needs no rotation: H^T H = I. Products accumulate in float32 at JAX's default matmul precision: TF32 on
 a GPU, exact for fp4's E2M1 keys times FP8 queries, about 1e-3 relative for bf16 / fp8 queries; under
@@ -116,7 +118,7 @@ def _kernel(
             scores *= fields["k_scale"][blk, h, :][None, :]
         key_pos = j * block_size + jax.lax.broadcasted_iota(jnp.int32, (1, block_size), 1)
         owned = key_pos < seq_len  # [1, bs]: the block's tail past the sequence may hold NaN / Inf
-        owned_rows = j * block_size + jax.lax.broadcasted_iota(jnp.int32, (block_size, 1), 0) < seq_len  # [bs, 1]
+        owned_rows = (j * block_size + jax.lax.broadcasted_iota(jnp.int32, (block_size, 1), 0)) < seq_len  # [bs, 1]
         visible = (key_pos <= row_pos) & owned
         scores = jnp.where(visible, scores * sm_scale, -jnp.inf)  # selection: a NaN score becomes -inf
         m_new = jnp.maximum(m, jnp.max(scores, axis=1, keepdims=True))
