@@ -122,9 +122,9 @@ def test_plan_and_markdown_have_one_row_per_format():
     assert [int(c[2].replace(",", "")) for c in cells] == [r["pool_tokens"] for r in rows]
 
     small = 16 * per_token["fp4"]  # one fp4 block, a quarter of a bf16 block
-    rows = {r["format"]: r for r in capacity.plan(small, shape, ("bf16", "fp4"))}
-    assert rows["bf16"]["pool_tokens"] == 0 and rows["fp4 (mse)"]["pool_tokens"] == 16
-    assert np.isnan(rows["fp4 (mse)"]["vs_bf16"])
+    by_name = {r["format"]: r for r in capacity.plan(small, shape, ("bf16", "fp4"))}
+    assert by_name["bf16"]["pool_tokens"] == 0 and by_name["fp4 (mse)"]["pool_tokens"] == 16
+    assert np.isnan(by_name["fp4 (mse)"]["vs_bf16"])
 
 
 _SHAPE = capacity.SPEC_MODEL
@@ -134,7 +134,7 @@ _SHAPE = capacity.SPEC_MODEL
     "call, match",
     [
         (lambda: capacity.ModelShape(0, 2, 256), r"full_attention_layers = 0.*>= 1"),
-        (lambda: capacity.ModelShape(10, 2.0, 256), r"num_kv_heads = 2\.0.*int"),
+        (lambda: capacity.ModelShape(10, 2.0, 256), r"num_kv_heads = 2\.0.*int"),  # type: ignore[arg-type]
         (lambda: capacity.ModelShape(10, 2, True), r"head_dim = True"),
         (lambda: capacity.pool_tokens(-1, _SHAPE, "bf16"), r"memory_bytes = -1.*>= 0"),
         (lambda: capacity.pool_tokens(2**30, _SHAPE, "bf16", block_size=0), r"block_size = 0.*>= 1"),
