@@ -183,12 +183,13 @@ def build_model_fn(
 
 
 def build_precision(config: ml_collections.ConfigDict, grouped: Callable) -> model_lib.Precision:
-    """The matmul-precision slot: the default (lax.dot_general, `grouped` for experts) or a quant recipe."""
+    """The matmul-precision slot: the default (lax.dot_general, `grouped` for experts) or a quant recipe, whose fixed
+    RHT signs are drawn from the run's seed `train.seed`."""
     p = config.precision
     if p.recipe == "bf16":
         return model_lib.DefaultPrecision(grouped=grouped)
     recipe = quant_config.apply(quant_recipes.get(p.recipe), p)
-    return QuantPrecision(recipe, num_layers=config.model.num_layers, grouped=grouped)
+    return QuantPrecision(recipe, num_layers=config.model.num_layers, grouped=grouped, seed=config.train.seed)
 
 
 def build_cache_factory(config: ml_collections.ConfigDict, model: model_lib.Transformer) -> generate_lib.CacheFactory:

@@ -23,20 +23,28 @@ fp4 scale rules (per 32-element group with absmax a):
 fp4 packing: byte j of a row holds element j in its low nibble and element j + D/2 in its high nibble
 ("split halves"), so a kernel unpacks a 32-byte chunk into two 32-element groups without any interleaving. A code
 is sign (bit 3) and magnitude index m (bits 0-2) into E2M1's levels 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+
+The numerics (E2M1 codes, exact powers of two and floor(log2), E4M3 rounding, the Hadamard matrix) are
+core.lowbit's; the names below that kernels import (encode_e2m1, decode_e2m1, pow2, scale_value) are those
+functions. Details: docs/kvcache.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from core import lowbit
+from core.lowbit import E2M1_LEVELS, E4M3_MAX, decode_e2m1, encode_e2m1, pow2
+
 __all__ = [
     "E2M1_LEVELS",
+    "E4M3_MAX",
+    "GROUP",
+    "MSE_FACTOR",
     "NAMES",
     "SCALE_RULES",
     "Format",
@@ -54,72 +62,37 @@ __all__ = [
 NAMES = ("bf16", "fp8", "fp4")
 SCALE_RULES = ("mse", "mx")
 GROUP = 32  # fp4 elements per UE8M0 scale
-E2M1_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-E4M3_MAX = 448.0
 MSE_FACTOR = 0.156  # the open backend's absmax multiplier: s = 2^round(log2(0.156 absmax))
+_MIN_EXPONENT, _MAX_EXPONENT = -126, 126  # fp4 scale exponents: scales and their inverses are normal floats
 
 
 def hadamard(d: int) -> np.ndarray:
-    """The normalised Sylvester Hadamard matrix H_d / sqrt(d) (float32 [d, d], symmetric and orthogonal); d a power
-    of two."""
+    """The normalised Sylvester Hadamard matrix H_d / sqrt(d) (float32 [d, d], symmetric and orthogonal; d a power
+    of two): `core.lowbit.hadamard(d, normalized=True)` in float32."""
     if d < 1 or d & (d - 1):
         raise ValueError(f"head_dim = {d}: the Hadamard rotation needs a power of two (64, 128, 256)")
-    h = np.ones((1, 1))
-    while h.shape[0] < d:
-        h = np.block([[h, h], [h, -h]])
-    return (h / math.sqrt(d)).astype(np.float32)
+    return lowbit.hadamard(d, normalized=True).astype(np.float32)
 
 
-# ------------------------------------------------------------------------------------------------ E2M1 codes
-
-
-def encode_e2m1(x: jax.Array) -> jax.Array:
-    """Nearest E2M1 code (int32 0..15) of float32 x (already divided by its scale), ties to the even magnitude
-    index, saturating at +-6; sign in bit 3 (so -0 encodes as 8, which decodes to 0). Kernels use it too."""
-    x = x.astype(jnp.float32)
-    a = jnp.abs(x)
-    m = jnp.zeros(x.shape, jnp.int32)
-    for i, (lo, hi) in enumerate(itertools.pairwise(E2M1_LEVELS)):
-        mid = (lo + hi) / 2  # index i + 1 wins above the midpoint, and at it when i + 1 is even
-        m += ((a > mid) | ((a == mid) & ((i + 1) % 2 == 0))).astype(jnp.int32)
-    return m | jnp.where(jax.lax.bitcast_convert_type(x, jnp.int32) < 0, 8, 0)  # the sign bit, also of -0
-
-
-def decode_e2m1(code: jax.Array) -> jax.Array:
-    """E2M1 value (float32) of codes 0..15 by bit arithmetic (no table, no exp2; kernels use it too).
-
-    Magnitude index m = 2e + f (3 bits) is 2^(e-1) (1 + f/2) for e >= 1: placed at bit 22 of a float32, e lands in
-    the exponent field and f in the top mantissa bit, and adding 126 to the exponent field gives exactly that
-    value. e = 0 (0 and 0.5) is m / 2. The sign (bit 3) moves to bit 31."""
-    code = code.astype(jnp.int32)
-    m = code & 7
-    bits = ((m << 22) + (126 << 23)) | ((code & 8) << 28)
-    normal = jax.lax.bitcast_convert_type(bits, jnp.float32)
-    return jnp.where(m >= 2, normal, jnp.where(code & 8, -0.5, 0.5) * m.astype(jnp.float32))
-
-
-def pow2(e: jax.Array) -> jax.Array:
-    """2^e as float32 for integer e in [-126, 127], exactly (written into the exponent bits; kernels use it)."""
-    return jax.lax.bitcast_convert_type((e.astype(jnp.int32) + 127) << 23, jnp.float32)
+# ------------------------------------------------------------------------------------------------ fp4 scales
 
 
 def scale_value(scale: jax.Array) -> jax.Array:
-    """The float32 value 2^(s - 127) of UE8M0 scale bytes s in [1, 253]."""
-    return jax.lax.bitcast_convert_type(scale.astype(jnp.int32) << 23, jnp.float32)
+    """The float32 value 2^(s - 127) of UE8M0 scale bytes s (any shape; this format stores s in [1, 253]):
+    `core.lowbit.ue8m0_value`."""
+    return lowbit.ue8m0_value(scale)
 
 
 def ue8m0_exponent(absmax: jax.Array, rule: str) -> jax.Array:
-    """Unbiased scale exponent e (int32) of each group's float32 absmax by the rule; 0 for an all-zero group.
-    Clipped to [-126, 126] so that the scale and its inverse are normal floats. Kernels use it too (no frexp, no
-    round: floor(log2 a) is corrected to the exact value by comparing with powers of two)."""
+    """Unbiased scale exponent e (int32, absmax's shape) of each group's float32 absmax by the rule; 0 for an
+    all-zero group. Clipped to [-126, 126] so that the scale and its inverse are normal floats. Kernels use it too.
+      "mx":  floor(log2 a) - 2, exact (`core.lowbit.mx_exponent`, from a's exponent bits)
+      "mse": floor(log2(0.156 a) + 0.5) in float32 arithmetic (the open backend's rule: round, halves up)"""
+    if rule not in SCALE_RULES:
+        raise ValueError(f"scale_rule = {rule!r} unknown; allowed: {list(SCALE_RULES)}")
     safe = jnp.where(absmax > 0, absmax, 1.0)
-    if rule == "mx":
-        e = jnp.floor(jnp.log2(safe)).astype(jnp.int32)
-        e = jnp.where(pow2(jnp.clip(e, -126, 127)) > safe, e - 1, e)  # float log2 may round across an integer
-        e = jnp.where(pow2(jnp.clip(e + 1, -126, 127)) <= safe, e + 1, e) - 2
-    else:
-        e = jnp.floor(jnp.log2(MSE_FACTOR * safe) + 0.5).astype(jnp.int32)  # round, halves up
-    return jnp.clip(jnp.where(absmax > 0, e, 0), -126, 126)
+    e = lowbit.mx_exponent(safe) if rule == "mx" else jnp.floor(jnp.log2(MSE_FACTOR * safe) + 0.5).astype(jnp.int32)
+    return jnp.clip(jnp.where(absmax > 0, e, 0), _MIN_EXPONENT, _MAX_EXPONENT)
 
 
 def _group_scales(x: jax.Array, rule: str) -> jax.Array:
@@ -147,8 +120,7 @@ def _fp8_encode(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     x = x.astype(jnp.float32)
     absmax = jnp.max(jnp.abs(x), axis=-1)
     scale = jnp.where(absmax > 0, absmax / E4M3_MAX, 1.0)
-    codes = jnp.clip(x / scale[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
-    return codes, scale
+    return lowbit.cast_e4m3(x / scale[..., None]), scale
 
 
 # --------------------------------------------------------------------------------------------------- formats
@@ -287,7 +259,7 @@ class Format:
         if rot is not None:
             q = _rotate(q, rot)
         if self.fp8_query:
-            q = jnp.clip(q, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+            q = lowbit.round_e4m3(q)
         return q
 
 

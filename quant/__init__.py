@@ -1,28 +1,33 @@
 """UFP4 (arXiv 2606.20381): 4-bit training with uniform grids, RHT and stochastic rounding; NVFP4/MXFP4 baselines.
 
 quantize (block-scaled fake quantisation to e2m1, e1m2, int4, mxfp4, nvfp4), rht (blockwise random Hadamard
-transform), recipes (BF16, UFP4, UFP4_INT4, E2M1_BASELINE, NVFP4, MXFP4), dot_general / grouped_matmul (the three
-training GEMMs of a recipe behind jax.lax.dot_general's / ragged_dot's signature), QuantPrecision (the model's
-precision slot), the grid analysis (shrinkage_bias, sqnr, alpha, bucket_entropy). Spec: ../shared/specs/ufp4.md.
+transform; run_signs: the run's fixed signs from its seed), recipes (BF16, UFP4, UFP4_INT4, E2M1_BASELINE, NVFP4,
+MXFP4), dot_general / grouped_matmul (the three training GEMMs of a recipe behind jax.lax.dot_general's /
+ragged_dot's signature), QuantPrecision (the model's precision slot), the grid analysis (shrinkage_bias, sqnr,
+alpha, bucket_entropy). The exact low-bit numerics underneath (grids, rounding, powers of two, E4M3 / UE8M0
+scales, Hadamard) are core.lowbit's. Paper and recipes: docs/ufp4.md.
 """
 
 from quant import analysis, recipes
 from quant.analysis import alpha, bucket_entropy, shrinkage_bias, sqnr
 from quant.dot_general import dot_general
-from quant.grids import FORMATS, GRIDS, levels, round_to_grid
+from quant.grids import FORMATS, GRIDS, grid_max, levels, round_to_grid
 from quant.grouped import grouped_matmul
-from quant.hadamard import hadamard, random_signs, rht
+from quant.hadamard import hadamard, random_signs, rht, run_signs
 from quant.precision import QuantPrecision
-from quant.quantize import quantize, quantize_tiles
+from quant.quantize import DEFAULT_BLOCK, block_scales, quantize, quantize_tiles
 
 __all__ = [
+    "DEFAULT_BLOCK",
     "FORMATS",
     "GRIDS",
     "QuantPrecision",
     "alpha",
     "analysis",
+    "block_scales",
     "bucket_entropy",
     "dot_general",
+    "grid_max",
     "grouped_matmul",
     "hadamard",
     "levels",
@@ -32,6 +37,7 @@ __all__ = [
     "recipes",
     "rht",
     "round_to_grid",
+    "run_signs",
     "shrinkage_bias",
     "sqnr",
 ]

@@ -1,4 +1,4 @@
-"""The shrinkage-bias analysis of UFP4 (spec: ../shared/specs/ufp4.md, "The finding").
+"""The shrinkage-bias analysis of UFP4 (docs/ufp4.md, "The finding").
 
 shrinkage_bias(fmt): for an interior level q_i with neighbours q_{i-1} < q_i < q_{i+1}, round-to-nearest maps
 the bin [(q_{i-1} + q_i) / 2, (q_i + q_{i+1}) / 2) to q_i; under a locally uniform density the mean rounding
@@ -13,8 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from quant.grids import levels, round_to_grid
-from quant.quantize import DEFAULT_BLOCK, _blocks, block_scales
+from quant.grids import levels
+from quant.quantize import DEFAULT_BLOCK, _blocks, _check_fmt, _encode
 
 __all__ = ["alpha", "bucket_entropy", "report", "shrinkage_bias", "sqnr"]
 
@@ -40,9 +40,9 @@ def alpha(x: jax.Array, x_hat: jax.Array) -> jax.Array:
 def bucket_entropy(x: jax.Array, fmt: str, *, axis: int = -1, block_size: int | None = None) -> jax.Array:
     """Entropy (bits, at most log2(15)) of the distribution of x's quantised codes over the grid's 15 levels,
     round-to-nearest with the same block scales as `quantize`."""
+    _check_fmt(fmt)
     blocks, inner = _blocks(x.astype(jnp.float32), axis, DEFAULT_BLOCK[fmt] if block_size is None else block_size)
-    scale = block_scales(blocks, fmt, inner)
-    q = round_to_grid(blocks / jnp.where(scale > 0, scale, 1.0), fmt)
+    q = _encode(blocks, fmt, inner)[0]
     grid = jnp.asarray(levels(fmt), jnp.float32)
     counts = jnp.sum(q.reshape(-1, 1) == grid[None, :], axis=0)
     p = counts / jnp.sum(counts)

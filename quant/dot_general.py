@@ -1,4 +1,4 @@
-"""4-bit training GEMMs as a custom dot_general (spec: ../shared/specs/ufp4.md; recipes in quant/recipes.py).
+"""4-bit training GEMMs as a custom dot_general (docs/ufp4.md; recipes in quant/recipes.py).
 
 `dot_general(recipe, key=...)` returns a function with `jax.lax.dot_general`'s signature whose forward and both
 backward GEMMs quantise their operands as the recipe says. Any dimension numbers with one contracting dimension
@@ -12,7 +12,9 @@ custom VJP, so JAX differentiates them), and
 with R the GEMM's RHT (identity when off) applied to both operands along the contraction axis, so it cancels in
 the product. A contraction length that the block (or RHT block) does not divide is zero-padded for the GEMM: zeros
 change neither the product nor any block's scale. The randomness of stochastic rounding comes from `key`
-(per step and layer: the precision slot passes `layer_key(step_key, path)`), split per GEMM.
+(per step and layer: the precision slot passes `layer_key(step_key, path)`), split per GEMM and operand with the
+named salts below; the RHT's fixed signs come from the run's `seed` (`quant.hadamard.run_signs`), fresh ones (the
+recipe's `fresh_signs`) from `key`.
 """
 
 from __future__ import annotations
@@ -25,17 +27,35 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from quant.hadamard import random_signs, rht
+from quant.hadamard import random_signs, rht, run_signs
 from quant.quantize import DEFAULT_BLOCK, quantize, quantize_tiles
 from quant.recipes import Gemm, Recipe
 
-__all__ = ["GemmConfig", "backward_keys", "dot_general", "prepare_operands"]
+__all__ = [
+    "SALT_DGRAD",
+    "SALT_FRESH_SIGNS",
+    "SALT_OPERANDS",
+    "SALT_WGRAD",
+    "GemmConfig",
+    "backward_keys",
+    "dot_general",
+    "prepare_operands",
+]
+
+# PRNG salts (jax.random.fold_in data) that derive one layer's keys from the key it receives for a step
+SALT_DGRAD, SALT_WGRAD = 1, 2  # the dgrad and wgrad GEMMs' keys (fprop uses the layer key itself)
+SALT_OPERANDS = (0, 1)  # within a GEMM: the stochastic rounding of its first and second operand
+SALT_FRESH_SIGNS = 7  # within a GEMM: fresh RHT signs (recipe.fresh_signs)
 
 
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
+    """What the custom GEMMs close over: the recipe, the fake quantiser, and the seed of the run's fixed RHT
+    signs."""
+
     recipe: Recipe
     quantizer: Callable
+    seed: int = 0
 
 
 def _pad(x: jax.Array, axis: int, multiple: int) -> jax.Array:
@@ -69,7 +89,10 @@ def prepare_operands(
     if gemm.rht:
         if cfg.recipe.fresh_signs and key is None:
             raise ValueError(f"recipe {cfg.recipe.name}: fresh RHT signs need a PRNG key.")
-        signs = random_signs(jax.random.fold_in(key, 7), gemm.rht_block) if cfg.recipe.fresh_signs else None
+        if cfg.recipe.fresh_signs:
+            signs = random_signs(jax.random.fold_in(key, SALT_FRESH_SIGNS), gemm.rht_block)
+        else:
+            signs = run_signs(cfg.seed, gemm.rht_block)
         a = rht(a, axis=axis_a, block_size=gemm.rht_block, signs=signs)
         b = rht(b, axis=axis_b, block_size=gemm.rht_block, signs=signs)
     out = []
@@ -79,7 +102,7 @@ def prepare_operands(
                 f"recipe {cfg.recipe.name}: stochastic rounding of dy needs a PRNG key; the training "
                 "step passes one through the precision slot (a key of None is for inference)."
             )
-        sub = jax.random.fold_in(key, i) if stochastic[i] else None
+        sub = jax.random.fold_in(key, SALT_OPERANDS[i]) if stochastic[i] else None
         if i == weight and cfg.recipe.weight_2d_blocks and not gemm.rht:
             out.append(quantize_tiles(x, gemm.fmt, tile=block))
         else:
@@ -97,8 +120,11 @@ def prepare_operands(
 
 
 def backward_keys(key: jax.Array | None) -> tuple[jax.Array | None, jax.Array | None]:
-    """The keys of the dgrad and wgrad GEMMs of one layer's step (None without a key)."""
-    return (None, None) if key is None else (jax.random.fold_in(key, 1), jax.random.fold_in(key, 2))
+    """The keys of the dgrad and wgrad GEMMs of one layer's step: fold_in(key, SALT_DGRAD) and
+    fold_in(key, SALT_WGRAD) (None without a key)."""
+    if key is None:
+        return None, None
+    return jax.random.fold_in(key, SALT_DGRAD), jax.random.fold_in(key, SALT_WGRAD)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -128,16 +154,19 @@ def _bwd(cfg, residuals, dy):
 _matmul.defvjp(_fwd, _bwd)
 
 
-def dot_general(recipe: Recipe, *, key: jax.Array | None = None, quantizer: Callable = quantize) -> Callable:
+def dot_general(
+    recipe: Recipe, *, key: jax.Array | None = None, quantizer: Callable = quantize, seed: int = 0
+) -> Callable:
     """A function with the signature of `jax.lax.dot_general` whose three training GEMMs follow `recipe`.
 
     key: PRNG key of this layer and step (stochastic rounding, fresh RHT signs); None for inference.
     quantizer: the fake quantiser (default `quantize`; tests pass a recording one).
+    seed: the run's seed, from which the fixed RHT signs are drawn (`run_signs(seed)`).
     Operands: any float dtype; one contracting dimension each (else ValueError). The result is float32 unless
     `preferred_element_type` says otherwise. `precision` is accepted and ignored (the quantised operands are
     multiplied in their own dtype with float32 accumulation).
     """
-    cfg = GemmConfig(recipe, quantizer)
+    cfg = GemmConfig(recipe, quantizer, seed)
 
     def call(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
         del precision

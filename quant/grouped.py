@@ -84,11 +84,13 @@ def grouped_matmul(
     key: jax.Array | None = None,
     inner: Callable = jax.lax.ragged_dot,
     quantizer: Callable = quantize,
+    seed: int = 0,
 ) -> Callable:
     """(lhs [m, k], rhs [g, k, n], group_sizes [g] int32, preferred_element_type=None) -> [m, n] with the three
     training GEMMs of `recipe` (see the module docstring). key: this layer's and step's PRNG key (None for
-    inference); inner: the grouped matmul that multiplies the quantised operands."""
-    cfg = GemmConfig(recipe, quantizer)
+    inference); inner: the grouped matmul that multiplies the quantised operands; quantizer: the fake quantiser;
+    seed: the run's seed, from which the fixed RHT signs are drawn (`quant.hadamard.run_signs`)."""
+    cfg = GemmConfig(recipe, quantizer, seed)
 
     def call(lhs, rhs, group_sizes, preferred_element_type=None):
         if not recipe.quantised:

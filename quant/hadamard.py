@@ -1,9 +1,10 @@
-"""The blockwise random Hadamard transform (RHT) of UFP4 and NVFP4 (spec: ../shared/specs/ufp4.md).
+"""The blockwise random Hadamard transform (RHT) of UFP4 and NVFP4 (docs/ufp4.md).
 
 rht(x) splits `axis` into blocks of b entries and maps each block v to H_b D v / sqrt(b): D = diag(signs) with
-signs in {-1, +1}^b, H_b the Sylvester Hadamard matrix. R = H_b D / sqrt(b) is orthonormal, so rotating both
-operands of a product along their contraction axis with the same signs leaves the product unchanged:
-<R a, R w> = <a, w>. Default signs: fixed for the run (`random_signs(jax.random.key(0), b)`), as the paper does.
+signs in {-1, +1}^b, H_b the Sylvester Hadamard matrix (core.lowbit.hadamard). R = H_b D / sqrt(b) is orthonormal,
+so rotating both operands of a product along their contraction axis with the same signs leaves the product
+unchanged: <R a, R w> = <a, w>. Default signs: fixed for the run, drawn from the run's seed
+(`run_signs(seed, b)` = `random_signs(jax.random.key(seed), b)`; seed 0 unless told), as the paper does.
 """
 
 from __future__ import annotations
@@ -12,28 +13,35 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["hadamard", "random_signs", "rht"]
+from core import lowbit
+
+__all__ = ["hadamard", "random_signs", "rht", "run_signs"]
 
 
 def hadamard(n: int) -> np.ndarray:
-    """The n x n Sylvester Hadamard matrix (entries +-1; n a power of 2), H H^T = n I."""
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"hadamard: n = {n} must be a power of 2.")
-    h = np.ones((1, 1))
-    while h.shape[0] < n:
-        h = np.block([[h, h], [h, -h]])
-    return h
+    """The n x n Sylvester Hadamard matrix, unnormalised (float64 entries +-1; n a power of 2), H H^T = n I:
+    `core.lowbit.hadamard(n, normalized=False)`."""
+    return lowbit.hadamard(n, normalized=False)
 
 
 def random_signs(key: jax.Array, block_size: int = 16) -> jax.Array:
-    """[block_size] float32 of independent +-1."""
+    """[block_size] float32 of independent +-1 (Bernoulli(1/2) from `key`)."""
     return jnp.where(jax.random.bernoulli(key, 0.5, (block_size,)), 1.0, -1.0).astype(jnp.float32)
 
 
-def rht(x: jax.Array, *, axis: int = -1, block_size: int = 16, signs: jax.Array | None = None) -> jax.Array:
+def run_signs(seed: int = 0, block_size: int = 16) -> jax.Array:
+    """The run's fixed RHT signs, [block_size] float32 of +-1: `random_signs(jax.random.key(seed), block_size)`.
+    The training config's `train.seed` is the seed (experiments/build.py passes it to QuantPrecision); seed 0 gives
+    the signs of runs made before the seed was threaded through."""
+    return random_signs(jax.random.key(seed), block_size)
+
+
+def rht(
+    x: jax.Array, *, axis: int = -1, block_size: int = 16, signs: jax.Array | None = None, seed: int = 0
+) -> jax.Array:
     """x rotated blockwise along `axis` by H D / sqrt(block_size); x's shape and dtype (float32 arithmetic, or
-    float64 for float64 x). `signs`: [block_size] of +-1 (default: fixed signs from key 0)."""
-    signs = random_signs(jax.random.key(0), block_size) if signs is None else jnp.asarray(signs)
+    float64 for float64 x). `signs`: [block_size] of +-1 (default: the run's fixed signs `run_signs(seed)`)."""
+    signs = run_signs(seed, block_size) if signs is None else jnp.asarray(signs)
     if signs.shape != (block_size,):
         raise ValueError(f"rht: signs has shape {signs.shape}; expected ({block_size},).")
     if x.ndim == 0 or x.shape[axis] % block_size:

@@ -3,7 +3,8 @@
 `QuantPrecision(recipe, num_layers=L)`: every projection whose path the recipe does not keep in high precision gets
 `quant.dot_general(recipe, key=layer key)`; kept paths (the head, routers, ...; see Recipe.keeps) and the
 unquantised BF16 recipe get `jax.lax.dot_general`. Experts get `quant.grouped_matmul(recipe, key=...)` around
-`grouped` (the MoE package's grouped matmul).
+`grouped` (the MoE package's grouped matmul). `seed` (the run's `train.seed`) fixes the RHT signs of every GEMM
+(`quant.hadamard.run_signs(seed)`; seed 0 gives the signs used before the seed was threaded through).
 """
 
 from __future__ import annotations
@@ -22,15 +23,33 @@ __all__ = ["QuantPrecision"]
 
 @dataclasses.dataclass(frozen=True)
 class QuantPrecision:
+    """The precision slot of a quant recipe.
+
+    Attributes:
+      recipe: the training recipe (quant.recipes).
+      num_layers: the model's number of transformer blocks (for `recipe.last_blocks_high_precision`).
+      grouped: the MoE's grouped matmul, which the quantised expert GEMMs multiply through.
+      seed: the run's seed, from which the fixed RHT signs are drawn.
+    """
+
     recipe: Recipe
     num_layers: int | None = None
     grouped: Callable = jax.lax.ragged_dot
+    seed: int = 0
+
+    def __post_init__(self):
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"QuantPrecision.seed = {self.seed!r}; allowed: an integer >= 0.")
 
     def _keeps(self, path: str) -> bool:
         return not self.recipe.quantised or self.recipe.keeps(path, self.num_layers)
 
     def dot_general(self, path: str, key: jax.Array | None) -> Callable:
-        return jax.lax.dot_general if self._keeps(path) else dot_general(self.recipe, key=key)
+        """The dot_general of the module at `path` for this step (`key`: its layer key, None for inference)."""
+        return jax.lax.dot_general if self._keeps(path) else dot_general(self.recipe, key=key, seed=self.seed)
 
     def grouped_matmul(self, path: str, key: jax.Array | None) -> Callable:
-        return self.grouped if self._keeps(path) else grouped_matmul(self.recipe, key=key, inner=self.grouped)
+        """The grouped matmul of the experts at `path` for this step."""
+        if self._keeps(path):
+            return self.grouped
+        return grouped_matmul(self.recipe, key=key, inner=self.grouped, seed=self.seed)

@@ -1,12 +1,29 @@
-"""Block-scaled fake quantisation: x -> the dequantised values of its 4-bit encoding (spec: ../shared/specs/ufp4.md).
+"""Block-scaled fake quantisation: x -> the dequantised values of its 4-bit encoding (docs/ufp4.md).
 
   e2m1 / e1m2 / int4  blocks of `block_size` (default 16) along `axis`, FP32 scale s = amax(block) / grid max;
                       x_hat = s * round(x / s)
-  mxfp4 (OCP MX)      E2M1, blocks of 32, UE8M0 scale 2^(floor(log2 amax) - 2); x / s saturates at +-6
-  nvfp4 (NVIDIA)      E2M1, blocks of 16, E4M3 block scales under an FP32 tensor scale:
-                      s_enc = 6 * 448 / amax(tensor), s_b = e4m3(min(amax(block) / 6 * s_enc, 448)),
-                      x_hat = (s_b / s_enc) * round(x / (s_b / s_enc))
-A block whose amax is 0 encodes zeros. Arithmetic in float32; the result has x's dtype and shape.
+  mxfp4 (OCP MX)      E2M1, blocks of 32, UE8M0 scale s = 2^e, e = clip(floor(log2 amax) - 2, -127, 127);
+                      x_hat = s * round(x / s), x / s saturating at +-6. e is read from amax's exponent bits and
+                      x / s = x 2^-e is exact, so s is exactly the UE8M0 power of two for every block exponent
+                      (a block below 2^-129 rounds to zero: UE8M0 cannot scale lower).
+  nvfp4 (NVIDIA)      E2M1, blocks of 16, E4M3 block scales under an FP32 tensor scale (t = amax of the tensor):
+                      s_enc = 6 * 448 / t, s_b = e4m3(min(amax(block) / 6 * s_enc, 448)), d_b = s_b / s_enc,
+                      x_hat = d_b round(x / d_b)
+A block whose amax is 0 (or, for nvfp4, whose E4M3 scale underflows to 0) encodes zeros; a zero tensor gives zeros.
+Rounding: nearest with ties to the even code, or unbiased stochastic (quant.grids.round_to_grid). Arithmetic in
+float32; the result has x's dtype and shape. A block holding inf or nan dequantises to nan (for nvfp4, the tensor).
+
+NVFP4's arithmetic, without ever forming s_enc (which overflows float32 for t below 2688 / FLT_MAX ~ 7.9e-36)
+and without dividing: with t = 2^E t' (E = floor(log2 t) from exponent bits, t' in [1, 2)) and
+a'_b = amax(block) 2^-E,
+  s_b = e4m3(448 a'_b / t'),   x / d_b = 2688 x / (s_b t) = num / den,   num = 2688 2^-E x,   den = s_b t'
+Both roundings are decided by comparing products, not quotients: the code by |num| against m den for the grid's
+midpoints m (quant.grids.round_quotient), s_b by 448 a'_b against E4M3 midpoints times t'
+(core.lowbit.round_e4m3_ratio). The products are exact when x has at most 19 and t at most 17 significant bits
+(bf16 data), so exact midpoints go to the even code and s_b is the exact E4M3 rounding of 448 amax(block) / t;
+for float32 data with longer mantissas each product is correctly rounded. (Dividing is not exact: XLA:CPU turns a
+division by a per-block or per-tensor value into a multiplication by its rounded reciprocal.) x_hat = level d_b
+with d_b = den / 2688 2^E, rounded to float32 and applied in two normal factors, so tiny tensors keep their scale.
 """
 
 from __future__ import annotations
@@ -14,18 +31,28 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from quant.grids import FORMATS, grid_max, round_to_grid
+from core import lowbit
+from core.lowbit import E4M3_MAX, UE8M0_MAX_EXPONENT, UE8M0_MIN_EXPONENT
+from quant.grids import FORMATS, grid_max, round_quotient, round_to_grid
 
-__all__ = ["DEFAULT_BLOCK", "block_scales", "quantize", "quantize_tiles"]
+__all__ = ["DEFAULT_BLOCK", "E4M3_MAX", "block_scales", "quantize", "quantize_tiles"]
 
 DEFAULT_BLOCK = {"e2m1": 16, "e1m2": 16, "int4": 16, "mxfp4": 32, "nvfp4": 16}
-E4M3_MAX = 448.0
+_NV_SCALE = 6.0 * E4M3_MAX  # 2688 = s_enc t
+_NV_SPLIT = 100  # nvfp4: tensors with t < 2^-100 scale by 2^-E in two factors, each a normal float32
+
+
+def _check_fmt(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt = {fmt!r}; allowed: {list(FORMATS)}.")
 
 
 def _blocks(x: jax.Array, axis: int, block: int) -> tuple[jax.Array, int]:
     """(x with `axis` split in place into [n / block, block], the index of the within-block axis). No transpose:
     on CPU moving the axis last and back costs more than the quantiser."""
     x = x.reshape(1) if x.ndim == 0 else x
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"quantize: axis = {axis} is out of range for x of shape {x.shape}.")
     axis = axis % x.ndim
     n = x.shape[axis]
     if block < 1 or n % block:
@@ -36,19 +63,67 @@ def _blocks(x: jax.Array, axis: int, block: int) -> tuple[jax.Array, int]:
     return x.reshape(*x.shape[:axis], n // block, block, *x.shape[axis + 1 :]), axis + 1
 
 
-def block_scales(blocks: jax.Array, fmt: str, axis: int = -1) -> jax.Array:
-    """Per-block decode scales s (float32, `blocks`' shape with `axis`, the within-block axis, of size 1) so that
-    blocks / s lies on the grid's range; 0 for a block that encodes zeros (amax 0, or an NVFP4 block scale that
-    underflows E4M3)."""
+def _mxfp4(blocks, amax, rounding, key):
+    e = jnp.clip(lowbit.mx_exponent(amax), UE8M0_MIN_EXPONENT, UE8M0_MAX_EXPONENT)
+    finite = jnp.isfinite(amax)
+    # the per-block factors 2^-e and 2^e = 2^h 2^(e - h) (h = floor(e / 2): both normal, also for e = -127), each
+    # divided by 1 (nan for a block holding inf or nan): the division makes XLA compute them once per block rather
+    # than redo their bit arithmetic for every element of the block
+    one = jnp.where(finite, 1.0, jnp.nan)
+    half = e >> 1
+    inverse, s_hi, s_lo = lowbit.pow2(-e) / one, lowbit.pow2(half) / one, lowbit.pow2(e - half) / one
+    q = round_to_grid(blocks * inverse, "mxfp4", rounding=rounding, key=key)  # x 2^-e, -e in [-125, 127]: exact
+    scale = jnp.where(finite, jnp.where(amax > 0, lowbit.pow2(e), 0.0), jnp.nan)
+    return q, q * s_hi * s_lo, scale  # ldexp(q, e): exact
+
+
+def _nvfp4(blocks, amax, rounding, key):
+    t = jnp.max(amax)
+    finite = jnp.isfinite(t)
+    exponent = jnp.where((t > 0) & finite, lowbit.floor_log2(t), 0)  # E; t reads 0 if flushed as subnormal
+    n_hi = jnp.maximum(-exponent - _NV_SPLIT, 0)  # 2^-E = 2^n_lo 2^n_hi; n_hi > 0 only for t < 2^-100
+    n_lo = -exponent - n_hi
+
+    def normalise(v):  # v 2^-E, exact (each factor a normal power of two, the result at most 2)
+        return v * lowbit.pow2(n_lo) * lowbit.pow2(n_hi)
+
+    t1, a1 = normalise(t), normalise(amax)  # t' in [1, 2), a'_b
+    s_b = lowbit.round_e4m3_ratio(E4M3_MAX * a1, jnp.where(t1 > 0, t1, 1.0))  # e4m3(448 a'_b / t'), exact ties
+    d1 = s_b * t1  # 2688 d_b 2^-E
+    # den = d1 2^-n_hi (>= 2^-58, normal), +inf for a block that encodes zeros (every level test fails: level 0).
+    # A division (exact: by a power of two, or 1 / 0) ends the per-block computation: XLA computes it once per
+    # block, where it would fuse cheaper operations into the per-element loop and redo them for every element.
+    den = jnp.where(d1 > 0, d1, 1.0) / jnp.where(d1 > 0, lowbit.pow2(n_hi), 0.0)
+    q = round_quotient(blocks * (_NV_SCALE * lowbit.pow2(n_lo)), den, "nvfp4", rounding=rounding, key=key)
+    e2 = jnp.minimum(exponent + _NV_SPLIT, 0)  # d_b = den 2^(n_hi + E - e2) / 2688 2^e2, both factors normal
+    d = jnp.where(den < jnp.inf, den * (lowbit.pow2(n_hi + exponent - e2) / _NV_SCALE), 0.0)
+    tail = jnp.where(finite, lowbit.pow2(e2), jnp.nan)
+    return q, q * d * tail, d * tail
+
+
+def _encode(
+    blocks: jax.Array, fmt: str, axis: int, rounding: str = "nearest", key: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(the grid level of each element, the dequantised values x_hat, the per-block decode scales) of float32
+    `blocks` whose within-block axis is `axis`."""
     amax = jnp.max(jnp.abs(blocks), axis=axis, keepdims=True)
     if fmt == "mxfp4":
-        return jnp.where(amax > 0, jnp.exp2(jnp.floor(jnp.log2(jnp.where(amax > 0, amax, 1.0))) - 2), 0.0)
+        return _mxfp4(blocks, amax, rounding, key)
     if fmt == "nvfp4":
-        t = jnp.max(amax)
-        s_enc = 6.0 * E4M3_MAX / jnp.where(t > 0, t, 1.0)
-        stored = jnp.minimum(amax / 6.0 * s_enc, E4M3_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
-        return stored / s_enc
-    return amax / grid_max(fmt)
+        return _nvfp4(blocks, amax, rounding, key)
+    scale = amax / grid_max(fmt)
+    q = round_to_grid(blocks / jnp.where(scale > 0, scale, 1.0), fmt, rounding=rounding, key=key)
+    return q, q * scale, scale
+
+
+def block_scales(blocks: jax.Array, fmt: str, axis: int = -1) -> jax.Array:
+    """Per-block decode scales s (float32, `blocks`' shape with `axis`, the within-block axis, of size 1): x_hat =
+    s * level. e2m1 / e1m2 / int4: amax / grid max; mxfp4: the UE8M0 power of two 2^e (2^-127 is a subnormal
+    float32); nvfp4: d_b = s_b / s_enc. 0 for a block that encodes zeros (amax 0, or an NVFP4 block scale that
+    underflows E4M3); nan for an mxfp4 block (nvfp4 tensor) holding inf or nan. For inspection: `quantize` does not
+    divide by these (see the module docstring)."""
+    _check_fmt(fmt)
+    return _encode(blocks.astype(jnp.float32), fmt, axis)[2]
 
 
 def quantize(
@@ -63,32 +138,34 @@ def quantize(
     """Fake-quantises x (any float dtype and shape) in blocks along `axis`; returns x's shape and dtype.
 
     fmt in FORMATS; block_size defaults to DEFAULT_BLOCK[fmt]; rounding "nearest" (ties to even) or "stochastic"
-    (unbiased; needs key). Raises ValueError on an unknown fmt / rounding or an axis the block does not divide.
+    (unbiased; needs key). x_hat = d * round(x / d) per block (the module docstring gives d for each format).
+    Raises ValueError on an unknown fmt / rounding, a non-float x, an axis out of range, or an axis the block does
+    not divide.
     """
-    if fmt not in FORMATS:
-        raise ValueError(f"fmt = {fmt!r}; allowed: {list(FORMATS)}.")
+    _check_fmt(fmt)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"quantize: x has dtype {x.dtype}; a floating dtype is required.")
     block = DEFAULT_BLOCK[fmt] if block_size is None else block_size
     blocks, inner = _blocks(x.astype(jnp.float32), axis, block)
-    scale = block_scales(blocks, fmt, inner)
-    q = round_to_grid(blocks / jnp.where(scale > 0, scale, 1.0), fmt, rounding=rounding, key=key) * scale
-    return q.reshape(x.shape).astype(x.dtype)
+    x_hat = _encode(blocks, fmt, inner, rounding, key)[1]
+    return x_hat.reshape(x.shape).astype(x.dtype)
 
 
 def quantize_tiles(w: jax.Array, fmt: str, *, tile: int = 16) -> jax.Array:
     """Fake-quantises the last two axes of w ([..., K, N]) in tile x tile blocks (one scale per tile: NVFP4's 2-D
     weight scaling, so that w^T is quantised identically); the last two axes are zero-padded to whole tiles for
     the scales and cropped back. Nearest rounding; w's shape and dtype."""
-    if fmt not in FORMATS:
-        raise ValueError(f"fmt = {fmt!r}; allowed: {list(FORMATS)}.")
+    _check_fmt(fmt)
+    if w.ndim < 2:
+        raise ValueError(f"quantize_tiles: w has shape {w.shape}; at least two axes [..., K, N] are required.")
+    if tile < 1:
+        raise ValueError(f"quantize_tiles: tile = {tile}; a positive tile size is required.")
     k, n = w.shape[-2:]
     pk, pn = -k % tile, -n % tile
     x = jnp.pad(w.astype(jnp.float32), [(0, 0)] * (w.ndim - 2) + [(0, pk), (0, pn)])
     lead = x.shape[:-2]
     kt, nt = x.shape[-2] // tile, x.shape[-1] // tile
     blocks = jnp.swapaxes(x.reshape(*lead, kt, tile, nt, tile), -3, -2).reshape(*lead, kt, nt, tile * tile)
-    scale = block_scales(blocks, fmt)
-    q = round_to_grid(blocks / jnp.where(scale > 0, scale, 1.0), fmt) * scale
+    q = _encode(blocks, fmt, -1)[1]
     q = jnp.swapaxes(q.reshape(*lead, kt, nt, tile, tile), -3, -2).reshape(x.shape)
     return q[..., :k, :n].astype(w.dtype)

@@ -1,5 +1,5 @@
 """Named 4-bit training recipes: per GEMM (fprop, dgrad, wgrad) the grid, block, RHT and rounding; which layers stay
-in high precision (spec: ../shared/specs/ufp4.md, Table 1 and "Baselines").
+in high precision (docs/ufp4.md, "The recipe" and "Baselines").
 
 The three GEMMs of a layer y = x w (x: [tokens, K], w: [K, N]) and their contraction axes:
   fprop  y  = x w        contract K       operands x (nearest), w (nearest)
@@ -61,7 +61,8 @@ class Recipe:
     weight_2d_blocks: bool = False
     high_precision: tuple[str, ...] = HIGH_PRECISION
     last_blocks_high_precision: int = 0
-    fresh_signs: bool = False  # RHT signs drawn per call from the layer's key (default: fixed for the run)
+    fresh_signs: bool = False  # RHT signs drawn per call from the layer's key (default: fixed for the run, drawn
+    # from the run's seed that QuantPrecision receives)
 
     @property
     def quantised(self) -> bool:

@@ -1,5 +1,9 @@
 """quant.dot_general and quant.grouped_matmul: exact when quantisation is off, the right operands quantised along
-the right axes in each of the three GEMMs, stochastic rounding keyed, sharding, dtypes, errors."""
+the right axes in each of the three GEMMs, every 4-bit recipe's three GEMMs against a float64 reference built from
+`quantize`, stochastic rounding keyed, RHT signs from the run's seed, sharding, dtypes, errors."""
+
+import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -9,9 +13,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from quant import recipes
-from quant.dot_general import dot_general
+from quant.dot_general import SALT_DGRAD, SALT_OPERANDS, SALT_WGRAD, dot_general
 from quant.grouped import grouped_matmul
-from quant.quantize import quantize_tiles
+from quant.hadamard import random_signs, rht, run_signs
+from quant.precision import QuantPrecision
+from quant.quantize import DEFAULT_BLOCK, quantize, quantize_tiles
 from quant.recipes import Gemm, Recipe
 
 KEY = jax.random.key(3)
@@ -107,6 +113,113 @@ def test_each_gemm_quantises_the_right_operands_along_the_right_axes():
     ]
 
 
+def _reference_operand(a, axis, gemm, recipe, *, key=None, weight=False, seed=0):
+    """One GEMM operand as the recipe prescribes, built independently of prepare_operands: zero-padded along the
+    contraction axis to whole blocks (and RHT blocks), rotated by the run's RHT signs, quantised with `quantize`
+    (stochastic with `key` if given) or, for NVFP4's weights, in 2-D tiles; float64 NumPy."""
+    block = gemm.block_size or DEFAULT_BLOCK[gemm.fmt]
+    multiple = math.lcm(block, gemm.rht_block) if gemm.rht else block
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, -a.shape[axis] % multiple)
+    a = jnp.pad(a, widths)
+    if gemm.rht:
+        a = rht(a, axis=axis, block_size=gemm.rht_block, signs=random_signs(jax.random.key(seed), gemm.rht_block))
+    if weight and recipe.weight_2d_blocks and not gemm.rht:
+        return quantize_tiles(a, gemm.fmt, tile=block)
+    rounding = "nearest" if key is None else "stochastic"
+    return quantize(a, gemm.fmt, axis=axis, block_size=block, rounding=rounding, key=key)
+
+
+def _reference_gemms(recipe, x, w, dy, key, seed=0):
+    """(y, dx, dw) of y = x w (x [M, K], w [K, N]) in float64 from operands quantised as in the module docstring:
+    fprop Q(x)_K Q(w)_K, dgrad Q(dy)_N Q(w)_N^T, wgrad Q(x)_M^T Q(dy)_M, dy stochastic with the keys derived by the
+    named salts."""
+    k, n = w.shape
+    f, d, g = recipe.fprop, recipe.dgrad, recipe.wgrad
+    k_d, k_w = jax.random.fold_in(key, SALT_DGRAD), jax.random.fold_in(key, SALT_WGRAD)
+    sr_d = jax.random.fold_in(k_d, SALT_OPERANDS[0]) if d.stochastic_dy else None
+    sr_w = jax.random.fold_in(k_w, SALT_OPERANDS[1]) if g.stochastic_dy else None
+
+    @jax.jit
+    def operands(x, w, dy):
+        return (
+            _reference_operand(x, 1, f, recipe, seed=seed),
+            _reference_operand(w, 0, f, recipe, weight=True, seed=seed),
+            _reference_operand(dy, 1, d, recipe, key=sr_d, seed=seed),
+            _reference_operand(w, 1, d, recipe, weight=True, seed=seed),
+            _reference_operand(x, 0, g, recipe, seed=seed),
+            _reference_operand(dy, 0, g, recipe, key=sr_w, seed=seed),
+        )
+
+    qx_f, qw_f, qdy_d, qw_d, qx_w, qdy_w = (np.asarray(q, np.float64) for q in operands(x, w, dy))
+    return (qx_f @ qw_f)[:, :n], (qdy_d @ qw_d.T)[:, :k], (qx_w.T @ qdy_w)[:k, :n]
+
+
+def _gemms(f, x, w, dy):
+    """(y, dx, dw) of y = f(x, w) (a dot_general contracting x's axis 1 with w's axis 0) and its VJP at dy, jitted."""
+    dims = (((1,), (0,)), ((), ()))
+
+    @jax.jit
+    def run(x, w, dy):
+        y, vjp = jax.vjp(lambda a, b: f(a, b, dims), x, w)
+        return (y, *vjp(dy))
+
+    return run(x, w, dy)
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "ufp4_int4", "e2m1_baseline"])
+@pytest.mark.parametrize("m, k, n", [(37, 40, 24), (32, 64, 48)])
+def test_every_4bit_recipe_through_a_gemm_against_a_float64_reference(name, m, k, n):
+    """The forward product and both backward GEMMs of each 4-bit recipe (MXFP4's 32-blocks, NVFP4's tensor scale,
+    2-D weight tiles and wgrad RHT, UFP4_INT4's RHT on all GEMMs, the E2M1 baseline), with ragged M, K, N padded to
+    whole blocks, equal the products of independently quantised operands computed in float64 (stochastic dy with
+    the keys the salts name), up to float32 accumulation."""
+    recipe = recipes.get(name)
+    rng = np.random.default_rng(m + k + n)
+    x = jnp.asarray(rng.standard_t(4, size=(m, k)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(k, n)) * 0.1, jnp.float32)
+    dy = jnp.asarray(rng.normal(size=(m, n)) * 1e-3, jnp.float32)  # gradient-sized
+    y, dx, dw = _gemms(dot_general(recipe, key=KEY), x, w, dy)
+    want = _reference_gemms(recipe, x, w, dy, KEY)
+    for got, ref in zip((y, dx, dw), want):
+        scale = np.abs(ref).max()
+        assert scale > 0
+        np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=1e-5, atol=1e-5 * scale)
+    for got, exact in zip((y, dx, dw), (x @ w, dy @ w.T, x.T @ dy)):  # and they are 4-bit products, not exact
+        rel = float(jnp.linalg.norm(got - exact) / jnp.linalg.norm(exact))
+        assert 0.01 < rel < 0.5, (name, rel)
+
+
+def test_rht_signs_come_from_the_run_seed():
+    """Fixed RHT signs are run_signs(seed) = random_signs(key(seed)): seed 0 gives the signs of key(0) that runs used
+    before (so the default does not move); another seed gives other signs and another (still valid) product;
+    QuantPrecision passes its seed to every GEMM, and the config's train.seed reaches it."""
+    np.testing.assert_array_equal(run_signs(0), random_signs(jax.random.key(0)))
+    np.testing.assert_array_equal(rht(jnp.eye(16)), rht(jnp.eye(16), signs=random_signs(jax.random.key(0))))
+    assert not np.array_equal(run_signs(0), run_signs(1)) and not np.array_equal(run_signs(1), run_signs(2))
+    rng = np.random.default_rng(6)
+    x, w = jnp.asarray(rng.normal(size=(32, 48)), jnp.float32), jnp.asarray(rng.normal(size=(48, 16)), jnp.float32)
+    dy = jnp.asarray(rng.normal(size=(32, 16)), jnp.float32)
+    outs = {}
+    for seed in (0, 3):
+        f = QuantPrecision(recipes.UFP4, num_layers=1, seed=seed).dot_general("blocks.0.attn.q", KEY)
+        outs[seed] = _gemms(f, x, w, dy)
+        for got, ref in zip(outs[seed], _reference_gemms(recipes.UFP4, x, w, dy, KEY, seed=seed)):
+            np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    for a, b in zip(outs[0], outs[3]):
+        assert not np.allclose(a, b)
+    np.testing.assert_array_equal(_gemms(dot_general(recipes.UFP4, key=KEY), x, w, dy)[0], outs[0][0])
+    with pytest.raises(ValueError, match="QuantPrecision.seed = -1"):
+        QuantPrecision(recipes.UFP4, seed=-1)
+
+    from experiments import build
+
+    c = build.default_config()
+    c.precision.recipe = "ufp4"
+    c.train.seed = 7
+    assert build.build_precision(c, jax.lax.ragged_dot).seed == 7
+
+
 def test_rht_changes_the_quantised_product_only_where_the_recipe_says():
     """With a real quantiser, RHT on a GEMM changes that GEMM's result (the rotation does not commute with Q)."""
     rng = np.random.default_rng(1)
@@ -150,8 +263,9 @@ def test_bf16_operands_and_sharded_weights_on_8_devices():
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)  # as core.mesh
     xs = jax.device_put(x, NamedSharding(mesh, P("data", None, None)))
     ws = jax.device_put(w, NamedSharding(mesh, P(None, "model")))
-    value_s, (_gx_s, gw_s) = loss(xs, ws)
+    value_s, (gx_s, gw_s) = loss(xs, ws)
     np.testing.assert_allclose(float(value_s), float(value), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(gx_s, np.float32), np.asarray(gx, np.float32), rtol=1e-2, atol=1e-2)
     np.testing.assert_allclose(np.asarray(gw_s, np.float32), np.asarray(gw, np.float32), rtol=1e-2, atol=1e-2)
 
 
@@ -163,15 +277,11 @@ def test_nvfp4_weight_tiles_are_transpose_invariant():
 
 
 def test_precision_policy_keeps_the_right_layers():
-    from quant.precision import QuantPrecision
-
     slot = QuantPrecision(recipes.UFP4, num_layers=4)
     for path in ("head", "blocks.1.ffn.router", "embedding"):
         assert slot.dot_general(path, KEY) is jax.lax.dot_general, path
     assert slot.dot_general("blocks.3.attn.q", KEY) is not jax.lax.dot_general
     assert slot.grouped_matmul("blocks.0.ffn.experts.up", KEY) is not jax.lax.ragged_dot
-    import dataclasses
-
     last = QuantPrecision(dataclasses.replace(recipes.UFP4, last_blocks_high_precision=1), num_layers=4)
     assert last.dot_general("blocks.3.attn.q", KEY) is jax.lax.dot_general
     assert last.dot_general("blocks.2.attn.q", KEY) is not jax.lax.dot_general

@@ -1,11 +1,14 @@
-"""quant: grids, rounding, block scales (against NumPy), RHT, and the spec's synthetic SQNR / alpha table."""
+"""quant: grids and formats on top of core.lowbit, block scaling (axes, dtypes, errors), block scales, RHT, and the
+spec's synthetic SQNR / alpha table. The numerics themselves (nearest and stochastic rounding of every grid, MXFP4
+and NVFP4 against exact NumPy references) are tested in test_lowbit.py."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from quant import analysis, grids, hadamard, quantize, rht, shrinkage_bias
+from core import lowbit
+from quant import analysis, block_scales, grids, hadamard, quantize, rht, shrinkage_bias
 
 
 def test_levels_and_shrinkage_bias():
@@ -21,72 +24,25 @@ def test_levels_and_shrinkage_bias():
     assert np.mean(4.0 - x) == pytest.approx(bias[4.0], abs=1e-4)
 
 
-def _np_nearest(y, fmt):
-    """Brute force: the closest level, ties to the level whose code index (position among |levels|) is even."""
-    pos = np.asarray(grids.GRIDS[fmt])
-    a = np.minimum(np.abs(y), pos[-1])
-    d = np.abs(a[..., None] - pos)
-    best = d.min(-1, keepdims=True)
-    candidates = np.where(d == best, np.arange(8), 99)
-    even = np.where(candidates % 2 == 0, candidates, 99).min(-1)
-    index = np.where(even < 99, even, candidates.min(-1))
-    return np.sign(y) * pos[index]
-
-
-@pytest.mark.parametrize("fmt", ["e2m1", "e1m2", "int4"])
-def test_nearest_rounding_ties_to_even(fmt):
-    pos = np.asarray(grids.GRIDS[fmt])
-    mids = (pos[1:] + pos[:-1]) / 2
-    y = np.concatenate([mids, -mids, pos, np.random.default_rng(0).uniform(-1.2, 1.2, 4000) * pos[-1]])
-    got = np.asarray(grids.round_to_grid(jnp.asarray(y, jnp.float32), fmt))
-    np.testing.assert_array_equal(got, _np_nearest(y.astype(np.float32), fmt))
-    if fmt == "e2m1":  # the midpoints' even neighbours, spelled out
-        np.testing.assert_array_equal(got[:7], [0, 1, 1, 2, 2, 4, 4])
-
-
-def test_stochastic_rounding_is_unbiased():
-    pos = np.asarray(grids.GRIDS["e2m1"])
-    y = jnp.asarray(np.random.default_rng(1).uniform(-6, 6, 64), jnp.float32)
-    n = 4000
-    draws = jax.vmap(lambda k: grids.round_to_grid(y, "e2m1", rounding="stochastic", key=k))(
-        jax.random.split(jax.random.key(0), n)
+@pytest.mark.parametrize(
+    "fmt, grid", [("e2m1", "e2m1"), ("e1m2", "e1m2"), ("int4", "int4"), ("mxfp4", "e2m1"), ("nvfp4", "e2m1")]
+)
+def test_formats_round_on_their_core_grid(fmt, grid):
+    """round_to_grid(fmt) is core.lowbit's nearest / stochastic rounding on the format's grid (mxfp4 and nvfp4 on
+    e2m1), the stochastic draws being uniform(key, shape); round_quotient(num, den) equals rounding num / den where
+    the quotient is exact."""
+    y = jnp.asarray(np.random.default_rng(0).uniform(-1.2, 1.2, (40, 16)) * grids.grid_max(fmt), jnp.float32)
+    np.testing.assert_array_equal(grids.round_to_grid(y, fmt), lowbit.round_nearest(y, grid))
+    key = jax.random.key(4)
+    np.testing.assert_array_equal(
+        grids.round_to_grid(y, fmt, rounding="stochastic", key=key),
+        lowbit.round_stochastic(y, grid, lowbit.uniform(key, y.shape)),
     )
-    d = np.asarray(draws)
-    lower = np.sign(y) * pos[np.clip(np.searchsorted(pos, np.abs(y), side="right") - 1, 0, 6)]
-    gap = np.abs(np.sign(y) * pos[np.clip(np.searchsorted(pos, np.abs(y), side="right"), 1, 7)] - lower)
-    assert np.all((d == lower) | (np.abs(d - lower) == gap))  # only the two neighbours
-    bound = 5 * gap / 2 / np.sqrt(n)  # std of a two-point variable <= gap / 2
-    assert np.all(np.abs(d.mean(0) - np.asarray(y)) <= bound + 1e-6)
-
-
-def _np_e4m3(s):
-    """Round positive float64 to E4M3 (bias 7, 3 mantissa bits, subnormal step 2^-9, max 448), nearest-even."""
-    e = np.maximum(np.floor(np.log2(np.where(s > 0, s, 1.0))), -6)
-    step = 2.0 ** (e - 3)
-    return np.minimum(np.round(s / step) * step, 448.0)  # np.round: half to even
-
-
-def _np_reference(x, fmt):
-    """Independent NumPy MXFP4 / NVFP4 (blocks along the last axis)."""
-    b = x.reshape(*x.shape[:-1], -1, 32 if fmt == "mxfp4" else 16).astype(np.float64)
-    amax = np.abs(b).max(-1, keepdims=True)
-    if fmt == "mxfp4":
-        scale = np.where(amax > 0, 2.0 ** (np.floor(np.log2(np.where(amax > 0, amax, 1))) - 2), 0)
-    else:
-        s_enc = 6 * 448 / np.abs(x).max()
-        scale = _np_e4m3(np.minimum(amax / 6 * s_enc, 448)) / s_enc
-    y = b / np.where(scale > 0, scale, 1)
-    return (_np_nearest(y, "e2m1") * scale).reshape(x.shape)
-
-
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("shape", [(3, 64), (2, 5, 96)])
-def test_mx_and_nv_formats_match_numpy(fmt, shape):
-    rng = np.random.default_rng(len(shape))
-    x = rng.standard_t(3, size=shape) * np.exp(rng.normal(size=shape[:-1] + (1,)) * 2)  # heavy tails, wide range
-    x[0, ..., :16] = 0.0  # an all-zero block
-    got = np.asarray(jax.jit(lambda v: quantize(v, fmt))(jnp.asarray(x, jnp.float32)))
-    np.testing.assert_allclose(got, _np_reference(x.astype(np.float32), fmt), rtol=1e-6, atol=0)
+    den = jnp.asarray([[0.25], [4.0]] * 20, jnp.float32)  # powers of two: y * den / den is exact
+    np.testing.assert_array_equal(grids.round_quotient(y * den, den, fmt), lowbit.round_nearest(y, grid))
+    draws = grids.round_quotient(y * den, den, fmt, rounding="stochastic", key=key)
+    np.testing.assert_array_equal(draws, lowbit.round_stochastic(y, grid, lowbit.uniform(key, y.shape)))
+    assert grids.grid_max(fmt) == lowbit.GRIDS[grid][-1]
 
 
 def test_block_scaling_axis_dtype_and_errors():
@@ -100,11 +56,36 @@ def test_block_scaling_axis_dtype_and_errors():
         quantize(x, "fp3")
     with pytest.raises(ValueError, match="needs a PRNG key"):
         quantize(x, "int4", rounding="stochastic")
+    with pytest.raises(ValueError, match="axis = 2 is out of range"):
+        quantize(x, "int4", axis=2)
+    with pytest.raises(ValueError, match="rounding = 'up'; allowed"):
+        quantize(x, "nvfp4", rounding="up")
+
+
+@pytest.mark.parametrize("fmt", ["e2m1", "e1m2", "int4", "mxfp4", "nvfp4"])
+def test_block_scales_times_levels_are_the_quantised_values(fmt):
+    """block_scales gives one decode scale per block with x_hat = scale * level, level on the format's grid;
+    mxfp4's scales are exact powers of two (UE8M0), nvfp4's equal s_b t / 2688 for an E4M3 value s_b."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_t(3, size=(6, 64)) * np.exp(rng.normal(size=(6, 1)) * 3), jnp.float32)
+    block = {"mxfp4": 32}.get(fmt, 16)
+    scales = np.asarray(block_scales(x.reshape(6, -1, block), fmt), np.float64)
+    q = np.asarray(quantize(x, fmt), np.float64).reshape(6, -1, block)
+    level = q / scales
+    np.testing.assert_allclose(level, _snap(level, grids.levels(fmt)), atol=1e-5)
+    if fmt == "mxfp4":
+        np.testing.assert_array_equal(scales, 2.0 ** np.round(np.log2(scales)))
+    if fmt == "nvfp4":
+        s_b = scales * 2688 / float(jnp.max(jnp.abs(x)))
+        np.testing.assert_allclose(s_b, lowbit.round_e4m3(jnp.asarray(s_b, jnp.float32)), rtol=1e-6)
+
+
+def _snap(v, levels):
+    return levels[np.abs(v[..., None] - levels).argmin(-1)]
 
 
 def test_rht_is_orthonormal_and_cancels_in_a_product():
-    h = hadamard(16)
-    np.testing.assert_array_equal(h @ h.T, 16 * np.eye(16))
+    np.testing.assert_array_equal(hadamard(16), lowbit.hadamard(16, normalized=False))  # +-1, H H^T = 16 I
     rng = np.random.default_rng(3)
     a = jnp.asarray(rng.normal(size=(5, 64)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(64, 7)), jnp.float32)
@@ -132,12 +113,3 @@ def test_synthetic_sqnr_table_of_the_spec():
     for got, want in zip(table.values(), (22.23, 18.88, 20.55, 25.47)):
         assert got == pytest.approx(want, abs=0.2)
     assert table[("e2m1", 0)] > table[("int4", 0)] and table[("e2m1", 1)] < table[("int4", 1)]
-
-
-def test_uniform_draws_are_uniform_and_independent():
-    a = np.asarray(grids.uniform(jax.random.key(0), (1024, 1024))).ravel()
-    b = np.asarray(grids.uniform(jax.random.key(1), (1024, 1024))).ravel()
-    assert a.min() >= 0 and a.max() < 1
-    assert abs(a.mean() - 0.5) < 0.002 and abs(a.var() - 1 / 12) < 0.001
-    assert abs(np.histogram(a, 16, (0, 1))[0] / a.size - 1 / 16).max() < 0.002
-    assert abs(np.corrcoef(a, b)[0, 1]) < 0.005 and abs(np.corrcoef(a[:-1], a[1:])[0, 1]) < 0.005

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kvcache.formats import E4M3_MAX, GROUP, Format, encode_e2m1, pow2, ue8m0_exponent
+from core.lowbit import E4M3_MAX, cast_e4m3, encode_e2m1, pow2
+from kvcache.formats import GROUP, Format, ue8m0_exponent
 
 __all__ = ["write"]
 
@@ -39,9 +40,7 @@ def _kernel(slots_ref, k_ref, v_ref, *refs, fmt: Format, names: tuple[str, ...],
             elif fmt.name == "fp8":
                 absmax = jnp.max(jnp.abs(row))
                 scale = jnp.where(absmax > 0, absmax / E4M3_MAX, 1.0)
-                outs[prefix][blk, h, pl.ds(off, 1), :] = jnp.clip(row / scale, -E4M3_MAX, E4M3_MAX).astype(
-                    jnp.float8_e4m3fn
-                )
+                outs[prefix][blk, h, pl.ds(off, 1), :] = cast_e4m3(row / scale)
                 outs[prefix + "_scale"][blk, h, pl.ds(off, 1)] = jnp.reshape(scale, (1,))
             else:
                 half = head_dim // (2 * GROUP)
