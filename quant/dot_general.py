@@ -87,22 +87,24 @@ def prepare_operands(
     multiple = math.lcm(block, gemm.rht_block) if gemm.rht else block
     a, b = _pad(a, axis_a, multiple), _pad(b, axis_b, multiple)
     if gemm.rht:
-        if cfg.recipe.fresh_signs and key is None:
-            raise ValueError(f"recipe {cfg.recipe.name}: fresh RHT signs need a PRNG key.")
-        if cfg.recipe.fresh_signs:
-            signs = random_signs(jax.random.fold_in(key, SALT_FRESH_SIGNS), gemm.rht_block)
-        else:
+        if not cfg.recipe.fresh_signs:
             signs = run_signs(cfg.seed, gemm.rht_block)
+        elif key is None:
+            raise ValueError(f"recipe {cfg.recipe.name}: fresh RHT signs need a PRNG key.")
+        else:
+            signs = random_signs(jax.random.fold_in(key, SALT_FRESH_SIGNS), gemm.rht_block)
         a = rht(a, axis=axis_a, block_size=gemm.rht_block, signs=signs)
         b = rht(b, axis=axis_b, block_size=gemm.rht_block, signs=signs)
     out = []
     for i, (x, axis) in enumerate(((a, axis_a), (b, axis_b))):
-        if stochastic[i] and key is None:
-            raise ValueError(
-                f"recipe {cfg.recipe.name}: stochastic rounding of dy needs a PRNG key; the training "
-                "step passes one through the precision slot (a key of None is for inference)."
-            )
-        sub = jax.random.fold_in(key, SALT_OPERANDS[i]) if stochastic[i] else None
+        sub = None
+        if stochastic[i]:
+            if key is None:
+                raise ValueError(
+                    f"recipe {cfg.recipe.name}: stochastic rounding of dy needs a PRNG key; the training "
+                    "step passes one through the precision slot (a key of None is for inference)."
+                )
+            sub = jax.random.fold_in(key, SALT_OPERANDS[i])
         if i == weight and cfg.recipe.weight_2d_blocks and not gemm.rht:
             out.append(quantize_tiles(x, gemm.fmt, tile=block))
         else:

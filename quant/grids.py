@@ -60,9 +60,9 @@ def round_to_grid(y: jax.Array, fmt: str, *, rounding: str = "nearest", key: jax
     `key`; the uniform draws are `uniform(key, y.shape)`, `core.lowbit.round_stochastic`). |y| beyond the grid's
     max saturates; nan stays nan.
     """
-    _check_rounding(rounding, key)
+    key = _check_rounding(rounding, key)
     grid = grid_name(fmt)
-    if rounding == "nearest":
+    if key is None:
         return lowbit.round_nearest(y, grid)
     return lowbit.round_stochastic(y, grid, uniform(key, y.shape))
 
@@ -74,13 +74,16 @@ def round_quotient(
     chosen as `round_to_grid(num / den, ...)` would with an exact quotient, but decided by comparing num with
     products of den (`core.lowbit.round_ratio`): exact ties go to the even code even where a float32 division
     would round the quotient off the midpoint. Float32, num's shape; stochastic draws `uniform(key, num.shape)`."""
-    _check_rounding(rounding, key)
-    u = uniform(key, num.shape) if rounding == "stochastic" else None
+    key = _check_rounding(rounding, key)
+    u = None if key is None else uniform(key, num.shape)
     return lowbit.round_ratio(num, den, grid_name(fmt), u=u)
 
 
-def _check_rounding(rounding: str, key: jax.Array | None) -> None:
+def _check_rounding(rounding: str, key: jax.Array | None) -> jax.Array | None:
+    """The key stochastic rounding draws from (None for nearest rounding); ValueError on a bad rounding or a
+    missing key."""
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding = {rounding!r}; allowed: {list(ROUNDINGS)}.")
     if rounding == "stochastic" and key is None:
         raise ValueError("rounding = 'stochastic' needs a PRNG key (key=...).")
+    return key if rounding == "stochastic" else None

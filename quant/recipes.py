@@ -77,24 +77,21 @@ class Recipe:
             if num_layers is None:
                 raise ValueError(f"recipe {self.name}: last_blocks_high_precision = {n} needs the number of layers.")
             match = re.match(r"blocks\.(\d+)\.", path)
-            return bool(match) and int(match.group(1)) >= num_layers - n
+            return match is not None and int(match.group(1)) >= num_layers - n
         return False
 
 
-def _all(fmt: str, *, rht: tuple[bool, bool, bool], **kw) -> dict[str, Gemm]:
-    return {
-        "fprop": Gemm(fmt, rht=rht[0], **kw),
-        "dgrad": Gemm(fmt, rht=rht[1], stochastic_dy=True, **kw),
-        "wgrad": Gemm(fmt, rht=rht[2], stochastic_dy=True, **kw),
-    }
+def _all(fmt: str, *, rht: tuple[bool, bool, bool]) -> tuple[Gemm, Gemm, Gemm]:
+    """(fprop, dgrad, wgrad) on the grid `fmt` with the given RHT per GEMM and stochastic rounding of dy."""
+    return Gemm(fmt, rht=rht[0]), Gemm(fmt, rht=rht[1], stochastic_dy=True), Gemm(fmt, rht=rht[2], stochastic_dy=True)
 
 
 BF16 = Recipe("bf16")
-E2M1_BASELINE = Recipe("e2m1_baseline", **_all("e2m1", rht=(False, False, True)))
-UFP4 = Recipe("ufp4", **_all("e1m2", rht=(True, True, True)))
-UFP4_INT4 = Recipe("ufp4_int4", **_all("int4", rht=(True, True, True)))
-NVFP4 = Recipe("nvfp4", **_all("nvfp4", rht=(False, False, True)), weight_2d_blocks=True)
-MXFP4 = Recipe("mxfp4", **_all("mxfp4", rht=(False, False, False)))
+E2M1_BASELINE = Recipe("e2m1_baseline", *_all("e2m1", rht=(False, False, True)))
+UFP4 = Recipe("ufp4", *_all("e1m2", rht=(True, True, True)))
+UFP4_INT4 = Recipe("ufp4_int4", *_all("int4", rht=(True, True, True)))
+NVFP4 = Recipe("nvfp4", *_all("nvfp4", rht=(False, False, True)), weight_2d_blocks=True)
+MXFP4 = Recipe("mxfp4", *_all("mxfp4", rht=(False, False, False)))
 RECIPES = {r.name: r for r in (BF16, E2M1_BASELINE, UFP4, UFP4_INT4, NVFP4, MXFP4)}
 
 

@@ -213,7 +213,7 @@ def test_hadamard_matches_scipy_and_is_orthogonal(n):
     np.testing.assert_allclose(hn @ hn, np.eye(n), atol=1e-12)  # symmetric and orthogonal: its own inverse
     for bad in (0, 12, -4, 2.0, True):
         with pytest.raises(ValueError, match="power of two"):
-            lowbit.hadamard(bad, normalized=True)
+            lowbit.hadamard(bad, normalized=True)  # type: ignore[arg-type]  # wrong types on purpose
 
 
 def test_bad_grid_is_named():

@@ -217,7 +217,8 @@ def test_rht_signs_come_from_the_run_seed():
     c = build.default_config()
     c.precision.recipe = "ufp4"
     c.train.seed = 7
-    assert build.build_precision(c, jax.lax.ragged_dot).seed == 7
+    precision = build.build_precision(c, jax.lax.ragged_dot)
+    assert isinstance(precision, QuantPrecision) and precision.seed == 7
 
 
 def test_rht_changes_the_quantised_product_only_where_the_recipe_says():
