@@ -11,7 +11,8 @@ The model's attention slot has two entries:
 
 from __future__ import annotations
 
-from typing import Protocol
+import dataclasses
+from typing import Literal, Protocol, cast
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +48,10 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation
     Returns:
       [B, T, H, D] in q's dtype.
     """
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    if implementation not in ("xla", "cudnn", None):
+        raise ValueError(f"implementation = {implementation!r}; allowed: 'xla', 'cudnn' or None.")
+    impl = cast(Literal["xla", "cudnn"] | None, implementation)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
 
 
 class KVCache(Protocol):
@@ -102,8 +106,8 @@ class DenseKVCache:
         out = jax.nn.dot_product_attention(
             q, keys.astype(q.dtype), values.astype(q.dtype), mask=mask, implementation="xla"
         )
-        cache = self.replace(keys=self.keys.at[layer].set(keys), values=self.values.at[layer].set(values))
+        cache = dataclasses.replace(self, keys=self.keys.at[layer].set(keys), values=self.values.at[layer].set(values))
         return out, cache
 
     def advance(self, num_tokens):
-        return self.replace(lengths=self.lengths + jnp.asarray(num_tokens, jnp.int32))
+        return dataclasses.replace(self, lengths=self.lengths + jnp.asarray(num_tokens, jnp.int32))

@@ -236,8 +236,7 @@ class TransformerConfig:
 
     vocab_size: int = field(
         264,
-        f"embedding rows; >= the tokenizer's {VOCAB_SIZE} (bytes + PAD/BOS/EOS), a multiple of 8 keeps matmuls "
-        "aligned",
+        f"embedding rows; >= the tokenizer's {VOCAB_SIZE} (bytes + PAD/BOS/EOS), a multiple of 8 keeps matmuls aligned",
         low=1,
     )
     d_model: int = field(256, "residual stream width", low=1)

@@ -134,7 +134,7 @@ def stdlib_files() -> list[pathlib.Path]:
     deterministic (about 1,790 files / 31.5 MB on CPython 3.11).
     """
     root = _stdlib_root()
-    files = []
+    files: list[pathlib.Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _STDLIB_SKIP_DIRS]
         files.extend(pathlib.Path(dirpath, f) for f in filenames if f.endswith(".py"))
@@ -216,7 +216,7 @@ def _take_literal(parts: Sequence[str]) -> list[str]:
 
 def _walk(root: pathlib.Path) -> list[pathlib.Path]:
     """All files under ``root``, skipping files and directories whose names start with ``"."``."""
-    files = []
+    files: list[pathlib.Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         files.extend(pathlib.Path(dirpath, f) for f in filenames if not f.startswith("."))

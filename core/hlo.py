@@ -7,6 +7,7 @@ a reshuffle's migration, a data-parallel step's gradient all-reduce.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import numpy as np
 
@@ -35,7 +36,7 @@ _MESH_GROUPS = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]\s*\{(?P<over
 _RING = {"all-reduce": lambda n: 2.0 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n}
 
 
-def collective_bytes(hlo_text: str) -> dict[str, float]:
+def collective_bytes(hlo_text: str) -> dict[str, Any]:
     """Bytes each device sends in the all-reduce and all-gather ops of a compiled HLO module, as ring algorithms
     move them: 2 (n - 1) / n x the operand bytes for an all-reduce, (n - 1) / n x the gathered result's bytes for
     an all-gather, n the size of the op's replica groups.
@@ -47,7 +48,8 @@ def collective_bytes(hlo_text: str) -> dict[str, float]:
     Returns {"bytes_per_device": ..., "ops": number of such ops, "by_group_size": {n: bytes}} (groups of one
     device move nothing and are not listed).
     """
-    total, ops, by_group = 0.0, 0, {}
+    total, ops = 0.0, 0
+    by_group: dict[int, float] = {}
     for line in hlo_text.splitlines():
         match = _COLLECTIVE.search(line)
         if match is None:

@@ -18,6 +18,10 @@ a product below 2^-126 becomes 0); GPUs keep them by default. Functions built fr
 `ue8m0_value`, `encode_e2m1`, `decode_e2m1`) are exact on every float32, subnormals included. Functions that multiply
 (`ldexp`) use only normal operands and are exact whenever the result is a normal float32; a subnormal result is
 rounded, or flushed to zero where the platform flushes.
+
+Quotients: XLA:CPU divides by a value broadcast over a block as a multiplication by its rounded reciprocal, so a
+quotient that is exactly a midpoint can come out one ulp off it. `round_ratio` and `round_e4m3_ratio` round num / den
+by comparing num with products of den instead, exactly whenever those products are.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import dataclasses
 import math
 import zlib
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,7 @@ __all__ = [
     "TransformerConfig",
     "count_params",
     "layer_key",
+    "split_params",
 ]
 
 DotGeneral = Callable[..., jax.Array]
@@ -145,7 +146,7 @@ class MLP(nnx.Module):
     """
 
     def __init__(self, cfg: TransformerConfig, *, path: str, precision: Precision, shard: Sharder, rngs: nnx.Rngs):
-        dense = dict(path=path, precision=precision, cfg=cfg, rngs=rngs)
+        dense: dict[str, Any] = dict(path=path, precision=precision, cfg=cfg, rngs=rngs)
         self.gated = cfg.mlp == "swiglu"
         if self.gated:
             self.gate = Dense(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), **{**dense, "path": f"{path}.gate"})
@@ -175,7 +176,7 @@ class Attention(nnx.Module):
         self, cfg: TransformerConfig, *, layer: int, path: str, precision: Precision, shard: Sharder, rngs: nnx.Rngs
     ):
         d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        common = dict(precision=precision, cfg=cfg, rngs=rngs)
+        common: dict[str, Any] = dict(precision=precision, cfg=cfg, rngs=rngs)
         self.q = Dense(d, h * hd, axes=("embed", "heads"), path=f"{path}.q", **common)
         self.k = Dense(d, kv * hd, axes=("embed", "kv_heads"), path=f"{path}.k", **common)
         self.v = Dense(d, kv * hd, axes=("embed", "kv_heads"), path=f"{path}.v", **common)
@@ -341,6 +342,12 @@ class Transformer(nnx.Module):
         if cache is not None:
             cache = cache.advance(t)
         return logits, aux, cache
+
+
+def split_params(module: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """(graphdef, the nnx.Param variables, every other variable) of `module`: what a train state holds apart."""
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)  # type: ignore[misc] # (flax's variadic return)
+    return graphdef, params, rest
 
 
 def count_params(model: nnx.Module) -> int:

@@ -30,6 +30,7 @@ from core import checkpoint as checkpoint_lib
 from core import hlo
 from core.data import NUM_BYTES, PAD_ID, Batches
 from core.mesh import Sharder, param_shardings
+from core.model import split_params
 
 __all__ = [
     "MetricsLog",
@@ -137,7 +138,7 @@ def make_train_step(
     loss_fn: Callable = lm_loss,
     *,
     state_metrics: StateMetrics | None = None,
-) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
+) -> jax.stages.Wrapped:
     """A jitted `(state, tokens [B, T+1]) -> (state, metrics)`; the state is donated."""
     return jax.jit(train_step_fn(graphdef, optimizer, loss_fn, state_metrics=state_metrics), donate_argnums=0)
 
@@ -207,15 +208,15 @@ def init_state(
     parameter (Adam's moments) get that parameter's sharding; the rest (step counts) are replicated.
     """
     abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(seed)))
-    graphdef, abs_params, abs_rest = nnx.split(abstract, nnx.Param, ...)
+    graphdef, abs_params, abs_rest = split_params(abstract)
     replicated = sharder.named(())
     params_sh = param_shardings(abs_params, sharder)
     opt_sh = mirror(jax.eval_shape(optimizer.init, abs_params), abs_params, params_sh, replicated)
-    out_shardings = TrainState(replicated, params_sh, param_shardings(abs_rest, sharder), opt_sh, replicated)
+    out_shardings = TrainState(replicated, params_sh, param_shardings(abs_rest, sharder), opt_sh, replicated)  # type: ignore[arg-type] # (of shardings)
 
     @functools.partial(jax.jit, out_shardings=out_shardings)
     def make():
-        _, params, rest = nnx.split(model_fn(nnx.Rngs(seed)), nnx.Param, ...)
+        _, params, rest = split_params(model_fn(nnx.Rngs(seed)))
         return TrainState(jnp.zeros((), jnp.int32), params, rest, optimizer.init(params), jax.random.PRNGKey(seed))
 
     return graphdef, make()
@@ -244,10 +245,10 @@ def evaluate(eval_step, state: TrainState, batches: Sequence[jax.Array], *, fetc
     `eval_step(params, rest, tokens)` returns the sums of `make_eval_step`; when it returns one value per site (a
     vmapped step over stacked site states) the results are arrays [M]. `fetch` brings outputs to the host.
     """
-    totals = None
+    totals: dict[str, np.ndarray] = {}
     for tokens in batches:
         out = {k: np.asarray(v, np.float64) for k, v in fetch(eval_step(state.params, state.rest, tokens)).items()}
-        totals = out if totals is None else {k: totals[k] + out[k] for k in out}
+        totals = {k: totals[k] + out[k] for k in out} if totals else out
     loss = totals["nll_sum"] / np.maximum(totals["tokens"], 1)
     bits = totals["nll_sum"] / (LN2 * np.maximum(totals["bytes"], 1))
     host = lambda x: float(x) if np.ndim(x) == 0 else x  # noqa: E731
@@ -571,7 +572,7 @@ class PlainStepper(Stepper):
         tokens = self.put(self.batches.train_batch(call))
         if self.bytes_per_step is None and jax.device_count() > 1:  # what data parallelism sends per step
             compiled = self.train_step.lower(state, tokens).compile()
-            self.bytes_per_step = hlo.collective_bytes(compiled.as_text())["bytes_per_device"]
+            self.bytes_per_step = hlo.collective_bytes(compiled.as_text() or "")["bytes_per_device"]
         state, metrics = self.train_step(state, tokens)
         return state, {name: float(v) for name, v in jax.device_get(metrics).items()}
 

@@ -18,6 +18,7 @@ bf16 count), which the comparison then shows.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -69,9 +70,12 @@ def per_site(fn, mesh: Mesh, in_axes: Sequence[int | None], out_axes: Sequence[i
     def spec(axis):
         return PartitionSpec() if axis is None else PartitionSpec(*([None] * axis), SITE_AXES)
 
-    several = isinstance(out_axes, (tuple, list))
-    local = jax.vmap(fn, in_axes=tuple(in_axes), out_axes=tuple(out_axes) if several else out_axes)
-    out_specs = tuple(map(spec, out_axes)) if several else spec(out_axes)
+    if isinstance(out_axes, (tuple, list)):
+        local = jax.vmap(fn, in_axes=tuple(in_axes), out_axes=tuple(out_axes))
+        out_specs: Any = tuple(map(spec, out_axes))
+    else:
+        local = jax.vmap(fn, in_axes=tuple(in_axes), out_axes=out_axes)
+        out_specs = spec(out_axes)
     return jax.shard_map(local, mesh=mesh, in_specs=tuple(map(spec, in_axes)), out_specs=out_specs)
 
 
@@ -106,7 +110,7 @@ def leaf_flags(flags, tree) -> list:
     """One flag per leaf of `tree` from `flags`, a tree with `tree`'s structure or a prefix of it whose leaves may
     be None (e.g. `average`'s is_expert)."""
     full = jax.tree.broadcast(flags, tree, is_leaf=lambda x: x is None)
-    return jax.tree.structure(tree).flatten_up_to(full)
+    return jax.tree.structure(tree).flatten_up_to(full)  # type: ignore[attr-defined] # (missing from jaxlib's stubs)
 
 
 def is_expert_variable(variable) -> bool:

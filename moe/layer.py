@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -127,7 +128,7 @@ class MoE(nnx.Module):
         self.up = nnx.Param(normal((local, d, h), cfg.init_std), axes=("expert", "embed", "expert_mlp"))
         self.down = nnx.Param(normal((local, h, d), out_std), axes=("expert", "expert_mlp", "embed"))
         if moe.shared_expert_size:
-            common = dict(precision=self.precision, cfg=cfg, rngs=rngs)
+            common: dict[str, Any] = dict(precision=self.precision, cfg=cfg, rngs=rngs)
             self.shared_up = Dense(d, moe.shared_expert_size, axes=("embed", "mlp"), path=f"{path}.shared.up", **common)
             self.shared_down = Dense(
                 moe.shared_expert_size, d, axes=("mlp", "embed"), path=f"{path}.shared.down", std=out_std, **common
@@ -227,7 +228,7 @@ class MoE(nnx.Module):
 
         weights = (self.router.get_value(), self.resident.get_value(), up, down)
         mesh = self.shard.mesh
-        token_axes = ()
+        token_axes: tuple[str, ...] = ()
         if mesh is not None:
             axes = mesh_axes(logical_to_spec(("batch",), self.shard.rules, mesh)[0])
             if self.ep_axis is not None and self.ep_axis not in axes:
@@ -235,6 +236,7 @@ class MoE(nnx.Module):
             token_axes = tuple(a for a in axes if mesh.shape[a] > 1)
         if not token_axes and self.ep_axis is None:
             return local(x, *weights)
+        assert mesh is not None  # expert parallelism needs a mesh (expert_mesh_axis)
         n = x.shape[0]
         pad = -n % math.prod(mesh.shape[a] for a in token_axes)
         if pad:

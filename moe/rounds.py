@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from core import train as train_lib
+from core.model import split_params
 from moe import federation
 
 __all__ = ["OUTER_METHODS", "FederatedState", "init_sites", "make_round", "site_batches"]
@@ -61,8 +62,8 @@ def init_sites(
     Returns:
       (site graphdef, FederatedState with every leaf's leading axis M sharded over the site mesh).
     """
-    _, params, _ = nnx.split(global_model, nnx.Param, ...)
-    graphdef, _, rest = nnx.split(site_model, nnx.Param, ...)
+    _, params, _ = split_params(global_model)
+    graphdef, _, rest = split_params(site_model)
     params = federation.to_sites(params, placement.experts)
     rest = federation.to_sites(rest, placement.experts)
     sites = placement.sites
@@ -106,6 +107,7 @@ def make_round(
             opt_state = federation.average(train.opt_state, moment_flags(train.opt_state, train.params), mesh)
             params, outer_state = averaged, state.outer
         else:
+            assert outer is not None  # checked above: diloco has its outer optimizer
             delta = jax.tree.map(lambda s, a: s - a, start, averaged)
             updates, outer_state = jax.vmap(outer.update)(delta, state.outer, start)
             params, opt_state = optax.apply_updates(start, updates), train.opt_state

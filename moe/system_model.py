@@ -231,7 +231,7 @@ def flops_per_token(
     n_le = local_experts(shape.num_experts, sites, overlap)
     d, layers, k = shape.d_model, shape.num_layers, shape.top_k
     f_ffn = k * 2 * (2 * d * shape.expert_size)  # k experts, two matrices
-    f_gate = 2 * d * shape.num_experts
+    f_gate = 2.0 * d * shape.num_experts
     if skip_token:
         ghost = (1.0 - n_le / shape.num_experts) if ghost_fraction is None else ghost_fraction
         experts, router = (1.0 - ghost) * f_ffn, f_gate

@@ -9,6 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from moe_reference import tiny_moe_transformer
 
 from core import hlo
+from core.model import split_params
 from moe import federation, system_model
 from moe.placement import fixed_placement
 
@@ -83,9 +84,9 @@ def test_site_views_gather_each_sites_experts(overlap, routing_mode):
     from flax import nnx
 
     placement = fixed_placement(8, 4, overlap)
-    _, params, _ = nnx.split(tiny_moe_transformer(routing_mode=routing_mode), nnx.Param, ...)
+    _, params, _ = split_params(tiny_moe_transformer(routing_mode=routing_mode))
     site_model = tiny_moe_transformer(resident=placement.experts[0], routing_mode=routing_mode)
-    _, site_params, _ = nnx.split(site_model, nnx.Param, ...)
+    _, site_params, _ = split_params(site_model)
     sites = federation.to_sites(params, placement.experts)
     flat_global = dict(nnx.to_flat_state(params))
     for path, var in nnx.to_flat_state(sites):
@@ -113,7 +114,7 @@ def test_a_round_with_full_replication_and_one_local_step_equals_ddp():
     mesh = federation.site_mesh(sites, sites)
     placement = fixed_placement(8, sites, sites)
     model = tiny_moe_transformer()
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, rest = split_params(model)
     stacked_params = federation.to_sites(params, placement.experts)
     stacked_rest = federation.to_sites(rest, placement.experts)
     optimizer = optax.sgd(lr)

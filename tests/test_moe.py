@@ -13,7 +13,7 @@ from core import hlo
 from core import mesh as mesh_lib
 from core import train as train_lib
 from core.config import ConfigError
-from core.model import TransformerConfig
+from core.model import TransformerConfig, split_params
 from experiments import build
 from moe import MoE, MoEConfig, dispatch, grouped_matmul, load_balance_loss, route, routing_stats, z_loss
 from moe.router import Routing
@@ -198,7 +198,7 @@ def test_dropless_layer_and_gradients_equal_float64_reference(name, shape):
     m = MOE_CASES[name]
     layer, p, x = _layer_and_reference(m, shape)
     ct = RNG.normal(size=shape)
-    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+    graphdef, params, rest = split_params(layer)
 
     def loss(params, x):
         y, _ = nnx.merge(graphdef, params, rest)(x)
@@ -292,7 +292,7 @@ def test_sharded_layer_and_gradients_equal_single_device(data, expert, dispatch_
     ct = jnp.asarray(RNG.normal(size=x.shape), jnp.float32)
     results = []
     for layer in (single, sharded):
-        graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+        graphdef, params, rest = split_params(layer)
 
         def loss(params, x, graphdef=graphdef, rest=rest):
             y, aux = nnx.merge(graphdef, params, rest)(x)
@@ -313,7 +313,7 @@ def test_data_parallel_routing_and_dispatch_stay_on_each_devices_tokens():
     m = MoEConfig(num_experts=8, top_k=2, expert_size=8, router="sigmoid")
     cfg = TransformerConfig(d_model=16, num_layers=2)
     layer = MoE(cfg, m, path="ffn", rngs=nnx.Rngs(3), shard=sharder(8, 1))
-    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+    graphdef, params, rest = split_params(layer)
     x = jax.device_put(
         jnp.asarray(RNG.normal(size=(64, 64, 16)), jnp.float32), layer.shard.named(("batch", None, None))
     )

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 from moe_reference import reference, set_params, sharder
 
-from core.model import DefaultPrecision, TransformerConfig
+from core.model import DefaultPrecision, TransformerConfig, split_params
 from moe import MoE, MoEConfig
 from moe.grouped_matmul import GroupedMatmulFn
 
@@ -88,7 +88,7 @@ def test_skip_token_sharded_over_experts_equals_one_device(dispatch):
     outs = []
     for shard in (None, sharder(2, 4)):
         layer = MoE(CFG, m, path="ffn", rngs=nnx.Rngs(2), resident=resident, routing_mode="skip_token", shard=shard)
-        graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+        graphdef, params, rest = split_params(layer)
 
         def loss(params, x, graphdef=graphdef, rest=rest):
             y, aux = nnx.merge(graphdef, params, rest)(x)

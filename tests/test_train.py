@@ -14,7 +14,7 @@ from flax import nnx
 from core import checkpoint as checkpoint_lib
 from core import train as train_lib
 from core.data import PAD_ID
-from core.model import Transformer, TransformerConfig
+from core.model import Transformer, TransformerConfig, split_params
 from experiments import build
 
 TIME_KEYS = {"tokens_per_second"}
@@ -184,7 +184,7 @@ def test_eval_bits_per_byte_formula():
     """bits/byte = total NLL over non-PAD targets / (ln 2 x byte targets); specials count as cost, not bytes."""
     cfg = TransformerConfig(d_model=32, num_layers=1, num_heads=2, num_kv_heads=2, d_ff=32)
     model = Transformer(cfg, rngs=nnx.Rngs(1))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, rest = split_params(model)
     tokens = np.array(jax.random.randint(jax.random.key(0), (2, 9), 0, 256))
     tokens[0, 3], tokens[1, 6:] = 258, PAD_ID
     out = train_lib.make_eval_step(graphdef)(params, rest, jnp.asarray(tokens))

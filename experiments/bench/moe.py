@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from core.mesh import Sharder
-from core.model import MLP, DefaultPrecision, TransformerConfig
+from core.model import MLP, DefaultPrecision, TransformerConfig, split_params
 from experiments.bench import common
 from experiments.bench.common import interleaved_medians, machine, median_seconds, write_results
 from moe import MoE, MoEConfig
@@ -30,7 +30,7 @@ D_MODEL, SEQ = 256, 256
 
 
 def _fwd_bwd(module: nnx.Module, x: jax.Array):
-    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    graphdef, params, rest = split_params(module)
     cotangent = jax.random.normal(jax.random.key(7), x.shape, x.dtype)
 
     @jax.jit
