@@ -1,11 +1,12 @@
 """Block-scaled fake quantisation: x -> the dequantised values of its 4-bit encoding (docs/ufp4.md).
 
   e2m1 / e1m2 / int4  blocks of `block_size` (default 16) along `axis`, FP32 scale s = amax(block) / grid max;
-                      x_hat = s * round(x / s)
+                      x_hat = s * round(x / s), x / s in float32 (XLA may multiply by the rounded 1 / s instead)
   mxfp4 (OCP MX)      E2M1, blocks of 32, UE8M0 scale s = 2^e, e = clip(floor(log2 amax) - 2, -127, 127);
                       x_hat = s * round(x / s), x / s saturating at +-6. e is read from amax's exponent bits and
                       x / s = x 2^-e is exact, so s is exactly the UE8M0 power of two for every block exponent
-                      (a block below 2^-129 rounds to zero: UE8M0 cannot scale lower).
+                      (values below 2^-129 round to zero: UE8M0 cannot scale lower; results below 2^-126 are
+                      flushed to zero where the platform flushes float32 subnormals, as XLA:CPU does).
   nvfp4 (NVIDIA)      E2M1, blocks of 16, E4M3 block scales under an FP32 tensor scale (t = amax of the tensor):
                       s_enc = 6 * 448 / t, s_b = e4m3(min(amax(block) / 6 * s_enc, 448)), d_b = s_b / s_enc,
                       x_hat = d_b round(x / d_b)

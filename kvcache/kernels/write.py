@@ -7,7 +7,8 @@ offset of the pool (updated in place: the pool fields are aliased to the outputs
 fp4 (per 32-column group: UE8M0 scale by the format's rule, then E2M1 codes, ties to the even code, split-half
 packing: chunk c's bytes hold group c in the low and group c + D/64 in the high nibble). K's Hadamard rotation (and
 V's, if the format rotates it) is one [T, D] x [D, D] product in XLA before the kernel. fp8: one float32 scale
-absmax / 448 per token and head.
+absmax / 448 per token and head. The element numerics (E2M1 codes, exact powers of two, E4M3 casts) are core.lowbit's,
+the same functions the XLA reference uses.
 """
 
 from __future__ import annotations
