@@ -25,7 +25,7 @@ from kvcache import config as kv_config
 from kvcache import paged_cache_factory
 from moe import config as moe_config
 from moe.grouped_matmul import GroupedMatmulFn
-from moe.layer import MoE, MoEConfig
+from moe.layer import MoE
 from optim import cautious_adamw, cautious_mgup_adamw, mgup_adamw, mgup_lion, mgup_muon
 from optim import config as optim_config
 from quant import config as quant_config
@@ -103,15 +103,21 @@ OPTIMIZERS: dict[
 }
 
 
+SECTIONS: dict[str, type] = {
+    **config_lib.SECTIONS,
+    "moe": moe_config.MoEConfig,
+    "fomoe": moe_config.FoMoEConfig,
+    "precision": quant_config.PrecisionConfig,
+    "kvcache": kv_config.KVCacheConfig,
+}
+"""Every config section of an experiment: name -> its declaration (a frozen dataclass, see core.config)."""
+
+
 def schema() -> config_lib.Schema:
-    """The full experiment schema: the core sections with the registered choices filled in."""
-    spec = config_lib.schema()
+    """The full experiment schema: every section's fields, with the registered choices filled in."""
+    spec = config_lib.schema(SECTIONS)
     spec["optim"]["name"] = dataclasses.replace(spec["optim"]["name"], choices=tuple(OPTIMIZERS))
     spec["optim"].update(optim_config.fields())
-    spec["moe"] = moe_config.section()
-    spec["fomoe"] = moe_config.fomoe_section()
-    spec["precision"] = quant_config.section()
-    spec["kvcache"] = kv_config.section()
     return spec
 
 
@@ -131,7 +137,26 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
             f"config key 'precision.last_blocks_high_precision' = {config.precision.last_blocks_high_precision} "
             f"exceeds model.num_layers = {config.model.num_layers}."
         )
-    kv_config.check(config.kvcache, config.model.d_model // config.model.num_heads)
+    kv_config.check(config_lib.from_config(kv_config.KVCacheConfig, config.kvcache), model_config(config).head_dim)
+
+
+def model_config(config: ml_collections.ConfigDict) -> config_lib.TransformerConfig:
+    """The `model` section as its dataclass."""
+    return config_lib.from_config(config_lib.TransformerConfig, config.model)
+
+
+def optimizer_metrics(opt_state) -> dict:
+    """What the optimizer reports about its last update, logged with the train metrics (MGUP's selected
+    fraction; nothing for the other optimizers)."""
+    import optim  # TEMPORARY until optim.state_metrics lands
+
+    report = getattr(optim, "state_metrics", None)
+    return {} if report is None else report(opt_state)
+
+
+def checkpoint_compat(config: ml_collections.ConfigDict, data_fingerprint: str) -> dict:
+    """What a checkpoint must share with this config to be resumed (each section's `compat` declaration)."""
+    return config_lib.checkpoint_compat(config, SECTIONS, data_fingerprint)
 
 
 def decay_mask(params):
@@ -159,8 +184,8 @@ def build_model_fn(
 ) -> Callable[[nnx.Rngs], model_lib.Transformer]:
     """`rngs -> Transformer` with the precision and FFN slots chosen by the config. `resident` (global expert
     ids) and `routing_mode` build one FoMoE site's view (moe.layer.MoE); the default hosts every expert."""
-    cfg = model_lib.TransformerConfig.from_config(config.model)
-    moe = MoEConfig.from_config(config.moe)
+    cfg = model_config(config)
+    moe = config_lib.from_config(moe_config.MoEConfig, config.moe)
     precision = build_precision(config, GroupedMatmulFn(moe.grouped_matmul))
 
     def ffn_factory(layer: int, path: str, rngs: nnx.Rngs) -> nnx.Module:
@@ -194,7 +219,7 @@ def build_precision(config: ml_collections.ConfigDict, grouped: Callable) -> mod
 
 def build_cache_factory(config: ml_collections.ConfigDict, model: model_lib.Transformer) -> generate_lib.CacheFactory:
     """The KV cache of cached generation: the dense bf16 cache, or a paged cache in the configured format."""
-    kv, cfg = config.kvcache, model.cfg
+    kv, cfg = config_lib.from_config(kv_config.KVCacheConfig, config.kvcache), model.cfg
     if kv.format == "bf16" and not kv.paged:
         return generate_lib.dense_cache_factory(model)
     return paged_cache_factory(
