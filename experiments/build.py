@@ -15,6 +15,7 @@ import ml_collections
 import optax
 from flax import nnx
 
+import optim
 from core import config as config_lib
 from core import data as data_lib
 from core import generate as generate_lib
@@ -148,10 +149,7 @@ def model_config(config: ml_collections.ConfigDict) -> config_lib.TransformerCon
 def optimizer_metrics(opt_state) -> dict:
     """What the optimizer reports about its last update, logged with the train metrics (MGUP's selected
     fraction; nothing for the other optimizers)."""
-    import optim  # TEMPORARY until optim.state_metrics lands
-
-    report = getattr(optim, "state_metrics", None)
-    return {} if report is None else report(opt_state)
+    return optim.state_metrics(opt_state)
 
 
 def checkpoint_compat(config: ml_collections.ConfigDict, data_fingerprint: str) -> dict:
