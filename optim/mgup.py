@@ -125,7 +125,7 @@ def num_selected(mask_ratio: Scalar, size: int) -> int | jax.Array:
     size < 2^29, where that product is exact). Values outside [0, 1] are clipped to k in [0, size].
     """
     if _static(mask_ratio):
-        return int(mask_ratio * size)
+        return int(float(mask_ratio) * size)
     r = jnp.asarray(mask_ratio)
     k = jnp.floor(r * size) if r.dtype == jnp.float64 else _floor_times(r.astype(jnp.float32), size)
     return jnp.clip(k, 0, size).astype(jnp.int32)

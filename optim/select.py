@@ -66,7 +66,8 @@ def count_at_least(keys: jax.Array, thresholds: list[jax.Array]) -> list[jax.Arr
 def _sample_bracket(keys: jax.Array, k: int | jax.Array, sample: int) -> tuple[jax.Array, jax.Array]:
     """Keys that hold the k-th largest of `keys` between them with overwhelming probability: the quantiles
     q -+ (4 sigma + 2 / m) of a sorted strided sample of about `sample` entries (m of them), q = 1 - k / size.
-    (Sorting 4096 entries costs about one counting pass over 1.6M.) Only the number of passes depends on it."""
+    (A sort of a few thousand entries costs about one counting pass over a large tensor.) Only the number of passes
+    depends on it, not the result."""
     n = keys.size
     s = jnp.sort(keys[:: max(1, n // sample)])
     m = s.size
