@@ -314,9 +314,6 @@ class OptimConfig:
     warmup_steps: int = field(100, "linear warm-up steps from 0 to the peak", low=0)
     schedule: str = field("cosine", "decay after warm-up", choices=("cosine", "constant", "linear"))
     min_lr_ratio: float = field(0.1, "final learning rate as a fraction of the peak", low=0.0, high=1.0)
-    b1: float = field(0.9, "first-moment decay", low=0.0, high=1.0)
-    b2: float = field(0.95, "second-moment decay", low=0.0, high=1.0)
-    eps: float = field(1e-8, "denominator epsilon", low=0.0)
     weight_decay: float = field(0.1, "decoupled weight decay (matrices only; not norms, biases, embeddings)", low=0.0)
     grad_clip_norm: float = field(1.0, "clip the global gradient norm to this (0 disables)", low=0.0)
 

@@ -106,6 +106,7 @@ OPTIMIZERS: dict[
 
 SECTIONS: dict[str, type] = {
     **config_lib.SECTIONS,
+    "optim": optim_config.OptimizerConfig,
     "moe": moe_config.MoEConfig,
     "fomoe": moe_config.FoMoEConfig,
     "precision": quant_config.PrecisionConfig,
@@ -118,7 +119,6 @@ def schema() -> config_lib.Schema:
     """The full experiment schema: every section's fields, with the registered choices filled in."""
     spec = config_lib.schema(SECTIONS)
     spec["optim"]["name"] = dataclasses.replace(spec["optim"]["name"], choices=tuple(OPTIMIZERS))
-    spec["optim"].update(optim_config.fields())
     return spec
 
 
@@ -130,6 +130,7 @@ def default_config() -> ml_collections.ConfigDict:
 def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None) -> None:
     """Raises core.config.ConfigError naming the first bad key. Call once without and once with devices."""
     config_lib.validate(config, schema(), num_devices=num_devices)
+    optim_config.hyperparameters(config.optim)  # a family key the chosen optimizer does not use
     sizes = None if num_devices is None else config_lib.mesh_shape(config, num_devices)
     moe_config.check(config, sizes)
     moe_config.check_fomoe(config, sizes)

@@ -1,5 +1,4 @@
-"""The `optim` fields the optimizer families add to the core optimizer section (merged by experiments/build.py),
-and each family's defaults.
+"""The `optim` section of an experiment (core's keys and the optimizer families') and each family's defaults.
 
 b1, b2, eps and momentum default to None, meaning "the family's default" (`FAMILY_DEFAULTS`); a value set in the
 config is used as given. `hyperparameters(section)` resolves them for the chosen optimizer.
@@ -7,13 +6,14 @@ config is used as given. `hyperparameters(section)` resolves them for the chosen
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from core.config import ConfigError, Field
+from core.config import ConfigError, OptimConfig, field
 from optim.mgup import SELECTIONS
 
-__all__ = ["FAMILIES", "FAMILY_DEFAULTS", "FAMILY_SOURCES", "fields", "hyperparameters"]
+__all__ = ["FAMILIES", "FAMILY_DEFAULTS", "FAMILY_SOURCES", "OptimizerConfig", "hyperparameters"]
 
 FAMILIES: dict[str, str] = {
     "adamw": "adamw",
@@ -45,69 +45,52 @@ FAMILY_SOURCES: dict[str, str] = {
 _FAMILY_KEYS = ("b1", "b2", "eps", "momentum")
 
 
-def fields() -> dict[str, Field]:
-    """The keys of the `optim` section declared here (b1, b2 and eps replace the core section's)."""
-    optional = (float, type(None))
-    return {
-        "b1": Field(
-            None,
-            optional,
-            "AdamW: first-moment decay; Lion: interpolation beta of the update sign; Muon: the AdamW backup's b1. "
-            "None: the family's default (adamw 0.9, lion 0.9, muon 0.95)",
-            low=0.0,
-            high=1.0,
-        ),
-        "b2": Field(
-            None,
-            optional,
-            "AdamW: second-moment decay; Lion: momentum decay; Muon: the AdamW backup's b2. None: the family's "
-            "default (adamw 0.95, lion 0.99, muon 0.95)",
-            low=0.0,
-            high=1.0,
-        ),
-        "eps": Field(
-            None,
-            optional,
-            "AdamW and Muon's AdamW backup: denominator epsilon; not used by Lion. None: the family's default "
-            "(adamw 1e-8, muon 1e-8)",
-            low=0.0,
-        ),
-        "momentum": Field(
-            None,
-            optional,
-            "Muon only: momentum of the Nesterov SGD buffer. None: the family's default (0.95)",
-            low=0.0,
-            high=1.0,
-        ),
-        "mask_ratio": Field(
-            0.5,
-            (float,),
-            "MGUP: fraction tau of each tensor's coordinates (best update x gradient "
-            "alignment) whose step is multiplied by alpha; k = int(tau x size)",
-            low=0.0,
-            high=1.0,
-        ),
-        "alpha": Field(
-            2.0,
-            (float,),
-            "MGUP: multiplier of the selected coordinates (paper: 1 / mask_ratio)",
-            low=0.0,
-            low_open=True,
-        ),
-        "gamma": Field(
-            0.1,
-            (float,),
-            "MGUP: multiplier of every other coordinate (paper: mask_ratio; never 0)",
-            low=0.0,
-            low_open=True,
-        ),
-        "selection": Field(
-            "exact",
-            (str,),
-            "MGUP: 'exact' top-k per tensor or 'approx' (threshold from a sample)",
-            choices=tuple(s for s in SELECTIONS if s != "sign"),
-        ),
-    }
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig(OptimConfig):
+    """The section `optim` of an experiment: core's keys (the optimizer's name, schedule, clipping, weight decay)
+    and the optimizer families'. b1, b2, eps and momentum default to None: the family's default."""
+
+    b1: float | None = field(
+        None,
+        "AdamW: first-moment decay; Lion: interpolation beta of the update sign; Muon: the AdamW backup's b1. "
+        "None: the family's default (adamw 0.9, lion 0.9, muon 0.95)",
+        low=0.0,
+        high=1.0,
+    )
+    b2: float | None = field(
+        None,
+        "AdamW: second-moment decay; Lion: momentum decay; Muon: the AdamW backup's b2. None: the family's "
+        "default (adamw 0.95, lion 0.99, muon 0.95)",
+        low=0.0,
+        high=1.0,
+    )
+    eps: float | None = field(
+        None,
+        "AdamW and Muon's AdamW backup: denominator epsilon; not used by Lion. None: the family's default "
+        "(adamw 1e-8, muon 1e-8)",
+        low=0.0,
+    )
+    momentum: float | None = field(
+        None, "Muon only: momentum of the Nesterov SGD buffer. None: the family's default (0.95)", low=0.0, high=1.0
+    )
+    mask_ratio: float = field(
+        0.5,
+        "MGUP: fraction tau of each tensor's coordinates (best update x gradient alignment) whose step is "
+        "multiplied by alpha; k = int(tau x size)",
+        low=0.0,
+        high=1.0,
+    )
+    alpha: float = field(
+        2.0, "MGUP: multiplier of the selected coordinates (paper: 1 / mask_ratio)", low=0.0, low_open=True
+    )
+    gamma: float = field(
+        0.1, "MGUP: multiplier of every other coordinate (paper: mask_ratio; never 0)", low=0.0, low_open=True
+    )
+    selection: str = field(
+        "exact",
+        "MGUP: 'exact' top-k per tensor or 'approx' (threshold from a sample)",
+        choices=tuple(s for s in SELECTIONS if s != "sign"),
+    )
 
 
 def hyperparameters(section: Mapping[str, Any]) -> dict[str, float]:
