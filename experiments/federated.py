@@ -190,7 +190,7 @@ def initial_state(config: ml_collections.ConfigDict, mesh=None):
     the default device)."""
     f = config.fomoe
     placement = _placements(config)(0)
-    outer = diloco_outer(f.outer_learning_rate, f.outer_momentum) if f.outer == "diloco" else None
+    outer = diloco_outer(f.outer_learning_rate, momentum=f.outer_momentum) if f.outer == "diloco" else None
     make = lambda **kw: build.build_model_fn(config, Sharder(), routing_mode=f.routing, **kw)(  # noqa: E731
         nnx.Rngs(config.train.seed)
     )

@@ -17,7 +17,7 @@ import optax
 __all__ = ["diloco_outer"]
 
 
-def diloco_outer(learning_rate: float | optax.Schedule = 0.7, momentum: float = 0.9) -> optax.GradientTransformation:
+def diloco_outer(learning_rate: float | optax.Schedule = 0.7, *, momentum: float = 0.9) -> optax.GradientTransformation:
     """DiLoCo's outer Nesterov SGD (defaults: the paper's lr 0.7, momentum 0.9).
 
     Usage: `updates, state = tx.update(theta_start - theta_avg, state); theta = optax.apply_updates(theta_start,

@@ -16,6 +16,8 @@ import pytest
 
 from experiments import run
 
+from helpers import metric_rows
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "experiments", "configs", "quickstart.py")
 COMPOSED = os.path.join(ROOT, "experiments", "configs", "composed.py")
@@ -107,11 +109,6 @@ def _run(workdir, *extra, config=CONFIG, hooks=()):
     return json.loads((workdir / "summary.json").read_text())
 
 
-def _metric_rows(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items() if k != "tokens_per_second"} for line in f]
-
-
 def test_kill_and_rerun_resumes_to_the_same_metrics(tmp_path, capsys):
     """SIGKILL a run after its checkpoint of step 10 appears; rerunning the same command finishes with exactly the
     metrics of an uninterrupted run. Also checks the outputs a finished run leaves."""
@@ -142,7 +139,7 @@ def test_kill_and_rerun_resumes_to_the_same_metrics(tmp_path, capsys):
     assert 10 <= summary2["resumed_from"] < 150, "the kill must land mid-run"
     for key in ("train_loss", "val_loss", "val_bits_per_byte", "steps"):
         assert summary2[key] == summary[key], key
-    assert _metric_rows(killed) == _metric_rows(tmp_path / "full")
+    assert metric_rows(killed) == metric_rows(tmp_path / "full")
 
     # The same workdir with another model: refused with exit code 1, and no file in it changes.
     before = {p: p.read_bytes() for p in killed.rglob("*") if p.is_file()}
@@ -291,7 +288,7 @@ def test_federated_run_measures_its_bytes_and_resumes_after_a_crashed_round(tmp_
     federated_run = [*FEDERATED, f"--config.fomoe.placement={placement}", "--config.fomoe.reshuffle_every=2"]
     summary = _run(tmp_path / "full", *federated_run)
     assert summary["rounds"] == 10 and summary["steps"] == 30
-    rows = _metric_rows(tmp_path / "full")
+    rows = metric_rows(tmp_path / "full")
     assert [r["round"] for r in rows if "train_loss" in r] == list(range(1, 11))
     if placement == "fixed":
         assert summary["bytes_per_site_per_round"] == summary["bytes_per_site_per_round_formula"] > 0
@@ -304,7 +301,7 @@ def test_federated_run_measures_its_bytes_and_resumes_after_a_crashed_round(tmp_
         arrived = [r["reshuffle/arrived_experts_per_site"] for r in rows if "reshuffle/arrived_experts_per_site" in r]
         assert len(arrived) == 4 and all(0 <= a <= 4 for a in arrived) and any(a > 0 for a in arrived)
     rerun = _run(tmp_path / "full", *federated_run)
-    assert rerun["resumed_from"] == 30 and _metric_rows(tmp_path / "full") == rows
+    assert rerun["resumed_from"] == 30 and metric_rows(tmp_path / "full") == rows
     for key in ("train_loss", "val_loss", "val_bits_per_byte"):
         assert rerun[key] == summary[key], key
 
@@ -315,7 +312,7 @@ def test_federated_run_measures_its_bytes_and_resumes_after_a_crashed_round(tmp_
     assert resumed["resumed_from"] == 9
     for key in ("train_loss", "val_loss", "val_bits_per_byte", "steps", "bytes_per_site_per_round"):
         assert resumed[key] == summary[key], key
-    assert _metric_rows(crashed) == rows
+    assert metric_rows(crashed) == rows
 
 
 def test_the_composed_config_trains_sites_with_mgup_on_ufp4_and_serves_through_fp4_kv(tmp_path, capsys):

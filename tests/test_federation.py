@@ -6,12 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
-from moe_reference import tiny_moe_transformer
 
 from core import hlo
 from core.model import split_params
 from moe import federation, system_model
 from moe.placement import fixed_placement
+
+from helpers import tiny_moe_transformer
 
 SITES = 8
 

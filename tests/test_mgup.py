@@ -338,10 +338,11 @@ def test_muon_labels_on_a_real_model():
     AdamW backup for the embedding, the norms and the 3-D expert weights; mgup_muon from the config initialises on
     it. (tests/test_optimizers.py checks every optimizer's wiring bit for bit.)"""
     from flax import nnx
-    from moe_reference import tiny_moe_transformer
 
     from experiments import build
     from optim import muon
+
+    from helpers import tiny_moe_transformer
 
     params = nnx.state(tiny_moe_transformer(), nnx.Param)
     labels = muon.default_muon_labels(params)

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from moe_reference import reference, set_params, sharder
 
 from core import hlo
 from core import mesh as mesh_lib
@@ -17,6 +16,8 @@ from core.model import TransformerConfig, split_params
 from experiments import build
 from moe import MoE, MoEConfig, dispatch, grouped_matmul, load_balance_loss, route, routing_stats, z_loss
 from moe.router import Routing
+
+from helpers import reference, set_params, sharder
 
 RNG = np.random.default_rng(0)
 

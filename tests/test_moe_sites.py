@@ -7,11 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from moe_reference import reference, set_params, sharder
 
 from core.model import DefaultPrecision, TransformerConfig, split_params
 from moe import MoE, MoEConfig
 from moe.grouped_matmul import GroupedMatmulFn
+
+from helpers import reference, set_params, sharder
 
 RNG = np.random.default_rng(1)
 CFG = TransformerConfig(d_model=16, num_layers=2)

@@ -13,7 +13,7 @@ from optim import diloco_outer
 def test_diloco_outer_is_nesterov_sgd_on_the_outer_gradient(lr, mu):
     rng = np.random.default_rng(0)
     theta = {"a": rng.normal(size=(3, 4)), "b": rng.normal(size=(5,))}
-    tx = diloco_outer(lr, mu)
+    tx = diloco_outer(lr, momentum=mu)
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), theta)
     state = tx.init(params)
     v = jax.tree.map(np.zeros_like, theta)
@@ -33,4 +33,4 @@ def test_diloco_outer_is_nesterov_sgd_on_the_outer_gradient(lr, mu):
 
 def test_diloco_outer_rejects_bad_momentum():
     with pytest.raises(ValueError, match="momentum = 1.0"):
-        diloco_outer(0.7, 1.0)
+        diloco_outer(0.7, momentum=1.0)

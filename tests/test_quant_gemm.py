@@ -295,10 +295,11 @@ def test_precision_recipe_from_the_config_trains_the_moe_model(recipe):
     training steps of a tiny MoE model lower the loss, and the quantised forward differs from bf16's."""
     import optax
     from flax import nnx
-    from moe_reference import train_losses
 
     from core import mesh as mesh_lib
     from experiments import build
+
+    from helpers import train_losses
 
     c = build.default_config()
     c.model.update(d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, d_ff=64)

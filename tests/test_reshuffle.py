@@ -8,7 +8,6 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from moe_reference import tiny_moe_transformer
 
 from core import hlo
 from core import train as train_lib
@@ -16,6 +15,8 @@ from moe import federation, reshuffle, rounds
 from moe.layer import Residency
 from moe.placement import fixed_placement, random_placement
 from optim import diloco_outer
+
+from helpers import tiny_moe_transformer
 
 SITES, EXPERTS = 4, 8
 

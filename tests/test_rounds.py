@@ -7,13 +7,14 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from moe_reference import tiny_moe_transformer
 
 from core import hlo
 from core import train as train_lib
 from moe import federation, rounds
 from moe.placement import fixed_placement
 from optim import diloco_outer
+
+from helpers import tiny_moe_transformer
 
 SITES = 4
 OPTIMIZER_NAMES = (
@@ -67,11 +68,11 @@ def _local_only(graphdef, optimizer, train, tokens):
 def test_full_replication_one_local_step_and_plain_averaging_equal_ddp():
     lr = 0.1
     optimizer = optax.sgd(lr)
-    _, mesh, graphdef, state = _setup(SITES, optimizer, diloco_outer(1.0, 0.0))
+    _, mesh, graphdef, state = _setup(SITES, optimizer, diloco_outer(1.0, momentum=0.0))
     params0 = jax.tree.map(lambda x: np.asarray(x[0]), state.train.params)
     rest0 = jax.tree.map(lambda x: x[0], state.train.rest)
     tokens = _tokens(1)
-    new, metrics = rounds.make_round(graphdef, optimizer, mesh, method="diloco", outer=diloco_outer(1.0, 0.0))(
+    new, metrics = rounds.make_round(graphdef, optimizer, mesh, method="diloco", outer=diloco_outer(1.0, momentum=0.0))(
         state, tokens
     )
 
@@ -145,8 +146,8 @@ def test_a_round_of_mgup_and_ufp4_sites_equals_their_unsharded_steps_then_the_me
 def test_diloco_outer_step_over_two_rounds_follows_its_formula():
     lr, mu = 0.7, 0.9
     optimizer = optax.adamw(1e-2)
-    placement, mesh, graphdef, state = _setup(2, optimizer, diloco_outer(lr, mu))
-    round_fn = rounds.make_round(graphdef, optimizer, mesh, method="diloco", outer=diloco_outer(lr, mu))
+    placement, mesh, graphdef, state = _setup(2, optimizer, diloco_outer(lr, momentum=mu))
+    round_fn = rounds.make_round(graphdef, optimizer, mesh, method="diloco", outer=diloco_outer(lr, momentum=mu))
     flags = jax.tree.leaves(federation.expert_flags(state.train.params))
     start = [np.asarray(x, np.float64) for x in jax.tree.leaves(state.train.params)]
     velocity = [np.zeros_like(x) for x in start]

@@ -17,7 +17,7 @@ from core.data import PAD_ID
 from core.model import Transformer, TransformerConfig, split_params
 from experiments import build
 
-TIME_KEYS = {"tokens_per_second"}
+from helpers import metric_rows
 
 
 def _train(config, workdir, hooks=()):
@@ -33,11 +33,6 @@ def _train(config, workdir, hooks=()):
         compat=build.checkpoint_compat(config, corpus.fingerprint),
         hooks=hooks,
     )
-
-
-def _rows(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items() if k not in TIME_KEYS} for line in f]
 
 
 def test_weight_decay_applies_to_matrices_only():
@@ -102,7 +97,7 @@ def test_resume_after_crash_equals_uninterrupted_run(tiny_config, tmp_path):
     assert checkpoint_lib.Checkpointer(tmp_path / "crashed" / "checkpoints").latest_step() == 4
     resumed = _train(tiny_config, tmp_path / "crashed")
     assert resumed["resumed_from"] == 4
-    assert _rows(tmp_path / "crashed") == _rows(tmp_path / "full")
+    assert metric_rows(tmp_path / "crashed") == metric_rows(tmp_path / "full")
     for key in ("train_loss", "val_loss", "val_bits_per_byte", "steps"):
         assert resumed[key] == full[key], key
     for a, b in zip(jax.tree.leaves(resumed["final_state"]), jax.tree.leaves(full["final_state"])):
@@ -114,9 +109,9 @@ def test_resume_after_crash_equals_uninterrupted_run(tiny_config, tmp_path):
 
 def test_rerun_of_a_finished_run_changes_nothing(tiny_config, tmp_path):
     first = _train(tiny_config, tmp_path)
-    rows = _rows(tmp_path)
+    rows = metric_rows(tmp_path)
     again = _train(tiny_config, tmp_path)
-    assert again["resumed_from"] == tiny_config.train.steps and _rows(tmp_path) == rows
+    assert again["resumed_from"] == tiny_config.train.steps and metric_rows(tmp_path) == rows
     assert again["val_loss"] == first["val_loss"]
 
 
@@ -131,7 +126,7 @@ def test_nan_guard_stops_with_step_and_keeps_last_good_checkpoint(tiny_config, t
     assert f"step {step}" in str(e.value) and f"step {step - 1}" in str(e.value)
     ckpt = checkpoint_lib.Checkpointer(tmp_path / "checkpoints", keep=c.checkpoint.keep)
     assert ckpt.latest_step() == step - 1
-    rows = _rows(tmp_path)
+    rows = metric_rows(tmp_path)
     assert all(math.isfinite(r.get("train_loss", 0.0)) for r in rows) and max(r["step"] for r in rows) == step - 1
 
 

@@ -1,4 +1,8 @@
-"""Shared by the MoE tests: a float64 MoE written from the formulas, random O(1) parameters, an 8-device sharder."""
+"""What several test files share: a float64 MoE written from the formulas, random O(1) parameters, an 8-device
+sharder, a tiny MoE transformer, a few jitted train steps, and a run's metric rows."""
+
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -76,3 +80,9 @@ def train_losses(model: nnx.Module, optimizer, tokens: jax.Array, steps: int) ->
         state, metrics = step(state, tokens)
         losses.append(float(metrics["loss"]))
     return losses
+
+
+def metric_rows(workdir) -> list[dict]:
+    """The rows of a run's metrics.jsonl without its timing column (tokens_per_second differs between runs)."""
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if k != "tokens_per_second"} for line in f]
