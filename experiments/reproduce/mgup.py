@@ -7,7 +7,8 @@ top-2) on one device without federation (`mesh.site = 1`), so the optimizer is t
 the same `--steps` x 8 x 256 byte-tokens, warm-up 40 steps and cosine decay, gradient clipping at 1, weight decay
 0.1 on matrices, held-out loss on 16 batches every 100 steps. Optimizers: AdamW, C-AdamW, MGUP-AdamW,
 Cautious-MGUP-AdamW (HF-style AdamW, b = (0.9, 0.95)), Lion, MGUP-Lion (b = (0.9, 0.99)), Muon, MGUP-Muon (Moonlight
-scaling, AdamW backup for embeddings, head, norms and the router); MGUP with the reference's tau = 0.5, alpha = 2,
+scaling on the 2-D matrices, the routers included; AdamW backup for the embedding, the norms and the 3-D expert
+tensors, `optim.muon.default_muon_labels`); MGUP with the reference's tau = 0.5, alpha = 2,
 gamma = 0.1 and exact top-k.
 
 Learning rates: a sweep over three values per family on seed 0 (AdamW and Muon families 2.5e-3, 5e-3, 1e-2; Lion
