@@ -80,9 +80,10 @@ class FederatedStepper(train_lib.Stepper):
             plan = jax.ShapeDtypeStruct(placement.experts.shape, jnp.int32, sharding=self.plan_sharding)
             migrate = jax.jit(functools.partial(reshuffle.migrate, mesh=mesh), donate_argnums=0)
             self.migrate_exec = migrate.lower(state, [plan] * 4).compile()
-        self.bytes_info = _round_bytes(
-            self.round_exec.as_text(), self.migrate_exec and self.migrate_exec.as_text(), state.train, sites, f
-        )
+        round_hlo = self.round_exec.as_text()
+        assert round_hlo is not None  # None only where a backend has no text form; CPU, GPU and TPU all have one
+        migrate_hlo = None if self.migrate_exec is None else self.migrate_exec.as_text()
+        self.bytes_info = _round_bytes(round_hlo, migrate_hlo, state.train, sites, f)
         tokens_per_step = config.data.batch_size * config.data.seq_len
         self.bytes_info["bytes_per_token"] = system_model.bytes_per_token(
             self.bytes_info["measured"], sites, k, tokens_per_step

@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 import jax
 import ml_collections
 from flax import nnx
 
+if TYPE_CHECKING:
+    from core.model import Transformer
+
 __all__ = ["trained_model"]
 
 
-def trained_model(workdir: str, *, site: int = 0) -> tuple[ml_collections.ConfigDict, nnx.Module]:
+def trained_model(workdir: str, *, site: int = 0) -> tuple[ml_collections.ConfigDict, Transformer]:
     """(config, model with the latest checkpoint's parameters) of the run in `workdir`; for a federated run, site
     `site`'s model.
 

@@ -98,7 +98,9 @@ def mean_curve(curves: Sequence[Sequence[tuple[int, float]]]) -> tuple[list[int]
     return steps, np.mean([[v for _, v in c] for c in curves], axis=0)
 
 
-def moving_average(steps: Sequence[int], values: Sequence[float], window: int = 5) -> tuple[list[int], np.ndarray]:
+def moving_average(
+    steps: Sequence[int], values: Sequence[float] | np.ndarray, window: int = 5
+) -> tuple[list[int], np.ndarray]:
     """The `window`-point trailing mean of `values` [T], m_t = mean(values[t - window + 1 .. t]), at the steps
     where a whole window exists: (steps[window - 1:], m) with T - window + 1 points."""
     if not 1 <= window <= len(values):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 from flax import nnx
@@ -31,7 +32,7 @@ def moe_summary(config, num_params: int, *, metrics_path: str) -> dict:
     idle = layers * (m.num_experts - m.top_k) * 2 * config.model.d_model * m.expert_size
     with open(metrics_path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    last = next((r for r in reversed(rows) if "moe/load_cv" in r), {})
+    last: dict[str, Any] = next((r for r in reversed(rows) if "moe/load_cv" in r), {})
     return {"active_params_per_token": num_params - idle, **{k: v for k, v in last.items() if k.startswith("moe/")}}
 
 

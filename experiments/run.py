@@ -18,6 +18,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import ml_collections
 from absl import flags
@@ -67,13 +68,13 @@ def parse_args(argv: list[str]):
         raise UsageError(f"--workdir is required.\n{USAGE}")
     config = config_flag.value
     if not isinstance(config, ml_collections.ConfigDict):  # config_flags defers a load error to first access
+        filename = config_flags.get_config_filename(fv["config"])
         try:
             config.to_dict()
         except Exception as e:
-            raise UsageError(f"cannot load --config={fv['config'].config_filename}: {e}") from None
+            raise UsageError(f"cannot load --config={filename}: {e}") from None
         raise UsageError(
-            f"--config={fv['config'].config_filename}: get_config() must return an "
-            f"ml_collections.ConfigDict, got {type(config).__name__}"
+            f"--config={filename}: get_config() must return an ml_collections.ConfigDict, got {type(config).__name__}"
         )
     return config, workdir_flag.value
 
@@ -141,7 +142,7 @@ def run(config, workdir: str, *, hooks: Sequence[Callable[[int, dict[str, float]
     federated = config.mesh.site > 1
     from experiments import federated as federated_lib
 
-    common = dict(
+    common: dict[str, Any] = dict(
         workdir=workdir,
         batches=batches,
         compat=build.checkpoint_compat(config, corpus.fingerprint),

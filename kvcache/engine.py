@@ -31,6 +31,7 @@ import collections
 import dataclasses
 import functools
 import time
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,9 @@ from kvcache import attention
 from kvcache.blocks import BlockManager, block_hashes
 from kvcache.formats import Format
 from kvcache.paged import PagedPool
+
+if TYPE_CHECKING:
+    from core.model import Transformer
 
 __all__ = ["Engine", "EngineConfig", "Request", "Scheduler"]
 
@@ -107,12 +111,17 @@ class Request:
 
     @property
     def ttft(self) -> float:
+        assert self.first_token_time is not None, "ttft is read once the request has its first token"
         return self.first_token_time - self.arrival
 
     @property
     def tpot(self) -> float:
         n = len(self.output)
-        return (self.finish_time - self.first_token_time) / (n - 1) if n > 1 else 0.0
+        if n <= 1:
+            return 0.0
+        # read on a finished request: its first token and its finish both have their times
+        assert self.first_token_time is not None and self.finish_time is not None, "tpot of an unfinished request"
+        return (self.finish_time - self.first_token_time) / (n - 1)
 
 
 @struct.dataclass
@@ -133,13 +142,15 @@ class _FlatBatchCache:
         return self.seq_lens
 
     def update_and_attend(self, layer, q, k, v):
-        kw = dict(fmt=self.pool.fmt, implementation=self.implementation)
+        kw: dict[str, Any] = dict(fmt=self.pool.fmt, implementation=self.implementation)
         fields = attention.write(self.pool.layer(layer), k[0], v[0], self.slots, **kw)
         out = attention.unified_attention(
             q[0], fields, self.block_tables, self.seq_lens, self.query_start_loc, max_query_len=self.max_query_len, **kw
         )
-        pool = self.pool.replace(fields={n: x.at[layer].set(fields[n]) for n, x in self.pool.fields.items()})
-        return out[None].astype(q.dtype), self.replace(pool=pool)
+        pool = dataclasses.replace(
+            self.pool, fields={n: x.at[layer].set(fields[n]) for n, x in self.pool.fields.items()}
+        )
+        return out[None].astype(q.dtype), dataclasses.replace(self, pool=pool)
 
     def advance(self, num_tokens):
         return self
@@ -252,6 +263,7 @@ class Scheduler:
                     break
             if request not in self.running:
                 continue
+            assert new is not None  # the loop ends without blocks only when `request` itself was preempted
             request.blocks += new
             batch.append((request, n))
             budget -= n
@@ -323,7 +335,7 @@ class Scheduler:
 class Engine(Scheduler):
     """Continuous-batching server of a `core.model.Transformer` over a paged KV pool in format `fmt`."""
 
-    def __init__(self, model: nnx.Module, fmt: Format, config: EngineConfig):
+    def __init__(self, model: Transformer, fmt: Format, config: EngineConfig):
         cfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
         self.pool = PagedPool.create(

@@ -11,6 +11,9 @@ PagedKVCache: the `core.attention.KVCache` protocol over a pool, so the model's 
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,6 +53,7 @@ class PagedPool:
             raise ValueError(f"block_size = {block_size}; must be >= 1")
         per_block = num_layers * block_size * fmt.bytes_per_token(num_kv_heads, head_dim)
         if num_blocks is None:
+            assert memory_bytes is not None  # exactly one of the two is None (checked above)
             num_blocks = int(memory_bytes) // per_block
             if num_blocks < 1:
                 raise ValueError(
@@ -100,7 +104,7 @@ class PagedKVCache:
         pos = self.lengths[:, None] + jnp.arange(t)[None]  # [B, T]
         blocks = jnp.take_along_axis(self.block_tables, jnp.minimum(pos // bs, self.block_tables.shape[1] - 1), 1)
         slots = jnp.where(pos < self.capacity, blocks * bs + pos % bs, -1).reshape(-1)
-        kw = dict(fmt=self.pool.fmt, implementation=self.implementation, interpret=self.interpret)
+        kw: dict[str, Any] = dict(fmt=self.pool.fmt, implementation=self.implementation, interpret=self.interpret)
         fields = attention.write(
             self.pool.layer(layer), k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:]), slots, **kw
         )
@@ -118,11 +122,13 @@ class PagedKVCache:
                 max_query_len=t,
                 **{**kw, "implementation": impl},
             )
-        pool = self.pool.replace(fields={n: x.at[layer].set(fields[n]) for n, x in self.pool.fields.items()})
-        return out.reshape(b, t, h, d).astype(q.dtype), self.replace(pool=pool)
+        pool = dataclasses.replace(
+            self.pool, fields={n: x.at[layer].set(fields[n]) for n, x in self.pool.fields.items()}
+        )
+        return out.reshape(b, t, h, d).astype(q.dtype), dataclasses.replace(self, pool=pool)
 
     def advance(self, num_tokens):
-        return self.replace(lengths=self.lengths + jnp.asarray(num_tokens, jnp.int32))
+        return dataclasses.replace(self, lengths=self.lengths + jnp.asarray(num_tokens, jnp.int32))
 
 
 def paged_cache_factory(

@@ -85,7 +85,7 @@ def make_round(
     outer: optax.GradientTransformation | None = None,
     loss_fn: Callable = train_lib.lm_loss,
     state_metrics: train_lib.StateMetrics | None = None,
-) -> Callable[[FederatedState, jax.Array], tuple]:
+) -> jax.stages.Wrapped:
     """A jitted `(state, tokens [K, M, B_site, T + 1]) -> (state, metrics)`: K local steps on every site, then the
     synchronisation of `method`. Metrics are the train-step metrics of every step and site, [K, M] each (averaged
     on the host, so the program's only cross-site collectives are the synchronisation's).
@@ -133,7 +133,7 @@ def site_batches(tokens: np.ndarray, sites: int) -> np.ndarray:
     return tokens.reshape(k, sites, rows // sites, length)
 
 
-def make_probe(graphdef, mesh) -> Callable:
+def make_probe(graphdef, mesh) -> jax.stages.Wrapped:
     """A jitted `(params, rest, tokens [B, T]) -> routes [M, L_moe, B T, k]`: every site's chosen global expert ids
     in every MoE layer on a fixed probe batch (for the routing agreement between rounds)."""
 

@@ -71,8 +71,9 @@ def tiny_moe_transformer(resident=None, routing_mode="partitioned", precision=No
 def train_losses(model: nnx.Module, optimizer, tokens: jax.Array, steps: int) -> list[float]:
     """The training loss of each of `steps` jitted train steps of `model` with `optimizer` on one batch."""
     from core import train as train_lib
+    from core.model import split_params
 
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, rest = split_params(model)
     state = train_lib.TrainState(jnp.zeros((), jnp.int32), params, rest, optimizer.init(params), jax.random.key(0))
     step = jax.jit(train_lib.train_step_fn(graphdef, optimizer))
     losses = []

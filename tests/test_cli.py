@@ -152,6 +152,7 @@ def test_kill_and_rerun_resumes_to_the_same_metrics(tmp_path, capsys):
 def _loaded_model_reproduces_the_held_out_loss(workdir, val_loss, sites=1):
     """`experiments.load.trained_model` restores the final parameters (of each site of a federated run): the held-out
     loss recomputed from them (averaged over the sites) equals the summary's."""
+    import jax.numpy as jnp
     import numpy as np
     import optax
 
@@ -165,7 +166,8 @@ def _loaded_model_reproduces_the_held_out_loss(workdir, val_loss, sites=1):
             np.mean(
                 [
                     np.asarray(
-                        optax.softmax_cross_entropy_with_integer_labels(model(t[:, :-1])[0], t[:, 1:]), np.float64
+                        optax.softmax_cross_entropy_with_integer_labels(model(jnp.asarray(t[:, :-1]))[0], t[:, 1:]),
+                        np.float64,
                     )
                     for t in batches.val_batches(config.train.eval_batches)
                 ]

@@ -6,6 +6,7 @@ import json
 import math
 import pathlib
 import sysconfig
+from typing import Any
 
 import numpy as np
 import pytest
@@ -96,8 +97,9 @@ def test_tokenizer_constants_and_errors():
         tok.decode([-1])
     with pytest.raises(DataError, match="1-D"):
         tok.decode(np.zeros((2, 2), np.int32))
+    not_text: Any = b"abc"  # the wrong type on purpose
     with pytest.raises(TypeError, match="bytes"):
-        tok.encode(b"abc")
+        tok.encode(not_text)
 
 
 def test_count_bytes():
@@ -356,8 +358,8 @@ def test_val_batches(val_len, seq_len, global_batch, num_batches):
             ).val_batches(num_batches)
             for i in range(process_count)
         ]
-        for b in range(num_batches):
-            np.testing.assert_array_equal(np.concatenate([p[b] for p in parts]), batches[b])
+        for n in range(num_batches):
+            np.testing.assert_array_equal(np.concatenate([p[n] for p in parts]), batches[n])
 
 
 def batches_error(corpus, **kwargs) -> str:
@@ -376,13 +378,14 @@ def test_batches_errors():
     msg = batches_error(corpus, seq_len=99)
     assert "data.seq_len=99" in msg and "100" in msg and "train" in msg
     Batches(corpus, seq_len=28, global_batch=4, seed=0)  # Largest valid seq_len.
-    for kwargs, field in [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"seq_len": 0}, "data.seq_len"),
         ({"global_batch": 0}, "data.batch_size"),
         ({"seed": -1}, "data.seed"),
         ({"seq_len": 2.0}, "data.seq_len"),
         ({"process_index": 2, "process_count": 2}, "process_index"),
-    ]:
+    ]
+    for kwargs, field in cases:
         assert field in batches_error(corpus, **kwargs)
 
     ok = Batches(corpus, seq_len=4, global_batch=2, seed=0)

@@ -125,6 +125,7 @@ def test_request_larger_than_the_pool_is_rejected(model):
 def test_block_manager_refcounts_and_lru():
     blocks = BlockManager(4, 2)
     a = blocks.allocate(2)
+    assert a is not None
     for blk, h in zip(a, block_hashes([1, 2, 3, 4], 2)):
         blocks.register(blk, h)
     blocks.release(a)  # cached, the tail (a[1]) first in line for eviction
@@ -133,7 +134,7 @@ def test_block_manager_refcounts_and_lru():
     blocks.release(a)
     assert blocks.match([1, 2, 9, 9]) == a[:1]  # a different second block: only the first matches
     b = blocks.allocate(3)  # 2 free + evicts a[1], never a[0] (referenced)
-    assert a[1] in b and a[0] not in b
+    assert b is not None and a[1] in b and a[0] not in b
     assert blocks.match([1, 2, 3, 4]) == a[:1]  # the evicted second block is gone from the cache
     assert blocks.allocate(1) is None  # nothing left: no change
     with pytest.raises(ValueError, match="released more often"):

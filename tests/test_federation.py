@@ -55,6 +55,7 @@ def test_compiled_collectives_move_exactly_the_formula_bytes(overlap):
     mesh = federation.site_mesh(SITES, overlap)
     tree, is_expert = _stacked(mesh, np.random.default_rng(0))
     text = jax.jit(lambda t: federation.average(t, is_expert, mesh)).lower(tree).compile().as_text()
+    assert text is not None  # the CPU backend gives the compiled program's text
     measured = hlo.collective_bytes(text)
     per_site = {k: v.nbytes // SITES for k, v in tree.items()}
     dense = sum(b for k, b in per_site.items() if not is_expert[k])

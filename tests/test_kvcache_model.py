@@ -10,7 +10,7 @@ from core import generate as generate_lib
 from core.config import ConfigError
 from core.model import Transformer, TransformerConfig
 from experiments import build
-from kvcache import formats, paged_cache_factory
+from kvcache import PagedKVCache, formats, paged_cache_factory
 
 # D = 64, GQA 2
 CFG = TransformerConfig(vocab_size=264, d_model=128, num_layers=2, num_heads=2, num_kv_heads=1, d_ff=96)
@@ -82,6 +82,7 @@ def test_config_selects_the_cache(tiny_config):
     c.kvcache.format, c.kvcache.scale_rule = "fp4", "mx"
     build.validate(c)
     cache = build.build_cache_factory(c, model)(2, 40)
+    assert isinstance(cache, PagedKVCache)
     assert cache.pool.fmt == formats.get("fp4", scale_rule="mx") and cache.block_tables.shape == (2, 3)
     c.model.d_model = 96  # head_dim 48: fp4 cannot store it
     with pytest.raises(ConfigError, match="'kvcache.format' = 'fp4'.*head_dim = 48"):

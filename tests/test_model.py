@@ -194,6 +194,9 @@ class RecordingPrecision:
         scale = self.factor if path in self.paths else 1.0
         return lambda *a, **kw: scale * jax.lax.dot_general(*a, **kw)
 
+    def grouped_matmul(self, path, key):
+        raise NotImplementedError("the dense models these tests record have no experts")
+
 
 def test_precision_slot_reaches_every_projection():
     cfg = CONFIGS["mqa-periln-untied"]

@@ -54,7 +54,7 @@ def test_arrivals_mark_experts_new_to_a_site():
         ((8, 0, 1), "sites = 0"),
     ],
 )
-def test_impossible_placements_are_rejected(args, needle):
+def test_impossible_placements_are_rejected(args: tuple[int, int, int], needle: str):
     with pytest.raises(ValueError, match=needle):
         fixed_placement(*args)
     with pytest.raises(ValueError, match=needle):

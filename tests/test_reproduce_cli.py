@@ -26,7 +26,12 @@ def _help(module, monkeypatch, capsys) -> tuple[argparse.ArgumentParser, str]:
     """The parser `module.main` builds and its --help text."""
     made = []
     real = common.parser
-    monkeypatch.setattr(common, "parser", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+
+    def recording_parser(*a, **k):
+        made.append(real(*a, **k))
+        return made[-1]
+
+    monkeypatch.setattr(common, "parser", recording_parser)
     with pytest.raises(SystemExit) as exit_:
         module.main(["--help"])
     assert exit_.value.code == 0
@@ -37,6 +42,7 @@ def _help(module, monkeypatch, capsys) -> tuple[argparse.ArgumentParser, str]:
 def test_help_states_the_whole_first_paragraph_and_every_flag_with_its_default(name, monkeypatch, capsys):
     module = importlib.import_module(name)
     parser, text = _help(module, monkeypatch, capsys)
+    assert module.__doc__ is not None  # the script's docstring is its --help description
     first = module.__doc__.strip().split("\n\n")[0]
     assert _words(first) in _words(text)  # the whole paragraph, not its first line cut mid-sentence
     flags = [a for a in parser._actions if a.option_strings and a.dest != "help"]

@@ -183,7 +183,7 @@ def test_eval_bits_per_byte_formula():
     tokens = np.array(jax.random.randint(jax.random.key(0), (2, 9), 0, 256))
     tokens[0, 3], tokens[1, 6:] = 258, PAD_ID
     out = train_lib.make_eval_step(graphdef)(params, rest, jnp.asarray(tokens))
-    state = train_lib.TrainState(jnp.int32(0), params, rest, None, None)
+    state = train_lib.TrainState(jnp.int32(0), params, rest, None, jax.random.key(0))  # evaluation reads neither
     ev = train_lib.evaluate(train_lib.make_eval_step(graphdef), state, [jnp.asarray(tokens)] * 2)
     assert int(out["tokens"]) == 8 + 5 and int(out["bytes"]) == 7 + 5
     np.testing.assert_allclose(ev["val_bits_per_byte"], float(out["nll_sum"]) / (math.log(2) * 12), rtol=1e-6)

@@ -9,9 +9,12 @@ import json
 import os
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import TypeVar
 
 import numpy as np
+
+K = TypeVar("K", bound=Hashable)
 
 
 def median_seconds(call: Callable[[], object], *, repeats: int, warmup: int = 1) -> float:
@@ -28,7 +31,7 @@ def median_seconds(call: Callable[[], object], *, repeats: int, warmup: int = 1)
     return float(np.median(times))
 
 
-def interleaved_medians(calls: dict[str, Callable[[], object]], *, repeats: int, warmup: int = 1) -> dict[str, float]:
+def interleaved_medians(calls: Mapping[K, Callable[[], object]], *, repeats: int, warmup: int = 1) -> dict[K, float]:
     """Median seconds of each call, timed in rounds (one call of each per round) so that slow drifts of a shared
     machine's speed hit every candidate alike: the ratios are what such a benchmark reports."""
     import jax
@@ -36,7 +39,7 @@ def interleaved_medians(calls: dict[str, Callable[[], object]], *, repeats: int,
     for call in calls.values():
         for _ in range(warmup):
             jax.block_until_ready(call())
-    times: dict[str, list[float]] = {name: [] for name in calls}
+    times: dict[K, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
             t0 = time.perf_counter()
@@ -171,7 +174,7 @@ def integers(minimum: int = 1, *, distinct: bool = False, empty: bool = False) -
     return parse
 
 
-def names(allowed: Sequence[str], *, empty: bool = False) -> Callable[[str], list[str]]:
+def names(allowed: Iterable[str], *, empty: bool = False) -> Callable[[str], list[str]]:
     """An argparse `type`: a comma-separated subset of `allowed` (in the order given); an empty string gives []
     when `empty`, else it is refused."""
     allowed = list(allowed)

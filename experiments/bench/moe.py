@@ -14,6 +14,10 @@ Writes moe.json and moe.md.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -97,14 +101,14 @@ def bench_grouped_matmul(repeats: int) -> list[dict]:
         ).reshape(m, n),
         "dense product (same FLOPs)": lambda x, w: x @ w[0],
     }
-    calls = {}
+    calls: dict[tuple[str, str], Callable[[], object]] = {}
     for name, fn in candidates.items():
         if name == "ragged_dot" and jax.default_backend() == "cpu":
             continue  # ~100x slower on CPU: timed once below, outside the rounds
         fwd = jax.jit(fn)
         bwd = jax.jit(jax.grad(lambda x, w, fn=fn: jnp.sum(fn(x, w) ** 2), argnums=(0, 1)))
-        calls[(name, "forward")] = lambda fwd=fwd: fwd(x, w)
-        calls[(name, "forward_backward")] = lambda bwd=bwd: bwd(x, w)
+        calls[(name, "forward")] = functools.partial(fwd, x, w)
+        calls[(name, "forward_backward")] = functools.partial(bwd, x, w)
     times = interleaved_medians(calls, repeats=repeats)
     if jax.default_backend() == "cpu":
         fn = candidates["ragged_dot"]
@@ -113,7 +117,7 @@ def bench_grouped_matmul(repeats: int) -> list[dict]:
         times[("ragged_dot", "forward_backward")] = median_seconds(lambda: bwd(x, w), repeats=1)
     rows = []
     for name in candidates:
-        row = {
+        row: dict[str, Any] = {
             "implementation": name,
             "forward_seconds": times[(name, "forward")],
             "forward_backward_seconds": times[(name, "forward_backward")],

@@ -12,6 +12,9 @@ MGUP-AdamW / AdamW <= 1.25 with exact top-k, <= 1.10 with the approximate select
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +30,7 @@ GOALS = {"mgup_adamw": 1.25, "mgup_adamw_approx": 1.10}
 def transformer_pytree(d: int, layers: int, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape) * 0.02, jnp.float32)  # noqa: E731
-    tree = {"embedding": normal(256, d)}
+    tree: dict[str, Any] = {"embedding": normal(256, d)}
     for i in range(layers):
         tree[f"layer_{i}"] = {
             "q": normal(d, d),
@@ -62,7 +65,8 @@ def optimizers() -> dict[str, tuple[str, optax.GradientTransformation]]:
 def measure(d: int, layers: int, repeats: int) -> dict:
     params = transformer_pytree(d, layers)
     grads = jax.tree.map(lambda x: jnp.asarray(np.random.default_rng(1).normal(size=x.shape), jnp.float32), params)
-    calls, table = {}, optimizers()
+    calls: dict[str, Callable[[], object]] = {}
+    table = optimizers()
     for name, (_, tx) in table.items():
         step = jax.jit(
             lambda p, s, g, tx=tx: (lambda u, s2: (optax.apply_updates(p, u), s2))(*tx.update(g, s, p)),

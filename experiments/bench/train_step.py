@@ -56,7 +56,7 @@ def bench_size(name: str, steps: int) -> dict:
     tokens = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, 256)
     cost = step.lower(state, tokens).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    xla_flops = float(cost.get("flops", float("nan"))) if cost else float("nan")
+    xla_flops: float | None = float(cost.get("flops", float("nan"))) if cost else float("nan")
 
     def one_step():  # the state is donated, so thread it through
         nonlocal state

@@ -13,6 +13,7 @@ table.md, table.json and curves.png (held-out bits per byte over the steps, mean
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 
@@ -58,7 +59,7 @@ def train(name: str, seed: int, steps: int, out: str) -> dict:
 def summarise(runs: dict, seeds: list[int]) -> dict:
     """Per variant the mean over seeds; per effect the paired differences (with - without) per seed, their mean and
     its standard error (None for one seed)."""
-    variants = {}
+    variants: dict[str, dict[str, Any]] = {}
     for name, (optimizer, recipe) in VARIANTS.items():
         per_seed = [runs[name][s] for s in seeds]
         variants[name] = {
@@ -139,7 +140,7 @@ def main(argv=None) -> None:
     )
     args = parser.parse_args(argv)
     seeds = args.seeds
-    runs = {name: {} for name in VARIANTS}
+    runs: dict[str, dict[int, dict]] = {name: {} for name in VARIANTS}
     for i, (seed, name) in enumerate((s, n) for s in seeds for n in VARIANTS):
         print(f"[{i + 1}/{len(seeds) * len(VARIANTS)}] {name}, seed {seed}", flush=True)
         runs[name][seed] = train(name, seed, args.steps, args.out)

@@ -24,6 +24,7 @@ full-attention layers, 2 KV heads, head dim 256) at the spec's 14.5 GiB budget -
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,11 +32,14 @@ from experiments import plotting
 from experiments.bench import common
 from experiments.reproduce import runs
 
+if TYPE_CHECKING:
+    import jax
+
 CONFIG = runs.config_path("quickstart")
 PARTS = ("quality", "perplexity", "capacity")
 STEPS = 400
 PREFILL = 32
-VARIANTS = {  # label -> (format name, options)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # label -> (format name, options)
     "bf16": ("bf16", {}),
     "fp8": ("fp8", {}),
     "fp4 (UltraQuant: mse, K rotated)": ("fp4", {}),
@@ -139,7 +143,7 @@ def model_qkv(config, model) -> list[tuple]:
     return [cache.records[i] for i in range(cfg.num_layers)]
 
 
-def synthetic_qkv():
+def synthetic_qkv() -> tuple[jax.Array, jax.Array, jax.Array]:
     import jax
     import jax.numpy as jnp
 
@@ -266,7 +270,9 @@ def perplexity(out: str, num_batches: int = 4) -> None:
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         return float(-jnp.mean(jnp.take_along_axis(logp, jnp.asarray(tokens[:, 1:])[..., None], axis=-1)))
 
-    rows = [{"format": "no cache (float32 forward)", "loss": float(np.mean([uncached(t) for t in val]))}]
+    rows: list[dict[str, Any]] = [
+        {"format": "no cache (float32 forward)", "loss": float(np.mean([uncached(t) for t in val]))}
+    ]
     factories = {"dense float32 cache": generate.dense_cache_factory(model, jnp.float32)}
     for label in VARIANTS:
         factories[label] = paged_cache_factory(

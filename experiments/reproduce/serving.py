@@ -26,6 +26,7 @@ kernels are assumed to reach 80% of the bandwidth, fp4 75%, until a GPU session 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 
@@ -118,7 +119,7 @@ def main(argv=None) -> None:
     plot(summary, os.path.join(args.out, "ttft.png"))
 
 
-PUBLISHED_WORKLOAD = dict(
+PUBLISHED_WORKLOAD: dict[str, Any] = dict(
     conversations=100,
     concurrency=32,
     rounds=6,
@@ -169,7 +170,7 @@ def project(out: str) -> None:
     workload = workload_lib.AgentWorkload(**PUBLISHED_WORKLOAD)
     points = []
     for gib in PROJECTION_GIB:
-        point = {"kv_gib": gib}
+        point: dict[str, Any] = {"kv_gib": gib}
         for name in FORMATS:
             point[name] = r = simulate(gib, name, KERNEL_EFFICIENCY[name], workload)
             print(
@@ -284,7 +285,7 @@ def late_ttft_p50(result: dict, rounds: int) -> float:
 def sweep(model, memories_kib: list[int], workload, out: str) -> None:
     points = []
     for kib in memories_kib:
-        point = {"memory_kib": kib}
+        point: dict[str, Any] = {"memory_kib": kib}
         for name in ("fp8", "fp4"):
             print(f"serving with {name} KV ({kib} KiB)", flush=True)
             r = serve(model, name, kib * 1024, workload)

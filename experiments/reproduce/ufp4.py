@@ -23,6 +23,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import time
+from typing import Any
 
 import numpy as np
 
@@ -216,7 +217,7 @@ def train_all(out: str, steps: int, jobs: int) -> None:
                 f"({(time.time() - started) / 60:.1f} min so far)",
                 flush=True,
             )
-    rows = []
+    rows: list[dict[str, Any]] = []
     for r in RECIPES:
         errors = [relative_error(results[f"{r}_s{s}"], results[f"bf16_s{s}"], steps) for s in seeds(r)]
         val = [results[f"{r}_s{s}"]["val_loss"] for s in seeds(r)]
