@@ -37,6 +37,22 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+__all__ = [
+    "ACCEPTED_SUFFIXES",
+    "BOS_ID",
+    "EOS_ID",
+    "NUM_BYTES",
+    "PAD_ID",
+    "VOCAB_SIZE",
+    "Batches",
+    "ByteTokenizer",
+    "Corpus",
+    "DataError",
+    "count_bytes",
+    "load_corpus",
+    "stdlib_files",
+]
+
 NUM_BYTES = 256  # token ids 0..255 are the byte values
 PAD_ID = NUM_BYTES
 BOS_ID = NUM_BYTES + 1

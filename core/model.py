@@ -40,6 +40,8 @@ __all__ = [
     "Block",
     "DefaultPrecision",
     "Dense",
+    "DotGeneral",
+    "GroupedMatmul",
     "Precision",
     "Transformer",
     "TransformerConfig",

@@ -52,8 +52,12 @@ __all__ = [
     "LionState",
     "MGUPChainState",
     "MGUPState",
+    "Scalar",
     "cautious_adamw",
     "cautious_mgup_adamw",
+    "check_arguments",
+    "decay_and_learning_rate",
+    "leaves_like",
     "mgup_adamw",
     "mgup_lion",
     "mgup_mask",
@@ -63,6 +67,7 @@ __all__ = [
     "scale_by_hf_adam",
     "scale_by_lion_direction",
     "scale_by_mgup",
+    "select_masks",
     "state_metrics",
     "with_mgup",
 ]
@@ -103,7 +108,7 @@ def _check_ratio(mask_ratio: Scalar) -> None:
         raise ValueError(f"mask_ratio = {value} must be in [0, 1].")
 
 
-def _check(mask_ratio: Scalar, alpha: Scalar, gamma: Scalar, selection: str) -> None:
+def check_arguments(mask_ratio: Scalar, alpha: Scalar, gamma: Scalar, selection: str) -> None:
     _check_ratio(mask_ratio)
     a, g = _concrete(alpha), _concrete(gamma)
     if (a is not None and not a > 0) or (g is not None and not g > 0):
@@ -168,7 +173,7 @@ def mgup_mask(
     sample) or "sign" (alpha where update * grad >= 0: Cautious-MGUP; `mask_ratio` unused). Returns phi in float32
     (float64 for float64 updates), update's shape.
     """
-    _check(mask_ratio, alpha, gamma, selection)
+    check_arguments(mask_ratio, alpha, gamma, selection)
     ((chosen, _),) = _select([update], [grad], mask_ratio, selection)
     return jnp.where(chosen, alpha, gamma).astype(_score_dtype(update))
 
@@ -245,7 +250,7 @@ def _select(
     return out
 
 
-def _masks(
+def select_masks(
     updates: list[jax.Array],
     grads: list[jax.Array],
     mask_ratio: Scalar,
@@ -259,7 +264,7 @@ def _masks(
     return [c for c, _ in pairs], jnp.asarray(fraction, jnp.float32)
 
 
-def _leaves_like(reference: Any, tree: Any) -> list:
+def leaves_like(reference: Any, tree: Any) -> list:
     """The leaves of `tree`, which has `reference`'s structure (checked), in `reference`'s leaf order."""
     return jax.tree.leaves(jax.tree.map(lambda _, x: x, reference, tree))
 
@@ -289,7 +294,7 @@ def scale_by_mgup(
     chain's later links only see the previous link's output. Presets below wire it up. The optional `samples=`
     gives "approx" its two strided samples of (direction, gradient) computed elsewhere (see `with_mgup`).
     """
-    _check(mask_ratio, alpha, gamma, selection)
+    check_arguments(mask_ratio, alpha, gamma, selection)
 
     def init(params):
         del params
@@ -300,12 +305,12 @@ def scale_by_mgup(
         if grad is None:
             raise ValueError("scale_by_mgup needs the raw gradient: call update(..., grad=grads) or use with_mgup.")
         leaves, treedef = jax.tree.flatten(updates)
-        grads = _leaves_like(updates, grad)
+        grads = leaves_like(updates, grad)
         per_leaf = None
         if samples is not None:  # [(direction, grad) trees at strided_sample, the same at the second sample]
-            (ua, ga), (ub, gb) = [(_leaves_like(updates, u), _leaves_like(updates, g)) for u, g in samples]
+            (ua, ga), (ub, gb) = [(leaves_like(updates, u), leaves_like(updates, g)) for u, g in samples]
             per_leaf = [((a, b), (c, d)) for a, b, c, d in zip(ua, ga, ub, gb)]
-        chosen, fraction = _masks(leaves, grads, mask_ratio, selection, per_leaf)
+        chosen, fraction = select_masks(leaves, grads, mask_ratio, selection, per_leaf)
         out = [_apply(u, c, alpha, gamma) for u, c in zip(leaves, chosen)]
         return jax.tree.unflatten(treedef, out), MGUPState(fraction)
 
@@ -478,7 +483,7 @@ def scale_by_cautious() -> optax.GradientTransformationExtraArgs:
     return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
 
 
-def _decay_and_lr(
+def decay_and_learning_rate(
     learning_rate: Scalar | optax.Schedule, weight_decay: Scalar, mask=None
 ) -> list[optax.GradientTransformation]:
     """p <- p - lr wd p - lr * direction: the reference's decoupled decay with the raw learning rate (on the
@@ -511,7 +516,7 @@ def mgup_adamw(
     return with_mgup(
         scale_by_hf_adam(b1=b1, b2=b2, eps=eps),
         scale_by_mgup(mask_ratio=mask_ratio, alpha=alpha, gamma=gamma, selection=selection),
-        *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask),
+        *decay_and_learning_rate(learning_rate, weight_decay, weight_decay_mask),
     )
 
 
@@ -531,7 +536,7 @@ def cautious_mgup_adamw(
     return with_mgup(
         scale_by_hf_adam(b1=b1, b2=b2, eps=eps),
         scale_by_mgup(alpha=alpha, gamma=gamma, selection="sign"),
-        *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask),
+        *decay_and_learning_rate(learning_rate, weight_decay, weight_decay_mask),
     )
 
 
@@ -554,7 +559,7 @@ def mgup_lion(
     return with_mgup(
         scale_by_lion_direction(b1=b1, b2=b2),
         scale_by_mgup(mask_ratio=mask_ratio, alpha=alpha, gamma=gamma, selection=selection),
-        *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask),
+        *decay_and_learning_rate(learning_rate, weight_decay, weight_decay_mask),
     )
 
 
@@ -572,7 +577,7 @@ def cautious_adamw(
     return with_mgup(
         scale_by_hf_adam(b1=b1, b2=b2, eps=eps),
         scale_by_cautious(),
-        *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask),
+        *decay_and_learning_rate(learning_rate, weight_decay, weight_decay_mask),
     )
 
 

@@ -27,12 +27,12 @@ import optax
 from optim.mgup import (
     MGUPState,
     Scalar,
-    _check,
-    _decay_and_lr,
-    _leaves_like,
-    _masks,
+    check_arguments,
+    decay_and_learning_rate,
+    leaves_like,
     scale_by_hf_adam,
     scale_by_mgup,
+    select_masks,
     with_mgup,
 )
 
@@ -92,7 +92,7 @@ def scale_by_muon(
     dtype, with buf <- mu buf + G, G_hat = G + mu buf (Nesterov) or buf, phi = mgup_mask(G_hat, G) (phi = 1 if not
     `mgup`). ns_dtype: Newton-Schulz's dtype (default float32). State: MuonState."""
     if mgup:
-        _check(mask_ratio, alpha, gamma, selection)
+        check_arguments(mask_ratio, alpha, gamma, selection)
     ns_dtype = ns_dtype or jnp.float32
 
     def init(params):
@@ -103,10 +103,10 @@ def scale_by_muon(
         del params
         buf = jax.tree.map(lambda m, g: momentum * m + g.astype(m.dtype), state.momentum, grads)
         leaves, treedef = jax.tree.flatten(buf)
-        g_leaves = _leaves_like(buf, grads)
+        g_leaves = leaves_like(buf, grads)
         g_hat = [g.astype(m.dtype) + momentum * m if nesterov else m for m, g in zip(leaves, g_leaves)]
         if mgup:
-            chosen, fraction = _masks(g_hat, g_leaves, mask_ratio, selection)
+            chosen, fraction = select_masks(g_hat, g_leaves, mask_ratio, selection)
             phis = [jnp.where(c, alpha, gamma).astype(m.dtype) for c, m in zip(chosen, leaves)]
         out = []
         for i, (m, g, h) in enumerate(zip(leaves, g_leaves, g_hat)):
@@ -172,18 +172,18 @@ def mgup_muon(
             selection=selection,
             ns_dtype=ns_dtype,
         ),
-        *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask),
+        *decay_and_learning_rate(learning_rate, weight_decay, weight_decay_mask),
     )
     adam_direction = scale_by_hf_adam(b1=adam_b1, b2=adam_b2, eps=adam_eps)
     if adam_mgup and mgup:
         adam = with_mgup(
             adam_direction,
             scale_by_mgup(mask_ratio=mask_ratio, alpha=alpha, gamma=gamma, selection=selection),
-            *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask),
+            *decay_and_learning_rate(learning_rate, weight_decay, weight_decay_mask),
         )
     else:
         plain = optax.GradientTransformation(adam_direction.init, adam_direction.update)
-        adam = optax.chain(plain, *_decay_and_lr(learning_rate, weight_decay, weight_decay_mask))
+        adam = optax.chain(plain, *decay_and_learning_rate(learning_rate, weight_decay, weight_decay_mask))
 
     def checked_labels(params):
         tree = labels(params)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from quant.grids import levels
-from quant.quantize import DEFAULT_BLOCK, _blocks, _check_fmt, _encode
+from quant.quantize import DEFAULT_BLOCK, check_format, encode_blocks, split_blocks
 
 __all__ = ["alpha", "bucket_entropy", "report", "shrinkage_bias", "sqnr"]
 
@@ -40,9 +40,9 @@ def alpha(x: jax.Array, x_hat: jax.Array) -> jax.Array:
 def bucket_entropy(x: jax.Array, fmt: str, *, axis: int = -1, block_size: int | None = None) -> jax.Array:
     """Entropy (bits, at most log2(15)) of the distribution of x's quantised codes over the grid's 15 levels,
     round-to-nearest with the same block scales as `quantize`."""
-    _check_fmt(fmt)
-    blocks, inner = _blocks(x.astype(jnp.float32), axis, DEFAULT_BLOCK[fmt] if block_size is None else block_size)
-    q = _encode(blocks, fmt, inner)[0]
+    check_format(fmt)
+    blocks, inner = split_blocks(x.astype(jnp.float32), axis, DEFAULT_BLOCK[fmt] if block_size is None else block_size)
+    q = encode_blocks(blocks, fmt, inner)[0]
     grid = jnp.asarray(levels(fmt), jnp.float32)
     counts = jnp.sum(q.reshape(-1, 1) == grid[None, :], axis=0)
     p = counts / jnp.sum(counts)

@@ -36,19 +36,29 @@ from core import lowbit
 from core.lowbit import E4M3_MAX, UE8M0_MAX_EXPONENT, UE8M0_MIN_EXPONENT
 from quant.grids import FORMATS, grid_max, round_quotient, round_to_grid
 
-__all__ = ["DEFAULT_BLOCK", "E4M3_MAX", "block_scales", "quantize", "quantize_tiles"]
+__all__ = [
+    "DEFAULT_BLOCK",
+    "E4M3_MAX",
+    "block_scales",
+    "check_format",
+    "encode_blocks",
+    "quantize",
+    "quantize_tiles",
+    "split_blocks",
+]
 
 DEFAULT_BLOCK = {"e2m1": 16, "e1m2": 16, "int4": 16, "mxfp4": 32, "nvfp4": 16}
 _NV_SCALE = 6.0 * E4M3_MAX  # 2688 = s_enc t
 _NV_SPLIT = 100  # nvfp4: tensors with t < 2^-100 scale by 2^-E in two factors, each a normal float32
 
 
-def _check_fmt(fmt: str) -> None:
+def check_format(fmt: str) -> None:
+    """Raises ValueError naming `fmt` and the allowed formats unless it is one of FORMATS."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt = {fmt!r}; allowed: {list(FORMATS)}.")
 
 
-def _blocks(x: jax.Array, axis: int, block: int) -> tuple[jax.Array, int]:
+def split_blocks(x: jax.Array, axis: int, block: int) -> tuple[jax.Array, int]:
     """(x with `axis` split in place into [n / block, block], the index of the within-block axis). No transpose:
     on CPU moving the axis last and back costs more than the quantiser."""
     x = x.reshape(1) if x.ndim == 0 else x
@@ -102,7 +112,7 @@ def _nvfp4(blocks, amax, rounding, key):
     return q, q * d * tail, d * tail
 
 
-def _encode(
+def encode_blocks(
     blocks: jax.Array, fmt: str, axis: int, rounding: str = "nearest", key: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(the grid level of each element, the dequantised values x_hat, the per-block decode scales) of float32
@@ -123,8 +133,8 @@ def block_scales(blocks: jax.Array, fmt: str, axis: int = -1) -> jax.Array:
     float32); nvfp4: d_b = s_b / s_enc. 0 for a block that encodes zeros (amax 0, or an NVFP4 block scale that
     underflows E4M3); nan for an mxfp4 block (nvfp4 tensor) holding inf or nan. For inspection: `quantize` does not
     divide by these (see the module docstring)."""
-    _check_fmt(fmt)
-    return _encode(blocks.astype(jnp.float32), fmt, axis)[2]
+    check_format(fmt)
+    return encode_blocks(blocks.astype(jnp.float32), fmt, axis)[2]
 
 
 def quantize(
@@ -143,12 +153,12 @@ def quantize(
     Raises ValueError on an unknown fmt / rounding, a non-float x, an axis out of range, or an axis the block does
     not divide.
     """
-    _check_fmt(fmt)
+    check_format(fmt)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"quantize: x has dtype {x.dtype}; a floating dtype is required.")
     block = DEFAULT_BLOCK[fmt] if block_size is None else block_size
-    blocks, inner = _blocks(x.astype(jnp.float32), axis, block)
-    x_hat = _encode(blocks, fmt, inner, rounding, key)[1]
+    blocks, inner = split_blocks(x.astype(jnp.float32), axis, block)
+    x_hat = encode_blocks(blocks, fmt, inner, rounding, key)[1]
     return x_hat.reshape(x.shape).astype(x.dtype)
 
 
@@ -156,7 +166,7 @@ def quantize_tiles(w: jax.Array, fmt: str, *, tile: int = 16) -> jax.Array:
     """Fake-quantises the last two axes of w ([..., K, N]) in tile x tile blocks (one scale per tile: NVFP4's 2-D
     weight scaling, so that w^T is quantised identically); the last two axes are zero-padded to whole tiles for
     the scales and cropped back. Nearest rounding; w's shape and dtype."""
-    _check_fmt(fmt)
+    check_format(fmt)
     if w.ndim < 2:
         raise ValueError(f"quantize_tiles: w has shape {w.shape}; at least two axes [..., K, N] are required.")
     if tile < 1:
@@ -167,6 +177,6 @@ def quantize_tiles(w: jax.Array, fmt: str, *, tile: int = 16) -> jax.Array:
     lead = x.shape[:-2]
     kt, nt = x.shape[-2] // tile, x.shape[-1] // tile
     blocks = jnp.swapaxes(x.reshape(*lead, kt, tile, nt, tile), -3, -2).reshape(*lead, kt, nt, tile * tile)
-    q = _encode(blocks, fmt, -1)[1]
+    q = encode_blocks(blocks, fmt, -1)[1]
     q = jnp.swapaxes(q.reshape(*lead, kt, nt, tile, tile), -3, -2).reshape(x.shape)
     return q[..., :k, :n].astype(w.dtype)

@@ -1,9 +1,24 @@
-"""Test setup: 8 virtual CPU devices (set before JAX is imported) and small shared fixtures."""
+"""Test setup: 8 virtual CPU devices (set before JAX is imported), a compilation cache the session shares, and
+small shared fixtures.
 
+Most of the suite's time is XLA compiling small programs, and many tests compile the same ones (a resumed run
+compiles what the run it resumes compiled; the CLI tests start processes that compile the same train step). JAX's
+persistent compilation cache, in a directory made for this session and removed at its end, lets every process of
+the session (pytest-xdist workers and the CLI subprocesses, which inherit the environment) compile each program
+once. It changes no result: a cached executable is the one XLA would compile again.
+"""
+
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the session; workers inherit it
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="lowbit-moe-lab-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import pytest
 

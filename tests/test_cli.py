@@ -332,6 +332,7 @@ def test_the_composed_config_trains_sites_with_mgup_on_ufp4_and_serves_through_f
         "--config.model.d_model=64",
         "--config.model.num_heads=1",
         "--config.model.num_kv_heads=1",
+        "--config.model.num_layers=1",
         config=COMPOSED,
     )
     config = json.loads((workdir / "config.json").read_text())
@@ -366,9 +367,9 @@ def test_bad_federated_flags_are_rejected(capsys, tmp_path, args, needles):
         assert needle in err, (needle, err)
 
 
-def test_federated_sites_as_processes_equal_sites_as_virtual_devices(tmp_path):
-    """One process per site (jax.distributed, gloo on 127.0.0.1) trains exactly like one process with a device
-    per site: same losses, same held-out result, same measured bytes."""
+def test_federated_sites_as_processes_through_the_launcher_equal_sites_as_virtual_devices(tmp_path):
+    """`experiments.launch` starts one process per site (jax.distributed, gloo on 127.0.0.1); they train exactly
+    like one process with a device per site: same losses, same held-out result, same measured bytes."""
     args = [
         "--config.mesh.site=2",
         "--config.mesh.data=1",
@@ -380,9 +381,20 @@ def test_federated_sites_as_processes_equal_sites_as_virtual_devices(tmp_path):
     ]
     single = _cli(tmp_path / "single", *args, env_devices=2)
     assert single.returncode == 0, single.stdout + single.stderr
-    _run_processes(tmp_path / "multi", *args)
+    cmd = [sys.executable, "-m", "experiments.launch", "--processes", "2", "--", f"--config={CONFIG}"]
+    out = subprocess.run(
+        [*cmd, f"--workdir={tmp_path / 'multi'}", *TINY, *args],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "launch: exit codes [0, 0]" in out.stdout and "[1] " in out.stdout
     a = json.loads((tmp_path / "single" / "summary.json").read_text())
     b = json.loads((tmp_path / "multi" / "summary.json").read_text())
+    assert b["rounds"] == 3 and b["devices"].startswith("2 x")
     for key in ("train_loss", "val_loss", "val_bits_per_byte", "bytes_per_site_per_round"):
         assert b[key] == pytest.approx(a[key], rel=1e-6), key
 
@@ -421,34 +433,6 @@ def test_a_lost_site_stops_the_others_and_a_rerun_resumes(tmp_path):
     assert b["resumed_from"] >= 9 and b["steps"] == 60
     for key in ("train_loss", "val_loss", "val_bits_per_byte"):
         assert b[key] == pytest.approx(a[key], rel=1e-6), key
-
-
-def test_launcher_runs_one_process_per_site(tmp_path):
-    args = [
-        "--config.mesh.site=2",
-        "--config.mesh.data=1",
-        "--config.fomoe.local_steps=3",
-        "--config.train.steps=6",
-        "--config.train.eval_every=6",
-        "--config.sample.num_tokens=0",
-    ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "experiments.launch",
-        "--processes",
-        "2",
-        "--",
-        f"--config={CONFIG}",
-        f"--workdir={tmp_path}",
-        *TINY,
-        *args,
-    ]
-    out = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "launch: exit codes [0, 0]" in out.stdout and "[1] " in out.stdout
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["rounds"] == 2 and summary["devices"].startswith("2 x")
 
 
 @pytest.mark.parametrize(

@@ -29,12 +29,12 @@ OPTIMIZER_NAMES = (
 )
 
 
-def _setup(overlap, optimizer, outer=None, precision=None):
+def _setup(overlap, optimizer, outer=None, precision=None, num_layers=2):
     placement = fixed_placement(8, SITES, overlap)
     mesh = federation.site_mesh(SITES, overlap)
     graphdef, state = rounds.init_sites(
-        tiny_moe_transformer(precision=precision),
-        tiny_moe_transformer(placement.experts[0], precision=precision),
+        tiny_moe_transformer(precision=precision, num_layers=num_layers),
+        tiny_moe_transformer(placement.experts[0], precision=precision, num_layers=num_layers),
         placement,
         optimizer,
         outer,
@@ -121,8 +121,8 @@ def test_a_round_of_mgup_and_ufp4_sites_equals_their_unsharded_steps_then_the_me
     from quant.precision import QuantPrecision
 
     optimizer = mgup_adamw(1e-2)
-    precision = QuantPrecision(recipes.UFP4, num_layers=2, grouped=GroupedMatmulFn(grouped))
-    placement, mesh, graphdef, state = _setup(2, optimizer, precision=precision)
+    precision = QuantPrecision(recipes.UFP4, num_layers=1, grouped=GroupedMatmulFn(grouped))
+    placement, mesh, graphdef, state = _setup(2, optimizer, precision=precision, num_layers=1)
     tokens = _tokens(2, seed=7)
     manual = _local_only(graphdef, optimizer, state.train, tokens)
     new, metrics = rounds.make_round(graphdef, optimizer, mesh, method="local_adamw")(state, tokens)
@@ -133,7 +133,7 @@ def test_a_round_of_mgup_and_ufp4_sites_equals_their_unsharded_steps_then_the_me
         np.testing.assert_allclose(after, expected, rtol=1e-5, atol=1e-6)
     assert np.isfinite(metrics["loss"]).all()
     # UFP4 is on: the same steps with plain products end elsewhere.
-    _, _, plain_graphdef, plain = _setup(2, optimizer)
+    _, _, plain_graphdef, plain = _setup(2, optimizer, num_layers=1)
     plain = _local_only(plain_graphdef, optimizer, plain.train, tokens)
     up = ("blocks", 0, "ffn", "up")
     assert not np.allclose(
@@ -200,7 +200,7 @@ def test_a_rounds_collectives_are_exactly_the_formula_bytes(name, overlap, metho
     config.optim.name = name
     optimizer = build.build_optimizer(config)
     outer = diloco_outer() if method == "diloco" else None
-    _, mesh, graphdef, state = _setup(overlap, optimizer, outer)
+    _, mesh, graphdef, state = _setup(overlap, optimizer, outer, num_layers=1)
     compiled = (
         rounds.make_round(graphdef, optimizer, mesh, method=method, outer=outer).lower(state, _tokens(2)).compile()
     )
