@@ -59,9 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         if any(a.startswith(f"--config.mesh.{flag}") for a in run_args):
             parser.error(f"--config.mesh.{flag} is set by the launcher; remove it from the run arguments")
     address = f"127.0.0.1:{_free_port()}"
-    env = dict(
-        os.environ, PYTHONUNBUFFERED="1", XLA_FLAGS=f"--xla_force_host_platform_device_count={args.devices_per_process}"
-    )
+    # the caller's XLA flags pass through; the CPU device count is the launcher's
+    xla_flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    xla_flags.append(f"--xla_force_host_platform_device_count={args.devices_per_process}")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_FLAGS=" ".join(xla_flags))
     procs = []
     for i in range(args.processes):
         cmd = [

@@ -127,8 +127,8 @@ def run(config, workdir: str, *, hooks: Sequence[Callable[[int, dict[str, float]
     num_params = report.count_params(model_fn)
     if is_main:
         print(
-            f"model: {num_params:,} parameters | mesh {dict(mesh.shape)} on {jax.device_count()} "
-            f"{jax.devices()[0].platform} devices | corpus {corpus.info.get('source')} "
+            f"model: {num_params:,} parameters | mesh {dict(mesh.shape)} on {mesh.devices.size} of "
+            f"{jax.device_count()} {jax.devices()[0].platform} devices | corpus {corpus.info.get('source')} "
             f"({len(corpus.train):,} train / {len(corpus.val):,} held-out tokens, "
             f"fingerprint {corpus.fingerprint[:12]})",
             flush=True,
@@ -181,7 +181,7 @@ def run(config, workdir: str, *, hooks: Sequence[Callable[[int, dict[str, float]
         },
         "resumed_from": results["resumed_from"],
         "data_fingerprint": corpus.fingerprint,
-        "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+        "devices": f"{mesh.devices.size} x {mesh.devices.flat[0].device_kind}",  # those the run used
         "wall_seconds_this_process": round(time.time() - started, 1),
     }
     _write_json(os.path.join(workdir, "summary.json"), summary)
