@@ -9,13 +9,11 @@ sequences' later partitions empty); GQA 1, 2, 4 and 8; fp4 at D = 128 (two packe
 of lengths 1, bs - 1, bs, bs + 1 and 5 bs + 3 mixing decode tokens, a 3-token chunk, a whole-sequence prefill and a
 20-token chunk. Every call goes through a module-level `jax.jit`, so tests that share a shape share its compilation.
 
-KVCACHE_FULL_KERNEL_TESTS=1 runs the full matrix as well: every format at head dims 64, 128 and 256 with GQA 1, 4
-and 8, each at 1 and 3 partitions; split-KV decode of up to 19 blocks at 1, 2, 7 and the automatic partition count
-(the kernel and the XLA loop); every format through the decode kernel. experiments/bench/gpu.sh sets it for the
-compiled kernels on a GPU.
+The full matrix is marked `slow` (`pytest -m slow tests/test_kvcache_attention.py` runs it; experiments/bench/gpu.sh
+runs every case, compiled on a GPU): every format at head dims 64, 128 and 256 with GQA 1, 4 and 8, each at 1 and 3
+partitions; split-KV decode of up to 19 blocks at 1, 2, 7 and the automatic partition count (the kernel and the XLA
+loop); every format through the decode kernel.
 """
-
-import os
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +22,6 @@ import pytest
 
 from kvcache import PagedPool, decode_attention, formats, unified_attention, write
 from kvcache.kernels import attention as attention_kernel
-
-FULL = os.environ.get("KVCACHE_FULL_KERNEL_TESTS", "") == "1"
 
 FORMATS = {
     "bf16": formats.get("bf16"),
@@ -50,19 +46,18 @@ CASES = {
 }
 # The decode kernel (tile 1) for the kernel's three decoders; the fp4 variants differ from "fp4" only in the bytes
 # written and in the query / output rotations outside the kernel.
-DECODE_FORMATS = list(FORMATS) if FULL else ["bf16", "fp8", "fp4"]
+DECODE_FORMATS = ["bf16", "fp8", "fp4"]
 # The full matrix: every format at every head dim, GQA 1, 4 and 8 spread over them, at 1 and 3 partitions.
 _FULL_CASES = [
     (n, d, g)
     for i, (n, d) in enumerate((n, d) for n in ("bf16", "fp8", "fp4") for d in (64, 128, 256))
     for g in [(1, 4, 8)[i % 3]]
 ] + [("fp4-mx-norot", 64, 4), ("fp4-symmetric", 128, 2)]
-UNIFIED_CASES = list(
-    dict.fromkeys(
-        [(n, *c) for n, c in CASES.items()]
-        + ([(n, d, g, 2 if g < 8 else 1, p) for n, d, g in _FULL_CASES for p in (1, 3)] if FULL else [])
-    )
-)
+UNIFIED_CASES = [(n, *c) for n, c in CASES.items()] + [
+    pytest.param(*case, marks=pytest.mark.slow)
+    for case in dict.fromkeys((n, d, g, 2 if g < 8 else 1, p) for n, d, g in _FULL_CASES for p in (1, 3))
+    if case not in [(n, *c) for n, c in CASES.items()]
+]
 
 _unified = jax.jit(unified_attention, static_argnames=("fmt", "implementation", "max_query_len", "partitions"))
 _decode = jax.jit(decode_attention, static_argnames=("fmt", "implementation", "partitions"))
@@ -208,7 +203,10 @@ def _decode_partitions(name, implementation):
 
 
 @pytest.mark.parametrize(
-    "name,implementation", [(n, "pallas") for n in DECODE_FORMATS] + [(n, "xla_split") for n in FORMATS]
+    "name,implementation",
+    [(n, "pallas") for n in DECODE_FORMATS]
+    + [(n, "xla_split") for n in FORMATS]
+    + [pytest.param(n, "pallas", marks=pytest.mark.slow) for n in FORMATS if n not in DECODE_FORMATS],
 )
 def test_decode_matches_reference(name, implementation):
     """Split-KV decode (one query per sequence) over the ragged batch equals the reference: the decode kernel (tile
@@ -222,7 +220,7 @@ def test_decode_matches_reference(name, implementation):
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not FULL, reason="full matrix only (KVCACHE_FULL_KERNEL_TESTS=1): long split-KV decode")
+@pytest.mark.slow
 @pytest.mark.parametrize("implementation", ["pallas", "xla_split"])
 @pytest.mark.parametrize("name", ["bf16", "fp4-symmetric"])
 def test_split_decode_matches_reference(name, implementation):

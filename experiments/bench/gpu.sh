@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything GPU-specific in one run, sized for one call of the `device` tool (one H200, 15 minutes a session):
 #   1. the Pallas kernel tests compiled for the GPU (JAX_PLATFORMS=cuda, so interpret=False) against their XLA
-#      references, the full matrix (KVCACHE_FULL_KERNEL_TESTS=1; the CPU suite interprets representative cases
+#      references, the full matrix (the cases marked slow as well; the CPU suite interprets representative cases
 #      only): unified attention, split-KV decode, quantise-and-write, every format at head dims 64-256, and the
 #      NaN/Inf-poisoned pools that must give bit-identical outputs. Their tolerances are float32's, so they run
 #      with JAX_DEFAULT_MATMUL_PRECISION=highest (IEEE products in the kernel and in XLA; by default both take
@@ -38,7 +38,7 @@ part() {  # part NAME SECONDS COMMAND...: run one part under a time limit, its o
 
 part environment 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
   python3 -c "import jax; print(jax.__version__, jax.devices())"'
-part kernel-tests 200 env JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest KVCACHE_FULL_KERNEL_TESTS=1 \
-  python3 -m pytest -q -p no:cacheprovider tests/test_kvcache_attention.py
+part kernel-tests 200 env JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest \
+  python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_kvcache_attention.py
 part decode-bench 180 python3 -m experiments.bench.decode --out "$out"
 part quant-bench 120 python3 -m experiments.bench.quant --out "$out"
