@@ -29,12 +29,13 @@ OPTIMIZER_NAMES = (
 )
 
 
-def _setup(overlap, optimizer, outer=None, precision=None, num_layers=2):
+def _setup(overlap, optimizer, outer=None, precision=None):
+    """4 sites of a one-block MoE transformer (8 experts, O_e = `overlap`) on the site mesh."""
     placement = fixed_placement(8, SITES, overlap)
     mesh = federation.site_mesh(SITES, overlap)
     graphdef, state = rounds.init_sites(
-        tiny_moe_transformer(precision=precision, num_layers=num_layers),
-        tiny_moe_transformer(placement.experts[0], precision=precision, num_layers=num_layers),
+        tiny_moe_transformer(precision=precision, num_layers=1),
+        tiny_moe_transformer(placement.experts[0], precision=precision, num_layers=1),
         placement,
         optimizer,
         outer,
@@ -68,7 +69,7 @@ def _local_only(graphdef, optimizer, train, tokens):
 def test_full_replication_one_local_step_and_plain_averaging_equal_ddp():
     lr = 0.1
     optimizer = optax.sgd(lr)
-    _, mesh, graphdef, state = _setup(SITES, optimizer, diloco_outer(1.0, momentum=0.0), num_layers=1)
+    _, mesh, graphdef, state = _setup(SITES, optimizer, diloco_outer(1.0, momentum=0.0))
     params0 = jax.tree.map(lambda x: np.asarray(x[0]), state.train.params)
     rest0 = jax.tree.map(lambda x: x[0], state.train.rest)
     tokens = _tokens(1)
@@ -122,7 +123,7 @@ def test_a_round_of_mgup_and_ufp4_sites_equals_their_unsharded_steps_then_the_me
 
     optimizer = mgup_adamw(1e-2)
     precision = QuantPrecision(recipes.UFP4, num_layers=1, grouped=GroupedMatmulFn("ragged_dot"))
-    placement, mesh, graphdef, state = _setup(2, optimizer, precision=precision, num_layers=1)
+    placement, mesh, graphdef, state = _setup(2, optimizer, precision=precision)
     tokens = _tokens(2, seed=7)
     manual = _local_only(graphdef, optimizer, state.train, tokens)
     new, metrics = rounds.make_round(graphdef, optimizer, mesh, method="local_adamw")(state, tokens)
@@ -133,7 +134,7 @@ def test_a_round_of_mgup_and_ufp4_sites_equals_their_unsharded_steps_then_the_me
         np.testing.assert_allclose(after, expected, rtol=1e-5, atol=1e-6)
     assert np.isfinite(metrics["loss"]).all()
     # UFP4 is on: the same steps with plain products end elsewhere.
-    _, _, plain_graphdef, plain = _setup(2, optimizer, num_layers=1)
+    _, _, plain_graphdef, plain = _setup(2, optimizer)
     plain = _local_only(plain_graphdef, optimizer, plain.train, tokens)
     up = ("blocks", 0, "ffn", "up")
     assert not np.allclose(
@@ -202,7 +203,7 @@ def test_a_rounds_collectives_are_exactly_the_formula_bytes(name, overlap, metho
     config.optim.update(name=name, learning_rate=3e-3, warmup_steps=0)
     optimizer = build.build_optimizer(config)
     outer = diloco_outer() if method == "diloco" else None
-    _, mesh, graphdef, state = _setup(overlap, optimizer, outer, num_layers=1)
+    _, mesh, graphdef, state = _setup(overlap, optimizer, outer)
     compiled = (
         rounds.make_round(graphdef, optimizer, mesh, method=method, outer=outer).lower(state, _tokens(2)).compile()
     )
@@ -269,6 +270,6 @@ def test_topk_agreement_and_probe_routes():
     placement, mesh, graphdef, state = _setup(2, optax.adamw(1e-2))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(2, 8)), jnp.int32)
     routes = np.asarray(rounds.make_probe(graphdef, mesh)(state.train.params, state.train.rest, tokens))
-    assert routes.shape == (SITES, 2, 16, 2)  # 2 MoE layers, 16 tokens, top-2
+    assert routes.shape == (SITES, 1, 16, 2)  # 1 MoE layer, 16 tokens, top-2
     for s in range(SITES):  # partitioned routing: a site only ever chooses its resident experts (global ids)
         assert set(routes[s].ravel()) <= set(placement.experts[s])
