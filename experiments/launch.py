@@ -21,12 +21,21 @@ import threading
 import time
 
 GRACE_SECONDS = 60
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def child_env(devices: int) -> dict[str, str]:
+    """This process's environment for a child run with `devices` CPU devices: the caller's XLA flags pass through,
+    the device count is replaced, output unbuffered."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
+    flags.append(f"{DEVICE_COUNT_FLAG}={devices}")
+    return dict(os.environ, PYTHONUNBUFFERED="1", XLA_FLAGS=" ".join(flags))
 
 
 def _forward(index: int, stream) -> None:
@@ -59,10 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         if any(a.startswith(f"--config.mesh.{flag}") for a in run_args):
             parser.error(f"--config.mesh.{flag} is set by the launcher; remove it from the run arguments")
     address = f"127.0.0.1:{_free_port()}"
-    # the caller's XLA flags pass through; the CPU device count is the launcher's
-    xla_flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    xla_flags.append(f"--xla_force_host_platform_device_count={args.devices_per_process}")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_FLAGS=" ".join(xla_flags))
+    env = child_env(args.devices_per_process)
     procs = []
     for i in range(args.processes):
         cmd = [

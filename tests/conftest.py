@@ -18,7 +18,8 @@ import pytest
 # The suite's programs are tiny: compiling them costs far more than running them, so XLA's CPU backend skips its
 # slower optimisation passes (about a third less time; results are checked against references either way).
 _FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0")
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *_FLAGS]).strip()
+_given = os.environ.get("XLA_FLAGS", "").split()  # xdist workers inherit the first process's flags
+os.environ["XLA_FLAGS"] = " ".join([*_given, *(f for f in _FLAGS if f not in _given)])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the session; workers inherit it
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="lowbit-moe-lab-jax-cache-")

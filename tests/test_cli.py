@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from experiments import run
+from experiments import launch, run
 
 from helpers import metric_rows
 
@@ -84,9 +84,7 @@ def test_bad_data_path_is_rejected(capsys, tmp_path):
 
 def _cli(workdir, *extra, process=None, config=CONFIG):
     """`python -m experiments.run` in a new process with one CPU device (and conftest's other XLA flags)."""
-    flags = [f for f in os.environ["XLA_FLAGS"].split() if "xla_force_host_platform_device_count" not in f]
-    flags.append("--xla_force_host_platform_device_count=1")
-    env = dict(os.environ, XLA_FLAGS=" ".join(flags), PYTHONUNBUFFERED="1")
+    env = launch.child_env(1)
     cmd = [sys.executable, "-m", "experiments.run", f"--config={config}", f"--workdir={workdir}", *TINY, *extra]
     if process is not None:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -378,8 +376,8 @@ def test_sites_as_processes_train_like_virtual_devices_and_survive_a_lost_site(t
         "--config.sample.num_tokens=0",
     ]
     a = _run(tmp_path / "single", *args)  # this process, a device per site
-    launch = _launch(tmp_path / "multi", *args)
-    first = subprocess.Popen(launch, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    command = _launch(tmp_path / "multi", *args)
+    first = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 240
     while not (tmp_path / "multi" / "checkpoints" / "9").exists():
         assert first.poll() is None, first.communicate()[0]
@@ -392,7 +390,7 @@ def test_sites_as_processes_train_like_virtual_devices_and_survive_a_lost_site(t
     assert "another process has probably died" in out and "rerun the same command" in out
     assert "launch: exit codes [1, -9]" in out, out
 
-    again = subprocess.run(launch, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    again = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "launch: exit codes [0, 0]" in again.stdout, again.stdout + again.stderr
     assert "[1] " in again.stdout
     b = json.loads((tmp_path / "multi" / "summary.json").read_text())
@@ -410,8 +408,6 @@ def test_sites_as_processes_train_like_virtual_devices_and_survive_a_lost_site(t
     ],
 )
 def test_launcher_rejects_bad_arguments(capsys, argv, needle):
-    from experiments import launch
-
     with pytest.raises(SystemExit) as e:
         launch.main(argv)
     assert e.value.code == 2 and needle in capsys.readouterr().err
