@@ -53,10 +53,11 @@ _FULL_CASES = [
     for i, (n, d) in enumerate((n, d) for n in ("bf16", "fp8", "fp4") for d in (64, 128, 256))
     for g in [(1, 4, 8)[i % 3]]
 ] + [("fp4-mx-norot", 64, 4), ("fp4-symmetric", 128, 2)]
-UNIFIED_CASES = [(n, *c) for n, c in CASES.items()] + [
+_CASE_ROWS = [(n, *c) for n, c in CASES.items()]
+UNIFIED_CASES = _CASE_ROWS + [
     pytest.param(*case, marks=pytest.mark.slow)
     for case in dict.fromkeys((n, d, g, 2 if g < 8 else 1, p) for n, d, g in _FULL_CASES for p in (1, 3))
-    if case not in [(n, *c) for n, c in CASES.items()]
+    if case not in _CASE_ROWS
 ]
 
 _unified = jax.jit(unified_attention, static_argnames=("fmt", "implementation", "max_query_len", "partitions"))
