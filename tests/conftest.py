@@ -1,5 +1,5 @@
 """Test setup: 8 virtual CPU devices (set before JAX is imported), cheap compilation (a cache the session shares,
-XLA's fast optimisation level), and small shared fixtures.
+XLA's fast-compiling CPU settings), and small shared fixtures.
 
 Most of the suite's time is XLA compiling small programs, and many tests compile the same ones (a resumed run
 compiles what the run it resumes compiled; the CLI tests start processes that compile the same train step). JAX's
@@ -11,16 +11,32 @@ once. It changes no result: a cached executable is the one XLA would compile aga
 import atexit
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import pytest
 
-# The suite's programs are tiny: compiling them costs far more than running them, so XLA's CPU backend skips its
-# slower optimisation passes (about a third less time; results are checked against references either way).
-_FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0")
-_given = os.environ.get("XLA_FLAGS", "").split()  # xdist workers inherit the first process's flags
-os.environ["XLA_FLAGS"] = " ".join([*_given, *(f for f in _FLAGS if f not in _given)])
+# The suite's programs are tiny: compiling them costs far more than running them. On the CPU, XLA's fast LLVM level
+# and its loop emitters instead of its fusion emitters compile them about twice as fast (results are checked against
+# references either way; a few equalities hold only to float32 rounding with these, see test_optimizers).
+_DEVICES = "--xla_force_host_platform_device_count=8"
+_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+
+
+def _xla_accepts(flags):
+    """Whether this jaxlib knows every flag: XLA aborts a process whose XLA_FLAGS hold one it does not."""
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
+    probe = [sys.executable, "-c", "import jax; jax.devices()"]
+    return subprocess.run(probe, env=env, capture_output=True, check=False).returncode == 0
+
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_given = os.environ.get("XLA_FLAGS", "").split()  # xdist workers inherit the first process's flags
+_flags = [_DEVICES]
+if os.environ["JAX_PLATFORMS"] == "cpu" and not set(_FAST_COMPILE) <= set(_given) and _xla_accepts(_FAST_COMPILE):
+    _flags += _FAST_COMPILE
+os.environ["XLA_FLAGS"] = " ".join([*_given, *(f for f in _flags if f not in _given)])
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the session; workers inherit it
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="lowbit-moe-lab-jax-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

@@ -79,6 +79,13 @@ def _assert_identical(a: list, b: list) -> None:
             )
 
 
+def _assert_rounding_close(a, b) -> None:
+    """Two update trees agree to float32 rounding: within 1e-6 of each tensor's largest entry."""
+    for (path, u), v in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
+        atol = 1e-6 * float(jnp.abs(v).max())
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=0, atol=atol, err_msg=jax.tree_util.keystr(path))
+
+
 def _config(name: str, **optim_keys):
     config = build.default_config()
     config.optim.update(**{"name": name, "warmup_steps": 2, **optim_keys})
@@ -193,14 +200,16 @@ APPROX = functools.partial(optim.mgup_adamw, selection="approx")
 )
 def test_inject_hyperparams_gives_the_plain_optimizer(make, hyper):
     """Injected (traced) learning rate, weight decay, tau, alpha, gamma (and the defaults b1, b2, eps, ns_steps,
-    which inject_hyperparams injects too) give the plain optimizer's updates bit for bit; a tau changed in the state
-    midway (also to 0 and to 1: no coordinate and every coordinate selected) acts like a plain optimizer built with
-    it. (Muon at tau 0 or 1: the plain optimizer's phi is one constant, which XLA folds into Newton-Schulz's last
-    matmul, so the two agree to float32 rounding there, 1e-6 of the largest entry, not bit for bit.)"""
+    which inject_hyperparams injects too) give the plain optimizer's updates; a tau changed in the state midway (also
+    to 0 and to 1: no coordinate and every coordinate selected) acts like a plain optimizer built with it. They agree
+    to float32 rounding, 1e-6 of each tensor's largest entry, not bit for bit: XLA folds a constant hyperparameter
+    into the arithmetic around it (into Newton-Schulz's last matmul, for Muon), a traced one it cannot. (Bit for bit
+    with XLA's default CPU code generator; not with the faster-compiling one conftest selects.)"""
     params = _params(3, BIG)
     grads = _grads(params, seed=4, scale=1.0)
     injected = optax.inject_hyperparams(make)(**hyper)
-    _assert_identical(_run(injected, params, grads)[0], _run(make(**hyper), params, grads)[0])
+    for got, want in zip(_run(injected, params, grads)[0], _run(make(**hyper), params, grads)[0]):
+        _assert_rounding_close(got, want)
     if make not in (APPROX, optim.mgup_muon):  # (the traced-k paths: approx's override, the exact search's)
         return
     state = injected.init(params)
@@ -210,11 +219,7 @@ def test_inject_hyperparams_gives_the_plain_optimizer(make, hyper):
         plain = make(**dict(hyper, mask_ratio=tau))
         want, _ = jax.jit(plain.update)(g, state.inner_state, params)
         got, state = update(g, state, params)
-        if make is optim.mgup_muon and tau in (0.0, 1.0):
-            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # float32 rounding of a matmul chain
-                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6 * float(jnp.abs(b).max()))
-        else:
-            _assert_identical([got], [want])
+        _assert_rounding_close(got, want)
         if tau in (0.0, 1.0):  # (also on approx's sampled tensors)
             assert float(optim.state_metrics(state)["mgup/selected_fraction"]) == tau
 
