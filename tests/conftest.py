@@ -57,4 +57,5 @@ def tiny_config():
     c.train.progress = False
     c.checkpoint.every = 2
     c.sample.num_tokens = 0
+    c.mesh.data = 1  # one device (tests that shard set the mesh)
     return c

@@ -285,6 +285,7 @@ def test_the_composed_config_trains_sites_with_mgup_on_ufp4_and_serves_through_f
         "--config.model.num_heads=1",
         "--config.model.num_kv_heads=1",
         "--config.model.num_layers=1",
+        "--config.sample.num_tokens=0",  # (generation through the fp4 cache: serve, below)
         config=COMPOSED,
     )
     config = json.loads((workdir / "config.json").read_text())
@@ -295,7 +296,6 @@ def test_the_composed_config_trains_sites_with_mgup_on_ufp4_and_serves_through_f
     )
     assert summary["rounds"] == 3
     assert summary["bytes_per_site_per_round"] == summary["bytes_per_site_per_round_formula"] > 0
-    assert (workdir / "sample.txt").read_text().startswith("def ")
     _loaded_model_reproduces_the_held_out_loss(workdir, summary["val_loss"], sites=2)
     _serve_streams_the_greedy_continuation(workdir, capsys, kv_format="fp4")
 
@@ -345,15 +345,16 @@ def test_sites_as_processes_train_like_virtual_devices_and_survive_a_lost_site(t
         "--config.mesh.data=1",
         "--config.fomoe.overlap=1",
         "--config.fomoe.local_steps=3",
-        "--config.train.steps=30",
-        "--config.train.eval_every=15",
+        "--config.train.steps=18",
+        "--config.train.eval_every=9",
+        "--config.checkpoint.every=3",
         "--config.sample.num_tokens=0",
     ]
     a = _run(tmp_path / "single", *args)  # this process, a device per site
     command = _launch(tmp_path / "multi", *args)
     first = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 240
-    while not (tmp_path / "multi" / "checkpoints" / "9").exists():
+    while not (tmp_path / "multi" / "checkpoints" / "3").exists():  # the first round's; 5 rounds remain
         assert first.poll() is None, first.communicate()[0]
         assert time.time() < deadline
         time.sleep(0.05)
@@ -368,7 +369,7 @@ def test_sites_as_processes_train_like_virtual_devices_and_survive_a_lost_site(t
     assert again.returncode == 0 and "launch: exit codes [0, 0]" in again.stdout, again.stdout + again.stderr
     assert "[1] " in again.stdout
     b = json.loads((tmp_path / "multi" / "summary.json").read_text())
-    assert 9 <= b["resumed_from"] < 30 and b["rounds"] == 10 and b["devices"].startswith("2 x")
+    assert 3 <= b["resumed_from"] < 18 and b["rounds"] == 6 and b["devices"].startswith("2 x")
     for key in ("train_loss", "val_loss", "val_bits_per_byte", "bytes_per_site_per_round"):
         assert b[key] == pytest.approx(a[key], rel=1e-6), key
 

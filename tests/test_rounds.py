@@ -59,11 +59,17 @@ def _group_mean(x, placement):
 
 
 def _local_only(graphdef, optimizer, train, tokens):
-    """The K local steps without any synchronisation (the reference's starting point)."""
-    step = jax.jit(jax.vmap(train_lib.train_step_fn(graphdef, optimizer)))
-    for t in tokens:
-        train, _ = step(train, t)
-    return train
+    """The K local steps of each site, one site after the other, without any synchronisation (the reference's
+    starting point). Plain steps, not vmapped over sites: an independent reference, and far cheaper to compile."""
+    step = jax.jit(train_lib.train_step_fn(graphdef, optimizer))
+    take = jax.jit(lambda tree, s: jax.tree.map(lambda x: x[s], tree))
+    sites = []
+    for s in range(SITES):
+        site = take(train, s)
+        for t in tokens:
+            site, _ = step(site, t[s])
+        sites.append(site)
+    return jax.jit(lambda sites: jax.tree.map(lambda *x: jnp.stack(x), *sites))(sites)
 
 
 def test_full_replication_one_local_step_and_plain_averaging_equal_ddp():
@@ -100,11 +106,14 @@ def test_local_adamw_averages_parameters_and_both_moments_over_groups(overlap):
     flags = jax.tree.leaves(federation.expert_flags(manual.params))
     adam = manual.opt_state[0]
     new_adam = new.train.opt_state[0]
-    for tree_before, tree_after in ((manual.params, new.train.params), (adam.mu, new_adam.mu), (adam.nu, new_adam.nu)):
+    # (parameters to 1e-4 of a step: Adam's first steps are about lr wherever the gradient is tiny, so float32
+    # rounding that differs between the round's program and the reference's can move them by that much)
+    trees = ((manual.params, new.train.params, 1e-6), (adam.mu, new_adam.mu, 1e-7), (adam.nu, new_adam.nu, 1e-7))
+    for tree_before, tree_after, atol in trees:
         for before, after, expert in zip(jax.tree.leaves(tree_before), jax.tree.leaves(tree_after), flags):
             b = np.asarray(before, np.float64)
             expected = _group_mean(b, placement) if expert else np.broadcast_to(b.mean(0), b.shape)
-            np.testing.assert_allclose(after, expected, rtol=1e-5, atol=1e-7)
+            np.testing.assert_allclose(after, expected, rtol=1e-5, atol=atol)
     np.testing.assert_array_equal(new_adam.count, manual.opt_state[0].count)  # counts are not averaged
     # Experts stay different across blocks (O_e < M): site 0 and site 1 hold different experts.
     up = new.train.params["blocks"][0]["ffn"]["up"].get_value()
