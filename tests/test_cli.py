@@ -229,8 +229,8 @@ FEDERATED = [
     "--config.mesh.data=1",
     "--config.fomoe.overlap=2",
     "--config.fomoe.local_steps=3",
-    "--config.train.steps=30",
-    "--config.train.eval_every=15",
+    "--config.train.steps=18",
+    "--config.train.eval_every=9",
     "--config.sample.num_tokens=0",
 ]
 
@@ -238,14 +238,13 @@ FEDERATED = [
 def test_federated_run_measures_its_bytes_and_resumes_after_a_crashed_round(tmp_path):
     """4 sites (O_e = 2, K = 3) with a random placement: the bytes read from the compiled round equal the formula
     plus what its reshuffles move, every 2 rounds; a crash after round 3 and a rerun give the same metrics and
-    result as an uninterrupted run (with the same reshuffles); rerunning a finished run resumes at its last round
-    and changes nothing. (A fixed placement's bytes: the composed-config test; its resume is this one's without
-    reshuffles.)"""
+    result as an uninterrupted run (with the same reshuffles). (A fixed placement's bytes: the composed-config test;
+    its resume is this one's without reshuffles; rerunning a finished run: test_train, the same driver.)"""
     federated_run = [*FEDERATED, "--config.fomoe.placement=random", "--config.fomoe.reshuffle_every=2"]
     summary = _run(tmp_path / "full", *federated_run)
-    assert summary["rounds"] == 10 and summary["steps"] == 30
+    assert summary["rounds"] == 6 and summary["steps"] == 18
     rows = metric_rows(tmp_path / "full")
-    assert [r["round"] for r in rows if "train_loss" in r] == list(range(1, 11))
+    assert [r["round"] for r in rows if "train_loss" in r] == list(range(1, 7))
     # the all-gather moves one copy of the other block's experts: 2x the expected arrivals (B = 2)
     moved = summary["bytes_per_site_migration_per_reshuffle"]
     assert moved == 2 * summary["bytes_per_site_migration_per_reshuffle_formula"] > 0
@@ -253,11 +252,7 @@ def test_federated_run_measures_its_bytes_and_resumes_after_a_crashed_round(tmp_
         summary["bytes_per_site_per_round_formula"] - moved / 4
     )
     arrived = [r["reshuffle/arrived_experts_per_site"] for r in rows if "reshuffle/arrived_experts_per_site" in r]
-    assert len(arrived) == 4 and all(0 <= a <= 4 for a in arrived) and any(a > 0 for a in arrived)
-    rerun = _run(tmp_path / "full", *federated_run)
-    assert rerun["resumed_from"] == 30 and metric_rows(tmp_path / "full") == rows
-    for key in ("train_loss", "val_loss", "val_bits_per_byte"):
-        assert rerun[key] == summary[key], key
+    assert len(arrived) == 2 and all(0 <= a <= 4 for a in arrived) and any(a > 0 for a in arrived)
 
     crashed = tmp_path / "crashed"
     with pytest.raises(Crash):
@@ -304,7 +299,7 @@ def test_the_composed_config_trains_sites_with_mgup_on_ufp4_and_serves_through_f
     "args, needles",
     [
         (["--config.fomoe.overlap=3"], ["fomoe.overlap", "3", "mesh.site", "4"]),
-        (["--config.fomoe.local_steps=4"], ["train.steps", "30", "fomoe.local_steps", "4"]),
+        (["--config.fomoe.local_steps=4"], ["train.steps", "18", "fomoe.local_steps", "4"]),
         (["--config.fomoe.outer=fedavg"], ["fomoe.outer", "fedavg", "local_adamw"]),
         (
             ["--config.fomoe.overlap=4", "--config.fomoe.placement=random"],

@@ -23,12 +23,18 @@ def model():
     return Transformer(CFG, rngs=nnx.Rngs(0))
 
 
+WIDTH, NEW = 80, 16  # the longest prompt and the most new tokens any test asks `isolated` for
+
+
 def isolated(model, fmt, prompt, n):
-    """Greedy generation of one prompt alone through the paged cache of the same format."""
+    """Greedy generation of one prompt through the paged cache of the same format, by `core.generate`. The prompt
+    is batched with a filler prompt of WIDTH tokens and continued by NEW tokens (the first n kept: greedy), so every
+    call of a format is one compiled program; rows of a batch never attend to each other."""
+    assert len(prompt) <= WIDTH and n <= NEW, (len(prompt), n)
     factory = paged_cache_factory(fmt, num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads, head_dim=CFG.head_dim)
-    out = generate_lib.generate(
-        model, [np.asarray(prompt)], max_new_tokens=n, key=jax.random.key(0), cache_factory=factory
-    )[0].tolist()
+    batch = [np.asarray(prompt), np.ones(WIDTH, np.int32)]
+    out = generate_lib.generate(model, batch, max_new_tokens=NEW, key=jax.random.key(0), cache_factory=factory)
+    out = out[0, :n].tolist()
     return out[: out.index(256)] if 256 in out else out  # PAD after EOS
 
 
