@@ -46,16 +46,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the se
 
 @pytest.fixture
 def tiny_config():
-    """A config small enough to train a few steps in seconds, on a tiny in-memory-sized corpus."""
-    from experiments import build
+    """helpers.make_tiny_config(): a config small enough to train a few steps in seconds."""
+    from helpers import make_tiny_config
 
-    c = build.default_config()
-    c.model.d_model, c.model.num_layers, c.model.num_heads, c.model.num_kv_heads, c.model.d_ff = 32, 2, 4, 2, 64
-    c.data.seq_len, c.data.batch_size = 16, 8
-    c.optim.warmup_steps = 2
-    c.train.steps, c.train.log_every, c.train.eval_every, c.train.eval_batches = 6, 1, 3, 2
-    c.train.progress = False
-    c.checkpoint.every = 2
-    c.sample.num_tokens = 0
-    c.mesh.data = 1  # one device (tests that shard set the mesh)
-    return c
+    return make_tiny_config()

@@ -1,5 +1,5 @@
 """What several test files share: a float64 MoE written from the formulas, random O(1) parameters, an 8-device
-sharder, a tiny MoE transformer, a few jitted train steps, and a run's metric rows."""
+sharder, a tiny MoE transformer, a tiny run config, a few jitted train steps, and a run's metric rows."""
 
 import json
 import os
@@ -66,6 +66,20 @@ def tiny_moe_transformer(resident=None, routing_mode="partitioned", precision=No
         return MoE(cfg, m, path=path, rngs=rngs, resident=resident, routing_mode=routing_mode, precision=precision)
 
     return Transformer(cfg, rngs=nnx.Rngs(0), ffn_factory=ffn, precision=precision)
+
+
+def make_tiny_config():
+    """A config small enough to train a few steps in seconds on one device (tests that shard set the mesh)."""
+    c = build.default_config()
+    c.model.d_model, c.model.num_layers, c.model.num_heads, c.model.num_kv_heads, c.model.d_ff = 32, 2, 4, 2, 64
+    c.data.seq_len, c.data.batch_size = 16, 8
+    c.optim.warmup_steps = 2
+    c.train.steps, c.train.log_every, c.train.eval_every, c.train.eval_batches = 6, 1, 3, 2
+    c.train.progress = False
+    c.checkpoint.every = 2
+    c.sample.num_tokens = 0
+    c.mesh.data = 1
+    return c
 
 
 def train_losses(model: nnx.Module, optimizer, tokens: jax.Array, steps: int) -> list[float]:

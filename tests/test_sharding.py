@@ -38,7 +38,7 @@ def _setup(config, data, model):
     return sharder, optimizer, graphdef, state
 
 
-@pytest.mark.parametrize("data, model", [(2, 4), (4, 2), (8, 1)])
+@pytest.mark.parametrize("data, model", [(2, 4), (8, 1)])  # tensor parallel to one head per device; data only
 def test_train_steps_on_8_devices_equal_one_device(tiny_config, data, model):
     c = tiny_config
     c.model.num_heads, c.model.num_kv_heads, c.model.d_ff = 4, 4, 64

@@ -3,10 +3,10 @@
 import json
 import math
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -17,7 +17,7 @@ from core.data import PAD_ID
 from core.model import Transformer, TransformerConfig, split_params
 from experiments import build
 
-from helpers import metric_rows
+from helpers import make_tiny_config, metric_rows
 
 
 def _train(config, workdir, hooks=()):
@@ -81,11 +81,23 @@ def test_schedule_matches_formula(schedule):
         np.testing.assert_allclose(float(lr(step)), expected, rtol=1e-5, atol=1e-9)
 
 
-def test_resume_after_crash_equals_uninterrupted_run(tiny_config, tmp_path):
-    """Crash at step 5 (last checkpoint at 4), rerun: metrics.jsonl and results equal an uninterrupted run. On 8
-    data-parallel devices: a sharded state is saved and restored."""
-    tiny_config.mesh.data = 8
-    full = _train(tiny_config, tmp_path / "full")
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """One finished run of the tiny config (6 steps, a checkpoint every 2): (workdir, result). Tests that touch it
+    work on a copy."""
+    workdir = tmp_path_factory.mktemp("finished")
+    return workdir, _train(make_tiny_config(), workdir)
+
+
+def _copy_of(finished, tmp_path):
+    shutil.copytree(finished[0], tmp_path, dirs_exist_ok=True)
+    return tmp_path
+
+
+def test_resume_after_crash_equals_uninterrupted_run(finished, tiny_config, tmp_path):
+    """Crash at step 5 (last checkpoint at 4), rerun: metrics.jsonl and results equal an uninterrupted run. (A
+    sharded state's resume: test_cli's federated crash, its state sharded over 4 sites.)"""
+    full_dir, full = finished
 
     class Crash(Exception):
         pass
@@ -99,7 +111,7 @@ def test_resume_after_crash_equals_uninterrupted_run(tiny_config, tmp_path):
     assert checkpoint_lib.Checkpointer(tmp_path / "crashed" / "checkpoints").latest_step() == 4
     resumed = _train(tiny_config, tmp_path / "crashed")
     assert resumed["resumed_from"] == 4
-    assert metric_rows(tmp_path / "crashed") == metric_rows(tmp_path / "full")
+    assert metric_rows(tmp_path / "crashed") == metric_rows(full_dir)
     for key in ("train_loss", "val_loss", "val_bits_per_byte", "steps"):
         assert resumed[key] == full[key], key
     for a, b in zip(jax.tree.leaves(resumed["final_state"]), jax.tree.leaves(full["final_state"])):
@@ -109,12 +121,12 @@ def test_resume_after_crash_equals_uninterrupted_run(tiny_config, tmp_path):
     assert superseded.exists() and all(json.loads(r)["step"] == 5 for r in superseded.read_text().splitlines())
 
 
-def test_rerun_of_a_finished_run_changes_nothing(tiny_config, tmp_path):
-    first = _train(tiny_config, tmp_path)
-    rows = metric_rows(tmp_path)
-    again = _train(tiny_config, tmp_path)
-    assert again["resumed_from"] == tiny_config.train.steps and metric_rows(tmp_path) == rows
-    assert again["val_loss"] == first["val_loss"]
+def test_rerun_of_a_finished_run_changes_nothing(finished, tmp_path):
+    workdir = _copy_of(finished, tmp_path)
+    rows = metric_rows(workdir)
+    again = _train(make_tiny_config(), workdir)
+    assert again["resumed_from"] == 6 and metric_rows(workdir) == rows
+    assert again["val_loss"] == finished[1]["val_loss"]
 
 
 def test_nan_guard_stops_with_step_and_keeps_last_good_checkpoint(tiny_config, tmp_path):
@@ -132,39 +144,40 @@ def test_nan_guard_stops_with_step_and_keeps_last_good_checkpoint(tiny_config, t
     assert all(math.isfinite(r.get("train_loss", 0.0)) for r in rows) and max(r["step"] for r in rows) == step - 1
 
 
-def test_incompatible_checkpoint_is_refused_and_left_untouched(tiny_config, tmp_path):
-    _train(tiny_config, tmp_path)
-    before = _snapshot(tmp_path)
-    other = ml_collections.ConfigDict(tiny_config.to_dict())
+def test_incompatible_checkpoint_is_refused_and_left_untouched(finished, tmp_path):
+    workdir = _copy_of(finished, tmp_path)
+    before = _snapshot(workdir)
+    other = make_tiny_config()
     other.model.d_model = 64
     with pytest.raises(checkpoint_lib.CheckpointError, match="d_model: checkpoint 32, now 64"):
-        _train(other, tmp_path)
-    other = ml_collections.ConfigDict(tiny_config.to_dict())
+        _train(other, workdir)
+    other = make_tiny_config()
     other.data.seq_len = 32
     with pytest.raises(checkpoint_lib.CheckpointError, match="data.seq_len"):
-        _train(other, tmp_path)
-    assert _snapshot(tmp_path) == before
+        _train(other, workdir)
+    assert _snapshot(workdir) == before
 
 
-def test_corrupt_checkpoint_is_refused_and_left_untouched(tiny_config, tmp_path):
-    _train(tiny_config, tmp_path)
-    latest = tmp_path / "checkpoints" / str(tiny_config.train.steps)
+def test_corrupt_checkpoint_is_refused_and_left_untouched(finished, tmp_path):
+    workdir = _copy_of(finished, tmp_path)
+    latest = workdir / "checkpoints" / "6"
     victims = [p for p in (latest / "state").rglob("*") if p.is_file() and p.stat().st_size > 64]
     assert victims
     for p in victims:  # truncate every array file: the data is gone
         p.write_bytes(p.read_bytes()[:16])
-    before = _snapshot(tmp_path)
-    with pytest.raises(checkpoint_lib.CheckpointError, match=f"step {tiny_config.train.steps}"):
-        _train(tiny_config, tmp_path)
-    assert _snapshot(tmp_path) == before
+    before = _snapshot(workdir)
+    with pytest.raises(checkpoint_lib.CheckpointError, match="step 6"):
+        _train(make_tiny_config(), workdir)
+    assert _snapshot(workdir) == before
 
 
-def test_checkpoint_steps_beyond_config_are_refused(tiny_config, tmp_path):
-    _train(tiny_config, tmp_path)
-    tiny_config.train.steps = 4
-    tiny_config.optim.warmup_steps = 1
+def test_checkpoint_steps_beyond_config_are_refused(finished, tmp_path):
+    workdir = _copy_of(finished, tmp_path)
+    config = make_tiny_config()
+    config.train.steps = 4
+    config.optim.warmup_steps = 1
     with pytest.raises(checkpoint_lib.CheckpointError, match="beyond train.steps"):
-        _train(tiny_config, tmp_path)
+        _train(config, workdir)
 
 
 def _snapshot(root):
