@@ -23,7 +23,7 @@ CONFIG = os.path.join(ROOT, "experiments", "configs", "quickstart.py")
 COMPOSED = os.path.join(ROOT, "experiments", "configs", "composed.py")
 TINY = [
     "--config.model.d_model=32",
-    "--config.model.num_layers=2",
+    "--config.model.num_layers=1",
     "--config.model.num_heads=4",
     "--config.model.num_kv_heads=2",
     "--config.model.d_ff=64",
@@ -279,7 +279,6 @@ def test_the_composed_config_trains_sites_with_mgup_on_ufp4_and_serves_through_f
         "--config.model.d_model=64",
         "--config.model.num_heads=1",
         "--config.model.num_kv_heads=1",
-        "--config.model.num_layers=1",
         "--config.sample.num_tokens=0",  # (generation through the fp4 cache: serve, below)
         config=COMPOSED,
     )

@@ -349,6 +349,7 @@ def test_expert_parallel_pads_token_counts_the_devices_cannot_split():
 
 def test_moe_train_steps_on_8_devices_equal_one_device(tiny_config):
     c = tiny_config
+    c.model.num_layers = 1
     c.moe.update(every=1, num_experts=8, top_k=2, expert_size=16)
     tokens = np.asarray(jax.random.randint(jax.random.key(0), (8, 17), 0, 259))
     results = {}

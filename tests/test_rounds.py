@@ -34,8 +34,8 @@ def _setup(overlap, optimizer, outer=None, precision=None):
     placement = fixed_placement(8, SITES, overlap)
     mesh = federation.site_mesh(SITES, overlap)
     graphdef, state = rounds.init_sites(
-        tiny_moe_transformer(precision=precision, num_layers=1),
-        tiny_moe_transformer(placement.experts[0], precision=precision, num_layers=1),
+        tiny_moe_transformer(precision=precision),
+        tiny_moe_transformer(placement.experts[0], precision=precision),
         placement,
         optimizer,
         outer,
