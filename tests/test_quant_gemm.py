@@ -310,7 +310,7 @@ def test_precision_recipe_from_the_config_trains_the_moe_model(recipe):
     from helpers import train_losses
 
     c = build.default_config()
-    c.model.update(d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, d_ff=64)
+    c.model.update(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, d_ff=64)
     c.moe.update(every=1, num_experts=4, top_k=2, expert_size=16)
     c.precision.recipe = recipe
     build.validate(c)
