@@ -21,7 +21,7 @@ import threading
 import time
 
 GRACE_SECONDS = 60
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def _free_port() -> int:
@@ -30,11 +30,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def child_env(devices: int) -> dict[str, str]:
+def _child_env(devices: int) -> dict[str, str]:
     """This process's environment for a child run with `devices` CPU devices: the caller's XLA flags pass through,
     the device count is replaced, output unbuffered."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
-    flags.append(f"{DEVICE_COUNT_FLAG}={devices}")
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
+    flags.append(f"{_DEVICE_COUNT_FLAG}={devices}")
     return dict(os.environ, PYTHONUNBUFFERED="1", XLA_FLAGS=" ".join(flags))
 
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         if any(a.startswith(f"--config.mesh.{flag}") for a in run_args):
             parser.error(f"--config.mesh.{flag} is set by the launcher; remove it from the run arguments")
     address = f"127.0.0.1:{_free_port()}"
-    env = child_env(args.devices_per_process)
+    env = _child_env(args.devices_per_process)
     procs = []
     for i in range(args.processes):
         cmd = [

@@ -1,5 +1,6 @@
 """What several test files share: a float64 MoE written from the formulas, random O(1) parameters, an 8-device
-sharder, a tiny MoE transformer, a tiny run config, a few jitted train steps, and a run's metric rows."""
+sharder, a tiny MoE transformer, a jitted forward, a tiny run config, a few jitted train steps, and a run's metric
+rows."""
 
 import json
 import os
@@ -67,6 +68,10 @@ def tiny_moe_transformer(resident=None, routing_mode="partitioned", precision=No
         return MoE(cfg, m, path=path, rngs=rngs, resident=resident, routing_mode=routing_mode, precision=precision)
 
     return Transformer(cfg, rngs=nnx.Rngs(0), ffn_factory=ffn, precision=precision)
+
+
+# A model's forward as one compiled program (op-by-op dispatch compiles each primitive and costs seconds per test).
+forward = nnx.jit(lambda model, tokens, cache=None: model(tokens, cache=cache))
 
 
 def make_tiny_config():

@@ -12,12 +12,10 @@ from core.model import Transformer, TransformerConfig
 from experiments import build
 from kvcache import PagedKVCache, formats, paged_cache_factory
 
+from helpers import forward
+
 # D = 64, GQA 2
 CFG = TransformerConfig(vocab_size=264, d_model=128, num_layers=2, num_heads=2, num_kv_heads=1, d_ff=96)
-
-
-# The model's forward as one compiled program (op-by-op dispatch compiles each primitive and costs seconds per test).
-_call = nnx.jit(lambda model, tokens, cache: model(tokens, cache=cache))
 
 
 def _factory(fmt, **kw):
@@ -30,12 +28,12 @@ def _cached_logits(model, full, lengths, factory):
     """Padded prefill of ragged prompts, then 3 single-token steps: the logits of every real position."""
     cache = factory(3, 32)
     width = int(max(lengths))
-    logits, _, cache = _call(model, full[:, :width], cache)
+    logits, _, cache = forward(model, full[:, :width], cache)
     cache = cache.advance(jnp.asarray(lengths) - width)
     got = [np.asarray(logits[b, :n]) for b, n in enumerate(lengths)]
     for _ in range(3):
         pos = np.asarray(cache.lengths)
-        step, _, cache = _call(model, full[jnp.arange(3), pos][:, None], cache)
+        step, _, cache = forward(model, full[jnp.arange(3), pos][:, None], cache)
         got = [np.concatenate([g, np.asarray(step[b])]) for b, g in enumerate(got)]
     return got
 
@@ -46,7 +44,7 @@ def test_paged_decode_matches_full_forward(name):
     uncached forward's logits within each format's quantisation error (max error over the max logit)."""
     model = Transformer(CFG, rngs=nnx.Rngs(0))
     full = jax.random.randint(jax.random.key(1), (3, 24), 0, 256)
-    ref = np.asarray(_call(model, full, None)[0])
+    ref = np.asarray(forward(model, full, None)[0])
     lengths = [5, 19, 12]
     got = _cached_logits(model, full, lengths, _factory(formats.get(name)))
     tol = {"bf16": 3e-3, "fp8": 2.5e-2, "fp4": 1e-1}[name]  # measured: 6e-4, 7e-3, 4e-2

@@ -12,8 +12,7 @@ from core import generate as generate_lib
 from core.attention import DenseKVCache
 from core.model import DefaultPrecision, Transformer, TransformerConfig, count_params
 
-# The model's forward as one compiled program (op-by-op dispatch compiles each primitive and costs seconds per test).
-_call = nnx.jit(lambda model, tokens, cache: model(tokens, cache=cache))
+from helpers import forward
 
 CONFIGS = {
     "mha-rms": TransformerConfig(vocab_size=264, d_model=32, num_layers=2, num_heads=4, num_kv_heads=4, d_ff=48),
@@ -99,7 +98,7 @@ def test_forward_matches_float64_numpy(name, shape):
         if path[-1] in ("scale", "bias"):
             var.set_value(var.get_value() + 0.3 * jax.random.normal(jax.random.key(len(path)), var.shape))
     tokens = np.asarray(jax.random.randint(jax.random.key(1), shape, 0, 259))
-    logits, aux, cache = _call(model, jnp.asarray(tokens), None)
+    logits, aux, cache = forward(model, jnp.asarray(tokens), None)
     assert aux == {} and cache is None and logits.dtype == jnp.float32
     ref = numpy_forward(cfg, _params(model), tokens)
     np.testing.assert_allclose(np.asarray(logits), ref, rtol=2e-4, atol=2e-5)
@@ -111,10 +110,10 @@ def test_causal(name):
     cfg = CONFIGS[name]
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, 256)
-    base = _call(model, tokens, None)[0]
+    base = forward(model, tokens, None)[0]
     for j in (0, 5, 15):
         changed = tokens.at[:, j].set((tokens[:, j] + 17) % 256)
-        out = _call(model, changed, None)[0]
+        out = forward(model, changed, None)[0]
         np.testing.assert_array_equal(np.asarray(out[:, :j]), np.asarray(base[:, :j]))
         assert np.abs(np.asarray(out[:, j] - base[:, j])).max() > 1e-4
 
@@ -125,7 +124,7 @@ def test_cached_decode_matches_full_forward(name):
     cfg = CONFIGS[name]
     model = Transformer(cfg, rngs=nnx.Rngs(4))
     full = jax.random.randint(jax.random.key(5), (3, 12), 0, 256)
-    ref = np.asarray(_call(model, full, None)[0])
+    ref = np.asarray(forward(model, full, None)[0])
     lengths = jnp.array([3, 7, 5])
     cache = DenseKVCache.create(
         num_layers=cfg.num_layers,
@@ -135,7 +134,7 @@ def test_cached_decode_matches_full_forward(name):
         head_dim=cfg.head_dim,
         dtype=jnp.float32,
     )
-    logits, _, cache = _call(model, full[:, :7], cache)  # padded prefill (row 0 and 2 hold extra tokens)
+    logits, _, cache = forward(model, full[:, :7], cache)  # padded prefill (row 0 and 2 hold extra tokens)
     cache = cache.advance(lengths - 7)
     for b, n in enumerate([3, 7, 5]):
         np.testing.assert_allclose(np.asarray(logits[b, :n]), ref[b, :n], rtol=1e-4, atol=1e-5)
@@ -143,7 +142,7 @@ def test_cached_decode_matches_full_forward(name):
     for _step in range(4):
         pos = np.asarray(cache.lengths)
         nxt = full[jnp.arange(3), pos][:, None]
-        logits, _, cache = _call(model, nxt, cache)
+        logits, _, cache = forward(model, nxt, cache)
         for b in range(3):
             np.testing.assert_allclose(np.asarray(logits[b, 0]), ref[b, pos[b]], rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(cache.lengths), np.array([7, 11, 9]))

@@ -125,7 +125,7 @@ def test_rerun_of_a_finished_run_changes_nothing(finished, tmp_path):
     workdir = _copy_of(finished, tmp_path)
     rows = metric_rows(workdir)
     again = _train(make_tiny_config(), workdir)
-    assert again["resumed_from"] == 6 and metric_rows(workdir) == rows
+    assert again["resumed_from"] == finished[1]["steps"] and metric_rows(workdir) == rows
     assert again["val_loss"] == finished[1]["val_loss"]
 
 
@@ -160,13 +160,14 @@ def test_incompatible_checkpoint_is_refused_and_left_untouched(finished, tmp_pat
 
 def test_corrupt_checkpoint_is_refused_and_left_untouched(finished, tmp_path):
     workdir = _copy_of(finished, tmp_path)
-    latest = workdir / "checkpoints" / "6"
+    steps = finished[1]["steps"]
+    latest = workdir / "checkpoints" / str(steps)
     victims = [p for p in (latest / "state").rglob("*") if p.is_file() and p.stat().st_size > 64]
     assert victims
     for p in victims:  # truncate every array file: the data is gone
         p.write_bytes(p.read_bytes()[:16])
     before = _snapshot(workdir)
-    with pytest.raises(checkpoint_lib.CheckpointError, match="step 6"):
+    with pytest.raises(checkpoint_lib.CheckpointError, match=f"step {steps}"):
         _train(make_tiny_config(), workdir)
     assert _snapshot(workdir) == before
 
