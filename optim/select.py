@@ -9,7 +9,9 @@ float32 tensor needs a handful of passes (at most 8 on 1.6M normal, Cauchy and A
 tests/test_select.py) instead of 32 / log2(WAYS + 1). The search stops once exactly k keys lie at or above its lower
 end, or at the k-th largest key itself; ties there go to the first positions, found from per-row counts (a cumsum
 over a whole tensor costs many counting passes on XLA:CPU). The mask is an elementwise function of the scores and
-three scalars, which XLA fuses into the parameter update. `approx_threshold` runs the same search on a strided
+three scalars, which XLA fuses into the parameter update. A tensor of at most 4096 entries, which the first pass would
+sort whole for its bracket, is ranked by a stable sort instead (no search: a fraction of the compiled program, since a
+model holds many such tensors: norms, biases, routers). `approx_threshold` runs the same search on a strided
 sample only. Timings: results/bench/optim.md.
 
 k may be a Python int (its edge cases resolved while tracing) or an int32 scalar array (a traced hyperparameter,
@@ -144,8 +146,8 @@ def _position_of_nth(flags: jax.Array, nth: jax.Array, row: int = 1024) -> jax.A
 def top_k_mask(score: jax.Array, k: int | jax.Array) -> jax.Array:
     """Bool mask (score's shape) of exactly the k largest entries of `score` (any shape, float32 or float64; ties at
     the k-th value go to the first positions in row-major order). k: a Python int or an int32 scalar array; k <= 0
-    selects nothing, k >= size everything. An elementwise function of `score` and three scalars, so XLA can fuse it
-    into whatever consumes it."""
+    selects nothing, k >= size everything. Above 4096 entries an elementwise function of `score` and three scalars,
+    so XLA can fuse it into whatever consumes it; at most 4096, the ranks of one stable sort."""
     n = score.size
     static = isinstance(k, int)
     if n == 0 or (static and k <= 0):
@@ -154,6 +156,10 @@ def top_k_mask(score: jax.Array, k: int | jax.Array) -> jax.Array:
         return jnp.ones(score.shape, bool)
     kk = k if static else jnp.clip(jnp.asarray(k, jnp.int32), 1, n)  # the search needs 1 <= k <= n
     flat = ordered_keys(score.ravel())
+    if n <= _BRACKET_SAMPLE:
+        rank = jnp.argsort(jnp.argsort(~flat, stable=True))  # 0 for the largest; ties: the first position first
+        mask = (rank < kk).reshape(score.shape)
+        return mask if static else (mask & (k > 0)) | (k >= n)
     t, at_least, greater, _ = selection_key(flat, kk)
     # The last position among the keys equal to t that is taken: all of them unless there are more ties than needed.
     # (full_like: the branch carries the data's mesh-axis type, as the other does inside shard_map)

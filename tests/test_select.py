@@ -47,6 +47,7 @@ def _adversarial(n, rng):
         (4_097, 0.9, "normal"),
         (30_000, 0.5, "ties"),
         (3, 0.4, "normal"),
+        (4_096, 0.3, "ties"),  # the largest size that one sort answers (4_097: the search)
         (10_000, 0.5, "constant"),
         (100_000, 0.97, "adversarial"),
         (20_000, 0.3, "float64"),
