@@ -156,38 +156,24 @@ def _loaded_model_reproduces_the_held_out_loss(workdir, val_loss, sites=1):
 
 def _serve_streams_the_greedy_continuation(workdir, capsys, kv_format="bf16"):
     """`python -m experiments.serve` on the run: the streamed text of a greedy request is the prompt followed by
-    what `core.generate` produces with the same paged cache; a missing workdir exits 2 with a clear message."""
-    import jax
-    import numpy as np
-
-    from core import generate
+    what the serving engine generates for it from the loaded model with the same KV format (the engine equals
+    `core.generate` with that cache: test_engine); a missing workdir exits 2 with a clear message."""
     from core.data import ByteTokenizer
     from experiments import load, serve
-    from kvcache import formats, paged_cache_factory
+    from kvcache import formats
+    from kvcache.engine import Engine, EngineConfig
 
     capsys.readouterr()  # what the training printed
-    assert (
-        serve.main(
-            [
-                f"--workdir={workdir}",
-                "--prompt=def f",
-                "--max-new-tokens=6",
-                f"--kv-format={kv_format}",
-                "--temperature=0",
-            ]
-        )
-        == 0
-    )
+    argv = [f"--workdir={workdir}", "--prompt=def f", "--max-new-tokens=6", f"--kv-format={kv_format}"]
+    assert serve.main([*argv, "--temperature=0"]) == 0
     out = capsys.readouterr().out
     _, model = load.trained_model(str(workdir))
-    cfg, tok = model.cfg, ByteTokenizer()
-    factory = paged_cache_factory(
-        formats.get(kv_format), num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim
-    )
-    ids = generate.generate(
-        model, [np.asarray(tok.encode("def f"))], max_new_tokens=6, key=jax.random.key(0), cache_factory=factory
-    )[0]
-    assert out.splitlines()[0] == "def f" + tok.decode([t for t in ids if t != 256])
+    tok = ByteTokenizer()
+    # serve's defaults (64 MiB pool, max_model_len 512): the engine's programs are the ones serve compiled
+    engine = Engine(model, formats.get(kv_format), EngineConfig(memory_bytes=64 << 20, max_model_len=512))
+    request = engine.submit(tok.encode("def f").tolist(), 6)
+    engine.run()
+    assert out.splitlines()[0] == "def f" + tok.decode(request.output)
     assert serve.main([f"--workdir={workdir}/nope", "--prompt=x"]) == 2
     assert "missing" in capsys.readouterr().err
 

@@ -12,6 +12,14 @@ from core import lowbit
 from kvcache import formats
 
 LEVELS = np.array(formats.E2M1_LEVELS)
+# the format's functions as the cache runs them: jitted (one program per format and shape, not one per operation)
+_quantize = jax.jit(lambda fmt, k, v: fmt.quantize(k, v), static_argnums=0)
+_dequantize = jax.jit(lambda fmt, fields, rotated=False: fmt.dequantize(fields, rotated=rotated), static_argnums=(0, 2))
+_prepare_query = jax.jit(lambda fmt, q: fmt.prepare_query(q), static_argnums=0)
+
+
+def _round_trip(fmt, k, v, rotated=False):
+    return _dequantize(fmt, _quantize(fmt, jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32)), rotated)
 
 
 def numpy_e2m1(x: np.ndarray) -> np.ndarray:
@@ -65,7 +73,7 @@ def test_fp4_matches_numpy_element_for_element(rule, head_dim):
     """fp4 dequantised V (and K without rotation) equal the float64 NumPy quantiser exactly, both scale rules."""
     k, v = _kv((3, 2, head_dim), seed=head_dim)
     fmt = formats.get("fp4", scale_rule=rule, rotate_k=False)
-    k_hat, v_hat = fmt.dequantize(fmt.quantize(jnp.asarray(k), jnp.asarray(v)))
+    k_hat, v_hat = _round_trip(fmt, k, v)
     np.testing.assert_array_equal(np.asarray(k_hat, np.float64), numpy_fp4(k, rule))
     np.testing.assert_array_equal(np.asarray(v_hat, np.float64), numpy_fp4(v, rule))
 
@@ -90,7 +98,7 @@ def test_fp4_error_bound_mx():
     by at most 2 s where it saturates: |x - q| <= 2 s = absmax / 2 at worst, s otherwise."""
     k, v = _kv((4, 2, 128), seed=1)
     fmt = formats.get("fp4", scale_rule="mx", rotate_k=False)
-    _, v_hat = fmt.dequantize(fmt.quantize(jnp.asarray(k), jnp.asarray(v)))
+    _, v_hat = _round_trip(fmt, k, v)
     g, err = v.reshape(4, 2, 4, 32), np.abs(np.asarray(v_hat) - v).reshape(4, 2, 4, 32)
     s = 2.0 ** (np.floor(np.log2(np.abs(g).max(-1, keepdims=True))) - 2)
     assert (err <= np.where(np.abs(g) > 6 * s, 2 * s, s) + 1e-7).all()
@@ -100,8 +108,8 @@ def test_fp8_error_bound():
     """E4M3 has 3 mantissa bits: relative error <= 2^-4 in the normal range, absolute <= 2^-10 s below it."""
     k, v = _kv((5, 3, 64), seed=2)
     fmt = formats.get("fp8")
-    fields = fmt.quantize(jnp.asarray(k), jnp.asarray(v))
-    k_hat, _ = fmt.dequantize(fields)
+    fields = _quantize(fmt, jnp.asarray(k), jnp.asarray(v))
+    k_hat, _ = _dequantize(fmt, fields)
     scale = np.abs(k).max(-1, keepdims=True) / 448.0
     np.testing.assert_allclose(np.asarray(fields["k_scale"])[..., None], scale, rtol=1e-6)
     err = np.abs(np.asarray(k_hat) - k)
@@ -112,7 +120,7 @@ def test_fp8_error_bound():
 def test_bf16_error_bound():
     k, v = _kv((2, 2, 64), seed=3)
     fmt = formats.get("bf16")
-    k_hat, _v_hat = fmt.dequantize(fmt.quantize(jnp.asarray(k), jnp.asarray(v)))
+    k_hat, _v_hat = _round_trip(fmt, k, v)
     assert (np.abs(np.asarray(k_hat) - k) <= 2.0**-8 * np.abs(k)).all()
 
 
@@ -127,10 +135,10 @@ def test_rotation_is_orthonormal_and_keeps_scores(head_dim):
     rng = np.random.default_rng(head_dim)
     q, k = rng.normal(size=(6, head_dim)), rng.normal(size=(6, head_dim))
     fmt = formats.get("fp4", fp8_query=False)
-    q_rot = np.asarray(fmt.prepare_query(jnp.asarray(q, jnp.float32)), np.float64)
+    q_rot = np.asarray(_prepare_query(fmt, jnp.asarray(q, jnp.float32)), np.float64)
     np.testing.assert_allclose((q_rot * (k @ h)).sum(-1), (q * k).sum(-1), rtol=1e-5, atol=1e-5)
-    k_rot_hat, _ = fmt.dequantize(fmt.quantize(jnp.asarray(k, jnp.float32), jnp.asarray(k, jnp.float32)), rotated=True)
-    k_hat, _ = fmt.dequantize(fmt.quantize(jnp.asarray(k, jnp.float32), jnp.asarray(k, jnp.float32)))
+    k_rot_hat, _ = _round_trip(fmt, k, k, rotated=True)
+    k_hat, _ = _round_trip(fmt, k, k)
     np.testing.assert_allclose(np.asarray(k_hat, np.float64), np.asarray(k_rot_hat, np.float64) @ h, atol=1e-5)
 
 
@@ -141,16 +149,16 @@ def test_rotation_helps_outlier_channels():
     errors = {}
     for rotate in (False, True):
         fmt = formats.get("fp4", rotate_k=rotate)
-        k_hat, _ = fmt.dequantize(fmt.quantize(jnp.asarray(k, jnp.float32), jnp.asarray(k, jnp.float32)))
+        k_hat, _ = _round_trip(fmt, k, k)
         errors[rotate] = np.linalg.norm(np.asarray(k_hat) - k) / np.linalg.norm(k)
     assert errors[True] < errors[False], errors
 
 
 def test_fp8_query_rounds_to_e4m3_values():
     q = jnp.asarray(np.random.default_rng(0).normal(size=(4, 64)) * 30, jnp.float32)
-    prepared = formats.get("fp4").prepare_query(q)
+    prepared = _prepare_query(formats.get("fp4"), q)
     np.testing.assert_array_equal(prepared, prepared.astype(jnp.float8_e4m3fn).astype(jnp.float32))
-    exact = formats.get("fp4", fp8_query=False).prepare_query(q)
+    exact = _prepare_query(formats.get("fp4", fp8_query=False), q)
     assert 0 < float(jnp.max(jnp.abs(prepared - exact) / (jnp.abs(exact) + 1e-3))) <= 2.0**-4
 
 
@@ -160,12 +168,12 @@ def test_slots_round_trip_and_sizes(name, options, head_dim):
     """pack -> unpack returns the same bytes; the slot is 4D (bf16), 2D + 8 (fp8), D + D/16 (fp4): 136 B at 128."""
     fmt = formats.get(name, **options)
     k, v = _kv((3, 2, head_dim), seed=4)
-    fields = fmt.quantize(jnp.asarray(k), jnp.asarray(v))
-    slots = formats.pack_slots(fmt, fields)
+    fields = _quantize(fmt, jnp.asarray(k), jnp.asarray(v))
+    slots = jax.jit(formats.pack_slots, static_argnums=0)(fmt, fields)
     expected = {"bf16": 4 * head_dim, "fp8": 2 * head_dim + 8, "fp4": head_dim + head_dim // 16}[name]
     assert slots.shape == (3, 2, expected) and slots.dtype == jnp.uint8
     assert fmt.bytes_per_token(2, head_dim) == 2 * expected
-    back = formats.unpack_slots(fmt, slots, head_dim)
+    back = jax.jit(formats.unpack_slots, static_argnums=(0, 2))(fmt, slots, head_dim)
     for n in fields:
         np.testing.assert_array_equal(np.asarray(back[n]).view(np.uint8), np.asarray(fields[n]).view(np.uint8))
     if name == "fp4":  # the spec's layout: K codes first, then K scales, V codes, V scales
@@ -179,7 +187,7 @@ def test_split_half_packing():
     """Byte j holds element j in its low nibble and element j + D/2 in its high nibble."""
     v = np.zeros((1, 1, 64), np.float32)
     v[0, 0, 3], v[0, 0, 35] = 1.0, -6.0  # one group each: scale exponents chosen from these values
-    fields = formats.get("fp4", scale_rule="mx").quantize(jnp.asarray(v), jnp.asarray(v))
+    fields = _quantize(formats.get("fp4", scale_rule="mx"), jnp.asarray(v), jnp.asarray(v))
     byte = int(fields["v_codes"][0, 0, 3])
     assert float(formats.decode_e2m1(jnp.uint8(byte & 15))) * 2.0 ** (0 - 2) == 1.0
     assert float(formats.decode_e2m1(jnp.uint8(byte >> 4))) * 2.0 ** (2 - 2) == -6.0

@@ -17,7 +17,7 @@ from core.data import PAD_ID
 from core.model import Transformer, TransformerConfig, split_params
 from experiments import build
 
-from helpers import make_tiny_config, metric_rows
+from helpers import forward, make_tiny_config, metric_rows
 
 
 def _train(config, workdir, hooks=()):
@@ -49,8 +49,8 @@ def test_lm_loss_matches_numpy_cross_entropy():
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     tokens = np.array(jax.random.randint(jax.random.key(0), (3, 11), 0, 259))
     tokens[0, 5:] = PAD_ID  # padded tail: not counted
-    loss, metrics = train_lib.lm_loss(model, jnp.asarray(tokens))
-    logits = np.asarray(model(jnp.asarray(tokens[:, :-1]))[0], np.float64)
+    loss, metrics = nnx.jit(train_lib.lm_loss)(model, jnp.asarray(tokens))
+    logits = np.asarray(forward(model, jnp.asarray(tokens[:, :-1]))[0], np.float64)
     logp = (
         logits
         - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
