@@ -73,7 +73,7 @@ def _recorded(make, *args):
         calls.append((tuple(x.shape), axis % x.ndim, rounding))
         return x
 
-    jax.grad(lambda *a: jnp.sum(make(record)(*a)), argnums=(0, 1))(*args)
+    jax.jit(jax.grad(lambda *a: jnp.sum(make(record)(*a)), argnums=(0, 1)))(*args)  # recorded while tracing
     return calls
 
 
@@ -236,7 +236,7 @@ def test_rht_changes_the_quantised_product_only_where_the_recipe_says():
     dims = (((1,), (0,)), ((), ()))
     plain = Recipe("plain", fprop=Gemm("e1m2"))
     rotated = Recipe("rotated", fprop=Gemm("e1m2", rht=True))
-    a, b = dot_general(plain)(x, w, dims), dot_general(rotated)(x, w, dims)
+    a, b = (jax.jit(lambda x, w, r=r: dot_general(r)(x, w, dims))(x, w) for r in (plain, rotated))
     exact = x @ w
     assert not np.allclose(a, b)
     for y in (a, b):  # both are 4-bit products: close to the exact one, not equal
@@ -247,11 +247,13 @@ def test_stochastic_rounding_is_keyed_and_needs_a_key():
     rng = np.random.default_rng(2)
     x, w = jnp.asarray(rng.normal(size=(32, 48)), jnp.float32), jnp.asarray(rng.normal(size=(48, 16)), jnp.float32)
     dims = (((1,), (0,)), ((), ()))
-    grad = lambda key: jax.grad(lambda a: jnp.sum(dot_general(recipes.UFP4, key=key)(a, w, dims) ** 2))(x)  # noqa: E731
+    loss = lambda a, key: jnp.sum(dot_general(recipes.UFP4, key=key)(a, w, dims) ** 2)  # noqa: E731
+    grad_fn = jax.jit(jax.grad(loss))
+    grad = lambda key: grad_fn(x, key)  # noqa: E731
     k1, k2 = jax.random.key(1), jax.random.key(2)
     np.testing.assert_array_equal(grad(k1), grad(k1))
     assert not np.array_equal(grad(k1), grad(k2))
-    dot_general(recipes.UFP4)(x, w, dims)  # inference without a key is fine
+    jax.eval_shape(lambda: dot_general(recipes.UFP4)(x, w, dims))  # inference without a key is fine
     with pytest.raises(ValueError, match="stochastic rounding of dy needs a PRNG key"):
         grad(None)
     with pytest.raises(ValueError, match="one contracting dimension"):
@@ -280,8 +282,9 @@ def test_bf16_operands_and_sharded_weights_on_8_devices():
 
 def test_nvfp4_weight_tiles_are_transpose_invariant():
     w = jnp.asarray(np.random.default_rng(5).standard_t(3, size=(3, 40, 24)), jnp.float32)
-    q = quantize_tiles(w, "nvfp4")
-    np.testing.assert_array_equal(q, jnp.swapaxes(quantize_tiles(jnp.swapaxes(w, 1, 2), "nvfp4"), 1, 2))
+    tiles = jax.jit(lambda w: quantize_tiles(w, "nvfp4"))
+    q = tiles(w)
+    np.testing.assert_array_equal(q, jnp.swapaxes(tiles(jnp.swapaxes(w, 1, 2)), 1, 2))
     assert float(jnp.linalg.norm(q - w) / jnp.linalg.norm(w)) < 0.25
 
 
