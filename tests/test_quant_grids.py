@@ -2,6 +2,8 @@
 spec's synthetic SQNR / alpha table. The numerics themselves (nearest and stochastic rounding of every grid, MXFP4
 and NVFP4 against exact NumPy references) are tested in test_lowbit.py."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,21 +47,23 @@ def test_formats_round_on_their_core_grid(fmt, grid):
     assert grids.grid_max(fmt) == lowbit.GRIDS[grid][-1]
 
 
+_quantize = jax.jit(quantize, static_argnames=("fmt", "axis"))  # as training runs it: one program per call site
+
+
 def test_block_scaling_axis_dtype_and_errors():
     x = jnp.asarray(np.random.default_rng(2).normal(size=(48, 32)), jnp.bfloat16)
-    q = quantize(x, "e1m2", axis=0)
+    q = _quantize(x, "e1m2", axis=0)
     assert q.dtype == jnp.bfloat16 and q.shape == x.shape
-    np.testing.assert_array_equal(q, quantize(x.T, "e1m2").T)
-    with pytest.raises(ValueError, match="not divisible by block_size = 16"):
-        quantize(x[:, :30], "int4")
-    with pytest.raises(ValueError, match="allowed"):
-        quantize(x, "fp3")
-    with pytest.raises(ValueError, match="needs a PRNG key"):
-        quantize(x, "int4", rounding="stochastic")
-    with pytest.raises(ValueError, match="axis = 2 is out of range"):
-        quantize(x, "int4", axis=2)
-    with pytest.raises(ValueError, match="rounding = 'up'; allowed"):
-        quantize(x, "nvfp4", rounding="up")
+    np.testing.assert_array_equal(q, _quantize(x.T, "e1m2").T)
+    for kwargs, error in [
+        (dict(x=x[:, :30], fmt="int4"), "not divisible by block_size = 16"),
+        (dict(fmt="fp3"), "allowed"),
+        (dict(fmt="int4", rounding="stochastic"), "needs a PRNG key"),
+        (dict(fmt="int4", axis=2), "axis = 2 is out of range"),
+        (dict(fmt="nvfp4", rounding="up"), "rounding = 'up'; allowed"),
+    ]:
+        with pytest.raises(ValueError, match=error):  # while tracing, before anything runs
+            jax.eval_shape(lambda kw=kwargs: quantize(**{"x": x, **kw}))
 
 
 @pytest.mark.parametrize("fmt", ["e2m1", "e1m2", "int4", "mxfp4", "nvfp4"])
@@ -69,8 +73,8 @@ def test_block_scales_times_levels_are_the_quantised_values(fmt):
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_t(3, size=(6, 64)) * np.exp(rng.normal(size=(6, 1)) * 3), jnp.float32)
     block = {"mxfp4": 32}.get(fmt, 16)
-    scales = np.asarray(block_scales(x.reshape(6, -1, block), fmt), np.float64)
-    q = np.asarray(quantize(x, fmt), np.float64).reshape(6, -1, block)
+    scales = np.asarray(jax.jit(block_scales, static_argnums=1)(x.reshape(6, -1, block), fmt), np.float64)
+    q = np.asarray(_quantize(x, fmt), np.float64).reshape(6, -1, block)
     level = q / scales
     np.testing.assert_allclose(level, _snap(level, grids.levels(fmt)), atol=1e-5)
     if fmt == "mxfp4":
@@ -101,9 +105,13 @@ def test_synthetic_sqnr_table_of_the_spec():
     within 0.2 dB), including the rank flip between E2M1 and INT4 under RHT."""
     x = jnp.asarray(np.random.default_rng(0).normal(size=(4096, 256)), jnp.float32)
 
-    def measure(v, fmt):
+    @functools.partial(jax.jit, static_argnums=1)
+    def sqnr_and_alpha(v, fmt):
         q = quantize(v, fmt)
-        return float(analysis.sqnr(v, q)), float(analysis.alpha(v, q))
+        return analysis.sqnr(v, q), analysis.alpha(v, q)
+
+    def measure(v, fmt):
+        return tuple(map(float, sqnr_and_alpha(v, fmt)))
 
     (e2m1, a_e2m1), (int4, a_int4) = measure(x, "e2m1"), measure(x, "int4")
     assert e2m1 == pytest.approx(20.52, abs=0.2) and int4 == pytest.approx(21.39, abs=0.2)
