@@ -1,7 +1,8 @@
 """What several test files share: a float64 MoE written from the formulas, random O(1) parameters, an 8-device
-sharder, a tiny MoE transformer, a jitted forward, a tiny run config, a few jitted train steps, and a run's metric
-rows."""
+sharder, a tiny MoE transformer, a jitted forward and module call, a tiny run config, a few jitted train steps, and a
+run's metric rows."""
 
+import functools
 import json
 import os
 
@@ -28,9 +29,11 @@ def set_params(layer: nnx.Module, seed: int) -> dict[str, np.ndarray]:
     return {k: np.asarray(np.float32(v), np.float64) for k, v in values.items()}
 
 
+@functools.partial(jax.jit, static_argnums=2)
 def reference(p: dict, x, m: MoEConfig, chosen: np.ndarray):
     """float64 MoE written from the formulas: y = sum over experts e of gate_e(x) silu(x up_e) down_e (+ shared).
-    `chosen` [N, k]: the top-k experts (computed from the float64 logits by the caller), fixed for autodiff."""
+    `chosen` [N, k]: the top-k experts (computed from the float64 logits by the caller), fixed for autodiff.
+    Jitted (one program per config and shape); float64 where the caller enables x64."""
     silu = lambda z: z * jax.nn.sigmoid(z)  # noqa: E731
     logits = x @ p["router"]
     if m.router == "softmax":
@@ -70,8 +73,10 @@ def tiny_moe_transformer(resident=None, routing_mode="partitioned", precision=No
     return Transformer(cfg, rngs=nnx.Rngs(0), ffn_factory=ffn, precision=precision)
 
 
-# A model's forward as one compiled program (op-by-op dispatch compiles each primitive and costs seconds per test).
+# A model's forward, a module's call: one compiled program each (op-by-op dispatch compiles every primitive, tens
+# of milliseconds each on the CPU: seconds per test).
 forward = nnx.jit(lambda model, tokens, cache=None: model(tokens, cache=cache))
+call = nnx.jit(lambda module, *args: module(*args))
 
 
 def make_tiny_config():

@@ -17,7 +17,7 @@ from experiments import build
 from moe import MoE, MoEConfig, dispatch, grouped_matmul, load_balance_loss, route, routing_stats, z_loss
 from moe.router import Routing
 
-from helpers import reference, set_params, sharder
+from helpers import call, reference, set_params, sharder
 
 RNG = np.random.default_rng(0)
 
@@ -56,7 +56,7 @@ def test_grouped_matmul_and_gradients_equal_float64_loop(implementation, m, k, n
         out = grouped_matmul(x, w, gs, implementation=implementation, window=window)
         return jnp.sum(out * ct), out
 
-    (_, out), (dx, dw) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+    (_, out), (dx, dw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
         jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)
     )
     ref = _gmm_reference(x, w, sizes)
@@ -119,13 +119,13 @@ def test_route_rejects_bad_arguments():
 def test_load_balance_and_z_loss_equal_their_formulas():
     n, e, k = 40, 5, 2
     logits = RNG.normal(size=(n, e)) * 2
-    r = route(jnp.asarray(logits, jnp.float32), k, "softmax")
+    r = jax.jit(route, static_argnums=(1, 2))(jnp.asarray(logits, jnp.float32), k, "softmax")
     top = np.argsort(-logits, axis=1)[:, :k]
     f = np.bincount(top.ravel(), minlength=e) / (n * k)
     p = (np.exp(logits) / np.exp(logits).sum(1, keepdims=True)).mean(0)
-    np.testing.assert_allclose(load_balance_loss(r), e * np.sum(f * p), rtol=1e-5)
+    np.testing.assert_allclose(jax.jit(load_balance_loss)(r), e * np.sum(f * p), rtol=1e-5)
     lse = np.log(np.exp(logits).sum(1))
-    np.testing.assert_allclose(z_loss(r), np.mean(lse**2), rtol=1e-5)
+    np.testing.assert_allclose(jax.jit(z_loss)(r), np.mean(lse**2), rtol=1e-5)
     # Uniform routing gives exactly 1; the count f_e carries no gradient, P_e does.
     uniform = Routing(
         jnp.asarray(np.arange(n * k).reshape(n, k) % e, jnp.int32),
@@ -133,8 +133,8 @@ def test_load_balance_and_z_loss_equal_their_formulas():
         jnp.full((n, e), 1 / e),
         jnp.zeros((n, e)),
     )
-    np.testing.assert_allclose(load_balance_loss(uniform), 1.0, rtol=1e-6)
-    grad = jax.grad(lambda lg: load_balance_loss(route(lg, k, "softmax")))(jnp.asarray(logits, jnp.float32))
+    np.testing.assert_allclose(jax.jit(load_balance_loss)(uniform), 1.0, rtol=1e-6)
+    grad = jax.jit(jax.grad(lambda lg: load_balance_loss(route(lg, k, "softmax"))))(jnp.asarray(logits, jnp.float32))
     dp = e * f / n  # d loss / d probs[n, e]
     probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
     expected = probs * (dp - (probs * dp).sum(1, keepdims=True))  # softmax Jacobian applied to dp
@@ -142,34 +142,35 @@ def test_load_balance_and_z_loss_equal_their_formulas():
 
 
 def test_routing_stats_on_hand_built_routing():
+    stats = jax.jit(routing_stats)  # hand-built routings as NumPy arrays: nothing runs op by op
     e = 4
     collapsed = Routing(
-        jnp.zeros((6, 1), jnp.int32), jnp.ones((6, 1)), jnp.eye(e)[jnp.zeros(6, int)], jnp.zeros((6, e))
+        np.zeros((6, 1), np.int32), np.ones((6, 1)), np.eye(e)[np.zeros(6, int)], np.zeros((6, e))
     )
-    s = routing_stats(collapsed)
+    s = stats(collapsed)
     np.testing.assert_allclose(s["load"], [1, 0, 0, 0])
     np.testing.assert_allclose(s["load_cv"], np.sqrt(e - 1), rtol=1e-6)  # std([1,0,0,0]) / 0.25
     np.testing.assert_allclose(
         [s["load_entropy"], s["token_entropy"], s["max_load"], s["dropped"]], [0, 0, e, 0], atol=1e-7
     )
     balanced = Routing(
-        jnp.asarray([[0, 1], [2, 3], [1, 0], [3, 2]], jnp.int32),
-        jnp.ones((4, 2)),
-        jnp.full((4, e), 1 / e),
-        jnp.zeros((4, e)),
+        np.asarray([[0, 1], [2, 3], [1, 0], [3, 2]], np.int32),
+        np.ones((4, 2)),
+        np.full((4, e), 1 / e),
+        np.zeros((4, e)),
     )
-    keep = jnp.asarray([[True, True], [True, False], [True, True], [False, False]])
-    s = routing_stats(balanced, keep)
+    keep = np.asarray([[True, True], [True, False], [True, True], [False, False]])
+    s = stats(balanced, keep)
     np.testing.assert_allclose(
         [s["load_cv"], s["load_entropy"], s["token_entropy"], s["max_load"], s["dropped"]],
         [0, 1, 1, 1, 3 / 8],
         atol=1e-6,
     )
     skewed = Routing(
-        jnp.asarray([[0], [0], [0], [1]], jnp.int32), jnp.ones((4, 1)), jnp.full((4, e), 1 / e), jnp.zeros((4, e))
+        np.asarray([[0], [0], [0], [1]], np.int32), np.ones((4, 1)), np.full((4, e), 1 / e), np.zeros((4, e))
     )
     load = np.array([0.75, 0.25, 0, 0])
-    s = routing_stats(skewed)
+    s = stats(skewed)
     np.testing.assert_allclose(s["load_cv"], load.std() / load.mean(), rtol=1e-6)
     np.testing.assert_allclose(s["load_entropy"], -(0.75 * np.log(0.75) + 0.25 * np.log(0.25)) / np.log(e), rtol=1e-6)
 
@@ -214,7 +215,7 @@ def test_dropless_layer_and_gradients_equal_float64_reference(name, shape):
     chosen = np.argsort(-(flat_x @ p["router"]), axis=1, kind="stable")[:, : m.top_k]
     with jax.enable_x64(True):
         ref_fn = lambda p, x: jnp.sum(reference(p, x, m, chosen) * ct.reshape(-1, shape[-1]))  # noqa: E731
-        ref_y = np.asarray(jax.jit(reference, static_argnums=2)(p, flat_x, m, chosen))
+        ref_y = np.asarray(reference(p, flat_x, m, chosen))
         ref_gp, ref_gx = jax.jit(jax.grad(ref_fn, argnums=(0, 1)))(p, flat_x)
         ref_gp = {k: np.asarray(v) for k, v in ref_gp.items()}
         ref_gx = np.asarray(ref_gx)
@@ -263,7 +264,7 @@ def test_capacity_layer_equals_reference_without_the_dropped_assignments(capacit
     )
     shape = (3, 10, 16)
     layer, p, x = _layer_and_reference(m, shape, seed=1)
-    y, aux = layer(jnp.asarray(x, jnp.float32))
+    y, aux = call(layer, jnp.asarray(x, jnp.float32))
     flat_x = x.reshape(-1, shape[-1])
     chosen = np.argsort(-(flat_x @ p["router"]), axis=1, kind="stable")[:, : m.top_k]
     slots = dispatch.capacity_per_group(shape[1], m.top_k, m.num_experts, capacity_factor)
@@ -337,7 +338,7 @@ def test_expert_parallel_pads_token_counts_the_devices_cannot_split():
     m = MoEConfig(num_experts=8, top_k=2, expert_size=8)
     cfg = TransformerConfig(d_model=16, num_layers=2)
     x = jnp.asarray(RNG.normal(size=(1, 3, 16)), jnp.float32)
-    y1, aux1 = MoE(cfg, m, path="ffn", rngs=nnx.Rngs(4))(x)
+    y1, aux1 = call(MoE(cfg, m, path="ffn", rngs=nnx.Rngs(4)), x)
 
     def sharded(x):  # the layer is built under jit, as the model builds it
         return MoE(cfg, m, path="ffn", rngs=nnx.Rngs(4), shard=sharder(2, 4))(x)
