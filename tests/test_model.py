@@ -216,12 +216,11 @@ def test_precision_slot_reaches_every_projection():
     keys = [k for _, k in precision.log]
     assert len(set(keys)) == len(keys), "each projection gets its own key"
     precision.log.clear()
-    model(tokens)
+    base = forward(model, tokens)[0]  # (recorded while tracing)
     assert all(k is None for _, k in precision.log)
     # Changing the dot_general of one projection changes the output: the slot is really used.
-    base = model(tokens)[0]
     scaled = Transformer(cfg, rngs=nnx.Rngs(0), precision=RecordingPrecision(factor=2.0, paths=("blocks.1.ffn.up",)))
-    assert np.abs(np.asarray(scaled(tokens)[0] - base)).max() > 1e-5
+    assert np.abs(np.asarray(forward(scaled, tokens)[0] - base)).max() > 1e-5
     a, b = jax.random.normal(jax.random.key(0), (2, 3)), jax.random.normal(jax.random.key(1), (3, 4))
     product = DefaultPrecision().dot_general("x", None)(a, b, (((1,), (0,)), ((), ())))
     np.testing.assert_allclose(np.asarray(product), np.asarray(a, np.float64) @ np.asarray(b, np.float64), rtol=1e-5)
@@ -246,10 +245,10 @@ def test_ffn_slot_and_aux_losses():
 
     cfg = CONFIGS["mha-rms"]
     model = Transformer(cfg, rngs=nnx.Rngs(0), ffn_factory=AuxFFN)
-    tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 256)
-    _logits, aux, _ = model(tokens[:, :-1])
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(2, 9)), jnp.int32)
+    _logits, aux, _ = forward(model, tokens[:, :-1])
     # Losses add up over the layers; statistics are averaged over the layers that report them.
     assert float(aux["loss/aux"]) == 1.0 + 2.0 and float(aux["metric"]) == (1.0 + 3.0) / 2
-    objective, metrics = lm_loss(model, tokens)
+    objective, metrics = nnx.jit(lm_loss)(model, tokens)
     np.testing.assert_allclose(float(objective), float(metrics["loss"]) + 3.0, rtol=1e-6)
     assert count_params(model) == (264 * 32 + 2 * (4 * 32 * 32 + 2 * 32 + 1) + 32)
