@@ -73,12 +73,12 @@ def test_forward_with_data_and_model_sharding_equals_single_device(tiny_config):
 
     c = tiny_config
     c.model.num_heads, c.model.num_kv_heads = 4, 4
-    tokens = jax.random.randint(jax.random.key(3), (4, 16), 0, 259)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 259, size=(4, 16)), jnp.int32)
     _, _, graphdef, state1 = _setup(c, 1, 1)
-    ref = nnx.merge(graphdef, state1.params, state1.rest)(tokens)[0]
+    fwd = jax.jit(lambda g, p, r, t: nnx.merge(g, p, r)(t)[0], static_argnums=0)
+    ref = fwd(graphdef, state1.params, state1.rest, tokens)
     sharder, _, graphdef, state = _setup(c, 2, 4)
-    fwd = jax.jit(lambda p, r, t: nnx.merge(graphdef, p, r)(t)[0])
-    out = fwd(state.params, state.rest, jax.device_put(tokens, sharder.named(("batch", None))))
+    out = fwd(graphdef, state.params, state.rest, jax.device_put(tokens, sharder.named(("batch", None))))
     assert out.sharding.spec[0] == "data"
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
     assert jnp.isfinite(out).all()
