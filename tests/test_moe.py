@@ -144,9 +144,7 @@ def test_load_balance_and_z_loss_equal_their_formulas():
 def test_routing_stats_on_hand_built_routing():
     stats = jax.jit(routing_stats)  # hand-built routings as NumPy arrays: nothing runs op by op
     e = 4
-    collapsed = Routing(
-        np.zeros((6, 1), np.int32), np.ones((6, 1)), np.eye(e)[np.zeros(6, int)], np.zeros((6, e))
-    )
+    collapsed = Routing(np.zeros((6, 1), np.int32), np.ones((6, 1)), np.eye(e)[np.zeros(6, int)], np.zeros((6, e)))
     s = stats(collapsed)
     np.testing.assert_allclose(s["load"], [1, 0, 0, 0])
     np.testing.assert_allclose(s["load_cv"], np.sqrt(e - 1), rtol=1e-6)  # std([1,0,0,0]) / 0.25
