@@ -61,12 +61,15 @@ def _grads(params, seed: int, scale: float) -> list:
     ]
 
 
+_apply_updates = jax.jit(optax.apply_updates)
+
+
 def _run(tx, params, grads) -> tuple[list, object]:
     """The updates of each step (parameters moved by them) and the last state."""
-    state, update, out = tx.init(params), jax.jit(tx.update), []
+    state, update, out = jax.jit(tx.init)(params), jax.jit(tx.update), []
     for g in grads:
         updates, state = update(g, state, params)
-        params = optax.apply_updates(params, updates)
+        params = _apply_updates(params, updates)
         out.append(updates)
     return out, state
 
@@ -134,7 +137,8 @@ def test_build_optimizer_is_the_documented_optimizer_bit_for_bit(name):
     got, state = _run(build.build_optimizer(config), params, grads)
     _assert_identical(got, _run(direct, params, grads)[0])
     assert set(build.OPTIMIZERS) == set(optim_config.FAMILIES)
-    clipped = [optax.clip_by_global_norm(1.0).update(g, optax.EmptyState())[0] for g in grads]
+    clip = jax.jit(lambda g: optax.clip_by_global_norm(1.0).update(g, optax.EmptyState())[0])
+    clipped = [clip(g) for g in grads]
     want = _expected_fraction(name, clipped)
     metrics = optim.state_metrics(state)
     if want is None:
