@@ -164,8 +164,18 @@ def _serve_streams_the_greedy_continuation(workdir, capsys, kv_format="bf16"):
     from kvcache.engine import Engine, EngineConfig
 
     capsys.readouterr()  # what the training printed
-    argv = [f"--workdir={workdir}", "--prompt=def f", "--max-new-tokens=6", f"--kv-format={kv_format}"]
-    assert serve.main([*argv, "--temperature=0"]) == 0
+    assert (
+        serve.main(
+            [
+                f"--workdir={workdir}",
+                "--prompt=def f",
+                "--max-new-tokens=6",
+                f"--kv-format={kv_format}",
+                "--temperature=0",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     _, model = load.trained_model(str(workdir))
     tok = ByteTokenizer()
@@ -253,7 +263,7 @@ def test_federated_run_measures_its_bytes_and_resumes_after_a_crashed_round(tmp_
 def test_the_composed_config_trains_sites_with_mgup_on_ufp4_and_serves_through_fp4_kv(tmp_path, capsys):
     """experiments/configs/composed.py end to end: 2 federated sites train with MGUP-AdamW on UFP4 GEMMs (the run
     records all three choices) and measure exactly the formula's bytes, the loaded model reproduces the held-out
-    loss, and serving it through the fp4 KV cache streams what `core.generate` gives with that cache."""
+    loss, and serving it through the fp4 KV cache streams the engine's greedy continuation with that cache."""
     workdir = tmp_path / "composed"
     summary = _run(
         workdir,
