@@ -47,7 +47,7 @@ def test_formats_round_on_their_core_grid(fmt, grid):
     assert grids.grid_max(fmt) == lowbit.GRIDS[grid][-1]
 
 
-_quantize = jax.jit(quantize, static_argnames=("fmt", "axis"))  # as training runs it: one program per call site
+_quantize = jax.jit(quantize, static_argnames=("fmt", "axis"))  # jitted, as training runs it
 
 
 def test_block_scaling_axis_dtype_and_errors():
