@@ -205,5 +205,5 @@ def test_bad_input_is_named():
         ones = jax.ShapeDtypeStruct((1, 1, head_dim), jnp.float32)
         with pytest.raises(ValueError, match=f"head_dim = {head_dim}"):
             jax.eval_shape(formats.get("fp4").quantize, ones, ones)
-    ones = np.ones((1, 1, 192), np.float32)
-    assert np.all(_quantize(formats.get("fp4", rotate_k=False), ones, ones)["k_scales"] > 0)
+    x = np.ones((1, 1, 192), np.float32)
+    assert np.all(_quantize(formats.get("fp4", rotate_k=False), x, x)["k_scales"] > 0)

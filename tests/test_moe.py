@@ -141,17 +141,21 @@ def test_load_balance_and_z_loss_equal_their_formulas():
     np.testing.assert_allclose(grad, expected, rtol=1e-4, atol=1e-7)
 
 
+def _routing(*fields) -> Routing:
+    return Routing(*(jnp.asarray(f) for f in fields))
+
+
 def test_routing_stats_on_hand_built_routing():
-    stats = jax.jit(routing_stats)  # hand-built routings as NumPy arrays: nothing runs op by op
+    stats = jax.jit(routing_stats)  # (hand-built from NumPy arrays: nothing runs op by op)
     e = 4
-    collapsed = Routing(np.zeros((6, 1), np.int32), np.ones((6, 1)), np.eye(e)[np.zeros(6, int)], np.zeros((6, e)))
+    collapsed = _routing(np.zeros((6, 1), np.int32), np.ones((6, 1)), np.eye(e)[np.zeros(6, int)], np.zeros((6, e)))
     s = stats(collapsed)
     np.testing.assert_allclose(s["load"], [1, 0, 0, 0])
     np.testing.assert_allclose(s["load_cv"], np.sqrt(e - 1), rtol=1e-6)  # std([1,0,0,0]) / 0.25
     np.testing.assert_allclose(
         [s["load_entropy"], s["token_entropy"], s["max_load"], s["dropped"]], [0, 0, e, 0], atol=1e-7
     )
-    balanced = Routing(
+    balanced = _routing(
         np.asarray([[0, 1], [2, 3], [1, 0], [3, 2]], np.int32),
         np.ones((4, 2)),
         np.full((4, e), 1 / e),
@@ -164,7 +168,7 @@ def test_routing_stats_on_hand_built_routing():
         [0, 1, 1, 1, 3 / 8],
         atol=1e-6,
     )
-    skewed = Routing(
+    skewed = _routing(
         np.asarray([[0], [0], [0], [1]], np.int32), np.ones((4, 1)), np.full((4, e), 1 / e), np.zeros((4, e))
     )
     load = np.array([0.75, 0.25, 0, 0])
