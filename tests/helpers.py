@@ -1,6 +1,6 @@
 """What several test files share: a float64 MoE written from the formulas, random O(1) parameters, an 8-device
-sharder, a tiny MoE transformer, a jitted forward and module call, a tiny run config, a few jitted train steps, and a
-run's metric rows."""
+sharder, a tiny MoE transformer, a jitted forward, module call and quantiser, a tiny run config, a few jitted train
+steps, and a run's metric rows."""
 
 import functools
 import json
@@ -14,6 +14,7 @@ from flax import nnx
 from core import mesh as mesh_lib
 from experiments import build
 from moe import MoEConfig
+from quant import quantize
 
 
 def set_params(layer: nnx.Module, seed: int) -> dict[str, np.ndarray]:
@@ -77,6 +78,8 @@ def tiny_moe_transformer(resident=None, routing_mode="partitioned", precision=No
 # of milliseconds each on the CPU: seconds per test).
 forward = nnx.jit(lambda model, tokens, cache=None: model(tokens, cache=cache))
 call = nnx.jit(lambda module, *args: module(*args))
+# quant.quantize as training runs it: jitted (XLA fuses it), one program per format, axis and shape
+jit_quantize = jax.jit(quantize, static_argnames=("fmt", "axis"))
 
 
 def make_tiny_config():

@@ -10,12 +10,12 @@ import pytest
 import scipy.linalg
 
 from core import lowbit
-from quant import quantize
+
+from helpers import jit_quantize
 
 # XLA:CPU flushes float32 subnormals to zero in arithmetic (inputs and results); references follow the platform
 FLUSHES = float(jax.jit(lambda v: v * 2.0)(jnp.float32(2.0**-140))) == 0.0
 TINY = 2.0**-126  # the smallest normal float32
-_quantize = jax.jit(quantize, static_argnames=("fmt", "axis"))  # as training uses it: jitted, fused by XLA
 
 
 def _flush(x: np.ndarray) -> np.ndarray:
@@ -278,7 +278,7 @@ def test_mxfp4_reproductions_are_fixed(values, want):
     x = jnp.zeros(32)
     for i, v in values.items():
         x = x.at[i].set(v)
-    np.testing.assert_array_equal(_quantize(x, "mxfp4")[: len(want)], want)
+    np.testing.assert_array_equal(jit_quantize(x, "mxfp4")[: len(want)], want)
 
 
 @pytest.mark.parametrize("exact_max", [False, True])
@@ -293,7 +293,7 @@ def test_mxfp4_over_block_exponents_minus_100_to_100(exact_max):
         x[:, 5] = np.ldexp(1.0, k) * rng.choice([-1, 1], k.size)
         x[:, 37] = np.ldexp(1.0, k - 1)  # the second block's max 2^(k-1)
     x = x.astype(np.float32)
-    got = np.asarray(_quantize(jnp.asarray(x), "mxfp4"), np.float64)
+    got = np.asarray(jit_quantize(jnp.asarray(x), "mxfp4"), np.float64)
     np.testing.assert_array_equal(got, _np_mxfp4(x))
     if exact_max:
         np.testing.assert_array_equal(got[:, 5], x[:, 5])  # a power of two is a level times its own scale
@@ -306,11 +306,11 @@ def test_mxfp4_extremes_of_the_float32_range():
     maxes = [3.0e38, 2.0**127, 2.0**-120, 2.0**-124, 1.5 * 2.0**-125, 2.0**-126, 2.0**-130, 0.0]
     x = np.stack([rng.uniform(-1, 1, 32) * m for m in maxes]).astype(np.float32)
     x[:6, 0] = np.asarray(maxes[:6], np.float32)
-    got = np.asarray(_quantize(jnp.asarray(x), "mxfp4"), np.float64)
+    got = np.asarray(jit_quantize(jnp.asarray(x), "mxfp4"), np.float64)
     np.testing.assert_array_equal(got, _np_mxfp4(x))
     assert np.all(got[:6].max(-1) > 0) and np.all(got[-1] == 0)
     bad = jnp.asarray(x[:3]).at[1, 4].set(jnp.inf).at[2, 9].set(jnp.nan)
-    out = np.asarray(_quantize(bad, "mxfp4"))
+    out = np.asarray(jit_quantize(bad, "mxfp4"))
     assert np.all(np.isnan(out[1:])) and np.array_equal(out[0], got[0])
 
 
@@ -321,15 +321,15 @@ def test_nvfp4_reproduction_tiny_tensors_are_fixed():
     rng = np.random.default_rng(8)
     x = (rng.standard_t(3, size=(4, 64)) * np.exp(rng.normal(size=(4, 1)))).astype(np.float32)
     x[1, 16:32] = 0.0
-    base = np.asarray(_quantize(jnp.asarray(x), "nvfp4"), np.float64)
+    base = np.asarray(jit_quantize(jnp.asarray(x), "nvfp4"), np.float64)
     for k in (-100, -80, -60, 20, 60):
         scaled = np.ldexp(x, k).astype(np.float32)
-        got = np.asarray(_quantize(jnp.asarray(scaled), "nvfp4"), np.float64)
+        got = np.asarray(jit_quantize(jnp.asarray(scaled), "nvfp4"), np.float64)
         assert np.all(np.isfinite(got))
         np.testing.assert_array_equal(got, np.ldexp(base, k))
         _assert_codes_equal(got, _np_nvfp4(scaled)[0], 2.0**-22)
-    assert float(jnp.max(jnp.abs(_quantize(jnp.asarray(x * 1e-37), "nvfp4")))) > 0
-    np.testing.assert_array_equal(_quantize(jnp.asarray(x * 1e-37), "nvfp4")[1, 16:32], 0.0)
+    assert float(jnp.max(jnp.abs(jit_quantize(jnp.asarray(x * 1e-37), "nvfp4")))) > 0
+    np.testing.assert_array_equal(jit_quantize(jnp.asarray(x * 1e-37), "nvfp4")[1, 16:32], 0.0)
 
 
 def test_nvfp4_near_the_subnormal_range():
@@ -340,7 +340,7 @@ def test_nvfp4_near_the_subnormal_range():
         x = (rng.uniform(-1, 1, (2, 32)) * top).astype(np.float32)
         x[0, 0] = top
         x = np.where(np.abs(x) < TINY, 0, x).astype(np.float32)
-        got = np.asarray(_quantize(jnp.asarray(x), "nvfp4"), np.float64)
+        got = np.asarray(jit_quantize(jnp.asarray(x), "nvfp4"), np.float64)
         want, _ = _np_nvfp4(x)
         assert np.all(np.isfinite(got)) and got[0, 0] == top
         _assert_codes_equal(got, want, 2.0**-22)
@@ -351,12 +351,12 @@ def test_zero_subnormal_and_nonfinite_tensors(fmt):
     """A zero tensor quantises to zeros (no nan); a subnormal-valued tensor to its exact quantisation, which is zero
     where the platform reads subnormals as zero; inf or nan in a block gives nan."""
     z = jnp.zeros((2, 64), jnp.float32)
-    np.testing.assert_array_equal(_quantize(z, fmt), z)
-    np.testing.assert_array_equal(_quantize(z.astype(jnp.bfloat16), fmt), z)
+    np.testing.assert_array_equal(jit_quantize(z, fmt), z)
+    np.testing.assert_array_equal(jit_quantize(z.astype(jnp.bfloat16), fmt), z)
     sub = jnp.asarray(np.random.default_rng(10).uniform(-1, 1, (2, 64)) * 2.0**-130, jnp.float32)
-    out = np.asarray(_quantize(sub, fmt))
+    out = np.asarray(jit_quantize(sub, fmt))
     assert np.all(np.isfinite(out)) and (not FLUSHES or np.all(out == 0))
-    assert np.all(np.isnan(np.asarray(_quantize(z.at[0, 3].set(jnp.nan), fmt))[0, :16]))
+    assert np.all(np.isnan(np.asarray(jit_quantize(z.at[0, 3].set(jnp.nan), fmt))[0, :16]))
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -369,7 +369,7 @@ def test_mx_and_nv_formats_match_exact_numpy(fmt, shape, axis):
     x = rng.standard_t(3, size=shape) * np.exp(rng.normal(size=shape[:-1] + (1,)) * 2)
     x[0, ..., :16] = 0.0
     x = x.astype(np.float32)
-    got = _quantize(jnp.asarray(np.moveaxis(x, -1, axis)), fmt, axis=axis)
+    got = jit_quantize(jnp.asarray(np.moveaxis(x, -1, axis)), fmt, axis=axis)
     got = np.moveaxis(np.asarray(got, np.float64), axis, -1)
     if fmt == "mxfp4":
         np.testing.assert_array_equal(got, _np_mxfp4(x))
@@ -400,9 +400,9 @@ def test_nvfp4_resolves_exact_ties_to_even_on_bf16_data():
     for x in _bf16_tensors(rng, 12):
         want, n = _np_nvfp4(x)
         ties += n
-        got = np.asarray(_quantize(jnp.asarray(x), "nvfp4"))
+        got = np.asarray(jit_quantize(jnp.asarray(x), "nvfp4"))
         _assert_codes_equal(got, want, 2.0**-22)
-        got16 = np.asarray(_quantize(jnp.asarray(x, jnp.bfloat16), "nvfp4").astype(jnp.float32))
+        got16 = np.asarray(jit_quantize(jnp.asarray(x, jnp.bfloat16), "nvfp4").astype(jnp.float32))
         _assert_codes_equal(got16, want, 2.0**-8)
     assert ties > 100, ties
 
@@ -412,4 +412,4 @@ def test_nvfp4_on_plain_bf16_normal_data():
     rng = np.random.default_rng(12)
     for _ in range(8):
         x = np.asarray(jnp.asarray(rng.normal(size=(16, 64)), jnp.bfloat16), np.float32)
-        _assert_codes_equal(np.asarray(_quantize(jnp.asarray(x), "nvfp4")), _np_nvfp4(x)[0], 2.0**-22)
+        _assert_codes_equal(np.asarray(jit_quantize(jnp.asarray(x), "nvfp4")), _np_nvfp4(x)[0], 2.0**-22)

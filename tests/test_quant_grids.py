@@ -12,6 +12,8 @@ import pytest
 from core import lowbit
 from quant import analysis, block_scales, grids, hadamard, quantize, rht, shrinkage_bias
 
+from helpers import jit_quantize
+
 
 def test_levels_and_shrinkage_bias():
     np.testing.assert_array_equal(grids.levels("e2m1")[7:], [0, 0.5, 1, 1.5, 2, 3, 4, 6])
@@ -47,14 +49,11 @@ def test_formats_round_on_their_core_grid(fmt, grid):
     assert grids.grid_max(fmt) == lowbit.GRIDS[grid][-1]
 
 
-_quantize = jax.jit(quantize, static_argnames=("fmt", "axis"))  # jitted, as training runs it
-
-
 def test_block_scaling_axis_dtype_and_errors():
     x = jnp.asarray(np.random.default_rng(2).normal(size=(48, 32)), jnp.bfloat16)
-    q = _quantize(x, "e1m2", axis=0)
+    q = jit_quantize(x, "e1m2", axis=0)
     assert q.dtype == jnp.bfloat16 and q.shape == x.shape
-    np.testing.assert_array_equal(q, _quantize(x.T, "e1m2").T)
+    np.testing.assert_array_equal(q, jit_quantize(x.T, "e1m2").T)
     for kwargs, error in [
         (dict(x=x[:, :30], fmt="int4"), "not divisible by block_size = 16"),
         (dict(fmt="fp3"), "allowed"),
@@ -74,7 +73,7 @@ def test_block_scales_times_levels_are_the_quantised_values(fmt):
     x = jnp.asarray(rng.standard_t(3, size=(6, 64)) * np.exp(rng.normal(size=(6, 1)) * 3), jnp.float32)
     block = {"mxfp4": 32}.get(fmt, 16)
     scales = np.asarray(jax.jit(block_scales, static_argnums=1)(x.reshape(6, -1, block), fmt), np.float64)
-    q = np.asarray(_quantize(x, fmt), np.float64).reshape(6, -1, block)
+    q = np.asarray(jit_quantize(x, fmt), np.float64).reshape(6, -1, block)
     level = q / scales
     np.testing.assert_allclose(level, _snap(level, grids.levels(fmt)), atol=1e-5)
     if fmt == "mxfp4":
