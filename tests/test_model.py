@@ -217,7 +217,7 @@ def test_precision_slot_reaches_every_projection():
     assert len(set(keys)) == len(keys), "each projection gets its own key"
     precision.log.clear()
     base = forward(model, tokens)[0]  # (recorded while tracing)
-    assert all(k is None for _, k in precision.log)
+    assert {p for p, _ in precision.log} == expected and all(k is None for _, k in precision.log)
     # Changing the dot_general of one projection changes the output: the slot is really used.
     scaled = Transformer(cfg, rngs=nnx.Rngs(0), precision=RecordingPrecision(factor=2.0, paths=("blocks.1.ffn.up",)))
     assert np.abs(np.asarray(forward(scaled, tokens)[0] - base)).max() > 1e-5
