@@ -58,18 +58,21 @@ def _group_mean(x, placement):
     return out
 
 
+_take = jax.jit(lambda tree, s: jax.tree.map(lambda x: x[s], tree))  # site s of a [sites, ...] tree
+_stack = jax.jit(lambda trees: jax.tree.map(lambda *x: jnp.stack(x), *trees))
+
+
 def _local_only(graphdef, optimizer, train, tokens):
     """The K local steps of each site, one site after the other, without any synchronisation (the reference's
     starting point). Plain steps, not vmapped over sites: an independent reference, and far cheaper to compile."""
     step = jax.jit(train_lib.train_step_fn(graphdef, optimizer))
-    take = jax.jit(lambda tree, s: jax.tree.map(lambda x: x[s], tree))
     sites = []
     for s in range(SITES):
-        site = take(train, s)
+        site = _take(train, s)
         for t in tokens:
             site, _ = step(site, t[s])
         sites.append(site)
-    return jax.jit(lambda sites: jax.tree.map(lambda *x: jnp.stack(x), *sites))(sites)
+    return _stack(sites)
 
 
 def test_full_replication_one_local_step_and_plain_averaging_equal_ddp():
