@@ -1,29 +1,39 @@
-"""Checkpoints with orbax: save, find the latest, restore exactly, refuse what does not fit.
+"""Checkpoints with orbax: save, find the latest, restore exactly and verified, refuse what does not fit.
 
 A checkpoint of step s holds the whole training state as a flat {path: array} dict (parameters, optimizer
-state, step, PRNG key) and a JSON record: a manifest of every array's shape and dtype, the loop's own state
-(e.g. the running train-loss window), and `compat` facts (model config, optimizer, data fingerprint) that must
-match for a resume to be meaningful. Restoring first compares the manifest and the compat facts with the
-running program and raises `CheckpointError` naming what differs, before any array is read; a checkpoint that
-orbax cannot read also raises `CheckpointError`. Nothing on disk is modified by a failed restore.
+state, step, PRNG key) and a JSON record: a manifest of every array's shape, dtype and content checksum
+(`digest`), the loop's own state (e.g. the running train-loss window), `compat` facts (model config, optimizer,
+data fingerprint) that must match for a resume to be meaningful, the caller's `provenance` (how the state was
+trained), and a SHA-256 of the record itself. Restoring first checks the record's own hash and compares the
+manifest and the compat facts with the running program, before any array is read; then it reads the arrays and
+recomputes their checksums. Anything damaged or different raises `CheckpointError` (`DamagedCheckpointError`
+when the bytes on disk are not what was saved) naming the checkpoint and what differs. Nothing on disk is
+modified by a failed restore.
 """
 
 from __future__ import annotations
 
-import logging
+import hashlib
+import json
 import os
+import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-__all__ = ["CheckpointError", "Checkpointer", "flatten", "unflatten"]
+__all__ = ["CheckpointError", "Checkpointer", "DamagedCheckpointError", "Digest", "digest", "flatten", "unflatten"]
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is corrupt or does not fit the running program. The message says which and what to do."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint's files cannot be read, or what they hold is not what was saved (a checksum differs)."""
 
 
 def _key_name(entry) -> str:
@@ -49,7 +59,12 @@ def unflatten(like, flat: Mapping[str, Any]):
 
 
 def _manifest(flat: Mapping[str, Any]) -> dict[str, list]:
-    return {k: [list(v.shape), str(np.dtype(v.dtype))] for k, v in flat.items()}
+    return {k: [list(np.shape(v)), str(np.dtype(v.dtype))] for k, v in flat.items()}
+
+
+def _record_hash(meta: Mapping[str, Any]) -> str:
+    body = {k: v for k, v in meta.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 class Checkpointer:
@@ -73,16 +88,53 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def save(self, step: int, state, *, loop: Mapping[str, Any], compat: Mapping[str, Any]) -> None:
-        """Saves `state` (any pytree of arrays) at `step` with JSON-serialisable `loop` and `compat` records."""
+    def save(
+        self,
+        step: int,
+        state,
+        *,
+        loop: Mapping[str, Any],
+        compat: Mapping[str, Any],
+        provenance: Mapping[str, Any] | None = None,
+        checked: Digest | None = None,
+    ) -> None:
+        """Saves `state` (any pytree of arrays) at `step` with JSON-serialisable `loop`, `compat` and `provenance`
+        records and every array's checksum (`checked`: the state's `digest`, when the caller already took it)."""
         flat = flatten(state)
-        meta = {"manifest": _manifest(flat), "loop": dict(loop), "compat": dict(compat)}
+        sums = (checked or digest(state)).checksums
+        manifest = {k: [*entry, sums[k]] for k, entry in _manifest(flat).items()}
+        meta = {
+            "manifest": manifest,
+            "loop": dict(loop),
+            "compat": _jsonable(dict(compat)),
+            "provenance": _jsonable(dict(provenance or {})),
+        }
+        meta["sha256"] = _record_hash(meta)
         self._manager.save(
             step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(meta))
         )
 
+    def read_record(self, step: int) -> dict[str, Any]:
+        """The JSON record of the checkpoint of `step` (manifest, loop, compat, provenance), its hash verified.
+        Raises DamagedCheckpointError if it cannot be read or was changed since it was written."""
+        where = self._where(step)
+        try:
+            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # orbax raises many types for missing/corrupt files
+            raise DamagedCheckpointError(f"the {where} cannot be read ({type(e).__name__}: {e}). {_AFTER}") from e
+        if not isinstance(meta, dict) or not {"manifest", "loop", "compat"} <= set(meta):
+            raise DamagedCheckpointError(
+                f"the {where} has no valid metadata record; it was not written by this program or is damaged. {_AFTER}"
+            )
+        if "sha256" in meta and meta["sha256"] != _record_hash(meta):
+            raise DamagedCheckpointError(
+                f"the {where} is damaged: its metadata record does not match its hash. {_AFTER}"
+            )
+        return meta
+
     def restore(self, step: int, like, *, compat: Mapping[str, Any]):
-        """Restores the state saved at `step` into the structure, shapes, dtypes and shardings of `like`.
+        """Restores the state saved at `step` into the structure, shapes, dtypes and shardings of `like`, and
+        verifies every array's checksum.
 
         Args:
           like: a pytree of arrays or `jax.ShapeDtypeStruct`s (with `.sharding`) of the running program.
@@ -90,23 +142,11 @@ class Checkpointer:
         Returns:
           (state, loop record).
         Raises:
-          CheckpointError naming the checkpoint path and what differs or could not be read.
+          CheckpointError naming the checkpoint path and what differs; DamagedCheckpointError if it cannot be read
+          or an array's bytes differ from those saved. Collective across processes (the checksums).
         """
-        path = os.path.join(self.directory, str(step))
-        where = f"checkpoint of step {step} at {path}"
-        try:
-            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        except Exception as e:  # orbax raises many types for missing/corrupt files
-            raise CheckpointError(
-                f"the {where} cannot be read ({type(e).__name__}: {e}). Nothing was changed. "
-                "Move that directory away to resume from an earlier checkpoint, or use a new "
-                "--workdir."
-            ) from e
-        if not isinstance(meta, dict) or not {"manifest", "loop", "compat"} <= set(meta):
-            raise CheckpointError(
-                f"the {where} has no valid metadata record; it was not written by this program "
-                "or is damaged. Nothing was changed; use a new --workdir."
-            )
+        where = self._where(step)
+        meta = self.read_record(step)
         for key, value in compat.items():
             saved = meta["compat"].get(key)
             if saved != _jsonable(value):
@@ -122,9 +162,9 @@ class Checkpointer:
                 "by a different model or optimizer; use a new --workdir. Nothing was changed."
             )
         for key in expected:
-            if expected[key] != saved[key]:
+            if expected[key] != saved[key][:2]:
                 raise CheckpointError(
-                    f"the {where} holds '{key}' with shape/dtype {saved[key]} but the running "
+                    f"the {where} holds '{key}' with shape/dtype {saved[key][:2]} but the running "
                     f"program needs {expected[key]}; use a new --workdir. Nothing was changed."
                 )
         target = {
@@ -136,13 +176,24 @@ class Checkpointer:
                 "state"
             ]
         except Exception as e:
-            raise CheckpointError(
-                f"the arrays of the {where} cannot be read ({type(e).__name__}: {e}). Nothing "
-                "was changed. Move that directory away to resume from an earlier checkpoint, or "
-                "use a new --workdir."
+            raise DamagedCheckpointError(
+                f"the arrays of the {where} cannot be read ({type(e).__name__}: {e}). {_AFTER}"
             ) from e
-        logging.info("restored %s", where)
+        recorded = {k: entry[2] for k, entry in saved.items() if len(entry) > 2}
+        if len(recorded) < len(saved):  # written before checksums were recorded
+            print(f"warning: the {where} records no checksums; it is restored unverified", file=sys.stderr)
+        else:
+            found = digest(restored).checksums
+            differ = sorted(k for k in recorded if found[k] != recorded[k])
+            if differ:
+                raise DamagedCheckpointError(
+                    f"the {where} is damaged: {len(differ)} of its {len(saved)} arrays differ from what was saved "
+                    f"(checksums of {differ[:4]}{' ...' if len(differ) > 4 else ''}). {_AFTER}"
+                )
         return unflatten(like, restored), meta["loop"]
+
+    def _where(self, step: int) -> str:
+        return f"checkpoint of step {step} at {os.path.join(self.directory, str(step))}"
 
     def wait(self) -> None:
         """Blocks until background writes finish."""
@@ -152,10 +203,14 @@ class Checkpointer:
         self._manager.close()
 
 
+_AFTER = (
+    "Nothing was changed. Rerun with --config.checkpoint.fallback=True to resume from the newest intact checkpoint "
+    "(the damaged one is moved aside), or use a new --workdir."
+)
+
+
 def _jsonable(value):
     """The value as JSON would give it back (tuples -> lists), so saved and current facts compare equal."""
-    import json
-
     return json.loads(json.dumps(value))
 
 
@@ -173,3 +228,80 @@ def _compat_message(where: str, key: str, saved, current) -> str:
         f"the {where} was written with a different {key} ({detail}). Resuming would mix two experiments; "
         "use a new --workdir (or restore the original config). Nothing was changed."
     )
+
+
+# --------------------------------------------------------------------------- content digest
+
+_MIX = (np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35))
+_LANES = (np.uint32(0x9E3779B9), np.uint32(0x7FEB352D))  # per-lane position multipliers (odd)
+
+
+class Digest(NamedTuple):
+    """What `digest` found in a state: `checksums` {key: 16 hex digits} of every array's bytes, and `nonfinite`
+    {key: count} of the floating arrays that hold NaN or Inf (empty when all are finite)."""
+
+    checksums: dict[str, str]
+    nonfinite: dict[str, int]
+
+
+def digest(state) -> Digest:
+    """The content checksum of every array of `state` (a pytree of jax / NumPy arrays) and its non-finite counts.
+
+    The checksum of an array of n words w_i (its bytes as uint32 words: one per element of 1, 2 or 4 bytes, two per
+    8-byte element) is two 32-bit lanes, lane_l = sum_i fmix32(w_i + c_l * i) mod 2^32 with MurmurHash3's
+    finaliser fmix32 and odd constants c_l. For a fixed position the term is a bijection of the word, so any change
+    of any one word changes the checksum, and independent changes cancel with probability about 2^-64. It is a sum
+    over positions, so every process hashes only the shards it holds (replica 0 of each), with their global
+    positions, and the processes add their partial sums: no array is gathered, whatever the sharding, and the
+    result does not depend on it. Collective across processes: every process must call it.
+    """
+    flat = flatten(state)
+    sums = np.zeros((len(flat), 2), np.uint32)
+    bad = np.zeros(len(flat), np.int64)
+    for row, value in enumerate(flat.values()):
+        for data, index in _local_shards(value):
+            sums[row] += _lane_sums(data, index, np.shape(value))
+            if jnp.issubdtype(data.dtype, jnp.inexact):
+                bad[row] += int(np.size(data) - np.count_nonzero(np.isfinite(data)))
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        sums = np.sum(multihost_utils.process_allgather(sums), axis=0, dtype=np.uint32)
+        bad = np.sum(multihost_utils.process_allgather(bad), axis=0)
+    checksums = {k: f"{int(a):08x}{int(b):08x}" for k, (a, b) in zip(flat, sums)}
+    return Digest(checksums, {k: int(n) for k, n in zip(flat, bad) if n})
+
+
+def _local_shards(value) -> list[tuple[np.ndarray, tuple[slice, ...]]]:
+    """(host data, global index) of each shard of `value` this process holds that is replica 0 of its block."""
+    if isinstance(value, jax.Array):
+        return [(np.asarray(s.data), s.index) for s in value.addressable_shards if s.replica_id == 0]
+    data = np.asarray(value)
+    return [(data, (slice(None),) * data.ndim)]
+
+
+def _fmix(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> np.uint32(16))
+    h = h * _MIX[0]
+    h = h ^ (h >> np.uint32(13))
+    h = h * _MIX[1]
+    return h ^ (h >> np.uint32(16))
+
+
+def _lane_sums(data: np.ndarray, index: tuple[slice, ...], shape: tuple[int, ...]) -> np.ndarray:
+    """The two lane sums of one shard `data` = global[index] of an array of `shape`."""
+    data = np.ascontiguousarray(data)
+    size = data.dtype.itemsize
+    if size == 8:
+        words = data.view(np.uint32).reshape(-1)
+    else:
+        words = data.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[size]).astype(np.uint32).reshape(-1)
+    per = 2 if size == 8 else 1
+    positions = np.zeros((), np.uint64)  # the shard's elements' flat positions in the global array
+    for dim, (extent, part) in enumerate(zip(shape, index)):
+        start, stop, step = part.indices(extent)
+        stride = int(np.prod(shape[dim + 1 :], dtype=np.int64))
+        positions = positions[..., None] + np.arange(start, stop, step, dtype=np.uint64) * np.uint64(stride)
+    positions = (positions.reshape(-1, 1) * np.uint64(per) + np.arange(per, dtype=np.uint64)).reshape(-1)
+    positions = positions.astype(np.uint32)  # mod 2^32
+    return np.array([np.sum(_fmix(words + c * positions), dtype=np.uint32) for c in _LANES], np.uint32)

@@ -4,9 +4,11 @@ A configuration is an `ml_collections.ConfigDict` with one sub-dict per section 
 `train`, `mesh`, `checkpoint`, `sample`, and the sections other packages add). Each section is declared once, as a
 frozen dataclass whose fields are declared with `field`: the default, the accepted types (from the annotation),
 the allowed choices or range, and one line of documentation; its class variable `compat` says which of its keys a
-checkpoint must share to be resumed. Code reads a section as that dataclass (`from_config`); from the same
-declaration we derive the default ConfigDict (`defaults`), the reference table in docs/configuration.md
-(`describe`), the resume-compatibility facts (`checkpoint_compat`) and the checks of `validate`:
+checkpoint must share to be resumed, and `provenance` which others describe how the weights were trained (a resume
+may change them only when told to, `checkpoint.accept_changes`). Code reads a section as that dataclass
+(`from_config`); from the same declaration we derive the default ConfigDict (`defaults`), the reference table in
+docs/configuration.md (`describe`), the resume facts (`checkpoint_compat`, `provenance`) and the checks of
+`validate`:
 
   * an unknown key (a typo such as `model.dmodel`) -> error naming the key and the closest known keys;
   * a wrong type (`train.steps = "300"`)           -> error naming the key, the value and the accepted types;
@@ -54,6 +56,7 @@ __all__ = [
     "from_config",
     "mesh_axes",
     "mesh_shape",
+    "provenance",
     "rule_mesh_axes",
     "schema",
     "section_fields",
@@ -160,7 +163,8 @@ _RULES = "core.config"  # the metadata key of a field's rules
 Compat = bool | tuple[str, ...]
 """How a section takes part in resume compatibility (`checkpoint_compat`): True, every key must equal the
 checkpoint's; False, none (runtime choices: the mesh, cadences, the sampling prompt); a tuple names the keys that
-must (the optimizer's `name`, but not its learning rate, which a resumed run may change)."""
+must (the optimizer's `name`, but not its learning rate). The same values declare `provenance`: the keys that
+describe how the weights were trained (True: every key `compat` does not name)."""
 
 _SCALARS: dict[Any, tuple[type, ...]] = {int: (int,), float: (float,), str: (str,), bool: (bool,), tuple: (tuple,)}
 
@@ -289,6 +293,7 @@ class DataConfig:
     compatibility through its fingerprint."""
 
     compat: ClassVar[Compat] = ("seq_len", "batch_size")
+    provenance: ClassVar[Compat] = ("seed",)  # the corpus itself is compared by its fingerprint
 
     path: str = field(
         "",
@@ -308,6 +313,7 @@ class OptimConfig:
     families add their own keys by subclassing (optim.config); the composition root registers the names."""
 
     compat: ClassVar[Compat] = ("name",)
+    provenance: ClassVar[Compat] = True
 
     name: str = field("adamw", "optimizer", choices=("adamw",))
     learning_rate: float = field(3e-3, "peak learning rate", low=0.0)
@@ -323,6 +329,7 @@ class TrainConfig:
     """The section `train`: the length, seed and cadences of the training loop (core.train)."""
 
     compat: ClassVar[Compat] = False
+    provenance: ClassVar[Compat] = ("steps", "seed")
 
     steps: int = field(1000, "optimizer steps", low=1)
     seed: int = field(0, "seed of parameter initialisation and per-step randomness", low=0)
@@ -364,6 +371,16 @@ class CheckpointConfig:
     )
     keep: int = field(2, "checkpoints kept on disk", low=1)
     resume: bool = field(True, "resume from the latest checkpoint in the workdir if there is one")
+    fallback: bool = field(
+        False,
+        "when the latest checkpoint is damaged, move it to checkpoints.damaged/ and resume from the newest intact "
+        "one (by default a damaged checkpoint stops the run)",
+    )
+    accept_changes: bool = field(
+        False,
+        "let a resume change training hyper-parameters (optim, data, train.steps / seed); each change is recorded "
+        "in the workdir's history.jsonl (by default a resume refuses them)",
+    )
     async_save: bool = field(False, "write checkpoints in a background thread")
 
 
@@ -413,6 +430,19 @@ def checkpoint_compat(
         elif keys:
             facts.update({f"{name}.{key}": config[name][key] for key in keys})
     return {**facts, "data": data_fingerprint}
+
+
+def provenance(config: ml_collections.ConfigDict, sections: Mapping[str, type]) -> dict[str, Any]:
+    """{"section.key": value} of every key a section declares in `provenance` (True: all keys its `compat` does
+    not name): how the weights were trained, beyond what `checkpoint_compat` requires to be equal."""
+    facts: dict[str, Any] = {}
+    for name, cls in sections.items():
+        keys = getattr(cls, "provenance", False)
+        if keys is True:
+            fixed = getattr(cls, "compat", False)
+            keys = [k for k in config[name] if fixed is not True and k not in (fixed or ())]
+        facts.update({f"{name}.{key}": config[name][key] for key in keys or ()})
+    return facts
 
 
 def defaults(spec: Schema | None = None) -> ml_collections.ConfigDict:

@@ -11,6 +11,7 @@ same command after a crash resumes and writes the same metrics as an uninterrupt
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
 import json
 import math
@@ -28,12 +29,12 @@ from flax import nnx
 
 from core import checkpoint as checkpoint_lib
 from core import hlo
+from core import workdir as workdir_lib
 from core.data import NUM_BYTES, PAD_ID, Batches
 from core.mesh import Sharder, param_shardings
 from core.model import split_params
 
 __all__ = [
-    "MetricsLog",
     "NonFiniteLossError",
     "PeerLostError",
     "PlainStepper",
@@ -48,6 +49,7 @@ __all__ = [
     "make_eval_step",
     "make_train_step",
     "mirror",
+    "nonfinite_advice",
     "progress_bar",
     "run",
     "train",
@@ -62,30 +64,35 @@ StateMetrics = Callable[[Any], dict[str, jax.Array]]
 
 
 class NonFiniteLossError(FloatingPointError):
-    """The loss or gradient norm became NaN/Inf. Carries `step` (the last step of the call that produced it),
-    `where` ("step 7", or "round 3 (steps 7-9)") and `last_checkpoint` (the last good checkpoint's step or None)."""
+    """The loss, the gradient norm, the state after an update or a held-out loss became NaN/Inf. Carries `step`
+    (the last step of the call that produced it), `where` ("step 7", or "round 3 (steps 7-9)") and
+    `last_checkpoint` (the last good checkpoint's step or None; every checkpoint is finite, checked before it is
+    written)."""
 
     def __init__(
-        self,
-        step: int,
-        loss: float,
-        grad_norm: float,
-        last_checkpoint: int | None,
-        directory: str,
-        *,
-        where: str | None = None,
+        self, step: int, what: str, last_checkpoint: int | None, directory: str, *, where: str, advice: str = ""
     ):
-        where = f"step {step}" if where is None else where
         self.step, self.where, self.last_checkpoint = step, where, last_checkpoint
         kept = (
             f"the last good checkpoint (step {last_checkpoint}) is kept in {directory}"
             if last_checkpoint is not None
             else "no checkpoint had been written yet"
         )
-        super().__init__(
-            f"training stopped at {where}: loss = {loss}, gradient norm = {grad_norm} (not finite); {kept}. "
-            "Lower optim.learning_rate or enable optim.grad_clip_norm."
-        )
+        super().__init__(f"training stopped at {where}: {what}; {kept}. {advice}".rstrip())
+
+
+def nonfinite_advice(optim: ml_collections.ConfigDict) -> str:
+    """What to change when training diverged, given the optimizer section (not advice it already follows)."""
+    hints = []
+    if optim.get("eps") == 0:
+        hints.append("optim.eps = 0 divides by zero where a second moment vanishes: set it > 0")
+    hints.append("lower optim.learning_rate")
+    if optim.grad_clip_norm > 0:
+        hints[-1] += f" (gradients are already clipped to norm {optim.grad_clip_norm:g})"
+    else:
+        hints.append("enable optim.grad_clip_norm")
+    text = "; ".join(hints)
+    return text[0].upper() + text[1:] + "."
 
 
 class TrainState(NamedTuple):
@@ -255,42 +262,6 @@ def evaluate(eval_step, state: TrainState, batches: Sequence[jax.Array], *, fetc
     return {"val_loss": host(loss), "val_bits_per_byte": host(bits)}
 
 
-class MetricsLog:
-    """Appends one JSON object per line to `<workdir>/metrics.jsonl` (flushed at once, so a crash loses nothing
-    written). On resume from step s, rows after s (written by the crashed run after its last checkpoint, and about
-    to be recomputed) are moved to `metrics.superseded.jsonl`, so metrics.jsonl reads as one uninterrupted run."""
-
-    def __init__(self, workdir: str, *, enabled: bool = True):
-        self.path = os.path.join(workdir, "metrics.jsonl")
-        self.enabled = enabled
-
-    def truncate_after(self, step: int) -> None:
-        if not (self.enabled and os.path.exists(self.path)):
-            return
-        rows = self.read()
-        keep = [r for r in rows if r["step"] <= step]
-        if len(keep) == len(rows):
-            return
-        with open(os.path.join(os.path.dirname(self.path), "metrics.superseded.jsonl"), "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] > step)
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in keep)
-        os.replace(tmp, self.path)
-
-    def write(self, row: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    def read(self) -> list[dict[str, Any]]:
-        if not os.path.exists(self.path):
-            return []
-        with open(self.path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-
-
 class PeerLostError(RuntimeError):
     """A call failed in a multi-process run: another process died or became unreachable and the collective that
     joined them broke. The message names the last checkpoint to resume from."""
@@ -354,6 +325,7 @@ def run(
     *,
     workdir: str,
     compat: Mapping[str, Any],
+    provenance: Mapping[str, Any] | None = None,
     hooks: Sequence[Callable[[int, dict[str, float]], None]] = (),
     on_start: Callable[[int | None], None] | None = None,
 ) -> dict[str, Any]:
@@ -363,13 +335,17 @@ def run(
     Every call: the stepper runs; a non-finite loss or gradient norm stops the run (`NonFiniteLossError`, naming
     the step and the last good checkpoint); a row of train metrics is written whenever the call passes a multiple
     of `train.log_every` (train_loss: the mean over the calls since the last row), an evaluation row at multiples
-    of `train.eval_every` and at the end, and a checkpoint at multiples of the stepper's checkpoint cadence and at
-    the end. The checkpoint holds the state and the open metric window, so a rerun after a crash resumes and writes
-    the same rows as an uninterrupted run. Checkpointer and progress bar are closed whatever happens.
+    of `train.eval_every` and at the end (a non-finite held-out loss stops the run too), and a checkpoint at
+    multiples of the stepper's checkpoint cadence and at the end, once the state to be saved (parameters and
+    optimizer state after the update) is checked finite. The checkpoint holds the state and the open metric
+    window, so a rerun after a crash resumes and writes the same rows as an uninterrupted run. The workdir is
+    locked for the run (`core.workdir.lock`); checkpointer and progress bar are closed whatever happens.
 
     Args:
       state: the initial state (its structure and shardings are also the template a checkpoint restores into).
       compat: what a checkpoint must share with this program to be resumed (core.config.checkpoint_compat).
+      provenance: how the weights are trained (core.config.provenance): a resume refuses a change unless
+        `checkpoint.accept_changes`, which records it in `<workdir>/history.jsonl`.
       hooks: called after every call as `hook(step, metrics)`; an exception stops the run as a crash would.
       on_start: called once the state is built or restored, before the first call, with the step resumed from
         (or None); the place to write run records, since a refused checkpoint never gets there.
@@ -377,14 +353,21 @@ def run(
       train_loss (of the last row), val_loss, val_bits_per_byte and the other evaluation entries, tokens_per_second
       (steady state, warm-up calls excluded; None if none ran), steps, resumed_from, and the stepper's `results`.
     Raises:
-      NonFiniteLossError, checkpoint.CheckpointError (a checkpoint beyond train.steps, from another program, or
-      present while checkpoint.resume is False; nothing on disk changes then), PeerLostError.
+      NonFiniteLossError, checkpoint.CheckpointError (a damaged checkpoint, one beyond train.steps, from another
+      program, with changed provenance, or present while checkpoint.resume is False; nothing on disk changes
+      then), workdir.WorkdirError (in use by another run, not writable, a malformed metrics.jsonl), PeerLostError.
     """
+    is_main = jax.process_index() == 0
+    with workdir_lib.lock(workdir) if is_main else contextlib.nullcontext():
+        return _run(config, stepper, state, workdir, compat, dict(provenance or {}), hooks, on_start)
+
+
+def _run(config, stepper, state, workdir, compat, provenance, hooks, on_start) -> dict[str, Any]:
     tc, k = config.train, stepper.steps_per_call
     is_main = jax.process_index() == 0
-    os.makedirs(workdir, exist_ok=True)
-    log = MetricsLog(workdir, enabled=is_main)
-    checkpointer, state, window, resumed_from = _open_checkpoints(config, workdir, state, compat, log)
+    log = workdir_lib.MetricsLog(workdir, enabled=is_main)
+    checkpointer, state, loop, resumed_from = _open_checkpoints(config, workdir, state, compat, provenance, log)
+    window, steady = _Window.restore(loop), _Timer.restore(loop)  # the run's steady timing spans its resumes
     if on_start is not None:
         on_start(resumed_from)
     schedule = learning_rate_schedule(config.optim, tc.steps)
@@ -392,11 +375,16 @@ def run(
     checkpoint_every = stepper.checkpoint_every(config.checkpoint.every)
     start, total = stepper.completed_steps(state) // k, tc.steps // k
     results: dict[str, Any] = {"steps": start * k, "resumed_from": resumed_from}
-    steady = _Timer()
     progress = progress_bar(
         start, total, enabled=tc.progress and is_main, desc=f"train ({stepper.unit}s)", unit=stepper.unit
     )
     last_saved, call = resumed_from, start
+
+    def stop(done: int, what: str) -> NonFiniteLossError:
+        where = f"step {done}" if k == 1 else f"{stepper.unit} {call + 1} (steps {done - k + 1}-{done})"
+        advice = nonfinite_advice(config.optim)
+        return NonFiniteLossError(done, what, last_saved, checkpointer.directory, where=where, advice=advice)
+
     try:
         for call in range(start, total):
             t0 = time.perf_counter()
@@ -407,10 +395,7 @@ def run(
                 steady.add(seconds)
                 window.time.add(seconds)
             if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
-                where = f"step {done}" if k == 1 else f"{stepper.unit} {call + 1} (steps {done - k + 1}-{done})"
-                raise NonFiniteLossError(
-                    done, metrics["loss"], metrics["grad_norm"], last_saved, checkpointer.directory, where=where
-                )
+                raise stop(done, f"loss = {metrics['loss']}, gradient norm = {metrics['grad_norm']} (not finite)")
             window.add(metrics["loss"])
             tags = {"step": done, **stepper.tags(call)}
             if crossed(done, tc.log_every, k) or done == tc.steps:
@@ -428,6 +413,8 @@ def run(
                 window = _Window()
             if crossed(done, tc.eval_every, k) or done == tc.steps:
                 ev = stepper.evaluate(state)
+                if not math.isfinite(ev["val_loss"]):
+                    raise stop(done, f"the held-out loss is {ev['val_loss']}")
                 log.write({**tags, **ev})
                 results.update(ev)
                 if is_main:
@@ -439,7 +426,16 @@ def run(
             if extra:
                 log.write({**tags, **extra})
             if crossed(done, checkpoint_every, k) or done == tc.steps:
-                checkpointer.save(done, state, loop=window.record(), compat=compat)
+                checked = checkpoint_lib.digest(state)
+                if checked.nonfinite:
+                    bad = sorted(checked.nonfinite, key=checked.nonfinite.get, reverse=True)
+                    raise stop(
+                        done,
+                        f"the state after the update holds {sum(checked.nonfinite.values()):,} non-finite values "
+                        f"(in {len(bad)} arrays: {bad[:3]}{' ...' if len(bad) > 3 else ''}); it was not saved",
+                    )
+                loop = {**window.record(), **steady.record()}
+                checkpointer.save(done, state, loop=loop, compat=compat, provenance=provenance, checked=checked)
                 last_saved = done
             results["steps"] = done
             progress.update(1)
@@ -470,8 +466,15 @@ def run(
 class _Timer:
     """Seconds and count of timed calls."""
 
-    def __init__(self) -> None:
-        self.seconds, self.calls = 0.0, 0
+    def __init__(self, seconds: float = 0.0, calls: int = 0) -> None:
+        self.seconds, self.calls = seconds, calls
+
+    def record(self) -> dict[str, Any]:
+        return {"steady_seconds": self.seconds, "steady_calls": self.calls}
+
+    @classmethod
+    def restore(cls, record: Mapping[str, Any]) -> _Timer:
+        return cls(record.get("steady_seconds", 0.0), record.get("steady_calls", 0))
 
     def add(self, seconds: float) -> None:
         self.seconds, self.calls = self.seconds + seconds, self.calls + 1
@@ -497,44 +500,99 @@ class _Window:
         return {"window_loss_sum": self.loss_sum, "window_calls": self.calls}
 
     @classmethod
-    def restore(cls, record: Mapping[str, Any] | None) -> _Window:
-        record = record or {}
+    def restore(cls, record: Mapping[str, Any]) -> _Window:
         # "window_steps": checkpoints of plain runs written before calls and steps were told apart
         return cls(record.get("window_loss_sum", 0.0), record.get("window_calls", record.get("window_steps", 0)))
 
 
 def _open_checkpoints(
-    config: ml_collections.ConfigDict, workdir: str, state: Any, compat: Mapping[str, Any], log: MetricsLog
-) -> tuple[checkpoint_lib.Checkpointer, Any, _Window, int | None]:
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    state: Any,
+    compat: Mapping[str, Any],
+    provenance: dict[str, Any],
+    log: workdir_lib.MetricsLog,
+) -> tuple[checkpoint_lib.Checkpointer, Any, dict[str, Any], int | None]:
     """The run's `<workdir>/checkpoints`: restores the latest checkpoint into `state` when `checkpoint.resume`
-    allows (after checking it belongs to this program), and moves metric rows written after it aside.
+    allows (after checking it belongs to this program, was trained as the config says, and is intact), then sets
+    metric rows written after it (all of them on a fresh start) aside.
 
-    Returns (checkpointer, state, the open metric window, the step resumed from or None). Raises CheckpointError
-    for a checkpoint beyond train.steps, one from another program, or checkpoints present while checkpoint.resume
-    is False; nothing on disk changes then.
+    Returns (checkpointer, state, the checkpoint's loop record ({} on a fresh start), the step resumed from or
+    None). Raises CheckpointError
+    for a damaged checkpoint (unless `checkpoint.fallback`: then it is moved to `checkpoints.damaged/` and the
+    next newest is tried), one beyond train.steps, one from another program, one trained with other
+    hyper-parameters (unless `checkpoint.accept_changes`), or checkpoints present while checkpoint.resume is
+    False; WorkdirError for a malformed metrics.jsonl. Nothing on disk changes before a restore succeeds.
     """
     cc, steps = config.checkpoint, config.train.steps
-    checkpointer = checkpoint_lib.Checkpointer(
-        os.path.join(workdir, "checkpoints"), keep=cc.keep, async_save=cc.async_save
-    )
+    log.check()  # a malformed metrics.jsonl is refused before anything else
+    directory = os.path.join(workdir, "checkpoints")
+    checkpointer = checkpoint_lib.Checkpointer(directory, keep=cc.keep, async_save=cc.async_save)
     latest = checkpointer.latest_step()
     if latest is not None and not cc.resume:
         raise checkpoint_lib.CheckpointError(
             f"{checkpointer.directory} already holds checkpoints and checkpoint.resume is False; use a new "
             "--workdir so they are not overwritten."
         )
-    if latest is None:
-        return checkpointer, state, _Window(), None
-    if latest > steps:
+    if latest is not None and latest > steps:
         raise checkpoint_lib.CheckpointError(
             f"the latest checkpoint in {checkpointer.directory} is at step {latest}, beyond train.steps = "
-            f"{steps}; raise train.steps or use a new --workdir. Nothing was changed."
+            f"{steps}; raise train.steps (with checkpoint.accept_changes) or use a new --workdir. Nothing was "
+            "changed."
         )
-    state, loop = checkpointer.restore(latest, state, compat=compat)
-    log.truncate_after(latest)
+    changes: dict[str, list] = {}
+    loop: dict[str, Any] = {}
+    while latest is not None:
+        try:
+            changes = _changes(checkpointer.read_record(latest), provenance)
+            if changes and not cc.accept_changes:
+                raise checkpoint_lib.CheckpointError(_changes_message(checkpointer, latest, changes))
+            state, loop = checkpointer.restore(latest, state, compat=compat)
+            break
+        except checkpoint_lib.DamagedCheckpointError as e:
+            if not cc.fallback:
+                raise
+            checkpointer.close()
+            aside = os.path.join(workdir, "checkpoints.damaged", str(latest))
+            if jax.process_index() == 0:
+                os.makedirs(os.path.dirname(aside), exist_ok=True)
+                os.replace(os.path.join(directory, str(latest)), aside)
+                print(f"checkpoint.fallback: {e}\nmoved it to {aside}; trying the next newest", flush=True)
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices("checkpoint fallback")
+            checkpointer = checkpoint_lib.Checkpointer(directory, keep=cc.keep, async_save=cc.async_save)
+            latest = checkpointer.latest_step()
+    log.truncate_after(latest or 0)
+    if latest is None:
+        return checkpointer, state, {}, None
+    if changes and jax.process_index() == 0:
+        workdir_lib.append_history(workdir, {"resumed_from": latest, "changes": changes})
+        print(f"checkpoint.accept_changes: {_describe_changes(changes)} (recorded in history.jsonl)", flush=True)
     if jax.process_index() == 0:
         print(f"resuming from the checkpoint of step {latest} in {checkpointer.directory}", flush=True)
-    return checkpointer, state, _Window.restore(loop), latest
+    return checkpointer, state, loop, latest
+
+
+def _changes(record: Mapping[str, Any], provenance: Mapping[str, Any]) -> dict[str, list]:
+    """{key: [saved, now]} of the provenance keys whose value differs from the checkpoint's record."""
+    saved = record.get("provenance") or {}
+    now = json.loads(json.dumps(provenance))
+    return {key: [saved[key], now[key]] for key in sorted(now) if key in saved and saved[key] != now[key]}
+
+
+def _describe_changes(changes: Mapping[str, list]) -> str:
+    return ", ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in changes.items())
+
+
+def _changes_message(checkpointer, step: int, changes: Mapping[str, list]) -> str:
+    return (
+        f"the checkpoint of step {step} in {checkpointer.directory} was trained with other hyper-parameters "
+        f"({_describe_changes(changes)}); resuming would make config.json describe weights it did not train. "
+        "Restore the original values, start a new --workdir, or rerun with --config.checkpoint.accept_changes=True "
+        "to continue with the change recorded in the workdir's history.jsonl. Nothing was changed."
+    )
 
 
 class PlainStepper(Stepper):
@@ -595,6 +653,7 @@ def train(
     batches: Batches,
     sharder: Sharder,
     compat: Mapping[str, Any],
+    provenance: Mapping[str, Any] | None = None,
     state_metrics: StateMetrics | None = None,
     hooks: Sequence[Callable[[int, dict[str, float]], None]] = (),
     on_start: Callable[[int | None], None] | None = None,
@@ -606,7 +665,9 @@ def train(
     stepper = PlainStepper(
         graphdef, optimizer, batches, sharder, eval_batches=config.train.eval_batches, state_metrics=state_metrics
     )
-    return run(config, stepper, state, workdir=workdir, compat=compat, hooks=hooks, on_start=on_start)
+    return run(
+        config, stepper, state, workdir=workdir, compat=compat, provenance=provenance, hooks=hooks, on_start=on_start
+    )
 
 
 def progress_bar(start: int, total: int, *, enabled: bool, desc: str = "train", unit: str = "step"):

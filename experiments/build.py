@@ -158,6 +158,12 @@ def checkpoint_compat(config: ml_collections.ConfigDict, data_fingerprint: str) 
     return config_lib.checkpoint_compat(config, SECTIONS, data_fingerprint)
 
 
+def provenance(config: ml_collections.ConfigDict) -> dict:
+    """How a run's weights are trained beyond `checkpoint_compat` (each section's `provenance` declaration): a
+    resume refuses a change of these unless `checkpoint.accept_changes`."""
+    return config_lib.provenance(config, SECTIONS)
+
+
 def decay_mask(params):
     """Which leaves weight decay applies to: a tree of bools like `params`, True for matrices (ndim >= 2) whose path
     does not name the embedding table; False for norms, biases and the embedding."""

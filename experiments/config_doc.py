@@ -31,6 +31,27 @@ def family_table() -> str:
     return "\n".join(lines) + "\n\n"
 
 
+def resume_rules() -> str:
+    """Which keys a resume requires equal and which it lets change only when told to (the sections' `compat` and
+    `provenance` declarations), as markdown."""
+    fixed, trained = [], []
+    for name, cls in build.SECTIONS.items():
+        compat = getattr(cls, "compat", False)
+        fixed += [f"`{name}`"] if compat is True else [f"`{name}.{k}`" for k in compat or ()]
+        keys = getattr(cls, "provenance", False)
+        trained += (
+            [f"the other `{name}` keys" if compat else f"`{name}`"]
+            if keys is True
+            else [f"`{name}.{k}`" for k in keys or ()]
+        )
+    return (
+        "Resuming from a workdir's checkpoint requires " + ", ".join(fixed) + " and the corpus (its fingerprint)\n"
+        "to be as they were. " + ", ".join(trained) + " describe how the weights were trained: a resume refuses a\n"
+        "change of them unless `checkpoint.accept_changes=True`, which records the change in `history.jsonl`.\n"
+        "Everything else (mesh, cadences, sampling) may differ between a run and its resume.\n\n"
+    )
+
+
 def render() -> str:
     header = (
         "# Configuration reference\n\n"
@@ -38,7 +59,7 @@ def render() -> str:
         "Every key can be set in a config file (`experiments/configs/*.py`) or on the command line as\n"
         "`--config.<section>.<key>=<value>`. Unknown keys, wrong types and impossible values are rejected\n"
         "before anything compiles, with a message naming the key, the value and what is allowed.\n\n"
-    )
+    ) + resume_rules()
     body = config_lib.describe(build.schema())
     # the families' table right after the optim section's table (before the next section's heading)
     start = body.index("## `optim`")

@@ -39,8 +39,9 @@ class FederatedStepper(train_lib.Stepper):
 
     The round's metrics are means over its K steps and M sites, plus what the round moved per site
     ("bytes_per_site_per_round", read from the compiled program) and the routing stability:
-    "routing/topk_agreement" of every site's routing on a fixed probe batch (the first held-out batch) with the
-    previous round's, and with skip-token the ideal ghost fraction 1 - N_le / N_e. With random placement the
+    "routing/topk_agreement" of every site's routing on a fixed probe batch (the first held-out batch) after the round
+    with its routing before it (the state the round started from: after a reshuffle, the migrated one, so a run
+    resumed from any checkpoint measures what an uninterrupted one does), and with skip-token the ideal ghost fraction 1 - N_le / N_e. With random placement the
     experts move to the next placement after every `reshuffle_every` rounds (a metric row of its own).
     Evaluation: every site evaluates its own model (its resident experts, its routing) on the same held-out
     batches; the reported loss is the mean over sites (and the worst site's bits per byte).
@@ -90,7 +91,7 @@ class FederatedStepper(train_lib.Stepper):
         )
         self.val = [jnp.asarray(b) for b in batches.every_row().val_batches(config.train.eval_batches)]
         self.probe_fn, self.probe_tokens = rounds.make_probe(graphdef, mesh), self.val[0][:, :-1]
-        self.routes: np.ndarray | None = None  # every site's routes on the probe batch after the last round
+        self.routes: np.ndarray | None = None  # every site's routes on the probe batch in the current state
         self.ghosts = {"moe/ideal_ghost_fraction": placement.ideal_ghost_fraction} if f.routing == "skip_token" else {}
         if jax.process_index() == 0:
             print(
@@ -112,7 +113,7 @@ class FederatedStepper(train_lib.Stepper):
         return {"round": call + 1}
 
     def step(self, state: rounds.FederatedState, call: int) -> tuple[rounds.FederatedState, dict[str, float]]:
-        if self.routes is None:  # the routes the first round of this process is compared with
+        if self.routes is None:  # the routes of the state this round starts from
             self.routes = self._probe(state)
         k = self.steps_per_call
         local = np.stack([self.batches.train_batch(step) for step in range(call * k, (call + 1) * k)])
@@ -147,6 +148,7 @@ class FederatedStepper(train_lib.Stepper):
         plan = reshuffle.plan_migration(self.placement_at(call), self.placement_at(call + 1))
         arrays = [jax.make_array_from_callback(a.shape, self.plan_sharding, a.__getitem__) for a in plan.arrays()]
         arrived = float(plan.arrivals.sum(axis=1).mean())
+        self.routes = None  # the next round starts from the migrated state: probe it then
         return self.migrate_exec(state, arrays), {"reshuffle/arrived_experts_per_site": arrived}
 
     def results(self, state: rounds.FederatedState) -> dict[str, Any]:
@@ -172,6 +174,7 @@ def train_federated(
     workdir: str,
     batches: Batches,
     compat: Mapping[str, Any],
+    provenance: Mapping[str, Any] | None = None,
     state_metrics: train_lib.StateMetrics | None = None,
     hooks: Sequence[Callable[[int, dict[str, float]], None]] = (),
     on_start: Callable[[int | None], None] | None = None,
@@ -182,7 +185,9 @@ def train_federated(
     mesh = federation.site_mesh(config.mesh.site, config.fomoe.overlap)
     graphdef, optimizer, outer, state = initial_state(config, mesh)
     stepper = FederatedStepper(config, batches, mesh, graphdef, optimizer, outer, state, state_metrics=state_metrics)
-    return train_lib.run(config, stepper, state, workdir=workdir, compat=compat, hooks=hooks, on_start=on_start)
+    return train_lib.run(
+        config, stepper, state, workdir=workdir, compat=compat, provenance=provenance, hooks=hooks, on_start=on_start
+    )
 
 
 def initial_state(config: ml_collections.ConfigDict, mesh=None):

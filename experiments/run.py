@@ -5,8 +5,11 @@
 
 Any config key can be overridden with `--config.<section>.<key>=<value>`. Outputs in the workdir:
 config.json (the resolved config), data.json (corpus description and fingerprint), metrics.jsonl (one row per
-log / eval), checkpoints/, summary.json, loss_curve.png, sample.txt. Rerunning the same command resumes from the
-latest checkpoint. Exit codes: 0 done, 1 training stopped (non-finite loss, unusable checkpoint), 2 bad input.
+log / eval), checkpoints/, summary.json, loss_curve.png, sample.txt, and history.jsonl when a resume accepted changed
+hyper-parameters. Rerunning the same command resumes from the latest checkpoint (verified against the checksums it
+was saved with); one run at a time holds a workdir (`.lock`). Exit codes: 0 done, 1 training stopped (non-finite
+loss or state, unusable checkpoint, a lost process), 2 bad input (flags, config, data, a workdir that cannot be
+used or is in use).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from core import config as config_lib
+from core import workdir as workdir_lib
 from core.data import DataError
 
 USAGE = (
@@ -96,18 +100,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return run(config, workdir)
-    except (config_lib.ConfigError, DataError) as e:
+    except (config_lib.ConfigError, DataError, workdir_lib.WorkdirError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
 def run(config, workdir: str, *, hooks: Sequence[Callable[[int, dict[str, float]], None]] = ()) -> int:
-    """Validates, trains, and writes the summary. Returns the exit code. `hooks` are called after every step
-    (`core.train.run`); an exception they raise stops the run as a crash would (tests use one)."""
+    """Validates, trains, and writes the summary, holding the workdir's lock (process 0). Returns the exit code.
+    `hooks` are called after every step (`core.train.run`); an exception they raise stops the run as a crash would
+    (tests use one). Raises ConfigError, DataError or WorkdirError for bad input."""
     from experiments import build
 
     build.validate(config)  # static checks: no JAX backend touched yet
+    if config.mesh.process_id != 0:
+        return _run(config, workdir, hooks)
+    with workdir_lib.lock(workdir):
+        return _run(config, workdir, hooks)
+
+
+def _run(config, workdir: str, hooks: Sequence[Callable[[int, dict[str, float]], None]]) -> int:
     from core import mesh as mesh_lib
+    from experiments import build
 
     _virtual_sites(config)
     mesh_lib.initialize_distributed(config)
@@ -146,6 +159,7 @@ def run(config, workdir: str, *, hooks: Sequence[Callable[[int, dict[str, float]
         workdir=workdir,
         batches=batches,
         compat=build.checkpoint_compat(config, corpus.fingerprint),
+        provenance=build.provenance(config),
         state_metrics=build.optimizer_metrics,
         hooks=hooks,
         on_start=write_records,

@@ -182,9 +182,10 @@ def test_checkpoint_steps_beyond_config_are_refused(finished, tmp_path):
 
 
 def _snapshot(root):
+    """Every file's bytes under `root`, except the workdir lock's record (who holds it now)."""
     out = {}
     for dirpath, _, files in os.walk(root):
-        for name in files:
+        for name in set(files) - {".lock"}:
             p = os.path.join(dirpath, name)
             with open(p, "rb") as f:
                 out[p] = f.read()

@@ -1,0 +1,174 @@
+"""A run's working directory: one run at a time (a lock), its metric rows, and the history of accepted changes.
+
+    with workdir.lock(path):      # WorkdirError naming the holder if another run has it
+        log = workdir.MetricsLog(path)
+
+The lock is an exclusive `flock` on `<workdir>/.lock`, which records the holder's pid, host and start time for the
+error message of a second run. The kernel releases it when the holding process ends, however it ends (kill -9
+included), so a crashed run never leaves a stale lock. One process of a multi-process run takes it (process 0);
+within one process it is re-entrant, so a CLI that holds it can call the training driver, which takes it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import fcntl
+import json
+import os
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["MetricsLog", "WorkdirError", "append_history", "lock", "prepare"]
+
+
+class WorkdirError(RuntimeError):
+    """The workdir cannot be used: not a directory, not writable, in use by another run, or holding a metrics
+    file that cannot be read. The message names the path and what to do."""
+
+
+_held: dict[str, tuple[int, int]] = {}  # realpath -> (file descriptor, depth) of the locks this process holds
+
+
+def prepare(path: str) -> str:
+    """Creates `path` if needed and checks that it is a writable directory. Returns its absolute path."""
+    path = os.path.abspath(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError:
+        raise WorkdirError(f"--workdir {path} exists and is not a directory; give a directory path") from None
+    except OSError as e:
+        raise WorkdirError(f"--workdir {path} cannot be created: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise WorkdirError(f"--workdir {path} is not writable by this user; give a writable directory")
+    return path
+
+
+@contextlib.contextmanager
+def lock(path: str) -> Iterator[None]:
+    """Holds the exclusive lock of the workdir `path` (created if needed) for the body. Raises WorkdirError if
+    another process holds it (naming its pid, host and start time) or if the lock file cannot be written."""
+    path = prepare(path)
+    key = os.path.realpath(path)
+    if key in _held:
+        fd, depth = _held[key]
+        _held[key] = (fd, depth + 1)
+    else:
+        _held[key] = (_acquire(os.path.join(path, ".lock")), 1)
+    try:
+        yield
+    finally:
+        fd, depth = _held[key]
+        if depth > 1:
+            _held[key] = (fd, depth - 1)
+        else:
+            del _held[key]
+            os.close(fd)  # releases the flock
+
+
+def _acquire(lock_path: str) -> int:
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise WorkdirError(f"cannot write the lock file {lock_path}: {e.strerror or e}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "{}"
+        os.close(fd)
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise WorkdirError(f"cannot lock {lock_path}: {e.strerror or e}") from None
+        raise WorkdirError(
+            f"{os.path.dirname(lock_path)} is in use by another run ({_describe(holder)}); wait for it to finish, "
+            "stop it, or use another --workdir"
+        ) from None
+    record = json.dumps(
+        {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        }
+    )
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, record.encode() + b"\n", 0)
+    return fd
+
+
+def _describe(holder: str) -> str:
+    try:
+        h = json.loads(holder)
+        return f"pid {h['pid']} on host {h['host']}, started {h['started']}"
+    except (ValueError, KeyError, TypeError):
+        return f"lock record {holder!r}"
+
+
+class MetricsLog:
+    """Appends one JSON object per line to `<workdir>/metrics.jsonl` (flushed at once, so a crash loses nothing
+    written). A resume from step s (0: a fresh start) moves the rows after s, written by a crashed run and about to
+    be recomputed, to `metrics.superseded.jsonl`, so metrics.jsonl reads as one uninterrupted run.
+
+    `check` reads the file before anything changes: a torn last line (a crash while writing it) is set aside with
+    those rows; any other line that is not a JSON object with an integer "step" raises WorkdirError naming the
+    file and the line."""
+
+    def __init__(self, workdir: str, *, enabled: bool = True):
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.superseded = os.path.join(workdir, "metrics.superseded.jsonl")
+        self.enabled = enabled
+
+    def check(self) -> tuple[list[dict[str, Any]], str]:
+        """(the rows, a torn last line or ''), or WorkdirError for a malformed line."""
+        if not (self.enabled and os.path.exists(self.path)):
+            return [], ""
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            lines = f.read().split("\n")
+        rows: list[dict[str, Any]] = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                    raise ValueError("not a JSON object with an integer 'step'")
+            except ValueError as e:
+                if number == len(lines):  # the last line, with no newline after it: torn by a crash
+                    return rows, line
+                raise WorkdirError(
+                    f"{self.path} line {number} cannot be read ({e}): {line[:80]!r}. Fix or delete that line, "
+                    "then rerun (rows after the resumed checkpoint are recomputed anyway)."
+                ) from None
+            rows.append(row)
+        return rows, ""
+
+    def truncate_after(self, step: int) -> None:
+        """Keeps the rows of steps <= `step`; moves the others (and a torn last line) to metrics.superseded.jsonl."""
+        rows, torn = self.check()
+        keep = [r for r in rows if r["step"] <= step]
+        if len(keep) == len(rows) and not torn:
+            return
+        with open(self.superseded, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] > step)
+            if torn:
+                f.write(json.dumps({"torn_line": torn}) + "\n")
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in keep)
+        os.replace(tmp, self.path)
+
+    def write(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def read(self) -> list[dict[str, Any]]:
+        return self.check()[0]
+
+
+def append_history(workdir: str, record: dict[str, Any]) -> None:
+    """Appends `record` (with the time) to `<workdir>/history.jsonl`: the changes a resume accepted."""
+    stamped = {"time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), **record}
+    with open(os.path.join(workdir, "history.jsonl"), "a") as f:
+        f.write(json.dumps(stamped) + "\n")
