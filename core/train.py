@@ -85,14 +85,12 @@ def nonfinite_advice(optim: ml_collections.ConfigDict) -> str:
     """What to change when training diverged, given the optimizer section (not advice it already follows)."""
     hints = []
     if optim.get("eps") == 0:
-        hints.append("optim.eps = 0 divides by zero where a second moment vanishes: set it > 0")
-    hints.append("lower optim.learning_rate")
+        hints.append("optim.eps = 0 divides by zero where a second moment vanishes: set it > 0.")
     if optim.grad_clip_norm > 0:
-        hints[-1] += f" (gradients are already clipped to norm {optim.grad_clip_norm:g})"
+        hints.append(f"Lower optim.learning_rate (gradients are already clipped to norm {optim.grad_clip_norm:g}).")
     else:
-        hints.append("enable optim.grad_clip_norm")
-    text = "; ".join(hints)
-    return text[0].upper() + text[1:] + "."
+        hints.append("Lower optim.learning_rate or enable optim.grad_clip_norm.")
+    return " ".join(hints)
 
 
 class TrainState(NamedTuple):
@@ -411,22 +409,25 @@ def _run(config, stepper, state, workdir, compat, provenance, hooks, on_start) -
                 results["train_loss"] = row["train_loss"]
                 progress.set_postfix(loss=f"{row['train_loss']:.3f}", refresh=False)
                 window = _Window()
+            bad_eval = ""
             if crossed(done, tc.eval_every, k) or done == tc.steps:
                 ev = stepper.evaluate(state)
                 if not math.isfinite(ev["val_loss"]):
-                    raise stop(done, f"the held-out loss is {ev['val_loss']}")
-                log.write({**tags, **ev})
-                results.update(ev)
-                if is_main:
-                    progress.write(
-                        f"{stepper.unit} {call + 1}/{total} (step {done}): held-out "
-                        f"{ev['val_bits_per_byte']:.3f} bits/byte"
-                    )
-            state, extra = stepper.after_step(state, call)
-            if extra:
-                log.write({**tags, **extra})
-            if crossed(done, checkpoint_every, k) or done == tc.steps:
-                checked = checkpoint_lib.digest(state)
+                    bad_eval = f"the held-out loss is {ev['val_loss']}"  # raised below, after the state's check
+                else:
+                    log.write({**tags, **ev})
+                    results.update(ev)
+                    if is_main:
+                        progress.write(
+                            f"{stepper.unit} {call + 1}/{total} (step {done}): held-out "
+                            f"{ev['val_bits_per_byte']:.3f} bits/byte"
+                        )
+            if not bad_eval:
+                state, extra = stepper.after_step(state, call)
+                if extra:
+                    log.write({**tags, **extra})
+            if crossed(done, checkpoint_every, k) or done == tc.steps or bad_eval:
+                checked = checkpoint_lib.digest(state)  # what would be saved: finite, or the run stops here
                 if checked.nonfinite:
                     bad = sorted(checked.nonfinite, key=checked.nonfinite.get, reverse=True)
                     raise stop(
@@ -434,6 +435,8 @@ def _run(config, stepper, state, workdir, compat, provenance, hooks, on_start) -
                         f"the state after the update holds {sum(checked.nonfinite.values()):,} non-finite values "
                         f"(in {len(bad)} arrays: {bad[:3]}{' ...' if len(bad) > 3 else ''}); it was not saved",
                     )
+                if bad_eval:
+                    raise stop(done, bad_eval)
                 loop = {**window.record(), **steady.record()}
                 checkpointer.save(done, state, loop=loop, compat=compat, provenance=provenance, checked=checked)
                 last_saved = done
@@ -458,6 +461,8 @@ def _run(config, stepper, state, workdir, compat, provenance, hooks, on_start) -
         checkpointer.close()
     if "val_loss" not in results:  # resumed at the final step: evaluate the restored state
         results.update(stepper.evaluate(state))
+        if not math.isfinite(results["val_loss"]):
+            raise stop(results["steps"], f"the held-out loss of the restored state is {results['val_loss']}")
         results["train_loss"] = next((r["train_loss"] for r in reversed(log.read()) if "train_loss" in r), math.nan)
     results["tokens_per_second"] = steady.rate(tokens_per_call)
     return {**results, **stepper.results(state)}

@@ -144,6 +144,19 @@ def test_nan_guard_stops_with_step_and_keeps_last_good_checkpoint(tiny_config, t
     assert all(math.isfinite(r.get("train_loss", 0.0)) for r in rows) and max(r["step"] for r in rows) == step - 1
 
 
+def test_nan_guard_checks_the_state_it_would_save(tiny_config, tmp_path):
+    """AdamW with eps = 0 and an untied embedding: rows of bytes absent from the batch get 0/0 = NaN in the update
+    while the loss and gradient stay finite. Nothing is saved, the run stops at step 1, and the advice names eps."""
+    c = tiny_config
+    c.optim.eps, c.model.tie_embeddings, c.checkpoint.every, c.train.steps = 0.0, False, 1, 1
+    with pytest.raises(train_lib.NonFiniteLossError) as e:
+        _train(c, tmp_path)
+    assert e.value.step == 1 and e.value.last_checkpoint is None
+    assert "non-finite values" in str(e.value) and "params/embedding" in str(e.value), str(e.value)
+    assert "optim.eps = 0" in str(e.value) and "already clipped" in str(e.value), str(e.value)
+    assert checkpoint_lib.Checkpointer(tmp_path / "checkpoints").latest_step() is None
+
+
 def test_incompatible_checkpoint_is_refused_and_left_untouched(finished, tmp_path):
     workdir = _copy_of(finished, tmp_path)
     before = _snapshot(workdir)

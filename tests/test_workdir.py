@@ -1,0 +1,182 @@
+"""The training driver's care of its workdir, on a stepper with no model (the driver is the same for every model):
+one run at a time (a real SIGKILL frees the lock), metric rows after every restart reading as one run, torn and
+malformed lines, changed hyper-parameters refused or recorded, damaged checkpoints refused or fallen back from, a
+non-finite held-out loss stopping the run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from core import checkpoint as checkpoint_lib
+from core import train as train_lib
+from core import workdir as workdir_lib
+from experiments import build
+
+from helpers import make_tiny_config, metric_rows
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Counter(train_lib.Stepper):
+    """state {"step", "w"}: each step adds 1 to w; the loss is a function of w, the held-out loss of the step
+    (`nan_at`: NaN there)."""
+
+    def __init__(self, nan_at=None):
+        self.nan_at = nan_at
+
+    def completed_steps(self, state):
+        return int(state["step"])
+
+    def step(self, state, call):
+        w = np.asarray(state["w"]) + 1.0
+        return {"step": np.int32(call + 1), "w": w}, {"loss": float(1.0 / w[0]), "grad_norm": 1.0}
+
+    def evaluate(self, state):
+        step = int(state["step"])
+        return {"val_loss": float("nan") if step == self.nan_at else 1.0 / step, "val_bits_per_byte": 0.5}
+
+
+class Crash(Exception):
+    pass
+
+
+def _config(steps=6, every=2):
+    c = make_tiny_config()
+    c.train.steps, c.train.log_every, c.train.eval_every, c.checkpoint.every = steps, 1, 3, every
+    return c
+
+
+def _run(config, workdir, *, stepper=None, crash_at=None):
+    def hook(step, metrics):
+        if step == crash_at:
+            raise Crash
+
+    state = {"step": np.int32(0), "w": np.arange(3, dtype=np.float32)}
+    return train_lib.run(
+        config,
+        stepper or Counter(),
+        state,
+        workdir=str(workdir),
+        compat={"model": "counter"},
+        provenance=build.provenance(config),
+        hooks=[hook],
+    )
+
+
+def _files(root):
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    _run(_config(), workdir)
+    return metric_rows(workdir)
+
+
+def test_a_restart_from_scratch_and_a_torn_line_read_as_one_run(uninterrupted, tmp_path):
+    """Killed at step 1, before its first checkpoint, and rerun: the dead run's rows are set aside, not appended to;
+    a crash after a checkpoint that leaves a torn last line: recovered the same way."""
+    with pytest.raises(Crash):
+        _run(_config(), tmp_path, crash_at=1)
+    assert [r["step"] for r in metric_rows(tmp_path)] == [1]
+    with pytest.raises(Crash):
+        _run(_config(), tmp_path, crash_at=5)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "train_lo')  # a crash in the middle of writing a row
+    _run(_config(), tmp_path)
+    assert metric_rows(tmp_path) == uninterrupted
+    aside = [json.loads(line) for line in (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert [r.get("step") for r in aside] == [1, 5, None] and aside[-1] == {"torn_line": '{"step": 5, "train_lo'}
+
+
+def test_a_malformed_line_is_refused_naming_file_and_line(tmp_path):
+    with pytest.raises(Crash):
+        _run(_config(), tmp_path, crash_at=3)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    lines[1] = "not json"
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    before = _files(tmp_path)
+    with pytest.raises(workdir_lib.WorkdirError, match=r"metrics.jsonl line 2 cannot be read"):
+        _run(_config(), tmp_path)
+    assert _files(tmp_path) == before
+
+
+def test_changed_hyperparameters_are_refused_unless_accepted_and_recorded(tmp_path):
+    _run(_config(steps=4), tmp_path)
+    before = _files(tmp_path)
+    changed = _config(steps=6)
+    changed.optim.learning_rate, changed.data.seed = 1e-4, 7
+    with pytest.raises(checkpoint_lib.CheckpointError) as e:
+        _run(changed, tmp_path)
+    for needle in (
+        "optim.learning_rate: 0.003 -> 0.0001",
+        "data.seed: 0 -> 7",
+        "train.steps: 4 -> 6",
+        "accept_changes",
+    ):
+        assert needle in str(e.value), str(e.value)
+    assert _files(tmp_path) == before
+    changed.checkpoint.accept_changes = True
+    assert _run(changed, tmp_path)["steps"] == 6
+    (record,) = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert record["resumed_from"] == 4 and record["changes"]["optim.learning_rate"] == [0.003, 1e-4]
+    changed.checkpoint.accept_changes = False  # the checkpoints now record the new values: a rerun needs nothing
+    assert _run(changed, tmp_path)["resumed_from"] == 6
+
+
+def test_a_damaged_checkpoint_is_refused_and_fallen_back_from_only_when_told(uninterrupted, tmp_path):
+    _run(_config(), tmp_path)
+    biggest = max((p for p in (tmp_path / "checkpoints" / "6").rglob("*") if p.is_file()), key=os.path.getsize)
+    data = bytearray(biggest.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    biggest.write_bytes(bytes(data))
+    before = _files(tmp_path)
+    with pytest.raises(checkpoint_lib.DamagedCheckpointError, match="step 6"):
+        _run(_config(), tmp_path)
+    assert _files(tmp_path) == before
+    config = _config()
+    config.checkpoint.fallback = True
+    result = _run(config, tmp_path)
+    assert result["resumed_from"] == 4 and (tmp_path / "checkpoints.damaged" / "6").is_dir()
+    assert metric_rows(tmp_path) == uninterrupted
+
+
+def test_a_nonfinite_held_out_loss_stops_the_run_before_its_checkpoint(tmp_path):
+    with pytest.raises(train_lib.NonFiniteLossError, match="held-out loss is nan") as e:
+        _run(_config(), tmp_path, stepper=Counter(nan_at=6))
+    assert e.value.last_checkpoint == 4
+    assert checkpoint_lib.Checkpointer(tmp_path / "checkpoints").latest_step() == 4
+
+
+def test_one_run_per_workdir_and_a_killed_holder_frees_it(tmp_path):
+    """A second run (here: a process holding the lock) is refused naming its pid and host; after a real SIGKILL of
+    the holder the lock is free. In one process the lock is re-entrant (the CLI holds it around the driver)."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from core import workdir; held = workdir.lock({str(tmp_path)!r}); held.__enter__(); "
+            "print(1, flush=True); import time; time.sleep(600)",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "1"
+        with pytest.raises(workdir_lib.WorkdirError, match=f"in use by another run \\(pid {holder.pid} on host "):
+            _run(_config(), tmp_path)
+        assert not (tmp_path / "metrics.jsonl").exists()
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=10)
+        with workdir_lib.lock(str(tmp_path)), workdir_lib.lock(str(tmp_path)):
+            record = json.loads((tmp_path / ".lock").read_text())
+            assert record["pid"] == os.getpid()
+    finally:
+        holder.kill()
