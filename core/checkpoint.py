@@ -203,10 +203,7 @@ class Checkpointer:
         self._manager.close()
 
 
-_AFTER = (
-    "Nothing was changed. Rerun with --config.checkpoint.fallback=True to resume from the newest intact checkpoint "
-    "(the damaged one is moved aside), or use a new --workdir."
-)
+_AFTER = "Nothing was changed."
 
 
 def _jsonable(value):

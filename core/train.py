@@ -556,7 +556,10 @@ def _open_checkpoints(
             break
         except checkpoint_lib.DamagedCheckpointError as e:
             if not cc.fallback:
-                raise
+                raise checkpoint_lib.DamagedCheckpointError(
+                    f"{e} Rerun with --config.checkpoint.fallback=True to resume from the newest intact checkpoint "
+                    "(the damaged one is moved to checkpoints.damaged/), or use a new --workdir."
+                ) from e
             checkpointer.close()
             aside = os.path.join(workdir, "checkpoints.damaged", str(latest))
             if jax.process_index() == 0:

@@ -146,6 +146,14 @@ def _run(config, workdir: str, hooks: Sequence[Callable[[int, dict[str, float]],
             f"fingerprint {corpus.fingerprint[:12]})",
             flush=True,
         )
+        idle = jax.device_count() - mesh.devices.size
+        if idle:
+            print(
+                f"warning: {idle} of the {jax.device_count()} devices idle: the mesh {dict(mesh.shape)} uses "
+                f"{mesh.devices.size} (set an axis of config.mesh to -1 to use all)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def write_records(resumed_from):  # only once any checkpoint in the workdir has been accepted
         if is_main:

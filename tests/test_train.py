@@ -127,6 +127,7 @@ def test_rerun_of_a_finished_run_changes_nothing(finished, tmp_path):
     again = _train(make_tiny_config(), workdir)
     assert again["resumed_from"] == finished[1]["steps"] and metric_rows(workdir) == rows
     assert again["val_loss"] == finished[1]["val_loss"]
+    assert again["tokens_per_second"] == finished[1]["tokens_per_second"] is not None  # kept in the checkpoint
 
 
 def test_nan_guard_stops_with_step_and_keeps_last_good_checkpoint(tiny_config, tmp_path):

@@ -15,11 +15,12 @@ import pytest
 from core import checkpoint as checkpoint_lib
 from core import train as train_lib
 from core import workdir as workdir_lib
-from experiments import build
+from experiments import build, run
 
 from helpers import make_tiny_config, metric_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "experiments", "configs", "quickstart.py")
 
 
 class Counter(train_lib.Stepper):
@@ -137,7 +138,7 @@ def test_a_damaged_checkpoint_is_refused_and_fallen_back_from_only_when_told(uni
     data[len(data) // 2] ^= 0x01
     biggest.write_bytes(bytes(data))
     before = _files(tmp_path)
-    with pytest.raises(checkpoint_lib.DamagedCheckpointError, match="step 6"):
+    with pytest.raises(checkpoint_lib.DamagedCheckpointError, match="step 6.*--config.checkpoint.fallback=True"):
         _run(_config(), tmp_path)
     assert _files(tmp_path) == before
     config = _config()
@@ -154,7 +155,7 @@ def test_a_nonfinite_held_out_loss_stops_the_run_before_its_checkpoint(tmp_path)
     assert checkpoint_lib.Checkpointer(tmp_path / "checkpoints").latest_step() == 4
 
 
-def test_one_run_per_workdir_and_a_killed_holder_frees_it(tmp_path):
+def test_one_run_per_workdir_and_a_killed_holder_frees_it(tmp_path, capsys):
     """A second run (here: a process holding the lock) is refused naming its pid and host; after a real SIGKILL of
     the holder the lock is free. In one process the lock is re-entrant (the CLI holds it around the driver)."""
     holder = subprocess.Popen(
@@ -172,6 +173,8 @@ def test_one_run_per_workdir_and_a_killed_holder_frees_it(tmp_path):
         assert holder.stdout.readline().strip() == "1"
         with pytest.raises(workdir_lib.WorkdirError, match=f"in use by another run \\(pid {holder.pid} on host "):
             _run(_config(), tmp_path)
+        assert run.main(["run", f"--config={CONFIG}", f"--workdir={tmp_path}"]) == 2  # the CLI: before any work
+        assert f"in use by another run (pid {holder.pid}" in capsys.readouterr().err
         assert not (tmp_path / "metrics.jsonl").exists()
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=10)
@@ -180,3 +183,15 @@ def test_one_run_per_workdir_and_a_killed_holder_frees_it(tmp_path):
             assert record["pid"] == os.getpid()
     finally:
         holder.kill()
+
+
+@pytest.mark.parametrize("where", ["a file", "/sys", "/proc/self", "/proc/none/x"])
+def test_a_workdir_that_cannot_be_used_is_an_error_line(tmp_path, capsys, where):
+    """A path that is a file, a read-only directory (sysfs, procfs: read-only even for root), one that cannot be
+    created: `error:` naming it and exit 2, before anything is built."""
+    path = tmp_path / "file" if where == "a file" else where
+    if where == "a file":
+        path.write_text("x")
+    assert run.main(["run", f"--config={CONFIG}", f"--workdir={path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(path) in err and "Traceback" not in err, err
