@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from experiments import launch, run
+from experiments import launch, run, serve
 
 from helpers import metric_rows
 
@@ -121,10 +121,27 @@ def test_a_finished_run_leaves_its_outputs_loads_serves_and_refuses_another_mode
     _loaded_model_reproduces_the_held_out_loss(workdir, summary["val_loss"])
     _serve_streams_the_greedy_continuation(workdir, capsys)
 
-    before = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
+    before = _files(workdir)
     code, err = _main(capsys, f"--config={CONFIG}", f"--workdir={workdir}", *TINY, *args, "--config.model.d_model=64")
     assert code == 1 and "d_model: checkpoint 32, now 64" in err and "new --workdir" in err, err
-    assert {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()} == before
+    assert _files(workdir) == before
+
+    # 16 damaged bytes in the latest checkpoint's largest file: the same command and serve refuse it, nothing changes
+    biggest = max((p for p in (workdir / "checkpoints" / "8").rglob("*") if p.is_file()), key=os.path.getsize)
+    data = bytearray(biggest.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 16] = bytes(b ^ 0xFF for b in data[len(data) // 2 : len(data) // 2 + 16])
+    biggest.write_bytes(bytes(data))
+    before = _files(workdir)
+    code, err = _main(capsys, f"--config={CONFIG}", f"--workdir={workdir}", *TINY, *args)
+    assert code == 1 and "checkpoint of step 8" in err and "checkpoint.fallback=True" in err, err
+    assert serve.main([f"--workdir={workdir}", "--prompt=x"]) == 1
+    assert "error: " in capsys.readouterr().err
+    assert _files(workdir) == before
+
+
+def _files(root):
+    """Every file's bytes under `root`, except the workdir lock's record (who holds it now)."""
+    return {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and p.name != ".lock"}
 
 
 def _loaded_model_reproduces_the_held_out_loss(workdir, val_loss, sites=1):
@@ -159,7 +176,7 @@ def _serve_streams_the_greedy_continuation(workdir, capsys, kv_format="bf16"):
     what the serving engine generates for it from the loaded model with the same KV format (the engine equals
     `core.generate` with that cache: test_engine); a missing workdir exits 2 with a clear message."""
     from core.data import ByteTokenizer
-    from experiments import load, serve
+    from experiments import load
     from kvcache import formats
     from kvcache.engine import Engine, EngineConfig
 
