@@ -294,7 +294,7 @@ def _lane_sums(data: np.ndarray, index: tuple[slice, ...], shape: tuple[int, ...
     else:
         words = data.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[size]).astype(np.uint32).reshape(-1)
     per = 2 if size == 8 else 1
-    positions = np.zeros((), np.uint64)  # the shard's elements' flat positions in the global array
+    positions: np.ndarray = np.zeros((), np.uint64)  # the shard's elements' flat positions in the global array
     for dim, (extent, part) in enumerate(zip(shape, index)):
         start, stop, step = part.indices(extent)
         stride = int(np.prod(shape[dim + 1 :], dtype=np.int64))

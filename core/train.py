@@ -429,7 +429,7 @@ def _run(config, stepper, state, workdir, compat, provenance, hooks, on_start) -
             if crossed(done, checkpoint_every, k) or done == tc.steps or bad_eval:
                 checked = checkpoint_lib.digest(state)  # what would be saved: finite, or the run stops here
                 if checked.nonfinite:
-                    bad = sorted(checked.nonfinite, key=checked.nonfinite.get, reverse=True)
+                    bad = sorted(checked.nonfinite, key=lambda name: -checked.nonfinite[name])
                     raise stop(
                         done,
                         f"the state after the update holds {sum(checked.nonfinite.values()):,} non-finite values "
