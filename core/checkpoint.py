@@ -121,7 +121,9 @@ class Checkpointer:
         try:
             meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # orbax raises many types for missing/corrupt files
-            raise DamagedCheckpointError(f"the {where} cannot be read ({type(e).__name__}: {e}). {_AFTER}") from e
+            raise DamagedCheckpointError(
+                f"the {where} cannot be read ({type(e).__name__}: {_short(e)}). {_AFTER}"
+            ) from e
         if not isinstance(meta, dict) or not {"manifest", "loop", "compat"} <= set(meta):
             raise DamagedCheckpointError(
                 f"the {where} has no valid metadata record; it was not written by this program or is damaged. {_AFTER}"
@@ -177,7 +179,7 @@ class Checkpointer:
             ]
         except Exception as e:
             raise DamagedCheckpointError(
-                f"the arrays of the {where} cannot be read ({type(e).__name__}: {e}). {_AFTER}"
+                f"the arrays of the {where} cannot be read ({type(e).__name__}: {_short(e)}). {_AFTER}"
             ) from e
         recorded = {k: entry[2] for k, entry in saved.items() if len(entry) > 2}
         if len(recorded) < len(saved):  # written before checksums were recorded
@@ -204,6 +206,12 @@ class Checkpointer:
 
 
 _AFTER = "Nothing was changed."
+
+
+def _short(error: Exception, limit: int = 300) -> str:
+    """An exception's message cut to `limit` characters (orbax's errors can quote a whole TensorStore spec)."""
+    text = str(error)
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def _jsonable(value):

@@ -22,6 +22,7 @@ Errors in user input raise :class:`DataError` naming the config field (``data.pa
 
 from __future__ import annotations
 
+import codecs
 import copy
 import dataclasses
 import glob
@@ -30,10 +31,11 @@ import json
 import os
 import pathlib
 import platform
+import stat
 import struct
 import sysconfig
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -46,8 +48,10 @@ __all__ = [
     "VOCAB_SIZE",
     "Batches",
     "ByteTokenizer",
+    "BytesDecoder",
     "Corpus",
     "DataError",
+    "StreamDecoder",
     "count_bytes",
     "load_corpus",
     "stdlib_files",
@@ -87,22 +91,83 @@ class ByteTokenizer:
         """UTF-8 bytes of ``text`` as ``int32[len(text.encode()) + bos + eos]``, optionally framed by BOS/EOS."""
         if not isinstance(text, str):
             raise TypeError(f"ByteTokenizer.encode expects str, got {type(text).__name__}")
-        body = np.frombuffer(text.encode("utf-8"), np.uint8)
+        return self.encode_bytes(text.encode("utf-8"), bos=bos, eos=eos)
+
+    def encode_bytes(self, raw: bytes, *, bos: bool = True, eos: bool = False) -> np.ndarray:
+        """``int32[len(raw) + bos + eos]``: the bytes ``raw`` as they are (valid UTF-8 or not), optionally framed
+        by BOS/EOS. ``encode(text)`` is ``encode_bytes(text.encode("utf-8"))``."""
+        if not isinstance(raw, (bytes, bytearray)):
+            raise TypeError(f"ByteTokenizer.encode_bytes expects bytes, got {type(raw).__name__}")
         prefix = np.array([BOS_ID] if bos else [], np.int32)
         suffix = np.array([EOS_ID] if eos else [], np.int32)
-        return np.concatenate([prefix, body, suffix], dtype=np.int32)
+        return np.concatenate([prefix, np.frombuffer(bytes(raw), np.uint8), suffix], dtype=np.int32)
 
-    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-        """Text of a 1-D integer sequence in ``[0, VOCAB_SIZE)``; specials are dropped, invalid UTF-8 is replaced."""
+    def decode_bytes(self, ids: Sequence[int] | np.ndarray) -> bytes:
+        """Bytes of a 1-D integer sequence in ``[0, VOCAB_SIZE)``: byte tokens as themselves, specials dropped.
+
+        Concatenative: ``decode_bytes(a + b) == decode_bytes(a) + decode_bytes(b)`` (the :class:`BytesDecoder`
+        contract that :class:`StreamDecoder` relies on). Raises DataError for another shape, dtype or id.
+        """
         ids = np.asarray(ids)
         if ids.size == 0:
-            return ""
+            return b""
         if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
             raise DataError(f"token ids must be a 1-D integer sequence, got shape {ids.shape} dtype {ids.dtype}")
         bad = (ids < 0) | (ids >= VOCAB_SIZE)
         if bad.any():
             raise DataError(f"token id {ids[bad][0]} is outside [0, {VOCAB_SIZE})")
-        return ids[ids < NUM_BYTES].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+        return ids[ids < NUM_BYTES].astype(np.uint8).tobytes()
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        """Text of a 1-D integer sequence in ``[0, VOCAB_SIZE)``; specials are dropped, invalid UTF-8 is replaced
+        (U+FFFD per maximal invalid subsequence, as ``bytes.decode(errors="replace")``). To decode a stream piece by
+        piece, use :class:`StreamDecoder`: decoding each piece on its own breaks characters split between pieces."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+
+class BytesDecoder(Protocol):
+    """What :class:`StreamDecoder` needs of a tokenizer: token ids to the bytes they stand for.
+
+    ``decode_bytes(ids)`` takes a 1-D integer sequence (list or ``int[N]`` array, possibly empty) and must be
+    concatenative, ``decode_bytes(a + b) == decode_bytes(a) + decode_bytes(b)``: each token's bytes do not depend
+    on its neighbours (true of byte tokens and of byte-level BPE; an adapter for a tokenizer whose pieces depend on
+    context, e.g. SentencePiece's leading space, must make it so). Special tokens map to ``b""``.
+    """
+
+    def decode_bytes(self, ids: Sequence[int] | np.ndarray) -> bytes: ...
+
+
+class StreamDecoder:
+    """Streaming detokenisation: token ids in, chunk by chunk; out, the text that is complete so far.
+
+    ``feed(ids)`` returns the new text of ``ids`` together with what came before, holding back the trailing bytes of
+    a UTF-8 character whose remaining bytes may still come (at most 3 bytes); ``flush()`` ends the stream: it
+    returns what was held back (U+FFFD for a truncated character) and starts afresh. For any split of ``ids`` into
+    chunks ``c_1 .. c_n``::
+
+        feed(c_1) + ... + feed(c_n) + flush() == tokenizer.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    which for :class:`ByteTokenizer` is ``decode(ids)``: a character split between chunks comes out whole, and
+    invalid bytes become U+FFFD exactly where whole decoding puts them (the standard library's incremental UTF-8
+    decoder). Every returned piece extends the text so far: nothing returned is ever taken back.
+
+    Args:
+      tokenizer: any :class:`BytesDecoder` (``ByteTokenizer``; an adapter of another vocabulary).
+    """
+
+    def __init__(self, tokenizer: BytesDecoder):
+        self.tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, ids: Sequence[int] | np.ndarray) -> str:
+        """The text completed by ``ids`` (1-D integer ids, possibly empty; errors as ``tokenizer.decode_bytes``)."""
+        return self._utf8.decode(self.tokenizer.decode_bytes(ids))
+
+    def flush(self) -> str:
+        """The held-back end of the stream (``""``, or U+FFFD for a truncated character); the decoder is reset."""
+        text = self._utf8.decode(b"", final=True)
+        self._utf8.reset()
+        return text
 
 
 def count_bytes(targets: np.ndarray) -> int:
@@ -166,7 +231,9 @@ def load_corpus(
       path: ``None`` for the built-in corpus (:func:`stdlib_files`, one document per file).
         Otherwise a file, a directory (searched recursively, skipping names that start with
         ``"."``) or a glob pattern (``**`` allowed; matched directories are searched as above).
-        Directories and globs use only files with an accepted suffix (case-insensitive):
+        Only regular files are read: symbolic links to regular files are followed, while FIFOs, sockets,
+        devices and broken symbolic links with an accepted suffix are refused (DataError) before any file is
+        opened. Directories and globs use only files with an accepted suffix (case-insensitive):
         ``.md .py .text .txt`` are read as raw bytes, one document per file; ``.jsonl`` has one
         JSON object per line and the document is its string field ``jsonl_field`` encoded as
         UTF-8 (blank lines are skipped). A file named directly must have an accepted suffix.
@@ -189,7 +256,9 @@ def load_corpus(
         info = {"source": "stdlib", "python_version": platform.python_version()}
     else:
         source = os.fspath(path)
-        docs = [doc for name, file in _resolve_files(source) for doc in _read_documents(name, file, jsonl_field)]
+        docs = [
+            doc for name, file in _resolve_files(source) for doc in _read_documents(source, name, file, jsonl_field)
+        ]
         info = {"source": source}
     return _make_corpus(docs, float(val_fraction), info)
 
@@ -199,14 +268,23 @@ def _stdlib_root() -> pathlib.Path:
 
 
 def _resolve_files(source: str) -> list[tuple[str, pathlib.Path]]:
-    """(relative POSIX name, path) of every corpus file named by ``source``, sorted by name."""
+    """(relative POSIX name, path) of every corpus file named by ``source``, sorted by name.
+
+    Only regular files are corpus files. A symbolic link to a regular file is followed (its content is read under
+    the link's own name); a symbolic link to a directory inside a searched directory is not descended into
+    (``os.walk``'s default), one named by ``source`` or matched by a glob is. Every file with an accepted suffix is
+    checked with ``os.stat`` before any file is opened: a FIFO, socket or device (directly or through a link), a
+    broken symbolic link or a link loop raises DataError naming ``data.path``, the file and why (reading a FIFO
+    would wait forever for a writer). Files without an accepted suffix are ignored, whatever they are.
+    """
     path = pathlib.Path(source)
-    if path.is_file():
-        if path.suffix.lower() not in ACCEPTED_SUFFIXES:
-            raise DataError(f"data.path={source!r} has suffix {path.suffix!r}; accepted: {' '.join(ACCEPTED_SUFFIXES)}")
-        return [(path.name, path)]
     if path.is_dir():
         root, candidates = path, _walk(path)
+    elif os.path.lexists(path):  # a file named directly: regular, a link (perhaps broken) or a special file
+        if path.suffix.lower() not in ACCEPTED_SUFFIXES:
+            raise DataError(f"data.path={source!r} has suffix {path.suffix!r}; accepted: {' '.join(ACCEPTED_SUFFIXES)}")
+        _check_regular(source, path)
+        return [(path.name, path)]
     elif _GLOB_CHARS & set(source):
         root = pathlib.Path(*_take_literal(pathlib.PurePath(source).parts))
         matches = [pathlib.Path(m) for m in glob.glob(source, recursive=True)]
@@ -217,7 +295,67 @@ def _resolve_files(source: str) -> list[tuple[str, pathlib.Path]]:
     if not named:
         accepted = " ".join(ACCEPTED_SUFFIXES)
         raise DataError(f"data.path={source!r} contains no usable files; accepted suffixes: {accepted}")
-    return sorted(named.items())
+    files = sorted(named.items())
+    for _, file in files:
+        _check_regular(source, file)
+    return files
+
+
+_NOT_REGULAR = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISDIR, "a directory"),
+)
+
+
+def _not_regular(source: str, path: pathlib.Path, mode: int) -> DataError:
+    """The DataError for ``path`` whose (followed) ``st_mode`` is not a regular file's."""
+    kind = next((name for test, name in _NOT_REGULAR if test(mode)), f"a special file (mode {stat.filemode(mode)})")
+    via = " (through a symbolic link)" if os.path.islink(path) else ""
+    return DataError(
+        f"data.path={source!r}: {path} is {kind}{via}, not a regular file; a corpus file must be a regular file or a "
+        "symbolic link to one"
+    )
+
+
+def _check_regular(source: str, path: pathlib.Path) -> None:
+    """Raises DataError naming ``data.path``, ``path`` and why, unless ``path`` is a regular file or a symbolic
+    link (chain) to one. Opens nothing: ``os.stat`` only."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        if os.path.islink(path):
+            if isinstance(e, FileNotFoundError):
+                raise DataError(
+                    f"data.path={source!r}: {path} is a broken symbolic link -> {os.readlink(path)} (which does not "
+                    "exist); a corpus file must be a regular file or a symbolic link to one"
+                ) from None
+            raise DataError(
+                f"data.path={source!r}: {path} is a symbolic link that cannot be followed ({e.strerror})"
+            ) from None
+        raise DataError(f"data.path={source!r}: {path} cannot be read ({e.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise _not_regular(source, path, mode)
+
+
+def _read_regular(source: str, path: pathlib.Path) -> bytes:
+    """The content of ``path``, which must still be a regular file: opened without blocking (``O_NONBLOCK``, so that
+    a FIFO put in its place after :func:`_check_regular` cannot hang the open) and checked again with ``fstat``
+    before it is read. I/O errors become DataError naming ``data.path`` and the file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except OSError as e:
+        raise DataError(f"data.path={source!r}: {path} cannot be opened ({e.strerror})") from None
+    with open(fd, "rb", closefd=True) as f:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(source, path, mode)
+        try:
+            return f.read()
+        except OSError as e:
+            raise DataError(f"data.path={source!r}: {path} cannot be read ({e.strerror})") from None
 
 
 def _take_literal(parts: Sequence[str]) -> list[str]:
@@ -231,7 +369,9 @@ def _take_literal(parts: Sequence[str]) -> list[str]:
 
 
 def _walk(root: pathlib.Path) -> list[pathlib.Path]:
-    """All files under ``root``, skipping files and directories whose names start with ``"."``."""
+    """Every non-directory entry under ``root`` (files, symbolic links to files, broken links and special files,
+    which :func:`_check_regular` refuses when their suffix is accepted), skipping names that start with ``"."``;
+    symbolic links to directories are listed by ``os.walk`` as directories and not descended into."""
     files: list[pathlib.Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
@@ -239,12 +379,14 @@ def _walk(root: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
-def _read_documents(name: str, path: pathlib.Path, field: str) -> list[Document]:
-    """Documents of one file: the whole file for text suffixes, one per non-blank line for JSONL."""
+def _read_documents(source: str, name: str, path: pathlib.Path, field: str) -> list[Document]:
+    """Documents of one file of ``data.path = source``: the whole file for text suffixes, one per non-blank line for
+    JSONL. The file is read only if it is (still) a regular file (:func:`_read_regular`)."""
+    content = _read_regular(source, path)
     if path.suffix.lower() not in JSONL_SUFFIXES:
-        return [(name, path.read_bytes())]
+        return [(name, content)]
     docs = []
-    for lineno, line in enumerate(path.read_bytes().split(b"\n"), start=1):
+    for lineno, line in enumerate(content.split(b"\n"), start=1):
         if not line.strip():
             continue
         where = f"{path}:{lineno}"

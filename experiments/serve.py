@@ -2,52 +2,152 @@
 
     python -m experiments.serve --workdir runs/quickstart-1dev --prompt "def " [--prompt "import "]
         [--max-new-tokens 200] [--kv-format fp4] [--scale-rule mse] [--kv-memory-mib 64] [--temperature 0.7]
-        [--site 0]
+        [--seed 0] [--site 0]
 
 A federated run keeps one model per site (its own experts): `--site` picks it (default 0). Every
 prompt is one request of a continuous-batching engine (kvcache.engine) over a paged KV pool of `--kv-memory-mib` in
 the chosen format; the first prompt's text streams to the terminal, the others are printed when done, followed
 by each request's time to first token and time per output token.
+
+A prompt is served as the bytes given on the command line (an argument that is not valid UTF-8 reaches Python as
+surrogate escapes, which are turned back into its bytes); text is shown as UTF-8, invalid bytes as U+FFFD, and a
+character whose bytes arrive over several engine steps is shown once it is complete (core.data.StreamDecoder).
+
+Exit status: 0 served; 2 a bad flag (before anything is loaded), a run that cannot be served with these flags or
+a workdir that is not a finished run; 1 a damaged checkpoint (core.checkpoint.CheckpointError).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from collections.abc import Callable
+
+MAX_KV_MEMORY_MIB = 2.0**40  # 1 EiB: larger pools cannot be allocated anywhere (and overflow XLA's shape sizes)
+
+
+def _integer(low: int) -> Callable[[str], int]:
+    """An argparse `type`: the text as an int >= `low`, else an error naming the text and what is allowed."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer; allowed: an integer >= {low}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text!r} is not allowed: an integer >= {low}")
+        return value
+
+    return parse
+
+
+def _number(low: float, *, low_open: bool, high: float | None = None) -> Callable[[str], float]:
+    """An argparse `type`: the text as a finite float > `low` (`low_open`) or >= `low`, and <= `high` if given,
+    else an error naming the text and what is allowed (nan and inf are refused)."""
+    allowed = f"a finite number {'>' if low_open else '>='} {low:g}" + ("" if high is None else f" and <= {high!r}")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: {allowed}") from None
+        too_high = high is not None and value > high
+        if not math.isfinite(value) or value < low or (low_open and value == low) or too_high:
+            raise argparse.ArgumentTypeError(f"{text!r} is not allowed: {allowed}")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """serve's command line; every flag's value is checked as it is parsed (nothing is loaded)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.serve",
+        description=(__doc__ or "").split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    # required flags: default=SUPPRESS keeps "(default: None)" out of the help
+    parser.add_argument(
+        "--workdir",
+        required=True,
+        default=argparse.SUPPRESS,
+        help="a finished run's directory (config.json, data.json, checkpoints/)",
+    )
+    parser.add_argument(
+        "--prompt",
+        action="append",
+        required=True,
+        default=argparse.SUPPRESS,
+        help="a prompt, served as the bytes given (repeat for several requests; the first one streams)",
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=_integer(1),
+        default=200,
+        help="new tokens per prompt at most; a request also ends at EOS",
+    )
+    parser.add_argument(
+        "--kv-format", default="fp4", choices=("bf16", "fp8", "fp4"), help="format the KV pool stores keys/values in"
+    )
+    parser.add_argument("--scale-rule", default="mse", choices=("mse", "mx"), help="fp4 scale rule (fp4 only)")
+    parser.add_argument(
+        "--kv-memory-mib",
+        type=_number(0.0, low_open=True, high=MAX_KV_MEMORY_MIB),
+        default=64.0,
+        help="KV pool size in MiB (at least one block of 16 tokens must fit)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=_number(0.0, low_open=False),
+        default=0.7,
+        help="sampling temperature; 0 = greedy",
+    )
+    parser.add_argument("--seed", type=_integer(0), default=0, help="sampling seed (an integer >= 0)")
+    parser.add_argument(
+        "--site", type=_integer(0), default=0, help="a federated run's site whose model serves (0 .. sites - 1)"
+    )
+    return parser
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workdir", required=True, help="a finished run's directory (config.json, checkpoints/)")
-    parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--kv-format", default="fp4", choices=("bf16", "fp8", "fp4"))
-    parser.add_argument("--scale-rule", default="mse", choices=("mse", "mx"), help="fp4 scale rule")
-    parser.add_argument("--kv-memory-mib", type=float, default=64.0, help="KV pool size in MiB")
-    parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--site", type=int, default=0, help="a federated run's site whose model serves")
+    """Runs serve on `argv` (default sys.argv[1:]); returns the exit status (see the module docstring). Flag errors
+    exit through argparse (SystemExit 2, an `error:` line) before anything is imported or loaded."""
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 1:
-        parser.error(f"--max-new-tokens = {args.max_new_tokens} must be >= 1")
-    if args.kv_memory_mib <= 0:
-        parser.error(f"--kv-memory-mib = {args.kv_memory_mib} must be > 0")
-    if args.temperature < 0:
-        parser.error(f"--temperature = {args.temperature} must be >= 0")
+    raw_prompts = []
+    for i, text in enumerate(args.prompt):
+        try:  # argv's undecodable bytes arrive as surrogate escapes: back to the bytes the user gave
+            raw_prompts.append(text.encode("utf-8", errors="surrogateescape"))
+        except UnicodeEncodeError as e:
+            parser.error(
+                f"argument --prompt: prompt {i + 1} = {text!r} holds {text[e.start : e.end]!r} at position {e.start}, "
+                "which is neither UTF-8 text nor an escaped byte; allowed: text or raw bytes"
+            )
 
-    from core.data import ByteTokenizer
+    from core.checkpoint import CheckpointError
+    from core.data import ByteTokenizer, StreamDecoder
     from experiments import load
     from kvcache import formats
     from kvcache.engine import Engine, EngineConfig
 
     try:
         _, model = load.trained_model(args.workdir, site=args.site)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     fmt = formats.get("fp4", scale_rule=args.scale_rule) if args.kv_format == "fp4" else formats.get(args.kv_format)
+    cfg = model.cfg
+    try:
+        fmt.check_head_dim(cfg.head_dim)
+    except ValueError as e:
+        print(f"error: --kv-format={args.kv_format} cannot hold this model's keys and values: {e}", file=sys.stderr)
+        return 2
     tok = ByteTokenizer()
-    prompts = [tok.encode(p).tolist() for p in args.prompt]
+    prompts = [tok.encode_bytes(raw).tolist() for raw in raw_prompts]
     longest = max(map(len, prompts)) + args.max_new_tokens
     config = EngineConfig(
         memory_bytes=int(args.kv_memory_mib * 2**20),
@@ -55,24 +155,46 @@ def main(argv=None) -> int:
         temperature=args.temperature,
         seed=args.seed,
     )
-    engine = Engine(model, fmt, config)
-    try:
-        requests = [engine.submit(p, args.max_new_tokens) for p in prompts]
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    per_block = cfg.num_layers * config.block_size * fmt.bytes_per_token(cfg.num_kv_heads, cfg.head_dim)
+    if config.memory_bytes < per_block:
+        print(
+            f"error: --kv-memory-mib={args.kv_memory_mib!r} holds no KV block; the minimum is {per_block / 2**20!r} "
+            f"MiB ({per_block} bytes: one block of {config.block_size} tokens x {cfg.num_layers} layers in "
+            f"{fmt.label})",
+            file=sys.stderr,
+        )
         return 2
+    try:
+        engine = Engine(model, fmt, config)
+    except RuntimeError as e:  # jax.errors.JaxRuntimeError: the device has not that much memory
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        print(f"error: --kv-memory-mib={args.kv_memory_mib!r} does not fit in device memory: {e}", file=sys.stderr)
+        return 2
+    requests = []
+    for i, prompt in enumerate(prompts):
+        try:
+            requests.append(engine.submit(prompt, args.max_new_tokens))
+        except ValueError as e:
+            print(
+                f"error: prompt {i + 1} ({len(prompt)} tokens with BOS) and --max-new-tokens={args.max_new_tokens} "
+                f"do not fit --kv-memory-mib={args.kv_memory_mib!r}: {e}",
+                file=sys.stderr,
+            )
+            return 2
     print(f"{fmt.label} KV pool: {engine.capacity_tokens:,} tokens in {args.kv_memory_mib:g} MiB", file=sys.stderr)
+    stream = StreamDecoder(tok)
+    sys.stdout.write(stream.feed(prompts[0]))
     shown = 0
-    sys.stdout.write(args.prompt[0])
     while engine.has_work:
         engine.step()
         new = requests[0].output[shown:]
-        sys.stdout.write(tok.decode(new))
+        sys.stdout.write(stream.feed(new))
         sys.stdout.flush()
         shown += len(new)
-    print()
-    for text, request in zip(args.prompt[1:], requests[1:]):
-        print(f"--- request {request.id}:\n{text}{tok.decode(request.output)}")
+    print(stream.flush())
+    for prompt, request in zip(prompts[1:], requests[1:]):
+        print(f"--- request {request.id}:\n{tok.decode(prompt + request.output)}")
     for request in requests:
         print(
             f"request {request.id}: {len(request.output)} tokens, time to first token {request.ttft * 1e3:.0f} ms, "

@@ -68,7 +68,7 @@ class EngineConfig:
         for name in ("memory_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} = {getattr(self, name)}; must be >= 1")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN too
             raise ValueError(f"EngineConfig.temperature = {self.temperature}; must be >= 0")
         attention.check_implementation(self.implementation)
         if self.max_model_len < 2 * self.max_num_batched_tokens:
@@ -347,7 +347,27 @@ class Engine(Scheduler):
             memory_bytes=config.memory_bytes,
         )
         super().__init__(config, fmt, self.pool.num_blocks)
+        self.vocab_size = cfg.vocab_size  # token ids a prompt may hold: [0, vocab_size)
         self._rng = np.random.default_rng(config.seed)
+
+    def submit(self, prompt, max_new_tokens: int, *, arrival: float | None = None, ignore_eos: bool = False) -> Request:
+        """`Scheduler.submit` for the model's vocabulary: `prompt` (a 1-D sequence of ids: Python or NumPy
+        integers) must hold only integers (not bool, not float, even a whole one) in [0, model vocab_size).
+        Raises ValueError naming the first bad position, its value and the range, before anything changes (the
+        queue and the request ids are untouched)."""
+        tokens = list(prompt)  # (a generator is read once)
+        for i, token in enumerate(tokens):
+            if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
+                raise ValueError(
+                    f"prompt token at position {i} is {token!r} ({type(token).__name__}); token ids must be "
+                    f"integers (not bool or float) in [0, {self.vocab_size}) (the model's vocab_size)"
+                )
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(
+                    f"prompt token at position {i} is {token!r}, outside [0, {self.vocab_size}) (the model's "
+                    "vocab_size)"
+                )
+        return super().submit(tokens, max_new_tokens, arrival=arrival, ignore_eos=ignore_eos)
 
     def _execute(self, batch):
         bs, s_max = self.config.block_size, self.config.max_num_seqs + 1  # + 1 row for the padding tokens

@@ -1,11 +1,16 @@
 """Tests for core.data: tokenizer, corpus loading and splitting, batching."""
 
 import collections
+import contextlib
 import hashlib
 import json
 import math
+import os
 import pathlib
+import socket
 import sysconfig
+import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -100,6 +105,98 @@ def test_tokenizer_constants_and_errors():
     not_text: Any = b"abc"  # the wrong type on purpose
     with pytest.raises(TypeError, match="bytes"):
         tok.encode(not_text)
+
+
+def utf8_reference(ids) -> str:
+    """Whole decoding written here, independently of core.data: drop ids >= 256, replace invalid UTF-8."""
+    return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def noisy_bytes(rng: np.random.Generator) -> bytes:
+    """Random text with invalid UTF-8 mixed in: stray continuation and lead bytes, truncated sequences, overlong
+    forms, encoded surrogates, code points above U+10FFFF, 0xFF."""
+    junk = [
+        b"\x80",
+        b"\xbf",
+        b"\xc3",
+        b"\xe2\x82",
+        b"\xf0\x9f\x98",
+        b"\xc0\x80",
+        b"\xed\xa0\x80",
+        b"\xf4\x90\x80\x80",
+        b"\xff",
+    ]
+    parts = [random_text(rng, int(rng.integers(0, 6))).encode("utf-8") for _ in range(30)]
+    for i in rng.integers(0, len(parts), size=12):
+        parts[i] += junk[int(rng.integers(0, len(junk)))]
+    return b"".join(parts)
+
+
+def chunked(ids: np.ndarray, rng: np.random.Generator, max_chunk: int) -> list[np.ndarray]:
+    """``ids`` cut into consecutive chunks of random sizes in [1, max_chunk] (1: one id at a time)."""
+    cuts = np.cumsum(rng.integers(1, max_chunk + 1, size=len(ids)))
+    return np.split(ids, cuts[cuts < len(ids)])
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("noisy", [False, True])
+def test_stream_decoder_equals_whole_decoding(seed, noisy):
+    """Ids fed in random chunks (1 at a time, up to 2 or 9): the pieces concatenate to the whole decoding; a
+    character split between chunks is held back, never replaced; every piece extends the text so far; invalid
+    bytes become U+FFFD exactly where whole decoding puts them, and a truncated tail at `flush()`."""
+    rng = np.random.default_rng(seed)
+    tok = ByteTokenizer()
+    if noisy:
+        raw = noisy_bytes(rng) + b"\xe2\x82"  # ends inside a character: flush() must emit its U+FFFD
+        ids = np.concatenate([[BOS_ID], np.frombuffer(raw, np.uint8), [EOS_ID]]).astype(np.int32)
+    else:
+        text = random_text(rng, 300)
+        ids = tok.encode(text, bos=True, eos=True)
+    expected = utf8_reference(ids.tolist())
+    if not noisy:
+        assert expected == text
+    else:
+        assert "\ufffd" in expected
+    for max_chunk in (1, 2, 9):
+        decoder = data.StreamDecoder(tok)
+        pieces = []
+        for chunk in chunked(ids, rng, max_chunk):
+            pieces.append(decoder.feed(chunk if max_chunk > 2 else chunk.tolist()))
+            assert expected.startswith("".join(pieces))
+        pieces.append(decoder.flush())
+        assert "".join(pieces) == expected == tok.decode(ids)
+        if not noisy and max_chunk == 1:
+            assert "\ufffd" not in "".join(pieces)  # the defect: each step's bytes decoded alone
+    # Decoding each chunk on its own (what serve did) is not the same text: the test can see the difference.
+    assert "".join(tok.decode(c) for c in chunked(ids, rng, 1)) != expected
+
+
+def test_stream_decoder_holds_back_a_split_character_and_takes_any_bytes_tokenizer():
+    tok = ByteTokenizer()
+    euro = list("€".encode())  # 3 bytes
+    decoder = data.StreamDecoder(tok)
+    assert [decoder.feed([b]) for b in euro] == ["", "", "€"]
+    assert decoder.feed([0xE2]) == "" and decoder.flush() == "\ufffd"  # a truncated tail is replaced at the end
+    assert decoder.flush() == ""  # and the decoder starts afresh
+    assert decoder.feed([]) == "" and decoder.feed(np.zeros(0, np.int32)) == ""
+    with pytest.raises(DataError, match="259"):
+        decoder.feed([65, 259])
+    assert tok.decode_bytes([BOS_ID, 0xE2, 0x82, EOS_ID, PAD_ID, 0xAC]) == "€".encode()
+    assert tok.decode_bytes(np.array([], np.int64)) == b""
+
+    class Pieces:
+        """A tokenizer whose tokens are multi-byte pieces that cut characters anywhere (as BPE pieces do)."""
+
+        pieces = (b"ab", b"\xe2", b"\x82\xac", b"\xf0\x9f", b"\x98\x80x", b"\xff", b"")
+
+        def decode_bytes(self, ids):
+            return b"".join(self.pieces[i] for i in ids)
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, len(Pieces.pieces), size=200)
+    expected = b"".join(Pieces.pieces[i] for i in ids).decode("utf-8", errors="replace")
+    decoder = data.StreamDecoder(Pieces())
+    assert "".join([decoder.feed(c) for c in chunked(ids, rng, 3)] + [decoder.flush()]) == expected
 
 
 def test_count_bytes():
@@ -290,6 +387,86 @@ def test_corpus_errors(tmp_path):
     for value in ("", 3):
         msg = error_message(path=str(blank), jsonl_field=value)
         assert "data.jsonl_field" in msg and repr(value) in msg
+
+
+def load_or_unblock(path: str, fifos: Sequence[pathlib.Path], timeout: float = 5.0) -> dict[str, Any]:
+    """``{"corpus": ...}`` or ``{"error": ...}`` of ``load_corpus(path)``, run in a thread. If it is still running after
+    ``timeout`` seconds (blocked opening a FIFO for reading), each FIFO is opened for writing and closed, which ends
+    that read, and the test fails: the defect shows as a failure, never as a hang."""
+    result: dict[str, Any] = {}
+
+    def target():
+        try:
+            result["corpus"] = data.load_corpus(path)
+        except Exception as e:  # the test inspects whatever it raised
+            result["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        for fifo in fifos:
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(timeout)
+        pytest.fail(f"load_corpus({path!r}) was still blocked after {timeout} s (it opened a FIFO)")
+    return result
+
+
+def refusal(path: str, fifos: Sequence[pathlib.Path] = ()) -> str:
+    result = load_or_unblock(path, fifos)
+    assert isinstance(result.get("error"), DataError), result
+    return str(result["error"])
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="POSIX FIFOs, sockets and symlinks")
+def test_special_files_and_broken_symlinks_are_refused_and_symlinked_files_followed(tmp_path):
+    """A FIFO with an accepted suffix (in a directory, matched by a glob, named directly), a socket, a symlink to a
+    device, a broken symlink and a symlink loop are refused with a DataError naming data.path, the file and why,
+    before any file is opened; files without an accepted suffix are ignored whatever they are; a symlink to a regular
+    file is followed (its content, under the link's name)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "real.md").write_bytes(b"linked content")
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "a.txt").write_bytes(b"plain content")
+    (root / "link.txt").symlink_to(outside / "real.md")
+    os.mkfifo(root / "ignored.pipe")  # not an accepted suffix: not looked at
+    (root / "ignored.csv").symlink_to(tmp_path / "missing.csv")
+    corpus = data.load_corpus(str(root), val_fraction=0.5)
+    docs = split_documents(corpus.train) + split_documents(corpus.val)
+    assert sorted(docs) == [b"linked content", b"plain content"]
+    named = data.load_corpus(str(root / "link.txt"))  # a link named directly: followed too
+    assert b"".join(split_documents(named.train) + split_documents(named.val)) == b"linked content"
+
+    fifo = root / "x.txt"
+    os.mkfifo(fifo)
+    for path in (str(root), str(root / "*.txt"), str(fifo)):
+        msg = refusal(path, [fifo])
+        assert "data.path" in msg and repr(path) in msg and str(fifo) in msg and "FIFO" in msg, msg
+    fifo.unlink()
+
+    cases = {"device.txt": "character device", "broken.txt": "broken symbolic link", "loop.txt": "symbolic link"}
+    (root / "device.txt").symlink_to(os.devnull)
+    (root / "broken.txt").symlink_to(tmp_path / "gone.txt")
+    (root / "loop.txt").symlink_to(root / "loop.txt")
+    with socket.socket(socket.AF_UNIX) as sock:
+        try:
+            sock.bind(str(root / "s.txt"))
+            cases["s.txt"] = "socket"
+        except OSError:  # a path too long for a socket address: the other cases still run
+            pass
+        for name, why in cases.items():
+            for other in set(cases) - {name}:
+                (root / other).rename(tmp_path / other)
+            for path in (str(root), str(root / name)):
+                msg = refusal(path)
+                assert "data.path" in msg and repr(path) in msg and str(root / name) in msg and why in msg, msg
+            for other in set(cases) - {name}:
+                (tmp_path / other).rename(root / other)
+    msg = refusal(str(root / "broken.txt"))
+    assert str(tmp_path / "gone.txt") in msg  # where the broken link points
 
 
 # --------------------------------------------------------------------------- batches

@@ -128,6 +128,43 @@ def test_request_larger_than_the_pool_is_rejected(model):
         EngineConfig(memory_bytes=1 << 20, max_model_len=64, max_num_batched_tokens=64)
 
 
+@pytest.mark.parametrize(
+    "prompt, position, shown",
+    [
+        ([5, -1], 1, "-1"),
+        ([10**6], 0, "1000000"),
+        ([1, 2, CFG.vocab_size], 2, str(CFG.vocab_size)),  # one past the model's last id
+        ([7, 3.7], 1, "3.7"),  # int() would truncate it to 3
+        ([True, 2], 0, "True"),  # a bool is not a token id
+        (np.array([1.0, 2.0]), 0, "1.0"),  # float dtype, even when whole
+        ([4, np.float32(2)], 1, "2.0"),
+        ([4, "5"], 1, "'5'"),
+        ([4, None], 1, "None"),
+        (np.array([[1, 2]]), 0, "[1, 2]"),  # a row, not an id
+        ([0, np.uint64(2**64 - 1)], 1, str(2**64 - 1)),
+        ([np.int64(-(2**63))], 0, str(-(2**63))),
+    ],
+)
+def test_submit_refuses_token_ids_outside_the_vocabulary(model, prompt, position, shown):
+    """Every prompt id must be an integer (Python or NumPy, not bool, not float) in [0, model vocab size = 264): a
+    ValueError names the first bad position, its value and the range, and changes nothing (queue, next id)."""
+    eng = engine(model, formats.get("bf16"), blocks=4)
+    first = eng.submit([1, 2, 3], 2)
+    with pytest.raises(ValueError) as excinfo:
+        eng.submit(prompt, 2)
+    msg = str(excinfo.value)
+    assert f"position {position}" in msg and shown in msg and f"[0, {CFG.vocab_size})" in msg, msg
+    assert list(eng.waiting) == [first] and not eng.running
+    assert eng.submit([CFG.vocab_size - 1, 0], 2).id == first.id + 1  # the refused request took no id
+
+
+def test_submit_accepts_integer_ids_of_any_kind(model):
+    eng = engine(model, formats.get("bf16"), blocks=4)
+    for prompt in ([0, CFG.vocab_size - 1], np.array([3, 4], np.int32), np.array([3, 4], np.uint8), [np.int64(9)]):
+        request = eng.submit(prompt, 2)
+        assert request.prompt == [int(t) for t in prompt] and all(type(t) is int for t in request.prompt)
+
+
 def test_block_manager_refcounts_and_lru():
     blocks = BlockManager(4, 2)
     a = blocks.allocate(2)
