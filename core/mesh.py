@@ -8,9 +8,14 @@ axis, so the same model runs data-parallel, tensor-parallel or expert-parallel b
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Sequence
+import os
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 import ml_collections
@@ -95,12 +100,38 @@ HEARTBEAT_TIMEOUT_SECONDS = 20
 """A process that stops answering the coordination service's heartbeats for this long (it died, or its host did)
 brings the others down with an error instead of leaving them blocked in a collective."""
 
+EXTERNAL_SERVICE_ENV = "MESH_EXTERNAL_COORDINATION_SERVICE"
+"""Set to 1 (by `experiments.launch`) when jax.distributed's coordination service runs outside the processes, at
+`mesh.coordinator_address`: process 0 then only connects to it, as every other process does. If nothing serves that
+address, every process waits for it and fails after jax.distributed's initialization timeout (300 s)."""
+
+PEER_LOST_NOTICE_ENV = "MESH_PEER_LOST_NOTICE_FD"
+"""A file descriptor (set by `experiments.launch`) on which the launcher writes one line when another process has
+failed, e.g. `process 0 was killed by signal SIGKILL`; see `_exit_on_peer_lost_notice`."""
+
 
 def initialize_distributed(config: ml_collections.ConfigDict) -> None:
     """Starts `jax.distributed` when `mesh.num_processes > 1` (must run before any other JAX call).
 
     On CPU the cross-process collectives use gloo, the same engine a CPU cluster would use; on a cluster each host
     runs one process with the same `mesh.coordinator_address` and its own `mesh.process_id`.
+
+    A process learns that another one died from the collective that fails (`core.train.run` raises PeerLostError,
+    naming the last checkpoint), or, waiting at a coordination barrier (a checkpoint's, jax.distributed's start),
+    only from the coordination service's heartbeat timeout, at which jaxlib aborts it like a lost coordinator (below).
+    Under experiments.launch, which sees a process die at once, such a process is told by the launcher instead
+    (`PEER_LOST_NOTICE_ENV`) and exits with an `error:` line and status 1.
+
+    The coordination service runs in process 0, unless `EXTERNAL_SERVICE_ENV` says another process serves it (see
+    `_service_elsewhere`). Where it runs matters when process 0 dies: the others' coordination clients then lose the
+    service and jaxlib aborts them at once (LOG(FATAL): SIGABRT and a C++ stack trace; jaxlib's
+    `missed_heartbeat_callback` cannot replace that from Python, it aborts with std::bad_cast when called). With the
+    service elsewhere, process 0 is a lost peer like any other: the survivors' next collective fails and
+    `core.train.run` stops them with `PeerLostError` (exit status 1 from experiments.run).
+
+    jax's preemption service is turned off: its notifier replaces the process's SIGTERM handler with one that only
+    records a preemption notice, so a SIGTERM (from experiments.launch, a scheduler, a user) would not stop the
+    process. Nothing here uses preemption sync points.
     """
     mesh = config.mesh
     if mesh.num_processes == 1:
@@ -108,15 +139,103 @@ def initialize_distributed(config: ml_collections.ConfigDict) -> None:
     if jax.distributed.is_initialized():
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if "jax_enable_preemption_service" in jax.config.values:
+        jax.config.update("jax_enable_preemption_service", False)
+    notice_fd = os.environ.get(PEER_LOST_NOTICE_ENV, "")
+    if notice_fd.isdigit() and _is_open(int(notice_fd)):  # (not one inherited from a launcher's process)
+        _exit_on_peer_lost_notice(int(notice_fd), mesh.process_id)
+    external = os.environ.get(EXTERNAL_SERVICE_ENV) == "1"
     logging.info(
-        "jax.distributed: process %d of %d, coordinator %s",
+        "jax.distributed: process %d of %d, coordinator %s%s",
         mesh.process_id,
         mesh.num_processes,
         mesh.coordinator_address,
+        " (an external service)" if external else "",
     )
-    jax.distributed.initialize(
-        coordinator_address=mesh.coordinator_address,
-        num_processes=mesh.num_processes,
-        process_id=mesh.process_id,
-        heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS,
-    )
+    with _service_elsewhere() if external and mesh.process_id == 0 else contextlib.nullcontext():
+        jax.distributed.initialize(
+            coordinator_address=mesh.coordinator_address,
+            num_processes=mesh.num_processes,
+            process_id=mesh.process_id,
+            heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS,
+        )
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def _exit_on_peer_lost_notice(fd: int, process_id: int) -> None:
+    """Starts a daemon thread that waits for the launcher's line on `fd` (it runs while the main thread is blocked
+    in jaxlib), then prints `error: ...` with it to stderr and exits with status 1 (`os._exit`: a normal exit would
+    wait in jax.distributed's shutdown barrier for the lost process). End of file (the launcher is gone: it then
+    stops this process with SIGTERM) ends the thread quietly."""
+
+    def wait() -> None:
+        with os.fdopen(fd, "rb") as notices:
+            line = notices.readline().decode(errors="replace").strip()
+        if line:
+            print(
+                f"error: process {process_id} stops: {line} (experiments.launch): another process has probably died "
+                "or failed; rerun the same command on every process to resume from the last checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(1)
+
+    threading.Thread(target=wait, name="peer-lost-notice", daemon=True).start()
+
+
+_SERVICE = "get_distributed_runtime_service"
+
+
+@contextlib.contextmanager
+def _service_elsewhere() -> Iterator[None]:
+    """Within the block, `jax.distributed.initialize` in process 0 does not start a coordination service (another
+    process serves it) and only connects to it, like the other processes.
+
+    `jax.distributed.initialize` has no option for this: it starts the service whenever `process_id == 0`. So for
+    the duration of the block the name under which `jax._src.distributed` finds jaxlib (`_jax` in jax 0.10,
+    `xla_extension` before) is bound to a proxy whose `get_distributed_runtime_service` returns a stand-in (its
+    `shutdown` does nothing); every other attribute is jaxlib's. Where jax's internals differ this raises ConfigError
+    (a clear `error:` line from experiments.run) rather than starting a second service on the launcher's port.
+    """
+    from jax._src import distributed as jax_distributed
+
+    name = next((n for n in ("_jax", "xla_extension") if hasattr(getattr(jax_distributed, n, None), _SERVICE)), None)
+    if name is None:
+        raise config_lib.ConfigError(
+            f"{EXTERNAL_SERVICE_ENV}=1 asks process 0 not to start jax.distributed's coordination service "
+            f"(experiments.launch serves it), but jax {jax.__version__} offers no way to skip it: "
+            "core/mesh.py `_service_elsewhere` needs updating for this jax"
+        )
+    lib = getattr(jax_distributed, name)
+    setattr(jax_distributed, name, _WithoutService(lib))
+    try:
+        yield
+    finally:
+        setattr(jax_distributed, name, lib)
+
+
+class _WithoutService:
+    """Stands for jaxlib's `_jax` module, except that `get_distributed_runtime_service` starts nothing."""
+
+    def __init__(self, lib: Any):
+        self._lib = lib
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lib, name)
+
+    def get_distributed_runtime_service(self, *args: Any, **kwargs: Any) -> _NoService:
+        return _NoService()
+
+
+class _NoService:
+    """The stand-in for the service process 0 does not run: jax.distributed's shutdown calls `shutdown` on it."""
+
+    def shutdown(self) -> None:
+        pass

@@ -41,8 +41,9 @@ class FederatedStepper(train_lib.Stepper):
     ("bytes_per_site_per_round", read from the compiled program) and the routing stability:
     "routing/topk_agreement" of every site's routing on a fixed probe batch (the first held-out batch) after the round
     with its routing before it (the state the round started from: after a reshuffle, the migrated one, so a run
-    resumed from any checkpoint measures what an uninterrupted one does), and with skip-token the ideal ghost fraction 1 - N_le / N_e. With random placement the
-    experts move to the next placement after every `reshuffle_every` rounds (a metric row of its own).
+    resumed from any checkpoint measures what an uninterrupted one does), and with skip-token the ideal ghost
+    fraction 1 - N_le / N_e. With random placement the experts move to the next placement after every
+    `reshuffle_every` rounds (a metric row of its own).
     Evaluation: every site evaluates its own model (its resident experts, its routing) on the same held-out
     batches; the reported loss is the mean over sites (and the worst site's bits per byte).
     """

@@ -101,7 +101,7 @@ def test_damaged_bytes_in_any_file_are_refused_or_never_read(saved, tmp_path):
     holding w's bytes (the largest) and the metadata record are always refused."""
     directory, state = saved
     assert _restore(directory, state)["w"].dtype == np.float32  # intact: restores
-    outcomes = {}
+    outcomes: dict[tuple[str, int], str] = {}
     for victim in _files(directory):
         rel = victim.relative_to(directory)
         for width in (16, 1) if "/d/" in str(rel) else (16,):

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from experiments import launch, run, serve
+from experiments import run, serve
 
 from helpers import metric_rows
 
@@ -371,7 +371,7 @@ def test_sites_as_processes_train_like_virtual_devices_and_survive_a_lost_site(t
     out = first.communicate(timeout=120)[0]
     assert time.time() - t0 < 60 and first.returncode != 0, out
     assert "another process has probably died" in out and "rerun the same command" in out
-    assert "launch: exit codes [1, -9]" in out, out
+    assert "launch: process 1 was killed by signal SIGKILL" in out and "launch: exit codes [1, SIGKILL]" in out, out
 
     again = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "launch: exit codes [0, 0]" in again.stdout, again.stdout + again.stderr
@@ -380,17 +380,3 @@ def test_sites_as_processes_train_like_virtual_devices_and_survive_a_lost_site(t
     assert 3 <= b["resumed_from"] < 18 and b["rounds"] == 6 and b["devices"].startswith("2 x")
     for key in ("train_loss", "val_loss", "val_bits_per_byte", "bytes_per_site_per_round"):
         assert b[key] == pytest.approx(a[key], rel=1e-6), key
-
-
-@pytest.mark.parametrize(
-    "argv, needle",
-    [
-        (["--processes", "2"], "after '--'"),
-        (["--processes", "0", "--", "--workdir=x"], "--processes=0"),
-        (["--processes", "2", "--", "--config.mesh.process_id=1"], "set by the launcher"),
-    ],
-)
-def test_launcher_rejects_bad_arguments(capsys, argv, needle):
-    with pytest.raises(SystemExit) as e:
-        launch.main(argv)
-    assert e.value.code == 2 and needle in capsys.readouterr().err

@@ -170,7 +170,7 @@ def test_one_run_per_workdir_and_a_killed_holder_frees_it(tmp_path, capsys):
         text=True,
     )
     try:
-        assert holder.stdout.readline().strip() == "1"
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "1"
         with pytest.raises(workdir_lib.WorkdirError, match=f"in use by another run \\(pid {holder.pid} on host "):
             _run(_config(), tmp_path)
         assert run.main(["run", f"--config={CONFIG}", f"--workdir={tmp_path}"]) == 2  # the CLI: before any work
