@@ -189,8 +189,11 @@ def main(argv: list[str] | None = None, *, module: str = "experiments.run") -> i
         own, run_args = argv[:split], argv[split + 1 :]
     else:
         own, run_args = argv, []
+    doc = __doc__ or ""
     parser = argparse.ArgumentParser(
-        description=(__doc__ or "").split("\n")[0],
+        description=doc.split("\n")[0],
+        epilog=doc[doc.find("Stopping:") :],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="python -m experiments.launch --processes N [--devices-per-process D] -- <experiments.run arguments>",
     )
     parser.add_argument("--processes", type=int, required=True, help="number of local processes")

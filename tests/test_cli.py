@@ -113,6 +113,7 @@ def test_a_finished_run_leaves_its_outputs_loads_serves_and_refuses_another_mode
     ]
     workdir = tmp_path / "run"
     summary = _run(workdir, *args)
+    assert "warning: 7 of the 8 devices idle" in capsys.readouterr().err  # mesh.data = 1 of this process's 8
     for key in ("train_loss", "val_loss", "val_bits_per_byte", "tokens_per_second", "num_params", "steps"):
         assert key in summary, key
     assert summary["steps"] == 8 and summary["num_params"] > 0
