@@ -12,27 +12,57 @@ The model's attention slot has two entries:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal, Protocol, cast
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-__all__ = ["DenseKVCache", "KVCache", "causal_attention", "rope"]
+__all__ = ["DenseKVCache", "KVCache", "RopeScaling", "causal_attention", "rope", "rope_frequencies"]
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling: with wavelength w_i = 2 pi / f_i of pair i and L = original_max_len,
+    f_i is kept where w_i < L / high_freq_factor, divided by `factor` where w_i > L / low_freq_factor, and in
+    between interpolated: (1 - s) f_i / factor + s f_i with s = (L / w_i - low_freq_factor) / (high_freq_factor -
+    low_freq_factor)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+    def __call__(self, inv_freq: jax.Array) -> jax.Array:
+        wavelength = 2 * math.pi / inv_freq
+        smooth = (self.original_max_len / wavelength - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        between = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
+        long = wavelength > self.original_max_len / self.low_freq_factor
+        short = wavelength < self.original_max_len / self.high_freq_factor
+        return jnp.where(short, inv_freq, jnp.where(long, inv_freq / self.factor, between))
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
+    """[head_dim / 2] float32: pair i's angular frequency theta^(-2i / head_dim), scaled by `scaling` if given."""
+    inv_freq = theta ** (-jnp.arange(0, head_dim // 2, dtype=jnp.float32) * 2.0 / head_dim)
+    return inv_freq if scaling is None else scaling(inv_freq)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
     """Rotary position embedding (Su et al. 2021), rotate-half form.
 
     Args:
       x: [B, T, N, D] queries or keys, D even.
       positions: [B, T] integer positions.
-      theta: base frequency; pair i rotates by angle pos * theta^(-2i/D).
+      theta: base frequency; pair i rotates by angle pos * theta^(-2i/D) (`rope_frequencies`).
+      scaling: optional frequency scaling (Llama 3.1's `RopeScaling`).
     Returns:
       [B, T, N, D] in x's dtype: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with x1, x2 the two halves.
     """
-    d = x.shape[-1]
-    inv_freq = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+    inv_freq = rope_frequencies(x.shape[-1], theta, scaling)
     angle = positions.astype(jnp.float32)[..., None, None] * inv_freq  # [B, T, 1, D/2]
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)

@@ -245,8 +245,12 @@ class TransformerConfig:
     )
     d_model: int = field(256, "residual stream width", low=1)
     num_layers: int = field(4, "transformer blocks", low=1)
-    num_heads: int = field(8, "query heads; must divide d_model", low=1)
+    num_heads: int = field(8, "query heads; must divide d_model unless head_dim is set", low=1)
     num_kv_heads: int = field(8, "key/value heads (grouped-query attention); must divide num_heads", low=1)
+    head_dim: int = field(0, "width of each query/key/value head (even); 0 = d_model / num_heads", low=0)
+    qkv_bias: bool = field(False, "biases on the query, key and value projections (Qwen2)")
+    out_bias: bool = field(False, "a bias on the attention output projection")
+    qk_norm: bool = field(False, "RMSNorm over each query and key head before RoPE, a learned scale per dim (Qwen3)")
     d_ff: int = field(1024, "hidden width of the dense MLP", low=1)
     mlp: str = field(
         "swiglu",
@@ -257,6 +261,18 @@ class TransformerConfig:
     norm_eps: float = field(1e-6, "epsilon inside the norm", low=0.0, low_open=True)
     peri_ln: bool = field(False, "Peri-LN: also normalise each sublayer's output before the residual add")
     rope_theta: float = field(10_000.0, "RoPE base frequency", low=1.0)
+    rope_scaling: str = field(
+        "none",
+        "RoPE frequency scaling: 'none' or 'llama3' (Llama 3.1: wavelengths past original_max_len / "
+        "low_freq_factor divided by factor, below original_max_len / high_freq_factor kept, smooth between)",
+        choices=("none", "llama3"),
+    )
+    rope_factor: float = field(8.0, "rope_scaling 'llama3': the factor long wavelengths are divided by", low=1.0)
+    rope_low_freq_factor: float = field(1.0, "rope_scaling 'llama3': low_freq_factor", low=0.0, low_open=True)
+    rope_high_freq_factor: float = field(4.0, "rope_scaling 'llama3': high_freq_factor", low=0.0, low_open=True)
+    rope_original_max_len: int = field(
+        8192, "rope_scaling 'llama3': the context length the frequencies were trained for", low=1
+    )
     tie_embeddings: bool = field(True, "share the token embedding with the output head")
     init_std: float = field(
         0.02,
@@ -268,9 +284,9 @@ class TransformerConfig:
     param_dtype: str = field("float32", "parameter storage dtype", choices=_DTYPES)
     attention_impl: str = field("xla", "jax.nn.dot_product_attention backend for training", choices=("xla", "cudnn"))
 
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:  # resolved once, so that code reads cfg.head_dim whether it was set or derived
+            object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
 
     @property
     def compute_dtype(self) -> Any:
@@ -555,20 +571,27 @@ def rule_mesh_axes(rules, logical: str) -> tuple[str, ...]:
 
 def _check_core(config: ml_collections.ConfigDict, num_devices: int | None) -> None:
     m = config.model
-    if m.d_model % m.num_heads:
+    if m.head_dim == 0 and m.d_model % m.num_heads:
         raise ConfigError(
             f"config key 'model.num_heads' = {m.num_heads} must divide 'model.d_model' = "
-            f"{m.d_model} (head dim = d_model / num_heads)."
+            f"{m.d_model} (head dim = d_model / num_heads), or set 'model.head_dim'."
         )
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(
             f"config key 'model.num_kv_heads' = {m.num_kv_heads} must divide 'model.num_heads' = "
             f"{m.num_heads} (each KV head serves num_heads / num_kv_heads query heads)."
         )
-    if (m.d_model // m.num_heads) % 2:
+    if m.head_dim % 2:
+        raise ConfigError(f"config key 'model.head_dim' = {m.head_dim} must be even for RoPE.")
+    if m.head_dim == 0 and (m.d_model // m.num_heads) % 2:
         raise ConfigError(
             f"head dim d_model / num_heads = {m.d_model // m.num_heads} (model.d_model = "
-            f"{m.d_model}, model.num_heads = {m.num_heads}) must be even for RoPE."
+            f"{m.d_model}, model.num_heads = {m.num_heads}) must be even for RoPE; or set 'model.head_dim'."
+        )
+    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        raise ConfigError(
+            f"config key 'model.rope_high_freq_factor' = {m.rope_high_freq_factor} must exceed "
+            f"'model.rope_low_freq_factor' = {m.rope_low_freq_factor} (rope_scaling 'llama3')."
         )
     if m.vocab_size < VOCAB_SIZE:
         raise ConfigError(

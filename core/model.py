@@ -88,7 +88,8 @@ def layer_key(key: jax.Array | None, path: str) -> jax.Array | None:
 
 
 class Dense(nnx.Module):
-    """y = x @ W through the precision slot. W: [in, out] with logical axes `axes`.
+    """y = x @ W (+ b) through the precision slot. W: [in, out] with logical axes `axes`; b: [out] (zeros at
+    init) when `bias`.
 
     Args:
       x: [..., in] in any float dtype; computed in `dtype` with float32 accumulation, returned in `dtype`.
@@ -105,10 +106,13 @@ class Dense(nnx.Module):
         cfg: TransformerConfig,
         rngs: nnx.Rngs,
         std: float | None = None,
+        bias: bool = False,
     ):
         std = cfg.init_std if std is None else std
         w = std * jax.random.normal(rngs.params(), (in_features, out_features), jnp.float32)
         self.kernel = nnx.Param(w.astype(cfg.weight_dtype), axes=axes)
+        if bias:
+            self.bias = nnx.Param(jnp.zeros((out_features,), cfg.weight_dtype), axes=(axes[1],))
         self.path = path
         self.precision = precision
         self.dtype = cfg.compute_dtype
@@ -118,17 +122,21 @@ class Dense(nnx.Module):
         x = x.astype(self.dtype)
         w = self.kernel.get_value().astype(self.dtype)
         dims = (((x.ndim - 1,), (0,)), ((), ()))
-        return dot_general(x, w, dims, preferred_element_type=jnp.float32).astype(self.dtype)
+        y = dot_general(x, w, dims, preferred_element_type=jnp.float32)
+        if hasattr(self, "bias"):  # added in float32, outside the (possibly low-precision) product
+            y = y + self.bias.get_value().astype(jnp.float32)
+        return y.astype(self.dtype)
 
 
 class Norm(nnx.Module):
-    """RMSNorm (x / rms(x) * scale) or LayerNorm ((x - mean) / std * scale + bias), computed in float32."""
+    """RMSNorm (x / rms(x) * scale) or LayerNorm ((x - mean) / std * scale + bias) over the last axis, computed in
+    float32; `kind` defaults to the config's `norm`, `axis` names the normalised dimension for sharding."""
 
-    def __init__(self, dim: int, cfg: TransformerConfig):
-        self.kind, self.eps, self.dtype = cfg.norm, cfg.norm_eps, cfg.compute_dtype
-        self.scale = nnx.Param(jnp.ones((dim,), cfg.weight_dtype), axes=("embed",))
-        if cfg.norm == "layernorm":
-            self.bias = nnx.Param(jnp.zeros((dim,), cfg.weight_dtype), axes=("embed",))
+    def __init__(self, dim: int, cfg: TransformerConfig, *, kind: str | None = None, axis: str | None = "embed"):
+        self.kind, self.eps, self.dtype = kind or cfg.norm, cfg.norm_eps, cfg.compute_dtype
+        self.scale = nnx.Param(jnp.ones((dim,), cfg.weight_dtype), axes=(axis,))
+        if self.kind == "layernorm":
+            self.bias = nnx.Param(jnp.zeros((dim,), cfg.weight_dtype), axes=(axis,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.astype(jnp.float32)
@@ -171,7 +179,9 @@ class MLP(nnx.Module):
 class Attention(nnx.Module):
     """Multi-head / grouped-query self-attention with RoPE.
 
-    q: [B, T, H, D], k, v: [B, T, K, D]; output projection back to d_model.
+    q: [B, T, H, D], k, v: [B, T, K, D] (D = cfg.head_dim, which need not be d_model / H); optional q/k/v and
+    output biases, optional per-head RMSNorm of q and k before RoPE (Qwen3), optional Llama 3.1 RoPE scaling;
+    output projection back to d_model.
     """
 
     def __init__(
@@ -179,19 +189,30 @@ class Attention(nnx.Module):
     ):
         d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         common: dict[str, Any] = dict(precision=precision, cfg=cfg, rngs=rngs)
-        self.q = Dense(d, h * hd, axes=("embed", "heads"), path=f"{path}.q", **common)
-        self.k = Dense(d, kv * hd, axes=("embed", "kv_heads"), path=f"{path}.k", **common)
-        self.v = Dense(d, kv * hd, axes=("embed", "kv_heads"), path=f"{path}.v", **common)
+        self.q = Dense(d, h * hd, axes=("embed", "heads"), path=f"{path}.q", bias=cfg.qkv_bias, **common)
+        self.k = Dense(d, kv * hd, axes=("embed", "kv_heads"), path=f"{path}.k", bias=cfg.qkv_bias, **common)
+        self.v = Dense(d, kv * hd, axes=("embed", "kv_heads"), path=f"{path}.v", bias=cfg.qkv_bias, **common)
         self.o = Dense(
             h * hd,
             d,
             axes=("heads", "embed"),
             path=f"{path}.o",
+            bias=cfg.out_bias,
             **common,
             std=cfg.init_std / math.sqrt(2 * cfg.num_layers),
         )
+        if cfg.qk_norm:  # one scale per head dimension, shared by the heads
+            self.q_norm = Norm(hd, cfg, kind="rmsnorm", axis=None)
+            self.k_norm = Norm(hd, cfg, kind="rmsnorm", axis=None)
         self.layer, self.num_heads, self.num_kv_heads, self.head_dim = layer, h, kv, hd
         self.rope_theta, self.impl, self.shard = cfg.rope_theta, cfg.attention_impl, shard
+        self.rope_scaling = (
+            attention_lib.RopeScaling(
+                cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len
+            )
+            if cfg.rope_scaling == "llama3"
+            else None
+        )
 
     def __call__(
         self,
@@ -206,8 +227,12 @@ class Attention(nnx.Module):
         q = self.q(x, key=key).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k(x, key=key).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v(x, key=key).reshape(b, t, self.num_kv_heads, self.head_dim)
-        q = self.shard(attention_lib.rope(q, positions, self.rope_theta), ("batch", "seq", "heads", None))
-        k = self.shard(attention_lib.rope(k, positions, self.rope_theta), ("batch", "seq", "kv_heads", None))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = attention_lib.rope(q, positions, self.rope_theta, self.rope_scaling)
+        k = attention_lib.rope(k, positions, self.rope_theta, self.rope_scaling)
+        q = self.shard(q, ("batch", "seq", "heads", None))
+        k = self.shard(k, ("batch", "seq", "kv_heads", None))
         v = self.shard(v, ("batch", "seq", "kv_heads", None))
         if cache is None:
             out = attention_lib.causal_attention(q, k, v, implementation=self.impl)

@@ -30,6 +30,23 @@ CONFIGS = {
         tie_embeddings=False,
         rope_theta=500.0,
     ),
+    # Qwen2/3 and Llama 3.1 features: head_dim 12 != d_model / num_heads = 8, q/k/v and output biases, per-head q/k
+    # RMSNorm, Llama 3.1 RoPE scaling (an original length of 16, so positions 0..19 cross every regime)
+    "headdim-bias-qknorm-llama3": TransformerConfig(
+        vocab_size=264,
+        d_model=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=12,
+        qkv_bias=True,
+        out_bias=True,
+        qk_norm=True,
+        d_ff=48,
+        rope_scaling="llama3",
+        rope_factor=4.0,
+        rope_original_max_len=16,
+    ),
 }
 
 
@@ -52,9 +69,20 @@ def numpy_forward(cfg: TransformerConfig, p: dict, tokens: np.ndarray) -> np.nda
             return y * p[prefix + ".scale"] + p[prefix + ".bias"]
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps) * p[prefix + ".scale"]
 
+    def scaled(f):  # Llama 3.1's rule for one frequency
+        wavelength, big = 2 * np.pi / f, cfg.rope_original_max_len
+        if wavelength < big / cfg.rope_high_freq_factor:
+            return f
+        if wavelength > big / cfg.rope_low_freq_factor:
+            return f / cfg.rope_factor
+        smooth = (big / wavelength - cfg.rope_low_freq_factor) / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+        return (1 - smooth) * f / cfg.rope_factor + smooth * f
+
     def rope(x):  # x [B, T, N, D]
         pos = np.arange(t)[:, None]
         freq = cfg.rope_theta ** (-np.arange(hd // 2) * 2.0 / hd)
+        if cfg.rope_scaling == "llama3":
+            freq = np.array([scaled(f) for f in freq])
         ang = (pos * freq)[None, :, None, :]
         x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
         return np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)], -1)
@@ -64,9 +92,12 @@ def numpy_forward(cfg: TransformerConfig, p: dict, tokens: np.ndarray) -> np.nda
     for layer in range(cfg.num_layers):
         pre = f"blocks.{layer}"
         a = norm(x, pre + ".attn_norm")
-        q = rope((a @ p[pre + ".attn.q.kernel"]).reshape(b, t, h, hd))
-        k = rope((a @ p[pre + ".attn.k.kernel"]).reshape(b, t, kv, hd))
-        v = (a @ p[pre + ".attn.v.kernel"]).reshape(b, t, kv, hd)
+        q, k, v = (a @ p[f"{pre}.attn.{n}.kernel"] + p.get(f"{pre}.attn.{n}.bias", 0.0) for n in "qkv")
+        q, k, v = q.reshape(b, t, h, hd), k.reshape(b, t, kv, hd), v.reshape(b, t, kv, hd)
+        if cfg.qk_norm:  # RMSNorm over each head's hd values
+            q = q / np.sqrt((q * q).mean(-1, keepdims=True) + cfg.norm_eps) * p[pre + ".attn.q_norm.scale"]
+            k = k / np.sqrt((k * k).mean(-1, keepdims=True) + cfg.norm_eps) * p[pre + ".attn.k_norm.scale"]
+        q, k = rope(q), rope(k)
         out = np.zeros((b, t, h, hd))
         for head in range(h):
             g = head // (h // kv)
@@ -75,7 +106,7 @@ def numpy_forward(cfg: TransformerConfig, p: dict, tokens: np.ndarray) -> np.nda
             w = np.exp(s - s.max(-1, keepdims=True))
             w /= w.sum(-1, keepdims=True)
             out[:, :, head] = np.einsum("bts,bsd->btd", w, v[:, :, g])
-        y = out.reshape(b, t, h * hd) @ p[pre + ".attn.o.kernel"]
+        y = out.reshape(b, t, h * hd) @ p[pre + ".attn.o.kernel"] + p.get(pre + ".attn.o.bias", 0.0)
         x = x + (norm(y, pre + ".attn_out_norm") if cfg.peri_ln else y)
         f = norm(x, pre + ".ffn_norm")
         if cfg.mlp == "swiglu":
