@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from core import attention as attention_lib
-from core.data import EOS_ID, NUM_BYTES, PAD_ID
+from core.data import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 __all__ = ["dense_cache_factory", "generate"]
 
@@ -36,10 +36,16 @@ def dense_cache_factory(model, dtype=jnp.bfloat16) -> CacheFactory:
     )
 
 
-def _sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int) -> jax.Array:
-    """logits [B, V] -> tokens [B]; greedy when temperature == 0. Special ids other than EOS are never sampled."""
+def _sample(
+    logits: jax.Array, key: jax.Array, temperature: float, top_k: int, never: tuple[int, ...], num_ids: int | None
+) -> jax.Array:
+    """logits [B, V] -> tokens [B]; greedy when temperature == 0. The ids in `never` and those >= `num_ids` (rows
+    of the embedding no token uses) are never sampled."""
     vocab = jnp.arange(logits.shape[-1])
-    logits = jnp.where((vocab < NUM_BYTES) | (vocab == EOS_ID), logits, -jnp.inf)
+    keep = jnp.ones(vocab.shape, bool) if num_ids is None else vocab < num_ids
+    for token in never:
+        keep = keep & (vocab != token)
+    logits = jnp.where(keep, logits, -jnp.inf)
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / temperature
@@ -58,6 +64,9 @@ def generate(
     temperature: float = 0.0,
     top_k: int = 0,
     cache_factory: CacheFactory | None = None,
+    eos_id: int | None = EOS_ID,
+    never: tuple[int, ...] = (PAD_ID, BOS_ID),
+    num_ids: int | None = VOCAB_SIZE,
 ) -> np.ndarray:
     """Continues each prompt by `max_new_tokens` tokens.
 
@@ -66,8 +75,11 @@ def generate(
       prompts: B int arrays of token ids (lengths may differ, each >= 1).
       key: PRNG key for sampling (unused when temperature == 0).
       cache_factory: builds the empty cache (default: bf16 DenseKVCache).
+      eos_id: the token that ends a sequence (default the byte tokenizer's EOS; None: none does).
+      never, num_ids: ids never sampled: those in `never` and those >= `num_ids` (None: no limit). The defaults
+        are the byte tokenizer's (PAD, BOS; the embedding's rows past its 259 ids).
     Returns:
-      [B, max_new_tokens] int32; after a sequence emits EOS the rest of its row is PAD.
+      [B, max_new_tokens] int32; after a sequence emits `eos_id` the rest of its row is PAD.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt and every prompt must hold at least one token (e.g. BOS)")
@@ -92,12 +104,20 @@ def generate(
             max_new_tokens=max_new_tokens,
             temperature=float(temperature),
             top_k=int(top_k),
+            eos_id=-1 if eos_id is None else int(eos_id),
+            never=tuple(int(t) for t in never),
+            num_ids=None if num_ids is None else int(num_ids),
         )
     )
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k"))
-def _generate(graphdef, state, padded, lengths, cache, key, *, max_new_tokens, temperature, top_k):
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "eos_id", "never", "num_ids")
+)
+def _generate(
+    graphdef, state, padded, lengths, cache, key, *, max_new_tokens, temperature, top_k, eos_id, never, num_ids
+):
+    sample = functools.partial(_sample, temperature=temperature, top_k=top_k, never=never, num_ids=num_ids)
     model = nnx.merge(graphdef, state)
     logits, _, cache = model(padded, cache=cache)
     # Prefill wrote every padded position; roll each sequence back to its true length (positions beyond are
@@ -105,14 +125,14 @@ def _generate(graphdef, state, padded, lengths, cache, key, *, max_new_tokens, t
     cache = cache.advance(lengths - padded.shape[1])
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     keys = jax.random.split(key, max_new_tokens)
-    first = _sample(last, keys[0], temperature, top_k)
+    first = sample(last, keys[0])
 
     def step(carry, step_key):
         cache, token, done = carry
         emitted = jnp.where(done, PAD_ID, token)
-        done = done | (token == EOS_ID)
+        done = done | (token == eos_id)
         logits, _, cache = model(token[:, None], cache=cache)
-        return (cache, _sample(logits[:, 0], step_key, temperature, top_k), done), emitted
+        return (cache, sample(logits[:, 0], step_key), done), emitted
 
     done0 = jnp.zeros(first.shape, bool)
     (_, last_token, done), out = jax.lax.scan(step, (cache, first, done0), keys[1:])
