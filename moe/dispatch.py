@@ -3,9 +3,16 @@ expert-parallel dropless dispatch (all-to-all under `jax.shard_map`).
 
 All three compute, for N tokens with top-k choices (experts [N, k], gates [N, k]),
 
-    y[n] = sum_j gates[n, j] * E_{experts[n, j]}(x[n]),     E_e(x) = silu(x @ up[e]) @ down[e]
+    y[n] = sum_j gates[n, j] * E_{experts[n, j]}(x[n])
 
-and differ in which assignments they compute (capacity drops some) and where the experts live.
+with the expert E_e an MLP of one of two forms (`MoEConfig.expert_mlp`):
+
+    "silu":    E_e(x) = silu(x @ up[e]) @ down[e]                       (up [E, d, h], down [E, h, d])
+    "swiglu":  E_e(x) = (silu(x @ gate[e]) * (x @ up[e])) @ down[e]     (gate [E, d, h] as well: Mixtral, Qwen3-MoE)
+
+Each function takes `gate=None` for the first form and the gate matrices (with their own grouped matmul or
+dot_general, so that a precision policy sees the gate projection by its own path) for the second. They differ in
+which assignments they compute (capacity drops some) and where the experts live.
 
 Ghost assignments (FoMoE's skip-token: the router chose an expert this site does not host) carry the expert id
 E (one past the last local expert). They are never computed: the dropless sort puts them after every real
@@ -55,6 +62,22 @@ def _sort_by(ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     return order, inverse
 
 
+def _check_gate(gate: jax.Array | None, up: jax.Array, product: object) -> None:
+    """A gate needs the shape of `up` and its own product (grouped matmul or dot_general); ValueError if not."""
+    if gate is None:
+        return
+    if gate.shape != up.shape:
+        raise ValueError(f"expert gate matrices {gate.shape} must have the shape of the up matrices {up.shape}.")
+    if product is None:
+        raise ValueError("expert gate matrices given without their product (gmm_gate / gate_dot_general).")
+
+
+def _hidden(h_up: jax.Array, h_gate: jax.Array | None, dtype) -> jax.Array:
+    """The experts' hidden activation from float32 products: silu(h_up), or silu(h_gate) * h_up; in `dtype`."""
+    h = jax.nn.silu(h_up) if h_gate is None else jax.nn.silu(h_gate) * h_up
+    return h.astype(dtype)
+
+
 def expert_ffn(
     xs: jax.Array,
     group_sizes: jax.Array,
@@ -62,11 +85,24 @@ def expert_ffn(
     down: jax.Array,
     gmm_up: GroupedMatmul,
     gmm_down: GroupedMatmul,
+    *,
+    gate: jax.Array | None = None,
+    gmm_gate: GroupedMatmul | None = None,
 ) -> jax.Array:
-    """silu(xs @ up[g]) @ down[g] per group. xs: [M, d] sorted by expert; up: [E, d, h]; down: [E, h, d].
-    Products accumulate in float32 and return in xs.dtype; rows past sum(group_sizes) come out zero."""
+    """The experts on rows sorted by expert, group g through expert g:
+
+        silu(xs @ up[g]) @ down[g]                        (gate None)
+        (silu(xs @ gate[g]) * (xs @ up[g])) @ down[g]     (gate given, multiplied through gmm_gate)
+
+    xs: [M, d] sorted by expert; group_sizes: [E] int32; up, gate: [E, d, h]; down: [E, h, d]. Products accumulate
+    in float32 (the gating product too) and return in xs.dtype; rows past sum(group_sizes) come out zero."""
+    _check_gate(gate, up, gmm_gate)
     h = gmm_up(xs, up.astype(xs.dtype), group_sizes, preferred_element_type=jnp.float32)
-    h = jax.nn.silu(h).astype(xs.dtype)
+    g = None
+    if gate is not None:
+        assert gmm_gate is not None  # _check_gate
+        g = gmm_gate(xs, gate.astype(xs.dtype), group_sizes, preferred_element_type=jnp.float32)
+    h = _hidden(h, g, xs.dtype)
     return gmm_down(h, down.astype(xs.dtype), group_sizes, preferred_element_type=jnp.float32).astype(xs.dtype)
 
 
@@ -85,12 +121,15 @@ def dropless(
     *,
     gmm_up: GroupedMatmul,
     gmm_down: GroupedMatmul,
+    gate: jax.Array | None = None,
+    gmm_gate: GroupedMatmul | None = None,
 ) -> jax.Array:
     """Every assignment computed: sort the N k (token, expert) pairs by expert, run the experts as one grouped
-    matmul, unsort and combine with the gates.
+    matmul per projection, unsort and combine with the gates.
 
     Args:
-      x: [N, d]; experts, gates: [N, k] (expert E = a ghost, not computed); up: [E, d, h]; down: [E, h, d].
+      x: [N, d]; experts, gates: [N, k] (expert E = a ghost, not computed); up: [E, d, h]; down: [E, h, d];
+      gate: [E, d, h] for SwiGLU experts (with gmm_gate), None for SiLU experts.
     Returns:
       y: [N, d] in x.dtype.
     """
@@ -98,7 +137,8 @@ def dropless(
     order, inverse = _sort_by(experts.reshape(-1))
     group_sizes = jnp.bincount(experts.reshape(-1), length=up.shape[0]).astype(jnp.int32)
     xs = permute(jnp.repeat(x, k, axis=0), order, inverse)
-    return _combine(expert_ffn(xs, group_sizes, up, down, gmm_up, gmm_down), inverse, order, gates)
+    ys = expert_ffn(xs, group_sizes, up, down, gmm_up, gmm_down, gate=gate, gmm_gate=gmm_gate)
+    return _combine(ys, inverse, order, gates)
 
 
 def capacity_per_group(tokens: int, k: int, num_experts: int, capacity_factor: float) -> int:
@@ -136,6 +176,8 @@ def capacity(
     capacity_factor: float,
     dot_general: DotGeneral,
     shard: Callable[[jax.Array, tuple], jax.Array],
+    gate: jax.Array | None = None,
+    gate_dot_general: DotGeneral | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """GShard capacity dispatch: one-hot dispatch/combine einsums, each sequence a group of T tokens with
     `capacity_per_group` slots per expert; assignments past capacity are dropped (`capacity_assignment` order).
@@ -145,10 +187,12 @@ def capacity(
 
     Args:
       x: [B, T, d]; experts, gates: [B, T, k]; up: [E, d, h]; down: [E, h, d].
-      dot_general: the precision slot's dot_general for the expert products (batch dimension E).
+      dot_general: the precision slot's dot_general for the up and down products (batch dimension E).
+      gate: [E, d, h] for SwiGLU experts, multiplied through `gate_dot_general`; None for SiLU experts.
     Returns:
       (y [B, T, d] in x.dtype, keep [B, T, k] bool).
     """
+    _check_gate(gate, up, gate_dot_general)
     _b, t, k = experts.shape
     num_experts = up.shape[0]
     slots = capacity_per_group(t, k, num_experts, capacity_factor)
@@ -160,7 +204,11 @@ def capacity(
     xe = shard(jnp.einsum("btec,btd->ebcd", dispatch, x), ("expert", "batch", None, "embed"))
     batch_dims = (((3,), (1,)), ((0,), (0,)))
     h = dot_general(xe, up.astype(x.dtype), batch_dims, preferred_element_type=jnp.float32)
-    h = jax.nn.silu(h).astype(x.dtype)
+    g = None
+    if gate is not None:
+        assert gate_dot_general is not None  # _check_gate
+        g = gate_dot_general(xe, gate.astype(x.dtype), batch_dims, preferred_element_type=jnp.float32)
+    h = _hidden(h, g, x.dtype)
     ye = dot_general(h, down.astype(x.dtype), batch_dims, preferred_element_type=jnp.float32).astype(x.dtype)
     ye = shard(ye, ("expert", "batch", None, "embed"))
     y = jnp.einsum("btec,ebcd->btd", combine, ye, preferred_element_type=jnp.float32).astype(x.dtype)
@@ -177,6 +225,8 @@ def expert_parallel_dropless(
     axis: str,
     gmm_up: GroupedMatmul,
     gmm_down: GroupedMatmul,
+    gate: jax.Array | None = None,
+    gmm_gate: GroupedMatmul | None = None,
 ) -> jax.Array:
     """Dropless dispatch to experts sharded over mesh axis `axis`; call inside `jax.shard_map`.
 
@@ -184,8 +234,8 @@ def expert_parallel_dropless(
       1. sort the n k local assignments by expert, hence by destination device;
       2. all-to-all fixed-size buffers [P, n k, d] (row c of block j: the c-th assignment bound for device j), with
          the local expert id of each row (E_l marks an empty row);
-      3. each device sorts what it received by local expert and runs its experts as one grouped matmul (empty rows
-         sort last and are not computed by the grouped matmul);
+      3. each device sorts what it received by local expert and runs its experts as one grouped matmul per
+         projection (empty rows sort last and are not computed by the grouped matmuls);
       4. all-to-all the results back to the same slots, unsort, and combine with the gates.
     The buffers are sized for the worst case (every assignment to one device), so no token is ever dropped; that
     costs P x the memory and bytes of an exact-size exchange. A ragged all-to-all would remove it where the
@@ -193,7 +243,7 @@ def expert_parallel_dropless(
 
     Args (per device):
       x: [n, d]; experts, gates: [n, k] (expert ids over all P E_l experts; P E_l = a ghost, never sent);
-      up: [E_l, d, h]; down: [E_l, h, d].
+      up: [E_l, d, h]; down: [E_l, h, d]; gate: [E_l, d, h] for SwiGLU experts (with gmm_gate), else None.
     Returns:
       y: [n, d] in x.dtype.
     """
@@ -217,7 +267,8 @@ def expert_parallel_dropless(
     recv_x, recv_e = exchange(send_x).reshape(devices * a, d), exchange(send_e).reshape(devices * a)
     order2, inverse2 = _sort_by(recv_e)
     group_sizes = jnp.bincount(recv_e, length=local).astype(jnp.int32)  # the empty-row marker E_l is not counted
-    ys = expert_ffn(permute(recv_x, order2, inverse2), group_sizes, up, down, gmm_up, gmm_down)
+    xs2 = permute(recv_x, order2, inverse2)
+    ys = expert_ffn(xs2, group_sizes, up, down, gmm_up, gmm_down, gate=gate, gmm_gate=gmm_gate)
     back = exchange(permute(ys, inverse2, order2).reshape(devices, a, d))
     owner = jnp.minimum(dest, devices - 1)  # ghosts (dest == P) were never sent and get no result
     ys_sorted = jnp.where((dest < devices)[:, None], back[owner, slot - starts[owner]], 0)

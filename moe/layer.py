@@ -1,6 +1,12 @@
 """The MoE feed-forward layer: router, experts, optional shared expert; fits the transformer's FFN slot.
 
-    y = sum_{e in topk(x)} gate_e(x) * silu(x @ up_e) @ down_e   (+ silu(x @ up_s) @ down_s, the shared expert)
+    y = sum_{e in topk(x)} g_e(x) * E_e(x)   (+ E_s(x), the shared expert)
+
+g_e(x) the router's gate of expert e (moe.router), and every expert (the shared one too) an MLP of the form
+`MoEConfig.expert_mlp`:
+
+    "silu"    E_e(x) = silu(x @ up_e) @ down_e
+    "swiglu"  E_e(x) = (silu(x @ gate_e) * (x @ up_e)) @ down_e     (Mixtral, Qwen3-MoE)
 
 Dispatch (`MoEConfig.dispatch`):
   * "dropless": sort + grouped matmul (moe.dispatch.dropless). When the logical axis "expert" maps to a mesh
@@ -9,9 +15,14 @@ Dispatch (`MoEConfig.dispatch`):
   * "capacity": the GShard einsum baseline with `capacity_factor`; expert parallelism by annotation only.
 
 Parameters (logical axes): router [d, E] ("embed", "expert"); up [E, d, h] ("expert", "embed", "expert_mlp");
-down [E, h, d] ("expert", "expert_mlp", "embed"); the shared expert's matrices like the dense MLP's.
-The layer imports nothing from `quant`: it asks the precision slot for its dot_general (router, shared expert,
-capacity products) and its grouped matmul (dropless experts), by module path.
+down [E, h, d] ("expert", "expert_mlp", "embed"); with "swiglu" also gate [E, d, h], axes like up's. Every
+expert matrix names the axis "expert", which is all that FoMoE's site views, synchronisation and reshuffles and
+expert parallelism look for. The shared expert's matrices (shared_up, shared_down and with "swiglu"
+shared_gate) are Dense layers like the dense MLP's.
+The layer imports nothing from `quant`: it asks the precision slot for its dot_general and its grouped matmul by
+module path: "<path>.router", "<path>.shared.{gate,up,down}", the dropless experts' grouped matmul
+"<path>.experts.{gate,up,down}", and the capacity products' dot_general "<path>.experts" (up and down) and
+"<path>.experts.gate".
 
 FoMoE sites (docs/fomoe.md, "Routing"): a layer may host only some of the `num_experts` experts
 (`resident`, global ids). Then `routing_mode` says how tokens are routed:
@@ -37,7 +48,7 @@ from core.mesh import Sharder, logical_to_spec
 from core.model import DefaultPrecision, Dense, Precision, TransformerConfig, layer_key
 from moe import dispatch as dispatch_lib
 from moe import router as router_lib
-from moe.config import DISPATCH, ROUTING_MODES, MoEConfig
+from moe.config import DISPATCH, EXPERT_MLPS, ROUTING_MODES, MoEConfig
 from moe.grouped_matmul import GroupedMatmulFn
 
 __all__ = ["MoE", "Residency", "expert_mesh_axis"]
@@ -98,6 +109,8 @@ class MoE(nnx.Module):
             )
         if not 1 <= moe.top_k <= moe.num_experts:
             raise ValueError(f"moe.top_k = {moe.top_k} must be in [1, moe.num_experts = {moe.num_experts}].")
+        if moe.expert_mlp not in EXPERT_MLPS:
+            raise ValueError(f"moe.expert_mlp = {moe.expert_mlp!r}; allowed: {list(EXPERT_MLPS)}.")
         if routing_mode not in ROUTING_MODES:
             raise ValueError(f"routing_mode = {routing_mode!r}; allowed: {list(ROUTING_MODES)}.")
         e = moe.num_experts
@@ -127,8 +140,15 @@ class MoE(nnx.Module):
         )
         self.up = nnx.Param(normal((local, d, h), cfg.init_std), axes=("expert", "embed", "expert_mlp"))
         self.down = nnx.Param(normal((local, h, d), out_std), axes=("expert", "expert_mlp", "embed"))
+        self.gated = moe.expert_mlp == "swiglu"
+        if self.gated:
+            self.gate = nnx.Param(normal((local, d, h), cfg.init_std), axes=("expert", "embed", "expert_mlp"))
         if moe.shared_expert_size:
             common: dict[str, Any] = dict(precision=self.precision, cfg=cfg, rngs=rngs)
+            if self.gated:
+                self.shared_gate = Dense(
+                    d, moe.shared_expert_size, axes=("embed", "mlp"), path=f"{path}.shared.gate", **common
+                )
             self.shared_up = Dense(d, moe.shared_expert_size, axes=("embed", "mlp"), path=f"{path}.shared.up", **common)
             self.shared_down = Dense(
                 moe.shared_expert_size, d, axes=("mlp", "embed"), path=f"{path}.shared.down", std=out_std, **common
@@ -167,11 +187,15 @@ class MoE(nnx.Module):
         m = self.moe
         x = x.astype(self.dtype)
         up, down = self.up.get_value(), self.down.get_value()
+        gate = self.gate.get_value() if self.gated else None
         keep = None
         if m.dispatch == "capacity":
             routing = self.route(x, key)
             experts = self.local_ids(routing.experts)
-            path = f"{self.path}.experts"
+
+            def dot_general(path):
+                return self.precision.dot_general(path, layer_key(key, path))
+
             y, keep = dispatch_lib.capacity(
                 x,
                 experts.reshape(b, t, -1),
@@ -179,15 +203,17 @@ class MoE(nnx.Module):
                 up,
                 down,
                 capacity_factor=m.capacity_factor,
-                dot_general=self.precision.dot_general(path, layer_key(key, path)),
+                dot_general=dot_general(f"{self.path}.experts"),
                 shard=self.shard,
+                gate=gate,
+                gate_dot_general=None if gate is None else dot_general(f"{self.path}.experts.gate"),
             )
             keep = keep.reshape(b * t, -1)
         else:
-            y, routing, experts = self._dropless(x.reshape(b * t, d), up, down, key)
+            y, routing, experts = self._dropless(x.reshape(b * t, d), up, down, gate, key)
             y = y.reshape(b, t, d)
         if m.shared_expert_size:
-            y = y + self.shared_down(jax.nn.silu(self.shared_up(x, key=key)), key=key)
+            y = y + self._shared(x, key)
         y = self.shard(y, ("batch", "seq", "embed"))
         stats = router_lib.routing_stats(routing, keep)
         aux = {
@@ -202,31 +228,45 @@ class MoE(nnx.Module):
         aux["routes"] = self.global_ids(routing.experts)  # an intermediate: the model returns it only on request
         return y, aux
 
-    def _dropless(self, x, up, down, key):
-        """Routing and dropless dispatch of x [N, d] -> (y [N, d], Routing, local expert slots [N, k]).
+    def _shared(self, x: jax.Array, key: jax.Array | None) -> jax.Array:
+        """The shared expert on x [B, T, d] -> [B, T, d]: silu(x @ up) @ down, or with "swiglu"
+        (silu(x @ gate) * (x @ up)) @ down (each product through the precision slot, in the compute dtype)."""
+        h = self.shared_up(x, key=key)
+        h = jax.nn.silu(self.shared_gate(x, key=key)) * h if self.gated else jax.nn.silu(h)
+        return self.shared_down(h, key=key)
+
+    def _dropless(self, x, up, down, gate, key):
+        """Routing and dropless dispatch of x [N, d] -> (y [N, d], Routing, local expert slots [N, k]); gate: the
+        SwiGLU experts' gate matrices [N_le, d, h], or None.
 
         With a mesh whose batch axes (or expert axis) have several devices, both run under shard_map on each
         device's own tokens: the routing's top-k and the dispatch's sort stay local (left to the partitioner, they
         would gather every token), and with expert parallelism the tokens travel by all_to_all. A token count the
         devices cannot split evenly (e.g. one decode step of one sequence) is padded with zero rows, computed and
         discarded; they never enter the routing statistics."""
-        gmm_up, gmm_down = (
-            self.precision.grouped_matmul(p, layer_key(key, p))
-            for p in (f"{self.path}.experts.up", f"{self.path}.experts.down")
+
+        def grouped_matmul(name):
+            path = f"{self.path}.experts.{name}"
+            return self.precision.grouped_matmul(path, layer_key(key, path))
+
+        products = dict(
+            gmm_up=grouped_matmul("up"),
+            gmm_down=grouped_matmul("down"),
+            gmm_gate=None if gate is None else grouped_matmul("gate"),
         )
 
-        def local(x, router, resident, up, down):
+        def local(x, router, resident, up, down, gate=None):
             routing = self.route(x, key, router)
             experts = self.local_ids(routing.experts, resident)
             if self.ep_axis is None:
-                y = dispatch_lib.dropless(x, experts, routing.gates, up, down, gmm_up=gmm_up, gmm_down=gmm_down)
+                y = dispatch_lib.dropless(x, experts, routing.gates, up, down, gate=gate, **products)
             else:
                 y = dispatch_lib.expert_parallel_dropless(
-                    x, experts, routing.gates, up, down, axis=self.ep_axis, gmm_up=gmm_up, gmm_down=gmm_down
+                    x, experts, routing.gates, up, down, axis=self.ep_axis, gate=gate, **products
                 )
             return y, routing, experts
 
-        weights = (self.router.get_value(), self.resident.get_value(), up, down)
+        weights = (self.router.get_value(), self.resident.get_value(), up, down) + (() if gate is None else (gate,))
         mesh = self.shard.mesh
         token_axes: tuple[str, ...] = ()
         if mesh is not None:
@@ -245,7 +285,7 @@ class MoE(nnx.Module):
         fn = jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(tokens, PartitionSpec(), PartitionSpec(), experts_spec, experts_spec),
+            in_specs=(tokens, PartitionSpec(), PartitionSpec()) + (experts_spec,) * (len(weights) - 2),
             out_specs=tokens,
         )
         y, routing, experts = fn(x, *weights)

@@ -32,10 +32,16 @@ def set_params(layer: nnx.Module, seed: int) -> dict[str, np.ndarray]:
 
 @functools.partial(jax.jit, static_argnums=2)
 def reference(p: dict, x, m: MoEConfig, chosen: np.ndarray):
-    """float64 MoE written from the formulas: y = sum over experts e of gate_e(x) silu(x up_e) down_e (+ shared).
-    `chosen` [N, k]: the top-k experts (computed from the float64 logits by the caller), fixed for autodiff.
-    Jitted (one program per config and shape); float64 where the caller enables x64."""
+    """float64 MoE written from the formulas: y = sum over experts e of gate_e(x) E_e(x) (+ the shared expert E_s(x)),
+    E(x) = silu(x up) down, or with m.expert_mlp = "swiglu" (silu(x w_gate) * (x up)) down (p["gate"][e],
+    p["shared_gate.kernel"]). `chosen` [N, k]: the top-k experts (computed from the float64 logits by the caller),
+    fixed for autodiff. Jitted (one program per config and shape); float64 where the caller enables x64."""
     silu = lambda z: z * jax.nn.sigmoid(z)  # noqa: E731
+    gated = m.expert_mlp == "swiglu"
+
+    def mlp(x, up, down, w_gate):
+        return ((silu(x @ w_gate) * (x @ up)) if gated else silu(x @ up)) @ down
+
     logits = x @ p["router"]
     if m.router == "softmax":
         gates = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), chosen, axis=1)
@@ -46,9 +52,9 @@ def reference(p: dict, x, m: MoEConfig, chosen: np.ndarray):
     y = jnp.zeros_like(x)
     for e in range(m.num_experts):
         gate_e = jnp.sum(jnp.where(chosen == e, gates, 0.0), axis=1)
-        y = y + gate_e[:, None] * (silu(x @ p["up"][e]) @ p["down"][e])
+        y = y + gate_e[:, None] * mlp(x, p["up"][e], p["down"][e], p["gate"][e] if gated else None)
     if m.shared_expert_size:
-        y = y + silu(x @ p["shared_up.kernel"]) @ p["shared_down.kernel"]
+        y = y + mlp(x, p["shared_up.kernel"], p["shared_down.kernel"], p.get("shared_gate.kernel"))
     return y
 
 

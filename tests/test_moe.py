@@ -186,6 +186,9 @@ MOE_CASES = {
     "softmax-normalized-k3-shared": MoEConfig(
         num_experts=5, top_k=3, expert_size=8, router="softmax", normalize_gates=True, shared_expert_size=10
     ),
+    "swiglu-softmax-k2-shared": MoEConfig(
+        num_experts=4, top_k=2, expert_size=8, router="softmax", shared_expert_size=6, expert_mlp="swiglu"
+    ),
 }
 
 
@@ -199,23 +202,36 @@ def _layer_and_reference(m: MoEConfig, shape, seed=0):
 
 @pytest.mark.parametrize(
     "name, shape",
-    [("sigmoid-k2", (3, 5, 16)), ("softmax-k1", (2, 8, 12)), ("softmax-normalized-k3-shared", (2, 8, 12))],
+    [
+        ("sigmoid-k2", (3, 5, 16)),
+        ("softmax-k1", (2, 8, 12)),
+        ("softmax-normalized-k3-shared", (2, 8, 12)),
+        ("swiglu-softmax-k2-shared", (2, 5, 12)),
+    ],
 )
 def test_dropless_layer_and_gradients_equal_float64_reference(name, shape):
     m = MOE_CASES[name]
     layer, p, x = _layer_and_reference(m, shape)
+    flat_x = x.reshape(-1, shape[-1])
+    chosen = np.argsort(-(flat_x @ p["router"]), axis=1, kind="stable")[:, : m.top_k]
+    _assert_layer_and_gradients_equal_reference(layer, p, x, m, chosen)
+
+
+def _assert_layer_and_gradients_equal_reference(layer, p, x, m, chosen):
+    """The layer's y and its gradients (every parameter and x) of sum(y * ct) for a random ct equal the float64
+    reference's with the experts `chosen` [N, k] (-1: an assignment that contributes nothing). Returns the aux."""
+    shape = x.shape
     ct = RNG.normal(size=shape)
     graphdef, params, rest = split_params(layer)
 
     def loss(params, x):
-        y, _ = nnx.merge(graphdef, params, rest)(x)
-        return jnp.sum(y * ct), y
+        y, aux = nnx.merge(graphdef, params, rest)(x)
+        return jnp.sum(y * ct), (y, aux)
 
-    (_, y), (g_params, g_x) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+    (_, (y, aux)), (g_params, g_x) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
         params, jnp.asarray(x, jnp.float32)
     )
     flat_x = x.reshape(-1, shape[-1])
-    chosen = np.argsort(-(flat_x @ p["router"]), axis=1, kind="stable")[:, : m.top_k]
     with jax.enable_x64(True):
         ref_fn = lambda p, x: jnp.sum(reference(p, x, m, chosen) * ct.reshape(-1, shape[-1]))  # noqa: E731
         ref_y = np.asarray(reference(p, flat_x, m, chosen))
@@ -224,9 +240,11 @@ def test_dropless_layer_and_gradients_equal_float64_reference(name, shape):
         ref_gx = np.asarray(ref_gx)
     np.testing.assert_allclose(np.asarray(y).reshape(-1, shape[-1]), ref_y, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(g_x).reshape(-1, shape[-1]), ref_gx, rtol=1e-4, atol=1e-5)
+    assert {".".join(map(str, path)) for path, _ in nnx.to_flat_state(g_params)} == set(ref_gp)
     for path, var in nnx.to_flat_state(g_params):
         key = ".".join(map(str, path))
         np.testing.assert_allclose(var.get_value(), ref_gp[key], rtol=1e-4, atol=1e-5, err_msg=key)
+    return aux
 
 
 # ---------------------------------------------------------------------------------------------------- capacity
@@ -260,22 +278,27 @@ def test_capacity_drops_exactly_the_assignments_past_capacity_in_queue_order():
     assert dispatch.capacity_per_group(8, 4, 2, 4.0) == 8  # never more than one slot per token
 
 
-@pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 100.0])
-def test_capacity_layer_equals_reference_without_the_dropped_assignments(capacity_factor):
+@pytest.mark.parametrize(
+    "capacity_factor, expert_mlp", [(0.5, "silu"), (1.0, "silu"), (100.0, "silu"), (1.0, "swiglu")]
+)
+def test_capacity_layer_and_gradients_equal_reference_without_the_dropped_assignments(capacity_factor, expert_mlp):
     m = MoEConfig(
-        num_experts=4, top_k=2, expert_size=8, router="sigmoid", dispatch="capacity", capacity_factor=capacity_factor
+        num_experts=4,
+        top_k=2,
+        expert_size=8,
+        router="sigmoid",
+        dispatch="capacity",
+        capacity_factor=capacity_factor,
+        expert_mlp=expert_mlp,
     )
     shape = (3, 10, 16)
     layer, p, x = _layer_and_reference(m, shape, seed=1)
-    y, aux = call(layer, jnp.asarray(x, jnp.float32))
     flat_x = x.reshape(-1, shape[-1])
     chosen = np.argsort(-(flat_x @ p["router"]), axis=1, kind="stable")[:, : m.top_k]
     slots = dispatch.capacity_per_group(shape[1], m.top_k, m.num_experts, capacity_factor)
     keep = (_queue_positions(chosen.reshape(shape[0], shape[1], -1), m.num_experts) < slots).reshape(-1, m.top_k)
     dropped = np.where(keep, chosen, -1)  # expert -1 matches no expert: the assignment contributes nothing
-    with jax.enable_x64(True):
-        ref = np.asarray(reference(p, flat_x, m, dropped))
-    np.testing.assert_allclose(np.asarray(y).reshape(-1, shape[-1]), ref, rtol=1e-5, atol=1e-5)
+    aux = _assert_layer_and_gradients_equal_reference(layer, p, x, m, dropped)
     np.testing.assert_allclose(aux["moe/dropped"], 1 - keep.mean(), rtol=1e-6)
     if capacity_factor == 100.0:  # capacity for every assignment: the layer drops none
         assert float(aux["moe/dropped"]) == 0.0
@@ -285,16 +308,34 @@ def test_capacity_layer_equals_reference_without_the_dropped_assignments(capacit
 
 
 @pytest.mark.parametrize(
-    "data, expert, dispatch_kind",
-    [(2, 4, "dropless"), (1, 8, "dropless"), (4, 2, "dropless"), (2, 4, "capacity"), (8, 1, "dropless")],
+    "data, expert, dispatch_kind, expert_mlp",
+    [
+        (2, 4, "dropless", "silu"),
+        (1, 8, "dropless", "silu"),
+        (4, 2, "dropless", "silu"),
+        (2, 4, "capacity", "silu"),
+        (8, 1, "dropless", "silu"),
+        (2, 4, "dropless", "swiglu"),
+    ],
 )
-def test_sharded_layer_and_gradients_equal_single_device(data, expert, dispatch_kind):
-    m = MoEConfig(num_experts=8, top_k=2, expert_size=8, router="softmax", dispatch=dispatch_kind, shared_expert_size=8)
+def test_sharded_layer_and_gradients_equal_single_device(data, expert, dispatch_kind, expert_mlp):
+    m = MoEConfig(
+        num_experts=8,
+        top_k=2,
+        expert_size=8,
+        router="softmax",
+        dispatch=dispatch_kind,
+        shared_expert_size=8,
+        expert_mlp=expert_mlp,
+    )
     cfg = TransformerConfig(d_model=16, num_layers=2)
     shard = sharder(data, expert)
     single = MoE(cfg, m, path="ffn", rngs=nnx.Rngs(3))
     sharded = MoE(cfg, m, path="ffn", rngs=nnx.Rngs(3), shard=shard)
     assert sharded.ep_axis == ("expert" if dispatch_kind == "dropless" and expert > 1 else None)
+    if expert_mlp == "swiglu":  # the gate matrices are sharded like up's, by their logical axes alone
+        shardings = mesh_lib.param_shardings(nnx.state(sharded, nnx.Param), shard)
+        assert shardings["gate"].get_value().spec == shardings["up"].get_value().spec == P("expert", None, None)
     x = jnp.asarray(RNG.normal(size=(8, 12, 16)), jnp.float32)
     ct = jnp.asarray(RNG.normal(size=x.shape), jnp.float32)
     results = []
@@ -419,6 +460,7 @@ def _validate(changes, num_devices=8):
         ({"moe.capacity_factor": 0.0}, ["moe.capacity_factor", "0.0"]),
         ({"moe.num_expert": 8}, ["moe.num_expert", "moe.num_experts"]),
         ({"moe.grouped_matmul": "cuda"}, ["moe.grouped_matmul", "windowed"]),
+        ({"moe.expert_mlp": "geglu"}, ["moe.expert_mlp", "geglu", "swiglu"]),
         (
             {"moe.every": 1, "mesh.expert": 4, "mesh.data": 1, "data.batch_size": 6},
             ["data.batch_size", "6", "mesh.expert"],
@@ -435,3 +477,15 @@ def test_bad_moe_configs_are_rejected_naming_the_key(changes, needles):
 def test_layer_rejects_experts_not_divisible_by_the_expert_axis():
     with pytest.raises(ValueError, match="moe.num_experts = 6 is not divisible by the mesh axis 'expert' = 4"):
         MoE(TransformerConfig(d_model=16), MoEConfig(num_experts=6), path="ffn", rngs=nnx.Rngs(0), shard=sharder(2, 4))
+
+
+def test_layer_and_dispatch_reject_bad_expert_forms():
+    with pytest.raises(ValueError, match=r"moe.expert_mlp = 'geglu'; allowed: \['silu', 'swiglu'\]"):
+        MoE(TransformerConfig(d_model=16), MoEConfig(expert_mlp="geglu"), path="ffn", rngs=nnx.Rngs(0))
+    x, experts, gates = jnp.ones((6, 4)), jnp.zeros((6, 2), jnp.int32), jnp.ones((6, 2))
+    up, down = jnp.ones((3, 4, 5)), jnp.ones((3, 5, 4))
+    gmm = grouped_matmul
+    with pytest.raises(ValueError, match=r"gate matrices \(3, 5, 4\) must have the shape of the up matrices"):
+        jax.eval_shape(lambda: dispatch.dropless(x, experts, gates, up, down, gmm_up=gmm, gmm_down=gmm, gate=down))
+    with pytest.raises(ValueError, match="without their product"):
+        jax.eval_shape(lambda: dispatch.dropless(x, experts, gates, up, down, gmm_up=gmm, gmm_down=gmm, gate=up))

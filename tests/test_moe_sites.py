@@ -32,9 +32,12 @@ class CountingPrecision(DefaultPrecision):
         return gmm
 
 
-@pytest.mark.parametrize("resident, k", [((1, 4, 6), 2), ((0, 1, 2, 3), 3), ((5,), 1)])
-def test_skip_token_equals_the_global_moe_without_ghosts_and_computes_only_resident_rows(resident, k):
-    m = MoEConfig(num_experts=8, top_k=k, expert_size=8, router="sigmoid")
+@pytest.mark.parametrize(
+    "resident, k, expert_mlp",
+    [((1, 4, 6), 2, "silu"), ((0, 1, 2, 3), 3, "silu"), ((5,), 1, "silu"), ((1, 4, 6), 2, "swiglu")],
+)
+def test_skip_token_equals_the_global_moe_without_ghosts_and_computes_only_resident_rows(resident, k, expert_mlp):
+    m = MoEConfig(num_experts=8, top_k=k, expert_size=8, router="sigmoid", expert_mlp=expert_mlp)
     counting = CountingPrecision()
     layer = MoE(CFG, m, path="ffn", rngs=nnx.Rngs(0), resident=resident, routing_mode="skip_token", precision=counting)
     p = set_params(layer, 0)
@@ -45,12 +48,15 @@ def test_skip_token_equals_the_global_moe_without_ghosts_and_computes_only_resid
     chosen = np.argsort(-(flat @ p["router"]), axis=1, kind="stable")[:, :k]
     is_resident = np.isin(chosen, resident)
     # The reference: the global top-k sigma-MoE in float64, where only resident experts contribute.
-    full = {"router": p["router"], "up": np.zeros((8, 16, 8)), "down": np.zeros((8, 8, 16))}
-    full["up"][list(resident)], full["down"][list(resident)] = p["up"], p["down"]
+    full = {"router": p["router"]}
+    for name in ("up", "down") + (("gate",) if expert_mlp == "swiglu" else ()):
+        full[name] = np.zeros((8,) + p[name].shape[1:])
+        full[name][list(resident)] = p[name]
     with jax.enable_x64(True):
         ref = np.asarray(reference(full, flat, m, np.where(is_resident, chosen, -1)))
     np.testing.assert_allclose(np.asarray(y).reshape(-1, 16), ref, rtol=1e-5, atol=1e-6)
-    assert counting.rows == [int(is_resident.sum())] * 2  # up and down projections: resident assignments only
+    # every projection (up, down, and a SwiGLU expert's gate) computes the resident assignments only
+    assert counting.rows == [int(is_resident.sum())] * (3 if expert_mlp == "swiglu" else 2)
     np.testing.assert_allclose(aux["moe/ghost_fraction"], 1 - is_resident.mean(), rtol=1e-6)
     all_ghost = ~is_resident.any(axis=1)
     if all_ghost.any():  # tokens whose choices are all ghosts keep only the residual stream

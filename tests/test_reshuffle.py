@@ -2,6 +2,8 @@
 reference (weights from the previous group, kept experts keep their moments, arrived experts start fresh), the
 bytes the migration moves, and the arrival warm-up."""
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,8 @@ from flax import nnx
 
 from core import hlo
 from core import train as train_lib
-from moe import federation, reshuffle, rounds
+from core.model import Transformer, TransformerConfig
+from moe import MoE, MoEConfig, federation, reshuffle, rounds
 from moe.layer import Residency
 from moe.placement import fixed_placement, random_placement
 from optim import diloco_outer
@@ -19,6 +22,20 @@ from optim import diloco_outer
 from helpers import tiny_moe_transformer
 
 SITES, EXPERTS = 4, 8
+
+
+def _swiglu_moe_transformer(resident=None):
+    """helpers.tiny_moe_transformer's model with SwiGLU experts: each MoE layer also has gate [N_le, d, h]."""
+    cfg = TransformerConfig(vocab_size=264, d_model=16, num_layers=1, num_heads=2, num_kv_heads=2, d_ff=32)
+    m = MoEConfig(num_experts=EXPERTS, top_k=2, expert_size=8, expert_mlp="swiglu")
+    return Transformer(
+        cfg,
+        rngs=nnx.Rngs(0),
+        ffn_factory=lambda layer, path, rngs: MoE(cfg, m, path=path, rngs=rngs, resident=resident),
+    )
+
+
+MODELS = {"silu": tiny_moe_transformer, "swiglu": _swiglu_moe_transformer}
 
 
 @pytest.mark.parametrize("overlap", [1, 2])
@@ -47,16 +64,17 @@ def test_plan_rejects_mismatched_placements():
         reshuffle.plan_migration(fixed_placement(8, 4, 2), fixed_placement(8, 4, 1))
 
 
-def _moved_state(overlap, warmup, outer):
-    """A federated state after one synchronised round with random placement A, then its migration to B."""
+def _moved_state(overlap, warmup, outer, model=tiny_moe_transformer):
+    """A federated state after one synchronised round with random placement A, then its migration to B; `model`
+    builds the one-block MoE transformer (`resident` experts, all by default)."""
     old = random_placement(EXPERTS, SITES, overlap, seed=11)
     new = random_placement(EXPERTS, SITES, overlap, seed=12)
     mesh = federation.site_mesh(SITES, overlap)
-    site_model = tiny_moe_transformer(old.experts[0])
+    site_model = model(old.experts[0])
     dims = reshuffle.expert_dims(nnx.state(site_model, nnx.Param))
     optimizer = optax.chain(optax.adamw(1e-2), reshuffle.arrival_warmup(dims, warmup))
     method = "diloco" if outer is not None else "local_adamw"
-    graphdef, state = rounds.init_sites(tiny_moe_transformer(), site_model, old, optimizer, outer, mesh, seed=0)
+    graphdef, state = rounds.init_sites(model(), site_model, old, optimizer, outer, mesh, seed=0)
     tokens = jnp.asarray(np.random.default_rng(overlap).integers(0, 256, size=(2, SITES, 2, 9)), jnp.int32)
     state, _ = rounds.make_round(graphdef, optimizer, mesh, method=method, outer=outer)(state, tokens)
     before = jax.tree.map(np.asarray, state)
@@ -75,11 +93,29 @@ def _expert_leaves(tree, params, dims):
     return [(x, d) for x, d in zip(jax.tree.leaves(tree), flags)]
 
 
-@pytest.mark.parametrize("overlap, outer", [(1, None), (2, None), (2, "diloco")])
-def test_migration_matches_a_numpy_reference(overlap, outer):
+@pytest.mark.parametrize(
+    # (DiLoCo with SwiGLU experts: one case shows both the outer momentum and the gate matrices migrate)
+    "overlap, outer, expert_mlp",
+    [(1, None, "silu"), (2, None, "silu"), (2, "diloco", "swiglu")],
+)
+def test_migration_matches_a_numpy_reference(overlap, outer, expert_mlp):
     outer_tx = diloco_outer() if outer else None
-    old, new, dims, before, after, text = _moved_state(overlap, 4, outer_tx)
+    old, new, dims, before, after, text = _moved_state(overlap, 4, outer_tx, MODELS[expert_mlp])
     dim_list = jax.tree.leaves(dims)
+    ffn = before.train.params["blocks"][0]["ffn"]
+    assert set(ffn) == {"router", "up", "down"} | ({"gate"} if expert_mlp == "swiglu" else set())
+    if expert_mlp == "swiglu":  # the gate matrices are expert parameters found by their axes, like up and down
+        assert dims["blocks"][0]["ffn"]["gate"] == 0
+        assert federation.expert_flags(before.train.params)["blocks"][0]["ffn"]["gate"]
+        adam = rounds.moment_flags(before.train.opt_state, before.train.params)[0][0]
+        assert adam.mu["blocks"][0]["ffn"]["gate"].get_value() and adam.nu["blocks"][0]["ffn"]["gate"].get_value()
+        # each site's view (federation.to_sites, which init_sites used) holds its experts' gate matrices
+        full: Any = nnx.state(_swiglu_moe_transformer(), nnx.Param)
+        views = federation.to_sites(full, old.experts)
+        np.testing.assert_array_equal(
+            views["blocks"][0]["ffn"]["gate"].get_value(),
+            np.asarray(full["blocks"][0]["ffn"]["gate"].get_value())[old.experts],
+        )
     n_le = old.local_experts
     # Parameters: an expert's weights come from any site that held it (its replicas are equal after the sync).
     for x0, x1, d in zip(jax.tree.leaves(before.train.params), jax.tree.leaves(after.train.params), dim_list):
