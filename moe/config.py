@@ -13,10 +13,11 @@ from core.config import Compat, ConfigError, field, rule_mesh_axes
 from moe.grouped_matmul import IMPLEMENTATIONS
 from moe.router import ROUTERS
 
-__all__ = ["DISPATCH", "ROUTING_MODES", "FoMoEConfig", "MoEConfig", "check", "check_fomoe"]
+__all__ = ["DISPATCH", "EXPERT_MLPS", "ROUTING_MODES", "FoMoEConfig", "MoEConfig", "check", "check_fomoe"]
 
 
 DISPATCH = ("dropless", "capacity")
+EXPERT_MLPS = ("silu", "swiglu")
 ROUTING_MODES = ("partitioned", "skip_token")
 
 
@@ -32,10 +33,21 @@ class MoEConfig:
         "...); 0 = a dense model",
         low=0,
     )
+    dense_layers: tuple[int, ...] = field(
+        (), "layers kept dense although `every` selects them (Qwen3-MoE's mlp_only_layers), 0-based"
+    )
     num_experts: int = field(8, "experts per MoE layer", low=1)
     top_k: int = field(2, "experts chosen per token", low=1)
-    expert_size: int = field(128, "hidden width of each expert (up: d_model -> expert_size, SiLU, down)", low=1)
+    expert_size: int = field(
+        128, "hidden width h of each expert (d_model -> h -> d_model; its form: expert_mlp)", low=1
+    )
     shared_expert_size: int = field(0, "hidden width of an always-on shared expert (0 = none)", low=0)
+    expert_mlp: str = field(
+        "silu",
+        "form of every expert and of the shared expert: 'silu' (silu(x @ up) @ down; 2 matrices) or 'swiglu' "
+        "((silu(x @ gate) * (x @ up)) @ down; 3 matrices, the experts of Mixtral and Qwen3-MoE)",
+        choices=EXPERT_MLPS,
+    )
     router: str = field(
         "sigmoid",
         "'sigmoid' (sigma-MoE: gates sigmoid(logit), not renormalised) or 'softmax' (gates = softmax "
@@ -64,8 +76,9 @@ class MoEConfig:
     )
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Layer i (0-based) is a MoE layer iff every > 0 and (i + 1) % every == 0 (every=2: layers 1, 3, ...)."""
-        return self.every > 0 and (layer + 1) % self.every == 0
+        """Layer i (0-based) is a MoE layer iff every > 0, (i + 1) % every == 0 (every=2: layers 1, 3, ...) and i is
+        not one of `dense_layers`."""
+        return self.every > 0 and (layer + 1) % self.every == 0 and layer not in self.dense_layers
 
 
 def check(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int] | None) -> None:
@@ -73,6 +86,12 @@ def check(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int] | None) 
     m = config.moe
     if m.every == 0:
         return
+    bad = [i for i in m.dense_layers if not 0 <= i < config.model.num_layers]
+    if bad:
+        raise ConfigError(
+            f"config key 'moe.dense_layers' = {tuple(m.dense_layers)} names layers {bad} outside 0..."
+            f"{config.model.num_layers - 1} ('model.num_layers' = {config.model.num_layers})."
+        )
     if m.every > config.model.num_layers:
         raise ConfigError(
             f"config key 'moe.every' = {m.every} exceeds 'model.num_layers' = "

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from moe.config import MoEConfig
+
 __all__ = ["HFWeightsError", "read", "to_ours"]
 
 _FLOATS = ("float32", "float16", "bfloat16")
@@ -96,7 +98,7 @@ def to_ours(tensors: Mapping[str, np.ndarray], sections: Mapping[str, Mapping[st
         if m["qk_norm"]:
             out[f"{ours}.attn.q_norm.scale"] = take(f"{hf}.self_attn.q_norm.weight", (hd,))
             out[f"{ours}.attn.k_norm.scale"] = take(f"{hf}.self_attn.k_norm.weight", (hd,))
-        if _is_moe_layer(moe, i):
+        if MoEConfig(**moe).is_moe_layer(i):
             mixtral = f"{hf}.block_sparse_moe.gate.weight" in tensors
             out.update(_experts(take, hf, f"{ours}.ffn", d, moe, mixtral=mixtral))
         else:
@@ -110,11 +112,6 @@ def to_ours(tensors: Mapping[str, np.ndarray], sections: Mapping[str, Mapping[st
             f"{unused[:3]}"
         )
     return out
-
-
-def _is_moe_layer(moe: Mapping[str, Any], layer: int) -> bool:
-    every = moe.get("every", 0)
-    return every > 0 and (layer + 1) % every == 0 and layer not in moe.get("dense_layers", ())
 
 
 def _experts(take, hf: str, ours: str, d: int, moe: Mapping[str, Any], *, mixtral: bool) -> dict[str, np.ndarray]:
