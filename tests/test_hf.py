@@ -6,15 +6,19 @@ every MoE layer's top-k experts, and 32 greedy tokens; and clear refusals of wha
 
 import json
 import os
+import pathlib
+import re
 import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from core import generate as generate_lib
-from experiments.hf import config_map, load, weights
+from experiments import build
+from experiments.hf import config_map, export, load, weights
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
 NAMES = ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
@@ -109,3 +113,51 @@ def test_fixtures_are_what_transformers_computes(name):
             seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
     np.testing.assert_allclose(logits, reference["logits"], rtol=0, atol=1e-5 * np.abs(logits).max())
     np.testing.assert_array_equal(np.array(seq[5:]), reference["greedy"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_export_of_an_imported_model_is_the_checkpoint(tmp_path, name):
+    """import -> export: every tensor equal to the original file's, the config.json mapping to the same sections
+    (Mixtral written as shards with an index, as it came)."""
+    directory = os.path.join(FIXTURES, name)
+    config, model = load.model_from_hf(directory)
+    files = export.save(config, model, str(tmp_path), max_shard_bytes=100_000 if name == "mixtral" else 2**30)
+    assert (name == "mixtral") == any(f.endswith("index.json") for f in files)
+    original, again = weights.read(directory), weights.read(str(tmp_path))
+    assert sorted(original) == sorted(again)
+    for key, value in original.items():
+        np.testing.assert_array_equal(again[key], value, err_msg=key)
+    read = lambda d: config_map.from_hf(json.loads((d / "config.json").read_text()), source=str(d))  # noqa: E731
+    assert read(tmp_path) == read(pathlib.Path(directory))
+
+
+@pytest.mark.parametrize(
+    "section, changes, needle",
+    [
+        ("moe", {"every": 1, "router": "sigmoid"}, "'moe.router' = 'sigmoid': only a softmax router maps"),
+        ("model", {"norm": "layernorm"}, "'model.norm' = 'layernorm': only RMSNorm maps"),
+        ("moe", {"every": 2, "router": "softmax", "expert_mlp": "swiglu"}, "'moe.every' = 2: Mixtral has experts"),
+    ],
+)
+def test_what_maps_to_no_architecture_is_refused_before_writing(tmp_path, section, changes, needle):
+    config = build.default_config()
+    config[section].update(changes)
+    with pytest.raises(export.HFExportError, match=re.escape(needle)):
+        export.save(config, nnx.Module(), str(tmp_path / "out"))  # refused before the model is read
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("name", NAMES)
+def test_transformers_loads_our_export(tmp_path, name):
+    """Where transformers is installed: our export of each imported fixture loads as its architecture and computes
+    the fixture's logits."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config, model = load.model_from_hf(os.path.join(FIXTURES, name))
+    export.save(config, model, str(tmp_path))
+    reference = np.load(os.path.join(FIXTURES, name, "reference.npz"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
+    with torch.no_grad():
+        logits = loaded(torch.from_numpy(reference["tokens"].astype(np.int64))).logits.numpy()
+    np.testing.assert_allclose(logits, reference["logits"], rtol=0, atol=1e-5 * np.abs(logits).max())

@@ -2,6 +2,9 @@
 
     tensors = weights.read(hf_dir)                    # {hf name: np.ndarray}, one file or an index of shards
     params = weights.to_ours(tensors, sections, source=hf_dir)   # {our path ("blocks.0.attn.q.kernel"): array}
+    tensors = weights.from_ours(params, sections, mixtral=False)  # and back (experiments.hf.export)
+
+Both directions read one table, `layout`: every checkpoint tensor's name and shape, our path, and how they relate.
 
 Layout differences the mapping undoes: PyTorch's Linear stores [out, in] (ours [in, out]); experts are one tensor
 per expert and projection (ours one [E, in, out] stack per projection); the router is `gate` / `block_sparse_moe.gate`
@@ -14,13 +17,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from moe.config import MoEConfig
 
-__all__ = ["HFWeightsError", "read", "to_ours"]
+__all__ = ["Entry", "HFWeightsError", "from_ours", "layout", "read", "to_ours"]
 
 _FLOATS = ("float32", "float16", "bfloat16")
 
@@ -62,50 +65,90 @@ def read(hf_dir: str) -> dict[str, np.ndarray]:
     return tensors
 
 
+class Entry(NamedTuple):
+    """One checkpoint tensor: its name, its shape there, our parameter path, whether ours is its transpose
+    (PyTorch's Linear stores [out, in]), and, for an expert's tensor, the expert's index in our [E, ...] stack."""
+
+    hf: str
+    shape: tuple[int, ...]
+    ours: str
+    transpose: bool = False
+    expert: int | None = None
+
+
+def layout(sections: Mapping[str, Mapping[str, Any]], *, mixtral: bool) -> list[Entry]:
+    """Every tensor of the Hugging Face checkpoint of a model with the config `sections` ({"model", "moe"}), mapped
+    to ours: the one table import (`to_ours`) and export (`from_ours`) both read. `mixtral`: MoE layers named as
+    Mixtral's (block_sparse_moe, w1 gate / w3 up / w2 down) rather than Qwen3-MoE's (mlp, gate/up/down_proj)."""
+    m, moe = sections["model"], MoEConfig(**sections["moe"])
+    d, v, hd, ff = m["d_model"], m["vocab_size"], m["head_dim"], m["d_ff"]
+    h, kv = m["num_heads"], m["num_kv_heads"]
+    out = [
+        Entry("model.embed_tokens.weight", (v, d), "embedding"),
+        Entry("model.norm.weight", (d,), "final_norm.scale"),
+    ]
+    if not m["tie_embeddings"]:
+        out.append(Entry("lm_head.weight", (v, d), "head.kernel", transpose=True))
+    for i in range(m["num_layers"]):
+        hf, ours = f"model.layers.{i}", f"blocks.{i}"
+        out += [
+            Entry(f"{hf}.input_layernorm.weight", (d,), f"{ours}.attn_norm.scale"),
+            Entry(f"{hf}.post_attention_layernorm.weight", (d,), f"{ours}.ffn_norm.scale"),
+        ]
+        for name, width in (("q", h * hd), ("k", kv * hd), ("v", kv * hd)):
+            out.append(Entry(f"{hf}.self_attn.{name}_proj.weight", (width, d), f"{ours}.attn.{name}.kernel", True))
+            if m["qkv_bias"]:
+                out.append(Entry(f"{hf}.self_attn.{name}_proj.bias", (width,), f"{ours}.attn.{name}.bias"))
+        out.append(Entry(f"{hf}.self_attn.o_proj.weight", (d, h * hd), f"{ours}.attn.o.kernel", True))
+        if m["out_bias"]:
+            out.append(Entry(f"{hf}.self_attn.o_proj.bias", (d,), f"{ours}.attn.o.bias"))
+        if m["qk_norm"]:
+            out += [
+                Entry(f"{hf}.self_attn.q_norm.weight", (hd,), f"{ours}.attn.q_norm.scale"),
+                Entry(f"{hf}.self_attn.k_norm.weight", (hd,), f"{ours}.attn.k_norm.scale"),
+            ]
+        if not moe.is_moe_layer(i):
+            out += [
+                Entry(f"{hf}.mlp.gate_proj.weight", (ff, d), f"{ours}.ffn.gate.kernel", True),
+                Entry(f"{hf}.mlp.up_proj.weight", (ff, d), f"{ours}.ffn.up.kernel", True),
+                Entry(f"{hf}.mlp.down_proj.weight", (d, ff), f"{ours}.ffn.down.kernel", True),
+            ]
+            continue
+        e, size = moe.num_experts, moe.expert_size
+        prefix, names = (
+            (f"{hf}.block_sparse_moe", ("w1", "w3", "w2"))
+            if mixtral
+            else (f"{hf}.mlp", ("gate_proj", "up_proj", "down_proj"))
+        )
+        out.append(Entry(f"{prefix}.gate.weight", (e, d), f"{ours}.ffn.router", True))
+        for j in range(e):
+            for name, ours_name, shape in zip(names, ("gate", "up", "down"), ((size, d), (size, d), (d, size))):
+                out.append(Entry(f"{prefix}.experts.{j}.{name}.weight", shape, f"{ours}.ffn.{ours_name}", True, j))
+    return out
+
+
 def to_ours(tensors: Mapping[str, np.ndarray], sections: Mapping[str, Mapping[str, Any]], *, source: str) -> dict:
     """{our parameter path: array} of a model with the config `sections` (config_map.from_hf's), from the
     checkpoint's `tensors`. Raises HFWeightsError for a missing or unused tensor, a wrong shape or dtype."""
-    m, moe = sections["model"], sections["moe"]
-    used: set[str] = set()
-
-    def take(name: str, shape: tuple[int, ...], *, transpose: bool = False) -> np.ndarray:
-        if name not in tensors:
-            raise HFWeightsError(f"{source}: tensor {name!r} is missing (expected shape {shape})")
-        x = tensors[name]
+    mixtral = any(".block_sparse_moe." in name for name in tensors)
+    out: dict[str, Any] = {}
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    entries = layout(sections, mixtral=mixtral)
+    for entry in entries:
+        if entry.hf not in tensors:
+            raise HFWeightsError(f"{source}: tensor {entry.hf!r} is missing (expected shape {entry.shape})")
+        x = tensors[entry.hf]
         if str(x.dtype) not in _FLOATS:
-            raise HFWeightsError(f"{source}: tensor {name!r} has dtype {x.dtype}; supported: {', '.join(_FLOATS)}")
-        if tuple(x.shape) != shape:
-            raise HFWeightsError(f"{source}: tensor {name!r} has shape {tuple(x.shape)}, expected {shape}")
-        used.add(name)
-        return np.ascontiguousarray(x.T) if transpose else x
-
-    d, v, hd = m["d_model"], m["vocab_size"], m["head_dim"]
-    h, kv = m["num_heads"], m["num_kv_heads"]
-    out = {"embedding": take("model.embed_tokens.weight", (v, d)), "final_norm.scale": take("model.norm.weight", (d,))}
-    if not m["tie_embeddings"]:
-        out["head.kernel"] = take("lm_head.weight", (v, d), transpose=True)
-    for i in range(m["num_layers"]):
-        hf, ours = f"model.layers.{i}", f"blocks.{i}"
-        out[f"{ours}.attn_norm.scale"] = take(f"{hf}.input_layernorm.weight", (d,))
-        out[f"{ours}.ffn_norm.scale"] = take(f"{hf}.post_attention_layernorm.weight", (d,))
-        for name, width in (("q", h * hd), ("k", kv * hd), ("v", kv * hd)):
-            out[f"{ours}.attn.{name}.kernel"] = take(f"{hf}.self_attn.{name}_proj.weight", (width, d), transpose=True)
-            if m["qkv_bias"]:
-                out[f"{ours}.attn.{name}.bias"] = take(f"{hf}.self_attn.{name}_proj.bias", (width,))
-        out[f"{ours}.attn.o.kernel"] = take(f"{hf}.self_attn.o_proj.weight", (d, h * hd), transpose=True)
-        if m["out_bias"]:
-            out[f"{ours}.attn.o.bias"] = take(f"{hf}.self_attn.o_proj.bias", (d,))
-        if m["qk_norm"]:
-            out[f"{ours}.attn.q_norm.scale"] = take(f"{hf}.self_attn.q_norm.weight", (hd,))
-            out[f"{ours}.attn.k_norm.scale"] = take(f"{hf}.self_attn.k_norm.weight", (hd,))
-        if MoEConfig(**moe).is_moe_layer(i):
-            mixtral = f"{hf}.block_sparse_moe.gate.weight" in tensors
-            out.update(_experts(take, hf, f"{ours}.ffn", d, moe, mixtral=mixtral))
+            raise HFWeightsError(f"{source}: tensor {entry.hf!r} has dtype {x.dtype}; supported: {', '.join(_FLOATS)}")
+        if tuple(x.shape) != entry.shape:
+            raise HFWeightsError(f"{source}: tensor {entry.hf!r} has shape {tuple(x.shape)}, expected {entry.shape}")
+        x = np.ascontiguousarray(x.T) if entry.transpose else x
+        if entry.expert is None:
+            out[entry.ours] = x
         else:
-            for name in ("gate", "up"):
-                out[f"{ours}.ffn.{name}.kernel"] = take(f"{hf}.mlp.{name}_proj.weight", (m["d_ff"], d), transpose=True)
-            out[f"{ours}.ffn.down.kernel"] = take(f"{hf}.mlp.down_proj.weight", (d, m["d_ff"]), transpose=True)
-    unused = sorted(set(tensors) - used)
+            stacks.setdefault(entry.ours, {})[entry.expert] = x
+    out.update({path: np.stack([parts[j] for j in sorted(parts)]) for path, parts in stacks.items()})
+    unused = sorted(set(tensors) - {entry.hf for entry in entries})
     if unused:
         raise HFWeightsError(
             f"{source}: {len(unused)} tensors map to no parameter of the model its config.json describes, e.g. "
@@ -114,19 +157,11 @@ def to_ours(tensors: Mapping[str, np.ndarray], sections: Mapping[str, Mapping[st
     return out
 
 
-def _experts(take, hf: str, ours: str, d: int, moe: Mapping[str, Any], *, mixtral: bool) -> dict[str, np.ndarray]:
-    """A MoE layer's router and stacked SwiGLU experts (Mixtral: block_sparse_moe, w1 gate / w3 up / w2 down;
-    Qwen3-MoE: mlp, gate_proj / up_proj / down_proj)."""
-    e, size = moe["num_experts"], moe["expert_size"]
-    prefix, names = (
-        (f"{hf}.block_sparse_moe", ("w1", "w3", "w2"))
-        if mixtral
-        else (f"{hf}.mlp", ("gate_proj", "up_proj", "down_proj"))
-    )
-    gate, up, down = names
-    return {
-        f"{ours}.router": take(f"{prefix}.gate.weight", (e, d), transpose=True),
-        f"{ours}.gate": np.stack([take(f"{prefix}.experts.{j}.{gate}.weight", (size, d)).T for j in range(e)]),
-        f"{ours}.up": np.stack([take(f"{prefix}.experts.{j}.{up}.weight", (size, d)).T for j in range(e)]),
-        f"{ours}.down": np.stack([take(f"{prefix}.experts.{j}.{down}.weight", (d, size)).T for j in range(e)]),
-    }
+def from_ours(params: Mapping[str, np.ndarray], sections: Mapping[str, Mapping[str, Any]], *, mixtral: bool) -> dict:
+    """The inverse of `to_ours`: {checkpoint tensor name: array} from {our parameter path: array}."""
+    out = {}
+    for entry in layout(sections, mixtral=mixtral):
+        x = np.asarray(params[entry.ours])
+        x = x if entry.expert is None else x[entry.expert]
+        out[entry.hf] = np.ascontiguousarray(x.T if entry.transpose else x)
+    return out
