@@ -110,6 +110,9 @@ def test_a_finished_run_leaves_its_outputs_loads_serves_and_refuses_another_mode
         "--config.train.eval_every=4",
         "--config.checkpoint.every=4",
         "--config.mesh.data=1",
+        "--config.moe.router=softmax",  # Mixtral's experts, so that the run exports as a Hugging Face checkpoint
+        "--config.moe.normalize_gates=True",
+        "--config.moe.expert_mlp=swiglu",
     ]
     workdir = tmp_path / "run"
     summary = _run(workdir, *args)
@@ -121,6 +124,7 @@ def test_a_finished_run_leaves_its_outputs_loads_serves_and_refuses_another_mode
     assert (workdir / "sample.txt").read_text().startswith("def ")
     _loaded_model_reproduces_the_held_out_loss(workdir, summary["val_loss"])
     _serve_streams_the_greedy_continuation(workdir, capsys)
+    _exports_as_a_hugging_face_checkpoint(workdir, tmp_path / "hf", capsys)
 
     before = _files(workdir)
     code, err = _main(capsys, f"--config={CONFIG}", f"--workdir={workdir}", *TINY, *args, "--config.model.d_model=64")
@@ -204,6 +208,25 @@ def _serve_streams_the_greedy_continuation(workdir, capsys, kv_format="bf16"):
     assert out.splitlines()[0] == "def f" + tok.decode(request.output)
     assert serve.main([f"--workdir={workdir}/nope", "--prompt=x"]) == 2
     assert "missing" in capsys.readouterr().err
+
+
+def _exports_as_a_hugging_face_checkpoint(workdir, out, capsys):
+    """`python -m experiments.hf export` writes the run's model as a Mixtral checkpoint; imported back, it computes
+    the trained model's logits. (The mapping against transformers itself: test_hf's fixtures.)"""
+    import jax
+    import numpy as np
+
+    from experiments import load
+    from experiments.hf import __main__ as hf_cli
+    from experiments.hf import load as hf_load
+
+    assert hf_cli.main(["export", f"--workdir={workdir}", f"--out={out}"]) == 0, capsys.readouterr().err
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    _, trained = load.trained_model(str(workdir))
+    _, imported = hf_load.model_from_hf(str(out))
+    tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 256)
+    a, b = (np.asarray(jax.jit(lambda t, m=m: m(t)[0])(tokens)) for m in (trained, imported))
+    np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * np.abs(a).max())
 
 
 def _launch(workdir, *args):
