@@ -69,6 +69,7 @@ def from_hf(hf: Mapping[str, Any], *, source: str) -> dict[str, dict[str, Any]]:
     used = {
         "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
         "intermediate_size", "rms_norm_eps", "tie_word_embeddings", "attention_bias",
+        "rope_theta", "rope_scaling", "rope_parameters",  # read by _rope
     }  # fmt: skip
     checks: dict[str, tuple[Callable[[Any], bool], str]] = {
         "hidden_act": (lambda v: v == "silu", "only 'silu' (SwiGLU) is implemented"),
@@ -77,9 +78,6 @@ def from_hf(hf: Mapping[str, Any], *, source: str) -> dict[str, dict[str, Any]]:
         "sliding_window": (lambda v: v is None or not hf.get("use_sliding_window", True), "no sliding window"),
         "use_sliding_window": (lambda v: not v, "sliding-window attention is not implemented"),
         "router_jitter_noise": (lambda v: not v, "router jitter is not implemented; use 0.0"),
-        "rope_theta": (lambda v: True, ""),
-        "rope_scaling": (lambda v: True, ""),
-        "rope_parameters": (lambda v: True, ""),
     }
     moe: dict[str, Any] = {"every": 0}
     if arch == "MixtralForCausalLM":

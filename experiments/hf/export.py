@@ -20,7 +20,10 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from core import config as config_lib
+from experiments import build
 from experiments.hf import weights
+from moe.config import MoEConfig
 
 __all__ = ["HFExportError", "hf_config", "save"]
 
@@ -58,7 +61,7 @@ def hf_config(config: ml_collections.ConfigDict) -> dict[str, Any]:
         "num_hidden_layers": m.num_layers,
         "num_attention_heads": m.num_heads,
         "num_key_value_heads": m.num_kv_heads,
-        "head_dim": m.head_dim or m.d_model // m.num_heads,
+        "head_dim": build.model_config(config).head_dim,  # resolved: 0 in the config means d_model / num_heads
         "intermediate_size": m.d_ff,
         "hidden_act": "silu",
         "rms_norm_eps": m.norm_eps,
@@ -135,12 +138,12 @@ def save(
     from safetensors.numpy import save_file
 
     hf = hf_config(config)
-    sections = {"model": config.model.to_dict(), "moe": config.moe.to_dict()}
-    sections["model"]["head_dim"] = hf["head_dim"]
     params = {
         ".".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
     }
-    tensors = weights.from_ours(params, sections, mixtral=hf["architectures"][0] == "MixtralForCausalLM")
+    moe = config_lib.from_config(MoEConfig, config.moe)
+    mixtral = hf["architectures"][0] == "MixtralForCausalLM"
+    tensors = weights.from_ours(params, build.model_config(config), moe, mixtral=mixtral)
     os.makedirs(out_dir, exist_ok=True)
     shards = _shards(tensors, max_shard_bytes)
     names = (

@@ -18,10 +18,12 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from core import config as config_lib
 from core.mesh import Sharder
 from core.model import Transformer, split_params
 from experiments import build
 from experiments.hf import config_map, weights
+from moe.config import MoEConfig
 
 __all__ = ["config_from_hf", "model_from_hf"]
 
@@ -44,8 +46,8 @@ def config_from_hf(hf_dir: str) -> ml_collections.ConfigDict:
 def model_from_hf(hf_dir: str) -> tuple[ml_collections.ConfigDict, Transformer]:
     """(config, Transformer with the checkpoint's weights) of the Hugging Face checkpoint in `hf_dir`."""
     config = config_from_hf(hf_dir)
-    sections = {name: config[name].to_dict() for name in ("model", "moe")}
-    tensors = weights.to_ours(weights.read(hf_dir), sections, source=hf_dir)
+    moe = config_lib.from_config(MoEConfig, config.moe)
+    tensors = weights.to_ours(weights.read(hf_dir), build.model_config(config), moe, source=hf_dir)
     model_fn = build.build_model_fn(config, Sharder())
     graphdef, abstract_params, _ = split_params(nnx.eval_shape(lambda: model_fn(nnx.Rngs(0))))
     # the other variables (a MoE layer's resident expert ids) as built; the random parameters are never computed

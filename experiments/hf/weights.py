@@ -1,8 +1,8 @@
 """A Hugging Face checkpoint's safetensors -> our parameters, by name, with every shape and dtype checked.
 
     tensors = weights.read(hf_dir)                    # {hf name: np.ndarray}, one file or an index of shards
-    params = weights.to_ours(tensors, sections, source=hf_dir)   # {our path ("blocks.0.attn.q.kernel"): array}
-    tensors = weights.from_ours(params, sections, mixtral=False)  # and back (experiments.hf.export)
+    params = weights.to_ours(tensors, model_cfg, moe_cfg, source=hf_dir)  # {our path ("blocks.0.attn.q.kernel"): array}
+    tensors = weights.from_ours(params, model_cfg, moe_cfg, mixtral=False)  # and back (experiments.hf.export)
 
 Both directions read one table, `layout`: every checkpoint tensor's name and shape, our path, and how they relate.
 
@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from core.config import TransformerConfig
 from moe.config import MoEConfig
 
 __all__ = ["Entry", "HFWeightsError", "from_ours", "layout", "read", "to_ours"]
@@ -76,20 +77,20 @@ class Entry(NamedTuple):
     expert: int | None = None
 
 
-def layout(sections: Mapping[str, Mapping[str, Any]], *, mixtral: bool) -> list[Entry]:
-    """Every tensor of the Hugging Face checkpoint of a model with the config `sections` ({"model", "moe"}), mapped
-    to ours: the one table import (`to_ours`) and export (`from_ours`) both read. `mixtral`: MoE layers named as
+def layout(model: TransformerConfig, moe: MoEConfig, *, mixtral: bool) -> list[Entry]:
+    """Every tensor of the Hugging Face checkpoint of a model with the config sections `model` and `moe`, mapped to
+    ours: the one table import (`to_ours`) and export (`from_ours`) both read. `mixtral`: MoE layers named as
     Mixtral's (block_sparse_moe, w1 gate / w3 up / w2 down) rather than Qwen3-MoE's (mlp, gate/up/down_proj)."""
-    m, moe = sections["model"], MoEConfig(**sections["moe"])
-    d, v, hd, ff = m["d_model"], m["vocab_size"], m["head_dim"], m["d_ff"]
-    h, kv = m["num_heads"], m["num_kv_heads"]
+    m = model
+    d, v, hd, ff = m.d_model, m.vocab_size, m.head_dim, m.d_ff
+    h, kv = m.num_heads, m.num_kv_heads
     out = [
         Entry("model.embed_tokens.weight", (v, d), "embedding"),
         Entry("model.norm.weight", (d,), "final_norm.scale"),
     ]
-    if not m["tie_embeddings"]:
+    if not m.tie_embeddings:
         out.append(Entry("lm_head.weight", (v, d), "head.kernel", transpose=True))
-    for i in range(m["num_layers"]):
+    for i in range(m.num_layers):
         hf, ours = f"model.layers.{i}", f"blocks.{i}"
         out += [
             Entry(f"{hf}.input_layernorm.weight", (d,), f"{ours}.attn_norm.scale"),
@@ -97,12 +98,12 @@ def layout(sections: Mapping[str, Mapping[str, Any]], *, mixtral: bool) -> list[
         ]
         for name, width in (("q", h * hd), ("k", kv * hd), ("v", kv * hd)):
             out.append(Entry(f"{hf}.self_attn.{name}_proj.weight", (width, d), f"{ours}.attn.{name}.kernel", True))
-            if m["qkv_bias"]:
+            if m.qkv_bias:
                 out.append(Entry(f"{hf}.self_attn.{name}_proj.bias", (width,), f"{ours}.attn.{name}.bias"))
         out.append(Entry(f"{hf}.self_attn.o_proj.weight", (d, h * hd), f"{ours}.attn.o.kernel", True))
-        if m["out_bias"]:
+        if m.out_bias:
             out.append(Entry(f"{hf}.self_attn.o_proj.bias", (d,), f"{ours}.attn.o.bias"))
-        if m["qk_norm"]:
+        if m.qk_norm:
             out += [
                 Entry(f"{hf}.self_attn.q_norm.weight", (hd,), f"{ours}.attn.q_norm.scale"),
                 Entry(f"{hf}.self_attn.k_norm.weight", (hd,), f"{ours}.attn.k_norm.scale"),
@@ -127,13 +128,13 @@ def layout(sections: Mapping[str, Mapping[str, Any]], *, mixtral: bool) -> list[
     return out
 
 
-def to_ours(tensors: Mapping[str, np.ndarray], sections: Mapping[str, Mapping[str, Any]], *, source: str) -> dict:
-    """{our parameter path: array} of a model with the config `sections` (config_map.from_hf's), from the
-    checkpoint's `tensors`. Raises HFWeightsError for a missing or unused tensor, a wrong shape or dtype."""
+def to_ours(tensors: Mapping[str, np.ndarray], model: TransformerConfig, moe: MoEConfig, *, source: str) -> dict:
+    """{our parameter path: array} of a model with the config sections `model` and `moe`, from the checkpoint's
+    `tensors`. Raises HFWeightsError for a missing or unused tensor, a wrong shape or dtype."""
     mixtral = any(".block_sparse_moe." in name for name in tensors)
     out: dict[str, Any] = {}
     stacks: dict[str, dict[int, np.ndarray]] = {}
-    entries = layout(sections, mixtral=mixtral)
+    entries = layout(model, moe, mixtral=mixtral)
     for entry in entries:
         if entry.hf not in tensors:
             raise HFWeightsError(f"{source}: tensor {entry.hf!r} is missing (expected shape {entry.shape})")
@@ -157,10 +158,10 @@ def to_ours(tensors: Mapping[str, np.ndarray], sections: Mapping[str, Mapping[st
     return out
 
 
-def from_ours(params: Mapping[str, np.ndarray], sections: Mapping[str, Mapping[str, Any]], *, mixtral: bool) -> dict:
+def from_ours(params: Mapping[str, np.ndarray], model: TransformerConfig, moe: MoEConfig, *, mixtral: bool) -> dict:
     """The inverse of `to_ours`: {checkpoint tensor name: array} from {our parameter path: array}."""
     out = {}
-    for entry in layout(sections, mixtral=mixtral):
+    for entry in layout(model, moe, mixtral=mixtral):
         x = np.asarray(params[entry.ours])
         x = x if entry.expert is None else x[entry.expert]
         out[entry.hf] = np.ascontiguousarray(x.T if entry.transpose else x)
