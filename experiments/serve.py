@@ -20,44 +20,11 @@ a workdir that is not a finished run; 1 a damaged checkpoint (core.checkpoint.Ch
 from __future__ import annotations
 
 import argparse
-import math
 import sys
-from collections.abc import Callable
+
+from experiments.bench import common
 
 MAX_KV_MEMORY_MIB = 2.0**40  # 1 EiB: larger pools cannot be allocated anywhere (and overflow XLA's shape sizes)
-
-
-def _integer(low: int) -> Callable[[str], int]:
-    """An argparse `type`: the text as an int >= `low`, else an error naming the text and what is allowed."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer; allowed: an integer >= {low}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{text!r} is not allowed: an integer >= {low}")
-        return value
-
-    return parse
-
-
-def _number(low: float, *, low_open: bool, high: float | None = None) -> Callable[[str], float]:
-    """An argparse `type`: the text as a finite float > `low` (`low_open`) or >= `low`, and <= `high` if given,
-    else an error naming the text and what is allowed (nan and inf are refused)."""
-    allowed = f"a finite number {'>' if low_open else '>='} {low:g}" + ("" if high is None else f" and <= {high!r}")
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: {allowed}") from None
-        too_high = high is not None and value > high
-        if not math.isfinite(value) or value < low or (low_open and value == low) or too_high:
-            raise argparse.ArgumentTypeError(f"{text!r} is not allowed: {allowed}")
-        return value
-
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-new-tokens",
-        type=_integer(1),
+        type=common.integer(1),
         default=200,
         help="new tokens per prompt at most; a request also ends at EOS",
     )
@@ -93,19 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scale-rule", default="mse", choices=("mse", "mx"), help="fp4 scale rule (fp4 only)")
     parser.add_argument(
         "--kv-memory-mib",
-        type=_number(0.0, low_open=True, high=MAX_KV_MEMORY_MIB),
+        type=common.number(0.0, low_open=True, high=MAX_KV_MEMORY_MIB),
         default=64.0,
         help="KV pool size in MiB (at least one block of 16 tokens must fit)",
     )
     parser.add_argument(
         "--temperature",
-        type=_number(0.0, low_open=False),
+        type=common.number(0.0, low_open=False),
         default=0.7,
         help="sampling temperature; 0 = greedy",
     )
-    parser.add_argument("--seed", type=_integer(0), default=0, help="sampling seed (an integer >= 0)")
+    parser.add_argument("--seed", type=common.integer(0), default=0, help="sampling seed (an integer >= 0)")
     parser.add_argument(
-        "--site", type=_integer(0), default=0, help="a federated run's site whose model serves (0 .. sites - 1)"
+        "--site", type=common.integer(0), default=0, help="a federated run's site whose model serves (0 .. sites - 1)"
     )
     return parser
 

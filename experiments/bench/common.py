@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import time
@@ -149,6 +150,28 @@ def integer(minimum: int = 1, *, multiple_of: int = 1) -> Callable[[str], int]:
         except ValueError:
             value = None
         if value is None or value < minimum or value % multiple_of:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {rule}")
+        return value
+
+    return parse
+
+
+def number(low: float, *, low_open: bool = False, high: float | None = None) -> Callable[[str], float]:
+    """An argparse `type`: a finite float > `low` (`low_open`) or >= `low`, and <= `high` if given; otherwise
+    argparse reports the flag, the value and this rule (nan and inf are refused)."""
+    rule = f"a finite number {'>' if low_open else '>='} {low:g}" + ("" if high is None else f" and <= {high!r}")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if (
+            not math.isfinite(value)
+            or value < low
+            or (low_open and value == low)
+            or (high is not None and value > high)
+        ):
             raise argparse.ArgumentTypeError(f"{text!r} is not {rule}")
         return value
 

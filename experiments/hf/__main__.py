@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from experiments.bench import common
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -24,11 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     out = commands.add_parser("export", help="write a trained run's model as a Hugging Face checkpoint")
     out.add_argument("--workdir", required=True, help="a finished run's directory (config.json, checkpoints/)")
     out.add_argument("--out", required=True, help="the directory to write config.json and the safetensors into")
-    out.add_argument("--site", type=int, default=0, help="a federated run's site whose model is exported")
-    out.add_argument("--max-shard-mib", type=float, default=5120.0, help="safetensors files are cut past this size")
+    out.add_argument("--site", type=common.integer(0), default=0, help="a federated run's site whose model is exported")
+    out.add_argument(
+        "--max-shard-mib",
+        type=common.number(0.0, low_open=True),
+        default=5120.0,
+        help="safetensors files are cut past this size",
+    )
     args = parser.parse_args(argv)
-    if not args.max_shard_mib > 0:
-        parser.error(f"argument --max-shard-mib: {args.max_shard_mib} is not allowed: a number > 0")
 
     from core.checkpoint import CheckpointError
     from experiments import load
