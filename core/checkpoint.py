@@ -134,13 +134,14 @@ class Checkpointer:
             )
         return meta
 
-    def restore(self, step: int, like, *, compat: Mapping[str, Any]):
+    def restore(self, step: int, like, *, compat: Mapping[str, Any], record: Mapping[str, Any] | None = None):
         """Restores the state saved at `step` into the structure, shapes, dtypes and shardings of `like`, and
         verifies every array's checksum.
 
         Args:
           like: a pytree of arrays or `jax.ShapeDtypeStruct`s (with `.sharding`) of the running program.
           compat: the running program's compat facts; every key must equal the saved value.
+          record: the checkpoint's `read_record`, when the caller has already read it.
         Returns:
           (state, loop record).
         Raises:
@@ -148,7 +149,7 @@ class Checkpointer:
           or an array's bytes differ from those saved. Collective across processes (the checksums).
         """
         where = self._where(step)
-        meta = self.read_record(step)
+        meta = self.read_record(step) if record is None else record
         for key, value in compat.items():
             saved = meta["compat"].get(key)
             if saved != _jsonable(value):

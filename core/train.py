@@ -523,11 +523,11 @@ def _open_checkpoints(
     metric rows written after it (all of them on a fresh start) aside.
 
     Returns (checkpointer, state, the checkpoint's loop record ({} on a fresh start), the step resumed from or
-    None). Raises CheckpointError
-    for a damaged checkpoint (unless `checkpoint.fallback`: then it is moved to `checkpoints.damaged/` and the
-    next newest is tried), one beyond train.steps, one from another program, one trained with other
-    hyper-parameters (unless `checkpoint.accept_changes`), or checkpoints present while checkpoint.resume is
-    False; WorkdirError for a malformed metrics.jsonl. Nothing on disk changes before a restore succeeds.
+    None). Raises CheckpointError for a damaged checkpoint (unless `checkpoint.fallback`: then it is moved to
+    `checkpoints.damaged/` and the next newest is tried), one beyond train.steps, one from another program, one
+    trained with other hyper-parameters (unless `checkpoint.accept_changes`), or checkpoints present while
+    checkpoint.resume is False; WorkdirError for a malformed metrics.jsonl. Nothing on disk changes before a
+    restore succeeds.
     """
     cc, steps = config.checkpoint, config.train.steps
     log.check()  # a malformed metrics.jsonl is refused before anything else
@@ -549,10 +549,11 @@ def _open_checkpoints(
     loop: dict[str, Any] = {}
     while latest is not None:
         try:
-            changes = _changes(checkpointer.read_record(latest), provenance)
+            record = checkpointer.read_record(latest)
+            changes = _changes(record, provenance)
             if changes and not cc.accept_changes:
                 raise checkpoint_lib.CheckpointError(_changes_message(checkpointer, latest, changes))
-            state, loop = checkpointer.restore(latest, state, compat=compat)
+            state, loop = checkpointer.restore(latest, state, compat=compat, record=record)
             break
         except checkpoint_lib.DamagedCheckpointError as e:
             if not cc.fallback:
