@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 import ml_collections
 
-from core.data import NUM_BYTES, VOCAB_SIZE
+from core import tokenizer as tokenizer_lib
 
 __all__ = [
     "DEFAULT_RULES",
@@ -240,7 +240,8 @@ class TransformerConfig:
 
     vocab_size: int = field(
         264,
-        f"embedding rows; >= the tokenizer's {VOCAB_SIZE} (bytes + PAD/BOS/EOS), a multiple of 8 keeps matmuls aligned",
+        "embedding rows; >= the tokenizer's vocab_size (data.tokenizer; bytes: 259 = 256 bytes + PAD/BOS/EOS), a "
+        "multiple of 8 keeps matmuls aligned",
         low=1,
     )
     d_model: int = field(256, "residual stream width", low=1)
@@ -309,7 +310,8 @@ class DataConfig:
     compatibility through its fingerprint."""
 
     compat: ClassVar[Compat] = ("seq_len", "batch_size")
-    provenance: ClassVar[Compat] = ("seed",)  # the corpus itself is compared by its fingerprint
+    # the corpus itself is compared by its fingerprint (which holds the tokenizer's digest unless it is bytes)
+    provenance: ClassVar[Compat] = ("seed", "tokenizer")
 
     path: str = field(
         "",
@@ -321,6 +323,12 @@ class DataConfig:
     seq_len: int = field(256, "tokens per training sequence", low=1)
     batch_size: int = field(32, "global batch (sequences per step, over all processes)", low=1)
     seed: int = field(0, "seed of the batch sampler (batches are a pure function of seed and step)", low=0)
+    tokenizer: str = field(
+        "bytes",
+        "'bytes' (ids 0-255 = bytes, PAD/BOS/EOS 256-258); else the path (from the working directory) of a Hugging "
+        "Face byte-level BPE tokenizer.json or of a directory holding one (`python -m experiments.tokenizer train` "
+        "makes one; a document that is not UTF-8 is read with U+FFFD for its invalid bytes)",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,7 +386,13 @@ class CheckpointConfig:
     """The section `checkpoint`: when checkpoints are written and whether a run resumes (core.checkpoint)."""
 
     compat: ClassVar[Compat] = False
+    provenance: ClassVar[Compat] = ("init_from",)
 
+    init_from: str = field(
+        "",
+        "where step 0's weights come from: '' = random (train.seed); 'hf:DIR' = the Hugging Face checkpoint in DIR "
+        "(its config.json sets the model and moe sections, experiments.hf)",
+    )
     every: int = field(
         100,
         "steps between checkpoints (the last step is always saved); 0 = only the last; federated runs save after "
@@ -593,10 +607,15 @@ def _check_core(config: ml_collections.ConfigDict, num_devices: int | None) -> N
             f"config key 'model.rope_high_freq_factor' = {m.rope_high_freq_factor} must exceed "
             f"'model.rope_low_freq_factor' = {m.rope_low_freq_factor} (rope_scaling 'llama3')."
         )
-    if m.vocab_size < VOCAB_SIZE:
+    try:
+        tok = tokenizer_lib.load(config.data.tokenizer)
+    except tokenizer_lib.TokenizerError as e:
+        raise ConfigError(str(e)) from None
+    if m.vocab_size < tok.vocab_size:
+        what = "bytes + PAD, BOS, EOS" if config.data.tokenizer == "bytes" else config.data.tokenizer
         raise ConfigError(
-            f"config key 'model.vocab_size' = {m.vocab_size} is smaller than the byte tokenizer's {VOCAB_SIZE} ids "
-            f"({NUM_BYTES} bytes + PAD, BOS, EOS)."
+            f"config key 'model.vocab_size' = {m.vocab_size} is smaller than the vocab_size of 'data.tokenizer' = "
+            f"{config.data.tokenizer!r}: {tok.vocab_size} ids ({what})."
         )
     o = config.optim
     if o.warmup_steps > config.train.steps:

@@ -1,11 +1,12 @@
-"""Byte-level data: tokenizer, corpus loading with a held-out split, and batching.
+"""Data: corpus loading with a held-out split, tokenisation (core.tokenizer) and batching.
 
-Tokens are the 256 byte values plus three specials (PAD, BOS, EOS). A corpus is two flat
-``uint16`` token streams, ``train`` and ``val``, where every document is written as
-``BOS + bytes + EOS``. Train batches are windows at uniformly random offsets of the train
-stream, drawn from a generator seeded by ``(seed, step)`` alone, so any step can be
-recomputed without replaying earlier ones (exact resumption) and every process can draw
-the global batch and keep its own rows (no communication). Everything is NumPy.
+A corpus is two flat token streams, ``train`` and ``val``, where every document is written as
+``BOS + ids + EOS`` (BOS only if the tokenizer has one): with the default byte tokenizer, ``ids`` are the
+document's bytes and the streams are ``uint16``; with a Hugging Face tokenizer (``data.tokenizer``) they are
+its ids, ``uint16`` while ``vocab_size <= 65536`` and ``uint32`` past that. Train batches are windows at
+uniformly random offsets of the train stream, drawn from a generator seeded by ``(seed, step)`` alone, so any
+step can be recomputed without replaying earlier ones (exact resumption) and every process can draw the
+global batch and keep its own rows (no communication). Everything is NumPy.
 
 Split rule (documents never straddle train and val)
     With ``n >= 2`` documents, ``k = min(max(round(val_fraction * n), 1), n - 1)``
@@ -14,7 +15,8 @@ Split rule (documents never straddle train and val)
     contents. Names are relative POSIX paths of files, and ``"<file>:<line>"`` (1-based)
     for JSONL records. A corpus of a single document is split inside it instead: the
     last ``min(max(round(val_fraction * L), 1), L - 1)`` of its ``L`` bytes are held out
-    and each side is written as its own ``BOS ... EOS`` document.
+    and each side is written as its own ``BOS ... EOS`` document. The split is made on
+    bytes, before tokenisation, so it is the same for every tokenizer.
 
 Errors in user input raise :class:`DataError` naming the config field (``data.path``,
 ``data.jsonl_field``, ...), the offending value and what is allowed.
@@ -22,7 +24,6 @@ Errors in user input raise :class:`DataError` naming the config field (``data.pa
 
 from __future__ import annotations
 
-import codecs
 import copy
 import dataclasses
 import glob
@@ -35,33 +36,22 @@ import stat
 import struct
 import sysconfig
 from collections.abc import Sequence
-from typing import Any, ClassVar, Protocol
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from core.tokenizer import BOS_ID, EOS_ID, ByteTokenizer, Tokenizer
+
 __all__ = [
     "ACCEPTED_SUFFIXES",
-    "BOS_ID",
-    "EOS_ID",
-    "NUM_BYTES",
-    "PAD_ID",
-    "VOCAB_SIZE",
     "Batches",
-    "ByteTokenizer",
-    "BytesDecoder",
     "Corpus",
     "DataError",
-    "StreamDecoder",
-    "count_bytes",
+    "Documents",
     "load_corpus",
+    "load_documents",
     "stdlib_files",
 ]
-
-NUM_BYTES = 256  # token ids 0..255 are the byte values
-PAD_ID = NUM_BYTES
-BOS_ID = NUM_BYTES + 1
-EOS_ID = NUM_BYTES + 2
-VOCAB_SIZE = NUM_BYTES + 3  # the byte values + PAD, BOS, EOS
 
 TEXT_SUFFIXES = (".md", ".py", ".text", ".txt")  # One file is one document.
 JSONL_SUFFIXES = (".jsonl",)  # One document per line, from a string field.
@@ -76,109 +66,6 @@ class DataError(ValueError):
     """Invalid data input: a bad config value, an unreadable corpus or a too-short stream."""
 
 
-# --------------------------------------------------------------------------- tokenizer
-
-
-class ByteTokenizer:
-    """Stateless byte-level tokenizer: token ``i < NUM_BYTES`` (256) is byte ``i``; PAD, BOS, EOS follow."""
-
-    vocab_size: ClassVar[int] = VOCAB_SIZE
-    pad_id: ClassVar[int] = PAD_ID
-    bos_id: ClassVar[int] = BOS_ID
-    eos_id: ClassVar[int] = EOS_ID
-
-    def encode(self, text: str, *, bos: bool = True, eos: bool = False) -> np.ndarray:
-        """UTF-8 bytes of ``text`` as ``int32[len(text.encode()) + bos + eos]``, optionally framed by BOS/EOS."""
-        if not isinstance(text, str):
-            raise TypeError(f"ByteTokenizer.encode expects str, got {type(text).__name__}")
-        return self.encode_bytes(text.encode("utf-8"), bos=bos, eos=eos)
-
-    def encode_bytes(self, raw: bytes, *, bos: bool = True, eos: bool = False) -> np.ndarray:
-        """``int32[len(raw) + bos + eos]``: the bytes ``raw`` as they are (valid UTF-8 or not), optionally framed
-        by BOS/EOS. ``encode(text)`` is ``encode_bytes(text.encode("utf-8"))``."""
-        if not isinstance(raw, (bytes, bytearray)):
-            raise TypeError(f"ByteTokenizer.encode_bytes expects bytes, got {type(raw).__name__}")
-        prefix = np.array([BOS_ID] if bos else [], np.int32)
-        suffix = np.array([EOS_ID] if eos else [], np.int32)
-        return np.concatenate([prefix, np.frombuffer(bytes(raw), np.uint8), suffix], dtype=np.int32)
-
-    def decode_bytes(self, ids: Sequence[int] | np.ndarray) -> bytes:
-        """Bytes of a 1-D integer sequence in ``[0, VOCAB_SIZE)``: byte tokens as themselves, specials dropped.
-
-        Concatenative: ``decode_bytes(a + b) == decode_bytes(a) + decode_bytes(b)`` (the :class:`BytesDecoder`
-        contract that :class:`StreamDecoder` relies on). Raises DataError for another shape, dtype or id.
-        """
-        ids = np.asarray(ids)
-        if ids.size == 0:
-            return b""
-        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise DataError(f"token ids must be a 1-D integer sequence, got shape {ids.shape} dtype {ids.dtype}")
-        bad = (ids < 0) | (ids >= VOCAB_SIZE)
-        if bad.any():
-            raise DataError(f"token id {ids[bad][0]} is outside [0, {VOCAB_SIZE})")
-        return ids[ids < NUM_BYTES].astype(np.uint8).tobytes()
-
-    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-        """Text of a 1-D integer sequence in ``[0, VOCAB_SIZE)``; specials are dropped, invalid UTF-8 is replaced
-        (U+FFFD per maximal invalid subsequence, as ``bytes.decode(errors="replace")``). To decode a stream piece by
-        piece, use :class:`StreamDecoder`: decoding each piece on its own breaks characters split between pieces."""
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
-
-
-class BytesDecoder(Protocol):
-    """What :class:`StreamDecoder` needs of a tokenizer: token ids to the bytes they stand for.
-
-    ``decode_bytes(ids)`` takes a 1-D integer sequence (list or ``int[N]`` array, possibly empty) and must be
-    concatenative, ``decode_bytes(a + b) == decode_bytes(a) + decode_bytes(b)``: each token's bytes do not depend
-    on its neighbours (true of byte tokens and of byte-level BPE; an adapter for a tokenizer whose pieces depend on
-    context, e.g. SentencePiece's leading space, must make it so). Special tokens map to ``b""``.
-    """
-
-    def decode_bytes(self, ids: Sequence[int] | np.ndarray) -> bytes: ...
-
-
-class StreamDecoder:
-    """Streaming detokenisation: token ids in, chunk by chunk; out, the text that is complete so far.
-
-    ``feed(ids)`` returns the new text of ``ids`` together with what came before, holding back the trailing bytes of
-    a UTF-8 character whose remaining bytes may still come (at most 3 bytes); ``flush()`` ends the stream: it
-    returns what was held back (U+FFFD for a truncated character) and starts afresh. For any split of ``ids`` into
-    chunks ``c_1 .. c_n``::
-
-        feed(c_1) + ... + feed(c_n) + flush() == tokenizer.decode_bytes(ids).decode("utf-8", errors="replace")
-
-    which for :class:`ByteTokenizer` is ``decode(ids)``: a character split between chunks comes out whole, and
-    invalid bytes become U+FFFD exactly where whole decoding puts them (the standard library's incremental UTF-8
-    decoder). Every returned piece extends the text so far: nothing returned is ever taken back.
-
-    Args:
-      tokenizer: any :class:`BytesDecoder` (``ByteTokenizer``; an adapter of another vocabulary).
-    """
-
-    def __init__(self, tokenizer: BytesDecoder):
-        self.tokenizer = tokenizer
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def feed(self, ids: Sequence[int] | np.ndarray) -> str:
-        """The text completed by ``ids`` (1-D integer ids, possibly empty; errors as ``tokenizer.decode_bytes``)."""
-        return self._utf8.decode(self.tokenizer.decode_bytes(ids))
-
-    def flush(self) -> str:
-        """The held-back end of the stream (``""``, or U+FFFD for a truncated character); the decoder is reset."""
-        text = self._utf8.decode(b"", final=True)
-        self._utf8.reset()
-        return text
-
-
-def count_bytes(targets: np.ndarray) -> int:
-    """Number of byte tokens (``< NUM_BYTES``) in ``targets`` (any shape, integer).
-
-    Bits per byte of a batch is ``total_nll_nats / (ln 2 * count_bytes(targets))``: specials
-    (PAD, BOS, EOS) are not bytes of text and are not counted.
-    """
-    return int(np.count_nonzero(np.asarray(targets) < NUM_BYTES))
-
-
 # --------------------------------------------------------------------------- corpus
 
 
@@ -187,24 +74,48 @@ class Corpus:
     """A tokenized corpus split into train and held-out documents.
 
     Attributes:
-      train: ``uint16[T]`` read-only token stream, ``BOS + bytes + EOS`` per train document.
-      val: ``uint16[V]`` read-only token stream of the held-out documents, same layout.
-      fingerprint: SHA-256 hex digest of every document's (name, content) in order and the split.
+      train: ``uint16[T]`` (``uint32[T]`` for a tokenizer of more than 65,536 ids) read-only token stream,
+        ``BOS + ids + EOS`` per train document (no BOS if the tokenizer has none).
+      val: the held-out documents' stream, same layout and dtype.
+      fingerprint: SHA-256 hex digest of every document's (name, content) in order and the split, and of the
+        tokenizer's ``digest`` unless it is the byte tokenizer (whose fingerprints are those of the bytes alone).
       info: JSON-serialisable summary: ``source`` ("stdlib" or the path), ``python_version``
         (stdlib only), ``split`` ("documents" or "tail_bytes"), ``val_fraction``,
-        ``num_train_docs``, ``num_val_docs``, ``train_bytes``, ``val_bytes`` (specials excluded).
+        ``num_train_docs``, ``num_val_docs``, ``train_bytes``, ``val_bytes`` (the documents' bytes, specials
+        excluded), and for a Hugging Face tokenizer ``tokenizer`` (its vocab_size and digest).
+      tokenizer: the tokenizer of the streams (default the byte tokenizer).
     """
 
     train: np.ndarray
     val: np.ndarray
     fingerprint: str
     info: dict[str, Any]
+    tokenizer: Tokenizer = dataclasses.field(default_factory=ByteTokenizer)
 
     def __post_init__(self):
+        dtype = _stream_dtype(self.tokenizer.vocab_size)
         for name in ("train", "val"):
             stream = getattr(self, name)
-            if not isinstance(stream, np.ndarray) or stream.ndim != 1 or stream.dtype != np.uint16:
-                raise DataError(f"Corpus.{name} must be a 1-D uint16 array, got {_describe(stream)}")
+            if not isinstance(stream, np.ndarray) or stream.ndim != 1 or stream.dtype != dtype:
+                raise DataError(
+                    f"Corpus.{name} must be a 1-D {dtype.name} array (a tokenizer of {self.tokenizer.vocab_size} ids), "
+                    f"got {_describe(stream)}"
+                )
+
+
+class Documents(NamedTuple):
+    """A corpus before tokenisation (:func:`load_documents`): the train and held-out documents' bytes in order,
+    the fingerprint of names, contents and split, and the ``info`` of :class:`Corpus` (without the tokenizer)."""
+
+    train: list[bytes]
+    val: list[bytes]
+    fingerprint: str
+    info: dict[str, Any]
+
+
+def _stream_dtype(vocab_size: int) -> np.dtype:
+    """uint16 while every id fits (vocab_size <= 65536), else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
 def stdlib_files() -> list[pathlib.Path]:
@@ -223,9 +134,42 @@ def stdlib_files() -> list[pathlib.Path]:
 
 
 def load_corpus(
-    path: str | os.PathLike[str] | None = None, *, val_fraction: float = 0.02, jsonl_field: str = "text"
+    path: str | os.PathLike[str] | None = None,
+    *,
+    val_fraction: float = 0.02,
+    jsonl_field: str = "text",
+    tokenizer: Tokenizer | None = None,
 ) -> Corpus:
     """Loads, splits and tokenizes a corpus (see the module docstring for the split rule).
+
+    Args:
+      path, val_fraction, jsonl_field: the documents, as :func:`load_documents`.
+      tokenizer: ``None`` or a :class:`core.tokenizer.ByteTokenizer` for bytes; else any
+        :class:`core.tokenizer.Tokenizer`, which encodes every document at once (``encode_batch``; a Hugging Face
+        tokenizer reads a document that is not valid UTF-8 with ``errors="replace"``: U+FFFD for its invalid bytes).
+
+    Returns:
+      A :class:`Corpus`: ``BOS + ids + EOS`` per document (BOS only if the tokenizer has one), ``uint16`` streams
+      (``uint32`` past 65,536 ids); the fingerprint is :func:`load_documents`' for the byte tokenizer, else
+      ``sha256(f"{documents_fingerprint}:tokenizer:{tokenizer.digest}")``.
+
+    Raises:
+      DataError: naming ``data.path``, ``data.val_fraction`` or ``data.jsonl_field``.
+    """
+    docs = load_documents(path, val_fraction=val_fraction, jsonl_field=jsonl_field)
+    tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
+    if isinstance(tokenizer, ByteTokenizer):
+        return Corpus(_byte_stream(docs.train), _byte_stream(docs.val), docs.fingerprint, docs.info, tokenizer)
+    fingerprint = hashlib.sha256(f"{docs.fingerprint}:tokenizer:{tokenizer.digest}".encode()).hexdigest()
+    info = {**docs.info, "tokenizer": {"vocab_size": tokenizer.vocab_size, "digest": tokenizer.digest}}
+    train, val = (_token_stream(tokenizer, contents) for contents in (docs.train, docs.val))
+    return Corpus(train, val, fingerprint, info, tokenizer)
+
+
+def load_documents(
+    path: str | os.PathLike[str] | None = None, *, val_fraction: float = 0.02, jsonl_field: str = "text"
+) -> Documents:
+    """Loads and splits a corpus's documents (see the module docstring for the split rule), untokenized.
 
     Args:
       path: ``None`` for the built-in corpus (:func:`stdlib_files`, one document per file).
@@ -241,7 +185,7 @@ def load_corpus(
       jsonl_field: Name of the string field holding the text of a JSONL record.
 
     Returns:
-      A :class:`Corpus` with ``uint16`` train and val streams.
+      :class:`Documents`: train and held-out contents, their fingerprint and the corpus ``info``.
 
     Raises:
       DataError: naming ``data.path``, ``data.val_fraction`` or ``data.jsonl_field``.
@@ -260,7 +204,7 @@ def load_corpus(
             doc for name, file in _resolve_files(source) for doc in _read_documents(source, name, file, jsonl_field)
         ]
         info = {"source": source}
-    return _make_corpus(docs, float(val_fraction), info)
+    return _split(docs, float(val_fraction), info)
 
 
 def _stdlib_root() -> pathlib.Path:
@@ -410,8 +354,8 @@ def _read_documents(source: str, name: str, path: pathlib.Path, field: str) -> l
     return docs
 
 
-def _make_corpus(docs: list[Document], val_fraction: float, info: dict[str, Any]) -> Corpus:
-    """Splits ``docs`` (see module docstring), tokenizes both sides and fingerprints the result."""
+def _split(docs: list[Document], val_fraction: float, info: dict[str, Any]) -> Documents:
+    """Splits ``docs`` (see module docstring) and fingerprints the result."""
     if not any(content for _, content in docs):
         raise DataError(f"data.path={info['source']!r} gives an empty corpus ({len(docs)} documents, 0 bytes)")
     digest = hashlib.sha256()
@@ -440,7 +384,7 @@ def _make_corpus(docs: list[Document], val_fraction: float, info: dict[str, Any]
         "train_bytes": sum(map(len, train_docs)),
         "val_bytes": sum(map(len, val_docs)),
     }
-    return Corpus(train=_stream(train_docs), val=_stream(val_docs), fingerprint=digest.hexdigest(), info=info)
+    return Documents(train_docs, val_docs, digest.hexdigest(), info)
 
 
 def _held_out_count(val_fraction: float, n: int) -> int:
@@ -457,11 +401,20 @@ def _held_out_mask(names: Sequence[str], val_fraction: float) -> np.ndarray:
     return mask
 
 
-def _stream(contents: Sequence[bytes]) -> np.ndarray:
-    """Read-only ``uint16[sum(len) + 2 * len(contents)]``: ``BOS + bytes + EOS`` per document."""
+def _byte_stream(contents: Sequence[bytes]) -> np.ndarray:
+    """Read-only ``uint16[sum(len) + 2 * len(contents)]``: ``BOS + bytes + EOS`` per document (byte tokenizer)."""
     bos, eos = np.array([BOS_ID], np.uint16), np.array([EOS_ID], np.uint16)
     parts = [part for content in contents for part in (bos, np.frombuffer(content, np.uint8), eos)]
     stream = np.concatenate(parts, dtype=np.uint16) if parts else np.zeros(0, np.uint16)
+    stream.flags.writeable = False
+    return stream
+
+
+def _token_stream(tokenizer: Tokenizer, contents: Sequence[bytes]) -> np.ndarray:
+    """Read-only stream of ``[bos] + ids + [eos]`` per document in the tokenizer's stream dtype."""
+    parts = tokenizer.encode_batch(contents, bos=True, eos=True)
+    dtype = _stream_dtype(tokenizer.vocab_size)
+    stream = np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
     stream.flags.writeable = False
     return stream
 
@@ -481,7 +434,8 @@ class Batches:
     Each row is ``seq_len + 1`` consecutive tokens of a stream (inputs ``row[:-1]``, targets
     ``row[1:]``); windows may cross document boundaries. Process ``i`` of ``p`` gets rows
     ``[i * local_batch, (i + 1) * local_batch)`` of the global batch, with
-    ``local_batch = global_batch // process_count``.
+    ``local_batch = global_batch // process_count``. ``tokenizer`` is the corpus's (what a loss and an evaluation
+    of these batches need: its ``pad_id`` and ``byte_lengths``).
     """
 
     def __init__(
@@ -510,6 +464,7 @@ class Batches:
                     f"longer than seq_len + 1 = {self.seq_len + 1}"
                 )
         self.local_batch = self.global_batch // self.process_count
+        self.tokenizer = corpus.tokenizer
         self._train = corpus.train
         self._val = corpus.val
 

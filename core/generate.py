@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from core import attention as attention_lib
-from core.data import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
+from core.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 __all__ = ["dense_cache_factory", "generate"]
 
@@ -41,10 +41,10 @@ def _sample(
 ) -> jax.Array:
     """logits [B, V] -> tokens [B]; greedy when temperature == 0. The ids in `never` and those >= `num_ids` (rows
     of the embedding no token uses) are never sampled."""
-    vocab = jnp.arange(logits.shape[-1])
-    keep = jnp.ones(vocab.shape, bool) if num_ids is None else vocab < num_ids
-    for token in never:
-        keep = keep & (vocab != token)
+    keep = np.ones(logits.shape[-1], bool)  # static: built once when traced
+    keep[[t for t in never if t < keep.size]] = False
+    if num_ids is not None:
+        keep[num_ids:] = False
     logits = jnp.where(keep, logits, -jnp.inf)
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -67,8 +67,13 @@ def generate(
     eos_id: int | None = EOS_ID,
     never: tuple[int, ...] = (PAD_ID, BOS_ID),
     num_ids: int | None = VOCAB_SIZE,
+    pad_id: int = PAD_ID,
 ) -> np.ndarray:
     """Continues each prompt by `max_new_tokens` tokens.
+
+    The token ids default to the byte tokenizer's. A model of another tokenizer (core.tokenizer, `data.tokenizer`)
+    needs its ids passed: `eos_id=tok.eos_id, never=tok.never_sampled, num_ids=tok.vocab_size` and
+    `pad_id=tok.pad_id` (or `tok.eos_id` when it has none).
 
     Args:
       model: a Transformer (its `__call__` accepts `cache=`).
@@ -78,8 +83,9 @@ def generate(
       eos_id: the token that ends a sequence (default the byte tokenizer's EOS; None: none does).
       never, num_ids: ids never sampled: those in `never` and those >= `num_ids` (None: no limit). The defaults
         are the byte tokenizer's (PAD, BOS; the embedding's rows past its 259 ids).
+      pad_id: fills a row after its `eos_id` (and pads the prompts; default the byte tokenizer's PAD).
     Returns:
-      [B, max_new_tokens] int32; after a sequence emits `eos_id` the rest of its row is PAD.
+      [B, max_new_tokens] int32; after a sequence emits `eos_id` the rest of its row is `pad_id`.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt and every prompt must hold at least one token (e.g. BOS)")
@@ -87,7 +93,7 @@ def generate(
         raise ValueError(f"max_new_tokens = {max_new_tokens}; must be >= 1")
     lengths = np.array([len(p) for p in prompts], np.int32)
     width = int(lengths.max())
-    padded = np.full((len(prompts), width), PAD_ID, np.int32)
+    padded = np.full((len(prompts), width), pad_id, np.int32)
     for i, p in enumerate(prompts):
         padded[i, : len(p)] = p
     capacity = -(-(width + max_new_tokens) // 64) * 64  # round up: fewer distinct compiled shapes
@@ -107,15 +113,17 @@ def generate(
             eos_id=-1 if eos_id is None else int(eos_id),
             never=tuple(int(t) for t in never),
             num_ids=None if num_ids is None else int(num_ids),
+            pad_id=int(pad_id),
         )
     )
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "eos_id", "never", "num_ids")
+    jax.jit,
+    static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "eos_id", "never", "num_ids", "pad_id"),
 )
 def _generate(
-    graphdef, state, padded, lengths, cache, key, *, max_new_tokens, temperature, top_k, eos_id, never, num_ids
+    graphdef, state, padded, lengths, cache, key, *, max_new_tokens, temperature, top_k, eos_id, never, num_ids, pad_id
 ):
     sample = functools.partial(_sample, temperature=temperature, top_k=top_k, never=never, num_ids=num_ids)
     model = nnx.merge(graphdef, state)
@@ -129,12 +137,12 @@ def _generate(
 
     def step(carry, step_key):
         cache, token, done = carry
-        emitted = jnp.where(done, PAD_ID, token)
+        emitted = jnp.where(done, pad_id, token)
         done = done | (token == eos_id)
         logits, _, cache = model(token[:, None], cache=cache)
         return (cache, sample(logits[:, 0], step_key), done), emitted
 
     done0 = jnp.zeros(first.shape, bool)
     (_, last_token, done), out = jax.lax.scan(step, (cache, first, done0), keys[1:])
-    tail = jnp.where(done, PAD_ID, last_token)[None]
+    tail = jnp.where(done, pad_id, last_token)[None]
     return jnp.concatenate([out, tail], axis=0).T

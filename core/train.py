@@ -30,9 +30,10 @@ from flax import nnx
 from core import checkpoint as checkpoint_lib
 from core import hlo
 from core import workdir as workdir_lib
-from core.data import NUM_BYTES, PAD_ID, Batches
+from core.data import Batches
 from core.mesh import Sharder, param_shardings
 from core.model import split_params
+from core.tokenizer import PAD_ID, ByteTokenizer
 
 __all__ = [
     "NonFiniteLossError",
@@ -41,6 +42,7 @@ __all__ = [
     "StateMetrics",
     "Stepper",
     "TrainState",
+    "count_target_bytes",
     "crossed",
     "evaluate",
     "init_state",
@@ -120,18 +122,21 @@ def learning_rate_schedule(optim: ml_collections.ConfigDict, total_steps: int) -
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
 
 
-def lm_loss(model: nnx.Module, tokens: jax.Array, *, key: jax.Array | None = None):
-    """Next-token cross entropy over non-PAD targets, plus every `loss/...` entry the model reports in aux.
+def lm_loss(model: nnx.Module, tokens: jax.Array, *, key: jax.Array | None = None, pad_id: int | None = PAD_ID):
+    """Next-token cross entropy over the targets that are not `pad_id`, plus every `loss/...` entry the model
+    reports in aux.
 
     Args:
       tokens: [B, T + 1] int32; inputs tokens[:, :-1], targets tokens[:, 1:].
+      pad_id: the tokenizer's padding id, left out of the mean (default the byte tokenizer's PAD, 256; None: every
+        target counts). Bind it with functools.partial to pass this as a train step's `loss_fn`.
     Returns:
       (objective scalar, metrics dict with "loss" = the mean token NLL in nats and the aux entries).
     """
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     logits, aux, _ = model(inputs, key=key)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    mask = (targets != PAD_ID).astype(jnp.float32)
+    mask = jnp.ones(targets.shape, jnp.float32) if pad_id is None else (targets != pad_id).astype(jnp.float32)
     loss = jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
     objective = loss + sum((v for k, v in aux.items() if k.startswith("loss/")), jnp.float32(0.0))
     return objective, {"loss": loss, **aux}
@@ -184,8 +189,33 @@ def _global_norm(tree) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
-def make_eval_step(graphdef) -> Callable[[Any, Any, jax.Array], dict]:
-    """A jitted `(params, rest, tokens) -> {"nll_sum", "tokens", "bytes"}` (sums, for exact aggregation)."""
+_BYTE_LENGTHS = ByteTokenizer().byte_lengths
+
+
+def count_target_bytes(targets: jax.Array, byte_lengths: np.ndarray, pad_id: int | None = PAD_ID) -> jax.Array:
+    """How many bytes of text `targets` stand for: `sum(byte_lengths[t])` over the targets `t != pad_id`.
+
+    Args:
+      targets: int [...] token ids in [0, len(byte_lengths)).
+      byte_lengths: int32 [vocab_size], the tokenizer's bytes per id (core.tokenizer; specials 0).
+      pad_id: left out (it is a special, 0 bytes, in every tokenizer we build; None: nothing left out).
+    Returns:
+      int32 scalar. Bits per byte = total NLL / (ln 2 x this), comparable across tokenizers: the same held-out text
+      has the same bytes whatever the ids.
+    """
+    counted = jnp.asarray(byte_lengths, jnp.int32)[targets]
+    if pad_id is not None:
+        counted = jnp.where(targets != pad_id, counted, 0)
+    return jnp.sum(counted, dtype=jnp.int32)
+
+
+def make_eval_step(
+    graphdef, *, byte_lengths: np.ndarray = _BYTE_LENGTHS, pad_id: int | None = PAD_ID
+) -> Callable[[Any, Any, jax.Array], dict]:
+    """A jitted `(params, rest, tokens [B, T + 1]) -> {"nll_sum", "tokens", "bytes"}` (sums, for exact
+    aggregation) over the targets that are not `pad_id`: their NLL, their number and the bytes of text they stand
+    for (`count_target_bytes` with the tokenizer's `byte_lengths`). Defaults: the byte tokenizer's."""
+    byte_lengths = np.asarray(byte_lengths, np.int32)
 
     @jax.jit
     def step(params, rest, tokens):
@@ -193,24 +223,34 @@ def make_eval_step(graphdef) -> Callable[[Any, Any, jax.Array], dict]:
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         logits, _, _ = model(inputs)
         nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-        mask = targets != PAD_ID
+        mask = jnp.ones(targets.shape, bool) if pad_id is None else targets != pad_id
         return {
             "nll_sum": jnp.sum(jnp.where(mask, nll, 0.0)),
             "tokens": jnp.sum(mask),
-            "bytes": jnp.sum(targets < NUM_BYTES),
+            "bytes": count_target_bytes(targets, byte_lengths, pad_id),
         }
 
     return step
 
 
 def init_state(
-    model_fn: Callable[[nnx.Rngs], nnx.Module], optimizer: optax.GradientTransformation, seed: int, sharder: Sharder
+    model_fn: Callable[[nnx.Rngs], nnx.Module],
+    optimizer: optax.GradientTransformation,
+    seed: int,
+    sharder: Sharder,
+    *,
+    init_params: Callable[[nnx.State, nnx.State], nnx.State] | None = None,
 ) -> tuple[Any, TrainState]:
     """Builds the model and optimizer state directly in their shardings: (graphdef, TrainState at step 0).
 
     Everything is created inside one `jax.jit` whose output shardings come from the parameters' logical `axes`
     metadata, so no device ever holds a full copy of a sharded parameter. Optimizer-state leaves that mirror a
     parameter (Adam's moments) get that parameter's sharding; the rest (step counts) are replicated.
+
+    Args:
+      init_params: the parameters to start from instead of `model_fn`'s random ones (pretrained weights):
+        `init_params(abstract params, their shardings) -> params` (an nnx.State shaped like the first, each array
+        already in its sharding). The random parameters are then never computed.
     """
     abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(seed)))
     graphdef, abs_params, abs_rest = split_params(abstract)
@@ -219,12 +259,13 @@ def init_state(
     opt_sh = mirror(jax.eval_shape(optimizer.init, abs_params), abs_params, params_sh, replicated)
     out_shardings = TrainState(replicated, params_sh, param_shardings(abs_rest, sharder), opt_sh, replicated)  # type: ignore[arg-type] # (of shardings)
 
-    @functools.partial(jax.jit, out_shardings=out_shardings)
-    def make():
-        _, params, rest = split_params(model_fn(nnx.Rngs(seed)))
+    @functools.partial(jax.jit, out_shardings=out_shardings, donate_argnums=0)
+    def make(given):
+        _, params, rest = split_params(model_fn(nnx.Rngs(seed)))  # unused random parameters are dead code
+        params = params if given is None else given
         return TrainState(jnp.zeros((), jnp.int32), params, rest, optimizer.init(params), jax.random.PRNGKey(seed))
 
-    return graphdef, make()
+    return graphdef, make(None if init_params is None else init_params(abs_params, params_sh))
 
 
 def mirror(tree, params, values, default):
@@ -624,8 +665,10 @@ class PlainStepper(Stepper):
         state_metrics: StateMetrics | None = None,
     ):
         self.graphdef = graphdef
-        self.train_step = make_train_step(graphdef, optimizer, state_metrics=state_metrics)
-        self.eval_step = make_eval_step(graphdef)
+        tok = batches.tokenizer  # its padding is left out of the loss; its bytes per id give bits per byte
+        loss_fn = functools.partial(lm_loss, pad_id=tok.pad_id)
+        self.train_step = make_train_step(graphdef, optimizer, loss_fn, state_metrics=state_metrics)
+        self.eval_step = make_eval_step(graphdef, byte_lengths=tok.byte_lengths, pad_id=tok.pad_id)
         batch_sharding = sharder.named(("batch", None))
         self.put = lambda b: jax.make_array_from_process_local_data(batch_sharding, b)
         self.batches = batches
@@ -666,11 +709,13 @@ def train(
     state_metrics: StateMetrics | None = None,
     hooks: Sequence[Callable[[int, dict[str, float]], None]] = (),
     on_start: Callable[[int | None], None] | None = None,
+    init_params: Callable[[nnx.State, nnx.State], nnx.State] | None = None,
 ) -> dict[str, Any]:
     """Trains the model built by `model_fn(rngs)` with `optimizer` one step per call (`PlainStepper` driven by
-    `run`), building the state directly in its shardings. Arguments and results as `run`'s; the results add
-    `graphdef` and, on several devices, `bytes_per_device_per_step` (what the step's all-reduces move)."""
-    graphdef, state = init_state(model_fn, optimizer, config.train.seed, sharder)
+    `run`), building the state directly in its shardings (from `init_params`, as `init_state`'s, when given).
+    Arguments and results as `run`'s; the results add `graphdef` and, on several devices,
+    `bytes_per_device_per_step` (what the step's all-reduces move)."""
+    graphdef, state = init_state(model_fn, optimizer, config.train.seed, sharder, init_params=init_params)
     stepper = PlainStepper(
         graphdef, optimizer, batches, sharder, eval_batches=config.train.eval_batches, state_metrics=state_metrics
     )

@@ -167,6 +167,15 @@ class MetricsLog:
         return self.check()[0]
 
 
+def write_json(path: str, obj: Any) -> None:
+    """Writes `obj` as indented JSON to `path` atomically (a temporary file renamed over it): a crash leaves the old
+    file or the new one, never a torn one. Values JSON cannot hold are written as their str()."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, default=str)
+    os.replace(tmp, path)
+
+
 def append_history(workdir: str, record: dict[str, Any]) -> None:
     """Appends `record` (with the time) to `<workdir>/history.jsonl`: the changes a resume accepted."""
     stamped = {"time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), **record}

@@ -8,6 +8,8 @@ the relevant field, and a builder below picks it from the config.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 from collections.abc import Callable
 
 import jax
@@ -21,6 +23,7 @@ from core import data as data_lib
 from core import generate as generate_lib
 from core import mesh as mesh_lib
 from core import model as model_lib
+from core import tokenizer as tokenizer_lib
 from core import train as train_lib
 from kvcache import config as kv_config
 from kvcache import paged_cache_factory
@@ -130,6 +133,10 @@ def default_config() -> ml_collections.ConfigDict:
 def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None) -> None:
     """Raises core.config.ConfigError naming the first bad key. Call once without and once with devices."""
     config_lib.validate(config, schema(), num_devices=num_devices)
+    if config.checkpoint.init_from:  # its form; what it implies is `resolve`'s
+        from experiments.hf import load as hf_load
+
+        hf_load.hf_dir(config)
     optim_config.hyperparameters(config.optim)  # a family key the chosen optimizer does not use
     sizes = None if num_devices is None else config_lib.mesh_shape(config, num_devices)
     moe_config.check(config, sizes)
@@ -140,6 +147,30 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
             f"exceeds model.num_layers = {config.model.num_layers}."
         )
     kv_config.check(config_lib.from_config(kv_config.KVCacheConfig, config.kvcache), model_config(config).head_dim)
+
+
+def resolve(config: ml_collections.ConfigDict) -> None:
+    """Fills in, in place, what other keys imply before `validate`: `checkpoint.init_from = "hf:DIR"` sets the
+    architecture (model, moe) and tokenizer from the Hugging Face checkpoint in DIR (experiments.hf.load.apply_to).
+    Raises ConfigError naming a conflicting key. A tokenizer path becomes absolute, so that the run's config.json
+    (which serve, export and sampling read back) means the same file from any directory."""
+    if config.data.tokenizer != "bytes":
+        config.data.tokenizer = os.path.abspath(config.data.tokenizer)
+    if config.checkpoint.init_from:
+        from experiments.hf import load as hf_load
+
+        hf_load.apply_to(config)
+
+
+def init_params(config: ml_collections.ConfigDict) -> Callable[..., nnx.State] | None:
+    """Where step 0's parameters come from (`core.train.init_state`'s `init_params`): None for a random start, or
+    `(abstract params, their shardings or None) -> the checkpoint of checkpoint.init_from's parameters`, each in its
+    sharding (None: on the default device)."""
+    if not config.checkpoint.init_from:
+        return None
+    from experiments.hf import load as hf_load
+
+    return functools.partial(hf_load.initial_params, config)
 
 
 def model_config(config: ml_collections.ConfigDict) -> config_lib.TransformerConfig:
@@ -242,10 +273,19 @@ def build_mesh(config: ml_collections.ConfigDict) -> tuple[jax.sharding.Mesh, me
     return mesh, mesh_lib.Sharder(mesh, tuple(tuple(r) for r in config.mesh.rules))
 
 
+def build_tokenizer(config: ml_collections.ConfigDict) -> tokenizer_lib.Tokenizer:
+    """The tokenizer `data.tokenizer` names (core.tokenizer.load: 'bytes' or a tokenizer.json); raises
+    core.tokenizer.TokenizerError naming data.tokenizer."""
+    return tokenizer_lib.load(config.data.tokenizer)
+
+
 def build_data(config: ml_collections.ConfigDict) -> tuple[data_lib.Corpus, data_lib.Batches]:
-    """Loads the corpus and the per-process batch source."""
+    """Loads the corpus, tokenized by `data.tokenizer`, and the per-process batch source (which carries the
+    tokenizer: its padding id and bytes per id reach the loss and the evaluation, core.train)."""
     d = config.data
-    corpus = data_lib.load_corpus(d.path or None, val_fraction=d.val_fraction, jsonl_field=d.jsonl_field)
+    corpus = data_lib.load_corpus(
+        d.path or None, val_fraction=d.val_fraction, jsonl_field=d.jsonl_field, tokenizer=build_tokenizer(config)
+    )
     batches = data_lib.Batches(
         corpus,
         seq_len=d.seq_len,

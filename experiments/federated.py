@@ -26,6 +26,7 @@ from core import hlo
 from core import train as train_lib
 from core.data import Batches
 from core.mesh import Sharder
+from core.model import split_params
 from experiments import build
 from moe import federation, reshuffle, rounds, system_model
 from moe.placement import Placement, fixed_placement, random_placement
@@ -67,10 +68,13 @@ class FederatedStepper(train_lib.Stepper):
         self.sites, self.steps_per_call = config.mesh.site, f.local_steps
         self.placement_at = _placements(config)
         placement = self.placement_at(0)
+        tok = batches.tokenizer
+        loss_fn = functools.partial(train_lib.lm_loss, pad_id=tok.pad_id)
         round_fn = rounds.make_round(
-            graphdef, optimizer, mesh, method=f.outer, outer=outer, state_metrics=state_metrics
+            graphdef, optimizer, mesh, method=f.outer, outer=outer, loss_fn=loss_fn, state_metrics=state_metrics
         )
-        self.eval_fn = jax.jit(federation.per_site(train_lib.make_eval_step(graphdef), mesh, (0, 0, None)))
+        eval_step = train_lib.make_eval_step(graphdef, byte_lengths=tok.byte_lengths, pad_id=tok.pad_id)
+        self.eval_fn = jax.jit(federation.per_site(eval_step, mesh, (0, 0, None)))
         self.token_sharding = NamedSharding(mesh, PartitionSpec(None, federation.SITE_AXES))
         k, sites = self.steps_per_call, self.sites
         self.batch_shape = (k, sites, config.data.batch_size // sites, config.data.seq_len + 1)
@@ -184,17 +188,19 @@ def train_federated(
     `FederatedStepper`. Arguments as `run`'s; the results add `rounds`, `bytes_per_site_per_round` (measured from
     the compiled round, and by the formula), `bytes_per_token`, and site 0's final TrainState (single process)."""
     mesh = federation.site_mesh(config.mesh.site, config.fomoe.overlap)
-    graphdef, optimizer, outer, state = initial_state(config, mesh)
+    graphdef, optimizer, outer, state = initial_state(config, mesh, pretrained=True)
     stepper = FederatedStepper(config, batches, mesh, graphdef, optimizer, outer, state, state_metrics=state_metrics)
     return train_lib.run(
         config, stepper, state, workdir=workdir, compat=compat, provenance=provenance, hooks=hooks, on_start=on_start
     )
 
 
-def initial_state(config: ml_collections.ConfigDict, mesh=None):
+def initial_state(config: ml_collections.ConfigDict, mesh=None, *, pretrained: bool = False):
     """(site graphdef, inner optimizer, outer optimizer or None, the federation's initial FederatedState): what
     `train_federated` starts from on the site `mesh`, and what a loader restores a checkpoint into (mesh None: on
-    the default device)."""
+    the default device). `pretrained`: start from `checkpoint.init_from`'s weights when it names a checkpoint (each
+    site receives its resident experts' weights, by the placement); otherwise the weights are random (train.seed).
+    """
     f = config.fomoe
     placement = _placements(config)(0)
     outer = diloco_outer(f.outer_learning_rate, momentum=f.outer_momentum) if f.outer == "diloco" else None
@@ -206,7 +212,12 @@ def initial_state(config: ml_collections.ConfigDict, mesh=None):
     if f.placement == "random":  # arrived experts ramp their learning rate up (moe.reshuffle)
         dims = reshuffle.expert_dims(nnx.state(site_model, nnx.Param))
         optimizer = optax.chain(optimizer, reshuffle.arrival_warmup(dims, f.arrival_warmup))
-    graphdef, state = rounds.init_sites(make(), site_model, placement, optimizer, outer, mesh, config.train.seed)
+    global_model = make()
+    init_params = build.init_params(config) if pretrained else None
+    if init_params is not None:
+        graph, params, rest = split_params(global_model)
+        global_model = nnx.merge(graph, init_params(params), rest)  # on the default device
+    graphdef, state = rounds.init_sites(global_model, site_model, placement, optimizer, outer, mesh, config.train.seed)
     return graphdef, optimizer, outer, state
 
 

@@ -21,7 +21,7 @@ from flax import nnx
 if TYPE_CHECKING:
     from core.model import Transformer
 
-__all__ = ["trained_model"]
+__all__ = ["run_config", "trained_model"]
 
 
 def trained_model(workdir: str, *, site: int = 0) -> tuple[ml_collections.ConfigDict, Transformer]:
@@ -41,12 +41,7 @@ def trained_model(workdir: str, *, site: int = 0) -> tuple[ml_collections.Config
             f"{workdir} is not a finished run's workdir: missing {missing} (train one with "
             "`python -m experiments.run --config ... --workdir ...`)"
         )
-    config = build.default_config()  # sections added since the run was trained keep their defaults
-    with open(paths["config.json"]) as f:
-        for section, values in json.load(f).items():
-            config[section].update(
-                {k: _tuples(v) if isinstance(config[section][k], tuple) else v for k, v in values.items()}
-            )
+    config = run_config(workdir)
     sites = config.mesh.site
     if not 0 <= site < sites:
         raise ValueError(f"site = {site}: the run in {workdir} has mesh.site = {sites} site(s); allowed 0..{sites - 1}")
@@ -73,6 +68,20 @@ def trained_model(workdir: str, *, site: int = 0) -> tuple[ml_collections.Config
         train, _ = checkpointer.restore(step, train, compat=compat)
     checkpointer.close()
     return config, nnx.merge(graphdef, train.params, train.rest)
+
+
+def run_config(workdir: str) -> ml_collections.ConfigDict:
+    """The resolved config a run in `workdir` trained with (its config.json over today's defaults: sections and keys
+    added since the run was trained keep their defaults)."""
+    from experiments import build
+
+    config = build.default_config()
+    with open(os.path.join(workdir, "config.json")) as f:
+        for section, values in json.load(f).items():
+            config[section].update(
+                {k: _tuples(v) if isinstance(config[section][k], tuple) else v for k, v in values.items()}
+            )
+    return config
 
 
 def _tuples(value):

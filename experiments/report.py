@@ -81,13 +81,13 @@ def plot_loss_curve(metrics_path: str, out_path: str) -> None:
 
 
 def sample_text(config, model_fn, results) -> str:
-    """Continues `config.sample.prompt` with the trained model (KV-cached generation)."""
+    """Continues `config.sample.prompt` with the trained model (KV-cached generation), encoded and decoded by
+    the run's tokenizer (`data.tokenizer`), ending at its EOS."""
     from core import generate
-    from core.data import ByteTokenizer
     from experiments import build
 
     model = nnx.merge(results["graphdef"], results["final_state"].params, results["final_state"].rest)
-    tok = ByteTokenizer()
+    tok = build.build_tokenizer(config)
     s = config.sample
     out = generate.generate(
         model,
@@ -97,5 +97,9 @@ def sample_text(config, model_fn, results) -> str:
         temperature=s.temperature,
         top_k=s.top_k,
         cache_factory=build.build_cache_factory(config, model),
+        eos_id=tok.eos_id,
+        never=tok.never_sampled,
+        num_ids=tok.vocab_size,
+        pad_id=tok.eos_id if tok.pad_id is None else tok.pad_id,
     )
     return s.prompt + tok.decode(out[0])

@@ -14,7 +14,6 @@ used or is in use).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -98,9 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, config_lib.ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from experiments.hf.config_map import HFConfigError
+    from experiments.hf.weights import HFWeightsError
+
     try:
         return run(config, workdir)
-    except (config_lib.ConfigError, DataError, workdir_lib.WorkdirError) as e:
+    except (config_lib.ConfigError, DataError, workdir_lib.WorkdirError, HFConfigError, HFWeightsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -108,14 +110,24 @@ def main(argv: list[str] | None = None) -> int:
 def run(config, workdir: str, *, hooks: Sequence[Callable[[int, dict[str, float]], None]] = ()) -> int:
     """Validates, trains, and writes the summary, holding the workdir's lock (process 0). Returns the exit code.
     `hooks` are called after every step (`core.train.run`); an exception they raise stops the run as a crash would
-    (tests use one). Raises ConfigError, DataError or WorkdirError for bad input."""
+    (tests use one). Raises ConfigError, DataError, WorkdirError, HFConfigError or HFWeightsError (a checkpoint
+    of checkpoint.init_from that does not fit) for bad input."""
     from experiments import build
 
     build.validate(config)  # static checks: no JAX backend touched yet
+    build.resolve(config)
+    build.validate(config)  # with what init_from implies
     if config.mesh.process_id != 0:
         return _run(config, workdir, hooks)
     with workdir_lib.lock(workdir):
         return _run(config, workdir, hooks)
+
+
+def write_records(workdir: str, config: ml_collections.ConfigDict, corpus) -> None:
+    """The run's config.json (the resolved config) and data.json (the corpus's description and fingerprint), which
+    `experiments.load` reads back."""
+    workdir_lib.write_json(os.path.join(workdir, "config.json"), config.to_dict())
+    workdir_lib.write_json(os.path.join(workdir, "data.json"), {"fingerprint": corpus.fingerprint, **corpus.info})
 
 
 def _run(config, workdir: str, hooks: Sequence[Callable[[int, dict[str, float]], None]]) -> int:
@@ -157,8 +169,10 @@ def _run(config, workdir: str, hooks: Sequence[Callable[[int, dict[str, float]],
 
     def write_records(resumed_from):  # only once any checkpoint in the workdir has been accepted
         if is_main:
-            _write_json(os.path.join(workdir, "config.json"), config.to_dict())
-            _write_json(os.path.join(workdir, "data.json"), {"fingerprint": corpus.fingerprint, **corpus.info})
+            workdir_lib.write_json(os.path.join(workdir, "config.json"), config.to_dict())
+            workdir_lib.write_json(
+                os.path.join(workdir, "data.json"), {"fingerprint": corpus.fingerprint, **corpus.info}
+            )
 
     federated = config.mesh.site > 1
     from experiments import federated as federated_lib
@@ -177,7 +191,14 @@ def _run(config, workdir: str, hooks: Sequence[Callable[[int, dict[str, float]],
             results = federated_lib.train_federated(config, **common)
         else:
             optimizer = build.build_optimizer(config)
-            results = train_lib.train(config, model_fn=model_fn, optimizer=optimizer, sharder=sharder, **common)
+            results = train_lib.train(
+                config,
+                model_fn=model_fn,
+                optimizer=optimizer,
+                sharder=sharder,
+                init_params=build.init_params(config),
+                **common,
+            )
     except (train_lib.NonFiniteLossError, checkpoint_lib.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -206,7 +227,7 @@ def _run(config, workdir: str, hooks: Sequence[Callable[[int, dict[str, float]],
         "devices": f"{mesh.devices.size} x {mesh.devices.flat[0].device_kind}",  # those the run used
         "wall_seconds_this_process": round(time.time() - started, 1),
     }
-    _write_json(os.path.join(workdir, "summary.json"), summary)
+    workdir_lib.write_json(os.path.join(workdir, "summary.json"), summary)
     report.plot_loss_curve(os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "loss_curve.png"))
     print(report.summary_table(summary), flush=True)
     if config.sample.prompt and config.sample.num_tokens:
@@ -235,13 +256,6 @@ def _virtual_sites(config) -> None:
         count = config.mesh.site * max(1, config.mesh.data) * max(1, config.mesh.expert) * max(1, config.mesh.model)
         os.environ["XLA_FLAGS"] = f"{flags_now} --xla_force_host_platform_device_count={count}".strip()
         print(f"federated run: {count} virtual CPU devices (XLA_FLAGS={os.environ['XLA_FLAGS']})", flush=True)
-
-
-def _write_json(path: str, obj) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

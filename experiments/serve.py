@@ -9,9 +9,12 @@ prompt is one request of a continuous-batching engine (kvcache.engine) over a pa
 the chosen format; the first prompt's text streams to the terminal, the others are printed when done, followed
 by each request's time to first token and time per output token.
 
-A prompt is served as the bytes given on the command line (an argument that is not valid UTF-8 reaches Python as
-surrogate escapes, which are turned back into its bytes); text is shown as UTF-8, invalid bytes as U+FFFD, and a
-character whose bytes arrive over several engine steps is shown once it is complete (core.data.StreamDecoder).
+Prompts are encoded, and the output decoded, by the run's tokenizer (its `data.tokenizer`: bytes, or a
+Hugging Face tokenizer.json, core.tokenizer); a request ends at that tokenizer's EOS. A prompt is served as the bytes
+given on the command line (an argument that is not valid UTF-8 reaches Python as surrogate escapes, which are turned
+back into its bytes; the byte tokenizer takes them as they are, a BPE tokenizer reads invalid bytes as U+FFFD); text
+is shown as UTF-8, invalid bytes as U+FFFD, and a character whose bytes arrive over several engine steps (or
+tokens) is shown once it is complete (core.tokenizer.StreamDecoder).
 
 Exit status: 0 served; 2 a bad flag (before anything is loaded), a run that cannot be served with these flags or
 a workdir that is not a finished run; 1 a damaged checkpoint (core.checkpoint.CheckpointError).
@@ -93,13 +96,14 @@ def main(argv=None) -> int:
             )
 
     from core.checkpoint import CheckpointError
-    from core.data import ByteTokenizer, StreamDecoder
-    from experiments import load
+    from core.tokenizer import StreamDecoder
+    from experiments import build, load
     from kvcache import formats
     from kvcache.engine import Engine, EngineConfig
 
     try:
-        _, model = load.trained_model(args.workdir, site=args.site)
+        run_config, model = load.trained_model(args.workdir, site=args.site)
+        tok = build.build_tokenizer(run_config)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -113,7 +117,6 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: --kv-format={args.kv_format} cannot hold this model's keys and values: {e}", file=sys.stderr)
         return 2
-    tok = ByteTokenizer()
     prompts = [tok.encode_bytes(raw).tolist() for raw in raw_prompts]
     longest = max(map(len, prompts)) + args.max_new_tokens
     config = EngineConfig(
@@ -121,6 +124,9 @@ def main(argv=None) -> int:
         max_model_len=max(512, -(-longest // 256) * 256),
         temperature=args.temperature,
         seed=args.seed,
+        eos_id=tok.eos_id,
+        never=tok.never_sampled,
+        num_ids=tok.vocab_size,
     )
     per_block = cfg.num_layers * config.block_size * fmt.bytes_per_token(cfg.num_kv_heads, cfg.head_dim)
     if config.memory_bytes < per_block:
@@ -144,8 +150,8 @@ def main(argv=None) -> int:
             requests.append(engine.submit(prompt, args.max_new_tokens))
         except ValueError as e:
             print(
-                f"error: prompt {i + 1} ({len(prompt)} tokens with BOS) and --max-new-tokens={args.max_new_tokens} "
-                f"do not fit --kv-memory-mib={args.kv_memory_mib!r}: {e}",
+                f"error: prompt {i + 1} ({len(prompt)} tokens, BOS included) and "
+                f"--max-new-tokens={args.max_new_tokens} do not fit --kv-memory-mib={args.kv_memory_mib!r}: {e}",
                 file=sys.stderr,
             )
             return 2

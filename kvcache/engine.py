@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from core.data import EOS_ID, NUM_BYTES
+from core.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 from kvcache import attention
 from kvcache.blocks import BlockManager, block_hashes
 from kvcache.formats import Format
@@ -53,7 +53,12 @@ __all__ = ["Engine", "EngineConfig", "Request", "Scheduler"]
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """memory_bytes: KV pool size; max_num_seqs / max_num_batched_tokens: per-step limits; max_model_len: the
-    longest sequence (prompt + output) a request may reach; temperature 0 = greedy."""
+    longest sequence (prompt + output) a request may reach; temperature 0 = greedy.
+
+    The tokenizer's ids (core.tokenizer; defaults: the byte tokenizer's): `eos_id` ends a request (None: only
+    max_new_tokens does); `never` (ids) and the ids >= `num_ids` (None: no limit) are never sampled, e.g.
+    `EngineConfig(..., eos_id=tok.eos_id, never=tok.never_sampled, num_ids=tok.vocab_size)`.
+    """
 
     memory_bytes: int
     block_size: int = 16
@@ -63,6 +68,9 @@ class EngineConfig:
     implementation: str = "xla"
     temperature: float = 0.0
     seed: int = 0
+    eos_id: int | None = EOS_ID
+    never: tuple[int, ...] = (PAD_ID, BOS_ID)
+    num_ids: int | None = VOCAB_SIZE
 
     def __post_init__(self):
         for name in ("memory_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -71,6 +79,20 @@ class EngineConfig:
         if not self.temperature >= 0:  # NaN too
             raise ValueError(f"EngineConfig.temperature = {self.temperature}; must be >= 0")
         attention.check_implementation(self.implementation)
+        for name in ("eos_id", "num_ids"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0):
+                raise ValueError(f"EngineConfig.{name} = {value!r}; must be an integer >= 0 or None")
+        bad = [t for t in self.never if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0]
+        if bad:
+            raise ValueError(f"EngineConfig.never holds {bad[0]!r}; every id must be an integer >= 0")
+        if self.eos_id is not None and (
+            self.eos_id in self.never or (self.num_ids is not None and self.eos_id >= self.num_ids)
+        ):
+            raise ValueError(
+                f"EngineConfig.eos_id = {self.eos_id} can never be sampled (it is in `never` or >= num_ids = "
+                f"{self.num_ids}); the end id must be sampleable"
+            )
         if self.max_model_len < 2 * self.max_num_batched_tokens:
             raise ValueError(
                 f"EngineConfig.max_model_len = {self.max_model_len} must be >= 2 x "
@@ -313,7 +335,8 @@ class Scheduler:
             request.token_times.append(now)
             if request.first_token_time is None:
                 request.first_token_time = now
-            if (token == EOS_ID and not request.ignore_eos) or len(request.output) >= request.max_new_tokens:
+            ended = token == self.config.eos_id and not request.ignore_eos
+            if ended or len(request.output) >= request.max_new_tokens:
                 request.finish_time = now
                 self.running.remove(request)
                 self.blocks.release(request.blocks)
@@ -349,6 +372,10 @@ class Engine(Scheduler):
         super().__init__(config, fmt, self.pool.num_blocks)
         self.vocab_size = cfg.vocab_size  # token ids a prompt may hold: [0, vocab_size)
         self._rng = np.random.default_rng(config.seed)
+        self._sampled = np.ones(cfg.vocab_size, bool)  # the ids `_sample` may produce
+        self._sampled[[t for t in config.never if t < cfg.vocab_size]] = False
+        if config.num_ids is not None:
+            self._sampled[config.num_ids :] = False
 
     def submit(self, prompt, max_new_tokens: int, *, arrival: float | None = None, ignore_eos: bool = False) -> Request:
         """`Scheduler.submit` for the model's vocabulary: `prompt` (a 1-D sequence of ids: Python or NumPy
@@ -438,10 +465,9 @@ class Engine(Scheduler):
             logits.block_until_ready()
 
     def _sample(self, logits: np.ndarray) -> int:
-        """Greedy (temperature 0) or temperature sampling over the bytes and EOS (other specials never), as
-        `core.generate` samples."""
-        vocab = np.arange(logits.shape[-1])
-        logits = np.where((vocab < NUM_BYTES) | (vocab == EOS_ID), logits, -np.inf)
+        """Greedy (temperature 0) or temperature sampling over the ids not in `config.never` and below
+        `config.num_ids` (the byte tokenizer's: the bytes and EOS), as `core.generate` samples."""
+        logits = np.where(self._sampled, logits, -np.inf)
         if self.config.temperature == 0:
             return int(np.argmax(logits))
         p = np.exp((logits - logits.max()) / self.config.temperature)

@@ -17,7 +17,7 @@ import dataclasses
 
 import numpy as np
 
-from core.data import NUM_BYTES
+from core.tokenizer import NUM_BYTES
 
 __all__ = ["AgentWorkload", "Conversation", "conversations", "run"]
 

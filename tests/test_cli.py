@@ -180,7 +180,7 @@ def _serve_streams_the_greedy_continuation(workdir, capsys, kv_format="bf16"):
     """`python -m experiments.serve` on the run: the streamed text of a greedy request is the prompt followed by
     what the serving engine generates for it from the loaded model with the same KV format (the engine equals
     `core.generate` with that cache: test_engine); a missing workdir exits 2 with a clear message."""
-    from core.data import ByteTokenizer
+    from core.tokenizer import ByteTokenizer
     from experiments import load
     from kvcache import formats
     from kvcache.engine import Engine, EngineConfig

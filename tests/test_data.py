@@ -1,4 +1,5 @@
-"""Tests for core.data: tokenizer, corpus loading and splitting, batching."""
+"""Tests for core.data (corpus loading and splitting, batching) and the byte tokenizer of core.tokenizer it streams
+by default (tests/test_tokenizer.py covers the tokenizer interface, BPE and the held-out byte count)."""
 
 import collections
 import contextlib
@@ -17,7 +18,8 @@ import numpy as np
 import pytest
 
 from core import data
-from core.data import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, Batches, ByteTokenizer, Corpus, DataError
+from core.data import Batches, Corpus, DataError
+from core.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, ByteTokenizer, StreamDecoder, TokenizerError
 
 # --------------------------------------------------------------------------- helpers
 
@@ -96,11 +98,11 @@ def test_tokenizer_constants_and_errors():
     assert tok.encode("é", bos=False).tolist() == list("é".encode())
     assert tok.decode([0xC3]) == "\ufffd"  # Truncated multi-byte sequence is replaced.
     assert tok.decode([]) == ""
-    with pytest.raises(DataError, match="259"):
+    with pytest.raises(TokenizerError, match="259"):
         tok.decode([65, 259])
-    with pytest.raises(DataError, match="-1"):
+    with pytest.raises(TokenizerError, match="-1"):
         tok.decode([-1])
-    with pytest.raises(DataError, match="1-D"):
+    with pytest.raises(TokenizerError, match="1-D"):
         tok.decode(np.zeros((2, 2), np.int32))
     not_text: Any = b"abc"  # the wrong type on purpose
     with pytest.raises(TypeError, match="bytes"):
@@ -108,7 +110,7 @@ def test_tokenizer_constants_and_errors():
 
 
 def utf8_reference(ids) -> str:
-    """Whole decoding written here, independently of core.data: drop ids >= 256, replace invalid UTF-8."""
+    """Whole decoding written here, independently of core.tokenizer: drop ids >= 256, replace invalid UTF-8."""
     return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
@@ -158,7 +160,7 @@ def test_stream_decoder_equals_whole_decoding(seed, noisy):
     else:
         assert "\ufffd" in expected
     for max_chunk in (1, 2, 9):
-        decoder = data.StreamDecoder(tok)
+        decoder = StreamDecoder(tok)
         pieces = []
         for chunk in chunked(ids, rng, max_chunk):
             pieces.append(decoder.feed(chunk if max_chunk > 2 else chunk.tolist()))
@@ -174,12 +176,12 @@ def test_stream_decoder_equals_whole_decoding(seed, noisy):
 def test_stream_decoder_holds_back_a_split_character_and_takes_any_bytes_tokenizer():
     tok = ByteTokenizer()
     euro = list("€".encode())  # 3 bytes
-    decoder = data.StreamDecoder(tok)
+    decoder = StreamDecoder(tok)
     assert [decoder.feed([b]) for b in euro] == ["", "", "€"]
     assert decoder.feed([0xE2]) == "" and decoder.flush() == "\ufffd"  # a truncated tail is replaced at the end
     assert decoder.flush() == ""  # and the decoder starts afresh
     assert decoder.feed([]) == "" and decoder.feed(np.zeros(0, np.int32)) == ""
-    with pytest.raises(DataError, match="259"):
+    with pytest.raises(TokenizerError, match="259"):
         decoder.feed([65, 259])
     assert tok.decode_bytes([BOS_ID, 0xE2, 0x82, EOS_ID, PAD_ID, 0xAC]) == "€".encode()
     assert tok.decode_bytes(np.array([], np.int64)) == b""
@@ -195,15 +197,8 @@ def test_stream_decoder_holds_back_a_split_character_and_takes_any_bytes_tokeniz
     rng = np.random.default_rng(0)
     ids = rng.integers(0, len(Pieces.pieces), size=200)
     expected = b"".join(Pieces.pieces[i] for i in ids).decode("utf-8", errors="replace")
-    decoder = data.StreamDecoder(Pieces())
+    decoder = StreamDecoder(Pieces())
     assert "".join([decoder.feed(c) for c in chunked(ids, rng, 3)] + [decoder.flush()]) == expected
-
-
-def test_count_bytes():
-    rng = np.random.default_rng(0)
-    for shape in [(0,), (17,), (3, 5), (2, 3, 7)]:
-        targets = rng.integers(0, VOCAB_SIZE, size=shape)
-        assert data.count_bytes(targets) == sum(1 for t in targets.ravel().tolist() if t < 256)
 
 
 # --------------------------------------------------------------------------- stdlib corpus

@@ -4,7 +4,9 @@ heads, Llama 3.1 RoPE scaling, untied), Qwen2 (q/k/v biases, tied), Qwen3 (q/k n
 softmax top-2 SwiGLU experts) and Qwen3-MoE (a dense first layer) checkpoints, imported logits on a ragged batch,
 every MoE layer's top-k experts, and 32 greedy tokens; and clear refusals of what the importer cannot honour."""
 
+import inspect
 import json
+import json.decoder
 import os
 import pathlib
 import re
@@ -16,9 +18,21 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from core import config as config_lib
 from core import generate as generate_lib
-from experiments import build
-from experiments.hf import config_map, export, load, weights
+from core import mesh as mesh_lib
+from core import train as train_lib
+from core.model import split_params
+from experiments import build, federated
+from experiments import load as run_load
+from experiments import run as run_lib
+from experiments.configs import finetune
+from experiments.hf import __main__ as hf_cli
+from experiments.hf import config_map, export, importer, load, weights
+from kvcache import config as kv_config
+from kvcache.engine import Engine, EngineConfig
+from moe import placement as placement_lib
+from moe.config import MoEConfig
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
 NAMES = ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
@@ -161,3 +175,128 @@ def test_transformers_loads_our_export(tmp_path, name):
     with torch.no_grad():
         logits = loaded(torch.from_numpy(reference["tokens"].astype(np.int64))).logits.numpy()
     np.testing.assert_allclose(logits, reference["logits"], rtol=0, atol=1e-5 * np.abs(logits).max())
+
+
+def _corpus(tmp_path):
+    """A small text corpus (two copies of a standard-library module's source) with half of it held out."""
+    path = tmp_path / "corpus.txt"
+    path.write_text(inspect.getsource(json.decoder) * 2)
+    return str(path)
+
+
+def _tiny_data(config, tmp_path):
+    config.data.update(path=_corpus(tmp_path), seq_len=16, batch_size=8, val_fraction=0.5)
+    return config
+
+
+def test_an_imported_checkpoint_is_a_run_that_serves_through_bf16_and_fp4_kv(tmp_path):
+    """`import` writes a run at step 0 whose parameters are the checkpoint's; the run loads back and its greedy
+    generation through the engine's paged cache equals transformers' own in bf16 (12 tokens; all 32 measured). FP4
+    keys and values (head_dim 64) follow the reference for the first 5 tokens (measured: 5 for fp4 and 6 for fp8 on
+    this random model, whose logit margins are small), then keep generating."""
+    directory = os.path.join(FIXTURES, "qwen3")
+    reference = np.load(os.path.join(directory, "reference.npz"))
+    workdir = tmp_path / "run"
+    config = _tiny_data(build.default_config(), tmp_path)
+    config.mesh.data = 1
+    summary = importer.import_to(str(workdir), directory, config=config, eval_batches=0)  # runs evaluate: elsewhere
+    assert summary["steps"] == 0 and summary["num_params"] == 77_984
+    saved = json.loads((workdir / "config.json").read_text())
+    assert saved["checkpoint"]["init_from"] == "hf:" + directory and saved["model"]["head_dim"] == 64
+    config, model = run_load.trained_model(str(workdir))
+    expected = weights.to_ours(weights.read(directory), build.model_config(config), _moe(config), source=directory)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        np.testing.assert_array_equal(np.asarray(var.get_value()), expected[".".join(map(str, path))])
+    for name, new, agree in (("bf16", 12, 12), ("fp4", 8, 5)):  # (a CPU engine step takes ~0.2 s)
+        fmt = kv_config.make_format(config_lib.from_config(kv_config.KVCacheConfig, {**config.kvcache, "format": name}))
+        engine = Engine(model, fmt, EngineConfig(memory_bytes=2**18, eos_id=None, never=(), num_ids=None))
+        request = engine.submit(reference["greedy_prompt"].tolist(), new)
+        engine.run()
+        assert len(request.output) == new
+        np.testing.assert_array_equal(request.output[:agree], reference["greedy"][:agree], err_msg=name)
+
+
+def test_imported_parameters_are_created_in_their_shardings():
+    """On a data x tensor mesh (4 x 2) each device receives only its slice of a head-sharded projection, and the
+    values are the checkpoint's."""
+    directory = os.path.join(FIXTURES, "qwen3")
+    config = build.default_config()
+    config.checkpoint.init_from = "hf:" + directory
+    config.mesh.update(data=4, model=2)
+    build.resolve(config)
+    build.validate(config, num_devices=8)
+    _, sharder = build.build_mesh(config)
+    _, abstract, _ = split_params(nnx.eval_shape(lambda: build.build_model_fn(config, sharder)(nnx.Rngs(0))))
+    params = load.initial_params(config, abstract, mesh_lib.param_shardings(abstract, sharder))
+    q = dict(nnx.to_flat_state(params))[("blocks", 0, "attn", "q", "kernel")].get_value()
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    assert {s.data.shape for s in q.addressable_shards} == {(32, 128)}  # [d_model, heads x head_dim / 2]
+    expected = weights.read(directory)["model.layers.0.self_attn.q_proj.weight"].T
+    np.testing.assert_array_equal(np.asarray(q), expected)
+
+
+def test_import_refuses_before_writing_anything(tmp_path, capsys):
+    """A tensor that does not fit is refused from the safetensors headers, with exit code 2, and the workdir is not
+    created; a workdir that already holds a run is refused too."""
+    directory = _copy(tmp_path, "qwen2")
+    _edit_config(directory, intermediate_size=40)
+    workdir = tmp_path / "w"
+    argv = ["import", "--hf-dir", str(directory), "--workdir", str(workdir), "--eval-batches", "0"]
+    assert hf_cli.main(argv) == 2
+    assert "'model.layers.0.mlp.gate_proj.weight' has shape (48, 32), expected (40, 32)" in capsys.readouterr().err
+    assert not workdir.exists()
+    (workdir / "checkpoints" / "3").mkdir(parents=True)
+    _edit_config(directory, intermediate_size=48)
+    assert hf_cli.main(argv) == 2
+    assert "already holds a run's checkpoints" in capsys.readouterr().err
+
+
+def _moe(config):
+    return config_lib.from_config(MoEConfig, config.moe)
+
+
+def test_fine_tuning_starts_from_the_checkpoint(tmp_path):
+    """`checkpoint.init_from = "hf:DIR"` (experiments/configs/finetune.py), here with MGUP-AdamW: the first step's
+    training loss is the imported model's loss on that step's batch (computed here from `load.model_from_hf`); a
+    config that sets an architecture key to another value is refused by name."""
+    directory = os.path.join(FIXTURES, "llama")
+    config = _tiny_data(finetune.get_config(directory), tmp_path)
+    config.optim.update(name="mgup_adamw", warmup_steps=0)
+    config.train.update(steps=1, log_every=1, eval_batches=1, progress=False)
+    config.mesh.data = 1  # one device (the import test places parameters over 8)
+    assert run_lib.run(config, str(tmp_path / "ft")) == 0
+    [row] = [
+        r for r in map(json.loads, (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()) if "train_loss" in r
+    ]
+    _, model = load.model_from_hf(directory, config=config)  # resolved by the run: llama's architecture
+    _, batches = build.build_data(config)
+    key = jax.random.fold_in(jax.random.PRNGKey(config.train.seed), 0)  # the train step's key of step 0
+    loss, _ = train_lib.lm_loss(model, jnp.asarray(batches.train_batch(0)), key=key)
+    assert abs(row["train_loss"] - float(loss)) <= 1e-4 * float(loss), (row["train_loss"], float(loss))
+    bad = _tiny_data(finetune.get_config(directory), tmp_path)
+    bad.model.d_model = 64
+    with pytest.raises(config_lib.ConfigError, match=r"'model.d_model' = 64 conflicts with the checkpoint .* has 32"):
+        build.resolve(bad)
+
+
+def test_a_federation_starts_each_site_from_its_resident_experts(tmp_path):
+    """A pretrained MoE over 2 sites with overlap 1: site s holds the checkpoint's experts that the placement puts
+    there, its router's columns of those experts (partitioned routing), and every other parameter whole."""
+    directory = os.path.join(FIXTURES, "qwen3_moe")
+    config = _tiny_data(finetune.get_config(directory), tmp_path)
+    config.mesh.update(site=2, data=1)
+    config.fomoe.update(overlap=1, local_steps=1)
+    build.resolve(config)
+    build.validate(config, num_devices=8)
+    _, _, _, state = federated.initial_state(config, pretrained=True)
+    expected = weights.to_ours(weights.read(directory), build.model_config(config), _moe(config), source=directory)
+    placement = placement_lib.fixed_placement(config.moe.num_experts, 2, 1)
+    for path, var in nnx.to_flat_state(state.train.params):
+        key, value = ".".join(map(str, path)), np.asarray(var.get_value())
+        for site in range(2):
+            if key.endswith(("ffn.gate", "ffn.up", "ffn.down")):
+                np.testing.assert_array_equal(value[site], expected[key][placement.experts[site]], err_msg=key)
+            elif key.endswith("ffn.router"):
+                np.testing.assert_array_equal(value[site], expected[key][:, placement.experts[site]], err_msg=key)
+            else:
+                np.testing.assert_array_equal(value[site], expected[key], err_msg=key)

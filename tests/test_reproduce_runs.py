@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 
+from core import workdir as workdir_lib
 from experiments import run as run_lib
 from experiments.reproduce import runs
 
@@ -27,10 +28,10 @@ def _finished_run(workdir, config: str, flags: list[str], steps: int, *, with_co
     os.makedirs(os.path.join(workdir, "checkpoints", str(steps)), exist_ok=True)
     if with_config:
         resolved, _ = run_lib.parse_args(_argv(config, str(workdir), flags, steps))
-        run_lib._write_json(os.path.join(workdir, "config.json"), resolved.to_dict())
+        workdir_lib.write_json(os.path.join(workdir, "config.json"), resolved.to_dict())
     result = {"steps": steps, "val_loss": 1.2345, "marker": "old"}
     if summary:
-        run_lib._write_json(os.path.join(workdir, "summary.json"), result)
+        workdir_lib.write_json(os.path.join(workdir, "summary.json"), result)
     return result
 
 
@@ -45,8 +46,8 @@ def launches(monkeypatch):
         workdir = next(a.split("=", 1)[1] for a in args if a.startswith("--workdir="))
         os.makedirs(workdir, exist_ok=True)
         resolved, _ = run_lib.parse_args(["experiments.run", *args])
-        run_lib._write_json(os.path.join(workdir, "config.json"), resolved.to_dict())
-        run_lib._write_json(os.path.join(workdir, "summary.json"), {"steps": resolved.train.steps, "marker": "new"})
+        workdir_lib.write_json(os.path.join(workdir, "config.json"), resolved.to_dict())
+        workdir_lib.write_json(os.path.join(workdir, "summary.json"), {"steps": resolved.train.steps, "marker": "new"})
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr(runs.subprocess, "run", fake_run)

@@ -2,9 +2,11 @@
 with their exit codes, a character split across engine steps streamed whole, a prompt of raw bytes served as those
 bytes, and a KV pool or format that cannot serve the model refused by name.
 
-Nothing here trains or compiles: the loader is replaced by one returning a model's config only, and the engine by
-the real scheduler (kvcache.engine.Scheduler) whose "model" emits a scripted byte per decode step."""
+Nothing here trains or compiles: the loader is replaced by one returning a run's config (its data.tokenizer) and a
+model that is only its config, and the engine by the real scheduler (kvcache.engine.Scheduler) whose "model" emits a
+scripted token per decode step (a byte; or a BPE id, for a run with a BPE tokenizer)."""
 
+import pathlib
 import re
 import types
 from typing import ClassVar
@@ -13,7 +15,7 @@ import pytest
 
 from core.checkpoint import CheckpointError
 from core.config import TransformerConfig
-from core.data import EOS_ID
+from core.tokenizer import HFTokenizer
 from experiments import load, serve
 from kvcache import engine as engine_lib
 
@@ -21,27 +23,32 @@ from kvcache import engine as engine_lib
 CFG = TransformerConfig(vocab_size=264, d_model=128, num_layers=2, num_heads=2, num_kv_heads=1, d_ff=64)
 BF16_BLOCK_BYTES = 2 * 16 * 2 * 64 * 2
 SCRIPT = "naïve € 😀 ok".encode()  # 1-, 2-, 3- and 4-byte characters
+BYTES_RUN = types.SimpleNamespace(data=types.SimpleNamespace(tokenizer="bytes"))  # what serve reads of the config
+BPE_DIR = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf" / "tokenizer"  # 320 ids: pad 0, bos 1, eos 2
 
 
 class ScriptedEngine(engine_lib.Scheduler):
-    """The engine's scheduler with a script for a model: a request's next token is byte `len(output)` of SCRIPT,
-    then EOS; after the one-step prefill, one token per step (a multi-byte character arrives over several steps).
-    The pool holds as many blocks as `memory_bytes` does for the model (kvcache.paged's rule)."""
+    """The engine's scheduler with a script for a model: a request's next token is token `len(output)` of the script
+    (SCRIPT's bytes by default), then the EOS the engine was configured with; after the one-step prefill, one token
+    per step (a multi-byte character arrives over several steps). The pool holds as many blocks as `memory_bytes`
+    does for the model (kvcache.paged's rule)."""
 
-    script: bytes = SCRIPT
+    script: bytes | list[int] = SCRIPT
     prompts: ClassVar[list[list[int]]] = []  # what each instance was submitted, in order
+    configs: ClassVar[list[engine_lib.EngineConfig]] = []  # each instance's config
 
     def __init__(self, model, fmt, config):
         cfg = model.cfg
         per_block = cfg.num_layers * config.block_size * fmt.bytes_per_token(cfg.num_kv_heads, cfg.head_dim)
         super().__init__(config, fmt, config.memory_bytes // per_block)
+        ScriptedEngine.configs.append(config)
 
     def submit(self, prompt, max_new_tokens, **kw):
         ScriptedEngine.prompts.append(list(prompt))
         return super().submit(prompt, max_new_tokens, **kw)
 
     def _execute(self, batch):
-        script = [*self.script, EOS_ID]
+        script = [*self.script, self.config.eos_id]
         return [script[len(r.output)] if r.num_computed + n == len(r.tokens) else None for r, n in batch]
 
 
@@ -60,10 +67,11 @@ def nothing_loads(monkeypatch):
 def scripted(monkeypatch):
     """The loader returns a model that is only its config (d_model 128, head_dim 64); the engine is ScriptedEngine."""
     model = types.SimpleNamespace(cfg=CFG)
-    monkeypatch.setattr(load, "trained_model", lambda workdir, site=0: (None, model))
+    monkeypatch.setattr(load, "trained_model", lambda workdir, site=0: (BYTES_RUN, model))
     monkeypatch.setattr(engine_lib, "Engine", ScriptedEngine)
     monkeypatch.setattr(ScriptedEngine, "script", SCRIPT)
     monkeypatch.setattr(ScriptedEngine, "prompts", [])
+    monkeypatch.setattr(ScriptedEngine, "configs", [])
     return model
 
 
@@ -210,6 +218,27 @@ def test_a_pool_too_small_for_a_block_or_the_request_names_the_flags(capsys, scr
 
 def test_a_format_the_model_cannot_use_is_refused_by_name(capsys, scripted, monkeypatch):
     narrow = types.SimpleNamespace(cfg=TransformerConfig(d_model=16, num_heads=2, num_kv_heads=2, num_layers=1))
-    monkeypatch.setattr(load, "trained_model", lambda workdir, site=0: (None, narrow))
+    monkeypatch.setattr(load, "trained_model", lambda workdir, site=0: (BYTES_RUN, narrow))
     code, out, err = serve_main(capsys, "--prompt=x", "--kv-format=fp4")
     assert code == 2 and not out and err.startswith("error: --kv-format=fp4") and "head_dim = 8" in err, err
+
+
+def test_a_bpe_run_is_served_with_its_tokenizer(capsys, scripted, monkeypatch):
+    """A run whose data.tokenizer is a BPE: the engine gets the prompt's BPE ids after its BOS (1), never samples its
+    PAD / BOS and stops at its EOS (2); the script's ids, one per step and cutting characters (b"r\\xc3"), stream as
+    whole text."""
+    tok = HFTokenizer.from_file(BPE_DIR)
+    text = "crème brûlée, 日本語のテキストです 😀 ok"
+    script = tok.encode(text, bos=False).tolist()
+    assert any(tok.decode([i]) != tok.decode_bytes([i]).decode(errors="ignore") for i in script)  # a torn character
+    run = types.SimpleNamespace(data=types.SimpleNamespace(tokenizer=str(BPE_DIR)))
+    model = types.SimpleNamespace(cfg=TransformerConfig(**{**CFG.__dict__, "vocab_size": 320}))
+    monkeypatch.setattr(load, "trained_model", lambda workdir, site=0: (run, model))
+    monkeypatch.setattr(ScriptedEngine, "script", script)
+    code, out, err = serve_main(capsys, "--prompt=déjà ", "--kv-format=bf16", "--max-new-tokens=64")
+    assert code == 0, err
+    assert out.splitlines() == ["déjà " + text] and "\ufffd" not in out
+    assert ScriptedEngine.prompts == [tok.encode("déjà ").tolist()] and ScriptedEngine.prompts[0][0] == 1
+    assert f"{len(script) + 1} tokens" in err  # the script and the EOS that ended it
+    [config] = ScriptedEngine.configs
+    assert (config.eos_id, config.never, config.num_ids) == (2, (0, 1), 320)

@@ -13,8 +13,8 @@ from flax import nnx
 
 from core import checkpoint as checkpoint_lib
 from core import train as train_lib
-from core.data import PAD_ID
 from core.model import Transformer, TransformerConfig, split_params
+from core.tokenizer import PAD_ID
 from experiments import build
 
 from helpers import forward, make_tiny_config, metric_rows

@@ -1,11 +1,15 @@
 """Hugging Face checkpoints from the command line.
 
+    python -m experiments.hf import --hf-dir path/to/checkpoint --workdir runs/imported [--data-path P]
     python -m experiments.hf export --workdir runs/quickstart --out exported/ [--site 0] [--max-shard-mib 5120]
 
-`export` writes a trained run's model (a federated run: site `--site`'s model, its own experts) as a Hugging Face
-checkpoint (config.json + safetensors) of the architecture it fits (experiments.hf.export). Exit codes: 0 written;
-2 bad input (a workdir that is not a finished run, a model no supported architecture expresses: nothing written);
-1 an unusable checkpoint.
+`import` writes a checkpoint (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM,
+Qwen3MoeForCausalLM) into a new workdir as a run at step 0, with its held-out loss and bits per byte on the corpus
+(experiments.hf.importer): serve, sample or export it as any run. `export` writes a trained run's model (a federated
+run: site `--site`'s model, its own experts) as a Hugging Face checkpoint (config.json, safetensors and the tokenizer
+files) of the architecture it fits (experiments.hf.export). Exit codes: 0 written;
+2 bad input (a config.json field or a tensor we cannot honour, a workdir that is not a finished run or already holds
+one, a model no supported architecture expresses: nothing written); 1 an unusable checkpoint.
 """
 
 from __future__ import annotations
@@ -23,7 +27,26 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    out = commands.add_parser("export", help="write a trained run's model as a Hugging Face checkpoint")
+    imp = commands.add_parser(
+        "import",
+        help="write a Hugging Face checkpoint into a new workdir (a run at step 0)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    imp.add_argument("--hf-dir", required=True, help="the checkpoint directory (config.json, *.safetensors)")
+    imp.add_argument("--workdir", required=True, help="a new run directory to write it into")
+    imp.add_argument(
+        "--data-path",
+        default="",
+        help="the corpus the held-out numbers are measured on (data.path; '' = the built-in one)",
+    )
+    imp.add_argument(
+        "--eval-batches", type=common.integer(0), default=8, help="held-out batches to evaluate (0: no evaluation)"
+    )
+    out = commands.add_parser(
+        "export",
+        help="write a trained run's model as a Hugging Face checkpoint",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     out.add_argument("--workdir", required=True, help="a finished run's directory (config.json, checkpoints/)")
     out.add_argument("--out", required=True, help="the directory to write config.json and the safetensors into")
     out.add_argument("--site", type=common.integer(0), default=0, help="a federated run's site whose model is exported")
@@ -36,18 +59,40 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from core.checkpoint import CheckpointError
-    from experiments import load
-    from experiments.hf import export
+    from core.workdir import WorkdirError
 
     try:
-        config, model = load.trained_model(args.workdir, site=args.site)
-        files = export.save(config, model, args.out, max_shard_bytes=int(args.max_shard_mib * 2**20))
+        return _import(args) if args.command == "import" else _export(args)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except (FileNotFoundError, ValueError) as e:  # export.HFExportError is a ValueError
+    except (FileNotFoundError, ValueError, WorkdirError) as e:  # the HF, config and data errors are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _import(args) -> int:
+    from experiments import build
+    from experiments.hf import importer
+
+    config = build.default_config()
+    config.data.path = args.data_path
+    summary = importer.import_to(args.workdir, args.hf_dir, config=config, eval_batches=args.eval_batches)
+    held_out = (
+        f"; held-out loss {summary['val_loss']:.4f}, {summary['val_bits_per_byte']:.4f} bits/byte"
+        if "val_loss" in summary
+        else ""
+    )
+    print(f"imported {args.hf_dir} into {args.workdir}: {summary['num_params']:,} parameters{held_out}")
+    return 0
+
+
+def _export(args) -> int:
+    from experiments import load
+    from experiments.hf import export
+
+    config, model = load.trained_model(args.workdir, site=args.site)
+    files = export.save(config, model, args.out, max_shard_bytes=int(args.max_shard_mib * 2**20))
     print(f"wrote {len(files)} files to {args.out}: {', '.join(f.rsplit('/', 1)[-1] for f in files)}")
     return 0
 

@@ -133,11 +133,17 @@ def save(
 ) -> list[str]:
     """Writes `model` (a core.model.Transformer built from `config`) to `out_dir` as a Hugging Face checkpoint:
     config.json and model.safetensors, or shards model-0000i-of-0000n.safetensors with model.safetensors.index.json
-    when the tensors exceed `max_shard_bytes`. Returns the files written. Raises HFExportError first if the model
-    maps to no supported architecture."""
+    when the tensors exceed `max_shard_bytes`, and the run's tokenizer (`data.tokenizer`, the byte tokenizer
+    included) as tokenizer.json + tokenizer_config.json (core.tokenizer: transformers' AutoTokenizer loads them).
+    config.json carries the tokenizer's BOS / EOS / PAD ids, so that transformers' generate stops at our EOS.
+    Returns the files written. Raises HFExportError first if the model maps to no supported architecture, and
+    core.tokenizer.TokenizerError if the run's tokenizer cannot be loaded (both before anything is written)."""
     from safetensors.numpy import save_file
 
-    hf = hf_config(config)
+    from core import tokenizer as tokenizer_lib
+
+    tok = build.build_tokenizer(config)
+    hf = {**hf_config(config), "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
     params = {
         ".".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
     }
@@ -161,6 +167,8 @@ def save(
         }
         written.append(_write_json(os.path.join(out_dir, "model.safetensors.index.json"), index))
     written.append(_write_json(os.path.join(out_dir, "config.json"), hf))
+    tok.save(out_dir)
+    written += [os.path.join(out_dir, name) for name in (tokenizer_lib.TOKENIZER_FILE, tokenizer_lib.CONFIG_FILE)]
     return written
 
 

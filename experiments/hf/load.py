@@ -1,21 +1,25 @@
-"""A Hugging Face checkpoint directory -> our config and a Transformer holding its weights.
+"""A Hugging Face checkpoint directory -> our config and parameters (in their shardings) or a whole Transformer.
 
-    config, model = hf.load.model_from_hf("path/to/checkpoint")
+    config, model = hf.load.model_from_hf("path/to/checkpoint")   # a model to call, on the default device
+    load.apply_to(config)            # checkpoint.init_from = "hf:DIR": the model and moe sections from DIR
 
 The config is our defaults with the `model` and `moe` sections the checkpoint's config.json maps to
-(`config_map.from_hf`); the model is built abstractly (no random initialisation) and receives the checkpoint's
-tensors (`weights.to_ours`), cast to `model.param_dtype`. Errors name the file, the field or the tensor, and
-nothing is written anywhere.
+(`config_map.from_hf`); parameters are built abstractly (no random initialisation is ever computed) and receive the
+checkpoint's tensors (`weights.to_ours`), cast to `model.param_dtype`, each placed directly in its sharding (a device
+receives only its slice). Errors name the file, the field or the tensor, and nothing is written anywhere.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from flax import nnx
 
 from core import config as config_lib
@@ -25,35 +29,123 @@ from experiments import build
 from experiments.hf import config_map, weights
 from moe.config import MoEConfig
 
-__all__ = ["config_from_hf", "model_from_hf"]
+__all__ = ["PREFIX", "apply_to", "config_from_hf", "hf_dir", "initial_params", "model_from_hf"]
+
+PREFIX = "hf:"
+"""`checkpoint.init_from = "hf:DIR"` starts a run from the Hugging Face checkpoint in DIR."""
+
+# Training knobs config.json carries (router_aux_loss_coef): the checkpoint's value unless the config sets its own.
+_KNOBS = frozenset({"moe.load_balance_weight", "moe.z_loss_weight"})
 
 
-def config_from_hf(hf_dir: str) -> ml_collections.ConfigDict:
-    """Our default config with the sections `hf_dir/config.json` maps to, validated. Raises HFConfigError or
-    ConfigError naming the field."""
-    path = os.path.join(hf_dir, "config.json")
+def hf_dir(config: ml_collections.ConfigDict) -> str | None:
+    """DIR of `checkpoint.init_from = "hf:DIR"`; None for a random start (''). Raises ConfigError otherwise."""
+    spec = config.checkpoint.init_from
+    if not spec:
+        return None
+    if not spec.startswith(PREFIX) or not os.path.isfile(os.path.join(spec[len(PREFIX) :], "config.json")):
+        raise config_lib.ConfigError(
+            f"config key 'checkpoint.init_from' = {spec!r}: allowed '' (random initialisation) or 'hf:DIR' where DIR "
+            "is a Hugging Face checkpoint directory holding config.json"
+            + ("" if spec.startswith(PREFIX) else " (the 'hf:' prefix is missing)")
+        )
+    return spec[len(PREFIX) :]
+
+
+def _sections(directory: str) -> dict[str, dict[str, Any]]:
+    path = os.path.join(directory, "config.json")
     if not os.path.exists(path):
         raise config_map.HFConfigError(f"{path} does not exist: a Hugging Face checkpoint directory holds config.json")
     with open(path) as f:
-        sections = config_map.from_hf(json.load(f), source=path)
+        try:
+            hf = json.load(f)
+        except json.JSONDecodeError as e:
+            raise config_map.HFConfigError(f"{path} is not JSON: {e}") from None
+    return config_map.from_hf(hf, source=path)
+
+
+def config_from_hf(directory: str) -> ml_collections.ConfigDict:
+    """Our default config with the sections `directory/config.json` maps to, validated. Raises HFConfigError or
+    ConfigError naming the field."""
     config = build.default_config()
-    for name, values in sections.items():
-        config[name].update(values)
+    config.checkpoint.init_from = PREFIX + directory
+    apply_to(config)
     build.validate(config)
     return config
 
 
-def model_from_hf(hf_dir: str) -> tuple[ml_collections.ConfigDict, Transformer]:
-    """(config, Transformer with the checkpoint's weights) of the Hugging Face checkpoint in `hf_dir`."""
-    config = config_from_hf(hf_dir)
+def apply_to(config: ml_collections.ConfigDict) -> None:
+    """Sets, in place, what `checkpoint.init_from = "hf:DIR"` implies: the `model` and `moe` keys DIR's config.json
+    maps to (the architecture is the checkpoint's), and `data.tokenizer` = DIR when DIR holds a tokenizer.json and the
+    config keeps the byte tokenizer. Then the checkpoint's tensor names, shapes and dtypes are checked from the
+    safetensors headers (no tensor is read). Nothing happens for a random start.
+
+    Raises ConfigError for a key the config sets to a value other than its default and the checkpoint's (so a
+    config file written for another model fails instead of being silently overridden), HFConfigError for a
+    config.json field we cannot honour, HFWeightsError for a tensor that does not fit."""
+    directory = hf_dir(config)
+    if directory is None:
+        return
+    directory = os.path.abspath(directory)
+    config.checkpoint.init_from = PREFIX + directory  # the same checkpoint from any working directory
+    spec = build.schema()
+    for section, values in _sections(directory).items():
+        for key, value in values.items():
+            current, default = config[section][key], spec[section][key].default
+            if isinstance(current, list):  # a tuple that went through JSON
+                current = tuple(current)
+            if current != value and current != default and f"{section}.{key}" not in _KNOBS:
+                raise config_lib.ConfigError(
+                    f"config key '{section}.{key}' = {current!r} conflicts with the checkpoint of "
+                    f"checkpoint.init_from = {config.checkpoint.init_from!r}, which has {value!r}: the architecture "
+                    "comes from the checkpoint; leave the key at its default or set it to the checkpoint's value"
+                )
+            if current == default:
+                config[section][key] = value
     moe = config_lib.from_config(MoEConfig, config.moe)
-    tensors = weights.to_ours(weights.read(hf_dir), build.model_config(config), moe, source=hf_dir)
+    weights.check(weights.headers(directory), build.model_config(config), moe, source=directory)
+    tokenizer = os.path.join(directory, "tokenizer.json")
+    if "tokenizer" in config.data and config.data.tokenizer == "bytes" and os.path.isfile(tokenizer):
+        config.data.tokenizer = directory
+
+
+def initial_params(
+    config: ml_collections.ConfigDict, abstract: nnx.State, shardings: nnx.State | None = None
+) -> nnx.State:
+    """The parameters of checkpoint.init_from's checkpoint as an nnx.State shaped like `abstract` (the model's
+    parameters from `nnx.eval_shape`), each array created in its entry of `shardings` (None: the default device)
+    from the host copy, so a device receives only its slice. Raises HFWeightsError naming the file and tensor."""
+    directory = hf_dir(config)
+    if directory is None:
+        raise ValueError("initial_params needs checkpoint.init_from = 'hf:DIR'")
+    moe = config_lib.from_config(MoEConfig, config.moe)
+    tensors = weights.to_ours(weights.read(directory), build.model_config(config), moe, source=directory)
+    return _place(abstract, tensors, shardings, jnp.dtype(config.model.param_dtype))
+
+
+def _place(abstract: nnx.State, tensors: Mapping[str, np.ndarray], shardings, dtype) -> nnx.State:
+    flat = dict(nnx.to_flat_state(abstract))
+    where = {} if shardings is None else dict(nnx.to_flat_state(shardings))
+    for path, var in flat.items():
+        host = np.asarray(tensors[".".join(map(str, path))]).astype(dtype)
+        var.set_value(_on(host, where[path].get_value()) if path in where else jnp.asarray(host))
+    return nnx.from_flat_state(flat)
+
+
+def _on(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """`host` as an array in `sharding`: each device receives only its slice."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def model_from_hf(
+    directory: str, *, config: ml_collections.ConfigDict | None = None
+) -> tuple[ml_collections.ConfigDict, Transformer]:
+    """(config, Transformer with the checkpoint's weights) of the Hugging Face checkpoint in `directory`, on the
+    default device. `config`: a resolved config whose other sections (precision, moe.grouped_matmul, ...) the model
+    is built with (default: the defaults)."""
+    config = config_from_hf(directory) if config is None else config
     model_fn = build.build_model_fn(config, Sharder())
     graphdef, abstract_params, _ = split_params(nnx.eval_shape(lambda: model_fn(nnx.Rngs(0))))
     # the other variables (a MoE layer's resident expert ids) as built; the random parameters are never computed
     rest = jax.jit(lambda: split_params(model_fn(nnx.Rngs(0)))[2])()
-    flat = dict(nnx.to_flat_state(abstract_params))
-    dtype = jnp.dtype(config.model.param_dtype)
-    for path, var in flat.items():
-        var.set_value(jnp.asarray(tensors[".".join(map(str, path))], dtype))
-    return config, nnx.merge(graphdef, nnx.from_flat_state(flat), rest)
+    return config, nnx.merge(graphdef, initial_params(config, abstract_params, None), rest)

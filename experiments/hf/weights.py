@@ -1,6 +1,7 @@
 """A Hugging Face checkpoint's safetensors -> our parameters, by name, with every shape and dtype checked.
 
     tensors = weights.read(hf_dir)                    # {hf name: np.ndarray}, one file or an index of shards
+    weights.check(weights.headers(hf_dir), model_cfg, moe_cfg, source=hf_dir)  # the same checks, headers only
     params = weights.to_ours(tensors, model_cfg, moe_cfg, source=hf_dir)  # {our path ("blocks.0.attn.q.kernel"): array}
     tensors = weights.from_ours(params, model_cfg, moe_cfg, mixtral=False)  # and back (experiments.hf.export)
 
@@ -24,7 +25,7 @@ import numpy as np
 from core.config import TransformerConfig
 from moe.config import MoEConfig
 
-__all__ = ["Entry", "HFWeightsError", "from_ours", "layout", "read", "to_ours"]
+__all__ = ["Entry", "HFWeightsError", "check", "from_ours", "headers", "layout", "read", "to_ours"]
 
 _FLOATS = ("float32", "float16", "bfloat16")
 
@@ -39,6 +40,35 @@ def read(hf_dir: str) -> dict[str, np.ndarray]:
     lists (each tensor from the file the index names). Read with the safetensors NumPy API (bfloat16 as ml_dtypes')."""
     from safetensors import safe_open
 
+    tensors: dict[str, np.ndarray] = {}
+    for path, names in _shards(hf_dir).items():
+        with safe_open(path, framework="np") as f:
+            tensors.update((name, f.get_tensor(name)) for name in names)
+    return tensors
+
+
+def headers(hf_dir: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{tensor name: (shape, dtype name)} of the checkpoint in `hf_dir`, from the safetensors headers alone (no
+    tensor is read): what `check` needs to refuse a checkpoint before anything is loaded."""
+    from safetensors import safe_open
+
+    out = {}
+    for path, names in _shards(hf_dir).items():
+        with safe_open(path, framework="np") as f:
+            for name in names:
+                piece = f.get_slice(name)
+                out[name] = (tuple(piece.get_shape()), _DTYPES.get(piece.get_dtype(), piece.get_dtype()))
+    return out
+
+
+_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # safetensors' header names
+
+
+def _shards(hf_dir: str) -> dict[str, list[str]]:
+    """{shard file path: the tensor names it holds} of `hf_dir`. Raises HFWeightsError for a missing file or
+    tensor."""
+    from safetensors import safe_open
+
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
@@ -49,21 +79,21 @@ def read(hf_dir: str) -> dict[str, np.ndarray]:
             raise HFWeightsError(f"{hf_dir}: neither model.safetensors nor model.safetensors.index.json is there")
         with safe_open(single, framework="np") as f:
             weight_map = dict.fromkeys(f.keys(), "model.safetensors")
-    tensors: dict[str, np.ndarray] = {}
+    out: dict[str, list[str]] = {}
     for shard in sorted(set(weight_map.values())):
         path = os.path.join(hf_dir, shard)
+        names = [n for n, s in weight_map.items() if s == shard]
         if not os.path.exists(path):
-            names = [n for n, s in weight_map.items() if s == shard]
             raise HFWeightsError(
                 f"{path}: the shard is missing (the index puts {len(names)} tensors there, e.g. {names[0]!r})"
             )
         with safe_open(path, framework="np") as f:
             present = set(f.keys())
-            for name in (n for n, s in weight_map.items() if s == shard):
-                if name not in present:
-                    raise HFWeightsError(f"{path}: tensor {name!r} listed in the index is not in the file")
-                tensors[name] = f.get_tensor(name)
-    return tensors
+        for name in names:
+            if name not in present:
+                raise HFWeightsError(f"{path}: tensor {name!r} listed in the index is not in the file")
+        out[path] = names
+    return out
 
 
 class Entry(NamedTuple):
@@ -128,33 +158,44 @@ def layout(model: TransformerConfig, moe: MoEConfig, *, mixtral: bool) -> list[E
     return out
 
 
+def check(
+    found: Mapping[str, tuple[tuple[int, ...], str]], model: TransformerConfig, moe: MoEConfig, *, source: str
+) -> list[Entry]:
+    """The layout entries of a checkpoint whose tensors have the {name: (shape, dtype name)} `found` (`headers`),
+    after checking it holds exactly the tensors of a model with the sections `model` and `moe`, each of its shape
+    and a float dtype. Raises HFWeightsError naming `source` and the first tensor that does not fit."""
+    entries = layout(model, moe, mixtral=any(".block_sparse_moe." in name for name in found))
+    for entry in entries:
+        if entry.hf not in found:
+            raise HFWeightsError(f"{source}: tensor {entry.hf!r} is missing (expected shape {entry.shape})")
+        shape, dtype = found[entry.hf]
+        if dtype not in _FLOATS:
+            raise HFWeightsError(f"{source}: tensor {entry.hf!r} has dtype {dtype}; supported: {', '.join(_FLOATS)}")
+        if tuple(shape) != entry.shape:
+            raise HFWeightsError(f"{source}: tensor {entry.hf!r} has shape {tuple(shape)}, expected {entry.shape}")
+    unused = sorted(set(found) - {entry.hf for entry in entries})
+    if unused:
+        raise HFWeightsError(
+            f"{source}: {len(unused)} tensors map to no parameter of the model its config.json describes, e.g. "
+            f"{unused[:3]}"
+        )
+    return entries
+
+
 def to_ours(tensors: Mapping[str, np.ndarray], model: TransformerConfig, moe: MoEConfig, *, source: str) -> dict:
     """{our parameter path: array} of a model with the config sections `model` and `moe`, from the checkpoint's
-    `tensors`. Raises HFWeightsError for a missing or unused tensor, a wrong shape or dtype."""
-    mixtral = any(".block_sparse_moe." in name for name in tensors)
+    `tensors`. Raises HFWeightsError for a missing or unused tensor, a wrong shape or dtype (`check`)."""
+    entries = check({name: (x.shape, str(x.dtype)) for name, x in tensors.items()}, model, moe, source=source)
     out: dict[str, Any] = {}
     stacks: dict[str, dict[int, np.ndarray]] = {}
-    entries = layout(model, moe, mixtral=mixtral)
     for entry in entries:
-        if entry.hf not in tensors:
-            raise HFWeightsError(f"{source}: tensor {entry.hf!r} is missing (expected shape {entry.shape})")
         x = tensors[entry.hf]
-        if str(x.dtype) not in _FLOATS:
-            raise HFWeightsError(f"{source}: tensor {entry.hf!r} has dtype {x.dtype}; supported: {', '.join(_FLOATS)}")
-        if tuple(x.shape) != entry.shape:
-            raise HFWeightsError(f"{source}: tensor {entry.hf!r} has shape {tuple(x.shape)}, expected {entry.shape}")
         x = np.ascontiguousarray(x.T) if entry.transpose else x
         if entry.expert is None:
             out[entry.ours] = x
         else:
             stacks.setdefault(entry.ours, {})[entry.expert] = x
     out.update({path: np.stack([parts[j] for j in sorted(parts)]) for path, parts in stacks.items()})
-    unused = sorted(set(tensors) - {entry.hf for entry in entries})
-    if unused:
-        raise HFWeightsError(
-            f"{source}: {len(unused)} tensors map to no parameter of the model its config.json describes, e.g. "
-            f"{unused[:3]}"
-        )
     return out
 
 

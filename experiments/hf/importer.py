@@ -1,0 +1,79 @@
+"""A Hugging Face checkpoint -> a run's workdir, so that everything that takes a workdir takes the imported model.
+
+    summary = importer.import_to("runs/qwen3", "path/to/checkpoint")
+    # then: python -m experiments.serve --workdir runs/qwen3 ...; python -m experiments.hf export --workdir ...
+
+The workdir receives what a run of zero steps would leave: config.json (our defaults with `checkpoint.init_from`
+and the architecture and tokenizer it implies), data.json (the corpus the held-out numbers are measured on),
+checkpoints/0 (the parameters, created directly in their shardings on the default mesh, and a fresh optimizer state)
+and summary.json (the held-out loss and bits per byte of the imported model). To fine-tune, train a new workdir from
+the same directory (`--config.checkpoint.init_from=hf:DIR`, experiments/configs/finetune.py).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import ml_collections
+
+from core import checkpoint as checkpoint_lib
+from core import train as train_lib
+from core import workdir as workdir_lib
+from experiments import build, report, run
+from experiments.hf import load
+
+__all__ = ["import_to"]
+
+
+def import_to(
+    workdir: str, directory: str, *, config: ml_collections.ConfigDict | None = None, eval_batches: int = 8
+) -> dict[str, Any]:
+    """Writes the Hugging Face checkpoint in `directory` into `workdir` as a run at step 0 (module docstring) and
+    returns its summary (held-out `val_loss`, `val_bits_per_byte`, `num_params`).
+
+    Args:
+      config: a config to start from (its data section chooses the held-out corpus; default: the defaults); its
+        `checkpoint.init_from` is set to `directory`.
+      eval_batches: held-out batches the summary is measured on (0: none, no evaluation is compiled).
+    Raises:
+      HFConfigError, HFWeightsError or ConfigError naming the field or tensor, before anything is written;
+      WorkdirError if `workdir` already holds a run's checkpoints or is in use.
+    """
+    config = build.default_config() if config is None else config
+    config.checkpoint.init_from = load.PREFIX + directory
+    config.train.eval_batches = max(eval_batches, 1)
+    build.validate(config)
+    build.resolve(config)  # the architecture, the tokenizer, and the checkpoint's headers checked
+    build.validate(config, num_devices=jax.device_count())
+    ckpt_dir = os.path.join(workdir, "checkpoints")
+    if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
+        raise workdir_lib.WorkdirError(
+            f"{workdir} already holds a run's checkpoints; import into a new --workdir (nothing was changed)"
+        )
+    corpus, batches = build.build_data(config)
+    _, sharder = build.build_mesh(config)
+    model_fn = build.build_model_fn(config, sharder)
+    optimizer = build.build_optimizer(config)
+    with workdir_lib.lock(workdir):
+        graphdef, state = train_lib.init_state(
+            model_fn, optimizer, config.train.seed, sharder, init_params=build.init_params(config)
+        )
+        summary: dict[str, Any] = {"imported_from": os.path.abspath(directory), "steps": 0}
+        if eval_batches:
+            stepper = train_lib.PlainStepper(graphdef, optimizer, batches, sharder, eval_batches=eval_batches)
+            summary.update(stepper.evaluate(state))
+        summary["num_params"] = report.count_params(model_fn)
+        run.write_records(workdir, config, corpus)
+        checkpointer = checkpoint_lib.Checkpointer(ckpt_dir)
+        checkpointer.save(
+            0,
+            state,
+            loop={},
+            compat=build.checkpoint_compat(config, corpus.fingerprint),
+            provenance=build.provenance(config),
+        )
+        checkpointer.close()
+        workdir_lib.write_json(os.path.join(workdir, "summary.json"), summary)
+    return summary
