@@ -15,8 +15,9 @@ Hugging Face checkpoint, reloaded from the exporter's own files, and served thro
 4. The reloaded model reads held-out sequences through each KV format as a server would (a 32-token prefill, then
    one token per step; experiments.reproduce.kvcache.served_loss) -> bits per byte per format.
 
-Writes <out>/table.{md,json} and <out>/curves.png (held-out bits per byte against steps and against bytes of text
-trained on). Finished runs in <out>/runs are reused when their configuration is unchanged.
+Writes <out>/table.{md,json}, <out>/curves.png (held-out bits per byte against steps and against bytes of text
+trained on) and <out>/tokenizer/; the runs, the export and the reloaded run go to <out>/runs (finished runs are
+reused when their configuration is unchanged).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def round_trip(out: str) -> tuple[dict[str, Any], str]:
     from experiments.hf import export, importer
 
     config, model = load.trained_model(os.path.join(out, "runs", "bpe"))
-    exported = os.path.join(out, "export")
+    exported = os.path.join(out, "runs", "export")
     shutil.rmtree(exported, ignore_errors=True)
     files = export.save(config, model, exported)
     print(f"exported: {', '.join(sorted(os.path.basename(f) for f in files))}", flush=True)
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
             "val_bits_per_byte": summaries[name]["val_bits_per_byte"],
             "curve": runs.read_metric(workdir_run, "val_bits_per_byte"),
         }
-    with open(os.path.join(args.out, "export", "config.json")) as f:
+    with open(os.path.join(args.out, "runs", "export", "config.json")) as f:
         architecture = json.load(f)["architectures"][0]
     run_bpb, again = summaries["bpe"]["val_bits_per_byte"], reloaded["val_bits_per_byte"]
     result = {
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
         "runs": result_runs,
         "round_trip": {
             "architecture": architecture,
-            "files": sorted(os.listdir(os.path.join(args.out, "export"))),
+            "files": sorted(os.listdir(os.path.join(args.out, "runs", "export"))),
             "run_bits_per_byte": run_bpb,
             "reloaded_bits_per_byte": again,
             "difference": abs(again - run_bpb),
