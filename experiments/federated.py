@@ -32,7 +32,7 @@ from moe import federation, reshuffle, rounds, system_model
 from moe.placement import Placement, fixed_placement, random_placement
 from optim import diloco_outer
 
-__all__ = ["FederatedStepper", "initial_state", "train_federated"]
+__all__ = ["FederatedStepper", "initial_state", "site_config", "train_federated"]
 
 
 class FederatedStepper(train_lib.Stepper):
@@ -219,6 +219,20 @@ def initial_state(config: ml_collections.ConfigDict, mesh=None, *, pretrained: b
         global_model = nnx.merge(graph, init_params(params), rest)  # on the default device
     graphdef, state = rounds.init_sites(global_model, site_model, placement, optimizer, outer, mesh, config.train.seed)
     return graphdef, optimizer, outer, state
+
+
+def site_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The config of one site's model taken as a model of its own (what `experiments.load.trained_model` returns
+    beside a site's model). With partitioned routing a site routes over and holds only its L resident experts, so it
+    is a plain MoE of L experts (moe.num_experts = L, mesh.site = 1), as is a dense federation's site. Under
+    skip-token routing a site routes over all N experts but holds only L, which no plain model expresses: the config
+    is returned as it is, so that what reads it (experiments.hf.export) can refuse it by name."""
+    out = config.copy_and_resolve_references()
+    if config.mesh.site > 1 and not (config.moe.every and config.fomoe.routing == "skip_token"):
+        if config.moe.every:
+            out.moe.num_experts = _placements(config)(0).local_experts
+        out.mesh.site = 1
+    return out
 
 
 def _host(tree):

@@ -26,7 +26,7 @@ __all__ = ["run_config", "trained_model"]
 
 def trained_model(workdir: str, *, site: int = 0) -> tuple[ml_collections.ConfigDict, Transformer]:
     """(config, model with the latest checkpoint's parameters) of the run in `workdir`; for a federated run, site
-    `site`'s model.
+    `site`'s model and the config describing it as a model of its own (`experiments.federated.site_config`).
 
     Raises FileNotFoundError naming what is missing, or ValueError for a site the run does not have.
     """
@@ -58,6 +58,7 @@ def trained_model(workdir: str, *, site: int = 0) -> tuple[ml_collections.Config
         graphdef, _, _, state = federated.initial_state(config)  # [sites, ...] on this process's first device
         state, _ = checkpointer.restore(step, state, compat=compat)
         train = jax.tree.map(lambda x: x[site], state.train)
+        config = federated.site_config(config)  # the site's model as a model of its own
     else:
         config.mesh.data = 1  # one device is enough to hold the parameters for inference
         build.validate(config, num_devices=1)

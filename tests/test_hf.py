@@ -236,8 +236,9 @@ def test_imported_parameters_are_created_in_their_shardings():
 
 
 def test_import_refuses_before_writing_anything(tmp_path, capsys):
-    """A tensor that does not fit is refused from the safetensors headers, with exit code 2, and the workdir is not
-    created; a workdir that already holds a run is refused too."""
+    """A tensor that does not fit is refused from the safetensors headers, and a held-out split too short for the
+    evaluation before anything is built, each with exit code 2 and no workdir created; a workdir that already holds
+    a run is refused too."""
     directory = _copy(tmp_path, "qwen2")
     _edit_config(directory, intermediate_size=40)
     workdir = tmp_path / "w"
@@ -245,8 +246,12 @@ def test_import_refuses_before_writing_anything(tmp_path, capsys):
     assert hf_cli.main(argv) == 2
     assert "'model.layers.0.mlp.gate_proj.weight' has shape (48, 32), expected (40, 32)" in capsys.readouterr().err
     assert not workdir.exists()
-    (workdir / "checkpoints" / "3").mkdir(parents=True)
     _edit_config(directory, intermediate_size=48)
+    short = ["--data-path", _corpus(tmp_path), "--eval-batches", "8"]  # a held-out split too short for 8 batches
+    assert hf_cli.main([*argv[:-2], *short]) == 2
+    assert "train.eval_batches=8 needs 256 non-overlapping windows" in capsys.readouterr().err
+    assert not workdir.exists()
+    (workdir / "checkpoints" / "3").mkdir(parents=True)
     assert hf_cli.main(argv) == 2
     assert "already holds a run's checkpoints" in capsys.readouterr().err
 
@@ -279,16 +284,18 @@ def test_fine_tuning_starts_from_the_checkpoint(tmp_path):
         build.resolve(bad)
 
 
-def test_a_federation_starts_each_site_from_its_resident_experts(tmp_path):
+def test_a_federation_starts_each_site_from_its_resident_experts_and_a_site_exports_as_its_own_model(tmp_path):
     """A pretrained MoE over 2 sites with overlap 1: site s holds the checkpoint's experts that the placement puts
-    there, its router's columns of those experts (partitioned routing), and every other parameter whole."""
+    there, its router's columns of those experts (partitioned routing), and every other parameter whole. Site 1's
+    model exports as a Qwen3-MoE of its 2 experts that computes its logits (it once failed: the export described
+    all 4); under skip-token routing (a site routes to experts it does not hold) export refuses by name."""
     directory = os.path.join(FIXTURES, "qwen3_moe")
     config = _tiny_data(finetune.get_config(directory), tmp_path)
     config.mesh.update(site=2, data=1)
     config.fomoe.update(overlap=1, local_steps=1)
     build.resolve(config)
     build.validate(config, num_devices=8)
-    _, _, _, state = federated.initial_state(config, pretrained=True)
+    graphdef, _, _, state = federated.initial_state(config, pretrained=True)
     expected = weights.to_ours(weights.read(directory), build.model_config(config), _moe(config), source=directory)
     placement = placement_lib.fixed_placement(config.moe.num_experts, 2, 1)
     for path, var in nnx.to_flat_state(state.train.params):
@@ -300,3 +307,13 @@ def test_a_federation_starts_each_site_from_its_resident_experts(tmp_path):
                 np.testing.assert_array_equal(value[site], expected[key][:, placement.experts[site]], err_msg=key)
             else:
                 np.testing.assert_array_equal(value[site], expected[key], err_msg=key)
+    site_model = nnx.merge(graphdef, *jax.tree.map(lambda x: x[1], (state.train.params, state.train.rest)))
+    export.save(federated.site_config(config), site_model, str(tmp_path / "site1"))
+    exported, again = load.model_from_hf(str(tmp_path / "site1"))
+    assert exported.moe.num_experts == 2
+    tokens = jnp.asarray(np.load(os.path.join(directory, "reference.npz"))["tokens"])
+    np.testing.assert_allclose(again(tokens)[0], site_model(tokens)[0], rtol=0, atol=1e-5)
+    config.fomoe.routing = "skip_token"
+    with pytest.raises(export.HFExportError, match="'fomoe.routing' = 'skip_token'"):
+        export.save(federated.site_config(config), site_model, str(tmp_path / "skip"))
+    assert not (tmp_path / "skip").exists()

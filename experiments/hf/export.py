@@ -43,6 +43,12 @@ def hf_config(config: ml_collections.ConfigDict) -> dict[str, Any]:
         ("model.norm", m.norm, m.norm == "rmsnorm", "only RMSNorm maps"),
         ("model.mlp", m.mlp, m.mlp == "swiglu" or moe.every == 1, "only SwiGLU MLPs map"),
         ("model.peri_ln", m.peri_ln, not m.peri_ln, "Peri-LN output norms do not map"),
+        (
+            "fomoe.routing",
+            config.fomoe.routing,
+            not (config.mesh.site > 1 and moe.every and config.fomoe.routing == "skip_token"),
+            "a skip-token site routes over experts it does not hold",
+        ),
     ):
         if not ok:
             raise refuse(key, value, why)

@@ -53,6 +53,8 @@ def import_to(
             f"{workdir} already holds a run's checkpoints; import into a new --workdir (nothing was changed)"
         )
     corpus, batches = build.build_data(config)
+    if eval_batches:
+        batches.val_batches(eval_batches)  # a held-out split too short for them is refused here, not half-way
     _, sharder = build.build_mesh(config)
     model_fn = build.build_model_fn(config, sharder)
     optimizer = build.build_optimizer(config)
