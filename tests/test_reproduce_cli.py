@@ -13,7 +13,7 @@ MODULES = [
     *(f"experiments.bench.{m}" for m in ("decode", "moe", "optim", "quant", "skip_token", "train_step")),
     *(
         f"experiments.reproduce.{m}"
-        for m in ("composed", "fomoe", "fomoe_system", "kvcache", "mgup", "serving", "ufp4")
+        for m in ("composed", "fomoe", "fomoe_system", "hf", "kvcache", "mgup", "serving", "ufp4")
     ),
 ]
 
