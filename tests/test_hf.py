@@ -42,7 +42,9 @@ NAMES = ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
 def test_imported_model_equals_transformers(name):
     directory = os.path.join(FIXTURES, name)
     reference = np.load(os.path.join(directory, "reference.npz"))
-    config, model = load.model_from_hf(directory)
+    config = load.config_from_hf(directory)
+    config.moe.grouped_matmul = "ragged_dot"  # the CPU's default windowed loop computes the same, compiles slower
+    config, model = load.model_from_hf(directory, config=config)
     logits, aux, _ = jax.jit(lambda t: model(t, intermediates=True))(jnp.asarray(reference["tokens"]))
     logits = np.asarray(logits)
     for row, n in enumerate(reference["lengths"]):  # ragged rows: each row's own prefix
@@ -189,11 +191,10 @@ def _tiny_data(config, tmp_path):
     return config
 
 
-def test_an_imported_checkpoint_is_a_run_that_serves_through_bf16_and_fp4_kv(tmp_path):
+def test_an_imported_checkpoint_is_a_run_that_serves_through_the_paged_cache(tmp_path):
     """`import` writes a run at step 0 whose parameters are the checkpoint's; the run loads back and its greedy
-    generation through the engine's paged cache equals transformers' own in bf16 (12 tokens; all 32 measured). FP4
-    keys and values (head_dim 64) follow the reference for the first 5 tokens (measured: 5 for fp4 and 6 for fp8 on
-    this random model, whose logit margins are small), then keep generating."""
+    generation through the engine's bf16 paged cache equals transformers' own (12 tokens; all 32 when measured).
+    The fp8 / fp4 formats on an imported (and exported, reloaded) model: experiments.reproduce.hf's table."""
     directory = os.path.join(FIXTURES, "qwen3")
     reference = np.load(os.path.join(directory, "reference.npz"))
     workdir = tmp_path / "run"
@@ -207,13 +208,11 @@ def test_an_imported_checkpoint_is_a_run_that_serves_through_bf16_and_fp4_kv(tmp
     expected = weights.to_ours(weights.read(directory), build.model_config(config), _moe(config), source=directory)
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         np.testing.assert_array_equal(np.asarray(var.get_value()), expected[".".join(map(str, path))])
-    for name, new, agree in (("bf16", 12, 12), ("fp4", 8, 5)):  # (a CPU engine step takes ~0.2 s)
-        fmt = kv_config.make_format(config_lib.from_config(kv_config.KVCacheConfig, {**config.kvcache, "format": name}))
-        engine = Engine(model, fmt, EngineConfig(memory_bytes=2**18, eos_id=None, never=(), num_ids=None))
-        request = engine.submit(reference["greedy_prompt"].tolist(), new)
-        engine.run()
-        assert len(request.output) == new
-        np.testing.assert_array_equal(request.output[:agree], reference["greedy"][:agree], err_msg=name)
+    fmt = kv_config.make_format(config_lib.from_config(kv_config.KVCacheConfig, {**config.kvcache, "format": "bf16"}))
+    engine = Engine(model, fmt, EngineConfig(memory_bytes=2**18, eos_id=None, never=(), num_ids=None))
+    request = engine.submit(reference["greedy_prompt"].tolist(), 12)  # (a CPU engine step takes ~0.2 s)
+    engine.run()
+    np.testing.assert_array_equal(request.output, reference["greedy"][:12])
 
 
 def test_imported_parameters_are_created_in_their_shardings():

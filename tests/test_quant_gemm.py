@@ -342,7 +342,7 @@ def test_precision_recipe_from_the_config_trains_the_moe_model(recipe):
 
     c = build.default_config()
     c.model.update(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, d_ff=64)
-    c.moe.update(every=1, num_experts=4, top_k=2, expert_size=16)
+    c.moe.update(every=1, num_experts=4, top_k=2, expert_size=16, grouped_matmul="ragged_dot")
     c.precision.recipe = recipe
     build.validate(c)
     model = build.build_model_fn(c, mesh_lib.Sharder())(nnx.Rngs(0))

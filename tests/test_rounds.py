@@ -99,7 +99,7 @@ def test_full_replication_one_local_step_and_plain_averaging_equal_ddp():
     assert new.train.step.tolist() == [1] * SITES
 
 
-@pytest.mark.parametrize("overlap", [1, 2])
+@pytest.mark.parametrize("overlap", [2])  # replica groups of 2 (O_e = 1's singleton groups: the byte-count tests)
 def test_local_adamw_averages_parameters_and_both_moments_over_groups(overlap):
     optimizer = optax.adamw(1e-2)
     placement, mesh, graphdef, state = _setup(overlap, optimizer)
@@ -137,6 +137,11 @@ def test_a_round_of_mgup_and_ufp4_sites_equals_their_unsharded_steps_then_the_me
     precision = QuantPrecision(recipes.UFP4, num_layers=1, grouped=GroupedMatmulFn("ragged_dot"))
     placement, mesh, graphdef, state = _setup(2, optimizer, precision=precision)
     tokens = _tokens(2, seed=7)
+    # UFP4 is on: site 0's forward differs from the same weights' with plain products.
+    plain_graphdef = _setup(2, optimizer)[2]
+    site0 = jax.tree.map(lambda x: x[0], (state.train.params, state.train.rest))
+    logits = [nnx.merge(g, *site0)(tokens[0, 0])[0] for g in (graphdef, plain_graphdef)]
+    assert not np.allclose(logits[0], logits[1], atol=1e-3)
     manual = _local_only(graphdef, optimizer, state.train, tokens)
     new, metrics = rounds.make_round(graphdef, optimizer, mesh, method="local_adamw")(state, tokens)
     flags = jax.tree.leaves(federation.expert_flags(manual.params))
@@ -145,15 +150,6 @@ def test_a_round_of_mgup_and_ufp4_sites_equals_their_unsharded_steps_then_the_me
         expected = _group_mean(b, placement) if expert else np.broadcast_to(b.mean(0), b.shape)
         np.testing.assert_allclose(after, expected, rtol=1e-5, atol=1e-6)
     assert np.isfinite(metrics["loss"]).all()
-    # UFP4 is on: the same steps with plain products end elsewhere.
-    _, _, plain_graphdef, plain = _setup(2, optimizer)
-    plain = _local_only(plain_graphdef, optimizer, plain.train, tokens)
-    up = ("blocks", 0, "ffn", "up")
-    assert not np.allclose(
-        dict(nnx.to_flat_state(plain.params))[up].get_value(),
-        dict(nnx.to_flat_state(manual.params))[up].get_value(),
-        atol=1e-6,
-    )
 
 
 def test_diloco_outer_step_over_two_rounds_follows_its_formula():

@@ -105,7 +105,7 @@ def apply_to(config: ml_collections.ConfigDict) -> None:
     moe = config_lib.from_config(MoEConfig, config.moe)
     weights.check(weights.headers(directory), build.model_config(config), moe, source=directory)
     tokenizer = os.path.join(directory, "tokenizer.json")
-    if "tokenizer" in config.data and config.data.tokenizer == "bytes" and os.path.isfile(tokenizer):
+    if config.data.tokenizer == "bytes" and os.path.isfile(tokenizer):
         config.data.tokenizer = directory
 
 
