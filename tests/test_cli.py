@@ -104,7 +104,8 @@ def _run(workdir, *extra, config=CONFIG, hooks=()):
 def test_a_finished_run_leaves_its_outputs_loads_serves_and_refuses_another_model(tmp_path, capsys):
     """A finished run's summary, loss curve and sample; the loaded model reproduces its held-out loss and serving it
     streams the greedy continuation; the same workdir with another model is refused with exit code 1 and no file in
-    it changes. (Resume: test_train's crash hook and, with a real SIGKILL, the lost-site test below.)"""
+    it changes, and serve refuses a damaged checkpoint. (Resume: test_train's crash hook and, with a real SIGKILL,
+    the lost-site test below.)"""
     args = [
         "--config.train.steps=8",
         "--config.train.eval_every=4",
@@ -131,14 +132,13 @@ def test_a_finished_run_leaves_its_outputs_loads_serves_and_refuses_another_mode
     assert code == 1 and "d_model: checkpoint 32, now 64" in err and "new --workdir" in err, err
     assert _files(workdir) == before
 
-    # 16 damaged bytes in the latest checkpoint's largest file: the same command and serve refuse it, nothing changes
+    # 16 damaged bytes in the latest checkpoint's largest file: serve refuses it and nothing changes (a training
+    # rerun refuses it the same way: test_workdir's damaged-checkpoint test; the exit code 1 above)
     biggest = max((p for p in (workdir / "checkpoints" / "8").rglob("*") if p.is_file()), key=os.path.getsize)
     data = bytearray(biggest.read_bytes())
     data[len(data) // 2 : len(data) // 2 + 16] = bytes(b ^ 0xFF for b in data[len(data) // 2 : len(data) // 2 + 16])
     biggest.write_bytes(bytes(data))
     before = _files(workdir)
-    code, err = _main(capsys, f"--config={CONFIG}", f"--workdir={workdir}", *TINY, *args)
-    assert code == 1 and "checkpoint of step 8" in err and "checkpoint.fallback=True" in err, err
     assert serve.main([f"--workdir={workdir}", "--prompt=x"]) == 1
     assert "error: " in capsys.readouterr().err
     assert _files(workdir) == before
