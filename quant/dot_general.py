@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from quant.hadamard import random_signs, rht, run_signs
 from quant.quantize import DEFAULT_BLOCK, quantize, quantize_tiles
 from quant.recipes import Gemm, Recipe
+from quant.recipes import get as get_recipe
 
 __all__ = [
     "SALT_DGRAD",
@@ -38,6 +39,7 @@ __all__ = [
     "SALT_WGRAD",
     "GemmConfig",
     "backward_keys",
+    "check_key",
     "dot_general",
     "prepare_operands",
 ]
@@ -137,7 +139,18 @@ def _matmul(cfg: GemmConfig, x: jax.Array, w: jax.Array, key: jax.Array | None) 
 
 
 def _fwd(cfg, x, w, key):
+    check_key(cfg.recipe, key, "dot_general")  # traced when differentiating: the error comes in the forward pass
     return _matmul(cfg, x, w, key), (x, w, key)
+
+
+def check_key(recipe: Recipe, key: jax.Array | None, what: str) -> None:
+    """Raises ValueError, saying what to pass, when a GEMM of `recipe` is differentiated without a PRNG key."""
+    if key is None and recipe.needs_key:
+        raise ValueError(
+            f"quant.{what}({recipe.name!r}) is being differentiated without a PRNG key: the recipe rounds dy "
+            f"stochastically. Build it with key=<a fresh key per training step and layer> (e.g. "
+            f"quant.{what}({recipe.name!r}, key=jax.random.fold_in(step_key, layer))); key=None is for inference."
+        )
 
 
 def _bwd(cfg, residuals, dy):
@@ -157,21 +170,28 @@ _matmul.defvjp(_fwd, _bwd)
 
 
 def dot_general(
-    recipe: Recipe, *, key: jax.Array | None = None, quantizer: Callable = quantize, seed: int = 0
+    recipe: Recipe | str, *, key: jax.Array | None = None, quantizer: Callable = quantize, seed: int = 0
 ) -> Callable:
-    """A function with the signature of `jax.lax.dot_general` whose three training GEMMs follow `recipe`.
+    """A drop-in for `jax.lax.dot_general` whose three training GEMMs follow `recipe`, e.g.
+    `nnx.Linear(..., dot_general=quant.dot_general("ufp4", key=k))`.
 
-    key: PRNG key of this layer and step (stochastic rounding, fresh RHT signs); None for inference.
+    recipe: a Recipe or its name (quant.recipes.RECIPES: "bf16", "ufp4", "ufp4_int4", "e2m1_baseline", "nvfp4",
+      "mxfp4").
+    key: PRNG key of this layer and step (stochastic rounding, fresh RHT signs); None for inference. Differentiating
+      a recipe that rounds dy stochastically without one raises ValueError in the forward pass, saying what to pass.
     quantizer: the fake quantiser (default `quantize`; tests pass a recording one).
     seed: the run's seed, from which the fixed RHT signs are drawn (`run_signs(seed)`).
-    Operands: any float dtype; one contracting dimension each (else ValueError). The result is float32 unless
-    `preferred_element_type` says otherwise. `precision` is accepted and ignored (the quantised operands are
-    multiplied in their own dtype with float32 accumulation).
+    The function takes `jax.lax.dot_general`'s arguments in its order: (lhs, rhs, dimension_numbers, precision=None,
+    preferred_element_type=None, *, out_sharding=None). Operands: any float dtype; one contracting dimension each
+    (else ValueError). The result has `preferred_element_type` when given, else the operands' result type (bf16
+    inputs give bf16), accumulated in float32. `precision` is passed on for a recipe that quantises nothing and
+    otherwise unused (the quantised operands are multiplied in their own dtype with float32 accumulation);
+    `out_sharding` places the result (a sharding constraint on the quantised path).
     """
+    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     cfg = GemmConfig(recipe, quantizer, seed)
 
-    def call(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-        del precision
+    def call(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, out_sharding=None):
         (lc, rc), (lb, rb) = dimension_numbers
         if len(lc) != 1 or len(rc) != 1:
             raise ValueError(
@@ -179,7 +199,14 @@ def dot_general(
                 f"got {lc} and {rc} (shapes {lhs.shape}, {rhs.shape})."
             )
         if not recipe.quantised:
-            return jax.lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=preferred_element_type)
+            return jax.lax.dot_general(
+                lhs,
+                rhs,
+                dimension_numbers,
+                precision=precision,
+                preferred_element_type=preferred_element_type,
+                out_sharding=out_sharding,
+            )
         lfree = [d for d in range(lhs.ndim) if d not in (*lc, *lb)]
         rfree = [d for d in range(rhs.ndim) if d not in (*rc, *rb)]
         batch = [lhs.shape[d] for d in lb]
@@ -188,6 +215,7 @@ def dot_general(
         x = jnp.transpose(lhs, (*lb, *lfree, *lc)).reshape(b, m, lhs.shape[lc[0]])
         w = jnp.transpose(rhs, (*rb, *rc, *rfree)).reshape(b, rhs.shape[rc[0]], n)
         y = _matmul(cfg, x, w, key).reshape(*batch, *lfree_shape, *rfree_shape)
-        return y.astype(preferred_element_type or jnp.result_type(lhs, rhs))
+        y = y.astype(preferred_element_type or jnp.result_type(lhs, rhs))
+        return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)
 
     return call

@@ -19,9 +19,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from quant.dot_general import GemmConfig, backward_keys, prepare_operands
+from quant.dot_general import GemmConfig, backward_keys, check_key, prepare_operands
 from quant.quantize import DEFAULT_BLOCK, quantize
 from quant.recipes import Recipe
+from quant.recipes import get as get_recipe
 
 __all__ = ["group_aligned", "grouped_matmul"]
 
@@ -50,6 +51,7 @@ def _grouped(cfg: GemmConfig, inner: Callable, x, w, group_sizes, key):
 
 
 def _fwd(cfg, inner, x, w, group_sizes, key):
+    check_key(cfg.recipe, key, "grouped_matmul")  # traced when differentiating: the error comes in the forward pass
     return _grouped(cfg, inner, x, w, group_sizes, key), (x, w, group_sizes, key)
 
 
@@ -79,23 +81,37 @@ _grouped.defvjp(_fwd, _bwd)
 
 
 def grouped_matmul(
-    recipe: Recipe,
+    recipe: Recipe | str,
     *,
     key: jax.Array | None = None,
     inner: Callable = jax.lax.ragged_dot,
     quantizer: Callable = quantize,
     seed: int = 0,
 ) -> Callable:
-    """(lhs [m, k], rhs [g, k, n], group_sizes [g] int32, preferred_element_type=None) -> [m, n] with the three
-    training GEMMs of `recipe` (see the module docstring). key: this layer's and step's PRNG key (None for
-    inference); inner: the grouped matmul that multiplies the quantised operands; quantizer: the fake quantiser;
-    seed: the run's seed, from which the fixed RHT signs are drawn (`quant.hadamard.run_signs`)."""
+    """A drop-in for `jax.lax.ragged_dot` with the three training GEMMs of `recipe` (see the module docstring):
+    (lhs [m, k], rhs [g, k, n], group_sizes [g] int32, precision=None, preferred_element_type=None,
+    group_offset=None, out_sharding=None) -> [m, n], in ragged_dot's order.
+
+    recipe: a Recipe or its name (quant.recipes.RECIPES). key: this layer's and step's PRNG key (None for inference;
+    differentiating a stochastic recipe without one raises ValueError in the forward pass). inner: the grouped
+    matmul that multiplies the quantised operands (it receives preferred_element_type, and the other arguments only
+    when they are given); quantizer: the fake quantiser; seed: the run's seed, from which the fixed RHT signs are
+    drawn (`quant.hadamard.run_signs`). The result has `preferred_element_type` when given, else the operands'
+    result type; `precision` is passed on for a recipe that quantises nothing and otherwise unused; `group_offset`
+    (a shard of the groups) is supported only when nothing is quantised (ValueError otherwise); `out_sharding`
+    places the result."""
+    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     cfg = GemmConfig(recipe, quantizer, seed)
 
-    def call(lhs, rhs, group_sizes, preferred_element_type=None):
+    def call(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None, out_sharding=None):
         if not recipe.quantised:
-            return inner(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+            given = {"precision": precision, "group_offset": group_offset, "out_sharding": out_sharding}
+            extra = {name: v for name, v in given.items() if v is not None}
+            return inner(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type, **extra)
+        if group_offset is not None:
+            raise ValueError(f"quant.grouped_matmul({recipe.name!r}): group_offset is not supported when quantising")
         y = _grouped(cfg, inner, lhs, rhs, group_sizes, key)
-        return y.astype(preferred_element_type or jnp.result_type(lhs, rhs))
+        y = y.astype(preferred_element_type or jnp.result_type(lhs, rhs))
+        return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)
 
     return call

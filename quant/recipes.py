@@ -68,6 +68,13 @@ class Recipe:
     def quantised(self) -> bool:
         return any(g.fmt is not None for g in (self.fprop, self.dgrad, self.wgrad))
 
+    @property
+    def needs_key(self) -> bool:
+        """True if differentiating a GEMM of this recipe draws randomness (stochastic rounding of dy, fresh RHT
+        signs), so that the custom dot_general / grouped matmul need a PRNG key to be trained."""
+        gemms = (self.fprop, self.dgrad, self.wgrad)
+        return any(g.fmt is not None and (g.stochastic_dy or (g.rht and self.fresh_signs)) for g in gemms)
+
     def keeps(self, path: str, num_layers: int | None = None) -> bool:
         """True if the module at `path` ("blocks.3.attn.q") stays in high precision."""
         if any(re.search(p, path) for p in self.high_precision):

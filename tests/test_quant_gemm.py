@@ -254,8 +254,8 @@ def test_stochastic_rounding_is_keyed_and_needs_a_key():
     np.testing.assert_array_equal(grad(k1), grad(k1))
     assert not np.array_equal(grad(k1), grad(k2))
     jax.eval_shape(lambda: dot_general(recipes.UFP4)(x, w, dims))  # inference without a key is fine
-    with pytest.raises(ValueError, match="stochastic rounding of dy needs a PRNG key"):
-        grad(None)
+    with pytest.raises(ValueError, match=r"quant.dot_general\('ufp4'\) is being differentiated without a PRNG key"):
+        grad(None)  # refused as the forward pass is traced for differentiation, saying what to pass
     with pytest.raises(ValueError, match="one contracting dimension"):
         dot_general(recipes.UFP4)(jnp.ones((2, 16, 16)), jnp.ones((2, 16, 3)), (((1, 2), (0, 1)), ((), ())))
 
@@ -374,3 +374,43 @@ def test_config_overrides_for_the_ablation():
     assert not any(g.rht for g in (r.fprop, r.dgrad, r.wgrad)) and r.dgrad.stochastic_dy and not r.fprop.stochastic_dy
     p.update(rht="recipe", stochastic_dy="recipe")
     assert quant_config.apply(recipes.NVFP4, p).wgrad == recipes.NVFP4.wgrad
+
+
+def test_drop_in_for_flax_and_lax_signatures():
+    """quant.dot_general / grouped_matmul as drop-ins: a recipe name works like its Recipe; flax's nnx.Linear (which
+    passes out_sharding) takes it; ragged_dot's positional order (precision before preferred_element_type) holds;
+    the result dtype is preferred_element_type, else the operands'; with a key it differentiates, and the grouped
+    matmul without one is refused in the forward pass (the dot_general's: test_stochastic_rounding_is_keyed...)."""
+    from flax import nnx
+
+    import quant
+    from quant import recipes
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(4, 48)), jnp.float32)
+    key = jax.random.key(1)
+    by_name, by_recipe = quant.dot_general("ufp4", key=key), quant.dot_general(recipes.UFP4, key=key)
+    linear = nnx.Linear(48, 24, dot_general=by_name, rngs=nnx.Rngs(0))
+    kernel = linear.kernel.get_value()
+    dims = (((1,), (0,)), ((), ()))
+    np.testing.assert_array_equal(linear(x) - linear.bias.get_value(), by_recipe(x, kernel, dims))
+    assert by_name(x.astype(jnp.bfloat16), kernel.astype(jnp.bfloat16), dims).dtype == jnp.bfloat16
+    assert by_name(x.astype(jnp.bfloat16), kernel, dims, None, jnp.float32).dtype == jnp.float32
+
+    def loss(w, dot):
+        return jnp.sum(dot(x, w, dims) ** 2)
+
+    assert np.isfinite(np.asarray(jax.grad(loss)(kernel, by_name))).all()
+    quant.dot_general("ufp4")(x, kernel, dims)  # inference needs no key
+
+    sizes = jnp.array([1, 3], jnp.int32)
+    w = jnp.asarray(rng.normal(size=(2, 48, 24)), jnp.float32)
+    gmm = quant.grouped_matmul("ufp4", key=key)
+    positional = gmm(x, w, sizes, None, jnp.float32)
+    np.testing.assert_array_equal(positional, gmm(x, w, sizes, preferred_element_type=jnp.float32))
+    plain = quant.grouped_matmul("bf16")(x, w, sizes, jax.lax.Precision.HIGHEST)
+    np.testing.assert_allclose(plain, jax.lax.ragged_dot(x, w, sizes, precision=jax.lax.Precision.HIGHEST))
+    with pytest.raises(ValueError, match=r"quant.grouped_matmul\('ufp4'\) is being differentiated without"):
+        jax.grad(lambda v: jnp.sum(quant.grouped_matmul("ufp4")(x, v, sizes)))(w)
+    with pytest.raises(ValueError, match=r"recipe = 'ufp5'; allowed"):
+        quant.dot_general("ufp5")
