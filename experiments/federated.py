@@ -26,7 +26,6 @@ from core import hlo
 from core import train as train_lib
 from core.data import Batches
 from core.mesh import Sharder
-from core.model import split_params
 from experiments import build
 from moe import federation, reshuffle, rounds, system_model
 from moe.placement import Placement, fixed_placement, random_placement
@@ -204,19 +203,19 @@ def initial_state(config: ml_collections.ConfigDict, mesh=None, *, pretrained: b
     f = config.fomoe
     placement = _placements(config)(0)
     outer = diloco_outer(f.outer_learning_rate, momentum=f.outer_momentum) if f.outer == "diloco" else None
-    make = lambda **kw: build.build_model_fn(config, Sharder(), routing_mode=f.routing, **kw)(  # noqa: E731
-        nnx.Rngs(config.train.seed)
-    )
+    model_fn = lambda **kw: build.build_model_fn(config, Sharder(), routing_mode=f.routing, **kw)  # noqa: E731
+    make = lambda **kw: model_fn(**kw)(nnx.Rngs(config.train.seed))  # noqa: E731
     site_model = make(resident=placement.experts[0])
     optimizer = build.build_optimizer(config)
     if f.placement == "random":  # arrived experts ramp their learning rate up (moe.reshuffle)
         dims = reshuffle.expert_dims(nnx.state(site_model, nnx.Param))
         optimizer = optax.chain(optimizer, reshuffle.arrival_warmup(dims, f.arrival_warmup))
-    global_model = make()
-    init_params = build.init_params(config) if pretrained else None
-    if init_params is not None:
-        graph, params, rest = split_params(global_model)
-        global_model = nnx.merge(graph, init_params(params), rest)  # on the default device
+    if pretrained and config.checkpoint.init_from:  # built abstractly: no random parameters are computed
+        from experiments.hf import load as hf_load
+
+        global_model = hf_load.pretrained_model(config, model_fn())
+    else:
+        global_model = make()
     graphdef, state = rounds.init_sites(global_model, site_model, placement, optimizer, outer, mesh, config.train.seed)
     return graphdef, optimizer, outer, state
 

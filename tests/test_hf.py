@@ -201,7 +201,8 @@ def test_an_imported_checkpoint_is_a_run_that_serves_through_the_paged_cache(tmp
     config = _tiny_data(build.default_config(), tmp_path)
     config.mesh.data = 1
     summary = importer.import_to(str(workdir), directory, config=config, eval_batches=0)  # runs evaluate: elsewhere
-    assert summary["steps"] == 0 and summary["num_params"] == 77_984
+    assert summary["steps"] == 0
+    assert summary["num_params"] == sum(x.size for x in weights.read(directory).values())  # the checkpoint's
     saved = json.loads((workdir / "config.json").read_text())
     assert saved["checkpoint"]["init_from"] == "hf:" + directory and saved["model"]["head_dim"] == 64
     config, model = run_load.trained_model(str(workdir))

@@ -11,7 +11,6 @@ importer reads, so import(export(model)) is the model.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -21,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from core import config as config_lib
+from core import workdir as workdir_lib
 from experiments import build
 from experiments.hf import weights
 from moe.config import MoEConfig
@@ -171,8 +171,10 @@ def save(
             "metadata": {"total_size": sum(x.nbytes for x in tensors.values())},
             "weight_map": {t: n for n, shard in zip(names, shards) for t in shard},
         }
-        written.append(_write_json(os.path.join(out_dir, "model.safetensors.index.json"), index))
-    written.append(_write_json(os.path.join(out_dir, "config.json"), hf))
+        written.append(os.path.join(out_dir, "model.safetensors.index.json"))
+        workdir_lib.write_json(written[-1], index)
+    written.append(os.path.join(out_dir, "config.json"))
+    workdir_lib.write_json(written[-1], hf)
     tok.save(out_dir)
     written += [os.path.join(out_dir, name) for name in (tokenizer_lib.TOKENIZER_FILE, tokenizer_lib.CONFIG_FILE)]
     return written
@@ -189,9 +191,3 @@ def _shards(tensors: Mapping[str, np.ndarray], max_bytes: int) -> list[dict[str,
         shards[-1][name] = x
         size += x.nbytes
     return shards
-
-
-def _write_json(path: str, obj: Any) -> str:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)
-    return path

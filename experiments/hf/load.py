@@ -29,7 +29,7 @@ from experiments import build
 from experiments.hf import config_map, weights
 from moe.config import MoEConfig
 
-__all__ = ["PREFIX", "apply_to", "config_from_hf", "hf_dir", "initial_params", "model_from_hf"]
+__all__ = ["PREFIX", "apply_to", "config_from_hf", "hf_dir", "initial_params", "model_from_hf", "pretrained_model"]
 
 PREFIX = "hf:"
 """`checkpoint.init_from = "hf:DIR"` starts a run from the Hugging Face checkpoint in DIR."""
@@ -144,8 +144,13 @@ def model_from_hf(
     default device. `config`: a resolved config whose other sections (precision, moe.grouped_matmul, ...) the model
     is built with (default: the defaults)."""
     config = config_from_hf(directory) if config is None else config
-    model_fn = build.build_model_fn(config, Sharder())
-    graphdef, abstract_params, _ = split_params(nnx.eval_shape(lambda: model_fn(nnx.Rngs(0))))
-    # the other variables (a MoE layer's resident expert ids) as built; the random parameters are never computed
+    return config, pretrained_model(config, build.build_model_fn(config, Sharder()))
+
+
+def pretrained_model(config: ml_collections.ConfigDict, model_fn) -> Transformer:
+    """`model_fn(rngs)`'s module (the model of the resolved `config`, or a FoMoE federation's global model) holding
+    checkpoint.init_from's weights, on the default device. It is built abstractly: the random parameters are never
+    computed; the other variables (a MoE layer's resident expert ids) are as built."""
+    graphdef, abstract, _ = split_params(nnx.eval_shape(lambda: model_fn(nnx.Rngs(0))))
     rest = jax.jit(lambda: split_params(model_fn(nnx.Rngs(0)))[2])()
-    return config, nnx.merge(graphdef, initial_params(config, abstract_params, None), rest)
+    return nnx.merge(graphdef, initial_params(config, abstract), rest)
