@@ -247,7 +247,7 @@ def build_precision(config: ml_collections.ConfigDict, grouped: Callable) -> mod
     """The matmul-precision slot: the default (lax.dot_general, `grouped` for experts) or a quant recipe, whose fixed
     RHT signs are drawn from the run's seed `train.seed`."""
     p = config.precision
-    if p.recipe == "bf16":
+    if p.recipe == "none":
         return model_lib.DefaultPrecision(grouped=grouped)
     recipe = quant_config.apply(quant_recipes.get(p.recipe), p)
     return QuantPrecision(recipe, num_layers=config.model.num_layers, grouped=grouped, seed=config.train.seed)

@@ -1,16 +1,17 @@
 """UFP4 (arXiv 2606.20381): 4-bit training with uniform grids, RHT and stochastic rounding; NVFP4/MXFP4 baselines.
 
 quantize (block-scaled fake quantisation to e2m1, e1m2, int4, mxfp4, nvfp4), rht (blockwise random Hadamard
-transform; run_signs: the run's fixed signs from its seed), recipes (BF16, UFP4, UFP4_INT4, E2M1_BASELINE, NVFP4,
-MXFP4), dot_general / grouped_matmul (the three training GEMMs of a recipe behind jax.lax.dot_general's /
-ragged_dot's signature), QuantPrecision (the model's precision slot), the grid analysis (shrinkage_bias, sqnr,
-alpha, bucket_entropy). The exact low-bit numerics underneath (grids, rounding, powers of two, E4M3 / UE8M0
-scales, Hadamard) are core.lowbit's. Paper and recipes: docs/ufp4.md.
+transform; run_signs: the run's fixed signs from its seed), recipes (NONE, BF16, UFP4, UFP4_INT4, E2M1_BASELINE,
+NVFP4, MXFP4), dot_general / grouped_matmul (the three training GEMMs of a recipe behind jax.lax.dot_general's /
+ragged_dot's signature; with rngs= a FreshKeys nnx.Module drawing a fresh key per call), QuantPrecision (the
+model's precision slot), the grid analysis (shrinkage_bias, sqnr, alpha, bucket_entropy). The exact low-bit
+numerics underneath (grids, rounding, powers of two, E4M3 / UE8M0 scales, Hadamard) are core.lowbit's. Paper and
+recipes: docs/ufp4.md.
 """
 
 from quant import analysis, recipes
 from quant.analysis import alpha, bucket_entropy, shrinkage_bias, sqnr
-from quant.dot_general import dot_general
+from quant.dot_general import FreshKeys, dot_general
 from quant.grids import FORMATS, GRIDS, grid_max, levels, round_to_grid
 from quant.grouped import grouped_matmul
 from quant.hadamard import hadamard, random_signs, rht, run_signs
@@ -21,6 +22,7 @@ __all__ = [
     "DEFAULT_BLOCK",
     "FORMATS",
     "GRIDS",
+    "FreshKeys",
     "QuantPrecision",
     "alpha",
     "analysis",

@@ -20,9 +20,10 @@ class PrecisionConfig:
     compat: ClassVar[Compat] = True
 
     recipe: str = field(
-        "bf16",
-        "matmul recipe of every projection and expert (quant/recipes.py): bf16 = unquantised; ufp4 / ufp4_int4 "
-        "(uniform grid, RHT on all GEMMs), e2m1_baseline, nvfp4, mxfp4",
+        "none",
+        "matmul recipe of every projection and expert (quant/recipes.py): none = unquantised, the GEMMs in the "
+        "model's dtype; bf16 = operands rounded to bfloat16, float32 accumulation; ufp4 / ufp4_int4 (uniform grid, "
+        "RHT on all GEMMs), e2m1_baseline, nvfp4, mxfp4",
         choices=tuple(RECIPES),
     )
     last_blocks_high_precision: int = field(0, "keep the last n transformer blocks unquantised", low=0)

@@ -12,9 +12,11 @@ custom VJP, so JAX differentiates them), and
 with R the GEMM's RHT (identity when off) applied to both operands along the contraction axis, so it cancels in
 the product. A contraction length that the block (or RHT block) does not divide is zero-padded for the GEMM: zeros
 change neither the product nor any block's scale. The randomness of stochastic rounding comes from `key`
-(per step and layer: the precision slot passes `layer_key(step_key, path)`), split per GEMM and operand with the
-named salts below; the RHT's fixed signs come from the run's `seed` (`quant.hadamard.run_signs`), fresh ones (the
-recipe's `fresh_signs`) from `key`.
+(per step and layer: the precision slot passes `layer_key(step_key, path)`; with `rngs=`, a key drawn per call
+from an nnx.Rngs the model holds, see FreshKeys), split per GEMM and operand with the named salts below; the
+RHT's fixed signs come from the run's `seed` (`quant.hadamard.run_signs`), fresh ones (the recipe's `fresh_signs`)
+from `key`. Recipe "bf16" casts both operands of every GEMM to bfloat16 (float32 accumulation); "none" is
+jax.lax.dot_general itself.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from quant.hadamard import random_signs, rht, run_signs
 from quant.quantize import DEFAULT_BLOCK, quantize, quantize_tiles
@@ -37,9 +40,11 @@ __all__ = [
     "SALT_FRESH_SIGNS",
     "SALT_OPERANDS",
     "SALT_WGRAD",
+    "FreshKeys",
     "GemmConfig",
     "backward_keys",
     "check_key",
+    "check_rngs",
     "dot_general",
     "prepare_operands",
 ]
@@ -84,7 +89,7 @@ def prepare_operands(
     """Both operands of one GEMM, rotated and quantised along their contraction axes (padded to whole blocks).
     `weight`: which operand (0 / 1) is the weight, for NVFP4's 2-D tiles (quantised once, along both axes)."""
     if gemm.fmt is None:
-        return a, b
+        return _cast(a, b, dtype=cfg.recipe.gemm_dtype)
     block = gemm.block_size or DEFAULT_BLOCK[gemm.fmt]
     multiple = math.lcm(block, gemm.rht_block) if gemm.rht else block
     a, b = _pad(a, axis_a, multiple), _pad(b, axis_b, multiple)
@@ -120,7 +125,12 @@ def prepare_operands(
                     key=sub,
                 )
             )
-    return tuple(out)
+    return _cast(*out, dtype=cfg.recipe.gemm_dtype)
+
+
+def _cast(a: jax.Array, b: jax.Array, *, dtype: str | None) -> tuple[jax.Array, jax.Array]:
+    """Both operands in the recipe's `gemm_dtype` (unchanged for None)."""
+    return (a, b) if dtype is None else (a.astype(dtype), b.astype(dtype))
 
 
 def backward_keys(key: jax.Array | None) -> tuple[jax.Array | None, jax.Array | None]:
@@ -148,8 +158,10 @@ def check_key(recipe: Recipe, key: jax.Array | None, what: str) -> None:
     if key is None and recipe.needs_key:
         raise ValueError(
             f"quant.{what}({recipe.name!r}) is being differentiated without a PRNG key: the recipe rounds dy "
-            f"stochastically. Build it with key=<a fresh key per training step and layer> (e.g. "
-            f"quant.{what}({recipe.name!r}, key=jax.random.fold_in(step_key, layer))); key=None is for inference."
+            f"stochastically. Build it with rngs=<an nnx.Rngs the model holds> (a fresh key per call, e.g. "
+            f"quant.{what}({recipe.name!r}, rngs=self.rngs) with self.rngs = nnx.Rngs(quant=0)), or with "
+            f"key=<a fresh key per training step and layer> (e.g. quant.{what}({recipe.name!r}, "
+            f"key=jax.random.fold_in(step_key, layer))); no key is for inference."
         )
 
 
@@ -169,26 +181,92 @@ def _bwd(cfg, residuals, dy):
 _matmul.defvjp(_fwd, _bwd)
 
 
-def dot_general(
-    recipe: Recipe | str, *, key: jax.Array | None = None, quantizer: Callable = quantize, seed: int = 0
-) -> Callable:
-    """A drop-in for `jax.lax.dot_general` whose three training GEMMs follow `recipe`, e.g.
-    `nnx.Linear(..., dot_general=quant.dot_general("ufp4", key=k))`.
+class FreshKeys(nnx.Module):
+    """A GEMM that draws a fresh PRNG key from `rngs`' stream `stream` at every call and calls `make(*args, key)`
+    with the same arguments: what `dot_general(recipe, rngs=...)` and `grouped_matmul(recipe, rngs=...)` return.
 
-    recipe: a Recipe or its name (quant.recipes.RECIPES: "bf16", "ufp4", "ufp4_int4", "e2m1_baseline", "nvfp4",
-      "mxfp4").
-    key: PRNG key of this layer and step (stochastic rounding, fresh RHT signs); None for inference. Differentiating
-      a recipe that rounds dy stochastically without one raises ValueError in the forward pass, saying what to pass.
+    It is an nnx.Module holding the Rngs, so a flax layer that stores it (nnx.Linear's `dot_general` attribute)
+    makes the Rngs part of the model's graph: under nnx.jit / nnx.grad / nnx.value_and_grad the stream's counter is
+    traced and advanced like any other state of the model, so every call in a step gets its own key and every step
+    new ones, reproducibly from the Rngs' seed. (A plain closure over an Rngs could not do this: inside nnx.jit it
+    would still point at the Rngs outside the trace, which flax refuses to mutate.) `make` and `args` are static
+    and compare by value, so a model built again the same way reuses nnx.jit's compiled step."""
+
+    def __init__(self, make: Callable[..., Callable], args: tuple, rngs: nnx.Rngs, stream: str):
+        self.make = make
+        self.args = args
+        self.rngs = rngs
+        self.stream = stream
+
+    def __call__(self, *args, **kwargs):
+        """`make(*self.args, fresh key)(*args, **kwargs)`; the draw advances the stream's counter."""
+        return self.make(*self.args, getattr(self.rngs, self.stream)())(*args, **kwargs)
+
+
+def check_rngs(what: str, recipe: Recipe, key: jax.Array | None, rngs: nnx.Rngs | None, stream: str) -> None:
+    """Raises ValueError (naming the argument and what is allowed) when both `key` and `rngs` are given, when
+    `rngs` is not an nnx.Rngs, or when it has neither the stream `stream` nor a "default" stream to draw from."""
+    if rngs is None:
+        return
+    where = f"quant.{what}({recipe.name!r})"
+    if key is not None:
+        raise ValueError(f"{where}: key= and rngs= were both given; pass one (a fixed key, or an nnx.Rngs).")
+    if not isinstance(rngs, nnx.Rngs):
+        raise ValueError(f"{where}: rngs = {rngs!r} ({type(rngs).__name__}); allowed: a flax nnx.Rngs, or None.")
+    if not isinstance(stream, str) or (stream not in rngs and "default" not in rngs):
+        raise ValueError(
+            f"{where}: stream = {stream!r}, but the nnx.Rngs has neither that stream nor a 'default' one; "
+            f"build it with the stream (e.g. nnx.Rngs({stream}=0)) or pass stream=<one of its streams>."
+        )
+
+
+def dot_general(
+    recipe: Recipe | str,
+    *,
+    key: jax.Array | None = None,
+    rngs: nnx.Rngs | None = None,
+    stream: str = "quant",
+    quantizer: Callable = quantize,
+    seed: int = 0,
+) -> Callable:
+    """A drop-in for `jax.lax.dot_general` whose three training GEMMs follow `recipe`, e.g. in a flax NNX model
+
+        class MLP(nnx.Module):
+            def __init__(self, rngs):
+                self.rngs = nnx.Rngs(quant=0)  # the stochastic-rounding stream, held by the model
+                dot = quant.dot_general("ufp4", rngs=self.rngs)
+                self.up = nnx.Linear(64, 256, dot_general=dot, rngs=rngs)
+
+    recipe: a Recipe or its name (quant.recipes.RECIPES: "none", "bf16", "ufp4", "ufp4_int4", "e2m1_baseline",
+      "nvfp4", "mxfp4").
+    key: a fixed PRNG key (stochastic rounding, fresh RHT signs), for code that builds the GEMM anew for every
+      step and layer (jax.jit loops: key = fold_in(step_key, layer)). None without rngs: inference only;
+      differentiating a recipe that rounds dy stochastically without a key raises ValueError in the forward pass,
+      saying what to pass.
+    rngs, stream: instead of key, an nnx.Rngs from whose stream `stream` (else its "default" stream) every call
+      draws a fresh key; the function returned is then a `FreshKeys` nnx.Module. Hold the Rngs in the model (an
+      attribute of it, or only through the layers that store the returned module) and the stream advances inside
+      nnx.jit / nnx.value_and_grad training steps: every step and every layer quantise with new noise, and the
+      same Rngs seed reproduces the run. A Rngs captured in a closure outside nnx.jit cannot be advanced (flax
+      raises TraceContextError); under jax.jit use key=. Giving both key and rngs is a ValueError.
     quantizer: the fake quantiser (default `quantize`; tests pass a recording one).
     seed: the run's seed, from which the fixed RHT signs are drawn (`run_signs(seed)`).
     The function takes `jax.lax.dot_general`'s arguments in its order: (lhs, rhs, dimension_numbers, precision=None,
     preferred_element_type=None, *, out_sharding=None). Operands: any float dtype; one contracting dimension each
     (else ValueError). The result has `preferred_element_type` when given, else the operands' result type (bf16
-    inputs give bf16), accumulated in float32. `precision` is passed on for a recipe that quantises nothing and
-    otherwise unused (the quantised operands are multiplied in their own dtype with float32 accumulation);
-    `out_sharding` places the result (a sharding constraint on the quantised path).
+    inputs give bf16). "none" is jax.lax.dot_general itself (`precision` passed on, the GEMM in the operands'
+    dtype); every other recipe multiplies its quantised operands (cast to bfloat16 for "bf16") with float32
+    accumulation in all three GEMMs, and ignores `precision`. `out_sharding` places the result (a sharding
+    constraint on the quantised path).
     """
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    check_rngs("dot_general", recipe, key, rngs, stream)
+    if rngs is not None:
+        return FreshKeys(_keyed_dot_general, (recipe, quantizer, seed), rngs, stream)
+    return _keyed_dot_general(recipe, quantizer, seed, key)
+
+
+def _keyed_dot_general(recipe: Recipe, quantizer: Callable, seed: int, key: jax.Array | None) -> Callable:
     cfg = GemmConfig(recipe, quantizer, seed)
 
     def call(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, out_sharding=None):

@@ -18,8 +18,9 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from quant.dot_general import GemmConfig, backward_keys, check_key, prepare_operands
+from quant.dot_general import FreshKeys, GemmConfig, backward_keys, check_key, check_rngs, prepare_operands
 from quant.quantize import DEFAULT_BLOCK, quantize
 from quant.recipes import Recipe
 from quant.recipes import get as get_recipe
@@ -64,7 +65,7 @@ def _bwd(cfg, inner, residuals, dy):
     )
     dx = inner(q_dy, jnp.swapaxes(q_w, 1, 2), group_sizes, preferred_element_type=jnp.float32)
     if r.wgrad.fmt is None:
-        xs, dys, sizes = x, dy, group_sizes
+        (xs, dys), sizes = prepare_operands(x, dy, 0, 0, r.wgrad, cfg, key=None, stochastic=(False, False)), group_sizes
     else:
         block = r.wgrad.block_size or DEFAULT_BLOCK[r.wgrad.fmt]
         multiple = math.lcm(block, r.wgrad.rht_block) if r.wgrad.rht else block
@@ -84,6 +85,8 @@ def grouped_matmul(
     recipe: Recipe | str,
     *,
     key: jax.Array | None = None,
+    rngs: nnx.Rngs | None = None,
+    stream: str = "quant",
     inner: Callable = jax.lax.ragged_dot,
     quantizer: Callable = quantize,
     seed: int = 0,
@@ -93,14 +96,26 @@ def grouped_matmul(
     group_offset=None, out_sharding=None) -> [m, n], in ragged_dot's order.
 
     recipe: a Recipe or its name (quant.recipes.RECIPES). key: this layer's and step's PRNG key (None for inference;
-    differentiating a stochastic recipe without one raises ValueError in the forward pass). inner: the grouped
+    differentiating a stochastic recipe without one raises ValueError in the forward pass). rngs, stream: instead of
+    key, an nnx.Rngs from whose stream every call draws a fresh key (a `FreshKeys` nnx.Module is returned; hold it
+    or the Rngs in the model, as for `quant.dot_general`); both key and rngs is a ValueError. inner: the grouped
     matmul that multiplies the quantised operands (it receives preferred_element_type, and the other arguments only
     when they are given); quantizer: the fake quantiser; seed: the run's seed, from which the fixed RHT signs are
     drawn (`quant.hadamard.run_signs`). The result has `preferred_element_type` when given, else the operands'
-    result type; `precision` is passed on for a recipe that quantises nothing and otherwise unused; `group_offset`
-    (a shard of the groups) is supported only when nothing is quantised (ValueError otherwise); `out_sharding`
+    result type. "none" is `inner` itself (`precision` passed on); every other recipe multiplies its quantised
+    operands (bfloat16 for "bf16") with float32 accumulation in all three GEMMs and ignores `precision`;
+    `group_offset` (a shard of the groups) is supported only for "none" (ValueError otherwise); `out_sharding`
     places the result."""
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    check_rngs("grouped_matmul", recipe, key, rngs, stream)
+    if rngs is not None:
+        return FreshKeys(_keyed_grouped_matmul, (recipe, inner, quantizer, seed), rngs, stream)
+    return _keyed_grouped_matmul(recipe, inner, quantizer, seed, key)
+
+
+def _keyed_grouped_matmul(
+    recipe: Recipe, inner: Callable, quantizer: Callable, seed: int, key: jax.Array | None
+) -> Callable:
     cfg = GemmConfig(recipe, quantizer, seed)
 
     def call(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None, out_sharding=None):

@@ -2,8 +2,9 @@
 
 `QuantPrecision(recipe, num_layers=L)`: every projection whose path the recipe does not keep in high precision gets
 `quant.dot_general(recipe, key=layer key)`; kept paths (the head, routers, ...; see Recipe.keeps) and the
-unquantised BF16 recipe get `jax.lax.dot_general`. Experts get `quant.grouped_matmul(recipe, key=...)` around
-`grouped` (the MoE package's grouped matmul). `seed` (the run's `train.seed`) fixes the RHT signs of every GEMM
+unquantised NONE recipe get `jax.lax.dot_general` (so BF16 rounds the operands of every GEMM to bfloat16 except
+the kept paths'). Experts get `quant.grouped_matmul(recipe, key=...)` around `grouped` (the MoE package's grouped
+matmul). `seed` (the run's `train.seed`) fixes the RHT signs of every GEMM
 (`quant.hadamard.run_signs(seed)`; seed 0 gives the signs used before the seed was threaded through).
 """
 

@@ -8,7 +8,9 @@ The three GEMMs of a layer y = x w (x: [tokens, K], w: [K, N]) and their contrac
 Each operand is quantised in blocks along its GEMM's contraction axis, after the same RHT on both operands when
 that GEMM's `rht` is on.
 
-  BF16           no quantisation
+  NONE           no quantisation: the GEMMs in the operands' own dtype (float32 for a float32 model)
+  BF16           no 4-bit grid: every GEMM's operands cast to bfloat16, products accumulated in float32 (the
+                 usual bf16 mixed-precision baseline; the layers kept in high precision below stay unrounded)
   E2M1_BASELINE  e2m1, 1x16 blocks, FP32 amax scale, RHT on wgrad only, SR on dy (the paper's E2M1 reference)
   UFP4           e1m2 (uniform), 1x16, FP32 amax scale, RHT16 on all three GEMMs, SR on dy (the paper's recipe)
   UFP4_INT4      the same with int4 levels (-7..7): with an FP32 amax scale the same grid as e1m2
@@ -26,9 +28,22 @@ import re
 
 from quant.grids import FORMATS
 
-__all__ = ["BF16", "E2M1_BASELINE", "MXFP4", "NVFP4", "RECIPES", "UFP4", "UFP4_INT4", "Gemm", "Recipe", "get"]
+__all__ = [
+    "BF16",
+    "E2M1_BASELINE",
+    "MXFP4",
+    "NONE",
+    "NVFP4",
+    "RECIPES",
+    "UFP4",
+    "UFP4_INT4",
+    "Gemm",
+    "Recipe",
+    "get",
+]
 
 HIGH_PRECISION = (r"(^|\.)head$", r"\.router$", r"embed")
+GEMM_DTYPES = (None, "bfloat16", "float16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +65,10 @@ class Gemm:
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """A training recipe: the three GEMMs, NVFP4's 2-D weight blocks, and which module paths stay in high precision
-    (`high_precision` regexes, searched in the path; `last_blocks_high_precision` keeps the last n transformer
-    blocks too)."""
+    """A training recipe: the three GEMMs, NVFP4's 2-D weight blocks, the dtype the GEMMs multiply in
+    (`gemm_dtype`: both operands of every GEMM cast to it after any 4-bit quantisation, products accumulated in
+    float32; None: the operands' own dtype), and which module paths stay in high precision (`high_precision`
+    regexes, searched in the path; `last_blocks_high_precision` keeps the last n transformer blocks too)."""
 
     name: str
     fprop: Gemm = Gemm()
@@ -63,10 +79,17 @@ class Recipe:
     last_blocks_high_precision: int = 0
     fresh_signs: bool = False  # RHT signs drawn per call from the layer's key (default: fixed for the run, drawn
     # from the run's seed that QuantPrecision receives)
+    gemm_dtype: str | None = None
+
+    def __post_init__(self):
+        if self.gemm_dtype not in GEMM_DTYPES:
+            raise ValueError(f"Recipe.gemm_dtype = {self.gemm_dtype!r}; allowed: {list(GEMM_DTYPES)}.")
 
     @property
     def quantised(self) -> bool:
-        return any(g.fmt is not None for g in (self.fprop, self.dgrad, self.wgrad))
+        """True if some GEMM changes its operands (a 4-bit grid or a cast to `gemm_dtype`); False for NONE, whose
+        GEMMs are plain jax.lax.dot_general / ragged_dot."""
+        return self.gemm_dtype is not None or any(g.fmt is not None for g in (self.fprop, self.dgrad, self.wgrad))
 
     @property
     def needs_key(self) -> bool:
@@ -93,16 +116,18 @@ def _all(fmt: str, *, rht: tuple[bool, bool, bool]) -> tuple[Gemm, Gemm, Gemm]:
     return Gemm(fmt, rht=rht[0]), Gemm(fmt, rht=rht[1], stochastic_dy=True), Gemm(fmt, rht=rht[2], stochastic_dy=True)
 
 
-BF16 = Recipe("bf16")
+NONE = Recipe("none")
+BF16 = Recipe("bf16", gemm_dtype="bfloat16")
 E2M1_BASELINE = Recipe("e2m1_baseline", *_all("e2m1", rht=(False, False, True)))
 UFP4 = Recipe("ufp4", *_all("e1m2", rht=(True, True, True)))
 UFP4_INT4 = Recipe("ufp4_int4", *_all("int4", rht=(True, True, True)))
 NVFP4 = Recipe("nvfp4", *_all("nvfp4", rht=(False, False, True)), weight_2d_blocks=True)
 MXFP4 = Recipe("mxfp4", *_all("mxfp4", rht=(False, False, False)))
-RECIPES = {r.name: r for r in (BF16, E2M1_BASELINE, UFP4, UFP4_INT4, NVFP4, MXFP4)}
+RECIPES = {r.name: r for r in (NONE, BF16, E2M1_BASELINE, UFP4, UFP4_INT4, NVFP4, MXFP4)}
 
 
 def get(name: str) -> Recipe:
+    """The recipe named `name` (a key of RECIPES); ValueError naming the allowed names otherwise."""
     if name not in RECIPES:
         raise ValueError(f"recipe = {name!r}; allowed: {list(RECIPES)}.")
     return RECIPES[name]

@@ -38,14 +38,14 @@ def _grads(f, lhs, rhs, dims, c):
 
 @pytest.mark.parametrize("lhs_shape, rhs_shape, dims", CASES)
 def test_off_or_identity_quantiser_equals_dot_general(lhs_shape, rhs_shape, dims):
-    """BF16 is lax.dot_general; UFP4 with a quantiser that returns its input leaves only RHT and padding, which
+    """NONE is lax.dot_general; UFP4 with a quantiser that returns its input leaves only RHT and padding, which
     cancel in every GEMM: values and gradients equal the unquantised ones."""
     rng = np.random.default_rng(len(lhs_shape))
     lhs, rhs = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in (lhs_shape, rhs_shape))
     out = jax.lax.dot_general(lhs, rhs, dims)
     c = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
     want = _grads(jax.lax.dot_general, lhs, rhs, dims, c)
-    for f in (dot_general(recipes.BF16), dot_general(recipes.UFP4, key=KEY, quantizer=identity)):
+    for f in (dot_general(recipes.NONE), dot_general(recipes.UFP4, key=KEY, quantizer=identity)):
         got = _grads(f, lhs, rhs, dims, c)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
@@ -61,7 +61,7 @@ def test_grouped_off_or_identity_quantiser_equals_ragged_dot():
         return jax.jit(jax.value_and_grad(lambda a, b: jnp.sum(c * f(a, b, sizes)), argnums=(0, 1)))(x, w)
 
     want = loss(jax.lax.ragged_dot)
-    for f in (grouped_matmul(recipes.BF16), grouped_matmul(recipes.UFP4, key=KEY, quantizer=identity)):
+    for f in (grouped_matmul(recipes.NONE), grouped_matmul(recipes.UFP4, key=KEY, quantizer=identity)):
         for a, b in zip(jax.tree.leaves(loss(f)), jax.tree.leaves(want)):
             np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
 
@@ -229,6 +229,22 @@ def test_rht_signs_come_from_the_run_seed():
     assert isinstance(precision, QuantPrecision) and precision.seed == 7
 
 
+def test_the_configs_bf16_recipe_reaches_the_model_as_bf16_gemms():
+    """precision.recipe = "bf16" gives a projection bf16-rounded operands (it once built the unrounded default
+    slot), "none" the float32 product; against float64 products."""
+    from experiments import build
+
+    rng = np.random.default_rng(8)
+    x, w = jnp.asarray(rng.normal(size=(12, 40)), jnp.float32), jnp.asarray(rng.normal(size=(40, 8)), jnp.float32)
+    bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)  # noqa: E731
+    c = build.default_config()
+    for name, want in (("bf16", bf16(x) @ bf16(w)), ("none", np.asarray(x, np.float64) @ np.asarray(w, np.float64))):
+        c.precision.recipe = name
+        gemm = build.build_precision(c, jax.lax.ragged_dot).dot_general("blocks.0.attn.q", None)
+        got = np.asarray(gemm(x, w, (((1,), (0,)), ((), ()))), np.float64)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
 def test_rht_changes_the_quantised_product_only_where_the_recipe_says():
     """With a real quantiser, RHT on a GEMM changes that GEMM's result (the rotation does not commute with Q)."""
     rng = np.random.default_rng(1)
@@ -258,6 +274,98 @@ def test_stochastic_rounding_is_keyed_and_needs_a_key():
         grad(None)  # refused as the forward pass is traced for differentiation, saying what to pass
     with pytest.raises(ValueError, match="one contracting dimension"):
         dot_general(recipes.UFP4)(jnp.ones((2, 16, 16)), jnp.ones((2, 16, 3)), (((1, 2), (0, 1)), ((), ())))
+
+
+def test_bf16_rounds_the_operands_of_all_three_gemms_to_bfloat16():
+    """ "bf16": fprop, dgrad and wgrad multiply operands rounded to bfloat16 with float32 accumulation (float32 in,
+    float32 out), for dot_general and grouped_matmul, against float64 products of the rounded operands; "none"
+    keeps the float32 operands, so the two differ by bfloat16's rounding (relative 1e-3 here)."""
+    rng = np.random.default_rng(7)
+    x, w, dy = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((24, 40), (40, 16), (24, 16)))
+    r = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)  # noqa: E731
+    got = _gemms(dot_general("bf16"), x, w, dy)
+    for out, ref in zip(got, (r(x) @ r(w), r(dy) @ r(w).T, r(x).T @ r(dy))):
+        assert out.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(out, np.float64), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    for out, exact in zip(got, _gemms(dot_general("none"), x, w, dy)):
+        assert 1e-4 < float(jnp.linalg.norm(out - exact) / jnp.linalg.norm(exact)) < 1e-2
+    # grouped: experts [2, 40, 16], groups of 9 and 13 rows (2 rows past the groups: zeros, no gradient)
+    we = jnp.asarray(rng.normal(size=(2, 40, 16)), jnp.float32)
+    sizes = jnp.asarray([9, 13], jnp.int32)
+    y, dx, dw = jax.jit(lambda *a: _gemms(lambda a, b, _: grouped_matmul("bf16")(a, b, sizes), *a))(x, we, dy)
+    rows = (slice(0, 9), slice(9, 22))
+    for g, rs in enumerate(rows):
+        want = (r(x[rs]) @ r(we[g]), r(dy[rs]) @ r(we[g]).T, r(x[rs]).T @ r(dy[rs]))
+        for out, ref in zip((y[rs], dx[rs], dw[g]), want):
+            np.testing.assert_allclose(np.asarray(out, np.float64), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    assert not np.asarray(y[22:]).any() and not np.asarray(dx[22:]).any()
+
+
+def test_rngs_draw_a_fresh_key_per_call_and_step_inside_nnx_jit():
+    """With rngs= (held by the model) every call draws the stream's next key inside nnx.jit + nnx.grad: two
+    consecutive training steps of two nnx.Linear layers sharing the GEMM quantise dy with different noise, each
+    step's gradients equal those of the key= GEMMs built with the next keys of nnx.Rngs(quant=seed) (in call order),
+    and the same seed reproduces them; the grouped matmul draws from its Rngs the same way. key with rngs, a
+    non-Rngs and a missing stream are refused; without any key the forward pass says to pass rngs= or key=."""
+    from flax import nnx
+
+    import quant
+
+    sr = Recipe("sr_dy", dgrad=Gemm("int4", stochastic_dy=True), wgrad=Gemm("int4", stochastic_dy=True))  # cheap
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.normal(size=(24, 32)), jnp.float32)
+    dims = (((1,), (0,)), ((), ()))
+
+    class Model(nnx.Module):
+        def __init__(self, seed):
+            self.rngs = nnx.Rngs(quant=seed)
+            dot = quant.dot_general(sr, rngs=self.rngs)
+            self.up = nnx.Linear(32, 16, use_bias=False, dot_general=dot, rngs=nnx.Rngs(0))
+            self.down = nnx.Linear(16, 8, use_bias=False, dot_general=dot, rngs=nnx.Rngs(1))
+
+        def __call__(self, x):
+            return self.down(self.up(x))
+
+    @nnx.jit
+    def grads(model):
+        g = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model)
+        return g["up"]["kernel"][...], g["down"]["kernel"][...]
+
+    model = Model(0)
+    steps = [grads(model), grads(model)]  # the parameters do not change: only the noise does
+    up, down = model.up.kernel[...], model.down.kernel[...]
+
+    @jax.jit
+    def reference(k_up, k_down):  # the same GEMMs with fixed keys
+        def loss(a, b):
+            h = quant.dot_general(sr, key=k_up)(x, a, dims)
+            return jnp.sum(quant.dot_general(sr, key=k_down)(h, b, dims) ** 2)
+
+        return jax.grad(loss, argnums=(0, 1))(up, down)
+
+    draw = nnx.Rngs(quant=0)
+    for got in steps:
+        for a, b in zip(got, reference(draw.quant(), draw.quant())):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(jnp.abs(b).max()))
+    for a, b in zip(*steps):
+        assert not np.allclose(a, b)
+    for a, b in zip(grads(Model(0)), steps[0]):
+        np.testing.assert_array_equal(a, b)
+    rngs = nnx.Rngs(quant=0)
+    gmm = quant.grouped_matmul(sr, rngs=rngs)
+    assert isinstance(gmm, quant.FreshKeys) and gmm.rngs is rngs
+    gmm(x, jnp.ones((2, 32, 4)), jnp.asarray([10, 14], jnp.int32))  # a call draws one key
+    assert int(rngs.quant.count[...]) == 1
+
+    with pytest.raises(ValueError, match="key= and rngs= were both given"):
+        quant.dot_general("ufp4", key=KEY, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"rngs = 3 \(int\); allowed: a flax nnx.Rngs"):
+        quant.grouped_matmul("ufp4", rngs=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="stream = 'quant', but the nnx.Rngs has neither"):
+        quant.dot_general("ufp4", rngs=nnx.Rngs(params=0))
+    quant.dot_general("ufp4", rngs=nnx.Rngs(0))  # a "default" stream serves any stream name
+    with pytest.raises(ValueError, match=r"without a PRNG key.*rngs=self.rngs.*key="):
+        jax.grad(lambda w: jnp.sum(quant.dot_general("ufp4")(x, w, dims)))(up)
 
 
 def test_bf16_operands_and_sharded_weights_on_8_devices():
@@ -297,7 +405,11 @@ def test_precision_policy_keeps_the_right_layers():
     last = QuantPrecision(dataclasses.replace(recipes.UFP4, last_blocks_high_precision=1), num_layers=4)
     assert last.dot_general("blocks.3.attn.q", KEY) is jax.lax.dot_general
     assert last.dot_general("blocks.2.attn.q", KEY) is not jax.lax.dot_general
-    assert QuantPrecision(recipes.BF16).dot_general("blocks.0.attn.q", KEY) is jax.lax.dot_general
+    assert QuantPrecision(recipes.NONE).dot_general("blocks.0.attn.q", KEY) is jax.lax.dot_general
+    assert QuantPrecision(recipes.NONE).grouped_matmul("blocks.0.ffn.experts.up", KEY) is jax.lax.ragged_dot
+    bf16 = QuantPrecision(recipes.BF16, num_layers=4)  # rounds every GEMM but the kept paths' to bfloat16
+    assert bf16.dot_general("blocks.0.attn.q", KEY) is not jax.lax.dot_general
+    assert bf16.dot_general("head", KEY) is jax.lax.dot_general
 
 
 @pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
@@ -331,7 +443,8 @@ def test_ufp4_quantises_the_swiglu_experts_gate_projection_by_its_own_path(dispa
 @pytest.mark.parametrize("recipe", ["ufp4"])
 def test_precision_recipe_from_the_config_trains_the_moe_model(recipe):
     """precision.recipe puts the recipe into every projection and expert of a model built from a config; a few
-    training steps of a tiny MoE model lower the loss, and the quantised forward differs from bf16's."""
+    training steps of a tiny MoE model lower the loss, and the quantised forward differs from the unquantised one
+    (recipe "none", the default)."""
     import optax
     from flax import nnx
 
@@ -349,7 +462,7 @@ def test_precision_recipe_from_the_config_trains_the_moe_model(recipe):
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(4, 33)), jnp.int32)
     losses = train_losses(model, optax.adam(3e-3), tokens, 5)
     assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
-    c.precision.recipe = "bf16"
+    c.precision.recipe = "none"
     plain = build.build_model_fn(c, mesh_lib.Sharder())(nnx.Rngs(0))
     x = tokens[:, :-1]
     assert not np.allclose(forward(model, x)[0], forward(plain, x)[0], atol=1e-3)
@@ -393,22 +506,35 @@ def test_drop_in_for_flax_and_lax_signatures():
     linear = nnx.Linear(48, 24, use_bias=False, dot_general=by_name, rngs=nnx.Rngs(0))
     kernel = linear.kernel.get_value()
     dims = (((1,), (0,)), ((), ()))
-    np.testing.assert_array_equal(linear(x), by_recipe(x, kernel, dims))
-    assert by_name(x.astype(jnp.bfloat16), kernel.astype(jnp.bfloat16), dims).dtype == jnp.bfloat16
-    assert by_name(x.astype(jnp.bfloat16), kernel, dims, None, jnp.float32).dtype == jnp.float32
+    bf16 = jnp.bfloat16
+
+    @jax.jit  # one program for all the forward checks (compiling is cheaper than running them op by op)
+    def forward(x, k):
+        return (
+            linear(x),
+            by_recipe(x, k, dims),
+            by_name(x.astype(bf16), k.astype(bf16), dims),
+            by_name(x.astype(bf16), k, dims, None, jnp.float32),
+            quant.dot_general("ufp4")(x, k, dims),  # inference needs no key
+        )
+
+    through_linear, direct, in_bf16, preferred, _ = forward(x, kernel)
+    np.testing.assert_array_equal(through_linear, direct)
+    assert in_bf16.dtype == jnp.bfloat16 and preferred.dtype == jnp.float32
 
     def loss(w, dot):
         return jnp.sum(dot(x, w, dims) ** 2)
 
-    assert np.isfinite(np.asarray(jax.grad(loss)(kernel, by_name))).all()
-    quant.dot_general("ufp4")(x, kernel, dims)  # inference needs no key
+    assert np.isfinite(np.asarray(jax.jit(jax.grad(loss), static_argnums=1)(kernel, by_name))).all()
 
     sizes = jnp.array([1, 3], jnp.int32)
     w = jnp.asarray(rng.normal(size=(2, 48, 24)), jnp.float32)
     gmm = quant.grouped_matmul("ufp4", key=key)
-    positional = gmm(x, w, sizes, None, jnp.float32)
-    np.testing.assert_array_equal(positional, gmm(x, w, sizes, preferred_element_type=jnp.float32))
-    plain = quant.grouped_matmul("bf16")(x, w, sizes, jax.lax.Precision.HIGHEST)
+    positional, keyword = jax.jit(
+        lambda x, w: (gmm(x, w, sizes, None, jnp.float32), gmm(x, w, sizes, preferred_element_type=jnp.float32))
+    )(x, w)
+    np.testing.assert_array_equal(positional, keyword)
+    plain = quant.grouped_matmul("none")(x, w, sizes, jax.lax.Precision.HIGHEST)
     np.testing.assert_allclose(plain, jax.lax.ragged_dot(x, w, sizes, precision=jax.lax.Precision.HIGHEST))
     with pytest.raises(ValueError, match=r"quant.grouped_matmul\('ufp4'\) is being differentiated without"):
         jax.grad(lambda v: jnp.sum(quant.grouped_matmul("ufp4")(x, v, sizes)))(w)

@@ -8,7 +8,7 @@ The same model, data, steps and schedule as experiments/configs/quickstart.py; o
 (`optim.name = "mgup_adamw"`, the paper's tau = 0.5, alpha = 2, gamma = 0.1 on top of the quickstart's AdamW
 settings), the matmul recipe (`precision.recipe = "ufp4"`: E1M2 grid, RHT16 on all three GEMMs, stochastic
 rounding of dY) and the KV format of the end-of-run sample (`kvcache.format = "fp4"`, UltraQuant) change. Swap any
-of them back from the command line (`--config.optim.name=adamw`, `--config.precision.recipe=bf16`,
+of them back from the command line (`--config.optim.name=adamw`, `--config.precision.recipe=none`,
 `--config.kvcache.format=bf16`) to see what each costs.
 """
 
