@@ -5,7 +5,9 @@
 
 A federated run's checkpoint holds one model per site (its resident experts and, with partitioned routing, its
 router): `site` picks which one (default 0, the one the run's own sample uses). It loads on one device whatever
-devices the run trained on.
+devices the run trained on: the checkpoint's arrays (sharded by data, tensor (mesh.model) or expert (mesh.expert)
+parallelism) are restored onto this process's first device, and the returned config describes that one-device
+mesh (mesh.data = mesh.expert = mesh.model = 1, one process).
 """
 
 from __future__ import annotations
@@ -15,13 +17,18 @@ import os
 from typing import TYPE_CHECKING
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
 if TYPE_CHECKING:
     from core.model import Transformer
+    from core.train import TrainState
 
-__all__ = ["run_config", "trained_model"]
+__all__ = ["check_workdir", "run_config", "trained_model"]
+
+RUN_FILES = ("config.json", "data.json", "checkpoints")
+"""What a finished run's workdir holds (experiments.run writes them) and `trained_model` reads."""
 
 
 def trained_model(workdir: str, *, site: int = 0) -> tuple[ml_collections.ConfigDict, Transformer]:
@@ -31,16 +38,9 @@ def trained_model(workdir: str, *, site: int = 0) -> tuple[ml_collections.Config
     Raises FileNotFoundError naming what is missing, or ValueError for a site the run does not have.
     """
     from core import checkpoint as checkpoint_lib
-    from core import train as train_lib
     from experiments import build
 
-    paths = {name: os.path.join(workdir, name) for name in ("config.json", "data.json", "checkpoints")}
-    missing = [p for p in paths.values() if not os.path.exists(p)]
-    if missing:
-        raise FileNotFoundError(
-            f"{workdir} is not a finished run's workdir: missing {missing} (train one with "
-            "`python -m experiments.run --config ... --workdir ...`)"
-        )
+    paths = check_workdir(workdir)
     config = run_config(workdir)
     sites = config.mesh.site
     if not 0 <= site < sites:
@@ -58,17 +58,60 @@ def trained_model(workdir: str, *, site: int = 0) -> tuple[ml_collections.Config
         graphdef, _, _, state = federated.initial_state(config)  # [sites, ...] on this process's first device
         state, _ = checkpointer.restore(step, state, compat=compat)
         train = jax.tree.map(lambda x: x[site], state.train)
-        config = federated.site_config(config)  # the site's model as a model of its own
+        config = _on_one_device(federated.site_config(config))  # the site's model as a model of its own
     else:
-        config.mesh.data = 1  # one device is enough to hold the parameters for inference
+        config = _on_one_device(config)  # the arrays are restored onto one device, whatever mesh wrote them
         build.validate(config, num_devices=1)
-        _, sharder = build.build_mesh(config)
-        graphdef, train = train_lib.init_state(
-            build.build_model_fn(config, sharder), build.build_optimizer(config), config.train.seed, sharder
-        )
-        train, _ = checkpointer.restore(step, train, compat=compat)
+        graphdef, like = _restore_target(config)
+        train, _ = checkpointer.restore(step, like, compat=compat)
     checkpointer.close()
     return config, nnx.merge(graphdef, train.params, train.rest)
+
+
+def _restore_target(config: ml_collections.ConfigDict) -> tuple[nnx.GraphDef, TrainState]:
+    """(graphdef, the training state's shapes and dtypes (jax.ShapeDtypeStruct) on the one device of `config`'s mesh):
+    what `core.checkpoint.Checkpointer.restore` restores a single-site run's checkpoint into. Abstract: the random
+    parameters and optimizer state that `core.train.init_state` would compute (and compile a program for) are not,
+    since the checkpoint replaces all of them."""
+    from core import train as train_lib
+    from core.model import split_params
+    from experiments import build
+
+    _, sharder = build.build_mesh(config)
+    model_fn = build.build_model_fn(config, sharder)
+    graphdef, params, rest = split_params(nnx.eval_shape(lambda: model_fn(nnx.Rngs(config.train.seed))))
+    shapes = train_lib.TrainState(
+        jax.ShapeDtypeStruct((), jnp.int32),  # type: ignore[arg-type] # (of shapes)
+        params,
+        rest,
+        jax.eval_shape(build.build_optimizer(config).init, params),
+        jax.eval_shape(lambda: jax.random.PRNGKey(config.train.seed)),
+    )
+    one_device = sharder.named(())  # replicated over the mesh of one device
+    return graphdef, jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one_device), shapes)
+
+
+def check_workdir(workdir: str) -> dict[str, str]:
+    """{name: path} of RUN_FILES in `workdir`; raises FileNotFoundError naming those missing (cheap: nothing is
+    read, so a caller such as experiments.serve can refuse a workdir before it loads anything)."""
+    paths = {name: os.path.join(workdir, name) for name in RUN_FILES}
+    missing = [p for p in paths.values() if not os.path.exists(p)]
+    if missing:
+        raise FileNotFoundError(
+            f"{workdir} is not a finished run's workdir: missing {missing} (train one with "
+            "`python -m experiments.run --config ... --workdir ...`)"
+        )
+    return paths
+
+
+def _on_one_device(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """`config` with a mesh of one device in one process (mesh.data = mesh.expert = mesh.model = 1): what the loaded
+    model runs on, whatever data, tensor or expert parallelism (or processes) the run trained with. The arrays' global
+    shapes do not depend on the mesh, so a checkpoint of any mesh restores into this one. mesh.site is left to the
+    caller (a federated run's site_config)."""
+    out = config.copy_and_resolve_references()
+    out.mesh.update(data=1, expert=1, model=1, num_processes=1, process_id=0, coordinator_address="")
+    return out
 
 
 def run_config(workdir: str) -> ml_collections.ConfigDict:

@@ -441,9 +441,12 @@ class Engine(Scheduler):
 
     def warmup(self) -> None:
         """Compiles the step for every batch-size bucket (slots all -1: the pool is not written), so that no
-        request's time to first token pays for compilation."""
+        request's time to first token pays for compilation. The first bucket runs twice: first given the pool as
+        created, then the pool as a step returns it (placed as the step's output, which may differ from the new
+        pool's placement and is then another program: the one every later step of that size runs)."""
         s_max = self.config.max_num_seqs + 1
-        for n in sorted({_bucket(n) for n in range(1, self.config.max_num_batched_tokens + 1)}):
+        sizes = sorted({_bucket(n) for n in range(1, self.config.max_num_batched_tokens + 1)})
+        for n in [*sizes, sizes[0]]:
             qsl = np.zeros(s_max + 1, np.int32)
             qsl[-1] = n
             seq_lens = np.ones(s_max, np.int32)
@@ -452,13 +455,18 @@ class Engine(Scheduler):
                 self.graphdef,
                 self.state,
                 self.pool,
-                jnp.zeros(n, jnp.int32),
-                jnp.arange(n, dtype=jnp.int32),
-                jnp.full(n, -1, jnp.int32),
-                jnp.zeros((s_max, self.max_blocks), jnp.int32),
-                jnp.asarray(seq_lens),
-                jnp.asarray(qsl),
-                jnp.zeros(s_max, jnp.int32),
+                *map(  # built as `_execute` builds them (NumPy arrays moved to the device): no other programs
+                    jnp.asarray,
+                    (
+                        np.zeros(n, np.int32),
+                        np.arange(n, dtype=np.int32),
+                        np.full(n, -1, np.int32),
+                        np.zeros((s_max, self.max_blocks), np.int32),
+                        seq_lens,
+                        qsl,
+                        np.zeros(s_max, np.int32),
+                    ),
+                ),
                 max_query_len=n,
                 implementation=self.config.implementation,
             )

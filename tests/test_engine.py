@@ -1,6 +1,8 @@
 """The serving engine: equal to isolated generation under interleaving, chunking, prefix hits, eviction and
 preemption; the block manager's reference counts and LRU; admission control; metrics from timestamps."""
 
+import logging
+
 import jax
 import numpy as np
 import pytest
@@ -199,3 +201,29 @@ def test_engine_records_consistent_times(model):
         assert r.arrival <= r.first_token_time == r.token_times[0] <= r.finish_time == r.token_times[-1]
         assert len(r.token_times) == len(r.output) and np.all(np.diff(r.token_times) > 0)
         assert r.ttft > 0 and r.tpot == pytest.approx((r.finish_time - r.first_token_time) / (len(r.output) - 1))
+
+
+def test_no_request_compiles_after_warmup(model):
+    """`Engine.warmup` compiles the very programs the steps run (the pool as a step returns it, the same argument
+    kinds): the requests after it, prefills and decodes of every bucket the budget allows, compile nothing."""
+    graphdef, state = nnx.split(model)
+    model = nnx.merge(graphdef, jax.device_put(state, jax.devices()[0]))  # committed, as a loaded checkpoint is
+    eng = engine(model, formats.get("bf16"), blocks=32)
+    eng.warmup()
+    compiled = []
+
+    class Compiles(logging.Handler):
+        def emit(self, record):
+            compiled.append(record.getMessage())
+
+    handler = Compiles()
+    logging.getLogger("jax").addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            for p in prompts_with_shared_prefix()[:3]:
+                eng.submit(p, 4)
+            eng.run()
+    finally:
+        logging.getLogger("jax").removeHandler(handler)
+    assert eng.stats["steps"] > 3
+    assert not [m for m in compiled if m.startswith("Compiling")], compiled

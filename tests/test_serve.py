@@ -1,30 +1,54 @@
-"""experiments.serve in-process: bad flags refused before anything is loaded, the loader's failures as `error:` lines
-with their exit codes, a character split across engine steps streamed whole, a prompt of raw bytes served as those
-bytes, and a KV pool or format that cannot serve the model refused by name.
+"""experiments.serve in-process: bad flags, alone or for the run (a --site it lacks, a KV format that cannot hold its
+heads, a pool too small for a block or a request), refused by name before the model is loaded; the loader's failures
+as `error:` lines with their exit codes; the run's own KV format by default; warm-up before any request; a header
+over every request's text; a character split across engine steps streamed whole, a prompt of raw bytes served as
+those bytes.
 
-Nothing here trains or compiles: the loader is replaced by one returning a run's config (its data.tokenizer) and a
-model that is only its config, and the engine by the real scheduler (kvcache.engine.Scheduler) whose "model" emits a
-scripted token per decode step (a byte; or a BPE id, for a run with a BPE tokenizer)."""
+All but the last test neither train nor compile: a run is its config.json (the loader's check of a workdir and its
+config are real), the loader is replaced by one returning that config and a model that is only its config, and the
+engine by the real scheduler (kvcache.engine.Scheduler) whose "model" emits a scripted token per decode step (a byte;
+or a BPE id, for a run with a BPE tokenizer). The last one loads and serves a real checkpoint whose parameters are
+sharded over mesh.model = 2 of the 8 virtual devices."""
 
+import dataclasses
+import json
+import logging
 import pathlib
 import re
 import types
 from typing import ClassVar
 
 import pytest
+from flax import nnx
 
 from core.checkpoint import CheckpointError
 from core.config import TransformerConfig
 from core.tokenizer import HFTokenizer
-from experiments import load, serve
+from experiments import build, load, serve
 from kvcache import engine as engine_lib
+from kvcache import formats
 
 # head_dim 64 (fp4 needs a multiple of 64); a block of 16 tokens in bf16: 2 layers x 16 x (K + V: 2 x 64 x 2 bytes)
 CFG = TransformerConfig(vocab_size=264, d_model=128, num_layers=2, num_heads=2, num_kv_heads=1, d_ff=64)
 BF16_BLOCK_BYTES = 2 * 16 * 2 * 64 * 2
 SCRIPT = "naïve € 😀 ok".encode()  # 1-, 2-, 3- and 4-byte characters
-BYTES_RUN = types.SimpleNamespace(data=types.SimpleNamespace(tokenizer="bytes"))  # what serve reads of the config
 BPE_DIR = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf" / "tokenizer"  # 320 ids: pad 0, bos 1, eos 2
+
+
+def write_run(workdir, *, model=CFG, tokenizer="bytes", kvcache=None, sites=1):
+    """A finished run's workdir as far as serve reads it before loading: config.json (`model`, data.tokenizer,
+    the `kvcache` section's keys given, mesh.site), data.json and an (empty) checkpoints/."""
+    workdir = pathlib.Path(workdir)
+    (workdir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    config = {
+        "model": dataclasses.asdict(model),
+        "data": {"tokenizer": tokenizer},
+        "kvcache": {"format": "bf16", **(kvcache or {})},
+        "mesh": {"site": sites},
+    }
+    (workdir / "config.json").write_text(json.dumps(config))
+    (workdir / "data.json").write_text(json.dumps({"fingerprint": "f"}))
+    return workdir
 
 
 class ScriptedEngine(engine_lib.Scheduler):
@@ -36,15 +60,22 @@ class ScriptedEngine(engine_lib.Scheduler):
     script: bytes | list[int] = SCRIPT
     prompts: ClassVar[list[list[int]]] = []  # what each instance was submitted, in order
     configs: ClassVar[list[engine_lib.EngineConfig]] = []  # each instance's config
+    kv_formats: ClassVar[list[formats.Format]] = []  # each instance's KV format
+    events: ClassVar[list[str]] = []  # "warmup" and "submit", in the order they happened
 
     def __init__(self, model, fmt, config):
         cfg = model.cfg
         per_block = cfg.num_layers * config.block_size * fmt.bytes_per_token(cfg.num_kv_heads, cfg.head_dim)
         super().__init__(config, fmt, config.memory_bytes // per_block)
         ScriptedEngine.configs.append(config)
+        ScriptedEngine.kv_formats.append(fmt)
+
+    def warmup(self):
+        ScriptedEngine.events.append("warmup")
 
     def submit(self, prompt, max_new_tokens, **kw):
         ScriptedEngine.prompts.append(list(prompt))
+        ScriptedEngine.events.append("submit")
         return super().submit(prompt, max_new_tokens, **kw)
 
     def _execute(self, batch):
@@ -64,18 +95,31 @@ def nothing_loads(monkeypatch):
 
 
 @pytest.fixture
-def scripted(monkeypatch):
-    """The loader returns a model that is only its config (d_model 128, head_dim 64); the engine is ScriptedEngine."""
-    model = types.SimpleNamespace(cfg=CFG)
-    monkeypatch.setattr(load, "trained_model", lambda workdir, site=0: (BYTES_RUN, model))
+def a_run(tmp_path, monkeypatch):
+    """The current directory is `tmp_path`, holding `run`: write_run's run of CFG (d_model 128, head_dim 64), byte
+    tokenizer, bf16 KV cache. Returns write_run, to rewrite it."""
+    monkeypatch.chdir(tmp_path)
+    write_run("run")
+    return lambda **kw: write_run("run", **kw)
+
+
+@pytest.fixture
+def scripted(monkeypatch, a_run):
+    """`a_run`; the loader returns its config and a model that is only its config; the engine is ScriptedEngine."""
+
+    def trained_model(workdir, site=0):
+        config = load.run_config(workdir)
+        return config, types.SimpleNamespace(cfg=build.model_config(config))
+
+    monkeypatch.setattr(load, "trained_model", trained_model)
     monkeypatch.setattr(engine_lib, "Engine", ScriptedEngine)
     monkeypatch.setattr(ScriptedEngine, "script", SCRIPT)
-    monkeypatch.setattr(ScriptedEngine, "prompts", [])
-    monkeypatch.setattr(ScriptedEngine, "configs", [])
-    return model
+    for name in ("prompts", "configs", "kv_formats", "events"):
+        monkeypatch.setattr(ScriptedEngine, name, [])
+    return a_run
 
 
-def serve_main(capsys, *args, workdir="unused"):
+def serve_main(capsys, *args, workdir="run"):
     """(exit code, stdout, stderr) of `serve.main` with `args`; argparse's exits count as return codes."""
     code: int | str | None
     try:
@@ -119,6 +163,44 @@ def test_bad_flags_are_refused_before_anything_loads(capsys, tmp_path, nothing_l
     assert "error:" in err and flag in err and value in err and allowed in err and "Traceback" not in err, err
 
 
+NARROW = TransformerConfig(d_model=16, num_heads=2, num_kv_heads=2, num_layers=1)  # head_dim 8: no fp4
+MIN_MIB = BF16_BLOCK_BYTES / 2**20  # 0.0078125: one bf16 block of CFG, 16 tokens
+
+
+@pytest.mark.parametrize(
+    "run, args, needles",
+    [
+        # pools too small for one block (1e-7 MiB: 0 bytes, once a traceback) or for a request
+        ({}, ["--kv-memory-mib=0.001"], ["--kv-memory-mib=0.001 holds no KV block", f"minimum is {MIN_MIB!r} MiB"]),
+        ({}, ["--kv-memory-mib=1e-7"], ["--kv-memory-mib=1e-07 holds no KV block", f"{BF16_BLOCK_BYTES} bytes"]),
+        (
+            {},
+            [f"--kv-memory-mib={MIN_MIB!r}", "--max-new-tokens=20"],
+            ["--max-new-tokens=20", f"--kv-memory-mib={MIN_MIB!r}", "16 tokens in bf16", "--max-new-tokens <= 14"],
+        ),
+        (
+            {},
+            [f"--kv-memory-mib={MIN_MIB!r}", "--max-new-tokens=1", "--prompt=" + "y" * 20],
+            ["--prompt: prompt 2 (21 tokens", f"--kv-memory-mib={MIN_MIB!r}", "at most 15 tokens"],
+        ),
+        # a site the run lacks
+        ({}, ["--site=1"], ["--site=1", "mesh.site = 1", "allowed --site in 0..0"]),
+        ({"sites": 2}, ["--site=2"], ["--site=2", "mesh.site = 2", "allowed --site in 0..1"]),
+        # a format the model's heads do not fit, the scale rule without fp4 (given, or the run's format)
+        ({"model": NARROW}, ["--kv-format=fp4"], ["--kv-format=fp4", "head_dim = 8", "['bf16', 'fp8']"]),
+        ({}, ["--scale-rule=mx", "--kv-format=fp8"], ["--scale-rule=mx", "fp4 KV format only", "fp8 (--kv-format"]),
+        ({"kvcache": {"format": "fp8"}}, ["--scale-rule=mse"], ["--scale-rule=mse", "the run's kvcache.format"]),
+    ],
+)
+def test_flags_this_run_cannot_serve_are_refused_before_it_loads(capsys, a_run, nothing_loads, run, args, needles):
+    """Checked against the run's config.json alone: exit 2, one `error:` line naming the flag, the value and what is
+    allowed, no traceback, and neither the model nor an engine is built."""
+    a_run(**run)
+    code, out, err = serve_main(capsys, "--prompt=x", *args)
+    assert code == 2 and not out and err.startswith("error: ") and err.count("\n") == 1, err
+    assert all(needle in err for needle in needles), (needles, err)
+
+
 def test_a_prompt_that_is_not_text_nor_bytes_is_refused(capsys, tmp_path, nothing_loads):
     """A lone surrogate that is no escaped byte (U+D800) cannot come from a command line; refused by name."""
     code, out, err = serve_main(capsys, "--prompt=ok", "--prompt=a\ud800", workdir=tmp_path)
@@ -140,8 +222,8 @@ def test_help_shows_every_flag_with_its_default(capsys, monkeypatch):
         helps[re.findall(r"--[a-z-]+", match[1])[0]] = " ".join(match[2].split())
     defaults = {
         "--max-new-tokens": "200",
-        "--kv-format": "fp4",
-        "--scale-rule": "mse",
+        "--kv-format": "the run's kvcache.format",
+        "--scale-rule": "the run's kvcache.scale_rule",
         "--kv-memory-mib": "64.0",
         "--temperature": "0.7",
         "--seed": "0",
@@ -161,15 +243,16 @@ def test_help_shows_every_flag_with_its_default(capsys, monkeypatch):
         (ValueError("site = 3: the run in /w has mesh.site = 2 site(s); allowed 0..1"), 2),
     ],
 )
-def test_the_loaders_failures_are_error_lines(capsys, monkeypatch, error, code):
+def test_the_loaders_failures_are_error_lines(capsys, monkeypatch, a_run, error, code):
     """A damaged checkpoint is a runtime failure (exit 1), a workdir that is no run or a site it lacks a usage
-    error (exit 2): one `error:` line each, no traceback."""
+    error (exit 2): one `error:` line each (after the line saying which KV format would serve), no traceback."""
 
     def trained_model(workdir, site=0):
         raise error
 
     monkeypatch.setattr(load, "trained_model", trained_model)
-    assert serve_main(capsys, "--prompt=x") == (code, "", f"error: {error}\n")
+    kv_line = "kv format: bf16 (the run's kvcache.format; --kv-format overrides)\n"
+    assert serve_main(capsys, "--prompt=x") == (code, "", f"{kv_line}error: {error}\n")
 
 
 def test_an_empty_workdir_is_an_error_line(capsys, tmp_path):
@@ -181,13 +264,17 @@ def test_an_empty_workdir_is_an_error_line(capsys, tmp_path):
 def test_characters_split_across_steps_stream_whole(capsys, scripted):
     """Every byte of SCRIPT comes in its own engine step: the streamed line is the prompt and SCRIPT as text, without
     a single U+FFFD (each step's bytes decoded alone gave one per byte of every multi-byte character); a second
-    request is printed whole; the engine got the prompts' UTF-8 bytes after BOS."""
+    request is printed whole, each under the same header; the engine got the prompts' UTF-8 bytes after BOS, once
+    it was warmed up (serve.warm_up), and the step's token budget is what the requests can hold."""
     code, out, err = serve_main(capsys, "--prompt=déjà ", "--prompt=b", "--kv-format=bf16", "--max-new-tokens=64")
     assert code == 0, err
     expected = "déjà " + SCRIPT.decode()
-    assert out.splitlines() == [expected, "--- request 1:", "b" + SCRIPT.decode()]
+    assert out.splitlines() == ["--- request 0:", expected, "--- request 1:", "b" + SCRIPT.decode()]
     assert ScriptedEngine.prompts == [[257, *"déjà ".encode()], [257, *b"b"]]
+    assert ScriptedEngine.events == ["warmup", "submit", "submit"]
+    assert ScriptedEngine.configs[0].max_num_batched_tokens == (1 + 7 + 64) + (1 + 1 + 64)  # "déjà " is 7 bytes
     assert "\ufffd" not in out
+    assert re.search(r"^compiled in \d+\.\d s \(.*times to first token below exclude it\)$", err, re.MULTILINE), err
 
 
 def test_a_prompt_of_raw_bytes_is_served_as_those_bytes(capsys, scripted, monkeypatch):
@@ -200,27 +287,38 @@ def test_a_prompt_of_raw_bytes_is_served_as_those_bytes(capsys, scripted, monkey
     assert out.splitlines() == [b"\xff\xc3\xa9!".decode("utf-8", errors="replace")] == ["\ufffdé!"]
 
 
-def test_a_pool_too_small_for_a_block_or_the_request_names_the_flags(capsys, scripted):
-    code, out, err = serve_main(capsys, "--prompt=x", "--kv-memory-mib=0.001", "--kv-format=bf16")
-    minimum = BF16_BLOCK_BYTES / 2**20  # 0.0078125 MiB
-    assert code == 2 and not out and err.startswith("error: --kv-memory-mib=0.001 "), err
-    assert f"minimum is {minimum!r} MiB" in err and str(BF16_BLOCK_BYTES) in err
-    assert (
-        serve_main(capsys, "--prompt=x", f"--kv-memory-mib={minimum!r}", "--kv-format=bf16", "--max-new-tokens=2")[0]
-        == 0
-    )
-    # one block (16 tokens) for 1 + 1 + 20 tokens: the request cannot fit
-    code, out, err = serve_main(
-        capsys, "--prompt=x", f"--kv-memory-mib={minimum!r}", "--kv-format=bf16", "--max-new-tokens=20"
-    )
-    assert code == 2 and not out and "--max-new-tokens=20" in err and f"--kv-memory-mib={minimum!r}" in err, err
+def test_the_smallest_pool_serves_a_request_that_fills_it(capsys, scripted, monkeypatch):
+    """The minimum --kv-memory-mib (one bf16 block of 16 tokens) serves BOS + "x" + 14 new tokens, exactly its 16
+    (one more new token is refused: test_flags_this_run_cannot_serve_are_refused_before_it_loads)."""
+    monkeypatch.setattr(ScriptedEngine, "script", b"y" * 20)  # no EOS before max_new_tokens
+    code, out, err = serve_main(capsys, "--prompt=x", f"--kv-memory-mib={MIN_MIB!r}", "--max-new-tokens=14")
+    assert code == 0 and out == "x" + "y" * 14 + "\n", err
+    assert "bf16 KV pool: 16 tokens in 0.0078125 MiB" in err
 
 
-def test_a_format_the_model_cannot_use_is_refused_by_name(capsys, scripted, monkeypatch):
-    narrow = types.SimpleNamespace(cfg=TransformerConfig(d_model=16, num_heads=2, num_kv_heads=2, num_layers=1))
-    monkeypatch.setattr(load, "trained_model", lambda workdir, site=0: (BYTES_RUN, narrow))
-    code, out, err = serve_main(capsys, "--prompt=x", "--kv-format=fp4")
-    assert code == 2 and not out and err.startswith("error: --kv-format=fp4") and "head_dim = 8" in err, err
+@pytest.mark.parametrize(
+    "kvcache, args, label, line",
+    [
+        ({"format": "fp8"}, [], "fp8", "fp8 (the run's kvcache.format; --kv-format overrides)"),
+        ({"format": "fp8"}, ["--kv-format=bf16"], "bf16", "bf16 (--kv-format)"),
+        (
+            {"format": "fp4", "scale_rule": "mx", "rotate_k": False},
+            [],
+            "fp4 (mx, K unrotated)",
+            "fp4 (the run's kvcache.format; --kv-format overrides), scale rule mx (the run's kvcache.scale_rule; "
+            "--scale-rule overrides)",
+        ),
+        ({}, ["--kv-format=fp4", "--scale-rule=mx"], "fp4 (mx)", "fp4 (--kv-format), scale rule mx (--scale-rule)"),
+    ],
+)
+def test_the_kv_format_is_the_runs_unless_a_flag_says_otherwise(capsys, scripted, kvcache, args, label, line):
+    """The run's kvcache section (format; for fp4 its scale rule and K rotation too) picks the format, --kv-format /
+    --scale-rule replace what they name; stderr says which format serves and why."""
+    scripted(kvcache=kvcache)
+    code, _, err = serve_main(capsys, "--prompt=x", *args)
+    assert code == 0, err
+    assert [fmt.label for fmt in ScriptedEngine.kv_formats] == [label]
+    assert f"kv format: {line}\n" in err and f"{label} KV pool:" in err, err
 
 
 def test_a_bpe_run_is_served_with_its_tokenizer(capsys, scripted, monkeypatch):
@@ -231,9 +329,7 @@ def test_a_bpe_run_is_served_with_its_tokenizer(capsys, scripted, monkeypatch):
     text = "crème brûlée, 日本語のテキストです 😀 ok"
     script = tok.encode(text, bos=False).tolist()
     assert any(tok.decode([i]) != tok.decode_bytes([i]).decode(errors="ignore") for i in script)  # a torn character
-    run = types.SimpleNamespace(data=types.SimpleNamespace(tokenizer=str(BPE_DIR)))
-    model = types.SimpleNamespace(cfg=TransformerConfig(**{**CFG.__dict__, "vocab_size": 320}))
-    monkeypatch.setattr(load, "trained_model", lambda workdir, site=0: (run, model))
+    scripted(tokenizer=str(BPE_DIR), model=dataclasses.replace(CFG, vocab_size=320))
     monkeypatch.setattr(ScriptedEngine, "script", script)
     code, out, err = serve_main(capsys, "--prompt=déjà ", "--kv-format=bf16", "--max-new-tokens=64")
     assert code == 0, err
@@ -242,3 +338,86 @@ def test_a_bpe_run_is_served_with_its_tokenizer(capsys, scripted, monkeypatch):
     assert f"{len(script) + 1} tokens" in err  # the script and the EOS that ended it
     [config] = ScriptedEngine.configs
     assert (config.eos_id, config.never, config.num_ids) == (2, (0, 1), 320)
+
+
+def test_a_tensor_parallel_run_loads_and_serves_on_one_device(tmp_path, capsys, monkeypatch):
+    """A run's workdir as a run on a mesh.model = 2 mesh writes it (config.json and data.json by
+    experiments.run.write_records, the checkpoint of the training state by core.checkpoint, its parameters sharded
+    over 'model' and scaled so that they differ from the loader's own start from the same seed) loads on one device:
+    the config's mesh is one device, every parameter equals the saved one and lies on one device, and the logits
+    equal those of the sharded model. Served, the run's KV format is the default (not fp4, which its heads cannot
+    hold), every request has its header, and no step of the engine compiles after warm-up (jax.log_compiles).
+    (Not trained: compiling a train step would multiply the time; a MoE sharded over mesh.expert loads by the same
+    reset of the mesh but takes twice as long to compile.)"""
+    import jax
+    import numpy as np
+
+    from core import checkpoint as checkpoint_lib
+    from core import train as train_lib
+    from core.model import split_params
+    from experiments import run
+
+    from helpers import make_tiny_config
+
+    config = make_tiny_config()
+    config.model.num_layers = 1
+    config.moe.every = 0  # dense
+    config.mesh.update(data=1, model=2)  # (kvcache.format: bf16, the default; head_dim 8 holds no fp4)
+    build.validate(config, num_devices=8)
+    _, sharder = build.build_mesh(config)
+    graphdef, state = train_lib.init_state(
+        build.build_model_fn(config, sharder), build.build_optimizer(config), config.train.seed, sharder
+    )
+    state = state._replace(params=jax.jit(lambda p: jax.tree.map(lambda x: 1.5 * x + 0.01, p))(state.params))
+    assert any("'model'" in str(x.sharding.spec) for x in jax.tree.leaves(state.params))
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    run.write_records(str(workdir), config, types.SimpleNamespace(fingerprint="f", info={}))
+    checkpointer = checkpoint_lib.Checkpointer(workdir / "checkpoints")
+    compat = build.checkpoint_compat(config, "f")
+    checkpointer.save(2, state, loop={}, compat=compat, provenance=build.provenance(config))
+    checkpointer.close()
+
+    loaded_config, model = load.trained_model(str(workdir))
+    assert [loaded_config.mesh[a] for a in ("site", "data", "expert", "model", "num_processes")] == [1] * 5
+
+    def same(saved, loaded):
+        assert len(loaded.sharding.device_set) == 1
+        np.testing.assert_array_equal(np.asarray(loaded), np.asarray(saved))
+
+    jax.tree.map(same, state.params, split_params(model)[1])  # (and the same tree)
+    tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 256)
+    trained = nnx.merge(graphdef, state.params, state.rest)
+    expected, got = (np.asarray(jax.jit(lambda t, m=m: m(t)[0])(tokens)) for m in (trained, model))
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+
+    # serve it (the model just loaded; serve's own checks read the workdir): compiles only while warming up
+    monkeypatch.setattr(load, "trained_model", lambda workdir, site=0: (loaded_config, model))
+    warm, compiles = [False], []  # whether warm-up had ended, at each compilation of the engine's step
+    serve_warm_up = serve.warm_up
+
+    def warm_up(engine):
+        seconds = serve_warm_up(engine)
+        warm[0] = True
+        return seconds
+
+    monkeypatch.setattr(serve, "warm_up", warm_up)
+
+    class Compiles(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("Compiling") and "_forward" in record.getMessage():
+                compiles.append(warm[0])
+
+    handler = Compiles()
+    logging.getLogger("jax").addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            args = ["--prompt=ab", "--prompt=c", "--max-new-tokens=3", "--kv-memory-mib=0.01", "--temperature=0"]
+            code, out, err = serve_main(capsys, *args, workdir=workdir)
+    finally:
+        logging.getLogger("jax").removeHandler(handler)
+    assert code == 0, err
+    assert "kv format: bf16 (the run's kvcache.format; --kv-format overrides)" in err
+    assert compiles and not any(compiles), compiles
+    lines = out.splitlines()
+    assert lines[0] == "--- request 0:" and lines[1].startswith("ab") and lines[2] == "--- request 1:", out
