@@ -16,6 +16,8 @@ docs/configuration.md (`describe`), the resume facts (`checkpoint_compat`, `prov
   * an impossible combination (heads not dividing d_model, a mesh larger than the devices, a batch the data
     axis cannot split, ...)                        -> error naming every key involved.
 
+The command line fits a warm-up longer than a short run to the run's length before validating (`fit_to_steps`).
+
 Other packages declare their own sections the same way (moe.config, quant.config, kvcache.config, optim.config);
 the composition root (`experiments/build.py`) adds them to `SECTIONS` and fills registered choices (`optim.name`).
 """
@@ -53,6 +55,7 @@ __all__ = [
     "defaults",
     "describe",
     "field",
+    "fit_to_steps",
     "from_config",
     "mesh_axes",
     "mesh_shape",
@@ -341,7 +344,12 @@ class OptimConfig:
 
     name: str = field("adamw", "optimizer", choices=("adamw",))
     learning_rate: float = field(3e-3, "peak learning rate", low=0.0)
-    warmup_steps: int = field(100, "linear warm-up steps from 0 to the peak", low=0)
+    warmup_steps: int = field(
+        100,
+        "linear warm-up steps from 0 to the peak; the command line lowers a warm-up longer than train.steps to "
+        "train.steps (with a notice)",
+        low=0,
+    )
     schedule: str = field("cosine", "decay after warm-up", choices=("cosine", "constant", "linear"))
     min_lr_ratio: float = field(0.1, "final learning rate as a fraction of the peak", low=0.0, high=1.0)
     weight_decay: float = field(0.1, "decoupled weight decay (matrices only; not norms, biases, embeddings)", low=0.0)
@@ -360,7 +368,12 @@ class TrainConfig:
     log_every: int = field(10, "steps between train-metric rows in metrics.jsonl", low=1)
     eval_every: int = field(200, "steps between evaluations (and always at the last step)", low=1)
     eval_batches: int = field(8, "held-out batches per evaluation", low=1)
-    progress: bool = field(True, "show a progress bar")
+    progress: bool = field(
+        True, "show progress: a bar where stderr is a terminal, else a plain line every tenth of the run or minute"
+    )
+    tensorboard: bool = field(
+        True, "also write metrics.jsonl's rows as TensorBoard scalars (event files in the workdir; needs tensorboardX)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,8 +408,8 @@ class CheckpointConfig:
     )
     every: int = field(
         100,
-        "steps between checkpoints (the last step is always saved); 0 = only the last; federated runs save after "
-        "every round",
+        "steps between checkpoints (the last step is always saved); 0 = only the last; rounded up to whole calls: a "
+        "federated run saves every ceil(every / fomoe.local_steps) rounds",
         low=0,
     )
     keep: int = field(2, "checkpoints kept on disk", low=1)
@@ -490,6 +503,32 @@ def defaults(spec: Schema | None = None) -> ml_collections.ConfigDict:
     )
 
 
+def fit_to_steps(config: ml_collections.ConfigDict) -> list[str]:
+    """Lowers, in place, the keys a short run would otherwise have to set by hand, and says what it changed.
+
+    Today one key: `optim.warmup_steps` > `train.steps` becomes `train.steps` (the linear warm-up then spans the
+    whole run, as the schedule of `core.train.learning_rate_schedule` with warmup = steps), so that a trial run
+    (`--config.train.steps=10` on a config that warms up over 40 steps) needs no second flag. The cadences need no
+    such fit: `train.log_every`, `train.eval_every` and `checkpoint.every` beyond `train.steps` still log, evaluate
+    and save at the last step. A key of the wrong type is left for `validate` to report. The command-line driver
+    (experiments.run) calls this once, before validation, so that the run's config.json holds the values used;
+    `validate` itself still refuses a warm-up longer than the run (library callers set what they mean).
+
+    Returns:
+      one notice per changed key, e.g. "optim.warmup_steps = 40 > train.steps = 10: warming up over all 10 steps".
+    """
+    try:
+        warmup, steps = config.optim.warmup_steps, config.train.steps
+    except (AttributeError, KeyError):
+        return []  # a missing section or key: validate names it
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (warmup, steps)) or steps < 1:
+        return []
+    if warmup <= steps:
+        return []
+    config.optim.warmup_steps = steps
+    return [f"optim.warmup_steps = {warmup} > train.steps = {steps}: warming up over all {steps} steps"]
+
+
 def unknown_key_error(key: str, known: list[str]) -> ConfigError:
     """The error for an unknown key, suggesting the closest known keys."""
     close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
@@ -557,9 +596,15 @@ def _mesh_shape(mesh_cfg, num_devices: int | None) -> dict[str, int]:
             )
         sizes[free[0]] = num_devices // fixed
     elif fixed > num_devices:
+        federated = (
+            f" (mesh.site = {sizes['site']} makes it a federated run of one device per site; "
+            "--config.mesh.site=1 trains without federation)"
+            if sizes["site"] > 1
+            else ""
+        )
         raise ConfigError(
             f"the mesh {sizes} needs {fixed} devices but only {num_devices} are available; "
-            "lower mesh.site/data/expert/model."
+            f"lower mesh.site/data/expert/model{federated}."
         )
     return sizes
 
@@ -620,7 +665,8 @@ def _check_core(config: ml_collections.ConfigDict, num_devices: int | None) -> N
     o = config.optim
     if o.warmup_steps > config.train.steps:
         raise ConfigError(
-            f"config key 'optim.warmup_steps' = {o.warmup_steps} exceeds 'train.steps' = {config.train.steps}."
+            f"config key 'optim.warmup_steps' = {o.warmup_steps} exceeds 'train.steps' = {config.train.steps}; "
+            "lower it to at most train.steps (python -m experiments.run does so itself: core.config.fit_to_steps)."
         )
     mesh = config.mesh
     if mesh.process_id >= mesh.num_processes:
@@ -648,16 +694,12 @@ def _check_core(config: ml_collections.ConfigDict, num_devices: int | None) -> N
                 f"{' x '.join('mesh.' + a for a in batch_axes)} = {batch_shards} (mesh.rules "
                 "splits the batch over them)."
             )
-        for key, axis_size, what in (
-            ("num_heads", sizes["model"], "model"),
-            ("num_kv_heads", sizes["model"], "model"),
-            ("d_ff", sizes["model"], "model"),
-        ):
-            if m[key] % axis_size:
-                raise ConfigError(
-                    f"config key 'model.{key}' = {m[key]} must be divisible by the mesh axis "
-                    f"'{what}' = {axis_size} (mesh.{what}), which shards it."
-                )
+        bad = [f"'model.{key}' = {m[key]}" for key in ("num_heads", "num_kv_heads", "d_ff") if m[key] % sizes["model"]]
+        if bad:  # every key at once, so that one rerun fixes them all
+            raise ConfigError(
+                f"config key{'s' if len(bad) > 1 else ''} {' and '.join(bad)} must be divisible by the mesh axis "
+                f"'model' = {sizes['model']} (mesh.model), which shards {'them' if len(bad) > 1 else 'it'}."
+            )
 
 
 def _check_rules(rules: Any) -> None:

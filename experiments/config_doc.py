@@ -1,9 +1,11 @@
-"""Writes docs/configuration.md, the reference of every config key, from the schema.
+"""Writes docs/configuration.md, the reference of every config key, from the schema; `text` renders the same
+reference for a terminal (`python -m experiments.run --help`).
 
 python -m experiments.config_doc
 """
 
 import pathlib
+import textwrap
 
 from core import config as config_lib
 from experiments import build
@@ -66,6 +68,38 @@ def render() -> str:
     end = body.find("\n## `", start + 1)
     end = len(body) if end < 0 else end + 1
     return header + body[:end] + family_table() + body[end:]
+
+
+def section_summary(cls: type) -> str:
+    """The first sentence of a section declaration's docstring, without its "The section `x`: " lead."""
+    doc = " ".join((cls.__doc__ or "").split())
+    _, colon, rest = doc.partition(": ")
+    sentence = (rest if colon else doc).split(". ")[0].rstrip(".")
+    return sentence
+
+
+def text(width: int = 100) -> str:
+    """Every config key of the schema as plain text (the reference of docs/configuration.md, for a terminal): per
+    section, one entry per key, `section.key = default  [what is allowed]` followed by its one-line description,
+    wrapped to `width` columns."""
+
+    def wrap(line: str, first: int, rest: int) -> list[str]:
+        return textwrap.wrap(
+            line,
+            width,
+            initial_indent=" " * first,
+            subsequent_indent=" " * rest,
+            break_on_hyphens=False,
+            break_long_words=False,
+        )
+
+    lines = []
+    for section, fields in build.schema().items():
+        lines += ["", *wrap(f"{section}: {section_summary(build.SECTIONS[section])}", 0, 4)]
+        for key, f in fields.items():
+            lines += wrap(f"{section}.{key} = {f.default!r}  [{f.describe()}]", 2, 8)
+            lines += wrap(f.doc, 6, 6)
+    return "\n".join(lines[1:]) + "\n"
 
 
 if __name__ == "__main__":

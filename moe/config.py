@@ -194,9 +194,12 @@ def check_fomoe(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int] | 
             "is nothing to reshuffle. Use 'fixed'."
         )
     if config.train.steps % f.local_steps:
+        below = config.train.steps // f.local_steps * f.local_steps
+        fits = " or ".join(str(s) for s in (below, below + f.local_steps) if s > 0)
         raise ConfigError(
             f"config key 'train.steps' = {config.train.steps} must be a multiple of "
-            f"'fomoe.local_steps' = {f.local_steps} (whole rounds)."
+            f"'fomoe.local_steps' = {f.local_steps} (whole rounds): e.g. --config.train.steps={fits}, "
+            f"or a fomoe.local_steps that divides {config.train.steps}."
         )
     if config.data.batch_size % sites:
         raise ConfigError(

@@ -122,6 +122,11 @@ DELETE = object()
         ({"mesh.model": 0}, ["mesh.model", "0"]),
         ({"mesh.data": 8, "data.batch_size": 12}, ["data.batch_size", "12", "8"]),
         ({"mesh.data": 1, "mesh.model": 8, "model.num_kv_heads": 4}, ["model.num_kv_heads", "4", "mesh.model", "8"]),
+        (  # every key the model axis cannot split, in one message
+            {"mesh.data": 2, "mesh.model": 4, "model.num_heads": 2, "model.num_kv_heads": 1},
+            ["'model.num_heads' = 2 and 'model.num_kv_heads' = 1", "'model' = 4"],
+        ),
+        ({"mesh.site": 2, "mesh.data": 2, "mesh.model": 4}, ["16 devices", "mesh.site = 2", "--config.mesh.site=1"]),
         ({"mesh.rules": (("batch", "dta"),)}, ["mesh.rules", "'dta'", "site"]),
         ({"mesh.rules": (("batch", "data"), ("batch", None))}, ["mesh.rules", "batch"]),
         ({"mesh.rules": ("batch",)}, ["mesh.rules", "'batch'"]),
@@ -165,3 +170,36 @@ def test_configuration_reference_is_current():
     from experiments import config_doc
 
     assert (ROOT / "docs" / "configuration.md").read_text() == config_doc.render()
+
+
+@pytest.mark.parametrize(
+    "steps, warmup, fitted", [(10, 40, 10), (1, 40, 1), (40, 40, 40), (50, 40, 40), (10, 0, 0), ("10", 40, 40)]
+)
+def test_fit_to_steps_lowers_only_a_warm_up_longer_than_the_run(steps, warmup, fitted):
+    """A warm-up longer than the run becomes the run's length, with a notice naming both keys; anything else is left
+    as it is (a mistyped value for validate to report)."""
+    d = build.default_config().to_dict()  # a plain dict, as a config file may return (a typed ConfigDict refuses "10")
+    d["train"]["steps"], d["optim"]["warmup_steps"] = steps, warmup
+    c = ml_collections.ConfigDict(d)
+    notices = config_lib.fit_to_steps(c)
+    assert c.optim.warmup_steps == fitted
+    d["optim"]["warmup_steps"] = fitted
+    assert c.to_dict() == d  # no other key changes
+    if fitted == warmup:
+        assert notices == []
+    else:
+        assert notices == [f"optim.warmup_steps = {warmup} > train.steps = {steps}: warming up over all {steps} steps"]
+
+
+def test_a_fitted_warm_up_ramps_linearly_over_the_whole_run():
+    """The schedule of a fitted run (warmup = steps = 10) is the linear ramp peak * t / 10 at every step it trains."""
+    from core import train as train_lib
+
+    c = build.default_config()
+    c.train.steps, c.optim.warmup_steps = 10, 40
+    config_lib.fit_to_steps(c)
+    build.validate(c)
+    schedule = train_lib.learning_rate_schedule(c.optim, c.train.steps)
+    peak = c.optim.learning_rate
+    for t in range(10):
+        assert float(schedule(t)) == pytest.approx(peak * t / 10, rel=1e-6, abs=1e-12)
