@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -47,11 +48,53 @@ def summary_table(summary: dict) -> str:
     return "\n".join([line, *(f"{k:<{width}} | {v}" for k, v in rows), line])
 
 
-def plot_loss_curve(metrics_path: str, out_path: str) -> None:
+def run_settings(config: Mapping[str, Any]) -> str:
+    """One line naming a run's key settings, from its resolved config (config.json): model shape, FFN, federation,
+    optimizer, GEMM recipe, steps x batch x sequence, seed, corpus. E.g. "d_model 128 x 4 layers, MoE 8 experts
+    of 128 (top-2) in every block, 2 FoMoE sites (O_e 1, K 10, local_adamw), adamw lr 0.005, GEMMs none,
+    700 steps x 8 x 256 tokens, seed 0, built-in corpus"."""
+    m, moe, mesh, data = config["model"], config.get("moe", {}), config.get("mesh", {}), config["data"]
+    parts = [f"d_model {m['d_model']} x {m['num_layers']} layers"]
+    every = moe.get("every", 0)
+    if every:
+        where = "every block" if every == 1 else f"every {every} blocks"
+        parts.append(f"MoE {moe['num_experts']} experts of {moe['expert_size']} (top-{moe['top_k']}) in {where}")
+    else:
+        parts.append(f"dense FFN {m.get('mlp', '')} d_ff {m.get('d_ff')}".replace("  ", " "))
+    sites = mesh.get("site", 1)
+    if sites > 1:
+        f = config.get("fomoe", {})
+        parts.append(f"{sites} FoMoE sites (O_e {f.get('overlap')}, K {f.get('local_steps')}, {f.get('outer')})")
+    o = config["optim"]
+    parts.append(f"{o['name']} lr {o['learning_rate']:g}")
+    if "precision" in config:
+        parts.append(f"GEMMs {config['precision']['recipe']}")
+    t = config["train"]
+    parts.append(f"{t['steps']} steps x {data['batch_size']} x {data['seq_len']} tokens, seed {t['seed']}")
+    parts.append(os.path.basename(data["path"].rstrip("/")) if data.get("path") else "built-in corpus")
+    if data.get("tokenizer"):
+        parts.append(f"tokenizer {os.path.basename(str(data['tokenizer']).rstrip('/'))}")
+    return ", ".join(parts)
+
+
+def run_title(workdir: str) -> str:
+    """The title of a run's plots: "run <workdir>" and, on a second line, `run_settings` of the workdir's
+    config.json (the line is left out when there is no config.json)."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        return f"run {workdir}"
+    with open(path) as f:
+        return f"run {workdir}\n{run_settings(json.load(f))}"
+
+
+def plot_loss_curve(metrics_path: str, out_path: str, *, title: str | None = None) -> None:
     """Train loss and held-out bits per byte against step, in bits, from metrics.jsonl; beside it, for a MoE
-    model, the routing balance (expert-load CV and load entropy) against step."""
+    model, the routing balance (expert-load CV and load entropy) against step. The figure's title says which run
+    it shows: `title`, by default `run_title` of the directory holding metrics.jsonl (its workdir)."""
     from experiments import plotting
 
+    if title is None:
+        title = run_title(os.path.dirname(metrics_path) or ".")
     with open(metrics_path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     train = [(r["step"], r["train_loss"] / LN2) for r in rows if "train_loss" in r]
@@ -59,7 +102,7 @@ def plot_loss_curve(metrics_path: str, out_path: str) -> None:
     routing = [(r["step"], r["moe/load_cv"], r["moe/load_entropy"]) for r in rows if "moe/load_cv" in r]
     ncols = 2 if routing else 1
     with plotting.figure(
-        out_path, size=(11 if routing else 6, 4), ncols=ncols, squeeze=False, legend_size="medium"
+        out_path, size=(11 if routing else 6.5, 4.4), ncols=ncols, squeeze=False, legend_size="medium", title=title
     ) as axes:
         ax = axes[0]
         if train:
@@ -69,6 +112,7 @@ def plot_loss_curve(metrics_path: str, out_path: str) -> None:
         ax.axhline(8.0, color="grey", ls=":", lw=0.8, label="uniform over bytes (8 bits)")
         ax.set_xlabel("step")
         ax.set_ylabel("bits")
+        ax.set_title("Training loss and held-out bits per byte", fontsize=9)
         ax.set_ylim(0, max(9.0, 1.05 * max((v for _, v in train + val), default=9.0)))
         if routing:
             steps, cv, entropy = zip(*routing)

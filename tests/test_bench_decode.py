@@ -23,6 +23,7 @@ def _result(pallas_ms: dict[str, float], of_copy: float) -> dict:
                 )
     machine = {"backend": "gpu", "device": "test", "cores": 1}
     return {
+        "command": "python -m experiments.bench.decode --out results/bench",
         "rows": rows,
         "copy_gb_per_s": {"4096": 1000.0, str(decode.GPU_GOAL["context"]): 1000.0},
         "machine": machine,

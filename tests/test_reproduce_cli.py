@@ -1,6 +1,7 @@
-"""The command-line head of the 13 benchmark and reproduction scripts (experiments.bench.common.parser and its flag
-types): --help renders, says what the script does in full, documents every flag with its default, and bad values
-are refused naming the flag, the value and the rule."""
+"""The command-line head of the 14 benchmark and reproduction scripts (experiments.bench.common.parser, its flag
+types and `command`): --help renders in-process, says what the script does in full sentences, documents every flag
+with its default, writes under runs/ unless told `--out results/...`; bad values are refused naming the flag, the
+value and the rule; the command line a table states gives back the same arguments."""
 
 import argparse
 import importlib
@@ -45,8 +46,12 @@ def test_help_states_the_whole_first_paragraph_and_every_flag_with_its_default(n
     assert module.__doc__ is not None  # the script's docstring is its --help description
     first = module.__doc__.strip().split("\n\n")[0]
     assert _words(first) in _words(text)  # the whole paragraph, not its first line cut mid-sentence
+    assert (parser.description or "").endswith(".") and text.startswith(f"usage: python -m {name} ")
     flags = [a for a in parser._actions if a.option_strings and a.dest != "help"]
-    assert "--out" in [f for a in flags for f in a.option_strings]
+    out = next(a for a in flags if "--out" in a.option_strings)
+    topic = out.default.removeprefix("runs/")
+    # never results/ unasked; the help says how to update the committed tables
+    assert out.default == f"runs/{topic}" and f"--out results/{topic}" in _words(out.help or "")
     for action in flags:
         assert action.help and len(action.help) > 10, f"{name} {action.option_strings}: no help text"
         if action.default not in ("", None, False):
@@ -106,3 +111,22 @@ def test_integer_and_name_lists():
 def test_first_paragraph_joins_the_lines_up_to_the_blank_line():
     doc = "One sentence that\n    runs over two lines.\n\n    python -m x\n\nMore."
     assert common.first_paragraph(doc) == "One sentence that runs over two lines."
+
+
+@pytest.mark.parametrize(
+    "name, argv",
+    [
+        ("experiments.reproduce.fomoe", ["--out", "results/fomoe", "--steps", "64", "--only", "ddp_M2,ddp_M4"]),
+        ("experiments.reproduce.serving", ["--project", "--out", "results/serving"]),
+        ("experiments.bench.decode", ["--contexts", "1024,4096", "--out", "results/bench"]),
+        ("experiments.reproduce.composed", []),
+    ],
+)
+def test_the_command_a_table_states_parses_back_to_the_same_arguments(name, argv, monkeypatch, capsys):
+    """`common.command` writes --out always and every other flag only off its default (--steps and --seeds
+    always); parsing its words again gives the same namespace."""
+    parser, _ = _help(importlib.import_module(name), monkeypatch, capsys)
+    args = parser.parse_args(argv)
+    line = common.command(parser, args)
+    assert line.startswith(f"python -m {name} --out ")
+    assert parser.parse_args(line.split()[3:]) == args

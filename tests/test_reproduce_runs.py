@@ -3,7 +3,7 @@ config the call would train (config file + flags + steps), and any other workdir
 
 import json
 import os
-import subprocess
+import sys
 
 import pytest
 
@@ -40,7 +40,7 @@ def launches(monkeypatch):
     """Replaces the training process: records each command and writes what a finished run writes."""
     calls = []
 
-    def fake_run(cmd, **kwargs):
+    def fake_launch(cmd, **kwargs):
         calls.append(cmd)
         args = cmd[cmd.index("experiments.run") + 1 :]
         workdir = next(a.split("=", 1)[1] for a in args if a.startswith("--workdir="))
@@ -48,9 +48,9 @@ def launches(monkeypatch):
         resolved, _ = run_lib.parse_args(["experiments.run", *args])
         workdir_lib.write_json(os.path.join(workdir, "config.json"), resolved.to_dict())
         workdir_lib.write_json(os.path.join(workdir, "summary.json"), {"steps": resolved.train.steps, "marker": "new"})
-        return subprocess.CompletedProcess(cmd, 0, "", "")
+        return 0, []
 
-    monkeypatch.setattr(runs.subprocess, "run", fake_run)
+    monkeypatch.setattr(runs, "launch", fake_launch)
     return calls
 
 
@@ -132,3 +132,30 @@ def test_a_bad_flag_fails_before_anything_runs_or_moves(tmp_path, launches):
     with pytest.raises(run_lib.UsageError, match="optim.learning_rat"):
         runs.run_or_reuse(config, str(workdir), ["--config.optim.learning_rat=0.1"], 40)
     assert launches == [] and sorted(os.listdir(tmp_path)) == ["run"]
+
+
+def test_a_run_differing_only_in_its_progress_display_is_reused(tmp_path, launches):
+    workdir = tmp_path / "run"
+    config, flags = runs.config_path("quickstart"), CASES["quickstart"]
+    old = _finished_run(workdir, config, [*flags, "--config.train.progress=False"], 40)
+    assert runs.run_or_reuse(config, str(workdir), flags, 40) == old
+    assert launches == []
+
+
+def test_launch_forwards_each_line_prefixed_and_thins_out_progress_bar_states(monkeypatch, capsys):
+    """A child writing lines and tqdm-style states (each led by a carriage return): every line comes through as it
+    is, prefixed; of the states, the first (the others come within PROGRESS_EVERY of it) and the final one, which
+    ends with a newline; the blanks a bar writes to clear itself are dropped; stderr is merged in order."""
+    monkeypatch.setattr(runs, "PROGRESS_EVERY", 3600.0)
+    child = (
+        "import sys\n"
+        "print('model: 10 parameters')\n"
+        "for i in range(5): sys.stderr.write(f'\\rtrain {i}/4'); sys.stderr.flush()\n"
+        "sys.stderr.write('\\r          \\r'); print('held-out 2.5 bits/byte'); sys.stderr.write('\\rtrain 4/4\\n')\n"
+        "sys.stderr.write('done, no newline')\n"
+        "sys.exit(3)\n"
+    )
+    code, tail = runs.launch([sys.executable, "-c", child], env=dict(os.environ), cwd=runs.ROOT, label="r1")
+    lines = capsys.readouterr().out.splitlines()
+    expected = ["model: 10 parameters", "train 0/4", "held-out 2.5 bits/byte", "train 4/4", "done, no newline"]
+    assert code == 3 and lines == [f"[r1] {x}" for x in expected] and tail == expected

@@ -1,6 +1,9 @@
-"""What the benchmark and reproduction scripts share: the command-line head (`parser` and the flag types), median
-timers, a description of the machine, writing the results. JAX is imported by the functions that use it, so a
-reproduction script's --help and its bookkeeping stay cheap."""
+"""What the benchmark and reproduction scripts share: the command-line head (`parser`, the flag types, and `command`,
+the command line a results table states), median timers, a description of the machine, writing the results. JAX is
+imported by the functions that use it, so a reproduction script's --help and its bookkeeping stay cheap.
+
+Every script writes under `runs/<topic>/` (git-ignored) unless told `--out`: `--out results/<topic>` replaces the
+reference tables and plots the README quotes, so a quick trial never overwrites them."""
 
 from __future__ import annotations
 
@@ -18,10 +21,19 @@ import numpy as np
 K = TypeVar("K", bound=Hashable)
 
 
-def median_seconds(call: Callable[[], object], *, repeats: int, warmup: int = 1) -> float:
-    """Median seconds of `call()` (whose result is blocked on) over `repeats` calls after `warmup` calls."""
+def compiling(what: str) -> None:
+    """Prints "compiling <what> ..." (flushed): the line a script shows before a first call that compiles, so a
+    long silence reads as work, not as a hang."""
+    print(f"compiling {what} ...", flush=True)
+
+
+def median_seconds(call: Callable[[], object], *, repeats: int, warmup: int = 1, what: str | None = None) -> float:
+    """Median seconds of `call()` (whose result is blocked on) over `repeats` calls after `warmup` calls (the first
+    of which compiles: "compiling <what> ..." is printed before them when `what` is given)."""
     import jax
 
+    if what is not None and warmup:
+        compiling(what)
     for _ in range(warmup):
         jax.block_until_ready(call())
     times = []
@@ -32,11 +44,17 @@ def median_seconds(call: Callable[[], object], *, repeats: int, warmup: int = 1)
     return float(np.median(times))
 
 
-def interleaved_medians(calls: Mapping[K, Callable[[], object]], *, repeats: int, warmup: int = 1) -> dict[K, float]:
+def interleaved_medians(
+    calls: Mapping[K, Callable[[], object]], *, repeats: int, warmup: int = 1, what: str | None = None
+) -> dict[K, float]:
     """Median seconds of each call, timed in rounds (one call of each per round) so that slow drifts of a shared
-    machine's speed hit every candidate alike: the ratios are what such a benchmark reports."""
+    machine's speed hit every candidate alike: the ratios are what such a benchmark reports. The `warmup` calls
+    of each come first (they compile: "compiling <what> (<n> programs) ..." is printed before them when `what` is
+    given)."""
     import jax
 
+    if what is not None and warmup:
+        compiling(f"{what} ({len(calls)} programs)")
     for call in calls.values():
         for _ in range(warmup):
             jax.block_until_ready(call())
@@ -102,12 +120,20 @@ def first_paragraph(doc: str) -> str:
     return " ".join(line.strip() for line in paragraph.splitlines())
 
 
-def parser(doc: str, *, out: str, repeats: int | None = None) -> argparse.ArgumentParser:
-    """The argument parser every script starts from: `doc`'s first paragraph as the description, every flag's
-    default shown in --help, `--out` (the output directory, default `out`) and, for a benchmark, `--repeats`
-    (timed rounds per measurement, default `repeats`)."""
-    p = argparse.ArgumentParser(description=first_paragraph(doc), formatter_class=_HelpFormatter)
-    p.add_argument("--out", default=out, help="output directory (created if missing; files in it are overwritten)")
+def parser(doc: str, *, module: str, topic: str, repeats: int | None = None) -> argparse.ArgumentParser:
+    """The argument parser every script starts from: usage as `python -m <module>`, `doc`'s first paragraph as the
+    description, every flag's default shown in --help, `--out` (the output directory: `runs/<topic>` by default,
+    `results/<topic>` for the committed tables) and, for a benchmark, `--repeats` (timed rounds per measurement,
+    default `repeats`)."""
+    p = argparse.ArgumentParser(
+        prog=f"python -m {module}", description=first_paragraph(doc), formatter_class=_HelpFormatter
+    )
+    p.add_argument(
+        "--out",
+        default=f"runs/{topic}",
+        help=f"output directory (created if missing; files in it are overwritten). The default is git-ignored; "
+        f"`--out results/{topic}` replaces the committed reference tables and plots the README quotes",
+    )
     if repeats is not None:
         p.add_argument(
             "--repeats",
@@ -116,6 +142,32 @@ def parser(doc: str, *, out: str, repeats: int | None = None) -> argparse.Argume
             help="timed rounds per measurement, an integer >= 1; the median is reported",
         )
     return p
+
+
+def command(
+    p: argparse.ArgumentParser, args: argparse.Namespace, *, always: Sequence[str] = ("steps", "seeds"), **overrides
+) -> str:
+    """The command line that gives `args` under the parser `p`, as a results table states it: `p.prog`, then
+    `--out` and every flag whose value differs from its default (flags named in `always`, by dest, even at their
+    default), in the parser's order. `overrides` (by dest) replace values of `args`: e.g. `parts=["grid"]` for the
+    part of a script that wrote a given table. Lists are written comma-separated, switches bare."""
+    words = [p.prog]
+    for action in p._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = overrides.get(action.dest, getattr(args, action.dest))
+        default = action.default
+        if isinstance(default, str) and action.type is not None and callable(action.type):
+            default = action.type(default)
+        if action.nargs == 0:  # a switch: written bare when set
+            if value and value != default:
+                words.append(action.option_strings[-1])
+            continue
+        if action.dest != "out" and action.dest not in always and value == default:
+            continue
+        text = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+        words += [action.option_strings[-1], text]
+    return " ".join(words)
 
 
 def add_steps(p: argparse.ArgumentParser, *, default: int, multiple_of: int, why: str) -> None:

@@ -1,7 +1,7 @@
 """Long-context decode: time per step against context length for bf16, fp8 and fp4 KV caches, and the bytes each
 step reads against the copy bandwidth measured in the same run.
 
-    python -m experiments.bench.decode [--contexts 1024,4096,...] [--repeats 5] [--out results/bench]
+    python -m experiments.bench.decode [--contexts 1024,4096,...] [--repeats 5] [--out runs/bench]
 
 One attention layer of the spec's model (kvcache.md: 2 KV heads, head dim 256; 16 query heads, so GQA 8), batch 1,
 one new token per step over a paged cache (block size 16, blocks in shuffled order) holding `context` tokens,
@@ -13,7 +13,8 @@ KV bytes / time, against a jitted copy of a 256 MiB buffer (read + write bytes /
 
 On a GPU the Pallas split-KV kernel (`implementation="pallas"`) is timed too, with the issue's goal at 128K (fp4 at
 least 2.5x faster than bf16 and at least 60% of the copy bandwidth). On a CPU Pallas runs only in its interpreter,
-which says nothing about speed, so it is left out. Writes decode.json, decode.md and decode.png.
+which says nothing about speed, so it is left out. Writes decode.json, decode.md and decode.png into `--out`
+(`--out results/bench` for the README's table).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def filled_pool(fmt: formats.Format, context: int) -> tuple[dict, jax.Array]:
 
 
 def implementations() -> tuple[str, ...]:
+    """The decode implementations timed on this backend: the XLA pair, and the Pallas kernel on a GPU."""
     return IMPLEMENTATIONS + (("pallas",) if jax.default_backend() == "gpu" else ())
 
 
@@ -82,7 +84,7 @@ def run(contexts: list[int], repeats: int) -> dict:
                     lambda q, f, t, s, fmt=fmt, impl=impl: decode_attention(q, f, t, s, fmt=fmt, implementation=impl)
                 )
                 calls[name, impl] = functools.partial(step, q, fields, table, seq_lens)
-        seconds = interleaved_medians(calls, repeats=repeats, warmup=1)
+        seconds = interleaved_medians(calls, repeats=repeats, warmup=1, what=f"decode at context {context:,}")
         copies[context] = 2 * COPY_BYTES / seconds.pop(copy_key)
         for (name, impl), sec in seconds.items():
             rows.append(
@@ -116,13 +118,15 @@ def run(contexts: list[int], repeats: int) -> dict:
 
 
 def markdown(result: dict) -> str:
+    """decode.md: ms per step and effective bandwidth per context and format, the growth with context, and on a
+    GPU the Pallas section."""
     rows, contexts = result["rows"], sorted({r["context"] for r in result["rows"]})
     by = {(r["context"], r["format"], r["implementation"]): r for r in rows}
     timed_pallas = any(r["implementation"] == "pallas" for r in rows)
     lines = [
         "# Long-context decode, one attention layer",
         "",
-        f"`python -m experiments.bench.decode`. {describe(result['machine'])} Batch 1, {NUM_HEADS} query / "
+        f"`{result['command']}`. {describe(result['machine'])} Batch 1, {NUM_HEADS} query / "
         f"{NUM_KV_HEADS} KV heads, head dim {HEAD_DIM}, block size {BLOCK}; ms per decode step without split-KV "
         "(`xla`) and with it (`xla_split`), and the split path's stored-KV bytes read per second against the "
         "bandwidth of a 256 MiB copy (read + write) timed in the same interleaved rounds. "
@@ -192,30 +196,43 @@ def pallas_markdown(by: dict, contexts: list[int]) -> list[str]:
 
 
 def plot(result: dict, path: str) -> None:
-    """decode.png: ms per step against context (log-log) and the split paths' bandwidth against the copy's."""
+    """decode.png: ms per step against context (log-log) and the split paths' bandwidth against the copy's; colour
+    = KV format, line style = implementation, one legend under both panels; the command in the title."""
     color = plotting.colors(FORMATS)
-    with plotting.figure(path, size=(11, 4), ncols=2) as (ax1, ax2):
+    styles = dict(zip(IMPLEMENTATIONS + ("pallas",), ("--", "-", ":")))
+    m = result["machine"]
+    title = f"{result['command']}  ({m['device']}, {m['cpu_count']} cores)"
+    with plotting.figure(path, size=(11, 4.4), ncols=2, legend_below=True, legend_columns=8, title=title) as axes:
+        ax1, ax2 = axes
+        drawn = set()
         for f in FORMATS:
-            for impl, style in zip(IMPLEMENTATIONS + ("pallas",), ("--", "-", ":")):
+            for impl, style in styles.items():
                 rs = [r for r in result["rows"] if r["format"] == f and r["implementation"] == impl]
                 if not rs:
                     continue
+                drawn.add(impl)
                 xs = [r["context"] for r in rs]
-                ax1.loglog(xs, [r["ms"] for r in rs], "o" + style, color=color[f], label=f"{f} {impl}")
+                ax1.loglog(xs, [r["ms"] for r in rs], "o" + style, color=color[f], ms=4)
                 if impl != "xla":
-                    ax2.semilogx(xs, [r["gb_per_s"] for r in rs], "o" + style, color=color[f], label=f"{f} {impl}")
+                    ax2.semilogx(xs, [r["gb_per_s"] for r in rs], "o" + style, color=color[f], ms=4)
+        for f in FORMATS:  # the legend: colour = format, line style = implementation
+            ax1.plot([], [], "o", color=color[f], label=f"{f} KV")
+        for impl in (i for i in styles if i in drawn):
+            ax1.plot([], [], styles[impl], color="gray", label=f"{impl} ({styles[impl]})")
         copies = sorted((int(c), b) for c, b in result["copy_gb_per_s"].items())
-        ax2.semilogx([c for c, _ in copies], [b for _, b in copies], "k--", lw=1, label="copy (read + write)")
+        ax2.semilogx([c for c, _ in copies], [b for _, b in copies], "k-.", lw=1, label="256 MiB copy (read + write)")
         ax1.set_xlabel("context (tokens)")
         ax1.set_ylabel("ms per decode step")
-        ax1.set_title("Decode time against context, one layer: xla (--), xla_split (-), pallas (:)", fontsize=9)
+        ax1.set_title("Decode time against context, one attention layer, batch 1", fontsize=9)
         ax2.set_xlabel("context (tokens)")
         ax2.set_ylabel("stored KV bytes read / time (GB/s)")
-        ax2.set_title(f"Effective bandwidth of split-KV decode ({result['machine']['device']})", fontsize=9)
+        ax2.set_title("Effective bandwidth of split-KV decode against a copy's", fontsize=9)
+        ax2.set_ylim(bottom=0)
 
 
 def main(argv=None) -> None:
-    parser = common.parser(__doc__, out="results/bench", repeats=5)
+    """The command line: see the module docstring, or --help."""
+    parser = common.parser(__doc__, module="experiments.bench.decode", topic="bench", repeats=5)
     parser.add_argument(
         "--contexts",
         type=common.integers(1),
@@ -223,7 +240,7 @@ def main(argv=None) -> None:
         help="context lengths to time, in tokens: comma-separated integers >= 1",
     )
     args = parser.parse_args(argv)
-    result = run(args.contexts, args.repeats)
+    result = {"command": common.command(parser, args), **run(args.contexts, args.repeats)}
     write_results(args.out, "decode", result, markdown)
     plot(result, os.path.join(args.out, "decode.png"))
 

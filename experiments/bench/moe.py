@@ -1,6 +1,6 @@
 """MoE layer forward+backward time against a dense FFN of the same active FLOPs, side by side in one run.
 
-    python -m experiments.bench.moe [--tokens 4096] [--repeats 5] [--expert-sizes 128,512] [--out results/bench]
+    python -m experiments.bench.moe [--tokens 4096] [--repeats 5] [--expert-sizes 128,512] [--out runs/bench]
 
 For E in {8, 32, 64} experts, k in {1, 2, 4} and each expert size h (128 is FoMoE's; 512 the shape of the issue's
 grouped-matmul measurement): the MoE layer (d_model 256, sigmoid router) with dropless dispatch (sort + the
@@ -9,7 +9,7 @@ against a dense SiLU FFN of hidden width k x h, which does the same expert FLOPs
 router, d_model x E per token). Time = jitted gradient of a scalar of the output with respect to
 the input and all weights (forward + backward). Also times the grouped matmul alone, every implementation, on the
 issue's shape (4096 x 256 -> 512, 64 equal groups) against one dense product of the same FLOPs.
-Writes moe.json and moe.md.
+Writes moe.json and moe.md into `--out` (`--out results/bench` for the README's table).
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ D_MODEL, SEQ = 256, 256
 
 
 def _fwd_bwd(module: nnx.Module, x: jax.Array):
+    """A call of the jitted gradient of sum(module(x) * a fixed random cotangent) with respect to the module's
+    parameters and x: one forward and backward of the layer."""
     graphdef, params, rest = split_params(module)
     cotangent = jax.random.normal(jax.random.key(7), x.shape, x.dtype)
 
@@ -46,6 +48,7 @@ def _fwd_bwd(module: nnx.Module, x: jax.Array):
 
 
 def bench_layers(tokens: int, expert_size: int, repeats: int) -> list[dict]:
+    """Per (top-k, experts): the dense FFN, dropless and capacity MoE layers timed side by side; one row each."""
     cfg = TransformerConfig(d_model=D_MODEL, num_layers=4, mlp="silu")
     x = jax.random.normal(jax.random.key(0), (tokens // SEQ, SEQ, D_MODEL), jnp.float32)
     rows = []
@@ -67,7 +70,9 @@ def bench_layers(tokens: int, expert_size: int, repeats: int) -> list[dict]:
                     rngs=nnx.Rngs(0),
                 )
                 calls[dispatch] = _fwd_bwd(layer, x)
-            t = interleaved_medians(calls, repeats=repeats)
+            t = interleaved_medians(
+                calls, repeats=repeats, what=f"dense / dropless / capacity at h={expert_size} E={e} k={k}"
+            )
             row = {
                 "experts": e,
                 "top_k": k,
@@ -109,12 +114,14 @@ def bench_grouped_matmul(repeats: int) -> list[dict]:
         bwd = jax.jit(jax.grad(lambda x, w, fn=fn: jnp.sum(fn(x, w) ** 2), argnums=(0, 1)))
         calls[(name, "forward")] = functools.partial(fwd, x, w)
         calls[(name, "forward_backward")] = functools.partial(bwd, x, w)
-    times = interleaved_medians(calls, repeats=repeats)
+    times = interleaved_medians(calls, repeats=repeats, what="the grouped matmuls")
     if jax.default_backend() == "cpu":
         fn = candidates["ragged_dot"]
         fwd, bwd = jax.jit(fn), jax.jit(jax.grad(lambda x, w: jnp.sum(fn(x, w) ** 2), argnums=(0, 1)))
-        times[("ragged_dot", "forward")] = median_seconds(lambda: fwd(x, w), repeats=1)
-        times[("ragged_dot", "forward_backward")] = median_seconds(lambda: bwd(x, w), repeats=1)
+        times[("ragged_dot", "forward")] = median_seconds(lambda: fwd(x, w), repeats=1, what="ragged_dot forward")
+        times[("ragged_dot", "forward_backward")] = median_seconds(
+            lambda: bwd(x, w), repeats=1, what="ragged_dot forward + backward"
+        )
     rows = []
     for name in candidates:
         row: dict[str, Any] = {
@@ -132,10 +139,13 @@ def bench_grouped_matmul(repeats: int) -> list[dict]:
 
 
 def markdown(result: dict) -> str:
+    """moe.md: the layer table and the grouped-matmul table."""
     lines = [
-        f"MoE layer forward+backward on {result['device']} ({result['cpu_count']} cores, jax {result['jax']}, "
-        f"float32): {result['tokens']} tokens, d_model {D_MODEL}, sigmoid router; dense = SiLU FFN of hidden "
-        "k x h (same expert FLOPs); capacity factor 1.25, one group per sequence of 256. Medians of "
+        "# MoE layer forward+backward against a dense FFN",
+        "",
+        f"`{result['command']}`: MoE layer forward+backward on {result['device']} ({result['cpu_count']} cores, "
+        f"jax {result['jax']}, float32): {result['tokens']} tokens, d_model {D_MODEL}, sigmoid router; dense = "
+        "SiLU FFN of hidden k x h (same expert FLOPs); capacity factor 1.25, one group per sequence of 256. Medians of "
         f"{result['repeats']} rounds; each round times the three side by side.",
         "",
         "| expert size h | experts | top-k | dense (ms) | dropless (ms) | capacity (ms) | dropless / dense | "
@@ -165,7 +175,8 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> None:
-    parser = common.parser(__doc__, out="results/bench", repeats=5)
+    """The command line: see the module docstring, or --help."""
+    parser = common.parser(__doc__, module="experiments.bench.moe", topic="bench", repeats=5)
     parser.add_argument(
         "--tokens",
         type=common.integer(SEQ, multiple_of=SEQ),
@@ -181,6 +192,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     layers = [row for h in args.expert_sizes for row in bench_layers(args.tokens, h, args.repeats)]
     result = {
+        "command": common.command(parser, args),
         **machine(),
         "tokens": args.tokens,
         "repeats": args.repeats,

@@ -1,13 +1,14 @@
 """Optimizer step time: each MGUP variant against its base optax optimizer, side by side in one run.
 
-    python -m experiments.bench.optim [--d-model 640] [--layers 10] [--repeats 5] [--out results/bench]
+    python -m experiments.bench.optim [--d-model 640] [--layers 10] [--repeats 5] [--out runs/bench]
 
 The pytree is transformer-shaped (per layer: q, k, v, o of d x d, an MLP of d x 4d and 4d x d, two norms; a
 256 x d embedding): about 49M parameters at the defaults, float32, on one device. Time = one jitted
 `update + apply_updates` with the state and parameters donated, random gradients, median of `--repeats` rounds in
 which every optimizer runs once (interleaved). Pairs: AdamW (optax) / MGUP-AdamW (exact and approx selection),
 C-AdamW, Cautious-MGUP-AdamW; Lion (optax) / MGUP-Lion; Muon (optax.contrib) / our Muon / MGUP-Muon. Goals on CPU:
-MGUP-AdamW / AdamW <= 1.25 with exact top-k, <= 1.10 with the approximate selection. Writes optim.json, optim.md.
+MGUP-AdamW / AdamW <= 1.25 with exact top-k, <= 1.10 with the approximate selection. Writes optim.json and
+optim.md into `--out` (`--out results/bench` for the README's table).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ GOALS = {"mgup_adamw": 1.25, "mgup_adamw_approx": 1.10}
 
 
 def transformer_pytree(d: int, layers: int, seed: int = 0) -> dict:
+    """A transformer-shaped float32 parameter pytree: a 256 x d embedding and per layer q, k, v, o (d x d), an MLP
+    (d x 4d, 4d x d) and two norms (d), N(0, 0.02^2) entries (norms ones)."""
     rng = np.random.default_rng(seed)
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape) * 0.02, jnp.float32)  # noqa: E731
     tree: dict[str, Any] = {"embedding": normal(256, d)}
@@ -63,6 +66,8 @@ def optimizers() -> dict[str, tuple[str, optax.GradientTransformation]]:
 
 
 def measure(d: int, layers: int, repeats: int) -> dict:
+    """Every optimizer's jitted update + apply on the pytree, timed in interleaved rounds; rows with the ratio to
+    its base."""
     params = transformer_pytree(d, layers)
     grads = jax.tree.map(lambda x: jnp.asarray(np.random.default_rng(1).normal(size=x.shape), jnp.float32), params)
     calls: dict[str, Callable[[], object]] = {}
@@ -79,7 +84,7 @@ def measure(d: int, layers: int, repeats: int) -> dict:
             return box["p"]
 
         calls[name] = call
-    seconds = interleaved_medians(calls, repeats=repeats, warmup=2)
+    seconds = interleaved_medians(calls, repeats=repeats, warmup=2, what="the optimizer steps")
     count = sum(x.size for x in jax.tree.leaves(params))
     rows = [
         {
@@ -95,10 +100,11 @@ def measure(d: int, layers: int, repeats: int) -> dict:
 
 
 def markdown(result: dict) -> str:
+    """optim.md: step time per optimizer, its ratio to its base and the goal."""
     lines = [
         "# Optimizer step time",
         "",
-        f"`python -m experiments.bench.optim`: {result['params'] / 1e6:.1f}M float32 parameters "
+        f"`{result['command']}`: {result['params'] / 1e6:.1f}M float32 parameters "
         f"(transformer-shaped, d_model {result['d_model']}, {result['layers']} layers), jitted update + apply, "
         f"median of {result['repeats']} interleaved rounds; {describe(result['machine'])}",
         "",
@@ -112,7 +118,8 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> None:
-    parser = common.parser(__doc__, out="results/bench", repeats=5)
+    """The command line: see the module docstring, or --help."""
+    parser = common.parser(__doc__, module="experiments.bench.optim", topic="bench", repeats=5)
     parser.add_argument(
         "--d-model", type=common.integer(1), default=640, help="model width d of the parameter pytree, >= 1"
     )
@@ -120,7 +127,8 @@ def main(argv=None) -> None:
         "--layers", type=common.integer(1), default=10, help="transformer layers of the parameter pytree, >= 1"
     )
     args = parser.parse_args(argv)
-    write_results(args.out, "optim", measure(args.d_model, args.layers, args.repeats), markdown)
+    result = {"command": common.command(parser, args), **measure(args.d_model, args.layers, args.repeats)}
+    write_results(args.out, "optim", result, markdown)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Skip-token throughput: one site's training step against the number of ghost experts it does not host.
 
-    python -m experiments.bench.skip_token [--out results/fomoe] [--experts 32] [--top-k 8] [--layers 4]
+    python -m experiments.bench.skip_token [--out runs/fomoe] [--experts 32] [--top-k 8] [--layers 4]
                                            [--batch 8] [--seq 256] [--repeats 5]
 
 The paper's setting (FoMoE, "up to 1.4x" at 0/8/16 ghost experts on its 150M model): d_model 512, expert size 128,
@@ -9,7 +9,8 @@ a quarter of the experts active, sigmoid router. Here: a `--layers`-layer MoE tr
 global router still scores all N_e, and a choice of a ghost is not computed (its rows never reach the expert
 matmuls: the grouped matmul's trip count follows the resident rows). Time = the jitted train step (forward,
 backward, AdamW) on random tokens, the variants interleaved in rounds; throughput = tokens / median step time;
-speedup against the site hosting every expert. Writes skip_token.json, skip_token.md and skip_token.png.
+speedup against the site hosting every expert. Writes skip_token.json, skip_token.md and skip_token.png into
+`--out` (`--out results/fomoe` for the README's table).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from experiments.bench.common import describe, interleaved_medians, machine, wri
 
 
 def _config(experts: int, top_k: int, layers: int, seq: int, batch: int):
+    """The benchmark's model and data shape on one device, as a config."""
     config = build.default_config()
     config.model.update(d_model=512, num_layers=layers, num_heads=8, num_kv_heads=8, d_ff=2048)
     config.moe.update(every=1, num_experts=experts, top_k=top_k, expert_size=128, router="sigmoid")
@@ -35,6 +37,7 @@ def _config(experts: int, top_k: int, layers: int, seq: int, batch: int):
 
 
 def measure(experts: int, top_k: int, layers: int, seq: int, batch: int, ghosts: list[int], repeats: int) -> dict:
+    """The train step with each number of ghost experts, timed in interleaved rounds; one row per count."""
     config = _config(experts, top_k, layers, seq, batch)
     optimizer = build.build_optimizer(config)
     _, sharder = build.build_mesh(config)  # one device
@@ -46,6 +49,7 @@ def measure(experts: int, top_k: int, layers: int, seq: int, batch: int, ghosts:
         graphdef, state = train_lib.init_state(model_fn, optimizer, 0, sharder)
         step = train_lib.train_step_fn(graphdef, optimizer)
         run = jax.jit(step)  # not donated: every call starts from the same state
+        common.compiling(f"the train step with {g} ghost experts")
         _, metrics = run(state, tokens)
         ghost_fraction[g] = float(metrics.get("moe/ghost_fraction", 0.0))  # none with every expert resident
         steps[g] = lambda run=run, state=state: run(state, tokens)
@@ -78,10 +82,11 @@ def measure(experts: int, top_k: int, layers: int, seq: int, batch: int, ghosts:
 
 
 def markdown(result: dict) -> str:
+    """skip_token.md: one row per ghost-expert count."""
     lines = [
         "# Skip-token throughput",
         "",
-        f"`python -m experiments.bench.skip_token`: {result['layers']}-layer MoE transformer, d_model 512, "
+        f"`{result['command']}`: {result['layers']}-layer MoE transformer, d_model 512, "
         f"{result['experts']} experts of size 128, top-{result['top_k']}, sigmoid router; train step (forward, "
         f"backward, AdamW) on {result['batch']} x {result['seq_len']} tokens, median of {result['repeats']} "
         f"interleaved repeats; {describe(result['machine'])}",
@@ -101,7 +106,7 @@ def markdown(result: dict) -> str:
 def plot(result: dict, path: str) -> None:
     """skip_token.png: training throughput against the number of ghost experts, beside the paper's 1.4x."""
     rows = result["rows"]
-    with plotting.figure(path, size=(5, 3.5)) as ax:
+    with plotting.figure(path, size=(5.5, 3.8), title=result["command"]) as ax:
         ax.plot([r["ghost_experts"] for r in rows], [r["speedup"] for r in rows], "o-", label="measured (CPU)")
         ax.axhline(1.4, color="gray", ls=":", label="paper: up to 1.4x")
         ax.set_xlabel(f"ghost experts (of {result['experts']})")
@@ -110,7 +115,8 @@ def plot(result: dict, path: str) -> None:
 
 
 def main(argv=None) -> None:
-    parser = common.parser(__doc__, out="results/fomoe", repeats=5)
+    """The command line: see the module docstring, or --help."""
+    parser = common.parser(__doc__, module="experiments.bench.skip_token", topic="fomoe", repeats=5)
     parser.add_argument("--experts", type=common.integer(1), default=32, help="experts N_e per MoE layer, >= 1")
     parser.add_argument(
         "--top-k", type=common.integer(1), default=8, help="experts chosen per token, in [1, --experts]"
@@ -131,7 +137,8 @@ def main(argv=None) -> None:
         parser.error(f"--ghosts {ghosts}: each must be in [0, {args.experts}) and the first 0 (the baseline).")
     if args.top_k > args.experts:
         parser.error(f"--top-k = {args.top_k} must be <= --experts = {args.experts}")
-    result = measure(args.experts, args.top_k, args.layers, args.seq, args.batch, ghosts, args.repeats)
+    measured = measure(args.experts, args.top_k, args.layers, args.seq, args.batch, ghosts, args.repeats)
+    result = {"command": common.command(parser, args), **measured}
     write_results(args.out, "skip_token", result, markdown)
     plot(result, os.path.join(args.out, "skip_token.png"))
 

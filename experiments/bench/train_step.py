@@ -1,13 +1,14 @@
 """Train-step throughput and achieved FLOP/s against the matmul peak measured in the same run.
 
-    python -m experiments.bench.train_step [--steps 5] [--out results/bench]
+    python -m experiments.bench.train_step [--steps 5] [--sizes quickstart,quickstart-dense,large] [--out runs/bench]
 
 For each model size: tokens per second of the jitted train step (forward, backward, AdamW update) and its
 achieved FLOP/s, counted two ways: the model FLOPs of the PaLM formula (6 N + 12 L d T per token, N the matmul
 parameters a token meets: all 2-D weights, and top_k / num_experts of each MoE layer's [E, d, h] expert
 weights) and the FLOPs XLA's cost analysis reports for the compiled step. The peak is a large square
 `jnp.dot` in the same dtype, timed in the same process, so the ratio is the fraction of what this machine's
-matmul can do. Writes train_step.json and train_step.md.
+matmul can do. Writes train_step.json and train_step.md into `--out` (`--out results/bench` for the README's
+table).
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ def matmul_peak(n: int = 2048, dtype=jnp.float32, repeats: int = 5) -> float:
     a = jax.random.normal(jax.random.key(0), (n, n), dtype)
     b = jax.random.normal(jax.random.key(1), (n, n), dtype)
     dot = jax.jit(jnp.dot)
-    return 2 * n**3 / median_seconds(lambda: dot(a, b), repeats=repeats)
+    return 2 * n**3 / median_seconds(lambda: dot(a, b), repeats=repeats, what=f"the {n}^3 matmul")
 
 
 def bench_size(name: str, steps: int) -> dict:
+    """One size's train step: its median time over `steps` calls, tokens/s, and the model and XLA FLOP counts."""
     c = quickstart.get_config()
     for section, values in SIZES[name].items():
         c[section].update(values)
@@ -54,6 +56,7 @@ def bench_size(name: str, steps: int) -> dict:
     graphdef, state = train_lib.init_state(build.build_model_fn(c, sharder), optimizer, 0, sharder)
     step = train_lib.make_train_step(graphdef, optimizer)
     tokens = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, 256)
+    common.compiling(f"the {name} train step")
     cost = step.lower(state, tokens).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     xla_flops: float | None = float(cost.get("flops", float("nan"))) if cost else float("nan")
@@ -97,7 +100,8 @@ def bench_size(name: str, steps: int) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = common.parser(__doc__, out="results/bench")
+    """The command line: see the module docstring, or --help."""
+    parser = common.parser(__doc__, module="experiments.bench.train_step", topic="bench")
     parser.add_argument(
         "--steps", type=common.integer(1), default=5, help="timed train steps per size, >= 1; the median is reported"
     )
@@ -123,13 +127,22 @@ def main(argv=None) -> None:
             f"= {100 * row['model_flops_fraction_of_peak']:.1f}% of peak",
             flush=True,
         )
-    result = {**machine(), "dtype": "float32", "matmul_peak_flops_per_second": peak, "rows": rows}
+    result = {
+        "command": common.command(parser, args),
+        **machine(),
+        "dtype": "float32",
+        "matmul_peak_flops_per_second": peak,
+        "rows": rows,
+    }
     write_results(args.out, "train_step", result, markdown)
 
 
 def markdown(result: dict) -> str:
+    """train_step.md: one row per size."""
     lines = [
-        f"Train step on {result['device']} ({result['cpu_count']} cores, jax {result['jax']}, "
+        "# Train-step throughput",
+        "",
+        f"`{result['command']}`: train step on {result['device']} ({result['cpu_count']} cores, jax {result['jax']}, "
         f"{result['dtype']}); matmul peak {result['matmul_peak_flops_per_second'] / 1e9:.1f} GFLOP/s "
         "(2048^3 jnp.dot, same run).",
         "",

@@ -1,13 +1,14 @@
 """The composed run and what each of its choices costs: experiments/configs/composed.py (the quickstart's FoMoE
 federation trained with MGUP-AdamW on UFP4 GEMMs) against the same run with the optimizer, the GEMMs or both set
-back (AdamW, BF16; both back = the quickstart).
+back (AdamW; recipe "none": unquantised float32 GEMMs; both back = the quickstart).
 
-    python -m experiments.reproduce.composed [--out results/composed] [--steps 700] [--seeds 0,1,2]
+    python -m experiments.reproduce.composed [--out runs/composed] [--steps 700] [--seeds 0,1,2]
 
 Every variant trains on the same steps with each seed (initialisation and data order; the same tokens for every
 variant of a seed), so effects are read as paired differences within a seed. Each run is `python -m experiments.run`
-in its own process (2 virtual CPU sites), in `<out>/runs/<name>_s<seed>`; finished runs are reused. Writes
-table.md, table.json and curves.png (held-out bits per byte over the steps, mean over seeds).
+in its own process (2 virtual CPU sites), in `<out>/runs/<name>_s<seed>`, its progress shown prefixed by that
+name; finished runs are reused. Writes table.md, table.json and curves.png (held-out bits per byte over the steps,
+mean over seeds) into `--out` (`--out results/composed` for the README's table).
 """
 
 from __future__ import annotations
@@ -23,26 +24,27 @@ from experiments.reproduce import runs as runs_lib
 
 CONFIG = runs_lib.config_path("composed")
 VARIANTS = {  # name -> (optim.name, precision.recipe)
-    "adamw_bf16": ("adamw", "bf16"),
-    "mgup_adamw_bf16": ("mgup_adamw", "bf16"),
+    "adamw_none": ("adamw", "none"),
+    "mgup_adamw_none": ("mgup_adamw", "none"),
     "adamw_ufp4": ("adamw", "ufp4"),
     "mgup_adamw_ufp4": ("mgup_adamw", "ufp4"),
 }
 EFFECTS = {  # label -> (variant with the choice, the same variant without it)
-    "MGUP-AdamW vs AdamW, BF16 GEMMs": ("mgup_adamw_bf16", "adamw_bf16"),
+    "MGUP-AdamW vs AdamW, none (float32 GEMMs)": ("mgup_adamw_none", "adamw_none"),
     "MGUP-AdamW vs AdamW, UFP4 GEMMs": ("mgup_adamw_ufp4", "adamw_ufp4"),
-    "UFP4 vs BF16, AdamW": ("adamw_ufp4", "adamw_bf16"),
-    "UFP4 vs BF16, MGUP-AdamW": ("mgup_adamw_ufp4", "mgup_adamw_bf16"),
+    "UFP4 vs none (float32 GEMMs), AdamW": ("adamw_ufp4", "adamw_none"),
+    "UFP4 vs none (float32 GEMMs), MGUP-AdamW": ("mgup_adamw_ufp4", "mgup_adamw_none"),
 }
+LABELS = {"none": "none (float32 GEMMs)"}  # how the table and the plot name a recipe (default: its name)
 
 
 def train(name: str, seed: int, steps: int, out: str) -> dict:
+    """Runs (or reuses) one variant with one seed; returns its held-out bits per byte, curve and speed."""
     optimizer, recipe = VARIANTS[name]
     workdir = os.path.join(out, "runs", f"{name}_s{seed}")
     flags = [
         f"--config.optim.name={optimizer}",
         f"--config.precision.recipe={recipe}",
-        "--config.train.progress=False",
         f"--config.train.seed={seed}",
         f"--config.data.seed={seed}",
         f"--config.checkpoint.every={steps}",
@@ -78,12 +80,11 @@ def summarise(runs: dict, seeds: list[int]) -> dict:
 
 
 def markdown(result: dict) -> str:
-    seeds = result["seeds"]
+    """table.md: per variant the held-out bits per byte per seed and their mean; the paired effects."""
     lines = [
         "# All four results in one run",
         "",
-        f"`python -m experiments.reproduce.composed --steps {result['steps']} --seeds "
-        f"{','.join(map(str, seeds))}`: experiments/configs/composed.py (2 FoMoE sites, disjoint experts, "
+        f"`{result['command']}`: experiments/configs/composed.py (2 FoMoE sites, disjoint experts, "
         "LocalAdamW every 10 steps) with the optimizer and the GEMM recipe set back one at a time; the same "
         "tokens for every variant of a seed; 2-core CPU, tokens/s with other jobs on the machine.",
         "",
@@ -94,7 +95,8 @@ def markdown(result: dict) -> str:
     for name, r in result["variants"].items():
         b = "**" if name == "mgup_adamw_ufp4" else ""
         lines.append(
-            f"| {b}{r['optimizer']}{b} | {b}{r['recipe']}{b} | {b}{np.mean(r['val_bits_per_byte']):.3f}{b} | "
+            f"| {b}{r['optimizer']}{b} | {b}{LABELS.get(r['recipe'], r['recipe'])}{b} | "
+            f"{b}{np.mean(r['val_bits_per_byte']):.3f}{b} | "
             f"{' / '.join(f'{v:.3f}' for v in r['val_bits_per_byte'])} | "
             f"{' / '.join(f'{v:.3f}' for v in r['val_bits_per_byte_worst_site'])} | "
             f"{r['tokens_per_second']:,.0f} |"
@@ -120,17 +122,18 @@ def markdown(result: dict) -> str:
 def plot(result: dict, path: str) -> None:
     """curves.png: held-out bits per byte against step per variant, mean over seeds."""
     title = f"Composed run: FoMoE sites, optimizer x GEMM recipe ({len(result['seeds'])} seeds)"
-    with plotting.figure(path, size=(6, 4), legend_size=8) as ax:
+    with plotting.figure(path, size=(6.4, 4.2), legend_size=8, title=result["command"]) as ax:
         for name, r in result["variants"].items():
             steps, values = plotting.mean_curve([result["curves"][name][str(s)] for s in result["seeds"]])
-            ax.plot(steps, values, "o-", ms=3, label=f"{r['optimizer']}, {r['recipe']}")
+            ax.plot(steps, values, "o-", ms=3, label=f"{r['optimizer']}, {LABELS.get(r['recipe'], r['recipe'])}")
         ax.set_xlabel("step")
         ax.set_ylabel("held-out bits per byte (mean over sites and seeds)")
         ax.set_title(title, fontsize=9)
 
 
 def main(argv=None) -> None:
-    parser = common.parser(__doc__, out="results/composed")
+    """The command line: see the module docstring, or --help."""
+    parser = common.parser(__doc__, module="experiments.reproduce.composed", topic="composed")
     common.add_steps(parser, default=700, multiple_of=10, why="whole rounds of fomoe.local_steps = 10")
     parser.add_argument(
         "--seeds",
@@ -145,6 +148,7 @@ def main(argv=None) -> None:
         print(f"[{i + 1}/{len(seeds) * len(VARIANTS)}] {name}, seed {seed}", flush=True)
         runs[name][seed] = train(name, seed, args.steps, args.out)
     result = {
+        "command": common.command(parser, args),
         "steps": args.steps,
         "seeds": seeds,
         **summarise(runs, seeds),

@@ -1,6 +1,6 @@
 """FoMoE at CPU scale: a small version of the paper's Table 6, the skip-token throughput curve, the system model.
 
-    python -m experiments.reproduce.fomoe [--out results/fomoe] [--steps 256] [--parts table,throughput,system]
+    python -m experiments.reproduce.fomoe [--out runs/fomoe] [--steps 256] [--parts table,throughput,system]
                                           [--only NAME,...]
 
 table: trains the byte-level sigma-MoE of experiments/configs/fomoe.py (d_model 128, 4 layers, 8 experts top-2,
@@ -8,9 +8,11 @@ expert size 128) on the built-in corpus, every run with the same global batch (1
 so the same tokens. The grid: M in {2, 4} sites; O_e in {1, 2, 4} up to M; K in {8, 32}; LocalAdamW and DiLoCo;
 fixed placement, and random placement (reshuffled every 4 rounds) for LocalAdamW at K = 8; plus DDP on M devices
 (gradients all-reduced every step). Each run is `python -m experiments.run` in its own process with M virtual CPU
-devices, in `<out>/runs/<name>`; a run that finished is not run again (and one that was interrupted resumes).
+devices, in `<out>/runs/<name>`, its progress shown prefixed by that name; a run that finished is not run again
+(and one that was interrupted resumes).
 Reports held-out perplexity (per byte-token, mean over sites) and the bytes each site sent over the whole run,
 measured from the compiled programs' collectives (and by the formulas) -> table.md, table.json, pareto.png.
+Everything goes into `--out` (`--out results/fomoe` for the README's tables and plots).
 
 throughput: `experiments.bench.skip_token` (training throughput against the number of ghost experts).
 system: `experiments.reproduce.fomoe_system` (parameter table and the 104B projection).
@@ -66,7 +68,8 @@ def grid() -> list[dict]:
 
 
 def _flags(run: dict, steps: int) -> list[str]:
-    common = [f"--config.train.eval_every={steps}", "--config.train.progress=False"]
+    """The experiments.run flags of one run of the grid."""
+    common = [f"--config.train.eval_every={steps}"]
     if run["outer"] == "ddp":
         return common + ["--config.mesh.site=1", f"--config.mesh.data={run['sites']}"]
     return common + [
@@ -135,11 +138,12 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 
 def markdown(result: dict) -> str:
+    """table.md: every run's quality and bytes, then the bytes saved against DDP and the full replica."""
     rows, steps = result["rows"], result["steps"]
     lines = [
         "# FoMoE at CPU scale: a small Table 6",
         "",
-        f"`python -m experiments.reproduce.fomoe --steps {steps}`: experiments/configs/fomoe.py (d_model 128, 4 "
+        f"`{result['command']}`: experiments/configs/fomoe.py (d_model 128, 4 "
         f"layers, 8 experts top-2, expert size 128, sigmoid router, partitioned routing), {steps} steps of 16 x "
         f"256 byte-tokens for every run ({result['tokens']:,} tokens), AdamW lr 5e-3. Perplexity: exp(held-out "
         "loss per byte-token), mean over sites (worst site in bits/byte). Bytes: what each site sent over the "
@@ -179,11 +183,39 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def pareto_plot(rows: list[dict], path: str) -> None:
-    """pareto.png: held-out perplexity against MB sent per site (log), the Pareto front dashed."""
+PARETO_CAPTION = (
+    "Point labels: LA = LocalAdamW, DL = DiLoCo (the outer method), DDP = gradients all-reduced every step; "
+    "M = sites; O = O_e, the sites holding each expert (O = M: full replica); K = local steps per round; "
+    "rnd = random placement, reshuffled every 4 rounds (otherwise fixed). Marker: circle LocalAdamW, square DiLoCo, "
+    "star DDP; colour O_e; filled K = 8, hollow K = 32 or random placement."
+)
+
+
+def point_label(r: dict) -> str:
+    """A run's short label in pareto.png (PARETO_CAPTION explains it): e.g. 'LA M4 O2 K8', 'DL M2 O1 K32',
+    'LA M4 O2 K8 rnd', 'DDP M4'."""
+    if r["outer"] == "ddp":
+        return f"DDP M{r['sites']}"
+    outer = {"local_adamw": "LA", "diloco": "DL"}[r["outer"]]
+    return f"{outer} M{r['sites']} O{r['overlap']} K{r['k']}" + (" rnd" if r["placement"] == "random" else "")
+
+
+def pareto_plot(rows: list[dict], path: str, command: str) -> None:
+    """pareto.png: held-out perplexity against MB sent per site (log), the Pareto front dashed; every point
+    labelled (labels placed clear of each other and of the points) and the labels' code explained in a caption;
+    `command` (what made the table) as the title."""
     styles = {"local_adamw": "o", "diloco": "s", "ddp": "*"}
     colors = {1: "tab:blue", 2: "tab:orange", 4: "tab:green", None: "tab:red"}
-    with plotting.figure(path, size=(7, 4.5), grid="both", legend_size=6, legend_columns=2) as ax:
+    with plotting.figure(
+        path,
+        size=(8, 6.4),
+        grid="both",
+        legend_size=7,
+        legend_columns=4,
+        legend_below=True,
+        title=command,
+        caption=PARETO_CAPTION,
+    ) as ax:
         for r in rows:
             hollow = r["placement"] == "random" or r["k"] == 32
             ax.scatter(
@@ -193,14 +225,15 @@ def pareto_plot(rows: list[dict], path: str) -> None:
                 s=60 if r["k"] != 32 else 40,
                 facecolors="none" if hollow else colors[r["overlap"]],
                 edgecolors=colors[r["overlap"]],
+                zorder=3,
             )
-            ax.annotate(
-                r["name"].replace("local_adamw", "LA").replace("diloco", "DL"),
-                (r["bytes_per_site"] / 1e6, r["perplexity"]),
-                fontsize=5,
-                xytext=(3, 2),
-                textcoords="offset points",
-            )
+        plotting.place_labels(
+            ax,
+            [r["bytes_per_site"] / 1e6 for r in rows],
+            [r["perplexity"] for r in rows],
+            [point_label(r) for r in rows],
+            fontsize=6,
+        )
         front, best = [], math.inf
         for r in sorted(rows, key=lambda r: r["bytes_per_site"]):
             if r["perplexity"] < best:
@@ -216,23 +249,24 @@ def pareto_plot(rows: list[dict], path: str) -> None:
         for label, marker in (("LocalAdamW", "o"), ("DiLoCo", "s"), ("DDP", "*")):
             ax.scatter([], [], marker=marker, c="gray", label=label)
         for o, c in colors.items():
-            ax.scatter([], [], marker="o", c=c, label=f"O_e = {o}" if o else "DDP")
+            if o is not None:
+                ax.scatter([], [], marker="o", c=c, label=f"O_e = {o}")
+        ax.scatter([], [], marker="o", facecolors="none", edgecolors="gray", label="K = 32 or random placement")
         ax.set_xscale("log")
         ax.set_xlabel("MB sent per site over the run (measured)")
         ax.set_ylabel("held-out perplexity (byte tokens)")
-        ax.set_title(
-            "FoMoE at CPU scale: quality against communication (hollow: K = 32 or random placement)", fontsize=8
-        )
+        ax.set_title("FoMoE at CPU scale: quality against communication", fontsize=9)
 
 
-def table(out: str, steps: int, only: list[str]) -> None:
+def table(out: str, steps: int, only: list[str], command: str) -> None:
     """Trains (or reuses) the grid's runs (`only` of them if given) for `steps` steps each; writes table.md,
-    table.json and pareto.png."""
+    table.json and pareto.png, which state `command`."""
     runs = [r for r in grid() if not only or r["name"] in only]
     tokens_per_step = 16 * 256
     rows, started = [], time.time()
     for i, run in enumerate(runs):
         t0 = time.time()
+        print(f"[{i + 1}/{len(runs)}] {run['name']} ({run['sites']} virtual CPU devices) ...", flush=True)
         summary = train(run, steps, out)
         rows.append(row(run, summary, steps, tokens_per_step))
         print(
@@ -241,14 +275,21 @@ def table(out: str, steps: int, only: list[str]) -> None:
             f"{(time.time() - started) / 60:.1f} min so far)",
             flush=True,
         )
-    result = {"steps": steps, "tokens": steps * tokens_per_step, "rows": rows, "ratios": ratios(rows)}
+    result = {
+        "command": command,
+        "steps": steps,
+        "tokens": steps * tokens_per_step,
+        "rows": rows,
+        "ratios": ratios(rows),
+    }
     common.write_results(out, "table", result, markdown)
-    pareto_plot(rows, os.path.join(out, "pareto.png"))
+    pareto_plot(rows, os.path.join(out, "pareto.png"), command)
     print(f"wrote {out}/table.md, table.json, pareto.png")
 
 
 def main(argv=None) -> None:
-    parser = common.parser(__doc__, out="results/fomoe")
+    """The command line: see the module docstring, or --help."""
+    parser = common.parser(__doc__, module="experiments.reproduce.fomoe", topic="fomoe")
     common.add_steps(parser, default=256, multiple_of=32, why="whole rounds at K = 32")
     common.add_parts(parser, PARTS)
     parser.add_argument(
@@ -260,7 +301,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     parts = args.parts
     if "table" in parts:
-        table(args.out, args.steps, args.only)
+        table(args.out, args.steps, args.only, common.command(parser, args, parts=["table"]))
     if "throughput" in parts:
         from experiments.bench import skip_token
 

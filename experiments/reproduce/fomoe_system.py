@@ -1,13 +1,13 @@
 """FoMoE's system model: the paper's parameter table, and the 104B projection at M = 32 sites.
 
-    python -m experiments.reproduce.fomoe_system [--out results/fomoe]
+    python -m experiments.reproduce.fomoe_system [--out runs/fomoe]
 
-Writes system_model.md (parameter counts against the paper's table; bytes per site per round, memory per site and
-training hours for FoMoE at O_e in {1, 2, 4, 8, 16, 32} and for DDP, at 1, 10 and 100 Gbps), system_model.json,
-cumulative_bytes.png (bytes each site has sent against training tokens) and training_hours.png (hours against
-O_e). Every assumption the paper does not state is a documented default of `moe.system_model` (fp32 parameters on
-the wire, 20 tokens per active parameter, 4M-token global batch, K = 32, a 64-accelerator site at MFU 0.4,
-50 ms latency).
+Writes into `--out` (`--out results/fomoe` for the README's tables and plots) system_model.md (parameter counts
+against the paper's table; bytes per site per round, memory per site and training hours for FoMoE at O_e in
+{1, 2, 4, 8, 16, 32} and for DDP, at 1, 10 and 100 Gbps), system_model.json, cumulative_bytes.png (bytes each site
+has sent against training tokens) and training_hours.png (hours against O_e). Every assumption the paper does not
+state is a documented default of `moe.system_model` (fp32 parameters on the wire, 20 tokens per active parameter,
+4M-token global batch, K = 32, a 64-accelerator site at MFU 0.4, 50 ms latency).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ SITES = 32
 
 
 def parameter_table() -> list[dict]:
+    """Per model of the paper's table: its shape, the paper's count, ours and the relative difference."""
     rows = []
     for name, (shape, stated) in sm.PAPER_MODELS.items():
         p = sm.param_count(shape.d_model, shape.num_layers, shape.num_experts, shape.expert_size, shape.vocab_size)
@@ -47,12 +48,13 @@ def parameter_table() -> list[dict]:
     return rows
 
 
-def markdown(params: list[dict], projection: list[sm.Projection]) -> str:
+def markdown(params: list[dict], projection: list[sm.Projection], command: str) -> str:
+    """system_model.md: the parameter table, then the 104B projection per method and O_e at each bandwidth."""
     lines = [
         "# FoMoE system model",
         "",
         "Parameter counts (attention 4 d^2 per layer, experts 2 d h, router d N_e, "
-        "tied vocabulary 200,019; `python -m experiments.reproduce.fomoe_system`):",
+        f"tied vocabulary 200,019; `{command}`):",
         "",
         "| model | d_model | layers | experts | active | paper | ours | difference |",
         "|---|---|---|---|---|---|---|---|",
@@ -88,10 +90,11 @@ def markdown(params: list[dict], projection: list[sm.Projection]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plots(projection: list[sm.Projection], total_tokens: float, out: str) -> None:
+def plots(projection: list[sm.Projection], total_tokens: float, out: str, command: str) -> None:
     """cumulative_bytes.png (TB each site has sent against tokens trained, log-log, at the first bandwidth) and
-    training_hours.png (hours against O_e per bandwidth, DDP dotted)."""
-    with plotting.figure(os.path.join(out, "cumulative_bytes.png"), size=(6, 4), grid="both") as ax:
+    training_hours.png (hours against O_e per bandwidth, DDP dotted); `command` as their title."""
+    title = f"{command} (a projection)"
+    with plotting.figure(os.path.join(out, "cumulative_bytes.png"), size=(6, 4.3), grid="both", title=title) as ax:
         for r in projection:
             if r.bandwidth_gbps != BANDWIDTHS[0]:
                 continue
@@ -107,7 +110,14 @@ def plots(projection: list[sm.Projection], total_tokens: float, out: str) -> Non
         ax.set_ylabel("cumulative TB sent per site")
         ax.set_title(f"104B MoE, M = {SITES} sites, LocalAdamW, K = 32", fontsize=9)
 
-    with plotting.figure(os.path.join(out, "training_hours.png"), size=(6, 4), grid="both") as ax:
+    with plotting.figure(
+        os.path.join(out, "training_hours.png"),
+        size=(6, 4.8),
+        grid="both",
+        title=title,
+        legend_below=True,
+        legend_columns=3,
+    ) as ax:
         for g in BANDWIDTHS:
             rows = [r for r in projection if r.bandwidth_gbps == g and r.method != "DDP"]
             line = ax.plot([r.overlap for r in rows], [r.hours for r in rows], "o-", label=f"FoMoE, {g} Gbps")
@@ -121,17 +131,21 @@ def plots(projection: list[sm.Projection], total_tokens: float, out: str) -> Non
 
 
 def main(argv=None) -> None:
-    args = common.parser(__doc__, out="results/fomoe").parse_args(argv)
+    """The command line: see the module docstring, or --help."""
+    parser = common.parser(__doc__, module="experiments.reproduce.fomoe_system", topic="fomoe")
+    args = parser.parse_args(argv)
+    command = common.command(parser, args)
     shape = sm.PAPER_MODELS["XXL"][0]
     params = parameter_table()
     projection = sm.project(shape, sites=SITES, overlaps=OVERLAPS, bandwidths_gbps=BANDWIDTHS)
     result = {
+        "command": command,
         "parameters": params,
         "shape": dataclasses.asdict(shape),
         "projection": [dataclasses.asdict(r) for r in projection],
     }
-    common.write_results(args.out, "system_model", result, lambda _: markdown(params, projection))
-    plots(projection, sm.TOKENS_PER_ACTIVE_PARAM * sm.active_params(shape), args.out)
+    common.write_results(args.out, "system_model", result, lambda _: markdown(params, projection, command))
+    plots(projection, sm.TOKENS_PER_ACTIVE_PARAM * sm.active_params(shape), args.out, command)
     print(f"wrote {args.out}/system_model.md, system_model.json, cumulative_bytes.png, training_hours.png")
 
 

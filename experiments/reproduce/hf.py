@@ -16,8 +16,9 @@ Hugging Face checkpoint, reloaded from the exporter's own files, and served thro
    one token per step; experiments.reproduce.kvcache.served_loss) -> bits per byte per format.
 
 Writes <out>/table.{md,json}, <out>/curves.png (held-out bits per byte against steps and against bytes of text
-trained on) and <out>/tokenizer/; the runs, the export and the reloaded run go to <out>/runs (finished runs are
-reused when their configuration is unchanged).
+trained on) and <out>/tokenizer/ (`--out results/hf` for the README's table); the runs, the export and the reloaded
+run go to <out>/runs (each run's progress shown prefixed by its name; finished runs are reused when their
+configuration is unchanged).
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ SHAPE = [  # the quickstart MoE as Qwen3-MoE writes it, trained on one device
     "--config.moe.normalize_gates=True",
     "--config.moe.expert_mlp=swiglu",
     "--config.model.qk_norm=True",
-    "--config.train.progress=False",
 ]
 KV_VARIANTS = ("bf16", "fp8", "fp4 (UltraQuant: mse, K rotated)", "fp4 mx, K rotated")
 EVAL_BATCHES = 4  # held-out batches of 8 x 256 tokens read through each KV format
@@ -98,6 +98,7 @@ def round_trip(out: str) -> tuple[dict[str, Any], str]:
     again.data.update({k: v for k, v in config.data.items() if k != "tokenizer"})
     workdir = os.path.join(out, "runs", "reloaded")
     shutil.rmtree(workdir, ignore_errors=True)
+    common.compiling("the reloaded model's held-out evaluation")
     summary = importer.import_to(workdir, exported, config=again, eval_batches=config.train.eval_batches)
     return summary, workdir
 
@@ -137,6 +138,7 @@ def kv_table(workdir: str) -> list[dict[str, Any]]:
             implementation="xla_split",
         )
     for label, factory in factories.items():
+        common.compiling(f"decoding through the {label} KV cache")
         losses[label] = float(np.mean([kv_repro.served_loss(model, t, factory) for t in val]))
         print(f"  {label}: {losses[label] * nats_per_byte / np.log(2):.4f} bits/byte", flush=True)
     base = losses["no cache (float32 forward)"]
@@ -152,11 +154,12 @@ def kv_table(workdir: str) -> list[dict[str, Any]]:
 
 
 def markdown(result: dict[str, Any]) -> str:
+    """table.md: the two runs, the export round trip, and the reloaded model through each KV format."""
     r, kv = result["runs"], result["kv"]
     lines = [
         "# A BPE tokenizer and a Qwen3-MoE-shaped model: trained, exported, reloaded, served",
         "",
-        f"`python -m experiments.reproduce.hf --out results/hf` ({result['steps']} steps of 8 x 256 tokens each, "
+        f"`{result['command']}` ({result['steps']} steps of 8 x 256 tokens each, "
         f"one CPU device; {result['machine']}). Held-out bits per byte = total NLL over the bytes of the held-out "
         "text, so tokenizers compare directly.",
         "",
@@ -187,11 +190,15 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def plot(out: str, result: dict[str, Any]) -> None:
+    """curves.png: held-out bits per byte of the two runs against step and against bytes of text trained on."""
     path = os.path.join(out, "curves.png")
     names = ("bytes", "bpe")
     colors = plotting.colors(list(names))
-    title = f"held-out bits per byte, quickstart MoE as Qwen3-MoE, {result['steps']} steps (experiments.reproduce.hf)"
-    with plotting.figure(path, size=(9, 3.4), ncols=2, title=title) as (by_step, by_bytes):
+    title = (
+        f"held-out bits per byte, quickstart MoE as Qwen3-MoE, {result['steps']} steps, one CPU device\n"
+        f"{result['command']}"
+    )
+    with plotting.figure(path, size=(9, 3.6), ncols=2, title=title) as (by_step, by_bytes):
         for name in names:
             x = result["runs"][name]
             steps, values = zip(*x["curve"])
@@ -205,7 +212,8 @@ def plot(out: str, result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = common.parser(__doc__ or "", out="runs/hf")
+    """The command line: see the module docstring, or --help."""
+    parser = common.parser(__doc__ or "", module="experiments.reproduce.hf", topic="hf")
     common.add_steps(parser, default=700, multiple_of=10, why="the log cadence")
     parser.add_argument(
         "--vocab-size", type=common.integer(259), default=1024, help="ids of the BPE tokenizer (>= 259)"
@@ -240,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         architecture = json.load(f)["architectures"][0]
     run_bpb, again = summaries["bpe"]["val_bits_per_byte"], reloaded["val_bits_per_byte"]
     result = {
+        "command": common.command(parser, args),
         "steps": args.steps,
         "machine": common.describe(common.machine()),
         "runs": result_runs,

@@ -1,10 +1,11 @@
 """UltraQuant at CPU scale: KV-format quality on a trained model's and on synthetic K/V, the held-out perplexity of
 the model decoding through each cache format, and the capacity table of the spec's model.
 
-    python -m experiments.reproduce.kvcache [--out results/kvcache] [--parts quality,perplexity,capacity]
+    python -m experiments.reproduce.kvcache [--out runs/kvcache] [--parts quality,perplexity,capacity]
 
 model: the quickstart MoE (experiments/configs/quickstart.py, d_model 128, 4 layers, 2 query heads sharing one KV
-head of dim 64) trained on one device for 400 steps (`<out>/runs/model`, reused when finished).
+head of dim 64) trained on one device for 400 steps (`<out>/runs/model`, its progress shown prefixed by `[model]`;
+reused when finished). Everything goes into `--out` (`--out results/kvcache` for the README's tables and plot).
 
 quality: attention-output relative error ||o_fmt - o|| / ||o|| against float32 attention on the unquantised K/V
 (all causal positions of 8 held-out sequences x 256 tokens, every layer; q, k, v recorded from the model's own
@@ -63,7 +64,6 @@ def trained_model(out: str):
             "--config.mesh.site=1",
             "--config.mesh.data=1",
             f"--config.checkpoint.every={STEPS}",
-            "--config.train.progress=False",
         ],
         STEPS,
     )
@@ -71,6 +71,7 @@ def trained_model(out: str):
 
 
 def _fmt(label: str):
+    """The KV format of a VARIANTS label."""
     from kvcache import formats
 
     name, options = VARIANTS[label]
@@ -109,11 +110,13 @@ class RecordingCache:
         self.lengths = inner.lengths
 
     def update_and_attend(self, layer, q, k, v):
+        """Records (q, k, v) of `layer`, then the inner cache's update and attention."""
         self.records[layer] = (q, k, v)
         out, self.inner = self.inner.update_and_attend(layer, q, k, v)
         return out, self
 
     def advance(self, n):
+        """The inner cache advanced by `n` tokens."""
         self.inner = self.inner.advance(n)
         self.lengths = self.inner.lengths
         return self
@@ -144,6 +147,8 @@ def model_qkv(config, model) -> list[tuple]:
 
 
 def synthetic_qkv() -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [4, 1024, 8, 128], k and v [4, 1024, 2, 128] (float32): N(0, 1) K with channels 11 and 90 scaled x 20,
+    q scaled x 0.2 (scores of order 1 on the outlier channels)."""
     import jax
     import jax.numpy as jnp
 
@@ -155,7 +160,8 @@ def synthetic_qkv() -> tuple[jax.Array, jax.Array, jax.Array]:
     return q, k, jax.random.normal(kv, (4, 1024, 2, d))
 
 
-def quality(out: str) -> None:
+def quality(out: str, command: str) -> None:
+    """quality.md/json/png: attention-output error per format on the model's own and on synthetic q, k, v."""
     config, model = trained_model(out)
     layers = model_qkv(config, model)
     synthetic = synthetic_qkv()
@@ -180,15 +186,17 @@ def quality(out: str) -> None:
             f"synthetic {synthetic_error:.4f} (scores {synthetic_score_error:.4f})",
             flush=True,
         )
-    common.write_results(out, "quality", {"rows": rows}, quality_markdown)
-    quality_plot(rows, os.path.join(out, "quality.png"))
+    result = {"command": command, "rows": rows}
+    common.write_results(out, "quality", result, quality_markdown)
+    quality_plot(result, os.path.join(out, "quality.png"))
 
 
 def quality_markdown(result: dict) -> str:
+    """quality.md: one row per format."""
     lines = [
         "# KV-format quality: attention-output relative error against float32",
         "",
-        "`python -m experiments.reproduce.kvcache --parts quality`. ||o_fmt - o|| / ||o|| of causal attention "
+        f"`{result['command']}`. ||o_fmt - o|| / ||o|| of causal attention "
         "over every position: the trained quickstart model's own q, k, v (8 held-out sequences x 256 tokens; "
         "mean over its 4 layers; 1 KV head of dim 64, 2 query heads), and synthetic K with 2 of 128 channels "
         "x 20 (4 x 1024 tokens, 2 KV heads, GQA 4). In brackets: the relative error of the scores q.k alone "
@@ -208,9 +216,11 @@ def quality_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def quality_plot(rows: list[dict], path: str) -> None:
-    """quality.png: attention-output relative error per format (log), trained model beside synthetic outliers."""
-    with plotting.figure(path, size=(9, 4), grid_axis="y", legend_size=8) as ax:
+def quality_plot(result: dict, path: str) -> None:
+    """quality.png: attention-output relative error per format (log), trained model beside synthetic outliers;
+    the command in the title."""
+    rows = result["rows"]
+    with plotting.figure(path, size=(9, 4.3), grid_axis="y", legend_size=8, title=result["command"]) as ax:
         xs = np.arange(len(rows))
         ax.bar(xs - 0.2, [r["model_error"] for r in rows], width=0.4, label="trained quickstart model")
         ax.bar(xs + 0.2, [r["synthetic_error"] for r in rows], width=0.4, label="synthetic K, outlier channels")
@@ -252,7 +262,8 @@ def served_loss(model, tokens, cache_factory) -> float:
     return float(run(graphdef, state, cache_factory(tokens.shape[0], tokens.shape[1] - 1)))
 
 
-def perplexity(out: str, num_batches: int = 4) -> None:
+def perplexity(out: str, command: str, num_batches: int = 4) -> None:
+    """perplexity.md/json: held-out loss of the trained model read through each KV format as a server would."""
     import jax
     import jax.numpy as jnp
 
@@ -283,6 +294,7 @@ def perplexity(out: str, num_batches: int = 4) -> None:
             implementation="xla_split",
         )
     for label, factory in factories.items():
+        common.compiling(f"decoding through the {label} KV cache")
         rows.append({"format": label, "loss": float(np.mean([served_loss(model, t, factory) for t in val]))})
         print(f"{label}: held-out loss {rows[-1]['loss']:.4f}", flush=True)
     base = rows[0]["loss"]
@@ -290,6 +302,7 @@ def perplexity(out: str, num_batches: int = 4) -> None:
         r["perplexity"], r["bits_per_byte"] = float(np.exp(r["loss"])), r["loss"] / np.log(2)
         r["delta_loss"] = r["loss"] - base
     result = {
+        "command": command,
         "rows": rows,
         "num_sequences": num_batches * val[0].shape[0],
         "seq_len": val[0].shape[1] - 1,
@@ -299,10 +312,11 @@ def perplexity(out: str, num_batches: int = 4) -> None:
 
 
 def perplexity_markdown(result: dict) -> str:
+    """perplexity.md: one row per KV cache."""
     lines = [
         "# Held-out perplexity of the quickstart model decoding through each KV-cache format",
         "",
-        f"`python -m experiments.reproduce.kvcache --parts perplexity`. {result['num_sequences']} held-out "
+        f"`{result['command']}`. {result['num_sequences']} held-out "
         f"sequences x {result['seq_len']} byte-tokens, each read as a server would: a {result['prefill']}-token "
         "prefill, then one token per step, every token's K/V quantised on write (paged cache, split-KV decode "
         "in XLA). Loss = mean next-token cross-entropy (nats); perplexity per byte = exp(loss).",
@@ -321,11 +335,17 @@ def perplexity_markdown(result: dict) -> str:
 # ---------------------------------------------------------------------------------------------------- capacity
 
 
-def capacity_table(out: str) -> None:
+def capacity_table(out: str, command: str) -> None:
+    """capacity.md/json: tokens and concurrency at the spec's KV budget per format (kvcache.capacity)."""
     from kvcache import capacity
 
     rows = capacity.plan(capacity.SPEC_BUDGET_BYTES, capacity.SPEC_MODEL)
-    result = {"rows": rows, "memory_bytes": capacity.SPEC_BUDGET_BYTES, "max_model_len": capacity.SPEC_MAX_MODEL_LEN}
+    result = {
+        "command": command,
+        "rows": rows,
+        "memory_bytes": capacity.SPEC_BUDGET_BYTES,
+        "max_model_len": capacity.SPEC_MAX_MODEL_LEN,
+    }
 
     def markdown(result):
         table = capacity.markdown(
@@ -335,25 +355,23 @@ def capacity_table(out: str) -> None:
             shape=capacity.SPEC_MODEL,
             max_model_len=result["max_model_len"],
         )
-        return (
-            "# KV capacity of the spec's model\n\n"
-            f"`python -m experiments.reproduce.kvcache --parts capacity`.\n\n{table}"
-        )
+        return f"# KV capacity of the spec's model\n\n`{result['command']}`.\n\n{table}"
 
     common.write_results(out, "capacity", result, markdown)
 
 
 def main(argv=None) -> None:
-    parser = common.parser(__doc__, out="results/kvcache")
+    """The command line: see the module docstring, or --help."""
+    parser = common.parser(__doc__, module="experiments.reproduce.kvcache", topic="kvcache")
     common.add_parts(parser, PARTS)
     args = parser.parse_args(argv)
     parts = args.parts
     if "capacity" in parts:
-        capacity_table(args.out)
+        capacity_table(args.out, common.command(parser, args, parts=["capacity"]))
     if "quality" in parts:
-        quality(args.out)
+        quality(args.out, common.command(parser, args, parts=["quality"]))
     if "perplexity" in parts:
-        perplexity(args.out)
+        perplexity(args.out, common.command(parser, args, parts=["perplexity"]))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """MGUP at CPU scale: the quickstart model trained with each MGUP variant and its base optimizer.
 
-    python -m experiments.reproduce.mgup [--out results/mgup] [--steps 400] [--only NAME,...]
+    python -m experiments.reproduce.mgup [--out runs/mgup] [--steps 400] [--only NAME,...]
 
 Every run is the quickstart MoE language model (experiments/configs/quickstart.py: d_model 128, 4 layers, 8 experts
 top-2) on one device without federation (`mesh.site = 1`), so the optimizer is the only thing that changes:
@@ -14,8 +14,9 @@ gamma = 0.1 and exact top-k.
 Learning rates: a sweep over three values per family on seed 0 (AdamW and Muon families 2.5e-3, 5e-3, 1e-2; Lion
 family 2.5e-4, 5e-4, 1e-3); each optimizer keeps its best, and seed 1 (other initialisation and data order) is run
 there. Seed 0's value is the best of three, which favours every optimizer alike. Each run is `python -m
-experiments.run` in its own process, in `<out>/runs/<name>`; finished runs are reused. Writes table.md, table.json
-and curves.png (training loss, smoothed, and held-out loss at the tuned learning rates).
+experiments.run` in its own process, in `<out>/runs/<name>`, its progress shown prefixed by that name; finished runs
+are reused. Writes table.md, table.json (with the curves) and curves.png (training loss, smoothed, and held-out loss
+at the tuned learning rates) into `--out` (`--out results/mgup` for the README's table).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ EVAL_EVERY, EVAL_BATCHES = 100, 16
 
 
 def run_name(optimizer: str, lr: float, seed: int) -> str:
+    """The workdir name of one run, e.g. mgup_adamw_lr0.005_s0."""
     return f"{optimizer}_lr{lr:g}_s{seed}"
 
 
@@ -68,7 +70,6 @@ def train(optimizer: str, lr: float, seed: int, steps: int, out: str) -> dict:
         f"--config.train.eval_every={EVAL_EVERY}",
         f"--config.train.eval_batches={EVAL_BATCHES}",
         f"--config.checkpoint.every={steps}",
-        "--config.train.progress=False",
     ]
     summary = runs_lib.run_or_reuse(CONFIG, workdir, flags, steps)
     return {
@@ -86,6 +87,7 @@ def collect(optimizers: list[str], steps: int, out: str) -> dict:
 
     def go(o, lr, seed, i, total):
         t0 = time.time()
+        print(f"[{i}/{total}] {run_name(o, lr, seed)} ...", flush=True)
         runs[(o, lr, seed)] = train(o, lr, seed, steps, out)
         print(
             f"[{i}/{total}] {run_name(o, lr, seed)}: held-out loss {runs[(o, lr, seed)]['val_loss']:.4f} "
@@ -108,6 +110,8 @@ def collect(optimizers: list[str], steps: int, out: str) -> dict:
 
 
 def summarise(optimizers: list[str], collected: dict, steps: int) -> dict:
+    """The table's rows (each optimizer at its best learning rate: held-out loss per seed, mean, spread, gap to
+    its base, the sweep) and the curves the plot draws (per optimizer and seed, at the best learning rate)."""
     runs, best = collected["runs"], collected["best"]
     rows = []
     for o in optimizers:
@@ -128,7 +132,11 @@ def summarise(optimizers: list[str], collected: dict, steps: int) -> dict:
     for r in rows:
         base = by.get(r["base"])
         r["vs_base"] = None if base is None or r["base"] == r["optimizer"] else r["mean"] - base["mean"]
-    return {"steps": steps, "tokens": steps * 8 * 256, "seeds": list(SEEDS), "rows": rows}
+    curves = {
+        o: {str(s): {k: runs[(o, best[o], s)][f"{k}_curve"] for k in ("train", "val")} for s in SEEDS}
+        for o in optimizers
+    }
+    return {"steps": steps, "tokens": steps * 8 * 256, "seeds": list(SEEDS), "rows": rows, "curves": curves}
 
 
 def verdict(r: dict, by: dict) -> str:
@@ -142,12 +150,13 @@ def verdict(r: dict, by: dict) -> str:
 
 
 def markdown(result: dict) -> str:
+    """table.md: one row per optimizer at its tuned learning rate, then the seed-0 sweep."""
     rows = result["rows"]
     by = {r["optimizer"]: r for r in rows}
     lines = [
         "# MGUP at CPU scale: the quickstart model with each optimizer",
         "",
-        f"`python -m experiments.reproduce.mgup --steps {result['steps']}`: quickstart MoE (d_model 128, 4 "
+        f"`{result['command']}`: quickstart MoE (d_model 128, 4 "
         f"layers, 8 experts top-2) on one device, {result['steps']} steps x 8 x 256 byte-tokens "
         f"({result['tokens']:,} tokens) for every run, seeds {result['seeds']} at the learning rate that won "
         f"the seed-0 sweep. Held-out loss: nats per byte-token on {EVAL_BATCHES} batches. MGUP: tau 0.5, "
@@ -175,20 +184,21 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def curves_plot(optimizers: list[str], collected: dict, path: str) -> None:
+def curves_plot(result: dict, path: str) -> None:
     """curves.png: one panel per optimizer family; training loss (5-point mean) and held-out loss (dots) at each
-    optimizer's tuned learning rate, mean over seeds."""
-    runs, best = collected["runs"], collected["best"]
+    optimizer's tuned learning rate, mean over seeds (`result`: what `summarise` returns, with the command)."""
+    best = {r["optimizer"]: r["learning_rate"] for r in result["rows"]}
+    optimizers = list(best)
     families = [f for f in LEARNING_RATES if any(OPTIMIZERS[o][1] == f for o in optimizers)]
-    title = f"MGUP against its base, quickstart MoE, mean of seeds {list(SEEDS)}"
-    with plotting.figure(path, size=(5 * len(families), 4), ncols=len(families), squeeze=False, title=title) as axes:
+    title = f"MGUP against its base, quickstart MoE, mean of seeds {result['seeds']}\n{result['command']}"
+    with plotting.figure(path, size=(5 * len(families), 4.4), ncols=len(families), squeeze=False, title=title) as axes:
         for ax, family in zip(axes, families):
             members = [o for o in optimizers if OPTIMIZERS[o][1] == family]
             for o, color in plotting.colors(members).items():
-                curves = [runs[(o, best[o], s)] for s in SEEDS]
-                steps, train = plotting.mean_curve([c["train_curve"] for c in curves])
+                curves = [result["curves"][o][str(s)] for s in result["seeds"]]
+                steps, train = plotting.mean_curve([c["train"] for c in curves])
                 ax.plot(*plotting.moving_average(steps, train, 5), color=color, lw=1, alpha=0.6)
-                vsteps, val = plotting.mean_curve([c["val_curve"] for c in curves])
+                vsteps, val = plotting.mean_curve([c["val"] for c in curves])
                 ax.plot(vsteps, val, "o-", color=color, ms=4, label=f"{o} (lr {best[o]:g})")
             ax.set_ylim(top=2.6)
             ax.set_xlabel("step")
@@ -197,7 +207,8 @@ def curves_plot(optimizers: list[str], collected: dict, path: str) -> None:
 
 
 def main(argv=None) -> None:
-    parser = common.parser(__doc__, out="results/mgup")
+    """The command line: see the module docstring, or --help."""
+    parser = common.parser(__doc__, module="experiments.reproduce.mgup", topic="mgup")
     common.add_steps(parser, default=400, multiple_of=EVAL_EVERY, why="the evaluation interval")
     parser.add_argument(
         "--only",
@@ -208,8 +219,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     optimizers = args.only or list(OPTIMIZERS)
     collected = collect(optimizers, args.steps, args.out)
-    common.write_results(args.out, "table", summarise(optimizers, collected, args.steps), markdown)
-    curves_plot(optimizers, collected, os.path.join(args.out, "curves.png"))
+    result = {"command": common.command(parser, args), **summarise(optimizers, collected, args.steps)}
+    common.write_results(args.out, "table", result, markdown)
+    curves_plot(result, os.path.join(args.out, "curves.png"))
     print(f"wrote {args.out}/table.md, table.json, curves.png")
 
 

@@ -1,20 +1,33 @@
 """What the reproduction scripts share: one training run per configuration, each `python -m experiments.run` in its
 own process (so every run gets its own virtual device count), reused only when a finished run of the very same
-configuration is already there."""
+configuration is already there. The run's output (its progress bar, held-out evaluations, compile and resume lines)
+reaches the terminal as it comes, each line prefixed by the run's name."""
 
 from __future__ import annotations
 
+import codecs
+import collections
+import io
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-__all__ = ["ROOT", "config_path", "read_metric", "resolved_config", "run_or_reuse"]
+__all__ = ["ROOT", "config_path", "launch", "read_metric", "resolved_config", "run_or_reuse"]
+
+# Keys that change what a run shows, not what it computes: a finished run differing only there is reused.
+DISPLAY_ONLY = {("train", "progress")}
+PROGRESS_EVERY = 15.0  # seconds between two forwarded progress-bar states of one run
+_print_lock = threading.Lock()  # one whole line at a time when runs go in parallel (reproduce.ufp4 --jobs)
 
 
 def config_path(name: str) -> str:
+    """The path of experiments/configs/<name>.py."""
     return os.path.join(ROOT, "experiments", "configs", f"{name}.py")
 
 
@@ -60,17 +73,78 @@ def _set_aside(workdir: str, why: list[str]) -> str:
     return stale
 
 
+def _comparable(config: dict | None) -> dict | None:
+    """`config` (a resolved config as config.json holds it) without the DISPLAY_ONLY keys."""
+    if config is None:
+        return None
+    out = {section: dict(values) if isinstance(values, dict) else values for section, values in config.items()}
+    for section, key in DISPLAY_ONLY:
+        if isinstance(out.get(section), dict):
+            out[section].pop(key, None)
+    return out
+
+
+def launch(cmd: list[str], *, env: dict[str, str], cwd: str, label: str) -> tuple[int, list[str]]:
+    """Runs `cmd` (stdout and stderr merged, Python unbuffered) and forwards its output to this process's stdout as
+    it comes, every line as `[label] line`: each line ended by a newline, and of the states a progress bar draws
+    (tqdm rewrites its line, each state led by a carriage return) the first, then at most one per `PROGRESS_EVERY`
+    seconds (the bar's final state ends with a newline, so it is always shown). Blank lines and the blanks tqdm
+    writes to clear its bar are dropped. The process is killed if this one stops forwarding (e.g. Ctrl-C).
+    Returns (its exit status, its last 200 lines)."""
+    tail: collections.deque[str] = collections.deque(maxlen=200)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    piece = re.compile(r"([^\r\n]*)(\r\n|\n|\r(?!$))")  # a "\r" at the very end may be half of a "\r\n"
+    last_state = -float("inf")
+
+    def show(text: str) -> None:
+        tail.append(text)
+        with _print_lock:
+            print(f"[{label}] {text}", flush=True)
+
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    stream = proc.stdout
+    assert isinstance(stream, io.BufferedReader)  # Popen's default buffering: read1 returns what is there
+    buffer = ""
+    try:
+        while chunk := stream.read1(1 << 16):
+            buffer += decoder.decode(chunk)
+            end = 0
+            for m in piece.finditer(buffer):
+                end = m.end()
+                text, sep = m.group(1).rstrip(), m.group(2)
+                if not text.strip():
+                    continue
+                if sep != "\r":
+                    show(text)
+                elif time.monotonic() - last_state >= PROGRESS_EVERY:
+                    last_state = time.monotonic()
+                    show(text)
+            buffer = buffer[end:]
+        buffer += decoder.decode(b"", final=True)
+        if buffer.strip():
+            show(buffer.strip())
+        return proc.wait(), list(tail)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def run_or_reuse(config: str, workdir: str, flags: list[str], steps: int, *, devices: int = 1) -> dict:
     """Trains `config` with `flags` for `steps` steps in `workdir` and returns its summary.json.
 
     What is already in `workdir` is used only if its config.json (the resolved config experiments.run wrote)
-    equals the config this call resolves (`resolved_config`: the config file, `flags` and `steps`): then a
-    finished run (summary.json present) is returned as it is, and an interrupted one is resumed from its last
-    checkpoint. Any other non-empty `workdir` (config.json different or missing) is renamed to
-    `<workdir>.stale-<n>` (nothing is deleted) and the run starts afresh there, so results of two configurations
-    never mix. A failed run raises with the command and the tail of its output.
+    equals the config this call resolves (`resolved_config`: the config file, `flags` and `steps`; keys in
+    DISPLAY_ONLY aside): then a finished run (summary.json present) is returned as it is, and an interrupted one
+    is resumed from its last checkpoint. Any other non-empty `workdir` (config.json different or missing) is
+    renamed to `<workdir>.stale-<n>` (nothing is deleted) and the run starts afresh there, so results of two
+    configurations never mix. The run's output reaches stdout as it comes, prefixed by `[<workdir's name>]`
+    (`launch`). A failed run raises with the command and the tail of its output.
     """
     workdir = os.path.abspath(workdir)  # the run's process works in ROOT: one meaning of a relative path for both
+    label = os.path.basename(workdir)
     wanted = resolved_config(config, flags, steps)
     summary_path = os.path.join(workdir, "summary.json")
     if os.path.isdir(workdir) and os.listdir(workdir):
@@ -78,17 +152,19 @@ def run_or_reuse(config: str, workdir: str, flags: list[str], steps: int, *, dev
         if os.path.exists(os.path.join(workdir, "config.json")):
             with open(os.path.join(workdir, "config.json")) as f:
                 found = json.load(f)
-        if found == wanted:
+        if _comparable(found) == _comparable(wanted):
             if os.path.exists(summary_path):
+                print(f"[{label}] finished before: reusing {workdir}", flush=True)
                 with open(summary_path) as f:
                     return json.load(f)
         else:
-            _set_aside(workdir, _differences(found, wanted))
+            _set_aside(workdir, _differences(_comparable(found), _comparable(wanted) or {}))
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     cmd = [sys.executable, "-m", "experiments.run", *_run_args(config, workdir, flags, steps)]
-    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"run failed ({' '.join(cmd)}):\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
+    code, tail = launch(cmd, env=env, cwd=ROOT, label=label)
+    if code != 0:
+        shown = "\n".join(tail[-40:])
+        raise RuntimeError(f"run failed with exit status {code} ({' '.join(cmd)}); its last lines:\n{shown}")
     with open(summary_path) as f:
         return json.load(f)
 

@@ -1,9 +1,9 @@
 """Serving a multi-round agent workload under KV-cache pressure: bf16, fp8 and fp4 KV at the same KV memory.
 
-    python -m experiments.reproduce.serving [--out results/serving] [--memory-kib 4096] [--formats bf16,fp8,fp4]
+    python -m experiments.reproduce.serving [--out runs/serving] [--memory-kib 4096] [--formats bf16,fp8,fp4]
         [--sweep-kib 2048,3072,6144,8192] [--project]
 
-The trained quickstart model (the one `experiments.reproduce.kvcache` trains, reused from results/kvcache/runs) is
+The trained quickstart model (the one `experiments.reproduce.kvcache` trains, reused from `<--model-out>/runs`) is
 served by `kvcache.engine.Engine` (continuous batching, 256-token steps, prefix caching, XLA attention) on
 `kvcache.workload.AgentWorkload()`: 24 conversations, 8 at a time, 4 rounds each; 64 shared + 768 per-conversation
 prefix tokens, 64-96 new input and 16 output tokens per round (the spec's 100 x 32 x 6 rounds, 2K + 25K prefix,
@@ -21,6 +21,8 @@ tokens, 2,000-3,000 new input and 200 output tokens per round) on the spec's mod
 scheduler on a cost model (`kvcache.simulate`: every hardware and model number is a stated parameter; the decode
 kernels are assumed to reach 80% of the bandwidth, fp4 75%, until a GPU session measures them), across KV budgets
 -> projection.md, projection.json, projection.png.
+
+Everything goes into `--out` (`--out results/serving` for the README's tables and plots).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ FORMATS = ("bf16", "fp8", "fp4")
 
 
 def serve(model, fmt_name: str, memory_bytes: int, workload) -> dict:
+    """Serves `workload` with `model` on an engine with `memory_bytes` of `fmt_name` KV; the workload's measures
+    (kvcache.workload.run) and the pool's capacity in tokens."""
     from kvcache import formats
     from kvcache import workload as workload_lib
     from kvcache.engine import Engine, EngineConfig
@@ -51,6 +55,7 @@ def serve(model, fmt_name: str, memory_bytes: int, workload) -> dict:
             max_model_len=-(-workload.max_tokens // 256) * 256 + 512,
         ),
     )
+    common.compiling(f"the engine's step programs ({fmt_name} KV)")
     engine.warmup()
 
     def progress(done, total):
@@ -67,14 +72,16 @@ def serve(model, fmt_name: str, memory_bytes: int, workload) -> dict:
 
 
 def main(argv=None) -> None:
+    """The command line: see the module docstring, or --help."""
     from experiments.reproduce import kvcache as kv_repro
     from kvcache.workload import AgentWorkload
 
-    parser = common.parser(__doc__, out="results/serving")
+    parser = common.parser(__doc__, module="experiments.reproduce.serving", topic="serving")
     parser.add_argument(
         "--model-out",
-        default="results/kvcache",
-        help="the --out of experiments.reproduce.kvcache: its runs/model holds the trained model (trained if absent)",
+        default="runs/kvcache",
+        help="the --out of experiments.reproduce.kvcache: its runs/model holds the trained model (trained there, "
+        "about 2 minutes, if absent; the committed tables used results/kvcache)",
     )
     parser.add_argument(
         "--memory-kib", type=common.integer(1), default=4096, help="KV memory of every format, in KiB, >= 1"
@@ -97,19 +104,27 @@ def main(argv=None) -> None:
         help="instead of serving: the published-scale workload on the spec's model and an H200 cost model",
     )
     args = parser.parse_args(argv)
-    if args.project:
-        return project(args.out)
+    defaults = {name: parser.parse_args([]).__dict__[name] for name in ("model_out", "memory_kib", "formats")}
+    if args.project:  # the other flags do not apply: the command states only what made the tables
+        return project(args.out, common.command(parser, args, **defaults, sweep_kib=[]))
     sweep_kib, names = args.sweep_kib, args.formats
     _, model = kv_repro.trained_model(args.model_out)
     workload = AgentWorkload()
     if sweep_kib:
-        return sweep(model, sweep_kib, workload, args.out)
+        return sweep(
+            model,
+            sweep_kib,
+            workload,
+            args.out,
+            common.command(parser, args, **{**defaults, "model_out": args.model_out}),
+        )
     results = {}
     for name in names:
         print(f"serving with {name} KV ({args.memory_kib} KiB)", flush=True)
         r = serve(model, name, args.memory_kib * 1024, workload)
         results[name] = dict(r.items())
     summary = {
+        "command": common.command(parser, args),
         "machine": common.machine(),
         "memory_bytes": args.memory_kib * 1024,
         "workload": dict(vars(workload).items()),
@@ -163,7 +178,9 @@ def simulate(gib: float, name: str, efficiency: float, workload) -> dict:
     }
 
 
-def project(out: str) -> None:
+def project(out: str, command: str) -> None:
+    """projection.md/json/png: the published workload simulated at each KV budget per format, and the fp4
+    kernel's sensitivity."""
     from kvcache import workload as workload_lib
     from kvcache.simulate import H200, SPEC_MODEL_SERVING
 
@@ -200,6 +217,7 @@ def project(out: str) -> None:
                 flush=True,
             )
     result = {
+        "command": command,
         "workload": PUBLISHED_WORKLOAD,
         "hardware": vars(H200),
         "kernel_efficiency": KERNEL_EFFICIENCY,
@@ -215,14 +233,15 @@ def project(out: str) -> None:
         "fp4_kernel_sensitivity": sensitivity,
     }
     common.write_results(out, "projection", result, projection_markdown)
-    projection_plot(points, os.path.join(out, "projection.png"))
+    projection_plot(result, os.path.join(out, "projection.png"))
 
 
 def projection_markdown(result: dict) -> str:
+    """projection.md: one row per KV budget, then the fp4 kernel sensitivity."""
     lines = [
         "# Projection: the published agent workload on the spec's model and one H200",
         "",
-        "`python -m experiments.reproduce.serving --project`: the engine's scheduler (prefix caching, chunked "
+        f"`{result['command']}`: the engine's scheduler (prefix caching, chunked "
         "prefill of 8,192 tokens per step, 32 sequences) on a cost model (`kvcache.simulate`; H200 989 TFLOP/s "
         "at 50% MFU, 4.8 TB/s at 80% for weights; decode kernels at 80% of it for bf16 and fp8, 75% for fp4, "
         "assumed; 70 GB of bf16 weights read per step, 3B active parameters). Workload: 100 conversations, "
@@ -260,11 +279,13 @@ def projection_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def projection_plot(points: list[dict], path: str) -> None:
+def projection_plot(result: dict, path: str) -> None:
     """projection.png: projected late-round P50 TTFT (log) and output throughput against the KV budget."""
+    points = result["points"]
     xs = [p["kv_gib"] for p in points]
     color = plotting.colors(FORMATS)
-    with plotting.figure(path, size=(11, 4), ncols=2, legend_size=8) as (ax1, ax2):
+    title = f"{result['command']} (a projection on a cost model, not a measurement)"
+    with plotting.figure(path, size=(11, 4.3), ncols=2, legend_size=8, title=title) as (ax1, ax2):
         for name in FORMATS:
             ax1.plot(xs, [p[name]["late_ttft_p50"] for p in points], "o-", color=color[name], label=name)
             ax2.plot(xs, [p[name]["output_throughput"] for p in points], "o-", color=color[name], label=name)
@@ -282,7 +303,8 @@ def late_ttft_p50(result: dict, rounds: int) -> float:
     return float(np.median([x["ttft"] for x in result["records"] if x["round"] >= max(1, rounds // 2)]))
 
 
-def sweep(model, memories_kib: list[int], workload, out: str) -> None:
+def sweep(model, memories_kib: list[int], workload, out: str, command: str) -> None:
+    """sweep.md/json/png: fp8 against fp4 at each KV memory."""
     points = []
     for kib in memories_kib:
         point: dict[str, Any] = {"memory_kib": kib}
@@ -297,15 +319,17 @@ def sweep(model, memories_kib: list[int], workload, out: str) -> None:
                 "pool_tokens": r["pool_tokens"],
             }
         points.append(point)
-    common.write_results(out, "sweep", {"workload": vars(workload), "points": points}, sweep_markdown)
-    sweep_plot(points, os.path.join(out, "sweep.png"))
+    result = {"command": command, "workload": vars(workload), "points": points}
+    common.write_results(out, "sweep", result, sweep_markdown)
+    sweep_plot(result, os.path.join(out, "sweep.png"))
 
 
 def sweep_markdown(result: dict) -> str:
+    """sweep.md: one row per KV memory."""
     lines = [
         "# fp4 against fp8 KV across KV memories",
         "",
-        "`python -m experiments.reproduce.serving --sweep-kib ...`: the workload of table.md at each KV memory.",
+        f"`{result['command']}`: the workload of table.md at each KV memory.",
         "",
         "| KV memory (KiB) | pool tokens fp8 / fp4 | hit rate fp8 / fp4 | late-round P50 TTFT fp8 / fp4 (s) | "
         "TTFT ratio | output tok/s fp8 / fp4 | throughput ratio |",
@@ -323,11 +347,12 @@ def sweep_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def sweep_plot(points: list[dict], path: str) -> None:
+def sweep_plot(result: dict, path: str) -> None:
     """sweep.png: fp4's advantage over fp8 (TTFT and throughput ratios, log) against the KV memory, beside the
     paper's 3.47x and 1.63x."""
+    points = result["points"]
     xs = [p["memory_kib"] / 1024 for p in points]
-    with plotting.figure(path, size=(6, 4)) as ax:
+    with plotting.figure(path, size=(6.4, 4.3), title=result["command"]) as ax:
         ax.plot(
             xs,
             [p["fp8"]["late_ttft_p50"] / p["fp4"]["late_ttft_p50"] for p in points],
@@ -350,12 +375,13 @@ def sweep_plot(points: list[dict], path: str) -> None:
 
 
 def markdown(summary: dict) -> str:
+    """table.md: one row per format, then fp4 against fp8."""
     res, w = summary["formats"], summary["workload"]
     late = max(1, w["rounds"] // 2)  # "late rounds": the second half
     lines = [
         "# Multi-round agent serving under KV-cache pressure",
         "",
-        f"`python -m experiments.reproduce.serving`. KV memory {summary['memory_bytes'] // 1024} KiB for every "
+        f"`{summary['command']}`. KV memory {summary['memory_bytes'] // 1024} KiB for every "
         f"format; {w['conversations']} conversations, {w['concurrency']} concurrent, {w['rounds']} rounds, "
         f"{w['system_prefix']} shared + {w['conversation_prefix']} own prefix tokens, {w['new_input'][0]}-"
         f"{w['new_input'][1]} new input and {w['output_tokens']} output tokens per round. Quickstart model, "
@@ -396,7 +422,9 @@ def markdown(summary: dict) -> str:
 def plot(summary: dict, path: str) -> None:
     """ttft.png: P50 and P90 time to first token per round, and the KV hit rate per round, per format."""
     color = plotting.colors(FORMATS)
-    with plotting.figure(path, size=(11, 4), ncols=2) as (ax1, ax2):
+    with plotting.figure(
+        path, size=(11, 4.6), ncols=2, title=summary["command"], legend_below=True, legend_columns=6
+    ) as (ax1, ax2):
         for name, r in summary["formats"].items():
             rounds = [x["round"] + 1 for x in r["rounds"]]
             ax1.plot(rounds, [x["ttft_p50"] for x in r["rounds"]], "o-", color=color[name], label=f"{name} P50")
@@ -408,7 +436,7 @@ def plot(summary: dict, path: str) -> None:
                 alpha=0.5,
                 label=f"{name} P90",
             )
-            ax2.plot(rounds, [100 * x["hit_rate"] for x in r["rounds"]], "o-", color=color[name], label=name)
+            ax2.plot(rounds, [100 * x["hit_rate"] for x in r["rounds"]], "o-", color=color[name])  # colour: format
         ax1.set_xticks(rounds)
         ax2.set_xticks(rounds)
         ax1.set_xlabel("round")

@@ -1,6 +1,6 @@
 """UFP4 at CPU scale: the grid analysis, and the quickstart MoE trained with each 4-bit recipe against BF16.
 
-    python -m experiments.reproduce.ufp4 [--out results/ufp4] [--parts grid,train] [--steps 400] [--jobs 1]
+    python -m experiments.reproduce.ufp4 [--out runs/ufp4] [--parts grid,train] [--steps 400] [--jobs 1]
 
 grid: the per-level shrinkage bias of E2M1, E1M2 and INT4 (spec formula), and the spec's synthetic table: 2^20
 N(0,1) values, then the same with 2 of 256 channels scaled x30, in 1 x 16 blocks (32 for MXFP4) along the
@@ -8,14 +8,16 @@ channels, with and without a 16-point RHT: SQNR, alpha = <Q(A), A> / |A|^2 and b
 the paper's numbers -> grid.md, grid.json, grid.png.
 
 train: the quickstart MoE (experiments/configs/quickstart.py on one device, mesh.site = 1; AdamW lr 5e-3, batch 8 x
-256) for `--steps` steps with each recipe (bf16, e2m1_baseline, ufp4, ufp4_int4, nvfp4, mxfp4) and seeds 0 and 1
+256) for `--steps` steps with each recipe (none = float32 GEMMs, bf16 = bfloat16 GEMM operands with float32
+accumulation, e2m1_baseline, ufp4, ufp4_int4, nvfp4, mxfp4) and seeds 0 and 1
 (initialisation and data order; the same tokens for every recipe of a seed), seeds 2 and 3 as well for bf16,
 e2m1_baseline and ufp4 (their difference is the paper's claim and lies inside two seeds' noise), plus the paper's
 ablation on the E1M2 grid (seed 0): no RHT, RHT on wgrad, on dgrad + wgrad, on fprop + wgrad (all without stochastic
 rounding), against full RHT + SR on dy (= UFP4). Reported: the BF16-relative loss error |L - L_bf16| / L_bf16 of the
 training loss over the last 20% of steps (logged every 10 steps, same seed's BF16 run), and the held-out loss at the
-end -> table.md, table.json, loss_error.png. Each run is `python -m experiments.run` in `<out>/runs/<name>`;
-finished runs are reused.
+end -> table.md, table.json (with the loss curves), loss_error.png. Each run is `python -m experiments.run` in
+`<out>/runs/<name>`, its progress shown prefixed by that name; finished runs are reused. Everything goes into
+`--out` (`--out results/ufp4` for the README's tables and plots).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from experiments.reproduce import runs
 
 CONFIG = runs.config_path("quickstart")
 PARTS = ("grid", "train")
-RECIPES = ("bf16", "e2m1_baseline", "ufp4", "ufp4_int4", "nvfp4", "mxfp4")
+RECIPES = ("none", "bf16", "e2m1_baseline", "ufp4", "ufp4_int4", "nvfp4", "mxfp4")
+REFERENCE = "bf16"  # the loss errors are relative to true bf16 GEMMs (as the paper's); "none" = float32 GEMMs
 SEEDS = (0, 1)
 HEADLINE = ("bf16", "e2m1_baseline", "ufp4")  # the paper's comparison gets two more seeds: it is inside 2 seeds' noise
 HEADLINE_SEEDS = (0, 1, 2, 3)
@@ -63,7 +66,8 @@ PAPER_SYNTHETIC = {
 # ------------------------------------------------------------------------------------------------------- grid
 
 
-def grid_analysis(out: str) -> None:
+def grid_analysis(out: str, command: str) -> None:
+    """grid.md/json/png: the shrinkage bias per level, and SQNR, alpha and bucket entropy of synthetic tensors."""
     import jax
     import jax.numpy as jnp
 
@@ -91,16 +95,17 @@ def grid_analysis(out: str) -> None:
                         "paper_alpha": paper[1],
                     }
                 )
-    result = {"bias": bias, "rows": rows}
+    result = {"command": command, "bias": bias, "rows": rows}
     common.write_results(out, "grid", result, grid_markdown)
     grid_plot(result, os.path.join(out, "grid.png"))
 
 
 def grid_markdown(result: dict) -> str:
+    """grid.md: the bias table and the synthetic-tensor table beside the paper's numbers."""
     lines = [
         "# UFP4 grid analysis",
         "",
-        "`python -m experiments.reproduce.ufp4 --parts grid`. Mean rounding error of "
+        f"`{result['command']}`. Mean rounding error of "
         "each positive interior level's bin under locally uniform density, (2 q_i - q_{i-1} - q_{i+1}) / 4 in "
         "grid units (negative levels mirror it):",
         "",
@@ -133,7 +138,10 @@ def grid_plot(result: dict, path: str) -> None:
     """grid.png: the shrinkage bias per level of each grid, and the SQNR of every format with and without RHT."""
     from quant.grids import grid_max
 
-    with plotting.figure(path, size=(11, 4), ncols=2, grid=None, legend_size=8) as (ax1, ax2):
+    with plotting.figure(path, size=(11, 4.3), ncols=2, grid=None, legend_size=8, title=result["command"]) as (
+        ax1,
+        ax2,
+    ):
         for marker, (fmt, levels) in zip("osd", result["bias"].items()):
             qs = [float(q) for q in levels]
             ax1.plot(
@@ -145,7 +153,7 @@ def grid_plot(result: dict, path: str) -> None:
             )
         ax1.axhline(0, color="k", lw=0.5)
         ax1.set_xlabel("level / grid max")
-        ax1.set_ylabel("mean rounding error of the level's bin (% of the level)")
+        ax1.set_ylabel("mean rounding error of the level's bin\n(% of the level)")
         ax1.set_title("Shrinkage bias per level (locally uniform density): E2M1 -6.25% at 2 and 4", fontsize=9)
         rows = result["rows"]
         labels = [f"{r['fmt']}{' +RHT' if r['rht'] else ''}" for r in rows if r["data"] == "gaussian"]
@@ -167,10 +175,12 @@ def grid_plot(result: dict, path: str) -> None:
 
 
 def seeds(recipe: str) -> tuple[int, ...]:
+    """The seeds a recipe is trained with."""
     return HEADLINE_SEEDS if recipe in HEADLINE else SEEDS
 
 
 def plan() -> list[dict]:
+    """Every training run: name, recipe, seed and precision flags."""
     runs = [{"name": f"{r}_s{s}", "recipe": r, "seed": s, "flags": {"recipe": r}} for r in RECIPES for s in seeds(r)]
     runs += [{"name": f"{n}_s0", "recipe": n, "seed": 0, "flags": f} for n, f in ABLATION.items()]
     return runs
@@ -187,7 +197,6 @@ def train(run: dict, steps: int, out: str) -> dict:
         f"--config.train.eval_every={steps}",
         "--config.train.eval_batches=16",
         f"--config.checkpoint.every={steps}",
-        "--config.train.progress=False",
         *(f"--config.precision.{k}={v}" for k, v in run["flags"].items()),
     ]
     summary = runs.run_or_reuse(CONFIG, workdir, flags, steps)
@@ -205,7 +214,9 @@ def relative_error(run: dict, bf16: dict, steps: int) -> tuple[float, float]:
     return (float(np.mean([abs(loss - ref[s]) / ref[s] for s, loss in tail])), float(np.mean([x for _, x in tail])))
 
 
-def train_all(out: str, steps: int, jobs: int) -> None:
+def train_all(out: str, steps: int, jobs: int, command: str) -> None:
+    """Trains (or reuses) every run of `plan`, `jobs` at a time; writes table.md, table.json and loss_error.png,
+    which state `command`."""
     runs, started, results = plan(), time.time(), {}
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         futures = {pool.submit(train, run, steps, out): run for run in runs}
@@ -250,6 +261,7 @@ def train_all(out: str, steps: int, jobs: int) -> None:
     e2m1, ufp4 = by["e2m1_baseline"]["rel_error_mean"], by["ufp4"]["rel_error_mean"]
     paired = np.subtract(by["e2m1_baseline"]["rel_error"], by["ufp4"]["rel_error"])  # same seed, same tokens
     result = {
+        "command": command,
         "steps": steps,
         "seeds": list(SEEDS),
         "headline_seeds": list(HEADLINE_SEEDS),
@@ -261,18 +273,22 @@ def train_all(out: str, steps: int, jobs: int) -> None:
             "standard_error": float(paired.std(ddof=1) / np.sqrt(len(paired))),
         },
     }
+    result["curves"] = {name: r["curve"] for name, r in sorted(results.items())}  # what loss_error.png draws
     common.write_results(out, "table", result, train_markdown)
-    error_plot(results, steps, os.path.join(out, "loss_error.png"))
+    error_plot(results, steps, os.path.join(out, "loss_error.png"), command)
 
 
 def train_markdown(result: dict) -> str:
+    """table.md: the loss error per recipe, the UFP4 against E2M1 reading, the ablation."""
     steps = result["steps"]
     lines = [
         "# UFP4 at CPU scale: 4-bit training of the quickstart MoE",
         "",
-        f"`python -m experiments.reproduce.ufp4 --parts train --steps {steps}`: quickstart MoE on one device, "
+        f"`{result['command']}`: quickstart MoE on one device, "
         f"{steps} steps x 8 x 256 byte-tokens, seeds {result['seeds']} ({result['headline_seeds']} for "
-        f"{', '.join(HEADLINE)}). Relative loss error: |L - L_bf16| / "
+        f"{', '.join(HEADLINE)}). none: float32 GEMMs; bf16 (the reference): GEMM operands rounded to bfloat16, "
+        f"float32 accumulation; every recipe keeps the head, routers and embeddings in float32. "
+        f"Relative loss error: |L - L_bf16| / "
         f"L_bf16 of the training loss (logged every 10 steps, same seed and tokens as the BF16 run) averaged over "
         f"the last 20% of steps; the paper's figure of merit. Held-out loss on 16 batches at the end. The loss "
         f"columns average each row's own seeds: compare them only between rows with the same seeds. tokens/s "
@@ -315,11 +331,12 @@ def train_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def error_plot(results: dict, steps: int, path: str) -> None:
+def error_plot(results: dict, steps: int, path: str, command: str) -> None:
     """loss_error.png: each 4-bit recipe's training loss relative to BF16's (same seed), mean over seeds, as a
-    5-point mean against step; the last 20% (where the table averages) shaded."""
-    with plotting.figure(path, size=(7, 4)) as ax:
-        for r in RECIPES[1:]:
+    5-point mean against step; the last 20% (where the table averages) shaded; `command` as the title. `results`:
+    run name -> {"curve": [(step, train loss), ...]} (table.json's "curves" give it as {n: {"curve": c}})."""
+    with plotting.figure(path, size=(7, 4.3), title=command) as ax:
+        for r in (r for r in RECIPES if r != REFERENCE):
             curves = []
             for s in seeds(r):
                 ref = dict(results[f"bf16_s{s}"]["curve"])
@@ -334,7 +351,8 @@ def error_plot(results: dict, steps: int, path: str) -> None:
 
 
 def main(argv=None) -> None:
-    parser = common.parser(__doc__, out="results/ufp4")
+    """The command line: see the module docstring, or --help."""
+    parser = common.parser(__doc__, module="experiments.reproduce.ufp4", topic="ufp4")
     common.add_parts(parser, PARTS)
     common.add_steps(
         parser,
@@ -348,9 +366,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     parts = args.parts
     if "grid" in parts:
-        grid_analysis(args.out)
+        grid_analysis(args.out, common.command(parser, args, parts=["grid"], always=()))
     if "train" in parts:
-        train_all(args.out, args.steps, args.jobs)
+        train_all(args.out, args.steps, args.jobs, common.command(parser, args, parts=["train"], jobs=1))
         print(f"wrote {args.out}/table.md, table.json, loss_error.png")
 
 
