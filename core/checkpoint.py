@@ -25,7 +25,16 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-__all__ = ["CheckpointError", "Checkpointer", "DamagedCheckpointError", "Digest", "digest", "flatten", "unflatten"]
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "DamagedCheckpointError",
+    "Digest",
+    "digest",
+    "flatten",
+    "load_numpy",
+    "unflatten",
+]
 
 
 class CheckpointError(RuntimeError):
@@ -207,6 +216,63 @@ class Checkpointer:
 
 
 _AFTER = "Nothing was changed."
+
+
+def load_numpy(directory: str | os.PathLike, step: int | None = None, *, verify: bool = True) -> dict[str, np.ndarray]:
+    """The arrays of a checkpoint as NumPy arrays on the host, by key, in any program on any devices.
+
+    Args:
+      directory: a checkpoints directory (`<workdir>/checkpoints`) or a workdir holding one.
+      step: which checkpoint (default the latest complete one).
+      verify: recompute every array's checksum and compare it with the record's.
+    Returns:
+      {"params/blocks/0/attn/q/kernel": array, "opt_state/...": ..., "step": ..., "key": ...}: the flat keys of
+      `flatten` (a federated run's arrays carry a leading site axis [M, ...]), each with its saved shape and dtype.
+    Raises:
+      CheckpointError when there is no such checkpoint; DamagedCheckpointError when it cannot be read or an array's
+      checksum differs from the one saved.
+
+    It is plain orbax (docs/design.md shows the same lines): restoring to `np.ndarray` instead of a sharded
+    `jax.Array` needs no target tree and no sharding, so it works whatever devices wrote the checkpoint (where
+    `ocp.StandardCheckpointer().restore(path)` refuses a checkpoint written on another topology).
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    if os.path.isdir(os.path.join(directory, "checkpoints")):
+        directory = os.path.join(directory, "checkpoints")
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{directory} does not exist: no checkpoints to load")
+    checkpointer = Checkpointer(directory)
+    try:
+        steps = checkpointer.all_steps()
+        step = steps[-1] if step is None and steps else step
+        if step is None or step not in steps:
+            raise CheckpointError(f"{directory} holds no complete checkpoint of step {step} (it holds {steps})")
+        record = checkpointer.read_record(step) if verify else None
+    finally:
+        checkpointer.close()
+    path = os.path.join(directory, str(step), "state")
+    try:
+        arrays = _restore_numpy(path)
+    except Exception as e:
+        raise DamagedCheckpointError(f"the arrays of {path} cannot be read ({type(e).__name__}: {_short(e)})") from e
+    if record is not None:
+        recorded = {k: entry[2] for k, entry in record["manifest"].items() if len(entry) > 2}
+        found = digest(arrays).checksums
+        differ = sorted(k for k in recorded if found.get(k) != recorded[k])
+        if differ:
+            raise DamagedCheckpointError(
+                f"{path} is damaged: {len(differ)} of its {len(recorded)} arrays differ from what was saved "
+                f"(checksums of {differ[:4]}{' ...' if len(differ) > 4 else ''})"
+            )
+    return arrays
+
+
+def _restore_numpy(path: str) -> dict[str, np.ndarray]:
+    """docs/design.md's plain-orbax recipe: the arrays of `<checkpoint>/state` as NumPy arrays."""
+    checkpointer = ocp.PyTreeCheckpointer()
+    tree = checkpointer.metadata(path).item_metadata.tree  # {key: ArrayMetadata}: the saved layout
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
 
 
 def _short(error: Exception, limit: int = 300) -> str:

@@ -16,6 +16,7 @@ import functools
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -54,6 +55,7 @@ __all__ = [
     "nonfinite_advice",
     "progress_bar",
     "run",
+    "tensorboard_enabled",
     "train",
     "train_step_fn",
 ]
@@ -317,6 +319,7 @@ class Stepper(abc.ABC):
     steps_per_call: int = 1
     unit: str = "step"  # what one call is called in the progress bar and in error messages
     warmup_calls: int = 1  # first calls of a process left out of the throughput (they compile or warm up)
+    compiles_on_first_call: bool = True  # False: the stepper compiled its call ahead (and said so itself)
 
     @abc.abstractmethod
     def completed_steps(self, state: Any) -> int:
@@ -333,8 +336,9 @@ class Stepper(abc.ABC):
         """Held-out metrics of `state`: at least "val_loss" and "val_bits_per_byte"."""
 
     def checkpoint_every(self, every: int) -> int:
-        """Steps between checkpoints given `checkpoint.every` (0: only the last step)."""
-        return every
+        """Steps between checkpoints given `checkpoint.every` (0: only the last step), in whole calls: `every`
+        rounded up to a multiple of `steps_per_call` (a federated run saves every ceil(every / K) rounds)."""
+        return -(-every // self.steps_per_call) * self.steps_per_call
 
     def tags(self, call: int) -> dict[str, Any]:
         """Columns that identify the call in every metric row it writes (a federated round's number)."""
@@ -375,8 +379,11 @@ def run(
     the step and the last good checkpoint); a row of train metrics is written whenever the call passes a multiple
     of `train.log_every` (train_loss: the mean over the calls since the last row), an evaluation row at multiples
     of `train.eval_every` and at the end (a non-finite held-out loss stops the run too), and a checkpoint at
-    multiples of the stepper's checkpoint cadence and at the end, once the state to be saved (parameters and
-    optimizer state after the update) is checked finite. The checkpoint holds the state and the open metric
+    multiples of the stepper's checkpoint cadence (`checkpoint.every` in whole calls, printed once) and at the end,
+    once the state to be saved (parameters and optimizer state after the update) is checked finite. Rows go to
+    `<workdir>/metrics.jsonl` and, unless `train.tensorboard` is False, as TensorBoard scalars to event files beside
+    it (`core.workdir.EventLog`). The console gets "compiling ..." before the first call and its time after it, and
+    `progress_bar`'s display. The checkpoint holds the state and the open metric
     window, so a rerun after a crash resumes and writes the same rows as an uninterrupted run. The workdir is
     locked for the run (`core.workdir.lock`); checkpointer and progress bar are closed whatever happens.
 
@@ -404,8 +411,15 @@ def run(
 def _run(config, stepper, state, workdir, compat, provenance, hooks, on_start) -> dict[str, Any]:
     tc, k = config.train, stepper.steps_per_call
     is_main = jax.process_index() == 0
+    tensorboard = is_main and tensorboard_enabled(config)  # tensorboardX missing: refused before anything runs
     log = workdir_lib.MetricsLog(workdir, enabled=is_main)
     checkpointer, state, loop, resumed_from = _open_checkpoints(config, workdir, state, compat, provenance, log)
+    events = workdir_lib.EventLog(workdir, resumed_from=resumed_from, enabled=tensorboard)
+
+    def write(row: dict[str, Any]) -> None:  # one row, to metrics.jsonl and as TensorBoard scalars
+        log.write(row)
+        events.write(row)
+
     window, steady = _Window.restore(loop), _Timer.restore(loop)  # the run's steady timing spans its resumes
     if on_start is not None:
         on_start(resumed_from)
@@ -414,8 +428,10 @@ def _run(config, stepper, state, workdir, compat, provenance, hooks, on_start) -
     checkpoint_every = stepper.checkpoint_every(config.checkpoint.every)
     start, total = stepper.completed_steps(state) // k, tc.steps // k
     results: dict[str, Any] = {"steps": start * k, "resumed_from": resumed_from}
+    if is_main and start < total:
+        print(_cadence_line(stepper, config.checkpoint, checkpoint_every, checkpointer.directory), flush=True)
     progress = progress_bar(
-        start, total, enabled=tc.progress and is_main, desc=f"train ({stepper.unit}s)", unit=stepper.unit
+        start, total, enabled=tc.progress and is_main, desc=f"train ({stepper.unit}s)", unit=stepper.unit, steps=k
     )
     last_saved, call = resumed_from, start
 
@@ -426,10 +442,15 @@ def _run(config, stepper, state, workdir, compat, provenance, hooks, on_start) -
 
     try:
         for call in range(start, total):
+            first = call == start and is_main and stepper.compiles_on_first_call
+            if first:
+                progress.write(f"compiling the {stepper.unit} (its first call compiles it; this can take a minute) ...")
             t0 = time.perf_counter()
             state, metrics = stepper.step(state, call)
             seconds = time.perf_counter() - t0
             done = (call + 1) * k
+            if first:
+                progress.write(f"compiled: the first {stepper.unit} took {seconds:.1f} s, compilation included")
             if call >= start + stepper.warmup_calls:
                 steady.add(seconds)
                 window.time.add(seconds)
@@ -446,7 +467,7 @@ def _run(config, stepper, state, workdir, compat, provenance, hooks, on_start) -
                     "tokens_per_second": window.time.rate(tokens_per_call),
                     **{name: v for name, v in metrics.items() if name not in ("loss", "grad_norm")},
                 }
-                log.write(row)
+                write(row)
                 results["train_loss"] = row["train_loss"]
                 progress.set_postfix(loss=f"{row['train_loss']:.3f}", refresh=False)
                 window = _Window()
@@ -456,7 +477,7 @@ def _run(config, stepper, state, workdir, compat, provenance, hooks, on_start) -
                 if not math.isfinite(ev["val_loss"]):
                     bad_eval = f"the held-out loss is {ev['val_loss']}"  # raised below, after the state's check
                 else:
-                    log.write({**tags, **ev})
+                    write({**tags, **ev})
                     results.update(ev)
                     if is_main:
                         progress.write(
@@ -466,7 +487,7 @@ def _run(config, stepper, state, workdir, compat, provenance, hooks, on_start) -
             if not bad_eval:
                 state, extra = stepper.after_step(state, call)
                 if extra:
-                    log.write({**tags, **extra})
+                    write({**tags, **extra})
             if crossed(done, checkpoint_every, k) or done == tc.steps or bad_eval:
                 checked = checkpoint_lib.digest(state)  # what would be saved: finite, or the run stops here
                 if checked.nonfinite:
@@ -498,6 +519,7 @@ def _run(config, stepper, state, workdir, compat, provenance, hooks, on_start) -
         ) from None
     finally:
         progress.close()
+        events.close()
         checkpointer.wait()
         checkpointer.close()
     if "val_loss" not in results:  # resumed at the final step: evaluate the restored state
@@ -715,6 +737,8 @@ def train(
     `run`), building the state directly in its shardings (from `init_params`, as `init_state`'s, when given).
     Arguments and results as `run`'s; the results add `graphdef` and, on several devices,
     `bytes_per_device_per_step` (what the step's all-reduces move)."""
+    if jax.process_index() == 0:
+        tensorboard_enabled(config)  # tensorboardX missing: refused before anything compiles
     graphdef, state = init_state(model_fn, optimizer, config.train.seed, sharder, init_params=init_params)
     stepper = PlainStepper(
         graphdef, optimizer, batches, sharder, eval_batches=config.train.eval_batches, state_metrics=state_metrics
@@ -724,10 +748,97 @@ def train(
     )
 
 
-def progress_bar(start: int, total: int, *, enabled: bool, desc: str = "train", unit: str = "step"):
-    """The progress display of a training loop (tqdm on stderr; a no-op when disabled)."""
-    from tqdm.auto import tqdm
+def progress_bar(
+    start: int, total: int, *, enabled: bool, desc: str = "train", unit: str = "step", steps: int = 1, stream=None
+):
+    """The progress display of a training loop over calls `start`..`total` (each `steps` optimizer steps).
 
-    return tqdm(
-        total=total, initial=start, disable=not enabled, desc=desc, unit=unit, dynamic_ncols=True, mininterval=1.0
-    )
+    Where `stream` (default stderr) is a terminal: a tqdm bar on it. Elsewhere (CI, output redirected to a file),
+    no bar: a plain line on stdout every tenth of the run or every minute, whichever comes first, and at the end
+    (`round 12/70 (step 120): train loss 2.345, 0:41 elapsed, about 3:05 left`). Disabled: nothing. Each has tqdm's
+    `update`, `set_postfix`, `write` (a line that does not break the bar; printed even when disabled) and `close`.
+    """
+    stream = sys.stderr if stream is None else stream
+    if enabled and stream.isatty():
+        from tqdm.auto import tqdm
+
+        return tqdm(
+            total=total,
+            initial=start,
+            desc=desc,
+            unit=unit,
+            dynamic_ncols=True,
+            mininterval=1.0,
+            file=stream,
+        )
+    return _ProgressLines(start, total, enabled=enabled, unit=unit, steps=steps)
+
+
+class _ProgressLines:
+    """`progress_bar` where no terminal shows a bar: plain lines on stdout (none when disabled)."""
+
+    seconds = 60.0  # at most this long between two lines
+
+    def __init__(self, start: int, total: int, *, enabled: bool, unit: str, steps: int):
+        self.n, self.start, self.total, self.enabled, self.unit, self.steps = start, start, total, enabled, unit, steps
+        self.every = max(1, -(-(total - start) // 10))
+        self.t0 = self.last_time = time.monotonic()
+        self.last_n, self.loss = start, ""
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.monotonic()
+        due = self.n - self.last_n >= self.every or now - self.last_time >= self.seconds or self.n == self.total
+        if not (self.enabled and due):
+            return
+        self.last_n, self.last_time = self.n, now
+        elapsed = now - self.t0
+        left = elapsed / (self.n - self.start) * (self.total - self.n)
+        loss = f": train loss {self.loss}," if self.loss else ":"
+        print(
+            f"{self.unit} {self.n}/{self.total} (step {self.n * self.steps}){loss} {_clock(elapsed)} elapsed, "
+            f"about {_clock(left)} left",
+            flush=True,
+        )
+
+    def set_postfix(self, refresh: bool = False, **values: str) -> None:
+        del refresh
+        self.loss = values.get("loss", self.loss)
+
+    def write(self, line: str) -> None:
+        print(line, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _clock(seconds: float) -> str:
+    """1:05 for 65 s, 1:01:05 for 3665 s."""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def tensorboard_enabled(config: ml_collections.ConfigDict) -> bool:
+    """Whether the run writes its metric rows as TensorBoard event files too (`train.tensorboard`, default True).
+    When it does, tensorboardX must be importable: WorkdirError saying how to install it or turn the events off,
+    so a caller can check before it compiles anything."""
+    enabled = bool(config.train.get("tensorboard", True))
+    if enabled:
+        workdir_lib.tensorboard_writer()
+    return enabled
+
+
+def _cadence_line(stepper: Stepper, cc: ml_collections.ConfigDict, every: int, directory: str) -> str:
+    """How often the run saves, in the stepper's units, said once at its start."""
+    k, unit = stepper.steps_per_call, stepper.unit
+    if every == 0:
+        when = "at the last step only (checkpoint.every = 0)"
+    elif k == 1:
+        when = f"every {every} {unit}s and at the last"
+    else:
+        when = (
+            f"every {every // k} {unit}s ({every} steps: checkpoint.every = {cc.every} in whole {unit}s of {k} "
+            "steps) and at the last"
+        )
+    return f"checkpoints: {when}, the last {cc.keep} kept in {directory}"

@@ -1,7 +1,9 @@
-"""A run's working directory: one run at a time (a lock), its metric rows, and the history of accepted changes.
+"""A run's working directory: one run at a time (a lock), its metric rows (metrics.jsonl, and the same scalars as
+TensorBoard event files beside it), and the history of accepted changes.
 
     with workdir.lock(path):      # WorkdirError naming the holder if another run has it
         log = workdir.MetricsLog(path)
+        events = workdir.EventLog(path, resumed_from=None)
 
 The lock is an exclusive `flock` on `<workdir>/.lock`, which records the holder's pid, host and start time for the
 error message of a second run. The kernel releases it when the holding process ends, however it ends (kill -9
@@ -15,13 +17,16 @@ import contextlib
 import datetime
 import errno
 import fcntl
+import glob
+import importlib
 import json
 import os
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["MetricsLog", "WorkdirError", "append_history", "lock", "prepare"]
+__all__ = ["EventLog", "MetricsLog", "WorkdirError", "append_history", "lock", "prepare", "tensorboard_writer"]
 
 
 class WorkdirError(RuntimeError):
@@ -165,6 +170,75 @@ class MetricsLog:
 
     def read(self) -> list[dict[str, Any]]:
         return self.check()[0]
+
+
+EVENTS_PREFIX = "events.out.tfevents."  # TensorBoard finds event files by this part of their name
+
+
+def tensorboard_writer() -> Any:
+    """tensorboardX's synchronous event-file writer class (`tensorboardX.event_file_writer.EventsWriter`), imported
+    on first use so that only a run that writes TensorBoard events needs the package. Raises WorkdirError saying how
+    to install it or turn the events off when it is missing."""
+    try:
+        return importlib.import_module("tensorboardX.event_file_writer").EventsWriter
+    except ImportError as e:
+        raise WorkdirError(
+            f"train.tensorboard = True writes TensorBoard event files, which needs the package tensorboardX ({e}); "
+            "install it (pip install tensorboardX) or turn the events off with --config.train.tensorboard=False "
+            "(metrics.jsonl holds the same rows)"
+        ) from None
+
+
+class EventLog:
+    """The rows of metrics.jsonl as TensorBoard scalars, in event files beside it (`<workdir>/events.out.tfevents.*`,
+    so `tensorboard --logdir <workdir>`, or `--logdir runs` for every run under it, shows them).
+
+    Every row becomes one event at the row's "step" holding one scalar per numeric column, named as the column
+    (`train_loss`, `val_bits_per_byte`, `moe/load_cv`, a federated run's `round`, ...); a column that is None or not a
+    number is left out. TensorBoard keeps scalars as float32. Each event is written and flushed at once (a crash loses
+    none). The file is created on the first row, so a run that writes none (a rerun of a finished run) leaves none.
+
+    Resume: every process that writes starts a new file whose first event is a SessionLog START at step
+    `resumed_from + 1` (1 on a fresh start). TensorBoard's Python loader (its default `--purge_orphaned_data`) then
+    drops the scalars of earlier files at that step and after: what a crashed run logged after its last checkpoint
+    is hidden, as metrics.jsonl moves those rows to metrics.superseded.jsonl, and the scalars it shows equal
+    metrics.jsonl's rows. Its Rust loader ignores the marker but drops a series' points from the step at which a
+    later file writes the series again, which the rerun does for every recomputed row (docs/design.md says the one
+    exception). Files are read in name order: `<seconds>.<host>.<n>`, n counting the files already there, so a
+    rerun in the same second still sorts after the run it resumes.
+    """
+
+    def __init__(self, workdir: str, *, resumed_from: int | None, enabled: bool = True):
+        self.workdir, self.purge_from, self.enabled = workdir, (resumed_from or 0) + 1, enabled
+        self._writer: Any = None
+
+    def write(self, row: dict[str, Any]) -> None:
+        """Writes the numeric columns of `row` (a metrics.jsonl row, with an integer "step") as scalars at its step."""
+        if not self.enabled:
+            return
+        event_pb2 = importlib.import_module("tensorboardX.proto.event_pb2")
+        summary_pb2 = importlib.import_module("tensorboardX.proto.summary_pb2")
+        if self._writer is None:
+            self._writer = tensorboard_writer()(os.path.join(self.workdir, "events"), f".{self._files():03d}")
+            start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+            self._writer.write_event(event_pb2.Event(step=self.purge_from, wall_time=time.time(), session_log=start))
+        values = [
+            summary_pb2.Summary.Value(tag=name, simple_value=float(value))
+            for name, value in row.items()
+            if name != "step" and isinstance(value, (int, float))
+        ]
+        summary = summary_pb2.Summary(value=values)
+        self._writer.write_event(event_pb2.Event(step=row["step"], wall_time=time.time(), summary=summary))
+        self._writer.flush()
+
+    def _files(self) -> int:
+        return len(glob.glob(os.path.join(glob.escape(self.workdir), EVENTS_PREFIX + "*")))
+
+    def close(self) -> None:
+        """Closes the event file (nothing to do when none was opened)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
 
 def write_json(path: str, obj: Any) -> None:

@@ -4,12 +4,14 @@ Composes moe.placement (which experts each site hosts), moe.rounds (one jitted r
 mesh, the measured collective bytes), moe.system_model (the formula bytes) and core.data into a `Stepper` whose
 one call is one round: the K global batches of its steps (pure functions of the step) are split over the sites,
 the K local steps and the synchronisation run as one compiled program, and its metrics are the means over steps
-and sites. Checkpoints are written after every round, so a rerun resumes from the last completed round.
+and sites. Checkpoints are written in whole rounds, every ceil(checkpoint.every / K) rounds and after the last (the
+driver's `Stepper.checkpoint_every`), so a rerun resumes from the last saved round and writes the same metrics.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -49,6 +51,7 @@ class FederatedStepper(train_lib.Stepper):
     """
 
     unit = "round"
+    compiles_on_first_call = False  # the round is compiled in the constructor, which says so
 
     def __init__(
         self,
@@ -79,7 +82,12 @@ class FederatedStepper(train_lib.Stepper):
         self.batch_shape = (k, sites, config.data.batch_size // sites, config.data.seq_len + 1)
         # Compiled once: the executable both runs every round and tells the bytes its all-reduces move.
         tokens = jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.token_sharding)
+        if jax.process_index() == 0:
+            print(f"compiling the round ({k} local steps and their synchronisation; can take a minute) ...", flush=True)
+        t0 = time.perf_counter()
         self.round_exec = round_fn.lower(state, tokens).compile()
+        if jax.process_index() == 0:
+            print(f"compiled the round in {time.perf_counter() - t0:.1f} s", flush=True)
         self.migrate_exec, self.plan_sharding = None, NamedSharding(mesh, PartitionSpec(federation.SITE_AXES))
         if f.placement == "random":  # compiled once too: the plan is data
             plan = jax.ShapeDtypeStruct(placement.experts.shape, jnp.int32, sharding=self.plan_sharding)
@@ -108,10 +116,6 @@ class FederatedStepper(train_lib.Stepper):
 
     def completed_steps(self, state: rounds.FederatedState) -> int:
         return int(_host(state.train.step)[0])
-
-    def checkpoint_every(self, every: int) -> int:
-        del every
-        return self.steps_per_call  # after every round
 
     def tags(self, call: int) -> dict[str, Any]:
         return {"round": call + 1}
@@ -186,6 +190,8 @@ def train_federated(
     """Trains a federation of `mesh.site` sites: the one training loop (`core.train.run`) driving a
     `FederatedStepper`. Arguments as `run`'s; the results add `rounds`, `bytes_per_site_per_round` (measured from
     the compiled round, and by the formula), `bytes_per_token`, and site 0's final TrainState (single process)."""
+    if jax.process_index() == 0:
+        train_lib.tensorboard_enabled(config)  # tensorboardX missing: refused before anything compiles
     mesh = federation.site_mesh(config.mesh.site, config.fomoe.overlap)
     graphdef, optimizer, outer, state = initial_state(config, mesh, pretrained=True)
     stepper = FederatedStepper(config, batches, mesh, graphdef, optimizer, outer, state, state_metrics=state_metrics)

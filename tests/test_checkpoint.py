@@ -2,7 +2,12 @@
 sharding, and damaged bytes in every kind of file a checkpoint holds refused (or, where orbax never reads them for
 values, restored bit-identical), with nothing on disk changed."""
 
+import os
+import pickle
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -127,3 +132,56 @@ def test_damaged_bytes_in_any_file_are_refused_or_never_read(saved, tmp_path):
     refused = {name for (name, _), how in outcomes.items() if how == "refused"}
     biggest = max(_files(directory).items(), key=lambda item: len(item[1]))[0].relative_to(directory)
     assert {str(biggest), "3/meta/metadata"} <= refused, outcomes  # w's bytes; the record
+
+
+def _design_snippet(name: str) -> str:
+    """The python block that follows `<!-- name: ... -->` in docs/design.md, as it is written there."""
+    text = (Path(__file__).parents[1] / "docs" / "design.md").read_text()
+    after = text[text.index(f"<!-- {name}:") :]
+    return after.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_documented_plain_orbax_recipe_reads_a_sharded_checkpoint_on_other_devices(tmp_path):
+    """A state sharded over the 8 devices (a site-stacked matrix over 4 x 2, a replicated bfloat16 vector, step,
+    key) saved by core.checkpoint; docs/design.md's plain-orbax snippet, run as written in a process with one device
+    (where `StandardCheckpointer().restore(path)` refuses the topology), gives every array bit-identical to what
+    core.checkpoint restores, as does `load_numpy`, which also refuses damaged bytes."""
+    mesh = jax.make_mesh((4, 2), ("a", "b"))
+    rng = np.random.default_rng(4)
+    w, b = rng.normal(size=(4, 3072)).astype(np.float32), jnp.asarray(rng.normal(size=(6,)), jnp.bfloat16)
+    state = {
+        "train": {
+            "w": jax.device_put(w, NamedSharding(mesh, PartitionSpec("a", "b"))),  # 48 KiB: a data file of its own
+            "b": jax.device_put(b, NamedSharding(mesh, PartitionSpec())),
+        },
+        "step": jnp.int32(7),
+        "key": jax.random.PRNGKey(3),
+    }
+    ckpt = checkpoint_lib.Checkpointer(tmp_path / "checkpoints")
+    ckpt.save(7, state, loop={}, compat={})
+    ckpt.wait()
+    expected = checkpoint_lib.flatten(jax.device_get(ckpt.restore(7, state, compat={})[0]))
+    ckpt.close()
+
+    snippet = _design_snippet("restore-with-orbax")
+    assert snippet.count('path = "runs/quickstart/checkpoints/700/state"') == 1
+    snippet = snippet.replace("runs/quickstart/checkpoints/700/state", str(tmp_path / "checkpoints" / "7" / "state"))
+    out = tmp_path / "arrays.pkl"
+    program = f"{snippet}\nimport pickle\nassert len(jax.devices()) == 1\npickle.dump(arrays, open({str(out)!r}, 'wb'))"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with open(out, "rb") as f:
+        loaded = {"plain orbax": pickle.load(f), "load_numpy": checkpoint_lib.load_numpy(tmp_path)}
+    for how, arrays in loaded.items():
+        assert sorted(arrays) == sorted(expected) == ["key", "step", "train/b", "train/w"], how
+        for key, value in expected.items():
+            assert type(arrays[key]) is np.ndarray and arrays[key].dtype == value.dtype, (how, key)
+            assert arrays[key].shape == value.shape and arrays[key].tobytes() == value.tobytes(), (how, key)
+
+    biggest = max((p for p in (tmp_path / "checkpoints" / "7").rglob("*") if p.is_file()), key=os.path.getsize)
+    data = bytearray(biggest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    biggest.write_bytes(bytes(data))
+    with pytest.raises(checkpoint_lib.DamagedCheckpointError, match="7/state"):
+        checkpoint_lib.load_numpy(tmp_path / "checkpoints")

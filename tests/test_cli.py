@@ -278,7 +278,12 @@ def test_federated_run_measures_its_bytes_and_resumes_after_a_crashed_round(tmp_
     the same metrics (routing agreement included) and result as an uninterrupted run (with the same reshuffles). (A
     fixed placement's bytes: the composed-config test; its resume is this one's without reshuffles; rerunning a
     finished run: test_train, the same driver.)"""
-    federated_run = [*FEDERATED, "--config.fomoe.placement=random", "--config.fomoe.reshuffle_every=2"]
+    federated_run = [
+        *FEDERATED,
+        "--config.fomoe.placement=random",
+        "--config.fomoe.reshuffle_every=2",
+        "--config.checkpoint.every=6",  # every 2 rounds
+    ]
     summary = _run(tmp_path / "full", *federated_run)
     assert summary["rounds"] == 6 and summary["steps"] == 18
     rows = metric_rows(tmp_path / "full")

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_logging import event_scalars, jsonl_scalars
 
 from core import checkpoint as checkpoint_lib
 from core import train as train_lib
@@ -95,8 +96,8 @@ def _copy_of(finished, tmp_path):
 
 
 def test_resume_after_crash_equals_uninterrupted_run(finished, tiny_config, tmp_path):
-    """Crash at step 5 (last checkpoint at 4), rerun: metrics.jsonl and results equal an uninterrupted run. (A
-    sharded state's resume: test_cli's federated crash, its state sharded over 4 sites.)"""
+    """Crash at step 5 (last checkpoint at 4), rerun: metrics.jsonl, the TensorBoard scalars and results equal an
+    uninterrupted run. (A sharded state's resume: test_cli's federated crash, its state sharded over 4 sites.)"""
     full_dir, full = finished
 
     class Crash(Exception):
@@ -112,6 +113,9 @@ def test_resume_after_crash_equals_uninterrupted_run(finished, tiny_config, tmp_
     resumed = _train(tiny_config, tmp_path / "crashed")
     assert resumed["resumed_from"] == 4
     assert metric_rows(tmp_path / "crashed") == metric_rows(full_dir)
+    # TensorBoard shows metrics.jsonl's rows: step 5, logged by the crashed run too, once (purged from its file)
+    assert event_scalars(full_dir) == jsonl_scalars(full_dir) and "val_bits_per_byte" in event_scalars(full_dir)
+    assert event_scalars(tmp_path / "crashed") == jsonl_scalars(tmp_path / "crashed")
     for key in ("train_loss", "val_loss", "val_bits_per_byte", "steps"):
         assert resumed[key] == full[key], key
     for a, b in zip(jax.tree.leaves(resumed["final_state"]), jax.tree.leaves(full["final_state"])):
