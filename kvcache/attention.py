@@ -14,6 +14,7 @@ behind padding columns of its block table) may hold NaN or Inf left by another r
 
 from __future__ import annotations
 
+import chex
 import jax
 
 from kvcache import reference, split
@@ -39,8 +40,9 @@ def _check(q, fields, block_tables, seq_lens, fmt: Format, q_rank: int) -> None:
     names = set(fmt.fields(1, 2 * 32))
     if set(fields) != names:
         raise ValueError(f"cache fields {sorted(fields)} do not match format {fmt.label}: expected {sorted(names)}")
-    if q.ndim != q_rank:
-        raise ValueError(f"q has shape {q.shape}; expected rank {q_rank}")
+    chex.assert_rank(q, q_rank, custom_message="q: [tokens or sequences, heads, head_dim]")
+    chex.assert_type(q, float, custom_message="q: a floating-point query")
+    chex.assert_type([block_tables, seq_lens], int, custom_message="block_tables and seq_lens: integer arrays")
     num_kv = fields["k_codes" if fmt.name == "fp4" else "k"].shape[1]
     if q.shape[-2] % num_kv:
         raise ValueError(f"q has {q.shape[-2]} heads; must be a multiple of the cache's {num_kv} KV heads")
@@ -140,6 +142,8 @@ def write(
 ) -> dict[str, jax.Array]:
     """Quantise-on-write of k, v [T, K, D] into flat slots [T] (negative = skip); returns the updated fields."""
     check_implementation(implementation)
+    chex.assert_rank([k, v, slot_mapping], [3, 3, 1], custom_message="k, v: [T, K, D]; slot_mapping: [T]")
+    chex.assert_type(slot_mapping, int, custom_message="slot_mapping: integer slots")
     if implementation != "pallas":
         return reference.write(fields, k, v, slot_mapping, fmt=fmt)
     return write_kernel.write(fields, k, v, slot_mapping, fmt=fmt, interpret=_interpret(interpret))

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -218,6 +219,7 @@ class Format:
         """k, v [..., K, D] (any float dtype) -> the stored fields, each [..., K, *trailing]."""
         if k.shape != v.shape:
             raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape [..., K, D]")
+        chex.assert_type([k, v], float, custom_message=f"{self.label}: k and v are quantised from floating point")
         self.check_head_dim(k.shape[-1])
         if self.name == "bf16":
             return {"k": k.astype(jnp.bfloat16), "v": v.astype(jnp.bfloat16)}

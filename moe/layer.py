@@ -38,6 +38,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -183,6 +184,7 @@ class MoE(nnx.Module):
         return table.at[ids].set(jnp.arange(ids.shape[0], dtype=jnp.int32))[experts]
 
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        chex.assert_shape(x, (None, None, self.up.shape[1]), custom_message="MoE input x: [batch, seq, d_model]")
         b, t, d = x.shape
         m = self.moe
         x = x.astype(self.dtype)

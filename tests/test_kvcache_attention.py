@@ -379,6 +379,15 @@ def test_bad_input_is_named():
         decode_attention(q, fields, tables, seq_lens, fmt=fmt, implementation="pallas", partitions=9)
     with pytest.raises(ValueError, match="partitions applies to implementation='pallas'"):
         decode_attention(q, fields, tables, seq_lens, fmt=fmt, partitions=2)
+    # shapes and dtypes through chex, each message naming the argument and what it must be
+    with pytest.raises(AssertionError, match=r"rank 2 .* expected 3.*q: \[tokens or sequences, heads, head_dim\]"):
+        decode_attention(q[0], fields, tables, seq_lens, fmt=fmt)
+    with pytest.raises(AssertionError, match="float32 but expected <class 'int'>.*block_tables and seq_lens"):
+        decode_attention(q, fields, tables.astype(jnp.float32), seq_lens, fmt=fmt)
+    with pytest.raises(AssertionError, match="int32 but expected <class 'float'>.*q: a floating-point query"):
+        decode_attention(q.astype(jnp.int32), fields, tables, seq_lens, fmt=fmt)
+    with pytest.raises(AssertionError, match="slot_mapping: integer slots"):
+        write(fields, q[:, :2], q[:, :2], jnp.arange(q.shape[0], dtype=jnp.float32), fmt=fmt)
 
 
 @pytest.mark.parametrize("name", list(FORMATS))

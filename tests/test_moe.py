@@ -482,6 +482,9 @@ def test_layer_rejects_experts_not_divisible_by_the_expert_axis():
 def test_layer_and_dispatch_reject_bad_expert_forms():
     with pytest.raises(ValueError, match=r"moe.expert_mlp = 'geglu'; allowed: \['silu', 'swiglu'\]"):
         MoE(TransformerConfig(d_model=16), MoEConfig(expert_mlp="geglu"), path="ffn", rngs=nnx.Rngs(0))
+    layer = MoE(TransformerConfig(d_model=16), MoEConfig(), path="ffn", rngs=nnx.Rngs(0))
+    with pytest.raises(AssertionError, match=r"shape \(2, 3, 8\) but expected \(None, None, 16\).*\[batch, seq"):
+        layer(jnp.ones((2, 3, 8)))
     x, experts, gates = jnp.ones((6, 4)), jnp.zeros((6, 2), jnp.int32), jnp.ones((6, 2))
     up, down = jnp.ones((3, 4, 5)), jnp.ones((3, 5, 4))
     gmm = grouped_matmul

@@ -3,6 +3,7 @@ docs/configuration.md documents; per-family defaults; optax.inject_hyperparams e
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,11 +76,8 @@ def _run(tx, params, grads) -> tuple[list, object]:
 
 
 def _assert_identical(a: list, b: list) -> None:
-    for step, (x, y) in enumerate(zip(a, b)):
-        for (path, u), v in zip(jax.tree_util.tree_flatten_with_path(x)[0], jax.tree.leaves(y)):
-            np.testing.assert_array_equal(
-                np.asarray(u), np.asarray(v), err_msg=f"step {step} {jax.tree_util.keystr(path)}"
-            )
+    """Two lists of update trees (one per step) are equal bit for bit, leaf for leaf (chex names the leaf)."""
+    chex.assert_trees_all_equal(a, b, strict=True)
 
 
 def _assert_rounding_close(a, b) -> None:
