@@ -92,7 +92,7 @@ def _wrap(text: str, width_inches: float, fontsize: float) -> str:
     """`text` with each line wrapped at spaces to fit `width_inches` at `fontsize` (about 0.5 em per character)."""
     import textwrap
 
-    chars = int(width_inches * 72 / (0.53 * fontsize))
+    chars = int(width_inches * 72 / (0.62 * fontsize))
     return "\n".join(textwrap.fill(line, width=chars, break_on_hyphens=False) for line in text.splitlines())
 
 
