@@ -55,6 +55,7 @@ __all__ = [
     "nonfinite_advice",
     "progress_bar",
     "run",
+    "state_layout",
     "tensorboard_enabled",
     "train",
     "train_step_fn",
@@ -254,20 +255,38 @@ def init_state(
         `init_params(abstract params, their shardings) -> params` (an nnx.State shaped like the first, each array
         already in its sharding). The random parameters are then never computed.
     """
-    abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(seed)))
-    graphdef, abs_params, abs_rest = split_params(abstract)
-    replicated = sharder.named(())
-    params_sh = param_shardings(abs_params, sharder)
-    opt_sh = mirror(jax.eval_shape(optimizer.init, abs_params), abs_params, params_sh, replicated)
-    out_shardings = TrainState(replicated, params_sh, param_shardings(abs_rest, sharder), opt_sh, replicated)  # type: ignore[arg-type] # (of shardings)
+    graphdef, shapes, shardings = state_layout(model_fn, optimizer, seed, sharder)
 
-    @functools.partial(jax.jit, out_shardings=out_shardings, donate_argnums=0)
+    @functools.partial(jax.jit, out_shardings=shardings, donate_argnums=0)
     def make(given):
         _, params, rest = split_params(model_fn(nnx.Rngs(seed)))  # unused random parameters are dead code
         params = params if given is None else given
         return TrainState(jnp.zeros((), jnp.int32), params, rest, optimizer.init(params), jax.random.PRNGKey(seed))
 
-    return graphdef, make(None if init_params is None else init_params(abs_params, params_sh))
+    return graphdef, make(None if init_params is None else init_params(shapes.params, shardings.params))
+
+
+def state_layout(
+    model_fn: Callable[[nnx.Rngs], nnx.Module], optimizer: optax.GradientTransformation, seed: int, sharder: Sharder
+) -> tuple[Any, TrainState, TrainState]:
+    """(graphdef, the step-0 TrainState's shapes and dtypes (jax.ShapeDtypeStruct), their shardings): what
+    `init_state` builds, computed without building it (also a checkpoint's restore target). Parameters are sharded
+    by their logical `axes`; optimizer-state leaves that mirror a parameter get its sharding, the rest are
+    replicated."""
+    graphdef, params, rest = split_params(nnx.eval_shape(lambda: model_fn(nnx.Rngs(seed))))
+    replicated = sharder.named(())
+    params_sh = param_shardings(params, sharder)
+    opt_state = jax.eval_shape(optimizer.init, params)
+    step, key = jax.ShapeDtypeStruct((), jnp.int32), jax.eval_shape(lambda: jax.random.PRNGKey(seed))
+    shapes = TrainState(step, params, rest, opt_state, key)  # type: ignore[arg-type] # (of shapes)
+    shardings = TrainState(
+        replicated,  # type: ignore[arg-type] # (of shardings)
+        params_sh,
+        param_shardings(rest, sharder),
+        mirror(opt_state, params, params_sh, replicated),
+        replicated,  # type: ignore[arg-type]
+    )
+    return graphdef, shapes, shardings
 
 
 def mirror(tree, params, values, default):

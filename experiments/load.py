@@ -17,7 +17,6 @@ import os
 from typing import TYPE_CHECKING
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
@@ -69,26 +68,18 @@ def trained_model(workdir: str, *, site: int = 0) -> tuple[ml_collections.Config
 
 
 def _restore_target(config: ml_collections.ConfigDict) -> tuple[nnx.GraphDef, TrainState]:
-    """(graphdef, the training state's shapes and dtypes (jax.ShapeDtypeStruct) on the one device of `config`'s mesh):
-    what `core.checkpoint.Checkpointer.restore` restores a single-site run's checkpoint into. Abstract: the random
-    parameters and optimizer state that `core.train.init_state` would compute (and compile a program for) are not,
-    since the checkpoint replaces all of them."""
+    """(graphdef, the training state's shapes, dtypes and shardings on the one device of `config`'s mesh): what
+    `core.checkpoint.Checkpointer.restore` restores a single-site run's checkpoint into. Abstract
+    (`core.train.state_layout`): the random parameters and optimizer state that `core.train.init_state` would
+    compute (and compile a program for) are not, since the checkpoint replaces all of them."""
     from core import train as train_lib
-    from core.model import split_params
     from experiments import build
 
     _, sharder = build.build_mesh(config)
-    model_fn = build.build_model_fn(config, sharder)
-    graphdef, params, rest = split_params(nnx.eval_shape(lambda: model_fn(nnx.Rngs(config.train.seed))))
-    shapes = train_lib.TrainState(
-        jax.ShapeDtypeStruct((), jnp.int32),  # type: ignore[arg-type] # (of shapes)
-        params,
-        rest,
-        jax.eval_shape(build.build_optimizer(config).init, params),
-        jax.eval_shape(lambda: jax.random.PRNGKey(config.train.seed)),
+    graphdef, shapes, shardings = train_lib.state_layout(
+        build.build_model_fn(config, sharder), build.build_optimizer(config), config.train.seed, sharder
     )
-    one_device = sharder.named(())  # replicated over the mesh of one device
-    return graphdef, jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one_device), shapes)
+    return graphdef, jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
 def check_workdir(workdir: str) -> dict[str, str]:
