@@ -106,6 +106,7 @@ class Tokenizer(Protocol):
       bos_id: the id starting every document of a corpus, or None (then documents start without one).
       eos_id: the id ending every document, and generation.
       special_ids: ``int`` ids of the special tokens, ascending (they decode to ``b""``).
+      special_tokens: the special tokens' names -> their ids (the strings a chat template writes for them).
       never_sampled: ids generation must never produce: the specials but EOS, and ids no token uses.
       byte_lengths: ``int32[vocab_size]``: how many bytes of text each id stands for (specials 0).
       digest: SHA-256 hex of the tokenizer's definition (part of a corpus fingerprint).
@@ -121,6 +122,8 @@ class Tokenizer(Protocol):
     def eos_id(self) -> int: ...
     @property
     def special_ids(self) -> tuple[int, ...]: ...
+    @property
+    def special_tokens(self) -> dict[str, int]: ...
     @property
     def never_sampled(self) -> tuple[int, ...]: ...
     @property
@@ -183,6 +186,11 @@ class ByteTokenizer:
     bos_id: ClassVar[int] = BOS_ID
     eos_id: ClassVar[int] = EOS_ID
     special_ids: ClassVar[tuple[int, ...]] = (PAD_ID, BOS_ID, EOS_ID)
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        return {PAD_TOKEN: PAD_ID, BOS_TOKEN: BOS_ID, EOS_TOKEN: EOS_ID}
+
     never_sampled: ClassVar[tuple[int, ...]] = (PAD_ID, BOS_ID)
 
     @property
@@ -418,10 +426,12 @@ class HFTokenizer:
                     f"supported: {_SUPPORTED}"
                 ) from None
         specials = []
+        self._special_tokens: dict[str, int] = {}
         for i, token in added.items():
             table[i] = b"" if token.special else token.content.encode("utf-8")
             if token.special:
                 specials.append(i)
+                self._special_tokens[token.content] = i
         self._pieces: list[bytes] = [b"" if piece is None else piece for piece in table]
         self._holes = tuple(i for i, piece in enumerate(table) if piece is None)
         self._special_ids = tuple(sorted(specials))
@@ -498,6 +508,10 @@ class HFTokenizer:
     @property
     def special_ids(self) -> tuple[int, ...]:
         return self._special_ids
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        return dict(self._special_tokens)
 
     @property
     def never_sampled(self) -> tuple[int, ...]:

@@ -3,6 +3,7 @@
     python -m experiments.serve --workdir runs/quickstart-1dev --prompt "def " [--prompt "import "]
         [--max-new-tokens 200] [--kv-format bf16|fp8|fp4] [--scale-rule mse|mx] [--kv-memory-mib 64]
         [--temperature 0.7] [--seed 0] [--site 0]
+    python -m experiments.serve --http --workdir runs/quickstart [--port 8000] ...  (OpenAI API: experiments.server)
 
 Any run serves on this process's first device, whatever mesh it trained on (data, tensor or expert parallelism:
 experiments.load). A federated run keeps one model per site (its own experts): `--site` picks it (default 0). Every
@@ -100,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=common.integer(0), default=0, help="sampling seed (an integer >= 0)")
     parser.add_argument(
+        "--http",
+        action="store_true",
+        help="serve the OpenAI API over HTTP instead (experiments.server.cli; `--http --help` lists its flags)",
+    )
+    parser.add_argument(
         "--site", type=common.integer(0), default=0, help="a federated run's site whose model serves (0 .. sites - 1)"
     )
     return parser
@@ -113,6 +119,11 @@ def main(argv=None) -> int:
     """Runs serve on `argv` (default sys.argv[1:]); returns the exit status (see the module docstring). Every flag is
     checked before the model is loaded: alone by argparse (SystemExit 2, an `error:` line), then against the run's
     config.json (an `error:` line, exit 2)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--http" in argv:  # the OpenAI-compatible server: its own flags
+        from experiments.server import cli
+
+        return cli.main([a for a in argv if a != "--http"])
     parser = build_parser()
     args = parser.parse_args(argv)
     for name in ("kv_format", "scale_rule"):  # not given: the run's

@@ -52,6 +52,11 @@ class BlockManager:
         """Blocks an allocation could get now (free + evictable)."""
         return len(self._free) + len(self._cached)
 
+    @property
+    def num_cached(self) -> int:
+        """Unreferenced blocks holding a cached prefix (evictable; part of `num_available`)."""
+        return len(self._cached)
+
     def refs(self, block: int) -> int:
         return self._refs[block]
 

@@ -47,7 +47,9 @@ from kvcache.paged import PagedPool
 if TYPE_CHECKING:
     from core.model import Transformer
 
-__all__ = ["Engine", "EngineConfig", "Request", "Scheduler"]
+__all__ = ["Engine", "EngineConfig", "Request", "SamplingParams", "Scheduler"]
+
+MAX_TOP_LOGPROBS = 20  # alternatives a request may ask for per token (OpenAI's chat limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,13 +108,66 @@ class EngineConfig:
             )
 
 
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples its tokens (the engine's `_sample`; OpenAI's parameters of the same names).
+
+    temperature: None = the engine's `EngineConfig.temperature`; 0 = greedy (argmax), else softmax(logits / T).
+    top_k: keep the k most likely ids (0 = all); top_p: then the smallest set of the most likely ids whose
+    probability (after temperature and top_k) reaches top_p (1 = all). seed: the request's own random stream
+    (`np.random.default_rng(seed)`: the same seed gives the same tokens whatever else the engine serves); None = the
+    engine's stream. logprobs: record each chosen token's log-probability and the `top_logprobs` most likely ids
+    with theirs, all under the model's distribution over the sampleable ids (log_softmax of the logits, before
+    temperature, top_k and top_p, as vLLM reports them).
+    """
+
+    temperature: float | None = None
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self):
+        checks = {
+            "temperature": self.temperature is None or self.temperature >= 0,  # (NaN fails)
+            "top_p": 0 < self.top_p <= 1,
+            "top_k": _is_int(self.top_k) and self.top_k >= 0,
+            "seed": self.seed is None or (_is_int(self.seed) and self.seed >= 0),
+            "top_logprobs": _is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+        }
+        allowed = {
+            "temperature": ">= 0 or None",
+            "top_p": "in (0, 1]",
+            "top_k": "an integer >= 0 (0 = all)",
+            "seed": "an integer >= 0 or None",
+            "top_logprobs": f"an integer in [0, {MAX_TOP_LOGPROBS}]",
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} = {getattr(self, name)!r}; must be {allowed[name]}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
+    """One sequence's state. `finish_reason`: "stop" (it sampled EOS, or `Scheduler.finish` was told so: a stop
+    string), "length" (max_new_tokens reached), "abort" (`Scheduler.abort`); None while it runs. With
+    `sampling.logprobs`, `logprobs[i]` is output[i]'s log-probability and `top_logprobs[i]` the (id, logprob) pairs
+    of the most likely ids, best first."""
+
     id: int
     prompt: list[int]
     max_new_tokens: int
     arrival: float
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
+    sampling: SamplingParams = SamplingParams()
+    finish_reason: str | None = None
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     output: list[int] = dataclasses.field(default_factory=list)
     tokens: list[int] = dataclasses.field(default_factory=list)  # prompt + output (kept in step)
     hashes: list[int] = dataclasses.field(default_factory=list)  # chained hashes of the computed full blocks
@@ -228,19 +283,45 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def submit(self, prompt, max_new_tokens: int, *, arrival: float | None = None, ignore_eos: bool = False) -> Request:
+    def submit(
+        self,
+        prompt,
+        max_new_tokens: int,
+        *,
+        arrival: float | None = None,
+        ignore_eos: bool = False,
+        sampling: SamplingParams | None = None,
+    ) -> Request:
         """Queues a request (prompt: token ids, at least one); it ends at EOS or after max_new_tokens tokens
-        (exactly that many with `ignore_eos`). Raises ValueError, changing nothing, if it cannot ever fit: longer
-        than max_model_len or than the whole pool."""
+        (exactly that many with `ignore_eos`), sampled as `sampling` says (default: the engine's temperature).
+        Raises ValueError, changing nothing, if it cannot ever fit: longer than max_model_len or than the whole
+        pool (`check`)."""
         prompt = [int(t) for t in prompt]
-        need = len(prompt) + max_new_tokens
-        if not prompt or max_new_tokens < 1:
+        self.check(len(prompt), max_new_tokens)
+        request = Request(
+            self._next_id,
+            prompt,
+            max_new_tokens,
+            self.clock() if arrival is None else arrival,
+            ignore_eos,
+            sampling or SamplingParams(),
+        )
+        self._next_id += 1
+        self.waiting.append(request)
+        return request
+
+    def check(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Raises ValueError, naming the limit, if a request of `prompt_len` prompt tokens and `max_new_tokens` can
+        never be served: it needs a prompt and a new token, and must fit max_model_len and the whole pool. It reads
+        only the engine's fixed limits, so any thread may call it while another steps the engine."""
+        need = prompt_len + max_new_tokens
+        if prompt_len < 1 or max_new_tokens < 1:
             raise ValueError(
-                f"a request needs >= 1 prompt token and max_new_tokens >= 1 (got {len(prompt)} and {max_new_tokens})"
+                f"a request needs >= 1 prompt token and max_new_tokens >= 1 (got {prompt_len} and {max_new_tokens})"
             )
         if need > self.config.max_model_len:
             raise ValueError(
-                f"request of {len(prompt)} prompt + {max_new_tokens} new tokens = {need} exceeds "
+                f"request of {prompt_len} prompt + {max_new_tokens} new tokens = {need} exceeds "
                 f"max_model_len = {self.config.max_model_len}"
             )
         if -(-need // self.config.block_size) > self.blocks.num_blocks:
@@ -248,12 +329,24 @@ class Scheduler:
                 f"request of {need} tokens needs {-(-need // self.config.block_size)} blocks; the KV "
                 f"pool has {self.blocks.num_blocks} ({self.capacity_tokens} tokens in {self.fmt.label})"
             )
-        request = Request(
-            self._next_id, prompt, max_new_tokens, self.clock() if arrival is None else arrival, ignore_eos
-        )
-        self._next_id += 1
-        self.waiting.append(request)
-        return request
+
+    def finish(self, request: Request, reason: str = "abort") -> None:
+        """Ends `request` now, wherever it is (waiting or running; a finished one is left as it is): its blocks are
+        released at once (full ones stay in the prefix cache) and its `finish_reason` is `reason` ("abort": the
+        client went away; "stop": it met a stop string)."""
+        if request.finished:
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
+        elif request in self.running:
+            self.running.remove(request)
+            self.blocks.release(request.blocks)
+            request.blocks = []
+        request.finish_reason, request.finish_time = reason, self.clock()
+
+    def abort(self, request: Request) -> None:
+        """`finish(request, "abort")`."""
+        self.finish(request, "abort")
 
     # ----------------------------------------------------------------------------------------------- schedule
 
@@ -337,7 +430,7 @@ class Scheduler:
                 request.first_token_time = now
             ended = token == self.config.eos_id and not request.ignore_eos
             if ended or len(request.output) >= request.max_new_tokens:
-                request.finish_time = now
+                request.finish_time, request.finish_reason = now, "stop" if ended else "length"
                 self.running.remove(request)
                 self.blocks.release(request.blocks)
                 request.blocks = []
@@ -372,12 +465,21 @@ class Engine(Scheduler):
         super().__init__(config, fmt, self.pool.num_blocks)
         self.vocab_size = cfg.vocab_size  # token ids a prompt may hold: [0, vocab_size)
         self._rng = np.random.default_rng(config.seed)
+        self._rngs: dict[int, np.random.Generator] = {}  # request id -> its own stream (SamplingParams.seed)
         self._sampled = np.ones(cfg.vocab_size, bool)  # the ids `_sample` may produce
         self._sampled[[t for t in config.never if t < cfg.vocab_size]] = False
         if config.num_ids is not None:
             self._sampled[config.num_ids :] = False
 
-    def submit(self, prompt, max_new_tokens: int, *, arrival: float | None = None, ignore_eos: bool = False) -> Request:
+    def submit(
+        self,
+        prompt,
+        max_new_tokens: int,
+        *,
+        arrival: float | None = None,
+        ignore_eos: bool = False,
+        sampling: SamplingParams | None = None,
+    ) -> Request:
         """`Scheduler.submit` for the model's vocabulary: `prompt` (a 1-D sequence of ids: Python or NumPy
         integers) must hold only integers (not bool, not float, even a whole one) in [0, model vocab_size).
         Raises ValueError naming the first bad position, its value and the range, before anything changes (the
@@ -394,7 +496,10 @@ class Engine(Scheduler):
                     f"prompt token at position {i} is {token!r}, outside [0, {self.vocab_size}) (the model's "
                     "vocab_size)"
                 )
-        return super().submit(tokens, max_new_tokens, arrival=arrival, ignore_eos=ignore_eos)
+        request = super().submit(tokens, max_new_tokens, arrival=arrival, ignore_eos=ignore_eos, sampling=sampling)
+        if request.sampling.seed is not None:
+            self._rngs[request.id] = np.random.default_rng(request.sampling.seed)
+        return request
 
     def _execute(self, batch):
         bs, s_max = self.config.block_size, self.config.max_num_seqs + 1  # + 1 row for the padding tokens
@@ -435,7 +540,7 @@ class Engine(Scheduler):
         )
         logits = np.asarray(logits)
         return [
-            self._sample(logits[i]) if request.num_computed + n == len(request.tokens) else None
+            self._sample(logits[i], request) if request.num_computed + n == len(request.tokens) else None
             for i, (request, n) in enumerate(batch)
         ]
 
@@ -472,14 +577,45 @@ class Engine(Scheduler):
             )
             logits.block_until_ready()
 
-    def _sample(self, logits: np.ndarray) -> int:
-        """Greedy (temperature 0) or temperature sampling over the ids not in `config.never` and below
-        `config.num_ids` (the byte tokenizer's: the bytes and EOS), as `core.generate` samples."""
+    def _sample(self, logits: np.ndarray, request: Request) -> int:
+        """The next token of `request` from its `logits` (float32[vocab]) over the ids not in `config.never` and
+        below `config.num_ids` (the byte tokenizer's: the bytes and EOS), as its SamplingParams say (greedy as
+        `core.generate` samples); records the log-probabilities it asks for."""
+        params = request.sampling
         logits = np.where(self._sampled, logits, -np.inf)
-        if self.config.temperature == 0:
-            return int(np.argmax(logits))
-        p = np.exp((logits - logits.max()) / self.config.temperature)
-        return int(self._rng.choice(len(p), p=p / p.sum()))
+        temperature = self.config.temperature if params.temperature is None else params.temperature
+        if temperature == 0:
+            token = int(np.argmax(logits))
+        else:
+            scaled = (logits - logits.max()) / temperature
+            if 0 < params.top_k < len(scaled):
+                scaled[scaled < np.partition(scaled, -params.top_k)[-params.top_k]] = -np.inf
+            p = np.exp(scaled)
+            p /= p.sum()
+            if params.top_p < 1:
+                order = np.argsort(-p, kind="stable")
+                keep = np.cumsum(p[order]) - p[order] < params.top_p  # the ids before the sum reaches top_p, + 1
+                p[order[~keep]] = 0
+                p /= p.sum()
+            rng = self._rngs.get(request.id, self._rng)
+            token = int(rng.choice(len(p), p=p))
+        if params.logprobs:
+            logp = logits - logits.max()
+            logp -= np.log(np.exp(logp).sum())
+            request.logprobs.append(float(logp[token]))
+            best = np.argsort(-logp, kind="stable")[: params.top_logprobs]
+            request.top_logprobs.append([(int(t), float(logp[t])) for t in best])
+        return token
+
+    def step(self) -> list[Request]:
+        finished = super().step()
+        for request in finished:
+            self._rngs.pop(request.id, None)
+        return finished
+
+    def finish(self, request: Request, reason: str = "abort") -> None:
+        super().finish(request, reason)
+        self._rngs.pop(request.id, None)
 
 
 def _bucket(num_tokens: int) -> int:

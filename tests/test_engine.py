@@ -12,7 +12,7 @@ from core import generate as generate_lib
 from core.model import Transformer, TransformerConfig
 from kvcache import formats, paged_cache_factory
 from kvcache.blocks import BlockManager, block_hashes
-from kvcache.engine import Engine, EngineConfig, Request
+from kvcache.engine import Engine, EngineConfig, Request, SamplingParams
 
 CFG = TransformerConfig(
     vocab_size=264, d_model=128, num_layers=2, num_heads=2, num_kv_heads=1, d_ff=96, init_std=0.3
@@ -227,3 +227,83 @@ def test_no_request_compiles_after_warmup(model):
         logging.getLogger("jax").removeHandler(handler)
     assert eng.stats["steps"] > 3
     assert not [m for m in compiled if m.startswith("Compiling")], compiled
+
+
+def _reference_probs(logits, allowed, temperature, top_k, top_p):
+    """float64, as HF / vLLM: softmax(logits / T) over the allowed ids, cut to the top_k most likely and
+    renormalised, then cut to the smallest set of the most likely whose mass reaches top_p, renormalised."""
+    z = np.where(allowed, logits.astype(np.float64), -np.inf) / temperature
+    order = np.argsort(-z, kind="stable")
+    z[order[top_k:]] = -np.inf
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    mass, keep = 0.0, np.zeros(len(p), bool)
+    for i in order:
+        if mass >= top_p or p[i] == 0:
+            break
+        keep[i], mass = True, mass + p[i]
+    q = np.where(keep, p, 0.0)
+    return q / q.sum()
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.8), (5, 1.0), (6, 0.7)])
+def test_sampling_follows_temperature_top_k_and_top_p(model, top_k, top_p):
+    """4000 draws of `_sample` on fixed logits: the ids drawn lie in the float64 reference's support and their
+    frequencies are within 4 standard errors of its probabilities; the recorded log-probabilities are the float64
+    log-softmax over the sampleable ids (before temperature and cuts), and the top alternatives are the best ids."""
+    eng = engine(model, formats.get("bf16"), blocks=4)
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0, 2, CFG.vocab_size).astype(np.float32)
+    logits[[256, 257]] += 20  # never sampled (PAD, BOS) however likely
+    params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p, seed=9, logprobs=True, top_logprobs=3)
+    request = Request(0, [1], 4000, 0.0, sampling=params)
+    eng._rngs[0] = np.random.default_rng(params.seed)
+    draws = np.array([eng._sample(logits, request) for _ in range(4000)])
+    allowed = np.arange(CFG.vocab_size) < 259
+    allowed[[256, 257]] = False
+    want = _reference_probs(logits, allowed, 0.7, top_k or CFG.vocab_size, top_p)
+    assert set(draws) <= set(np.flatnonzero(want))
+    freq = np.bincount(draws, minlength=len(want)) / len(draws)
+    np.testing.assert_array_less(np.abs(freq - want), 4 * np.sqrt(want * (1 - want) / len(draws)) + 1e-9)
+    z = np.where(allowed, logits.astype(np.float64), -np.inf)
+    logp = z - z.max() - np.log(np.exp(z - z.max()).sum())
+    np.testing.assert_allclose(request.logprobs, logp[draws], rtol=0, atol=1e-5)
+    assert [t for t, _ in request.top_logprobs[0]] == list(np.argsort(-logp, kind="stable")[:3])
+
+
+def test_a_seeded_request_samples_the_same_tokens_whatever_runs_beside_it(model):
+    fmt = formats.get("fp4")
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=11)
+    prompt, others = prompts_with_shared_prefix()[0], prompts_with_shared_prefix(seed=2)
+    alone = engine(model, fmt, blocks=64)
+    a = alone.submit(prompt, 12, sampling=params)
+    alone.run()
+    crowded = engine(model, fmt, blocks=64, max_num_seqs=4)
+    crowded.submit(others[0], 12, sampling=SamplingParams(temperature=1.0))  # draws from the engine's stream first
+    b = crowded.submit(prompt, 12, sampling=params)
+    for other in others[1:3]:
+        crowded.submit(other, 12, sampling=SamplingParams(temperature=1.0))
+    crowded.run()
+    assert a.output == b.output and len(set(a.output)) > 3
+
+
+def test_finish_and_abort_free_blocks_at_once_and_leave_others_exact(model):
+    """Aborting a running request releases its blocks before the next step, aborting a waiting one drops it from
+    the queue; the others still generate what they would alone, and each ends with its reason."""
+    fmt = formats.get("bf16")
+    eng = engine(model, fmt, blocks=16, max_num_seqs=2)
+    prompts = prompts_with_shared_prefix()
+    running, kept, waiting = (eng.submit(p, 10) for p in prompts[:3])
+    eng.step()
+    assert running in eng.running and waiting in eng.waiting and running.blocks
+    held = len(running.blocks)
+    free = eng.blocks.num_available
+    eng.abort(running)
+    assert not running.blocks and running.finish_reason == "abort" and eng.blocks.num_available == free + held
+    eng.abort(waiting)
+    assert waiting not in eng.waiting and waiting.finish_reason == "abort"
+    eng.abort(waiting)  # a finished request is left as it is
+    eng.run()
+    assert kept.output == isolated(model, fmt, prompts[1], 10)
+    assert kept.finish_reason == "length" and running.output == running.output[:1]
+    assert eng.blocks.num_available == eng.pool.num_blocks

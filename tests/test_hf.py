@@ -10,7 +10,13 @@ import json.decoder
 import os
 import pathlib
 import re
+import selectors
 import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
 
 import jax
 import jax.numpy as jnp
@@ -194,6 +200,8 @@ def _tiny_data(config, tmp_path):
 def test_an_imported_checkpoint_is_a_run_that_serves_through_the_paged_cache(tmp_path):
     """`import` writes a run at step 0 whose parameters are the checkpoint's; the run loads back and its greedy
     generation through the engine's bf16 paged cache equals transformers' own (12 tokens; all 32 when measured).
+    The same workdir served by `python -m experiments.serve --http` answers a greedy /v1/completions with
+    transformers' tokens too (the first 6: the run's byte tokenizer never samples the 7th, id 286 >= 259).
     The fp8 / fp4 formats on an imported (and exported, reloaded) model: experiments.reproduce.hf's table."""
     directory = os.path.join(FIXTURES, "qwen3")
     reference = np.load(os.path.join(directory, "reference.npz"))
@@ -214,6 +222,45 @@ def test_an_imported_checkpoint_is_a_run_that_serves_through_the_paged_cache(tmp
     request = engine.submit(reference["greedy_prompt"].tolist(), 12)  # (a CPU engine step takes ~0.2 s)
     engine.run()
     np.testing.assert_array_equal(request.output, reference["greedy"][:12])
+    flags = ["--kv-format", "bf16", "--kv-memory-mib", "1", "--max-num-batched-tokens", "16", "--max-model-len", "64"]
+    command = [sys.executable, "-m", "experiments.serve", "--http", "--workdir", str(workdir), "--port", "0", *flags]
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(FIXTURES) + "/../..")
+    try:
+        url = _listening_url(server)
+        body = {
+            "prompt": reference["greedy_prompt"].tolist(),
+            "max_tokens": 6,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
+        post = urllib.request.Request(
+            url + "/completions", json.dumps(body).encode(), {"content-type": "application/json"}
+        )
+        with urllib.request.urlopen(post, timeout=60) as response:
+            choice = json.loads(response.read())["choices"][0]
+        assert choice["token_ids"] == reference["greedy"][:6].tolist() and choice["finish_reason"] == "length"
+    finally:
+        server.send_signal(signal.SIGINT)
+        status = server.wait(30)
+        rest = server.stderr.read() if server.stderr else ""
+    assert status == 0, rest  # Ctrl-C stops it cleanly
+
+
+def _listening_url(server: subprocess.Popen, timeout: float = 120.0) -> str:
+    """The base URL `experiments.serve --http` prints on stderr once it listens (fails if it exits or times out)."""
+    assert server.stderr is not None
+    deadline, lines = time.monotonic() + timeout, []
+    with selectors.DefaultSelector() as selector:
+        selector.register(server.stderr, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if selector.select(timeout=1.0):
+                line = server.stderr.readline()
+                lines.append(line)
+                if found := re.search(r"serving `[^`]*` on (http://\S+/v1)", line):
+                    return found.group(1)
+                if not line:
+                    break
+    raise AssertionError(f"the server did not start: {''.join(lines)}")
 
 
 def test_imported_parameters_are_created_in_their_shardings():

@@ -421,3 +421,24 @@ def test_a_tensor_parallel_run_loads_and_serves_on_one_device(tmp_path, capsys, 
     assert compiles and not any(compiles), compiles
     lines = out.splitlines()
     assert lines[0] == "--- request 0:" and lines[1].startswith("ab") and lines[2] == "--- request 1:", out
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["--port=70000"], ["--port", "'70000' is not an integer >= 0 and <= 65535"]),
+        (["--max-model-len=300"], ["--max-model-len=300 must be >= 2 x --max-num-batched-tokens = 512"]),
+        (["--site=1"], ["--site=1: the run has 1 site(s); allowed 0..0"]),
+        (["--kv-memory-mib=0.0001"], ["--kv-memory-mib=0.0001 holds no KV block"]),
+        (["--chat-template=missing.jinja"], ["--chat-template='missing.jinja' cannot be read"]),
+        (["--chat-template=bad.jinja"], ["the chat template from bad.jinja does not compile"]),
+        (["--scale-rule=mx"], ["--scale-rule=mx applies to the fp4 KV format only"]),
+    ],
+)
+def test_http_flags_are_refused_before_anything_loads(capsys, a_run, nothing_loads, args, needles):
+    """`serve --http`: each bad flag is one `error:` line (exit 2) naming it, before the model loads."""
+    pathlib.Path("bad.jinja").write_text("{% for m in messages %}{{ m.content }")
+    code, _, err = serve_main(capsys, "--http", *args)
+    assert code == 2 and "error" in err and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, err

@@ -191,17 +191,18 @@ def add_parts(p: argparse.ArgumentParser, parts: Sequence[str]) -> None:
     )
 
 
-def integer(minimum: int = 1, *, multiple_of: int = 1) -> Callable[[str], int]:
-    """An argparse `type`: an integer >= `minimum` that is a multiple of `multiple_of`; otherwise argparse reports
-    the flag, the value and this rule."""
-    rule = f"an integer >= {minimum}" + (f" and a multiple of {multiple_of}" if multiple_of > 1 else "")
+def integer(minimum: int = 1, *, multiple_of: int = 1, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse `type`: an integer >= `minimum` (and <= `maximum` if given) that is a multiple of `multiple_of`;
+    otherwise argparse reports the flag, the value and this rule."""
+    rule = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+    rule += f" and a multiple of {multiple_of}" if multiple_of > 1 else ""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = None
-        if value is None or value < minimum or value % multiple_of:
+        if value is None or value < minimum or value % multiple_of or (maximum is not None and value > maximum):
             raise argparse.ArgumentTypeError(f"{text!r} is not {rule}")
         return value
 

@@ -1,0 +1,111 @@
+"""Chat templates: messages -> the prompt's token ids, as transformers' `apply_chat_template` makes them.
+
+The template is a Jinja2 string: `--chat-template FILE` if given, else the tokenizer's (`chat_template` in the
+tokenizer_config.json beside its tokenizer.json: a string, or a list of named templates of which "default" is used;
+or a chat_template.jinja file there). It is rendered as transformers renders it: a sandboxed environment with
+trim_blocks and lstrip_blocks, the variables `messages`, `add_generation_prompt=True`, `bos_token` and `eos_token`,
+and `raise_exception(message)`. The text is then tokenized with the special tokens' names read as the specials (a
+template writes `<|im_start|>` for that token), and no BOS is added: templates write their own.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import jinja2
+
+    from core.tokenizer import Tokenizer
+
+__all__ = ["ChatTemplate", "TemplateError", "find_template"]
+
+TEMPLATE_FILE = "chat_template.jinja"
+
+
+class TemplateError(ValueError):
+    """A template that cannot be read, compiled or rendered (its message names the source and the reason)."""
+
+
+def find_template(tokenizer_spec: str) -> tuple[str, str] | None:
+    """(template, where it came from) of the tokenizer `data.tokenizer = tokenizer_spec` names, or None ('bytes',
+    or a tokenizer without one). Raises TemplateError for a config whose `chat_template` has no usable template."""
+    if tokenizer_spec == "bytes":
+        return None
+    directory = tokenizer_spec if os.path.isdir(tokenizer_spec) else os.path.dirname(tokenizer_spec)
+    config_file = os.path.join(directory, "tokenizer_config.json")
+    if os.path.isfile(config_file):
+        with open(config_file, encoding="utf-8") as f:
+            template = json.load(f).get("chat_template")
+        if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+            if template is None:
+                raise TemplateError(
+                    f"{config_file}: chat_template lists templates {sorted(map(str, named))} but none named "
+                    "'default'; pass --chat-template FILE"
+                )
+        if isinstance(template, str):
+            return template, f"{config_file} (chat_template)"
+    jinja_file = os.path.join(directory, TEMPLATE_FILE)
+    if os.path.isfile(jinja_file):
+        with open(jinja_file, encoding="utf-8") as f:
+            return f.read(), jinja_file
+    return None
+
+
+class ChatTemplate:
+    """A compiled chat template for `tokenizer` (module docstring). Raises TemplateError naming `source` if the
+    template does not compile."""
+
+    def __init__(self, template: str, tokenizer: Tokenizer, *, source: str):
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(f"the chat template refused the messages: {message}")
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+        env.globals.update(
+            raise_exception=raise_exception,
+            strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt),
+        )
+        try:
+            self._template: jinja2.Template = env.from_string(template)
+        except jinja2.TemplateError as e:
+            raise TemplateError(f"the chat template from {source} does not compile: {e}") from None
+        self.tokenizer, self.source = tokenizer, source
+        names = {v: k for k, v in tokenizer.special_tokens.items()}
+        bos = "" if tokenizer.bos_id is None else names.get(tokenizer.bos_id, "")
+        self._names = {"bos_token": bos, "eos_token": names.get(tokenizer.eos_id, "")}
+        specials = sorted(tokenizer.special_tokens, key=len, reverse=True)  # longest first: no name eats another
+        self._split = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
+
+    def render(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt's text for `messages` (dicts with role and content), ending with the assistant's turn."""
+        import jinja2
+
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=True, **self._names)
+        except TemplateError:
+            raise
+        except jinja2.TemplateError as e:
+            raise TemplateError(f"the chat template from {self.source} failed on these messages: {e}") from None
+
+    def encode(self, messages: list[dict[str, Any]]) -> list[int]:
+        """`render(messages)` as token ids: special tokens' names become their ids, the rest is text (no BOS added)."""
+        text, ids = self.render(messages), []
+        specials = self.tokenizer.special_tokens
+        pieces = self._split.split(text) if self._split is not None else [text]
+        for piece in pieces:
+            if piece in specials:
+                ids.append(specials[piece])
+            elif piece:
+                ids += self.tokenizer.encode(piece, bos=False).tolist()
+        return ids

@@ -1,0 +1,274 @@
+"""The engine in a thread of its own, stepping while there is work, and its requests' outputs as asyncio streams.
+
+    runner = EngineRunner(engine, tokenizer, max_waiting=256, metrics=ServerMetrics(...))
+    runner.start()
+    stream = runner.submit(prompt_ids, max_new_tokens, SamplingParams(...), stop=("\\n\\n",))   # on the event loop
+    async for event in stream: ...                                                            # Event, Event, ...
+    runner.abort(stream)                                                                      # client gone
+    runner.stop()
+
+Only the engine thread touches the engine: `submit` and `abort` post commands that it carries out between two steps,
+so an HTTP handler never waits for a step. What a submission can be refused for is decided at once, on the caller's
+thread, from the engine's fixed limits (`Scheduler.check`: max_model_len, the pool; the vocabulary) and the queue's
+length (`QueueFull` when `max_waiting` requests are already queued and not yet running).
+
+After every step the thread publishes each request's new tokens as an `Event` to its stream's asyncio queue
+(`loop.call_soon_threadsafe`): the text they complete (core.tokenizer.StreamDecoder: a character split over tokens
+comes out whole), their ids and log-probabilities, and on the last event the finish reason and token counts.
+Stop strings end a request at their first occurrence in its text: the text is cut before it, the request is
+finished in the engine ("stop") and its blocks freed; while it runs, the last `len(longest stop) - 1` characters
+are held back, so no event ever carries text that a stop string then cuts away.
+
+If a step raises (a bug, not a client's input: that is refused before it reaches the engine), every open stream
+receives an Event with `error` set, the runner stops accepting requests and `healthy` turns False.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import queue
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
+
+from core.tokenizer import StreamDecoder
+
+if TYPE_CHECKING:
+    from core.tokenizer import Tokenizer
+    from experiments.server.metrics import ServerMetrics
+    from kvcache.engine import Engine, Request, SamplingParams
+
+__all__ = ["EngineRunner", "Event", "QueueFull", "Stream"]
+
+
+class QueueFull(Exception):
+    """The bounded queue holds `max_waiting` requests; `retry_after` (seconds) is a hint for the client."""
+
+    def __init__(self, waiting: int, retry_after: int):
+        super().__init__(f"the server's queue is full ({waiting} requests waiting); retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+@dataclasses.dataclass
+class Event:
+    """New output of one request. `text` extends what came before (after stop-string cutting); `token_ids`,
+    `logprobs` and `top_logprobs` are its new tokens' (the last two with SamplingParams.logprobs). The last event of
+    a request has `finish_reason` ("stop", "length" or "abort") and the counts; `error` ends a stream abnormally."""
+
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+class Stream:
+    """One request's events, in order, as an async iterator that ends after the last one (`finish_reason` or
+    `error` set). Created by `EngineRunner.submit` on the running event loop."""
+
+    def __init__(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        stop: Sequence[str],
+        decoder: StreamDecoder,
+        ignore_eos: bool = False,
+    ):
+        self.prompt, self.max_new_tokens, self.sampling, self.stop = prompt, max_new_tokens, sampling, tuple(stop)
+        self.ignore_eos = ignore_eos
+        self.arrival = time.perf_counter()
+        self.request: Request | None = None  # set by the engine thread when it submits it
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._decoder = decoder
+        self._text = ""  # decoded so far (cut at a stop string)
+        self._sent_text = 0  # characters of _text already published
+        self._sent_tokens = 0
+        self.done = False  # (engine thread) the last event was published
+        self.queued = True  # (engine thread) counted in the runner's queue: not yet admitted by the engine
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[Event]:
+        while True:
+            event = await self._queue.get()
+            yield event
+            if event.finish_reason is not None or event.error is not None:
+                return
+
+    def _put(self, event: Event) -> None:
+        with contextlib.suppress(RuntimeError):  # a closed event loop: the server is shutting down, nobody reads
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+
+class EngineRunner:
+    """Runs `engine` on a daemon thread (module docstring). `max_waiting`: requests submitted and not yet running
+    at most, beyond which `submit` raises QueueFull."""
+
+    def __init__(
+        self, engine: Engine, tokenizer: Tokenizer, *, max_waiting: int = 256, metrics: ServerMetrics | None = None
+    ):
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting = {max_waiting}; must be >= 1")
+        self.engine, self.tokenizer, self.max_waiting, self.metrics = engine, tokenizer, max_waiting, metrics
+        self._inbox: queue.SimpleQueue[tuple[str, Stream | None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._queued = 0  # submitted and not yet admitted (guarded by _lock)
+        self._streams: list[Stream] = []  # (engine thread) submitted, not done
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.error: str | None = None  # the traceback that stopped the engine thread
+
+    # ------------------------------------------------------------------------------------------- any thread
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ends the engine thread after its current step (open streams get no more events)."""
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout)
+
+    def submit(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        *,
+        stop: Sequence[str] = (),
+        ignore_eos: bool = False,
+    ) -> Stream:
+        """Queues a request (call it on the event loop that reads the stream). Raises ValueError naming the limit
+        if it can never be served (a token outside the vocabulary, longer than max_model_len or the pool), QueueFull
+        if the queue is full, RuntimeError if the engine has stopped; nothing is queued then."""
+        vocab = self.engine.vocab_size
+        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token at position {bad} is {prompt[bad]}, outside [0, {vocab}) (the vocabulary)")
+        self.engine.check(len(prompt), max_new_tokens)
+        if not self.healthy:
+            raise RuntimeError(f"the engine has stopped: {self.error or 'not running'}")
+        with self._lock:
+            if self._queued >= self.max_waiting:
+                raise QueueFull(self._queued, retry_after=1)
+            self._queued += 1
+        stream = Stream(prompt, max_new_tokens, sampling, stop, StreamDecoder(self.tokenizer), ignore_eos)
+        self._inbox.put(("submit", stream))
+        return stream
+
+    def abort(self, stream: Stream) -> None:
+        """Ends `stream`'s request (if it still runs) and frees its blocks before the engine's next step."""
+        self._inbox.put(("abort", stream))
+
+    # ------------------------------------------------------------------------------------------- engine thread
+
+    def _run(self) -> None:
+        try:
+            while True:
+                # idle: block until a command comes; busy: take what came and step
+                commands = [] if self.engine.has_work else [self._inbox.get()]
+                while not self._inbox.empty():
+                    commands.append(self._inbox.get())
+                for command, stream in commands:
+                    if command == "stop":
+                        return
+                    assert stream is not None
+                    if command == "submit":
+                        self._submit(stream)
+                    else:
+                        self._finish(stream, "abort")
+                if self.engine.has_work:
+                    self.engine.step()
+                self._publish()
+        except Exception:
+            self.error = traceback.format_exc()
+            for stream in self._streams:
+                stream._put(Event(error=self.error.strip().splitlines()[-1]))
+            self._streams.clear()
+
+    def _submit(self, stream: Stream) -> None:
+        stream.request = self.engine.submit(
+            stream.prompt,
+            stream.max_new_tokens,
+            arrival=stream.arrival,
+            sampling=stream.sampling,
+            ignore_eos=stream.ignore_eos,
+        )
+        self._streams.append(stream)
+
+    def _finish(self, stream: Stream, reason: str) -> None:
+        if stream.request is not None and not stream.done:
+            self.engine.finish(stream.request, reason)
+
+    def _publish(self) -> None:
+        waiting = {id(r) for r in self.engine.waiting}
+        admitted = 0
+        for stream in self._streams:
+            request = stream.request
+            assert request is not None
+            if stream.queued and id(request) not in waiting:
+                stream.queued, admitted = False, admitted + 1
+            new = request.output[stream._sent_tokens :]
+            if not new and not request.finished:
+                continue
+            if self.metrics is not None:
+                self.metrics.observe_tokens(request, stream._sent_tokens)
+            event = Event(
+                token_ids=list(new),
+                logprobs=request.logprobs[stream._sent_tokens :],
+                top_logprobs=request.top_logprobs[stream._sent_tokens :],
+            )
+            stream._sent_tokens = len(request.output)
+            stream._text += stream._decoder.feed(new)
+            cut = _first_stop(stream._text, stream.stop, start=stream._sent_text)
+            if cut is not None:
+                stream._text = stream._text[:cut]
+                self._finish(stream, "stop")
+            if request.finished:
+                if cut is None and request.finish_reason != "abort":
+                    stream._text += stream._decoder.flush()
+                    cut = _first_stop(stream._text, stream.stop, start=stream._sent_text)  # in a held-back tail
+                    stream._text = stream._text if cut is None else stream._text[:cut]
+                end = len(stream._text)
+                event.finish_reason = request.finish_reason
+                event.prompt_tokens, event.completion_tokens = len(request.prompt), len(request.output)
+                event.cached_tokens = request.cached_tokens
+            else:
+                end = len(stream._text) - max((len(s) - 1 for s in stream.stop), default=0)
+            if end > stream._sent_text:
+                event.text, stream._sent_text = stream._text[stream._sent_text : end], end
+            if event.text or event.token_ids or event.finish_reason:
+                stream._put(event)
+            if request.finished:
+                stream.done = True
+                if self.metrics is not None:
+                    self.metrics.observe_finished(request)
+        self._streams = [s for s in self._streams if not s.done]
+        with self._lock:
+            self._queued -= admitted
+        if self.metrics is not None:
+            self.metrics.observe_engine(self.engine, queued=self._queued)
+
+
+def _first_stop(text: str, stops: Sequence[str], *, start: int) -> int | None:
+    """Where the first occurrence in `text` of any of `stops` begins, or None. `text[:start]` was published, so it
+    holds no whole stop string: an occurrence begins at most len(stop) - 1 characters before `start`."""
+    found = [i for s in stops if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
+    return min(found) if found else None
