@@ -7,6 +7,7 @@ cache exactly as far as its token ids share full blocks."""
 import asyncio
 import http.client
 import json
+import pathlib
 import re
 import socket
 import time
@@ -399,3 +400,17 @@ def _common(a, b) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
+
+
+def test_the_readme_client_example_streams_what_a_plain_request_returns(servers, capsys):
+    """The README's openai-client snippet, pointed at this server, prints the text a non-streamed request with the
+    same seed returns."""
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Serving over HTTP") :]
+    snippet = re.search(r"```python\n(.*?)```", section[: section.index("\n## ", 3)], re.S)
+    assert snippet is not None
+    url, _ = servers["fp8"]
+    code = snippet.group(1).replace("http://127.0.0.1:8000", url).replace('"quickstart"', '"tiny"')
+    exec(compile(code, "README.md", "exec"), {"__name__": "readme_snippet"})
+    whole = client(url).completions.create(model="tiny", prompt="def ", max_tokens=40, seed=0)
+    assert capsys.readouterr().out == whole.choices[0].text and len(whole.choices[0].text) > 10
