@@ -143,7 +143,9 @@ async def drive(url: str, workload, progress=None) -> tuple[list[dict], float]:
             for r in range(workload.rounds):
                 prompt = conv.history + conv.inputs[r]
                 sent = time.perf_counter()
-                first, ids, cached = None, [], 0
+                first: float | None = None
+                ids: list[int] = []
+                cached = 0
                 stream = await client.completions.create(
                     model=model,
                     prompt=prompt,
