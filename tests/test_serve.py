@@ -229,7 +229,8 @@ def test_help_shows_every_flag_with_its_default(capsys, monkeypatch):
         "--seed": "0",
         "--site": "0",
     }
-    assert set(helps) == {"--help", "--workdir", "--prompt", *defaults}, helps
+    assert set(helps) == {"--help", "--workdir", "--prompt", "--http", *defaults}, helps
+    assert "OpenAI API over HTTP" in helps["--http"]
     for flag, default in defaults.items():
         assert helps[flag].endswith(f"(default: {default})") and len(helps[flag]) > 20, (flag, helps[flag])
     assert "default" not in helps["--workdir"] + helps["--prompt"]  # required: no "(default: None)"
