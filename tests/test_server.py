@@ -414,3 +414,32 @@ def test_the_readme_client_example_streams_what_a_plain_request_returns(servers,
     exec(compile(code, "README.md", "exec"), {"__name__": "readme_snippet"})
     whole = client(url).completions.create(model="tiny", prompt="def ", max_tokens=40, seed=0)
     assert capsys.readouterr().out == whole.choices[0].text and len(whole.choices[0].text) > 10
+
+
+def test_an_engine_failure_answers_500_then_503_and_health_says_so(model, monkeypatch):
+    """A step that raises (a bug, not a client's input) ends every open request with a server error in OpenAI's
+    format; the runner stops accepting requests (503) and /health answers 503 with the error."""
+    from experiments.server.metrics import ServerMetrics
+    from experiments.server.runner import EngineRunner
+
+    fmt = formats.get("bf16")
+    engine = Engine(model, fmt, engine_config(fmt))
+
+    def broken(batch):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(engine, "_execute", broken)
+    runner = EngineRunner(engine, TOK, metrics=ServerMetrics("tiny"))
+    runner.start()
+    try:
+        with cli.serve_in_thread(create_app(runner, TOK, model_name="tiny")) as url:
+            code, _, error = post(url, "/v1/completions", {"prompt": "a", "max_tokens": 3})
+            assert code == 500 and "injected failure" in error["error"]["message"]
+            assert error["error"]["type"] == "server_error"
+            code, _, error = post(url, "/v1/completions", {"prompt": "a", "max_tokens": 3})
+            assert code == 503 and "the engine has stopped" in error["error"]["message"]
+            with pytest.raises(urllib.error.HTTPError) as health:
+                urllib.request.urlopen(url + "/health")
+            assert health.value.code == 503 and "injected failure" in json.loads(health.value.read())["error"]
+    finally:
+        runner.stop()
