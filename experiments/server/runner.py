@@ -89,11 +89,10 @@ class Stream:
         self.request: Request | None = None  # set by the engine thread when it submits it
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
-        self._decoder = decoder
-        self._text = ""  # decoded so far (cut at a stop string)
-        self._sent_text = 0  # characters of _text already published
-        self._sent_tokens = 0
-        self.done = False  # (engine thread) the last event was published
+        # the engine thread's bookkeeping: the text decoded so far (cut at a stop string), how much of it and of the
+        # request's tokens was published, whether the last event was
+        self.decoder, self.text, self.sent_text, self.sent_tokens = decoder, "", 0, 0
+        self.done = False
         self.queued = True  # (engine thread) counted in the runner's queue: not yet admitted by the engine
 
     def __aiter__(self) -> AsyncIterator[Event]:
@@ -106,7 +105,8 @@ class Stream:
             if event.finish_reason is not None or event.error is not None:
                 return
 
-    def _put(self, event: Event) -> None:
+    def put(self, event: Event) -> None:
+        """Hands `event` to the reader (from any thread)."""
         with contextlib.suppress(RuntimeError):  # a closed event loop: the server is shutting down, nobody reads
             self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
 
@@ -200,7 +200,7 @@ class EngineRunner:
         except Exception:
             self.error = traceback.format_exc()
             for stream in self._streams:
-                stream._put(Event(error=self.error.strip().splitlines()[-1]))
+                stream.put(Event(error=self.error.strip().splitlines()[-1]))
             self._streams.clear()
 
     def _submit(self, stream: Stream) -> None:
@@ -225,37 +225,37 @@ class EngineRunner:
             assert request is not None
             if stream.queued and id(request) not in waiting:
                 stream.queued, admitted = False, admitted + 1
-            new = request.output[stream._sent_tokens :]
+            new = request.output[stream.sent_tokens :]
             if not new and not request.finished:
                 continue
             if self.metrics is not None:
-                self.metrics.observe_tokens(request, stream._sent_tokens)
+                self.metrics.observe_tokens(request, stream.sent_tokens)
             event = Event(
                 token_ids=list(new),
-                logprobs=request.logprobs[stream._sent_tokens :],
-                top_logprobs=request.top_logprobs[stream._sent_tokens :],
+                logprobs=request.logprobs[stream.sent_tokens :],
+                top_logprobs=request.top_logprobs[stream.sent_tokens :],
             )
-            stream._sent_tokens = len(request.output)
-            stream._text += stream._decoder.feed(new)
-            cut = _first_stop(stream._text, stream.stop, start=stream._sent_text)
+            stream.sent_tokens = len(request.output)
+            stream.text += stream.decoder.feed(new)
+            cut = _first_stop(stream.text, stream.stop, start=stream.sent_text)
             if cut is not None:
-                stream._text = stream._text[:cut]
+                stream.text = stream.text[:cut]
                 self._finish(stream, "stop")
             if request.finished:
                 if cut is None and request.finish_reason != "abort":
-                    stream._text += stream._decoder.flush()
-                    cut = _first_stop(stream._text, stream.stop, start=stream._sent_text)  # in a held-back tail
-                    stream._text = stream._text if cut is None else stream._text[:cut]
-                end = len(stream._text)
+                    stream.text += stream.decoder.flush()
+                    cut = _first_stop(stream.text, stream.stop, start=stream.sent_text)  # in a held-back tail
+                    stream.text = stream.text if cut is None else stream.text[:cut]
+                end = len(stream.text)
                 event.finish_reason = request.finish_reason
                 event.prompt_tokens, event.completion_tokens = len(request.prompt), len(request.output)
                 event.cached_tokens = request.cached_tokens
             else:
-                end = len(stream._text) - max((len(s) - 1 for s in stream.stop), default=0)
-            if end > stream._sent_text:
-                event.text, stream._sent_text = stream._text[stream._sent_text : end], end
+                end = len(stream.text) - max((len(s) - 1 for s in stream.stop), default=0)
+            if end > stream.sent_text:
+                event.text, stream.sent_text = stream.text[stream.sent_text : end], end
             if event.text or event.token_ids or event.finish_reason:
-                stream._put(event)
+                stream.put(event)
             if request.finished:
                 stream.done = True
                 if self.metrics is not None:
