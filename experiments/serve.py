@@ -138,7 +138,6 @@ def main(argv=None) -> int:
                 "which is neither UTF-8 text nor an escaped byte; allowed: text or raw bytes"
             )
 
-    from core.checkpoint import CheckpointError
     from core.tokenizer import StreamDecoder, TokenizerError
     from experiments import build, load
     from kvcache.engine import Engine
@@ -158,14 +157,9 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"kv format: {source}", file=sys.stderr)
-    try:
-        _, model = load.trained_model(args.workdir, site=args.site)
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    model, status = load_model(args.workdir, args.site)
+    if model is None:
+        return status
     try:
         engine = Engine(model, fmt, config)
     except RuntimeError as e:  # jax.errors.JaxRuntimeError: the device has not that much memory
@@ -207,6 +201,22 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def load_model(workdir: str, site: int):
+    """(the run's model, 0), or (None, exit status) after an `error:` line: 1 a damaged checkpoint, 2 a workdir that is
+    not a finished run or lacks the site."""
+    from core.checkpoint import CheckpointError
+    from experiments import load
+
+    try:
+        return load.trained_model(workdir, site=site)[1], 0
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None, 1
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None, 2
 
 
 def warm_up(engine) -> float:

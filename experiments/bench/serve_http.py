@@ -27,9 +27,11 @@ import asyncio
 import os
 import re
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -111,6 +113,8 @@ def start_server(workdir: str, name: str, mib: float, workload) -> tuple[subproc
                 break
             lines.append(line)
             if found := re.search(r"serving `([^`]*)` on (http://\S+/v1)", line):
+                # keep reading its stderr (to ours), so that a full pipe can never block it
+                threading.Thread(target=shutil.copyfileobj, args=(server.stderr, sys.stderr), daemon=True).start()
                 return server, found.group(2)
     server.kill()
     raise RuntimeError(f"the server did not start:\n{''.join(lines)}")

@@ -91,7 +91,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from core.checkpoint import CheckpointError
     from core.tokenizer import TokenizerError
     from experiments import build, load, serve
     from experiments.server.chat import TemplateError
@@ -108,14 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"kv format: {source}", file=sys.stderr)
     print(f"chat template: {chat.source if chat else 'none (chat completions answer 400)'}", file=sys.stderr)
-    try:
-        _, model = load.trained_model(args.workdir, site=args.site)
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    model, status = serve.load_model(args.workdir, args.site)
+    if model is None:
+        return status
     name = args.served_model_name or os.path.basename(os.path.normpath(args.workdir))
     try:
         sock = _bind(args.host, args.port)

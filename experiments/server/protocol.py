@@ -11,6 +11,7 @@ Errors are OpenAI's shape: {"error": {"message", "type", "param", "code"}}; `par
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -21,6 +22,27 @@ __all__ = ["ChatCompletionRequest", "CompletionRequest", "error_body"]
 
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_N = 16  # completions per prompt
+
+
+NEUTRAL: dict[
+    str, tuple[Any, ...]
+] = {  # parameters this server does not implement -> the values that ask for nothing (and are accepted)
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "logit_bias": (None, {}),
+    "echo": (False,),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+}
+
+
+def _neutral(value, info: ValidationInfo):
+    """Refuses a value of an unimplemented parameter other than its neutral ones (NEUTRAL)."""
+    allowed = NEUTRAL[info.field_name or ""]
+    if value not in allowed:
+        shown = " or ".join(json.dumps(a) for a in allowed)
+        raise ValueError(f"{info.field_name} is not implemented by this server; allowed: {shown}")
+    return value
 
 
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None, code=None) -> dict:
@@ -62,19 +84,7 @@ class _Sampling(BaseModel):
             raise ValueError(f"at most {MAX_STOP} non-empty stop strings")
         return stops
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value):
-        if value != 0:
-            raise ValueError("penalties are not implemented by this server; allowed: 0")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_bias(cls, value):
-        if value:
-            raise ValueError("logit_bias is not implemented by this server; allowed: null or {}")
-        return value
+    _unimplemented = field_validator("presence_penalty", "frequency_penalty", "logit_bias")(_neutral)
 
     @field_validator("stream_options")
     @classmethod
@@ -106,32 +116,13 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     best_of: int | None = None
 
+    _unimplemented_here = field_validator("echo", "suffix", "best_of")(_neutral)
+
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, value):
         if isinstance(value, list) and (not value or any(isinstance(p, list) and not p for p in value)):
             raise ValueError("a prompt must not be empty")
-        return value
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value):
-        if value:
-            raise ValueError("echo is not implemented by this server; allowed: false")
-        return value
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value):
-        if value:
-            raise ValueError("suffix (insertion) is not implemented by this server; allowed: null")
-        return value
-
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, value):
-        if value not in (None, 1):
-            raise ValueError("best_of > 1 is not implemented by this server; allowed: null or 1")
         return value
 
     def prompts(self) -> list[str | list[int]]:
