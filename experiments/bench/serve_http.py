@@ -1,7 +1,7 @@
 """The OpenAI-compatible server under the multi-round agent workload: bf16 / fp8 / fp4 KV at the same KV memory
 through HTTP with N concurrent clients, and the HTTP layer's cost against the in-process engine.
 
-    python -m experiments.bench.serve_http [--out runs/bench] [--clients 32] [--kv-memory-mib 8]
+    python -m experiments.bench.serve_http [--out runs/bench] [--clients 32] [--kv-memory-mib 6]
         [--formats bf16,fp8,fp4] [--model-out runs/kvcache]
 
 The model is the trained quickstart model of `experiments.reproduce.kvcache` (reused from `<--model-out>/runs/model`,
@@ -82,7 +82,16 @@ def in_process(model, name: str, memory_bytes: int, workload) -> dict:
     common.compiling(f"the engine's step programs ({name} KV, in-process)")
     engine.warmup()
     result = workload_lib.run(engine, workload)
-    return summarize(result["records"], result["seconds"], workload.rounds)
+    return {**summarize(result["records"], result["seconds"], workload.rounds), "steps": engine.stats["steps"]}
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    """The server's engine steps and seconds spent in them, from its /metrics."""
+    import urllib.request
+
+    text = urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=30).read().decode()
+    found = dict(re.findall(r"^lowbit_(engine_steps_total|engine_step_seconds_total)\{[^}]*\} (\S+)$", text, re.M))
+    return {"steps": float(found["engine_steps_total"]), "step_seconds": float(found["engine_step_seconds_total"])}
 
 
 def start_server(workdir: str, name: str, mib: float, workload) -> tuple[subprocess.Popen, str]:
@@ -218,8 +227,9 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--kv-memory-mib",
         type=common.number(0.0, low_open=True),
-        default=8.0,
-        help="KV memory of every format, in MiB (8: bf16 holds about half of 32 clients' histories, fp4 all)",
+        default=6.0,
+        help="KV memory of every format, in MiB (6 MiB holds 6,144 bf16, ~11,500 fp8 and ~23,000 fp4 tokens of the "
+        "model; 32 clients' histories grow to ~16,000)",
     )
     parser.add_argument(
         "--formats",
@@ -252,9 +262,11 @@ def main(argv=None) -> None:
                     print(f"  {name} over HTTP: {done}/{total} requests", flush=True)
 
             records, seconds = asyncio.run(drive(url, workload, progress))
+            counters = engine_counters(url)
         finally:
             stop_server(server)
         http = summarize(records, seconds, workload.rounds)
+        http["steps"], http["busy"] = int(counters["steps"]), counters["step_seconds"] / seconds
         http["cost"] = 1 - http["output_throughput"] / local["output_throughput"]
         results[name] = {"in_process": local, "http": http}
         print(
@@ -289,16 +301,18 @@ def markdown(s: dict) -> str:
         f"{s['load_average']['before'][0]:.2f} before, {s['load_average']['after'][0]:.2f} after.",
         "",
         "| KV | path | P50 TTFT (ms) | P90 TTFT (ms) | later rounds P50 TTFT (ms) | output tok/s | KV hit rate | "
-        "HTTP cost |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "engine steps | engine busy | HTTP cost |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in s["formats"].items():
         for path, label in (("in_process", "in-process"), ("http", "HTTP")):
             x = r[path]
             cost = f"{100 * x['cost']:.1f}%" if "cost" in x else ""
+            busy = f"{100 * x['busy']:.0f}%" if "busy" in x else ""
             lines.append(
                 f"| {name} | {label} | {1e3 * x['ttft_p50']:.0f} | {1e3 * x['ttft_p90']:.0f} | "
-                f"{1e3 * x['late_ttft_p50']:.0f} | {x['output_throughput']:.1f} | {100 * x['hit_rate']:.0f}% | {cost} |"
+                f"{1e3 * x['late_ttft_p50']:.0f} | {x['output_throughput']:.1f} | {100 * x['hit_rate']:.0f}% | "
+                f"{x['steps']} | {busy} | {cost} |"
             )
     costs = {name: r["http"]["cost"] for name, r in s["formats"].items()}
     worst = max(costs, key=lambda k: costs[k])
@@ -307,6 +321,8 @@ def markdown(s: dict) -> str:
     )
     lines += [
         "",
+        "Engine busy: the server's seconds in engine steps / the workload's wall seconds (the rest it waited for "
+        "requests). "
         f"HTTP cost = 1 - HTTP output throughput / in-process output throughput (the client runs on the same cores). "
         f"Goal: at most {100 * s['goal_cost']:.0f}% at 32 clients; the largest here, {100 * costs[worst]:.1f}% "
         f"({worst}), {verdict}.",

@@ -9,6 +9,8 @@ them after every step (experiments.server.runner); names follow vLLM's where one
   lowbit_prefix_cache_hit_rate                     gauge: prompt tokens found in the prefix cache / prompt tokens
   lowbit_prefix_cache_queries_total / _hits_total  counters of prompt tokens (rate() of their ratio = hit rate)
   lowbit_num_preemptions_total                     counter
+  lowbit_engine_steps_total / _step_seconds_total  counters: engine steps, and the seconds spent in them (their
+                                                   rate over wall time = how busy the engine is)
   lowbit_time_to_first_token_seconds               histogram: from the HTTP request's arrival to its first token
   lowbit_inter_token_latency_seconds               histogram: between consecutive tokens of a request
   lowbit_request_success_total{finished_reason}    counter: stop / length / abort
@@ -52,6 +54,8 @@ class ServerMetrics:
         self.queries = counter("prefix_cache_queries", "prompt tokens looked up in the prefix cache")
         self.hits = counter("prefix_cache_hits", "prompt tokens found in the prefix cache")
         self.preemptions = counter("num_preemptions", "requests preempted (blocks released, recomputed later)")
+        self.steps = counter("engine_steps", "engine steps (one forward pass each)")
+        self.step_seconds = counter("engine_step_seconds", "seconds spent in engine steps")
         self.prompt_tokens = counter("prompt_tokens", "prompt tokens of finished requests")
         self.generation_tokens = counter("generation_tokens", "tokens generated")
         self.ttft = Histogram(
@@ -90,8 +94,12 @@ class ServerMetrics:
         self._finished.labels(**self._labels, finished_reason=request.finish_reason).inc()
         self.prompt_tokens.inc(len(request.prompt))
 
-    def observe_engine(self, engine: Engine, *, queued: int) -> None:
-        """The engine's state after a step; `queued`: requests submitted and not yet running."""
+    def observe_engine(self, engine: Engine, *, queued: int, step_seconds: float) -> None:
+        """The engine's state after a step that took `step_seconds` (0: no step ran); `queued`: requests submitted
+        and not yet running."""
+        if step_seconds:
+            self.steps.inc()
+            self.step_seconds.inc(step_seconds)
         blocks = engine.blocks
         self.running.set(len(engine.running))
         self.waiting.set(queued)

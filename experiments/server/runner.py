@@ -194,9 +194,12 @@ class EngineRunner:
                         self._submit(stream)
                     else:
                         self._finish(stream, "abort")
+                took = 0.0
                 if self.engine.has_work:
+                    started = time.perf_counter()
                     self.engine.step()
-                self._publish()
+                    took = time.perf_counter() - started
+                self._publish(took)
         except Exception:
             self.error = traceback.format_exc()
             for stream in self._streams:
@@ -217,7 +220,7 @@ class EngineRunner:
         if stream.request is not None and not stream.done:
             self.engine.finish(stream.request, reason)
 
-    def _publish(self) -> None:
+    def _publish(self, step_seconds: float) -> None:
         waiting = {id(r) for r in self.engine.waiting}
         admitted = 0
         for stream in self._streams:
@@ -264,7 +267,7 @@ class EngineRunner:
         with self._lock:
             self._queued -= admitted
         if self.metrics is not None:
-            self.metrics.observe_engine(self.engine, queued=self._queued)
+            self.metrics.observe_engine(self.engine, queued=self._queued, step_seconds=step_seconds)
 
 
 def _first_stop(text: str, stops: Sequence[str], *, start: int) -> int | None:
