@@ -351,7 +351,8 @@ def plot(s: dict, path: str) -> None:
         stats = (("ttft_p50", "P50"), ("ttft_p90", "P90"), ("late_ttft_p50", "later rounds P50"))
         for i, (key, label) in enumerate(stats):
             right.bar(x + (i - 1) * 0.27, [1e3 * s["formats"][n]["http"][key] for n in names], 0.27, label=label)
-        right.set_ylabel("time to first token over HTTP (ms)")
+        right.set_yscale("log")
+        right.set_ylabel("time to first token over HTTP (ms, log scale)")
         right.set_title("Time to first token (client-measured)", fontsize=9)
         for ax in (left, right):
             ax.set_xticks(x, names)
