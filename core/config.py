@@ -38,6 +38,7 @@ from core import tokenizer as tokenizer_lib
 
 __all__ = [
     "DEFAULT_RULES",
+    "FROM_CLUSTER",
     "MESH_AXES",
     "SECTIONS",
     "CheckpointConfig",
@@ -51,6 +52,7 @@ __all__ = [
     "Schema",
     "TrainConfig",
     "TransformerConfig",
+    "check_processes",
     "checkpoint_compat",
     "defaults",
     "describe",
@@ -389,9 +391,19 @@ class MeshConfig:
     rules: tuple[tuple[str, Any], ...] = field(
         DEFAULT_RULES, "logical axis -> mesh axis rules: ((logical, mesh axis | tuple of mesh axes | None), ...)"
     )
-    num_processes: int = field(1, "processes in a multi-process run (jax.distributed)", low=1)
-    process_id: int = field(0, "this process's index in a multi-process run", low=0)
-    coordinator_address: str = field("", "host:port of process 0 in a multi-process run")
+    num_processes: int = field(
+        1,
+        "processes in a multi-process run (jax.distributed); -1 = those of the cluster environment (SLURM's srun, "
+        "Open MPI's mpirun, Kubernetes, Cloud TPU), which then also gives process_id and coordinator_address "
+        "(core.mesh.resolve_processes)",
+        low=-1,
+    )
+    process_id: int = field(
+        0, "this process's index in a multi-process run; leave it 0 with num_processes = -1 (the cluster's)", low=0
+    )
+    coordinator_address: str = field(
+        "", "host:port of process 0 in a multi-process run; leave it '' with num_processes = -1 (the cluster's)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -544,6 +556,9 @@ def validate(
 ) -> None:
     """Checks every key, type, value and cross-field constraint; raises ConfigError on the first problem.
 
+    With `mesh.num_processes = -1` (the cluster's processes) the checks that need the number of processes are
+    deferred: validate again once `core.mesh.resolve_processes` has filled it in (see `check_processes`).
+
     Args:
       config: the experiment configuration.
       spec: the schema to check against (default: the core schema).
@@ -618,6 +633,50 @@ def mesh_shape(config: ml_collections.ConfigDict, num_devices: int) -> dict[str,
     return _mesh_shape(config.mesh, num_devices)
 
 
+FROM_CLUSTER = -1
+"""`mesh.num_processes = FROM_CLUSTER` (-1): the number of processes, this process's index and the coordinator's
+address come from the cluster environment that started the process (`core.mesh.resolve_processes`)."""
+
+
+def check_processes(mesh_cfg) -> None:
+    """Checks the process keys of the mesh section (`num_processes`, `process_id`, `coordinator_address`) and raises
+    ConfigError naming them.
+
+    With `num_processes = -1` (FROM_CLUSTER) the cluster environment gives `process_id` and `coordinator_address`,
+    so both must keep their defaults (0 and ''; an explicit `process_id=0` cannot be told from the default), and the
+    checks that need the number of processes (`process_id` below it, `data.batch_size` divisible by it) wait until
+    `core.mesh.resolve_processes` has filled in the cluster's values: validate again then (experiments.run does).
+    """
+    n = mesh_cfg.num_processes
+    if n == 0:
+        raise ConfigError(
+            "config key 'mesh.num_processes' = 0; give the number of processes (>= 1), or -1 to take them from the "
+            "cluster environment (srun, mpirun, ...)."
+        )
+    if n == FROM_CLUSTER:
+        given = [
+            f"'mesh.{key}' = {mesh_cfg[key]!r}"
+            for key, default in (("process_id", 0), ("coordinator_address", ""))
+            if mesh_cfg[key] != default
+        ]
+        if given:
+            raise ConfigError(
+                f"config key{'s' if len(given) > 1 else ''} {' and '.join(given)} set, but 'mesh.num_processes' = -1 "
+                "takes this process's index and the coordinator's address from the cluster environment (e.g. "
+                "SLURM_PROCID and the job's first node); remove "
+                f"{'them' if len(given) > 1 else 'it'}, or give all three keys by hand with mesh.num_processes = N."
+            )
+        return
+    if mesh_cfg.process_id >= n:
+        raise ConfigError(f"config key 'mesh.process_id' = {mesh_cfg.process_id} must be < 'mesh.num_processes' = {n}.")
+    if n > 1 and not mesh_cfg.coordinator_address:
+        raise ConfigError(
+            f"config key 'mesh.coordinator_address' is empty but 'mesh.num_processes' = {n}; give host:port of "
+            "process 0 (e.g. 127.0.0.1:12355), or set mesh.num_processes = -1 under a cluster's launcher (srun, "
+            "mpirun) to take all three from it."
+        )
+
+
 def mesh_axes(target) -> tuple[str, ...]:
     """A rule's target (or a PartitionSpec entry) as a tuple of mesh axes: None -> (), "data" -> ("data",)."""
     return () if target is None else (target,) if isinstance(target, str) else tuple(target)
@@ -669,16 +728,8 @@ def _check_core(config: ml_collections.ConfigDict, num_devices: int | None) -> N
             "lower it to at most train.steps (python -m experiments.run does so itself: core.config.fit_to_steps)."
         )
     mesh = config.mesh
-    if mesh.process_id >= mesh.num_processes:
-        raise ConfigError(
-            f"config key 'mesh.process_id' = {mesh.process_id} must be < 'mesh.num_processes' = {mesh.num_processes}."
-        )
-    if mesh.num_processes > 1 and not mesh.coordinator_address:
-        raise ConfigError(
-            f"config key 'mesh.coordinator_address' is empty but 'mesh.num_processes' = "
-            f"{mesh.num_processes}; give host:port of process 0 (e.g. 127.0.0.1:12355)."
-        )
-    if config.data.batch_size % mesh.num_processes:
+    check_processes(mesh)
+    if mesh.num_processes != FROM_CLUSTER and config.data.batch_size % mesh.num_processes:
         raise ConfigError(
             f"config key 'data.batch_size' = {config.data.batch_size} must be divisible by "
             f"'mesh.num_processes' = {mesh.num_processes}."

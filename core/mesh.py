@@ -4,6 +4,10 @@ Parameters and activations name their dimensions with *logical* axes ("batch", "
 The config's `mesh.rules` maps each logical axis to zero, one or several *mesh* axes ("site", "data", "expert",
 "model"); `logical_to_spec` turns a tuple of logical names into a `PartitionSpec`. The model never names a mesh
 axis, so the same model runs data-parallel, tensor-parallel or expert-parallel by changing the config only.
+
+A multi-process run starts with `initialize_distributed`: every process is given `mesh.num_processes`, its own
+`mesh.process_id` and process 0's `mesh.coordinator_address`, or runs the same command with `mesh.num_processes = -1`
+under a cluster's launcher (`srun`, `mpirun`, ...), which gives all three (`resolve_processes`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,16 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from core import config as config_lib
 
-__all__ = ["Rules", "Sharder", "initialize_distributed", "logical_to_spec", "make_mesh", "param_shardings"]
+__all__ = [
+    "CLUSTER_ENVIRONMENTS",
+    "Rules",
+    "Sharder",
+    "initialize_distributed",
+    "logical_to_spec",
+    "make_mesh",
+    "param_shardings",
+    "resolve_processes",
+]
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
@@ -110,17 +123,127 @@ PEER_LOST_NOTICE_ENV = "MESH_PEER_LOST_NOTICE_FD"
 failed, e.g. `process 0 was killed by signal SIGKILL`; see `_exit_on_peer_lost_notice`."""
 
 
+CLUSTER_ENVIRONMENTS = {
+    "OmpiCluster": "Open MPI's mpirun (OMPI_MCA_orte_hnp_uri, OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_RANK)",
+    "SlurmCluster": "SLURM's srun (SLURM_JOB_ID, SLURM_STEP_NODELIST, SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID)",
+    "GceTpuCluster": "a Cloud TPU VM slice (its metadata server)",
+    "GkeTpuCluster": "Cloud TPU on GKE (TPU_WORKER_HOSTNAMES or TPU_PROCESS_ADDRESSES)",
+    "K8sCluster": "a Kubernetes Job or JobSet (KUBERNETES_SERVICE_HOST, with `pip install jax[k8s]`)",
+}
+"""What each of jax's cluster environments (`jax._src.clusters`, by class name) is detected by, for the error of
+`mesh.num_processes = -1` outside any of them. One this table lacks (a newer jax's) is named by its class."""
+
+INITIALIZATION_TIMEOUT_SECONDS = 300
+"""jax.distributed.initialize's default `initialization_timeout`, which its cluster detection also passes to the
+environments that wait for the coordinator's host name to resolve (Kubernetes, Cloud TPU)."""
+
+
+def resolve_processes(config: ml_collections.ConfigDict) -> None:
+    """Fills in, in place, `mesh.num_processes = -1` from the cluster environment that started this process: the
+    one place where the config learns the cluster's values. Does nothing when `mesh.num_processes` is given.
+
+    The environment is the one `jax.distributed.initialize()` without arguments would detect (the first of jax's
+    `jax._src.clusters` environments present, in jax's order: Open MPI, SLURM, Cloud TPU, Kubernetes), read as jax
+    reads it: `mesh.num_processes` <- its process count (SLURM_NTASKS, ...), `mesh.process_id` <- this process's
+    index (SLURM_PROCID, ...), `mesh.coordinator_address` <- `JAX_COORDINATOR_ADDRESS` if set, else the environment's
+    (SLURM: the step's first node, port 61440 + SLURM_JOB_ID mod 4096, or `JAX_COORDINATOR_PORT`). It runs before
+    `jax.distributed` starts, so that whatever reads these keys sees the real values from the start (experiments.run
+    takes the workdir's lock in process 0 only, and validates `data.batch_size` against the process count);
+    `initialize_distributed` calls it too, then checks that jax.process_count() and jax.process_index() agree. Prints
+    one line per process, e.g. `cluster: SlurmCluster: process 1 of 2, coordinator node001:62674`.
+
+    Raises:
+      ConfigError: `mesh.process_id` or `mesh.coordinator_address` is also set (see core.config.check_processes),
+        no cluster environment is detected (the message lists those jax detects, by what, and what to do instead),
+        or the environment's values are inconsistent.
+    """
+    mesh = config.mesh
+    if mesh.num_processes != config_lib.FROM_CLUSTER:
+        return
+    config_lib.check_processes(mesh)
+    environments = _cluster_environments()
+    env = next((e for e in environments if not getattr(e, "opt_in_only_method", False) and e.is_env_present()), None)
+    if env is None:
+        known = "; ".join(
+            f"{e.__name__}: {CLUSTER_ENVIRONMENTS.get(e.__name__, 'see jax')}" for e in _detectable(environments)
+        )
+        raise config_lib.ConfigError(
+            "config key 'mesh.num_processes' = -1 takes the processes from the cluster environment, but none is "
+            f"detected here. jax {jax.__version__} detects: {known}. Start every process under one of them (e.g. "
+            "`srun python -m experiments.run ... --config.mesh.num_processes=-1` in an sbatch script), or give "
+            "--config.mesh.num_processes=N, --config.mesh.process_id=i (0..N-1) and "
+            "--config.mesh.coordinator_address=host:port (process 0's host) on every process."
+        )
+    name = env.__name__
+    where = f"the cluster environment ({name}: {CLUSTER_ENVIRONMENTS.get(name, 'see jax')})"
+    try:
+        count, index = env.get_process_count(), env.get_process_id()
+        address = os.environ.get("JAX_COORDINATOR_ADDRESS") or env.get_coordinator_address(
+            timeout_secs=INITIALIZATION_TIMEOUT_SECONDS,
+            override_coordinator_port=os.environ.get("JAX_COORDINATOR_PORT"),
+        )
+    except (KeyError, ValueError) as e:
+        raise config_lib.ConfigError(
+            f"config key 'mesh.num_processes' = -1: {where} cannot be read ({type(e).__name__}: {e}); check those "
+            "variables, or give the three mesh keys by hand."
+        ) from None
+    if not (isinstance(count, int) and isinstance(index, int) and 0 <= index < count):
+        raise config_lib.ConfigError(
+            f"config key 'mesh.num_processes' = -1: {where} gives process {index!r} of {count!r}; an index in "
+            "0..count-1 is needed. Check those variables, or give the three mesh keys by hand."
+        )
+    mesh.num_processes, mesh.process_id, mesh.coordinator_address = count, index, str(address)
+    print(f"cluster: {name}: process {index} of {count}, coordinator {address}", flush=True)
+
+
+def _cluster_environments() -> list[Any]:
+    """jax's cluster environments (subclasses of `jax._src.clusters.ClusterEnv`), in the order it tries them."""
+    try:
+        from jax._src import clusters
+
+        environments = list(clusters.ClusterEnv._cluster_types)
+    except (ImportError, AttributeError):
+        environments = []
+    if not environments:
+        raise config_lib.ConfigError(
+            f"config key 'mesh.num_processes' = -1 needs jax's cluster detection, but jax {jax.__version__} has no "
+            "`jax._src.clusters.ClusterEnv` this code knows (core/mesh.py `_cluster_environments` needs updating); "
+            "give mesh.num_processes, mesh.process_id and mesh.coordinator_address by hand."
+        )
+    return environments
+
+
+def _detectable(environments: list[Any]) -> list[Any]:
+    """The environments jax detects by itself: not opt-in ones (mpi4py), nor bases others derive from (jax's
+    `BaseTpuCluster`, never present itself)."""
+    return [
+        e
+        for e in environments
+        if not getattr(e, "opt_in_only_method", False)
+        and not any(o is not e and issubclass(o, e) for o in environments)
+    ]
+
+
 def initialize_distributed(config: ml_collections.ConfigDict) -> None:
-    """Starts `jax.distributed` when `mesh.num_processes > 1` (must run before any other JAX call).
+    """Starts `jax.distributed` when `mesh.num_processes > 1` or `-1` (must run before any other JAX call).
+
+    `mesh.num_processes = -1` is first resolved from the cluster environment (`resolve_processes`; a no-op if the
+    caller already did), so the config holds this process's real index and the process count from here on; after
+    the start, jax.process_count() and jax.process_index() are checked against them. A cluster of one process then
+    starts nothing, as `num_processes = 1` does.
 
     On CPU the cross-process collectives use gloo, the same engine a CPU cluster would use; on a cluster each host
-    runs one process with the same `mesh.coordinator_address` and its own `mesh.process_id`.
+    runs one process with the same `mesh.coordinator_address` and its own `mesh.process_id`, or every process runs
+    the same command with `mesh.num_processes = -1` under the cluster's launcher (srun, mpirun). `local_device_ids`
+    is left to jax: where the environment gives a local rank (SLURM_LOCALID, OMPI_COMM_WORLD_LOCAL_RANK) jax makes
+    only that one GPU visible to the process (one process per GPU); `JAX_LOCAL_DEVICE_IDS=0,1,...` gives a process
+    more (one process per host).
 
     A process learns that another one died from the collective that fails (`core.train.run` raises PeerLostError,
     naming the last checkpoint), or, waiting at a coordination barrier (a checkpoint's, jax.distributed's start),
-    only from the coordination service's heartbeat timeout, at which jaxlib aborts it like a lost coordinator (below).
-    Under experiments.launch, which sees a process die at once, such a process is told by the launcher instead
-    (`PEER_LOST_NOTICE_ENV`) and exits with an `error:` line and status 1.
+    only from the coordination service's heartbeat timeout (`HEARTBEAT_TIMEOUT_SECONDS`), at which jaxlib aborts it
+    like a lost coordinator (below). Under experiments.launch, which sees a process die at once, such a process is
+    told by the launcher instead (`PEER_LOST_NOTICE_ENV`) and exits with an `error:` line and status 1.
 
     The coordination service runs in process 0, unless `EXTERNAL_SERVICE_ENV` says another process serves it (see
     `_service_elsewhere`). Where it runs matters when process 0 dies: the others' coordination clients then lose the
@@ -132,7 +255,12 @@ def initialize_distributed(config: ml_collections.ConfigDict) -> None:
     jax's preemption service is turned off: its notifier replaces the process's SIGTERM handler with one that only
     records a preemption notice, so a SIGTERM (from experiments.launch, a scheduler, a user) would not stop the
     process. Nothing here uses preemption sync points.
+
+    Raises:
+      ConfigError: from `resolve_processes`.
+      RuntimeError: jax.distributed started with another process count or index than the config's.
     """
+    resolve_processes(config)
     mesh = config.mesh
     if mesh.num_processes == 1:
         return
@@ -158,6 +286,12 @@ def initialize_distributed(config: ml_collections.ConfigDict) -> None:
             num_processes=mesh.num_processes,
             process_id=mesh.process_id,
             heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS,
+        )
+    started = (jax.process_count(), jax.process_index())
+    if started != (mesh.num_processes, mesh.process_id):
+        raise RuntimeError(
+            f"jax.distributed started process {started[1]} of {started[0]}, but the config says mesh.process_id = "
+            f"{mesh.process_id} of mesh.num_processes = {mesh.num_processes}"
         )
 
 

@@ -278,11 +278,13 @@ def run(config, workdir: str, *, hooks: Sequence[Callable[[int, dict[str, float]
     `hooks` are called after every step (`core.train.run`); an exception they raise stops the run as a crash would
     (tests use one). Raises ConfigError, DataError, WorkdirError, HFConfigError or HFWeightsError (a checkpoint
     of checkpoint.init_from that does not fit) for bad input."""
+    from core import mesh as mesh_lib
     from experiments import build
 
     build.validate(config)  # static checks: no JAX backend touched yet
     build.resolve(config)
-    build.validate(config)  # with what init_from implies
+    mesh_lib.resolve_processes(config)  # mesh.num_processes = -1: this process's index and count from srun, mpirun...
+    build.validate(config)  # with what init_from and the cluster imply
     if config.mesh.process_id != 0:
         return _run(config, workdir, hooks)
     with workdir_lib.lock(workdir):
