@@ -5,6 +5,7 @@ a real SIGKILL, to a site's process of a multi-process run, and relaunches it. R
 (on as many of its virtual devices as their mesh uses); the runs spread over processes are separate processes.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -101,6 +102,21 @@ def _run(workdir, *extra, config=CONFIG, hooks=()):
     return json.loads((workdir / "summary.json").read_text())
 
 
+@contextlib.contextmanager
+def _cache_programs_over(seconds):
+    """Within it, this process writes every program that takes `seconds` or more to compile to the session's
+    compilation cache (conftest; JAX's default: a second), for runs that compile again what an earlier run of the
+    same config compiled (a rerun builds its jitted functions anew). A cached program is the one XLA would compile."""
+    import jax
+
+    before = jax.config.values["jax_persistent_cache_min_compile_time_secs"]
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", seconds)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+
+
 def test_a_finished_run_leaves_its_outputs_loads_serves_and_refuses_another_model(tmp_path, capsys):
     """A finished run's summary, loss curve and sample; the loaded model reproduces its held-out loss and serving it
     streams the greedy continuation; the same workdir with another model is refused with exit code 1 and no file in
@@ -194,6 +210,7 @@ def _serve_streams_the_greedy_continuation(workdir, capsys, kv_format="bf16"):
                 "--max-new-tokens=6",
                 f"--kv-format={kv_format}",
                 "--temperature=0",
+                "--kv-memory-mib=1",
             ]
         )
         == 0
@@ -201,8 +218,10 @@ def _serve_streams_the_greedy_continuation(workdir, capsys, kv_format="bf16"):
     out = capsys.readouterr().out
     _, model = load.trained_model(str(workdir))
     tok = ByteTokenizer()
-    # serve's defaults (64 MiB pool, max_model_len 512): the engine's programs are the ones serve compiled
-    engine = Engine(model, formats.get(kv_format), EngineConfig(memory_bytes=64 << 20, max_model_len=512))
+    # serve's pool (1 MiB holds this request's one block of 16 tokens; on the CPU a step's time grows with the pool:
+    # about 0.3 s a step at serve's default 64 MiB) and max_model_len (512): the engine's programs are the ones serve
+    # compiled
+    engine = Engine(model, formats.get(kv_format), EngineConfig(memory_bytes=1 << 20, max_model_len=512))
     request = engine.submit(tok.encode("def f").tolist(), 6)
     engine.run()
     assert out.splitlines()[0] == "def f" + tok.decode(request.output)
@@ -284,7 +303,8 @@ def test_federated_run_measures_its_bytes_and_resumes_after_a_crashed_round(tmp_
         "--config.fomoe.reshuffle_every=2",
         "--config.checkpoint.every=6",  # every 2 rounds
     ]
-    summary = _run(tmp_path / "full", *federated_run)
+    with _cache_programs_over(0.1):  # the crashed run and its rerun compile the same programs again
+        summary = _run(tmp_path / "full", *federated_run)
     assert summary["rounds"] == 6 and summary["steps"] == 18
     rows = metric_rows(tmp_path / "full")
     assert [r["round"] for r in rows if "train_loss" in r] == list(range(1, 7))

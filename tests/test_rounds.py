@@ -14,7 +14,7 @@ from moe import federation, rounds
 from moe.placement import fixed_placement
 from optim import diloco_outer
 
-from helpers import tiny_moe_transformer
+from helpers import forward, tiny_moe_transformer
 
 SITES = 4
 OPTIMIZER_NAMES = (
@@ -140,7 +140,7 @@ def test_a_round_of_mgup_and_ufp4_sites_equals_their_unsharded_steps_then_the_me
     # UFP4 is on: site 0's forward differs from the same weights' with plain products.
     plain_graphdef = nnx.split(tiny_moe_transformer(placement.experts[0]))[0]
     site0 = jax.tree.map(lambda x: x[0], (state.train.params, state.train.rest))
-    logits = [nnx.merge(g, *site0)(tokens[0, 0])[0] for g in (graphdef, plain_graphdef)]
+    logits = [forward(nnx.merge(g, *site0), tokens[0, 0])[0] for g in (graphdef, plain_graphdef)]
     assert not np.allclose(logits[0], logits[1], atol=1e-3)
     manual = _local_only(graphdef, optimizer, state.train, tokens)
     new, metrics = rounds.make_round(graphdef, optimizer, mesh, method="local_adamw")(state, tokens)
