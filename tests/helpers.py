@@ -121,3 +121,12 @@ def metric_rows(workdir) -> list[dict]:
     """The rows of a run's metrics.jsonl without its timing column (tokens_per_second differs between runs)."""
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return [{k: v for k, v in json.loads(line).items() if k != "tokens_per_second"} for line in f]
+
+
+def running(pid) -> bool:
+    """Whether `pid` is a live process (not gone, not a zombie; Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -72,6 +72,8 @@ import pytest  # noqa: E402
 
 from experiments import launch  # noqa: E402
 
+from helpers import running  # noqa: E402
+
 
 class _Launcher:
     """`python -m experiments.launch --processes N -- --then=<then>` running this file's stand-in, in its own
@@ -124,20 +126,11 @@ class _Launcher:
         return "".join(self.lines)
 
 
-def _running(pid):
-    """Whether `pid` is a live process (not gone, not a zombie; Linux /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _wait_gone(pids, timeout=30):
     deadline = time.monotonic() + timeout
-    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return [p for p in pids if _running(p)]
+    return [p for p in pids if running(p)]
 
 
 @pytest.fixture
@@ -148,7 +141,7 @@ def cleanup():
     for item in started:
         pids = [item.proc.pid] if isinstance(item, _Launcher) else [item]
         for pid in pids:
-            if _running(pid):
+            if running(pid):
                 os.kill(pid, signal.SIGKILL)
 
 

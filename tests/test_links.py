@@ -18,6 +18,8 @@ import pytest
 
 from experiments import links
 
+from helpers import running
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNAVAILABLE = links.unavailable()
 needs_root = pytest.mark.skipif(UNAVAILABLE is not None, reason=UNAVAILABLE or "")
@@ -36,14 +38,6 @@ def _devices(netns=None):
     """{device name: its qdisc} in namespace `netns` (None: this one)."""
     where = ["-n", netns] if netns else []
     return {d["ifname"]: d.get("qdisc") for d in json.loads(_sh("ip", *where, "-j", "link", "show"))}
-
-
-def _running(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _links(*args, **kwargs):
@@ -201,7 +195,7 @@ def test_ctrl_c_to_run_stops_the_command_and_removes_the_network():
         if tool.poll() is None:
             tool.kill()
     assert tool.returncode == 128 + signal.SIGINT and "links: stopped by SIGINT" in err, err
-    assert not _namespaces(prefix) and not _running(int(pid))
+    assert not _namespaces(prefix) and not running(int(pid))
 
 
 @needs_root
@@ -227,11 +221,11 @@ def test_down_removes_what_a_killed_run_left():
     finally:
         tool.kill()
         tool.wait(timeout=30)
-    assert len(_namespaces(prefix)) == 2 and _running(int(pid))
+    assert len(_namespaces(prefix)) == 2 and running(int(pid))
     assert sorted(links.leftovers()[prefix]) == sorted(_namespaces(prefix))  # what `down` alone would remove
     out = _links("down", prefix)  # (not `down` alone: it would remove another test's `up` network, racing it)
     assert out.returncode == 0 and f"{prefix}-{tool.pid}-site0" in out.stdout, out.stdout + out.stderr
-    assert not _namespaces(prefix) and not _running(int(pid))
+    assert not _namespaces(prefix) and not running(int(pid))
 
 
 def test_without_root_or_tc_it_says_what_is_missing_and_makes_nothing(monkeypatch, capsys):

@@ -58,20 +58,16 @@ class ServerMetrics:
         self.step_seconds = counter("engine_step_seconds", "seconds spent in engine steps")
         self.prompt_tokens = counter("prompt_tokens", "prompt tokens of finished requests")
         self.generation_tokens = counter("generation_tokens", "tokens generated")
-        self.ttft = Histogram(
-            "lowbit_time_to_first_token_seconds",
-            "from the HTTP request's arrival to its first token",
-            list(labels),
-            buckets=_TTFT_BUCKETS,
-            registry=self.registry,
-        ).labels(**labels)
-        self.itl = Histogram(
-            "lowbit_inter_token_latency_seconds",
-            "time between consecutive tokens of a request",
-            list(labels),
-            buckets=_ITL_BUCKETS,
-            registry=self.registry,
-        ).labels(**labels)
+
+        def histogram(name, doc, buckets):
+            return Histogram(f"lowbit_{name}", doc, list(labels), buckets=buckets, registry=self.registry).labels(
+                **labels
+            )
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "from the HTTP request's arrival to its first token", _TTFT_BUCKETS
+        )
+        self.itl = histogram("inter_token_latency_seconds", "between consecutive tokens of a request", _ITL_BUCKETS)
         self._finished = Counter(
             "lowbit_request_success",
             "finished requests by reason",
