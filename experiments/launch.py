@@ -6,7 +6,16 @@ Every process runs `python -m experiments.run <args> --config.mesh.num_processes
 --config.mesh.coordinator_address=127.0.0.1:<free port>` with `--devices-per-process` CPU devices, and its output
 lines are prefixed with `[i]`. If a process fails, the others stop by themselves (a federated run stops when a site
 is lost; see below), and those still running 60 s later are terminated. On a cluster, run the same experiments.run
-command on every host with its own process_id and the coordinator's address instead.
+command on every host with its own process_id and the coordinator's address instead (or `num_processes = -1` under
+srun / mpirun: README "On a cluster").
+
+Over real slow links (experiments.links; root):
+
+    python -m experiments.links run --sites 2 --rate-mbit 100 --in-hub -- \
+        python -m experiments.launch --processes 2 --links -- --config ... --workdir ...
+
+`--links` runs process i inside site i's network namespace (`ip netns exec`) and serves the coordination service on
+the hub's address, so the processes reach each other only over the rate-limited links.
 
 The launcher hosts jax.distributed's coordination service itself (`core.mesh.EXTERNAL_SERVICE_ENV`), so that every
 process, process 0 included, is a peer the others can lose: they then stop with experiments.run's `error: ...
@@ -79,10 +88,25 @@ runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 sends itself SIGTERM once its parent is no longer the launcher, and runs `<module>` as `python -m` would."""
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _site_network(processes: int) -> tuple[list[str], str]:
+    """(each process's network namespace, the coordinator's host) from the environment `python -m experiments.links
+    run --in-hub` gives its command (LINKS_NETNS, LINKS_HUB_ADDRESS); ValueError saying what is missing or wrong."""
+    netns = [n for n in os.environ.get("LINKS_NETNS", "").split(",") if n]
+    hub = os.environ.get("LINKS_HUB_ADDRESS", "")
+    if not netns or not hub:
+        raise ValueError(
+            "--links needs the network of `python -m experiments.links run --in-hub -- <this command>` (LINKS_NETNS "
+            "and LINKS_HUB_ADDRESS are not set)"
+        )
+    if len(netns) != processes:
+        raise ValueError(f"--links: the network has {len(netns)} sites but --processes={processes}; they must match")
+    return netns, hub
 
 
 def _child_env(devices: int, external_service: bool, notice_fd: int) -> dict[str, str]:
@@ -198,6 +222,13 @@ def main(argv: list[str] | None = None, *, module: str = "experiments.run") -> i
     )
     parser.add_argument("--processes", type=int, required=True, help="number of local processes")
     parser.add_argument("--devices-per-process", type=int, default=1, help="CPU devices in each process")
+    parser.add_argument(
+        "--links",
+        action="store_true",
+        help="run process i inside site i's network namespace of `python -m experiments.links run --in-hub -- "
+        "<this command>`, with the coordination service on the hub's address: the processes talk over the "
+        "rate-limited links only",
+    )
     args = parser.parse_args(own)
     if args.processes < 1:
         parser.error(f"--processes={args.processes}: must be >= 1")
@@ -209,7 +240,14 @@ def main(argv: list[str] | None = None, *, module: str = "experiments.run") -> i
         if any(a.startswith(f"--config.mesh.{flag}") for a in run_args):
             parser.error(f"--config.mesh.{flag} is set by the launcher; remove it from the run arguments")
 
-    port = _free_port()
+    netns: list[str] = []
+    host = "127.0.0.1"
+    if args.links:
+        try:
+            netns, host = _site_network(args.processes)
+        except ValueError as e:
+            parser.error(str(e))
+    port = _free_port(host)
     serve = _coordination_service_factory() if args.processes > 1 else None
     program, preexec_fn = _bound_to_launcher(module)
     procs: list[subprocess.Popen] = []
@@ -221,11 +259,12 @@ def main(argv: list[str] | None = None, *, module: str = "experiments.run") -> i
     try:
         for i in range(args.processes):  # all started before any thread: preexec_fn and threads do not mix
             cmd = [
+                *(["ip", "netns", "exec", netns[i]] if netns else []),  # (ip execs the program: no process between)
                 *program,
                 *run_args,
                 f"--config.mesh.num_processes={args.processes}",
                 f"--config.mesh.process_id={i}",
-                f"--config.mesh.coordinator_address=127.0.0.1:{port}",
+                f"--config.mesh.coordinator_address={host}:{port}",
             ]
             read_end, write_end = os.pipe()
             notices.append(write_end)
@@ -248,9 +287,9 @@ def main(argv: list[str] | None = None, *, module: str = "experiments.run") -> i
             codes.append(None)
         if serve is not None:  # after the forks: the service runs threads (the processes connect when it is up)
             try:
-                service = serve(f"127.0.0.1:{port}", args.processes, heartbeat_timeout=HEARTBEAT_TIMEOUT_SECONDS)
+                service = serve(f"{host}:{port}", args.processes, heartbeat_timeout=HEARTBEAT_TIMEOUT_SECONDS)
             except Exception as e:  # jaxlib's XlaRuntimeError, e.g. the port was taken meanwhile
-                print(f"launch: error: cannot start the coordination service on 127.0.0.1:{port}: {e}", flush=True)
+                print(f"launch: error: cannot start the coordination service on {host}:{port}: {e}", flush=True)
                 return 1  # (the processes are killed below)
         forwarders = [threading.Thread(target=_forward, args=(i, p.stdout), daemon=True) for i, p in enumerate(procs)]
         for t in forwarders:

@@ -263,3 +263,20 @@ def test_bad_flags_are_named(capsys):
     with pytest.raises(SystemExit) as e:
         links.main(["up", "--sites", "0", "--rate-mbit", "8"])
     assert e.value.code == 2 and "--sites=0: must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_launch_links_needs_the_links_network(monkeypatch, capsys):
+    """`experiments.launch --links` outside `experiments.links run --in-hub` (or with another site count) stops with
+    a usage error naming what is missing, before starting anything."""
+    from experiments import launch
+
+    monkeypatch.delenv("LINKS_NETNS", raising=False)
+    monkeypatch.delenv("LINKS_HUB_ADDRESS", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        launch.main(["--processes", "2", "--links", "--", "--workdir=x"])
+    assert stop.value.code == 2 and "LINKS_NETNS and LINKS_HUB_ADDRESS are not set" in capsys.readouterr().err
+    monkeypatch.setenv("LINKS_NETNS", "a,b,c")
+    monkeypatch.setenv("LINKS_HUB_ADDRESS", "10.211.0.1")
+    with pytest.raises(SystemExit) as stop:
+        launch.main(["--processes", "2", "--links", "--", "--workdir=x"])
+    assert stop.value.code == 2 and "has 3 sites but --processes=2" in capsys.readouterr().err
