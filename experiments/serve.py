@@ -74,6 +74,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=200,
         help="new tokens per prompt at most; a request also ends at EOS",
     )
+    add_kv_flags(parser)
+    parser.add_argument(
+        "--temperature",
+        type=common.number(0.0, low_open=False),
+        default=0.7,
+        help="sampling temperature; 0 = greedy",
+    )
+    parser.add_argument("--seed", type=common.integer(0), default=0, help="sampling seed (an integer >= 0)")
+    parser.add_argument(
+        "--http",
+        action="store_true",
+        help="serve the OpenAI API over HTTP instead (experiments.server.cli; `--http --help` lists its flags)",
+    )
+    parser.add_argument(
+        "--site", type=common.integer(0), default=0, help="a federated run's site whose model serves (0 .. sites - 1)"
+    )
+    return parser
+
+
+def add_kv_flags(parser: argparse.ArgumentParser) -> None:
+    """--kv-format, --scale-rule and --kv-memory-mib: the KV pool's flags, shared with `serve --http`
+    (experiments.server.cli); `kv_format` reads the first two."""
     # default=SUPPRESS: the defaults are the run's (main reads a missing one as None), not a value of the parser's
     parser.add_argument(
         "--kv-format",
@@ -93,22 +115,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=64.0,
         help="KV pool size in MiB (at least one block of 16 tokens must fit)",
     )
-    parser.add_argument(
-        "--temperature",
-        type=common.number(0.0, low_open=False),
-        default=0.7,
-        help="sampling temperature; 0 = greedy",
-    )
-    parser.add_argument("--seed", type=common.integer(0), default=0, help="sampling seed (an integer >= 0)")
-    parser.add_argument(
-        "--http",
-        action="store_true",
-        help="serve the OpenAI API over HTTP instead (experiments.server.cli; `--http --help` lists its flags)",
-    )
-    parser.add_argument(
-        "--site", type=common.integer(0), default=0, help="a federated run's site whose model serves (0 .. sites - 1)"
-    )
-    return parser
 
 
 class FlagError(ValueError):

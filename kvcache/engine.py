@@ -31,6 +31,7 @@ import collections
 import dataclasses
 import functools
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -168,6 +169,7 @@ class Request:
     finish_reason: str | None = None
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    rng: np.random.Generator | None = None  # its own stream when sampling.seed is set (made at the first draw)
     output: list[int] = dataclasses.field(default_factory=list)
     tokens: list[int] = dataclasses.field(default_factory=list)  # prompt + output (kept in step)
     hashes: list[int] = dataclasses.field(default_factory=list)  # chained hashes of the computed full blocks
@@ -296,8 +298,9 @@ class Scheduler:
         (exactly that many with `ignore_eos`), sampled as `sampling` says (default: the engine's temperature).
         Raises ValueError, changing nothing, if it cannot ever fit: longer than max_model_len or than the whole
         pool (`check`)."""
+        prompt = list(prompt)  # (a generator is read once)
+        self.check(prompt, max_new_tokens)
         prompt = [int(t) for t in prompt]
-        self.check(len(prompt), max_new_tokens)
         request = Request(
             self._next_id,
             prompt,
@@ -310,10 +313,13 @@ class Scheduler:
         self.waiting.append(request)
         return request
 
-    def check(self, prompt_len: int, max_new_tokens: int) -> None:
-        """Raises ValueError, naming the limit, if a request of `prompt_len` prompt tokens and `max_new_tokens` can
-        never be served: it needs a prompt and a new token, and must fit max_model_len and the whole pool. It reads
-        only the engine's fixed limits, so any thread may call it while another steps the engine."""
+    def check(self, prompt: Sequence[int], max_new_tokens: int) -> None:
+        """Raises ValueError, naming the limit, if a request of `prompt` (token ids) and `max_new_tokens` can never
+        be served: its ids must be valid (`_check_tokens`), it needs a prompt and a new token, and must fit
+        max_model_len and the whole pool. It reads only the engine's fixed limits, so any thread may call it while
+        another steps the engine."""
+        self._check_tokens(prompt)
+        prompt_len = len(prompt)
         need = prompt_len + max_new_tokens
         if prompt_len < 1 or max_new_tokens < 1:
             raise ValueError(
@@ -329,6 +335,9 @@ class Scheduler:
                 f"request of {need} tokens needs {-(-need // self.config.block_size)} blocks; the KV "
                 f"pool has {self.blocks.num_blocks} ({self.capacity_tokens} tokens in {self.fmt.label})"
             )
+
+    def _check_tokens(self, prompt: Sequence[int]) -> None:
+        """Raises ValueError for a prompt holding an id this scheduler cannot take (none here; see Engine)."""
 
     def finish(self, request: Request, reason: str = "abort") -> None:
         """Ends `request` now, wherever it is (waiting or running; a finished one is left as it is): its blocks are
@@ -465,27 +474,16 @@ class Engine(Scheduler):
         super().__init__(config, fmt, self.pool.num_blocks)
         self.vocab_size = cfg.vocab_size  # token ids a prompt may hold: [0, vocab_size)
         self._rng = np.random.default_rng(config.seed)
-        self._rngs: dict[int, np.random.Generator] = {}  # request id -> its own stream (SamplingParams.seed)
         self._sampled = np.ones(cfg.vocab_size, bool)  # the ids `_sample` may produce
         self._sampled[[t for t in config.never if t < cfg.vocab_size]] = False
         if config.num_ids is not None:
             self._sampled[config.num_ids :] = False
 
-    def submit(
-        self,
-        prompt,
-        max_new_tokens: int,
-        *,
-        arrival: float | None = None,
-        ignore_eos: bool = False,
-        sampling: SamplingParams | None = None,
-    ) -> Request:
-        """`Scheduler.submit` for the model's vocabulary: `prompt` (a 1-D sequence of ids: Python or NumPy
-        integers) must hold only integers (not bool, not float, even a whole one) in [0, model vocab_size).
-        Raises ValueError naming the first bad position, its value and the range, before anything changes (the
-        queue and the request ids are untouched)."""
-        tokens = list(prompt)  # (a generator is read once)
-        for i, token in enumerate(tokens):
+    def _check_tokens(self, prompt: Sequence[int]) -> None:
+        """The model's vocabulary: `prompt` (a 1-D sequence of ids: Python or NumPy integers) must hold only
+        integers (not bool, not float, even a whole one) in [0, model vocab_size). Raises ValueError naming the
+        first bad position, its value and the range (`submit` and `check` then change nothing)."""
+        for i, token in enumerate(prompt):
             if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
                 raise ValueError(
                     f"prompt token at position {i} is {token!r} ({type(token).__name__}); token ids must be "
@@ -496,10 +494,6 @@ class Engine(Scheduler):
                     f"prompt token at position {i} is {token!r}, outside [0, {self.vocab_size}) (the model's "
                     "vocab_size)"
                 )
-        request = super().submit(tokens, max_new_tokens, arrival=arrival, ignore_eos=ignore_eos, sampling=sampling)
-        if request.sampling.seed is not None:
-            self._rngs[request.id] = np.random.default_rng(request.sampling.seed)
-        return request
 
     def _execute(self, batch):
         bs, s_max = self.config.block_size, self.config.max_num_seqs + 1  # + 1 row for the padding tokens
@@ -597,8 +591,9 @@ class Engine(Scheduler):
                 keep = np.cumsum(p[order]) - p[order] < params.top_p  # the ids before the sum reaches top_p, + 1
                 p[order[~keep]] = 0
                 p /= p.sum()
-            rng = self._rngs.get(request.id, self._rng)
-            token = int(rng.choice(len(p), p=p))
+            if params.seed is not None and request.rng is None:
+                request.rng = np.random.default_rng(params.seed)
+            token = int((request.rng or self._rng).choice(len(p), p=p))
         if params.logprobs:
             logp = logits - logits.max()
             logp -= np.log(np.exp(logp).sum())
@@ -606,16 +601,6 @@ class Engine(Scheduler):
             best = np.argsort(-logp, kind="stable")[: params.top_logprobs]
             request.top_logprobs.append([(int(t), float(logp[t])) for t in best])
         return token
-
-    def step(self) -> list[Request]:
-        finished = super().step()
-        for request in finished:
-            self._rngs.pop(request.id, None)
-        return finished
-
-    def finish(self, request: Request, reason: str = "abort") -> None:
-        super().finish(request, reason)
-        self._rngs.pop(request.id, None)
 
 
 def _bucket(num_tokens: int) -> int:

@@ -82,7 +82,7 @@ def in_process(model, name: str, memory_bytes: int, workload) -> dict:
     common.compiling(f"the engine's step programs ({name} KV, in-process)")
     engine.warmup()
     result = workload_lib.run(engine, workload)
-    return {**summarize(result["records"], result["seconds"], workload.rounds), "steps": engine.stats["steps"]}
+    return {**summarize(result["records"], result["seconds"]), "steps": engine.stats["steps"]}
 
 
 def engine_counters(url: str) -> dict[str, float]:
@@ -200,7 +200,7 @@ async def drive(url: str, workload, progress=None) -> tuple[list[dict], float]:
     return records, seconds
 
 
-def summarize(records: list[dict], seconds: float, rounds: int) -> dict[str, Any]:
+def summarize(records: list[dict], seconds: float) -> dict[str, Any]:
     """P50 / P90 time to first token (all rounds; rounds >= 1, which find their history cached), output tokens
     per second, hit rate (cached / prompt tokens)."""
     ttft = np.array([x["ttft"] for x in records])
@@ -265,7 +265,7 @@ def main(argv=None) -> None:
             counters = engine_counters(url)
         finally:
             stop_server(server)
-        http = summarize(records, seconds, workload.rounds)
+        http = summarize(records, seconds)
         http["steps"], http["busy"] = int(counters["steps"]), counters["step_seconds"] / seconds
         http["cost"] = 1 - http["output_throughput"] / local["output_throughput"]
         results[name] = {"in_process": local, "http": http}

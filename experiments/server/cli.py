@@ -52,16 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workdir", required=True, default=argparse.SUPPRESS, help="a finished or imported run")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=common.integer(0, maximum=65535), default=8000, help="port (0: any free one)")
-    parser.add_argument(
-        "--kv-format", default=argparse.SUPPRESS, choices=("bf16", "fp8", "fp4"), help="(default: the run's)"
-    )
-    parser.add_argument("--scale-rule", default=argparse.SUPPRESS, choices=("mse", "mx"), help="fp4 only")
-    parser.add_argument(
-        "--kv-memory-mib",
-        type=common.number(0.0, low_open=True, high=serve.MAX_KV_MEMORY_MIB),
-        default=64.0,
-        help="KV pool size in MiB",
-    )
+    serve.add_kv_flags(parser)
     parser.add_argument("--max-num-seqs", type=common.integer(1), default=16, help="requests in one engine step")
     parser.add_argument(
         "--max-num-batched-tokens", type=common.integer(1), default=256, help="tokens in one engine step"
@@ -100,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         run = load.run_config(args.workdir)
         tok = build.build_tokenizer(run)
         fmt, source = serve.kv_format(args, run)
-        config = engine_config(args, run, fmt)
+        config = engine_config(args, run, fmt, tok)
         chat = chat_template(args.chat_template, run.data.tokenizer, tok)
     except (FileNotFoundError, TokenizerError, serve.FlagError, TemplateError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -147,7 +138,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def engine_config(args: argparse.Namespace, run, fmt: Format) -> EngineConfig:
+def engine_config(args: argparse.Namespace, run, fmt: Format, tok: Tokenizer) -> EngineConfig:
     """The engine's config for these flags; raises serve.FlagError naming the flag for a pool that holds no
     block, a --site the run lacks, or a --max-model-len below 2 x --max-num-batched-tokens."""
     from experiments import build, serve
@@ -168,7 +159,6 @@ def engine_config(args: argparse.Namespace, run, fmt: Format) -> EngineConfig:
         raise serve.FlagError(
             f"--kv-memory-mib={args.kv_memory_mib!r} holds no KV block; the minimum is {per_block / 2**20!r} MiB"
         )
-    tok = build.build_tokenizer(run)
     return EngineConfig(
         memory_bytes=int(args.kv_memory_mib * 2**20),
         max_num_seqs=args.max_num_seqs,

@@ -158,11 +158,7 @@ class EngineRunner:
         """Queues a request (call it on the event loop that reads the stream). Raises ValueError naming the limit
         if it can never be served (a token outside the vocabulary, longer than max_model_len or the pool), QueueFull
         if the queue is full, RuntimeError if the engine has stopped; nothing is queued then."""
-        vocab = self.engine.vocab_size
-        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token at position {bad} is {prompt[bad]}, outside [0, {vocab}) (the vocabulary)")
-        self.engine.check(len(prompt), max_new_tokens)
+        self.engine.check(prompt, max_new_tokens)
         if not self.healthy:
             raise RuntimeError(f"the engine has stopped: {self.error or 'not running'}")
         with self._lock:
