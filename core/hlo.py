@@ -6,12 +6,13 @@ a reshuffle's migration, a data-parallel step's gradient all-reduce.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
 import numpy as np
 
-__all__ = ["collective_bytes"]
+__all__ = ["Collective", "collective_bytes", "collectives"]
 
 _DTYPE_BYTES = {
     "f64": 8,
@@ -83,3 +84,90 @@ def _group_size(attributes: str) -> int:
         sizes = {k.strip().strip("'\""): int(v) for k, v in (a.split("=") for a in named["axes"].split(",") if a)}
         return int(np.prod([sizes[a.strip().strip("'\"")] for a in named["over"].split(",") if a.strip()] or [1]))
     return 1
+
+
+_ANY_COLLECTIVE = re.compile(
+    r"=\s*(?P<type>.+?)\s+(?P<op>all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute|"
+    r"collective-broadcast|ragged-all-to-all)(?:-start)?\((?P<rest>.*)$"
+)
+_ALL_GROUPS = re.compile(r"replica_groups=\{(?P<groups>(?:\{[\d,]*\},?)*)\}")
+_IOTA_FULL = re.compile(r"replica_groups=\[(?P<shape>[\d,]+)\]<=\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
+_PAIRS = re.compile(r"source_target_pairs=\{(?P<pairs>(?:\{\d+,\d+\},?)*)\}")
+_SHARE = {
+    "all-reduce": lambda n: 2.0 * (n - 1) / n,
+    "all-gather": lambda n: (n - 1) / n,
+    "reduce-scatter": lambda n: (n - 1) / n,
+    "all-to-all": lambda n: (n - 1) / n,
+    "ragged-all-to-all": lambda n: (n - 1) / n,
+    "collective-broadcast": lambda n: (n - 1) / n,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective op of a compiled program: `op` (its HLO name), `groups` (the device ids that communicate,
+    one tuple per group; a collective-permute's (source, target) pairs), `bytes_per_device` (what one device sends
+    as a ring algorithm moves it: `collective_bytes`' rule for all-reduce and all-gather; (n - 1) / n x the
+    operand for reduce-scatter and all-to-all; the operand for collective-permute; 0 for groups of one)."""
+
+    op: str
+    groups: tuple[tuple[int, ...], ...]
+    bytes_per_device: float
+
+
+def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
+    """Every collective op of a compiled HLO module with its device groups (explicit {{0,1},{2,3}}, iota
+    [4,2]<=[2,4]T(1,0), or none given: all `num_devices` devices in one group), e.g. to check which devices a
+    program's collectives connect. Device ids are the program's partition ids: positions in its mesh's device
+    order. Each op is listed once, as the program text lists it (see `collective_bytes` on loops)."""
+    out = []
+    for line in hlo_text.splitlines():
+        match = _ANY_COLLECTIVE.search(line)
+        if match is None:
+            continue
+        op, rest = match["op"], match["rest"]
+        arrays = [
+            _DTYPE_BYTES[a["dtype"]] * int(np.prod([int(d) for d in a["dims"].split(",") if d] or [1]))
+            for a in _ARRAY.finditer(match["type"])
+            if a["dtype"] in _DTYPE_BYTES
+        ]
+        if op == "collective-permute":
+            pairs = _PAIRS.search(rest)
+            found = re.findall(r"\{(\d+),(\d+)\}", pairs["pairs"]) if pairs else []
+            pair_groups = tuple((int(a), int(b)) for a, b in found)
+            out.append(Collective(op, pair_groups, float(arrays[0]) if any(a != b for a, b in pair_groups) else 0.0))
+            continue
+        groups = _groups(rest, num_devices)
+        n = len(groups[0])
+        # as `collective_bytes`: an all-gather's result (the last array of an async start's (operand, result)), the
+        # operands of an all-reduce or all-to-all (a tuple of several); a reduce-scatter's operand is n x its result
+        size = {"all-gather": arrays[-1], "reduce-scatter": n * arrays[-1]}.get(op, sum(arrays))
+        out.append(Collective(op, groups, _SHARE[op](n) * size if n > 1 else 0.0))
+    return out
+
+
+def _groups(attributes: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
+    explicit = _ALL_GROUPS.search(attributes)
+    if explicit is not None:
+        groups = tuple(
+            tuple(int(i) for i in g.split(",") if i) for g in re.findall(r"\{([\d,]*)\}", explicit["groups"])
+        )
+        return groups if groups and groups[0] else (tuple(range(num_devices)),)
+    iota = _IOTA_FULL.search(attributes)
+    if iota is not None:
+        shape = [int(d) for d in iota["shape"].split(",")]
+        dims = [int(d) for d in iota["dims"].split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if iota["perm"]:
+            ids = ids.transpose([int(p) for p in iota["perm"].split(",")])
+        return tuple(tuple(int(i) for i in row) for row in ids.reshape(shape))
+    named = _MESH_GROUPS.search(attributes)
+    if named is not None:
+        axes = [(k.strip().strip("'\""), int(v)) for k, v in (a.split("=") for a in named["axes"].split(",") if a)]
+        over = [a.strip().strip("'\"") for a in named["over"].split(",") if a.strip()]
+        ids = np.arange(int(np.prod([n for _, n in axes]))).reshape([n for _, n in axes])
+        names = [a for a, _ in axes]
+        order = [i for i, a in enumerate(names) if a not in over] + [names.index(a) for a in over]
+        size = int(np.prod([dict(axes)[a] for a in over] or [1]))
+        return tuple(tuple(int(i) for i in row) for row in ids.transpose(order).reshape(-1, size))
+    return (tuple(range(num_devices)),)

@@ -37,6 +37,7 @@ __all__ = [
     "logical_to_spec",
     "make_mesh",
     "param_shardings",
+    "put_global",
     "resolve_processes",
 ]
 
@@ -107,6 +108,23 @@ def param_shardings(state, sharder: Sharder):
         return v.replace(sharder.named((None,) * np.ndim(v.get_value()) if axes is None else axes))
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def put_global(tree, shardings):
+    """`jax.device_put(tree, shardings)` for a value every process holds in full (the same on each): each process
+    builds only its own devices' shards from its copy, so nothing crosses processes. jax.device_put onto devices of
+    several processes sends every process's whole copy to the others (measured: 33 MB from each of 2 processes for
+    a 32 MB array), which over a slow link is the dominant start-up cost. `shardings`: one Sharding, or a tree of
+    them with `tree`'s structure."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, tree)
+
+    def one(x, sharding):
+        return jax.make_array_from_callback(np.shape(x), sharding, lambda index: np.asarray(x[index]))
+
+    return jax.tree.map(one, tree, shardings)
 
 
 HEARTBEAT_TIMEOUT_SECONDS = 20

@@ -24,10 +24,10 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+from core import config as config_lib
 from core import hlo
 from core import train as train_lib
 from core.data import Batches
-from core.mesh import Sharder
 from experiments import build
 from moe import federation, reshuffle, rounds, system_model
 from moe.placement import Placement, fixed_placement, random_placement
@@ -46,6 +46,9 @@ class FederatedStepper(train_lib.Stepper):
     resumed from any checkpoint measures what an uninterrupted one does), and with skip-token the ideal ghost
     fraction 1 - N_le / N_e. With random placement the experts move to the next placement after every
     `reshuffle_every` rounds (a metric row of its own).
+    Time: the local steps and the synchronisation are two programs, each waited for, so every round also reports
+    "seconds/local_steps" and "seconds/sync" (means over processes; a site's synchronisation includes its wait for
+    the slowest site) and "seconds/round" (process 0's whole round, host work included: batches, metrics, probe).
     Evaluation: every site evaluates its own model (its resident experts, its routing) on the same held-out
     batches; the reported loss is the mean over sites (and the worst site's bits per byte).
     """
@@ -72,7 +75,7 @@ class FederatedStepper(train_lib.Stepper):
         placement = self.placement_at(0)
         tok = batches.tokenizer
         loss_fn = functools.partial(train_lib.lm_loss, pad_id=tok.pad_id)
-        round_fn = rounds.make_round(
+        self.local_fn, self.sync_fn = rounds.make_round_parts(
             graphdef, optimizer, mesh, method=f.outer, outer=outer, loss_fn=loss_fn, state_metrics=state_metrics
         )
         eval_step = train_lib.make_eval_step(graphdef, byte_lengths=tok.byte_lengths, pad_id=tok.pad_id)
@@ -80,12 +83,17 @@ class FederatedStepper(train_lib.Stepper):
         self.token_sharding = NamedSharding(mesh, PartitionSpec(None, federation.SITE_AXES))
         k, sites = self.steps_per_call, self.sites
         self.batch_shape = (k, sites, config.data.batch_size // sites, config.data.seq_len + 1)
-        # Compiled once: the executable both runs every round and tells the bytes its all-reduces move.
+        # Compiled once, in two programs (the K local steps, then the synchronisation) so that each round's compute
+        # and synchronisation are timed apart; the executables also tell the bytes the synchronisation moves.
         tokens = jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.token_sharding)
         if jax.process_index() == 0:
             print(f"compiling the round ({k} local steps and their synchronisation; can take a minute) ...", flush=True)
         t0 = time.perf_counter()
-        self.round_exec = round_fn.lower(state, tokens).compile()
+        self.start_kept = f.outer == "diloco"  # DiLoCo's synchronisation needs the parameters the round started from
+        others = state.train._replace(params=None)
+        self.local_exec = self.local_fn.lower(state.train.params, others, tokens).compile()
+        start = state.train.params if self.start_kept else None
+        self.sync_exec = self.sync_fn.lower(start, state.outer, state.train).compile()
         if jax.process_index() == 0:
             print(f"compiled the round in {time.perf_counter() - t0:.1f} s", flush=True)
         self.migrate_exec, self.plan_sharding = None, NamedSharding(mesh, PartitionSpec(federation.SITE_AXES))
@@ -93,10 +101,10 @@ class FederatedStepper(train_lib.Stepper):
             plan = jax.ShapeDtypeStruct(placement.experts.shape, jnp.int32, sharding=self.plan_sharding)
             migrate = jax.jit(functools.partial(reshuffle.migrate, mesh=mesh), donate_argnums=0)
             self.migrate_exec = migrate.lower(state, [plan] * 4).compile()
-        round_hlo = self.round_exec.as_text()
+        round_hlo = self.sync_exec.as_text()  # the local steps' program moves nothing across sites (tests/test_rounds)
         assert round_hlo is not None  # None only where a backend has no text form; CPU, GPU and TPU all have one
         migrate_hlo = None if self.migrate_exec is None else self.migrate_exec.as_text()
-        self.bytes_info = _round_bytes(round_hlo, migrate_hlo, state.train, sites, f)
+        self.bytes_info = _round_bytes(round_hlo, migrate_hlo, state.train, sites, f, mesh)
         tokens_per_step = config.data.batch_size * config.data.seq_len
         self.bytes_info["bytes_per_token"] = system_model.bytes_per_token(
             self.bytes_info["measured"], sites, k, tokens_per_step
@@ -127,14 +135,26 @@ class FederatedStepper(train_lib.Stepper):
         local = np.stack([self.batches.train_batch(step) for step in range(call * k, (call + 1) * k)])
         local = rounds.site_batches(local, self.sites // jax.process_count())
         tokens = jax.make_array_from_process_local_data(self.token_sharding, local, self.batch_shape)
-        state, metrics = self.round_exec(state, tokens)
-        means = {name: float(np.mean(v)) for name, v in _host(metrics).items()}
+        t0 = time.perf_counter()
+        start = state.train.params if self.start_kept else None
+        train, metrics = self.local_exec(state.train.params, state.train._replace(params=None), tokens)
+        jax.block_until_ready(train)
+        t1 = time.perf_counter()
+        state = self.sync_exec(start, state.outer, train)
+        jax.block_until_ready(state)
+        t2 = time.perf_counter()
+        gathered = _host({"metrics": metrics, "seconds": np.array([[t1 - t0, t2 - t1]])})  # [processes, 2]
+        means = {name: float(np.mean(v)) for name, v in gathered["metrics"].items()}
+        local_seconds, sync_seconds = np.mean(gathered["seconds"], axis=0)
         previous, self.routes = self.routes, self._probe(state)
         return state, {
             "loss": means.pop("loss"),
             "grad_norm": means.pop("grad_norm"),
             "bytes_per_site_per_round": self.bytes_info["measured"],
             "routing/topk_agreement": rounds.topk_agreement(previous, self.routes),
+            "seconds/local_steps": float(local_seconds),
+            "seconds/sync": float(sync_seconds),
+            "seconds/round": time.perf_counter() - t0,
             **self.ghosts,
             **means,
         }
@@ -192,7 +212,8 @@ def train_federated(
     the compiled round, and by the formula), `bytes_per_token`, and site 0's final TrainState (single process)."""
     if jax.process_index() == 0:
         train_lib.tensorboard_enabled(config)  # tensorboardX missing: refused before anything compiles
-    mesh = federation.site_mesh(config.mesh.site, config.fomoe.overlap)
+    expert = config_lib.mesh_shape(config, jax.device_count())["expert"]  # E devices per site (moe.federation)
+    mesh = federation.site_mesh(config.mesh.site, config.fomoe.overlap, expert=expert)
     graphdef, optimizer, outer, state = initial_state(config, mesh, pretrained=True)
     stepper = FederatedStepper(config, batches, mesh, graphdef, optimizer, outer, state, state_metrics=state_metrics)
     return train_lib.run(
@@ -209,7 +230,8 @@ def initial_state(config: ml_collections.ConfigDict, mesh=None, *, pretrained: b
     f = config.fomoe
     placement = _placements(config)(0)
     outer = diloco_outer(f.outer_learning_rate, momentum=f.outer_momentum) if f.outer == "diloco" else None
-    model_fn = lambda **kw: build.build_model_fn(config, Sharder(), routing_mode=f.routing, **kw)  # noqa: E731
+    sharder = federation.site_sharder(mesh, tuple(tuple(r) for r in config.mesh.rules))  # E > 1: the site's devices
+    model_fn = lambda **kw: build.build_model_fn(config, sharder, routing_mode=f.routing, **kw)  # noqa: E731
     make = lambda **kw: model_fn(**kw)(nnx.Rngs(config.train.seed))  # noqa: E731
     site_model = make(resident=placement.experts[0])
     optimizer = build.build_optimizer(config)
@@ -274,12 +296,14 @@ def _split_bytes(tree, flags, sites: int) -> tuple[int, int]:
     return totals[False], totals[True]
 
 
-def _round_bytes(round_hlo: str, migrate_hlo: str | None, train: train_lib.TrainState, sites: int, f) -> dict:
+def _round_bytes(
+    round_hlo: str, migrate_hlo: str | None, train: train_lib.TrainState, sites: int, f, mesh: jax.sharding.Mesh
+) -> dict:
     """Bytes per site per round, read from the compiled programs' collectives and by the spec's formulas (their
     inputs: the bytes of the parameters and of the optimizer state LocalAdamW averages, from the state's tree). With
     random placement a reshuffle's bytes count 1 / reshuffle_every per round: measured, what the migration's
     all-gather moves; by formula, the expected arrivals (P with gamma = 1 / reshuffle_every)."""
-    measured = hlo.collective_bytes(round_hlo)["bytes_per_device"]
+    measured = federation.sync_bytes_per_site(round_hlo, mesh)["cross_site"]  # summed over a site's devices
     dense, experts = _split_bytes(train.params, federation.expert_flags(train.params), sites)
     state = _split_bytes(train.opt_state, rounds.moment_flags(train.opt_state, train.params), sites)
     gamma = 1.0 / f.reshuffle_every if migrate_hlo is not None else 0.0

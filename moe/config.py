@@ -121,7 +121,13 @@ def check(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int] | None) 
 
 @dataclasses.dataclass(frozen=True)
 class FoMoEConfig:
-    """The section `fomoe`: federated training across `mesh.site` sites (used when mesh.site > 1)."""
+    """The section `fomoe`: federated training across `mesh.site` sites (used when mesh.site > 1).
+
+    Each site runs on one device, or with mesh.expert = E > 1 on E devices of its own over which its resident
+    experts are sharded (expert parallelism inside the site; its collectives stay among the site's devices and the
+    synchronisation's bytes per site are unchanged, moe.federation). Then the resident experts per site,
+    overlap x moe.num_experts / mesh.site, must be divisible by E, with the 'dropless' dispatch and the fixed
+    placement; mesh.data and mesh.model stay 1."""
 
     compat: ClassVar[Compat] = True
 
@@ -170,12 +176,16 @@ def check_fomoe(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int] | 
     if sites == -1:
         raise ConfigError("config key 'mesh.site' = -1: a federated run needs an explicit number of sites.")
     if mesh_sizes is not None:
-        inner = {a: mesh_sizes[a] for a in ("data", "expert", "model") if mesh_sizes[a] != 1}
+        inner = {a: mesh_sizes[a] for a in ("data", "model") if mesh_sizes[a] != 1}
         if inner:
             raise ConfigError(
-                f"a federated run (mesh.site = {sites}) uses one device per site for now; got "
-                f"{', '.join(f'mesh.{a} = {n}' for a, n in inner.items())}: set them to 1."
+                f"a federated run (mesh.site = {sites}) splits a site over mesh.expert only; got "
+                f"{', '.join(f'mesh.{a} = {n}' for a, n in inner.items())}: set them to 1 (mesh.expert = E > 1 "
+                "gives each site E devices that run its experts expert-parallel)."
             )
+    expert = mesh_sizes["expert"] if mesh_sizes is not None else config.mesh.expert
+    if expert > 1:
+        _check_site_experts(config, expert)
     if f.overlap > sites or sites % f.overlap:
         raise ConfigError(
             f"config key 'fomoe.overlap' = {f.overlap} must divide 'mesh.site' = {sites} (the sites "
@@ -206,3 +216,39 @@ def check_fomoe(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int] | 
             f"config key 'data.batch_size' = {config.data.batch_size} must be divisible by "
             f"'mesh.site' = {sites} (each site trains on its share of the global batch)."
         )
+
+
+def _check_site_experts(config: ml_collections.ConfigDict, expert: int) -> None:
+    """A federated run with mesh.expert = E > 1 devices per site (moe.federation): what expert parallelism inside
+    a site needs. Raises ConfigError."""
+    sites, f, m = config.mesh.site, config.fomoe, config.moe
+    if not m.every:
+        raise ConfigError(
+            f"config key 'mesh.expert' = {expert} with 'mesh.site' = {sites} shards each site's experts over "
+            "its devices, but 'moe.every' = 0 (a dense model has none): set mesh.expert to 1, or moe.every >= 1."
+        )
+    if rule_mesh_axes(config.mesh.rules, "expert") != ("expert",):
+        raise ConfigError(
+            f"config key 'mesh.rules' maps the logical axis 'expert' to "
+            f"{list(rule_mesh_axes(config.mesh.rules, 'expert'))}; a federated run with 'mesh.expert' = {expert} "
+            "shards each site's experts over the mesh axis 'expert': map 'expert' to 'expert'."
+        )
+    if m.dispatch != "dropless":
+        raise ConfigError(
+            f"config key 'moe.dispatch' = {m.dispatch!r} with 'mesh.expert' = {expert} and 'mesh.site' = {sites}: "
+            "expert parallelism inside a site uses the 'dropless' dispatch (its all-to-all); set moe.dispatch to "
+            "'dropless' or mesh.expert to 1."
+        )
+    if f.placement != "fixed":
+        raise ConfigError(
+            f"config key 'fomoe.placement' = {f.placement!r} with 'mesh.expert' = {expert}: reshuffles "
+            "(moe.reshuffle) run with one device per site; use 'fixed' placement or mesh.expert = 1."
+        )
+    if f.overlap <= sites and not sites % f.overlap and (f.overlap * m.num_experts) % sites == 0:
+        local = f.overlap * m.num_experts // sites
+        if local % expert:
+            raise ConfigError(
+                f"each site hosts 'fomoe.overlap' x 'moe.num_experts' / 'mesh.site' = {f.overlap} x "
+                f"{m.num_experts} / {sites} = {local} experts, which 'mesh.expert' = {expert} devices cannot share "
+                f"evenly: use a mesh.expert that divides {local} (or change those keys)."
+            )

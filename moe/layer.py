@@ -245,19 +245,24 @@ class MoE(nnx.Module):
         device's own tokens: the routing's top-k and the dispatch's sort stay local (left to the partitioner, they
         would gather every token), and with expert parallelism the tokens travel by all_to_all. A token count the
         devices cannot split evenly (e.g. one decode step of one sequence) is padded with zero rows, computed and
-        discarded; they never enter the routing statistics."""
+        discarded; they never enter the routing statistics.
 
-        def grouped_matmul(name):
-            path = f"{self.path}.experts.{name}"
-            return self.precision.grouped_matmul(path, layer_key(key, path))
+        The step key enters the shard_map as an argument (not a closure), and inside a FoMoE site's manual region
+        (`moe.federation.per_site`: the Sharder's mesh has manual site axes) the shard_map nests with
+        check_vma=False: jax 0.10's linearisation of a nested shard_map gives its residuals specs over the outer
+        manual axes too, which fail to lower. Its transposes are then still the same (the replicated inputs'
+        cotangents are summed over the token shards; every output is split over them)."""
 
-        products = dict(
-            gmm_up=grouped_matmul("up"),
-            gmm_down=grouped_matmul("down"),
-            gmm_gate=None if gate is None else grouped_matmul("gate"),
-        )
+        def local(x, key, router, resident, up, down, gate=None):
+            def grouped_matmul(name):
+                path = f"{self.path}.experts.{name}"
+                return self.precision.grouped_matmul(path, layer_key(key, path))
 
-        def local(x, router, resident, up, down, gate=None):
+            products = dict(
+                gmm_up=grouped_matmul("up"),
+                gmm_down=grouped_matmul("down"),
+                gmm_gate=None if gate is None else grouped_matmul("gate"),
+            )
             routing = self.route(x, key, router)
             experts = self.local_ids(routing.experts, resident)
             if self.ep_axis is None:
@@ -277,7 +282,7 @@ class MoE(nnx.Module):
                 axes += (self.ep_axis,)
             token_axes = tuple(a for a in axes if mesh.shape[a] > 1)
         if not token_axes and self.ep_axis is None:
-            return local(x, *weights)
+            return local(x, key, *weights)
         assert mesh is not None  # expert parallelism needs a mesh (expert_mesh_axis)
         n = x.shape[0]
         pad = -n % math.prod(mesh.shape[a] for a in token_axes)
@@ -287,8 +292,9 @@ class MoE(nnx.Module):
         fn = jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(tokens, PartitionSpec(), PartitionSpec()) + (experts_spec,) * (len(weights) - 2),
+            in_specs=(tokens, PartitionSpec(), PartitionSpec(), PartitionSpec()) + (experts_spec,) * (len(weights) - 2),
             out_specs=tokens,
+            check_vma=not getattr(mesh, "manual_axes", ()),  # nested in a site's manual region: see above
         )
-        y, routing, experts = fn(x, *weights)
+        y, routing, experts = fn(x, key, *weights)
         return y[:n], jax.tree.map(lambda a: a[:n], routing), experts[:n]

@@ -22,13 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from core import train as train_lib
+from core.mesh import put_global
 from core.model import split_params
 from moe import federation
 
-__all__ = ["OUTER_METHODS", "FederatedState", "init_sites", "make_round", "site_batches"]
+__all__ = ["OUTER_METHODS", "FederatedState", "init_sites", "make_round", "make_round_parts", "site_batches"]
 
 OUTER_METHODS = ("local_adamw", "diloco")
 
@@ -73,7 +73,8 @@ def init_sites(
     state = FederatedState(train, outer_state)
     if mesh is None:
         return graphdef, state
-    return graphdef, jax.device_put(state, NamedSharding(mesh, PartitionSpec(federation.SITE_AXES)))
+    # each process places only its sites' slices: jax.device_put would send each process's whole copy to the others
+    return graphdef, put_global(state, federation.site_shardings(state, mesh))
 
 
 def make_round(
@@ -90,6 +91,43 @@ def make_round(
     synchronisation of `method`. Metrics are the train-step metrics of every step and site, [K, M] each (averaged
     on the host, so the program's only cross-site collectives are the synchronisation's).
     """
+    local_steps, sync = _round_parts(graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics)
+
+    def round_fn(state: FederatedState, tokens: jax.Array):
+        train, metrics = local_steps(state.train, tokens)
+        return sync(state.train.params, state.outer, train), metrics
+
+    return jax.jit(round_fn, donate_argnums=0)
+
+
+def make_round_parts(
+    graphdef,
+    optimizer: optax.GradientTransformation,
+    mesh,
+    *,
+    method: str,
+    outer: optax.GradientTransformation | None = None,
+    loss_fn: Callable = train_lib.lm_loss,
+    state_metrics: train_lib.StateMetrics | None = None,
+) -> tuple[jax.stages.Wrapped, jax.stages.Wrapped]:
+    """`make_round`'s round as two jitted programs, so that a driver can time its compute and its synchronisation
+    apart (experiments.federated); `sync(start, outer, *local(params, others, tokens)[:1])` is the round:
+
+        local(params, others, tokens) -> (train, metrics)   K local steps; `others`: the TrainState, params None
+        sync(start, outer, train) -> FederatedState          the synchronisation; `start`: the parameters the round
+                                                             started from (DiLoCo's outer gradient), else None
+
+    Both donate what the round no longer needs (DiLoCo's `start` is kept through the local steps)."""
+    local_steps, sync = _round_parts(graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics)
+    local = jax.jit(
+        lambda params, others, tokens: local_steps(others._replace(params=params), tokens),
+        donate_argnums=(1,) if method == "diloco" else (0, 1),
+    )
+    return local, jax.jit(sync, donate_argnums=(0, 1, 2))
+
+
+def _round_parts(graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics) -> tuple[Callable, Callable]:
+    """(local_steps(train, tokens) -> (train, metrics), sync(start, outer_state, train) -> FederatedState)."""
     if method not in OUTER_METHODS:
         raise ValueError(f"outer method = {method!r}; allowed: {list(OUTER_METHODS)}.")
     if (method == "diloco") != (outer is not None):
@@ -98,22 +136,20 @@ def make_round(
     # one site's K steps (tokens [K, B_site, T + 1]), on its own device (federation.per_site)
     local_steps = federation.per_site(lambda train, tokens: jax.lax.scan(step, train, tokens), mesh, (0, 1), (0, 1))
 
-    def round_fn(state: FederatedState, tokens: jax.Array):
-        start = state.train.params
-        train, metrics = local_steps(state.train, tokens)
+    def sync(start: Any, outer_state: Any, train: train_lib.TrainState) -> FederatedState:
         flags = federation.expert_flags(train.params)
         averaged = federation.average(train.params, flags, mesh)
         if method == "local_adamw":
             opt_state = federation.average(train.opt_state, moment_flags(train.opt_state, train.params), mesh)
-            params, outer_state = averaged, state.outer
+            params = averaged
         else:
             assert outer is not None  # checked above: diloco has its outer optimizer
             delta = jax.tree.map(lambda s, a: s - a, start, averaged)
-            updates, outer_state = jax.vmap(outer.update)(delta, state.outer, start)
+            updates, outer_state = jax.vmap(outer.update)(delta, outer_state, start)
             params, opt_state = optax.apply_updates(start, updates), train.opt_state
-        return FederatedState(train._replace(params=params, opt_state=opt_state), outer_state), metrics
+        return FederatedState(train._replace(params=params, opt_state=opt_state), outer_state)
 
-    return jax.jit(round_fn, donate_argnums=0)
+    return local_steps, sync
 
 
 def moment_flags(opt_state: Any, params: Any) -> Any:

@@ -118,9 +118,11 @@ def train_losses(model: nnx.Module, optimizer, tokens: jax.Array, steps: int) ->
 
 
 def metric_rows(workdir) -> list[dict]:
-    """The rows of a run's metrics.jsonl without its timing column (tokens_per_second differs between runs)."""
+    """The rows of a run's metrics.jsonl without its timing columns (tokens_per_second, a federated run's seconds/...),
+    which differ between runs."""
+    timing = lambda k: k == "tokens_per_second" or k.startswith("seconds/")  # noqa: E731
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items() if k != "tokens_per_second"} for line in f]
+        return [{k: v for k, v in json.loads(line).items() if not timing(k)} for line in f]
 
 
 def running(pid) -> bool:

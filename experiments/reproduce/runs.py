@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -132,7 +133,16 @@ def launch(cmd: list[str], *, env: dict[str, str], cwd: str, label: str) -> tupl
             proc.wait()
 
 
-def run_or_reuse(config: str, workdir: str, flags: list[str], steps: int, *, devices: int = 1) -> dict:
+def run_or_reuse(
+    config: str,
+    workdir: str,
+    flags: list[str],
+    steps: int,
+    *,
+    devices: int = 1,
+    command: Callable[[list[str]], list[str]] | None = None,
+    env: dict[str, str] | None = None,
+) -> dict:
     """Trains `config` with `flags` for `steps` steps in `workdir` and returns its summary.json.
 
     What is already in `workdir` is used only if its config.json (the resolved config experiments.run wrote)
@@ -142,6 +152,9 @@ def run_or_reuse(config: str, workdir: str, flags: list[str], steps: int, *, dev
     renamed to `<workdir>.stale-<n>` (nothing is deleted) and the run starts afresh there, so results of two
     configurations never mix. The run's output reaches stdout as it comes, prefixed by `[<workdir's name>]`
     (`launch`). A failed run raises with the command and the tail of its output.
+    `command` maps experiments.run's arguments to the command that runs them (default: `python -m experiments.run
+    <arguments>` with `devices` virtual CPU devices), e.g. an `experiments.launch` of several processes; `env` adds
+    to its environment.
     """
     workdir = os.path.abspath(workdir)  # the run's process works in ROOT: one meaning of a relative path for both
     label = os.path.basename(workdir)
@@ -159,9 +172,10 @@ def run_or_reuse(config: str, workdir: str, flags: list[str], steps: int, *, dev
                     return json.load(f)
         else:
             _set_aside(workdir, _differences(_comparable(found), _comparable(wanted) or {}))
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    cmd = [sys.executable, "-m", "experiments.run", *_run_args(config, workdir, flags, steps)]
-    code, tail = launch(cmd, env=env, cwd=ROOT, label=label)
+    environment = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **(env or {}))
+    args = _run_args(config, workdir, flags, steps)
+    cmd = [sys.executable, "-m", "experiments.run", *args] if command is None else command(args)
+    code, tail = launch(cmd, env=environment, cwd=ROOT, label=label)
     if code != 0:
         shown = "\n".join(tail[-40:])
         raise RuntimeError(f"run failed with exit status {code} ({' '.join(cmd)}); its last lines:\n{shown}")
