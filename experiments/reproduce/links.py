@@ -116,7 +116,9 @@ def train(method: str, sites: int, rate_mbit: float, steps: int, eval_every: int
                 flags(method, sites, steps, eval_every),
                 steps,
                 command=lambda args: [*hub, *launcher, *args],
-                env=dict(net.environment(), JAX_COMPILATION_CACHE_DIR=os.path.join(os.path.abspath(out), "runs", "jax_cache")),
+                env=dict(
+                    net.environment(), JAX_COMPILATION_CACHE_DIR=os.path.join(os.path.abspath(out), "runs", "jax_cache")
+                ),
             )
         after = net.counters()
         record = {
