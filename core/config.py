@@ -612,7 +612,7 @@ def _mesh_shape(mesh_cfg, num_devices: int | None) -> dict[str, int]:
         sizes[free[0]] = num_devices // fixed
     elif fixed > num_devices:
         federated = (
-            f" (mesh.site = {sizes['site']} makes it a federated run of one device per site; "
+            f" (mesh.site = {sizes['site']} makes it a federated run: mesh.expert devices per site; "
             "--config.mesh.site=1 trains without federation)"
             if sizes["site"] > 1
             else ""

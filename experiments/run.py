@@ -416,9 +416,9 @@ def _run(config, workdir: str, hooks: Sequence[Callable[[int, dict[str, float]],
 
 
 def _virtual_sites(config) -> None:
-    """A single-process federated run (mesh.site = M > 1) with no device count in XLA_FLAGS gets M virtual CPU
-    devices, one per site, so `--config.mesh.site=2` works as typed. Must run before JAX creates its backend; it
-    changes nothing on a GPU or TPU backend, or when XLA_FLAGS already sets a device count."""
+    """A single-process federated run (mesh.site = M > 1) with no device count in XLA_FLAGS gets M x mesh.expert
+    virtual CPU devices (mesh.expert per site), so `--config.mesh.site=2` works as typed. Must run before JAX
+    creates its backend; it changes nothing on a GPU or TPU backend, or when XLA_FLAGS already sets a device count."""
     flags_now = os.environ.get("XLA_FLAGS", "")
     if config.mesh.site > 1 and config.mesh.num_processes == 1 and "device_count" not in flags_now:
         count = config.mesh.site * max(1, config.mesh.data) * max(1, config.mesh.expert) * max(1, config.mesh.model)

@@ -34,6 +34,7 @@ def _run(method, rate, *, compute, sync, host, compiled, wire_per_round, rounds=
         "snapshots": snapshots,
         "load_average_before": 0.5,
         "load_average_after": 1.5,
+        "attempts": 1,
         "resumed_from": resumed,
     }
     return {"summary": summary, "rows": rows, "links": record}
