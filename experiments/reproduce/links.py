@@ -15,7 +15,8 @@ tokens for the same steps, one process per site (`experiments.launch --links`, j
     fomoe_o2          FoMoE, every expert on two sites (O_e = 2), LocalAdamW
 
 The model is experiments/configs/fomoe.py made smaller (`MODEL`: d_model 64, 2 layers, 8 experts of 128, top-2,
-sequences of 128 bytes) so that at 10 Mbit/s synchronisation dominates a round and at 1000 Mbit/s compute does.
+sequences of 128 bytes) so that at 10 Mbit/s the link dominates a round and at 1000 Mbit/s it does not (there, on
+2 shared cores, gloo's own CPU work does).
 Each run is in `<out>/runs/<rate>/<method>` (reused when finished with its link record, as the other reproductions).
 
 Reported (links.md, links.json, links_loss.png, links_round.png):
