@@ -326,7 +326,8 @@ def markdown(result: dict) -> str:
         f"sites, one process each, each in its own network namespace behind a tbf-limited veth link (each way); "
         f"the same model ({result['num_params']:,} parameters), tokens and {result['steps']} steps for every run, "
         f"K = {K}. "
-        f"Machine: {result['machine']}; load average during the runs {result['load_min']:.1f}-{result['load_max']:.1f}"
+        f"Machine: {result['machine'].rstrip('.')}; load average during the runs "
+        f"{result['load_min']:.1f}-{result['load_max']:.1f}"
         " (the runs themselves load both cores). Latency is not emulated (no netem here): only bandwidth.",
         "",
         "Per round of K steps (means over rounds 2..): measured wall-clock, its compute (local steps) and "
