@@ -75,7 +75,7 @@ class FederatedStepper(train_lib.Stepper):
         placement = self.placement_at(0)
         tok = batches.tokenizer
         loss_fn = functools.partial(train_lib.lm_loss, pad_id=tok.pad_id)
-        self.local_fn, self.sync_fn = rounds.make_round_parts(
+        local_fn, sync_fn = rounds.make_round_parts(
             graphdef, optimizer, mesh, method=f.outer, outer=outer, loss_fn=loss_fn, state_metrics=state_metrics
         )
         eval_step = train_lib.make_eval_step(graphdef, byte_lengths=tok.byte_lengths, pad_id=tok.pad_id)
@@ -91,9 +91,9 @@ class FederatedStepper(train_lib.Stepper):
         t0 = time.perf_counter()
         self.start_kept = f.outer == "diloco"  # DiLoCo's synchronisation needs the parameters the round started from
         others = state.train._replace(params=None)
-        self.local_exec = self.local_fn.lower(state.train.params, others, tokens).compile()
+        self.local_exec = local_fn.lower(state.train.params, others, tokens).compile()
         start = state.train.params if self.start_kept else None
-        self.sync_exec = self.sync_fn.lower(start, state.outer, state.train).compile()
+        self.sync_exec = sync_fn.lower(start, state.outer, state.train).compile()
         if jax.process_index() == 0:
             print(f"compiled the round in {time.perf_counter() - t0:.1f} s", flush=True)
         self.migrate_exec, self.plan_sharding = None, NamedSharding(mesh, PartitionSpec(federation.SITE_AXES))

@@ -105,7 +105,7 @@ def train(method: str, sites: int, rate_mbit: float, steps: int, eval_every: int
     workdir = os.path.abspath(os.path.join(out, "runs", rate_name(rate_mbit), method))
     record_path = os.path.join(workdir, "links.json")
     if os.path.exists(os.path.join(workdir, "summary.json")) and not os.path.exists(record_path):
-        runs._set_aside(workdir, ["links.json: <absent> (a run not made over this script's links)"])
+        runs.set_aside(workdir, ["links.json: <absent> (a run not made over this script's links)"])
     if not os.path.exists(record_path):
         launcher = [sys.executable, "-m", "experiments.launch", "--processes", str(sites), "--links", "--"]
         hub = ["ip", "netns", "exec", net.hub.netns]
@@ -129,7 +129,7 @@ def train(method: str, sites: int, rate_mbit: float, steps: int, eval_every: int
                 if attempt == ATTEMPTS:
                     raise
                 print(f"{method}: attempt {attempt} failed ({str(e).splitlines()[0][:200]}); once more", flush=True)
-                runs._set_aside(workdir, [f"attempt {attempt} failed"])
+                runs.set_aside(workdir, [f"attempt {attempt} failed"])
         after = net.counters()
         record = {
             "rate_mbit": rate_mbit,

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-__all__ = ["ROOT", "config_path", "launch", "read_metric", "resolved_config", "run_or_reuse"]
+__all__ = ["ROOT", "config_path", "launch", "read_metric", "resolved_config", "run_or_reuse", "set_aside"]
 
 # Keys that change what a run shows, not what it computes: a finished run differing only there is reused.
 DISPLAY_ONLY = {("train", "progress")}
@@ -62,7 +62,7 @@ def _differences(old: dict | None, new: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def _set_aside(workdir: str, why: list[str]) -> str:
+def set_aside(workdir: str, why: list[str]) -> str:
     """Renames `workdir` to the first free `<workdir>.stale-<n>` (n = 1, 2, ...) and says so; returns the new name."""
     n = 1
     while os.path.exists(f"{workdir}.stale-{n}"):
@@ -171,7 +171,7 @@ def run_or_reuse(
                 with open(summary_path) as f:
                     return json.load(f)
         else:
-            _set_aside(workdir, _differences(_comparable(found), _comparable(wanted) or {}))
+            set_aside(workdir, _differences(_comparable(found), _comparable(wanted) or {}))
     environment = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **(env or {}))
     args = _run_args(config, workdir, flags, steps)
     cmd = [sys.executable, "-m", "experiments.run", *args] if command is None else command(args)
