@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
-# Everything GPU-specific in one run, sized for one call of the `device` tool (one H200, 15 minutes a session):
+# Everything GPU-specific in one run, about 9 minutes in all (each part has its own time limit, so one that hangs
+# or fails leaves the others' results):
 #   1. the Pallas kernel tests compiled for the GPU (JAX_PLATFORMS=cuda, so interpret=False) against their XLA
 #      references, the full matrix (the cases marked slow as well; the CPU suite interprets representative cases
 #      only): unified attention, split-KV decode, quantise-and-write, every format at head dims 64-256, and the
 #      NaN/Inf-poisoned pools that must give bit-identical outputs. Their tolerances are float32's, so they run
 #      with JAX_DEFAULT_MATMUL_PRECISION=highest (IEEE products in the kernel and in XLA; by default both take
 #      TF32 on a GPU, about 1e-3 relative for the bf16 and fp8 formats' queries);
-#   2. `experiments.bench.decode`, 1K-262K tokens, with the Pallas split-KV kernel timed beside the XLA paths and the
-#      issue's goal at 128K (fp4 >= 2.5x faster than bf16, >= 60% of the copy bandwidth);
+#   2. `experiments.bench.decode`, 1K-262K tokens, with the Pallas split-KV kernel timed beside the XLA paths and
+#      the decode goal at 128K checked (fp4 >= 2.5x faster than bf16, >= 60% of the copy bandwidth; docs/kvcache.md);
 #   3. `experiments.bench.quant`: train step per 4-bit recipe against BF16.
-# Each part has its own time limit, so one that hangs or fails leaves the others' results.
 #
-# Before the call, once (ml-collections is not installed there; the wheel travels in .whl, which git ignores):
+# What it needs: a machine with a CUDA GPU (written for one H200) and Python 3.12 with jax[cuda] 0.11, flax, optax,
+# chex, orbax-checkpoint, numpy and pytest preinstalled, and a copy of this repository's working tree (it runs
+# from there; nothing is installed into the machine's Python). Every other package the three parts import that
+# the machine lacks (ml-collections, for one) must be present as a wheel in `.whl/` at the repository root
+# (git-ignored); the script installs those wheels, without a network, into /tmp/site. Fetching one elsewhere:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       -d .whl ml-collections==1.1.0
-# The call:  run(command="bash experiments/bench/gpu.sh", carry=[".whl"], timeout_s=560)
-# Results land in $OUT (on this machine: results/gpu): gpu.log, decode.{json,md,png}, quant.{json,md}.
+# Run it as `bash experiments/bench/gpu.sh` from anywhere. Results land in $OUT if set, else results/gpu: gpu.log,
+# decode.{json,md,png}, quant.{json,md}.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${OUT:-results/gpu}"
