@@ -184,8 +184,8 @@ def tensorboard_writer() -> Any:
     except ImportError as e:
         raise WorkdirError(
             f"train.tensorboard = True writes TensorBoard event files, which needs the package tensorboardX ({e}); "
-            "install it (pip install tensorboardX) or turn the events off with --config.train.tensorboard=False "
-            "(metrics.jsonl holds the same rows)"
+            "install it (pip install 'lowbit-moe-lab[experiments]') or turn the events off with "
+            "--config.train.tensorboard=False (metrics.jsonl holds the same rows)"
         ) from None
 
 

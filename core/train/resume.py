@@ -1,0 +1,111 @@
+"""Resuming a run: opening its checkpoints, restoring the latest one that belongs to this program and was trained
+as the config says, and recording an accepted change of provenance in the workdir's history."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import ml_collections
+
+from core import checkpoint as checkpoint_lib
+from core import workdir as workdir_lib
+
+__all__ = ["open_checkpoints"]
+
+
+def open_checkpoints(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    state: Any,
+    compat: Mapping[str, Any],
+    provenance: dict[str, Any],
+    log: workdir_lib.MetricsLog,
+) -> tuple[checkpoint_lib.Checkpointer, Any, dict[str, Any], int | None]:
+    """The run's `<workdir>/checkpoints`: restores the latest checkpoint into `state` when `checkpoint.resume`
+    allows (after checking it belongs to this program, was trained as the config says, and is intact), then sets
+    metric rows written after it (all of them on a fresh start) aside.
+
+    Returns (checkpointer, state, the checkpoint's loop record ({} on a fresh start), the step resumed from or
+    None). Raises CheckpointError for a damaged checkpoint (unless `checkpoint.fallback`: then it is moved to
+    `checkpoints.damaged/` and the next newest is tried), one beyond train.steps, one from another program, one
+    trained with other hyper-parameters (unless `checkpoint.accept_changes`), or checkpoints present while
+    checkpoint.resume is False; WorkdirError for a malformed metrics.jsonl. Nothing on disk changes before a
+    restore succeeds.
+    """
+    cc, steps = config.checkpoint, config.train.steps
+    log.check()  # a malformed metrics.jsonl is refused before anything else
+    directory = os.path.join(workdir, "checkpoints")
+    checkpointer = checkpoint_lib.Checkpointer(directory, keep=cc.keep, async_save=cc.async_save)
+    latest = checkpointer.latest_step()
+    if latest is not None and not cc.resume:
+        raise checkpoint_lib.CheckpointError(
+            f"{checkpointer.directory} already holds checkpoints and checkpoint.resume is False; use a new "
+            "--workdir so they are not overwritten."
+        )
+    if latest is not None and latest > steps:
+        raise checkpoint_lib.CheckpointError(
+            f"the latest checkpoint in {checkpointer.directory} is at step {latest}, beyond train.steps = "
+            f"{steps}; raise train.steps (with checkpoint.accept_changes) or use a new --workdir. Nothing was "
+            "changed."
+        )
+    changes: dict[str, list] = {}
+    loop: dict[str, Any] = {}
+    while latest is not None:
+        try:
+            record = checkpointer.read_record(latest)
+            changes = _changes(record, provenance)
+            if changes and not cc.accept_changes:
+                raise checkpoint_lib.CheckpointError(_changes_message(checkpointer, latest, changes))
+            state, loop = checkpointer.restore(latest, state, compat=compat, record=record)
+            break
+        except checkpoint_lib.DamagedCheckpointError as e:
+            if not cc.fallback:
+                raise checkpoint_lib.DamagedCheckpointError(
+                    f"{e} Rerun with --config.checkpoint.fallback=True to resume from the newest intact checkpoint "
+                    "(the damaged one is moved to checkpoints.damaged/), or use a new --workdir."
+                ) from e
+            checkpointer.close()
+            aside = os.path.join(workdir, "checkpoints.damaged", str(latest))
+            if jax.process_index() == 0:
+                os.makedirs(os.path.dirname(aside), exist_ok=True)
+                os.replace(os.path.join(directory, str(latest)), aside)
+                print(f"checkpoint.fallback: {e}\nmoved it to {aside}; trying the next newest", flush=True)
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices("checkpoint fallback")
+            checkpointer = checkpoint_lib.Checkpointer(directory, keep=cc.keep, async_save=cc.async_save)
+            latest = checkpointer.latest_step()
+    log.truncate_after(latest or 0)
+    if latest is None:
+        return checkpointer, state, {}, None
+    if changes and jax.process_index() == 0:
+        workdir_lib.append_history(workdir, {"resumed_from": latest, "changes": changes})
+        print(f"checkpoint.accept_changes: {_describe_changes(changes)} (recorded in history.jsonl)", flush=True)
+    if jax.process_index() == 0:
+        print(f"resuming from the checkpoint of step {latest} in {checkpointer.directory}", flush=True)
+    return checkpointer, state, loop, latest
+
+
+def _changes(record: Mapping[str, Any], provenance: Mapping[str, Any]) -> dict[str, list]:
+    """{key: [saved, now]} of the provenance keys whose value differs from the checkpoint's record."""
+    saved = record.get("provenance") or {}
+    now = json.loads(json.dumps(provenance))
+    return {key: [saved[key], now[key]] for key in sorted(now) if key in saved and saved[key] != now[key]}
+
+
+def _describe_changes(changes: Mapping[str, list]) -> str:
+    return ", ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in changes.items())
+
+
+def _changes_message(checkpointer, step: int, changes: Mapping[str, list]) -> str:
+    return (
+        f"the checkpoint of step {step} in {checkpointer.directory} was trained with other hyper-parameters "
+        f"({_describe_changes(changes)}); resuming would make config.json describe weights it did not train. "
+        "Restore the original values, start a new --workdir, or rerun with --config.checkpoint.accept_changes=True "
+        "to continue with the change recorded in the workdir's history.jsonl. Nothing was changed."
+    )
