@@ -1,40 +1,53 @@
-"""Experiment configuration: declared fields, defaults, and validation before anything compiles.
+"""The core configuration sections and their checks before anything compiles.
 
-A configuration is an `ml_collections.ConfigDict` with one sub-dict per section (`model`, `data`, `optim`,
-`train`, `mesh`, `checkpoint`, `sample`, and the sections other packages add). Each section is declared once, as a
-frozen dataclass whose fields are declared with `field`: the default, the accepted types (from the annotation),
-the allowed choices or range, and one line of documentation; its class variable `compat` says which of its keys a
-checkpoint must share to be resumed, and `provenance` which others describe how the weights were trained (a resume
-may change them only when told to, `checkpoint.accept_changes`). Code reads a section as that dataclass
-(`from_config`); from the same declaration we derive the default ConfigDict (`defaults`), the reference table in
-docs/configuration.md (`describe`), the resume facts (`checkpoint_compat`, `provenance`) and the checks of
-`validate`:
+A configuration is an `ml_collections.ConfigDict` with one sub-dict per section: the core ones declared here
+(`model`, `data`, `optim`, `train`, `mesh`, `checkpoint`, `sample`) and those other packages declare the same way
+(moe.config, quant.config, kvcache.config, optim.config), each a frozen dataclass of `core.schema.field`s. The
+composition root (`experiments/build.py`) adds the others to `SECTIONS` and fills registered choices (`optim.name`).
 
-  * an unknown key (a typo such as `model.dmodel`) -> error naming the key and the closest known keys;
-  * a wrong type (`train.steps = "300"`)           -> error naming the key, the value and the accepted types;
-  * a value outside its choices or range           -> error naming the key, the value and what is allowed;
-  * an impossible combination (heads not dividing d_model, a mesh larger than the devices, a batch the data
-    axis cannot split, ...)                        -> error naming every key involved.
-
-The command line fits a warm-up longer than a short run to the run's length before validating (`fit_to_steps`).
-
-Other packages declare their own sections the same way (moe.config, quant.config, kvcache.config, optim.config);
-the composition root (`experiments/build.py`) adds them to `SECTIONS` and fills registered choices (`optim.name`).
+`validate` checks every key, type and value (`core.schema.check_keys`) and then the core sections' constraints
+between keys: an impossible combination (heads not dividing d_model, a mesh larger than the devices, a batch the
+data axis cannot split, ...) -> ConfigError naming every key involved. The command line fits a warm-up longer than
+a short run to the run's length before validating (`fit_to_steps`). The schema machinery (`field`, `ConfigError`,
+`from_config`, `checkpoint_compat`, ...) is `core.schema`'s; its names are importable from here too.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
-import types
-import typing
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import ml_collections
 
+from core import schema as schema_lib
 from core import tokenizer as tokenizer_lib
+from core.mesh_config import (
+    DEFAULT_RULES,
+    FROM_CLUSTER,
+    MESH_AXES,
+    check_processes,
+    check_rules,
+    mesh_axes,
+    mesh_shape,
+    resolve_mesh_shape,
+    rule_mesh_axes,
+)
+from core.schema import (
+    Compat,
+    ConfigError,
+    Field,
+    Schema,
+    check_keys,
+    checkpoint_compat,
+    field,
+    fields_of,
+    from_config,
+    provenance,
+    section_fields,
+    unknown_key_error,
+)
 
 __all__ = [
     "DEFAULT_RULES",
@@ -69,170 +82,6 @@ __all__ = [
     "validate",
 ]
 
-
-class ConfigError(ValueError):
-    """A configuration value is unknown, mistyped or impossible. The message names the key and what is allowed."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Field:
-    """One configuration leaf.
-
-    Attributes:
-      default: the default value (must itself pass the checks below).
-      types: accepted Python types. `float` fields also accept `int`; `bool` is never accepted as an `int`.
-      doc: one line for docs/configuration.md.
-      choices: allowed values, or None.
-      low, high: inclusive bounds for numbers, or None.
-      low_open: if True, `low` itself is excluded (value > low).
-    """
-
-    default: Any
-    types: tuple[type, ...]
-    doc: str
-    choices: tuple[Any, ...] | None = None
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-
-    def check(self, key: str, value: Any) -> None:
-        """Raises ConfigError if `value` is not an acceptable value for `key`."""
-        if not _has_type(value, self.types):
-            raise ConfigError(
-                f"config key '{key}' = {value!r} has type {type(value).__name__}; expected {_names(self.types)}."
-            )
-        if self.choices is not None and value not in self.choices:
-            raise ConfigError(f"config key '{key}' = {value!r} is not one of the allowed values {list(self.choices)}.")
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"config key '{key}' = {value!r} must be a finite number.")
-            too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
-            too_high = self.high is not None and value > self.high
-            if too_low or too_high:
-                raise ConfigError(f"config key '{key}' = {value!r} is outside the allowed range {self._range()}.")
-
-    def _range(self) -> str:
-        lo = "(-inf" if self.low is None else ("(" if self.low_open else "[") + f"{self.low:g}"
-        hi = "inf)" if self.high is None else f"{self.high:g}]"
-        return f"{lo}, {hi}"
-
-    def describe(self) -> str:
-        """What is allowed, in words (for docs)."""
-        if self.choices is not None:
-            return "one of " + ", ".join(repr(c) for c in self.choices)
-        kinds = _names(tuple(t for t in self.types if t is not type(None)))
-        if self.low is not None or self.high is not None:
-            kinds = f"{kinds} in {self._range()}"
-        return f"{kinds} or None" if type(None) in self.types else kinds
-
-
-def _names(accepted: tuple[type, ...]) -> str:
-    return " or ".join("None" if t is type(None) else t.__name__ for t in accepted)
-
-
-def _has_type(value: Any, accepted: tuple[type, ...]) -> bool:
-    if isinstance(value, bool):
-        return bool in accepted
-    if float in accepted and isinstance(value, int):
-        return True
-    if tuple in accepted and isinstance(value, list):  # ConfigDict and CLI parsing may turn tuples into lists
-        return True
-    return isinstance(value, accepted)
-
-
-def field(
-    default: Any,
-    doc: str,
-    *,
-    choices: tuple[Any, ...] | None = None,
-    low: float | None = None,
-    high: float | None = None,
-    low_open: bool = False,
-) -> Any:
-    """Declares one key of a config section: a dataclass field whose metadata holds its documentation and rules.
-
-    The accepted types come from the field's annotation (`int`, `float`, `str`, `bool`, `tuple[...]`, or one of
-    them `| None`), so a section is declared once, as a frozen dataclass:
-
-        @dataclasses.dataclass(frozen=True)
-        class TrainConfig:
-            compat: ClassVar[Compat] = False
-            steps: int = field(1000, "optimizer steps", low=1)
-    """
-    rules = {"doc": doc, "choices": choices, "low": low, "high": high, "low_open": low_open}
-    return dataclasses.field(default=default, metadata={_RULES: rules})
-
-
-_RULES = "core.config"  # the metadata key of a field's rules
-
-Compat = bool | tuple[str, ...]
-"""How a section takes part in resume compatibility (`checkpoint_compat`): True, every key must equal the
-checkpoint's; False, none (runtime choices: the mesh, cadences, the sampling prompt); a tuple names the keys that
-must (the optimizer's `name`, but not its learning rate). The same values declare `provenance`: the keys that
-describe how the weights were trained (True: every key `compat` does not name)."""
-
-_SCALARS: dict[Any, tuple[type, ...]] = {int: (int,), float: (float,), str: (str,), bool: (bool,), tuple: (tuple,)}
-
-
-def _types(annotation: Any, where: str) -> tuple[type, ...]:
-    """The Python types a field's annotation accepts: int, float, str, bool, tuple[...], or one of them | None."""
-    if annotation in _SCALARS:
-        return _SCALARS[annotation]
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is tuple:
-        return (tuple,)
-    if origin in (types.UnionType, typing.Union) and len(args) == 2 and type(None) in args:
-        inner = next(a for a in args if a is not type(None))
-        return (*_types(inner, where), type(None))
-    raise TypeError(
-        f"{where}: config fields are int, float, str, bool, tuple[...] or one of them | None; got {annotation!r}."
-    )
-
-
-def section_fields(section: type) -> dict[str, Field]:
-    """key -> Field of a section dataclass (each key declared with `field`), in declaration order."""
-    hints = typing.get_type_hints(section)
-    out = {}
-    for f in dataclasses.fields(section):
-        if _RULES not in f.metadata:
-            raise TypeError(f"{section.__name__}.{f.name} is not declared with core.config.field(...).")
-        out[f.name] = Field(f.default, _types(hints[f.name], f"{section.__name__}.{f.name}"), **f.metadata[_RULES])
-    return out
-
-
-_S = typing.TypeVar("_S")
-
-
-def from_config(section: type[_S], values: Mapping[str, Any]) -> _S:
-    """The section dataclass holding a config section's values (lists become tuples: ConfigDict and the command
-    line may turn tuples into lists). Raises ConfigError naming a key the section does not declare."""
-    items = values.to_dict() if isinstance(values, ml_collections.ConfigDict) else dict(values)
-    known = [f.name for f in dataclasses.fields(section)]  # type: ignore[arg-type]
-    for key in items:
-        if key not in known:
-            raise unknown_key_error(key, known)
-    return section(**{k: _tuples(v) for k, v in items.items()})
-
-
-def _tuples(value: Any) -> Any:
-    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
-
-
-Schema = dict[str, dict[str, Field]]
-"""section name -> key -> Field (what `validate`, `defaults` and `describe` read)."""
-
-# Logical axis -> mesh axes. Parameters and activations name their dimensions with the logical axes on the left;
-# a rule maps each to zero, one or several mesh axes (a tuple shards the dimension over their product).
-DEFAULT_RULES = (
-    ("batch", ("site", "data", "expert")),
-    ("seq", None),
-    ("embed", None),
-    ("vocab", "model"),
-    ("heads", "model"),
-    ("kv_heads", "model"),
-    ("mlp", "model"),
-    ("expert", "expert"),
-)
 
 _DTYPES = ("float32", "bfloat16")
 
@@ -466,53 +315,17 @@ SECTIONS: dict[str, type] = {
 
 def schema(sections: Mapping[str, type] | None = None) -> Schema:
     """The fields of `sections` (default: the core ones) as a fresh nested dict (callers may extend it)."""
-    return {name: section_fields(cls) for name, cls in (SECTIONS if sections is None else sections).items()}
-
-
-def checkpoint_compat(
-    config: ml_collections.ConfigDict, sections: Mapping[str, type], data_fingerprint: str
-) -> dict[str, Any]:
-    """The facts a checkpoint must share with the running program to be resumed, from each section's `compat`
-    declaration: whole sections as `{name: {key: value}}`, single keys as `{"name.key": value}`, and the corpus
-    as `{"data": fingerprint}`."""
-    facts: dict[str, Any] = {}
-    for name, cls in sections.items():
-        keys = getattr(cls, "compat", None)
-        if keys is None:
-            raise TypeError(f"config section {name!r} ({cls.__name__}) does not declare `compat`.")
-        if keys is True:
-            facts[name] = config[name].to_dict()
-        elif keys:
-            facts.update({f"{name}.{key}": config[name][key] for key in keys})
-    return {**facts, "data": data_fingerprint}
-
-
-def provenance(config: ml_collections.ConfigDict, sections: Mapping[str, type]) -> dict[str, Any]:
-    """{"section.key": value} of every key a section declares in `provenance` (True: all keys its `compat` does
-    not name): how the weights were trained, beyond what `checkpoint_compat` requires to be equal."""
-    facts: dict[str, Any] = {}
-    for name, cls in sections.items():
-        keys = getattr(cls, "provenance", False)
-        if keys is True:
-            fixed = getattr(cls, "compat", False)
-            keys = [k for k in config[name] if fixed is not True and k not in (fixed or ())]
-        facts.update({f"{name}.{key}": config[name][key] for key in keys or ()})
-    return facts
+    return fields_of(SECTIONS if sections is None else sections)
 
 
 def defaults(spec: Schema | None = None) -> ml_collections.ConfigDict:
-    """The default ConfigDict of a schema (the core schema by default). A key whose default is None holds a typed
-    placeholder, so that the command line can still set it (`--config.optim.b2=0.99`)."""
-    spec = schema() if spec is None else spec
+    """The default ConfigDict of a schema (the core schema by default; `core.schema.defaults`)."""
+    return schema_lib.defaults(schema() if spec is None else spec)
 
-    def default(f: Field) -> Any:
-        if f.default is not None:
-            return f.default
-        return ml_collections.config_dict.placeholder(next(t for t in f.types if t is not type(None)))
 
-    return ml_collections.ConfigDict(
-        {section: {key: default(f) for key, f in fields.items()} for section, fields in spec.items()}
-    )
+def describe(spec: Schema | None = None) -> str:
+    """A markdown reference of every key of a schema (the core schema by default; `core.schema.describe`)."""
+    return schema_lib.describe(schema() if spec is None else spec)
 
 
 def fit_to_steps(config: ml_collections.ConfigDict) -> list[str]:
@@ -541,20 +354,14 @@ def fit_to_steps(config: ml_collections.ConfigDict) -> list[str]:
     return [f"optim.warmup_steps = {warmup} > train.steps = {steps}: warming up over all {steps} steps"]
 
 
-def unknown_key_error(key: str, known: list[str]) -> ConfigError:
-    """The error for an unknown key, suggesting the closest known keys."""
-    close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
-    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    return ConfigError(f"unknown config key '{key}'.{hint} Known keys: {', '.join(sorted(known))}.")
-
-
 def validate(
     config: ml_collections.ConfigDict,
     spec: Schema | None = None,
     *,
     num_devices: int | None = None,
 ) -> None:
-    """Checks every key, type, value and cross-field constraint; raises ConfigError on the first problem.
+    """Checks every key, type, value (`core.schema.check_keys`) and the core sections' cross-field constraints;
+    raises ConfigError on the first problem.
 
     With `mesh.num_processes = -1` (the cluster's processes) the checks that need the number of processes are
     deferred: validate again once `core.mesh.resolve_processes` has filled it in (see `check_processes`).
@@ -564,127 +371,8 @@ def validate(
       spec: the schema to check against (default: the core schema).
       num_devices: if given, the mesh is also checked against this number of devices.
     """
-    spec = schema() if spec is None else spec
-    if not isinstance(config, (ml_collections.ConfigDict, Mapping)):
-        raise ConfigError(f"a config must be an ml_collections.ConfigDict, got {type(config).__name__}.")
-    for section in config:
-        if section not in spec:
-            raise unknown_key_error(section, list(spec))
-        sub = config[section]
-        if not isinstance(sub, (ml_collections.ConfigDict, Mapping)):
-            raise ConfigError(f"config key '{section}' must be a section (ConfigDict), got {sub!r}.")
-        for key in sub:
-            full = f"{section}.{key}"
-            if key not in spec[section]:
-                raise unknown_key_error(full, [f"{section}.{k}" for k in spec[section]])
-            spec[section][key].check(full, sub[key])
-    for section, fields in spec.items():
-        for key in fields:
-            if section not in config or key not in config[section]:
-                raise ConfigError(
-                    f"config key '{section}.{key}' is missing; start from a default config "
-                    f"(core.config.defaults or experiments.build.default_config)."
-                )
+    check_keys(config, schema() if spec is None else spec)
     _check_core(config, num_devices)
-
-
-def _mesh_shape(mesh_cfg, num_devices: int | None) -> dict[str, int]:
-    """Resolves the -1 entries of the mesh section. Needs `num_devices` if any axis is -1."""
-    sizes = {axis: int(mesh_cfg[axis]) for axis in MESH_AXES}
-    for axis, size in sizes.items():
-        if size == 0:
-            raise ConfigError(f"config key 'mesh.{axis}' = 0; a mesh axis has size >= 1, or -1 for the rest.")
-    free = [a for a, s in sizes.items() if s == -1]
-    if len(free) > 1:
-        raise ConfigError(
-            f"config keys {', '.join('mesh.' + a for a in free)} are all -1; at most one mesh "
-            "axis may take the remaining devices."
-        )
-    fixed = math.prod(s for s in sizes.values() if s != -1)
-    if num_devices is None:
-        return sizes
-    if free:
-        if num_devices % fixed:
-            raise ConfigError(
-                f"config key 'mesh.{free[0]}' = -1 cannot take the remaining devices: the other "
-                f"axes use {fixed} and {num_devices} devices are not a multiple of that."
-            )
-        sizes[free[0]] = num_devices // fixed
-    elif fixed > num_devices:
-        federated = (
-            f" (mesh.site = {sizes['site']} makes it a federated run: mesh.expert devices per site; "
-            "--config.mesh.site=1 trains without federation)"
-            if sizes["site"] > 1
-            else ""
-        )
-        raise ConfigError(
-            f"the mesh {sizes} needs {fixed} devices but only {num_devices} are available; "
-            f"lower mesh.site/data/expert/model{federated}."
-        )
-    return sizes
-
-
-MESH_AXES = ("site", "data", "expert", "model")
-"""Mesh axis names, outermost first (slow links outermost: sites, then data, expert and model parallelism)."""
-
-
-def mesh_shape(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
-    """The mesh axis sizes {axis: size} with -1 resolved against `num_devices`."""
-    return _mesh_shape(config.mesh, num_devices)
-
-
-FROM_CLUSTER = -1
-"""`mesh.num_processes = FROM_CLUSTER` (-1): the number of processes, this process's index and the coordinator's
-address come from the cluster environment that started the process (`core.mesh.resolve_processes`)."""
-
-
-def check_processes(mesh_cfg) -> None:
-    """Checks the process keys of the mesh section (`num_processes`, `process_id`, `coordinator_address`) and raises
-    ConfigError naming them.
-
-    With `num_processes = -1` (FROM_CLUSTER) the cluster environment gives `process_id` and `coordinator_address`,
-    so both must keep their defaults (0 and ''; an explicit `process_id=0` cannot be told from the default), and the
-    checks that need the number of processes (`process_id` below it, `data.batch_size` divisible by it) wait until
-    `core.mesh.resolve_processes` has filled in the cluster's values: validate again then (experiments.run does).
-    """
-    n = mesh_cfg.num_processes
-    if n == 0:
-        raise ConfigError(
-            "config key 'mesh.num_processes' = 0; give the number of processes (>= 1), or -1 to take them from the "
-            "cluster environment (srun, mpirun, ...)."
-        )
-    if n == FROM_CLUSTER:
-        given = [
-            f"'mesh.{key}' = {mesh_cfg[key]!r}"
-            for key, default in (("process_id", 0), ("coordinator_address", ""))
-            if mesh_cfg[key] != default
-        ]
-        if given:
-            raise ConfigError(
-                f"config key{'s' if len(given) > 1 else ''} {' and '.join(given)} set, but 'mesh.num_processes' = -1 "
-                "takes this process's index and the coordinator's address from the cluster environment (e.g. "
-                "SLURM_PROCID and the job's first node); remove "
-                f"{'them' if len(given) > 1 else 'it'}, or give all three keys by hand with mesh.num_processes = N."
-            )
-        return
-    if mesh_cfg.process_id >= n:
-        raise ConfigError(f"config key 'mesh.process_id' = {mesh_cfg.process_id} must be < 'mesh.num_processes' = {n}.")
-    if n > 1 and not mesh_cfg.coordinator_address:
-        raise ConfigError(
-            f"config key 'mesh.coordinator_address' is empty but 'mesh.num_processes' = {n}; give host:port of "
-            "process 0 (e.g. 127.0.0.1:12355), or set mesh.num_processes = -1 under a cluster's launcher (srun, "
-            "mpirun) to take all three from it."
-        )
-
-
-def mesh_axes(target) -> tuple[str, ...]:
-    """A rule's target (or a PartitionSpec entry) as a tuple of mesh axes: None -> (), "data" -> ("data",)."""
-    return () if target is None else (target,) if isinstance(target, str) else tuple(target)
-
-
-def rule_mesh_axes(rules, logical: str) -> tuple[str, ...]:
-    """The mesh axes `rules` map the logical axis `logical` to (() when it is replicated)."""
-    return mesh_axes(dict(rules).get(logical))
 
 
 def _check_core(config: ml_collections.ConfigDict, num_devices: int | None) -> None:
@@ -734,8 +422,8 @@ def _check_core(config: ml_collections.ConfigDict, num_devices: int | None) -> N
             f"config key 'data.batch_size' = {config.data.batch_size} must be divisible by "
             f"'mesh.num_processes' = {mesh.num_processes}."
         )
-    _check_rules(mesh.rules)
-    sizes = _mesh_shape(mesh, num_devices)
+    check_rules(mesh.rules)
+    sizes = resolve_mesh_shape(mesh, num_devices)
     if num_devices is not None:
         batch_axes = rule_mesh_axes(mesh.rules, "batch")
         batch_shards = math.prod(sizes[a] for a in batch_axes)
@@ -751,35 +439,3 @@ def _check_core(config: ml_collections.ConfigDict, num_devices: int | None) -> N
                 f"config key{'s' if len(bad) > 1 else ''} {' and '.join(bad)} must be divisible by the mesh axis "
                 f"'model' = {sizes['model']} (mesh.model), which shards {'them' if len(bad) > 1 else 'it'}."
             )
-
-
-def _check_rules(rules: Any) -> None:
-    for i, rule in enumerate(rules):
-        if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
-            raise ConfigError(
-                f"config key 'mesh.rules'[{i}] = {rule!r}; each rule is (logical axis name, "
-                "mesh axis | tuple of mesh axes | None)."
-            )
-        for t in mesh_axes(rule[1]):
-            if t not in MESH_AXES:
-                raise ConfigError(
-                    f"config key 'mesh.rules'[{i}] = {tuple(rule)!r} names mesh axis {t!r}; "
-                    f"mesh axes are {list(MESH_AXES)}."
-                )
-    names = [r[0] for r in rules]
-    dups = sorted({n for n in names if names.count(n) > 1})
-    if dups:
-        raise ConfigError(f"config key 'mesh.rules' maps the logical axes {dups} more than once.")
-
-
-def describe(spec: Schema | None = None) -> str:
-    """A markdown reference of every key: default, what is allowed, meaning."""
-    spec = schema() if spec is None else spec
-    lines = []
-    for section, fields in spec.items():
-        lines += [f"## `{section}`", "", "| key | default | allowed | meaning |", "|---|---|---|---|"]
-        for key, f in fields.items():
-            allowed = f.describe().replace("|", "\\|")
-            lines.append(f"| `{section}.{key}` | `{f.default!r}` | {allowed} | {f.doc.replace('|', '/')} |")
-        lines.append("")
-    return "\n".join(lines)

@@ -1,0 +1,295 @@
+"""The configuration schema machinery: a config section declared once, as a frozen dataclass of `field`s, and
+what is derived from the declaration.
+
+A configuration is an `ml_collections.ConfigDict` with one sub-dict per section. Each section's keys are declared
+with `field`: the default, the accepted types (from the annotation), the allowed choices or range and one line of
+documentation; its class variable `compat` says which of its keys a checkpoint must share to be resumed, and
+`provenance` which others describe how the weights were trained. From the declarations come the default
+ConfigDict (`defaults`), the reference table (`describe`), the resume facts (`checkpoint_compat`, `provenance`), the
+typed view of a section (`from_config`) and the per-key checks (`check_keys`):
+
+  * an unknown key (a typo such as `model.dmodel`) -> error naming the key and the closest known keys;
+  * a wrong type (`train.steps = "300"`)           -> error naming the key, the value and the accepted types;
+  * a value outside its choices or range           -> error naming the key, the value and what is allowed.
+
+The sections themselves are declared where they belong (core.config, moe.config, quant.config, kvcache.config,
+optim.config).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+import ml_collections
+
+__all__ = [
+    "Compat",
+    "ConfigError",
+    "Field",
+    "Schema",
+    "check_keys",
+    "checkpoint_compat",
+    "defaults",
+    "describe",
+    "field",
+    "fields_of",
+    "from_config",
+    "provenance",
+    "section_fields",
+    "unknown_key_error",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, mistyped or impossible. The message names the key and what is allowed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One configuration leaf.
+
+    Attributes:
+      default: the default value (must itself pass the checks below).
+      types: accepted Python types. `float` fields also accept `int`; `bool` is never accepted as an `int`.
+      doc: one line for docs/configuration.md.
+      choices: allowed values, or None.
+      low, high: inclusive bounds for numbers, or None.
+      low_open: if True, `low` itself is excluded (value > low).
+    """
+
+    default: Any
+    types: tuple[type, ...]
+    doc: str
+    choices: tuple[Any, ...] | None = None
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+
+    def check(self, key: str, value: Any) -> None:
+        """Raises ConfigError if `value` is not an acceptable value for `key`."""
+        if not _has_type(value, self.types):
+            raise ConfigError(
+                f"config key '{key}' = {value!r} has type {type(value).__name__}; expected {_names(self.types)}."
+            )
+        if self.choices is not None and value not in self.choices:
+            raise ConfigError(f"config key '{key}' = {value!r} is not one of the allowed values {list(self.choices)}.")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"config key '{key}' = {value!r} must be a finite number.")
+            too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+            too_high = self.high is not None and value > self.high
+            if too_low or too_high:
+                raise ConfigError(f"config key '{key}' = {value!r} is outside the allowed range {self._range()}.")
+
+    def _range(self) -> str:
+        lo = "(-inf" if self.low is None else ("(" if self.low_open else "[") + f"{self.low:g}"
+        hi = "inf)" if self.high is None else f"{self.high:g}]"
+        return f"{lo}, {hi}"
+
+    def describe(self) -> str:
+        """What is allowed, in words (for docs)."""
+        if self.choices is not None:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        kinds = _names(tuple(t for t in self.types if t is not type(None)))
+        if self.low is not None or self.high is not None:
+            kinds = f"{kinds} in {self._range()}"
+        return f"{kinds} or None" if type(None) in self.types else kinds
+
+
+def _names(accepted: tuple[type, ...]) -> str:
+    return " or ".join("None" if t is type(None) else t.__name__ for t in accepted)
+
+
+def _has_type(value: Any, accepted: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):
+        return bool in accepted
+    if float in accepted and isinstance(value, int):
+        return True
+    if tuple in accepted and isinstance(value, list):  # ConfigDict and CLI parsing may turn tuples into lists
+        return True
+    return isinstance(value, accepted)
+
+
+def field(
+    default: Any,
+    doc: str,
+    *,
+    choices: tuple[Any, ...] | None = None,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+) -> Any:
+    """Declares one key of a config section: a dataclass field whose metadata holds its documentation and rules.
+
+    The accepted types come from the field's annotation (`int`, `float`, `str`, `bool`, `tuple[...]`, or one of
+    them `| None`), so a section is declared once, as a frozen dataclass:
+
+        @dataclasses.dataclass(frozen=True)
+        class TrainConfig:
+            compat: ClassVar[Compat] = False
+            steps: int = field(1000, "optimizer steps", low=1)
+    """
+    rules = {"doc": doc, "choices": choices, "low": low, "high": high, "low_open": low_open}
+    return dataclasses.field(default=default, metadata={_RULES: rules})
+
+
+_RULES = "core.schema"  # the metadata key of a field's rules
+
+Compat = bool | tuple[str, ...]
+"""How a section takes part in resume compatibility (`checkpoint_compat`): True, every key must equal the
+checkpoint's; False, none (runtime choices: the mesh, cadences, the sampling prompt); a tuple names the keys that
+must (the optimizer's `name`, but not its learning rate). The same values declare `provenance`: the keys that
+describe how the weights were trained (True: every key `compat` does not name)."""
+
+_SCALARS: dict[Any, tuple[type, ...]] = {int: (int,), float: (float,), str: (str,), bool: (bool,), tuple: (tuple,)}
+
+
+def _types(annotation: Any, where: str) -> tuple[type, ...]:
+    """The Python types a field's annotation accepts: int, float, str, bool, tuple[...], or one of them | None."""
+    if annotation in _SCALARS:
+        return _SCALARS[annotation]
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is tuple:
+        return (tuple,)
+    if origin in (types.UnionType, typing.Union) and len(args) == 2 and type(None) in args:
+        inner = next(a for a in args if a is not type(None))
+        return (*_types(inner, where), type(None))
+    raise TypeError(
+        f"{where}: config fields are int, float, str, bool, tuple[...] or one of them | None; got {annotation!r}."
+    )
+
+
+def section_fields(section: type) -> dict[str, Field]:
+    """key -> Field of a section dataclass (each key declared with `field`), in declaration order."""
+    hints = typing.get_type_hints(section)
+    out = {}
+    for f in dataclasses.fields(section):
+        if _RULES not in f.metadata:
+            raise TypeError(f"{section.__name__}.{f.name} is not declared with core.schema.field(...).")
+        out[f.name] = Field(f.default, _types(hints[f.name], f"{section.__name__}.{f.name}"), **f.metadata[_RULES])
+    return out
+
+
+_S = typing.TypeVar("_S")
+
+
+def from_config(section: type[_S], values: Mapping[str, Any]) -> _S:
+    """The section dataclass holding a config section's values (lists become tuples: ConfigDict and the command
+    line may turn tuples into lists). Raises ConfigError naming a key the section does not declare."""
+    items = values.to_dict() if isinstance(values, ml_collections.ConfigDict) else dict(values)
+    known = [f.name for f in dataclasses.fields(section)]  # type: ignore[arg-type]
+    for key in items:
+        if key not in known:
+            raise unknown_key_error(key, known)
+    return section(**{k: _tuples(v) for k, v in items.items()})
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+Schema = dict[str, dict[str, Field]]
+"""section name -> key -> Field (what `validate`, `defaults` and `describe` read)."""
+
+
+def fields_of(sections: Mapping[str, type]) -> Schema:
+    """The Schema of `sections` (name -> section dataclass) as a fresh nested dict (callers may extend it)."""
+    return {name: section_fields(cls) for name, cls in sections.items()}
+
+
+def checkpoint_compat(
+    config: ml_collections.ConfigDict, sections: Mapping[str, type], data_fingerprint: str
+) -> dict[str, Any]:
+    """The facts a checkpoint must share with the running program to be resumed, from each section's `compat`
+    declaration: whole sections as `{name: {key: value}}`, single keys as `{"name.key": value}`, and the corpus
+    as `{"data": fingerprint}`."""
+    facts: dict[str, Any] = {}
+    for name, cls in sections.items():
+        keys = getattr(cls, "compat", None)
+        if keys is None:
+            raise TypeError(f"config section {name!r} ({cls.__name__}) does not declare `compat`.")
+        if keys is True:
+            facts[name] = config[name].to_dict()
+        elif keys:
+            facts.update({f"{name}.{key}": config[name][key] for key in keys})
+    return {**facts, "data": data_fingerprint}
+
+
+def provenance(config: ml_collections.ConfigDict, sections: Mapping[str, type]) -> dict[str, Any]:
+    """{"section.key": value} of every key a section declares in `provenance` (True: all keys its `compat` does
+    not name): how the weights were trained, beyond what `checkpoint_compat` requires to be equal."""
+    facts: dict[str, Any] = {}
+    for name, cls in sections.items():
+        keys = getattr(cls, "provenance", False)
+        if keys is True:
+            fixed = getattr(cls, "compat", False)
+            keys = [k for k in config[name] if fixed is not True and k not in (fixed or ())]
+        facts.update({f"{name}.{key}": config[name][key] for key in keys or ()})
+    return facts
+
+
+def defaults(spec: Schema) -> ml_collections.ConfigDict:
+    """The default ConfigDict of a schema. A key whose default is None holds a typed placeholder, so that the
+    command line can still set it (`--config.optim.b2=0.99`)."""
+
+    def default(f: Field) -> Any:
+        if f.default is not None:
+            return f.default
+        return ml_collections.config_dict.placeholder(next(t for t in f.types if t is not type(None)))
+
+    return ml_collections.ConfigDict(
+        {section: {key: default(f) for key, f in fields.items()} for section, fields in spec.items()}
+    )
+
+
+def unknown_key_error(key: str, known: list[str]) -> ConfigError:
+    """The error for an unknown key, suggesting the closest known keys."""
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return ConfigError(f"unknown config key '{key}'.{hint} Known keys: {', '.join(sorted(known))}.")
+
+
+def check_keys(config: ml_collections.ConfigDict, spec: Schema) -> None:
+    """Checks that `config` holds exactly the keys of `spec`, each of an accepted type and value; raises
+    ConfigError on the first problem: an unknown section or key (naming the closest known ones), a value of the
+    wrong type or outside its choices or range (naming the key, the value and what is allowed), or a missing key.
+    Constraints between keys are the caller's (core.config.validate)."""
+    if not isinstance(config, (ml_collections.ConfigDict, Mapping)):
+        raise ConfigError(f"a config must be an ml_collections.ConfigDict, got {type(config).__name__}.")
+    for section in config:
+        if section not in spec:
+            raise unknown_key_error(section, list(spec))
+        sub = config[section]
+        if not isinstance(sub, (ml_collections.ConfigDict, Mapping)):
+            raise ConfigError(f"config key '{section}' must be a section (ConfigDict), got {sub!r}.")
+        for key in sub:
+            full = f"{section}.{key}"
+            if key not in spec[section]:
+                raise unknown_key_error(full, [f"{section}.{k}" for k in spec[section]])
+            spec[section][key].check(full, sub[key])
+    for section, fields in spec.items():
+        for key in fields:
+            if section not in config or key not in config[section]:
+                raise ConfigError(
+                    f"config key '{section}.{key}' is missing; start from a default config "
+                    f"(core.config.defaults or experiments.build.default_config)."
+                )
+
+
+def describe(spec: Schema) -> str:
+    """A markdown reference of every key of `spec` (docs/configuration.md): one table per section with each key's
+    default, what is allowed and its meaning."""
+    lines = []
+    for section, fields in spec.items():
+        lines += [f"## `{section}`", "", "| key | default | allowed | meaning |", "|---|---|---|---|"]
+        for key, f in fields.items():
+            allowed = f.describe().replace("|", "\\|")
+            lines.append(f"| `{section}.{key}` | `{f.default!r}` | {allowed} | {f.doc.replace('|', '/')} |")
+        lines.append("")
+    return "\n".join(lines)
