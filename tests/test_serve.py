@@ -429,7 +429,7 @@ def test_a_tensor_parallel_run_loads_and_serves_on_one_device(tmp_path, capsys, 
     [
         (["--port=70000"], ["--port", "'70000' is not an integer >= 0 and <= 65535"]),
         (["--max-model-len=300"], ["--max-model-len=300 must be >= 2 x --max-num-batched-tokens = 512"]),
-        (["--site=1"], ["--site=1: the run has 1 site(s); allowed 0..0"]),
+        (["--site=1"], ["--site=1: the run in run has mesh.site = 1 site(s); allowed --site in 0..0"]),
         (["--kv-memory-mib=0.0001"], ["--kv-memory-mib=0.0001 holds no KV block"]),
         (["--chat-template=missing.jinja"], ["--chat-template='missing.jinja' cannot be read"]),
         (["--chat-template=bad.jinja"], ["the chat template from bad.jinja does not compile"]),

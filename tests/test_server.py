@@ -402,16 +402,17 @@ def _common(a, b) -> int:
     return n
 
 
-def test_the_readme_client_example_streams_what_a_plain_request_returns(servers, capsys):
-    """The README's openai-client snippet, pointed at this server, prints the text a non-streamed request with the
-    same seed returns."""
-    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    section = readme[readme.index("## Serving over HTTP") :]
-    snippet = re.search(r"```python\n(.*?)```", section[: section.index("\n## ", 3)], re.S)
+def test_the_serving_docs_client_example_streams_what_a_plain_request_returns(servers, capsys):
+    """docs/serving.md's openai-client snippet, pointed at this server, prints the text a non-streamed request with
+    the same seed returns."""
+    page = (pathlib.Path(__file__).parent.parent / "docs" / "serving.md").read_text()
+    section = page[page.index("## Serving over HTTP") :]
+    end = section.find("\n## ", 3)  # the section ends at the next one, or with the page
+    snippet = re.search(r"```python\n(.*?)```", section if end < 0 else section[:end], re.S)
     assert snippet is not None
     url, _ = servers["fp8"]
     code = snippet.group(1).replace("http://127.0.0.1:8000", url).replace('"quickstart"', '"tiny"')
-    exec(compile(code, "README.md", "exec"), {"__name__": "readme_snippet"})
+    exec(compile(code, "docs/serving.md", "exec"), {"__name__": "docs_snippet"})
     whole = client(url).completions.create(model="tiny", prompt="def ", max_tokens=40, seed=0)
     assert capsys.readouterr().out == whole.choices[0].text and len(whole.choices[0].text) > 10
 

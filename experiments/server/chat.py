@@ -14,14 +14,14 @@ import datetime
 import json
 import os
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import jinja2
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    from core.tokenizer import Tokenizer
+from core.tokenizer import Tokenizer
 
-__all__ = ["ChatTemplate", "TemplateError", "find_template"]
+__all__ = ["ChatTemplate", "TemplateError", "find_template", "load_template"]
 
 TEMPLATE_FILE = "chat_template.jinja"
 
@@ -57,14 +57,25 @@ def find_template(tokenizer_spec: str) -> tuple[str, str] | None:
     return None
 
 
+def load_template(path: str | None, tokenizer_spec: str, tokenizer: Tokenizer) -> ChatTemplate | None:
+    """The chat template of the file `path` (`--chat-template`) if given, else of the tokenizer `data.tokenizer =
+    tokenizer_spec` names (`find_template`), else None. Raises TemplateError naming --chat-template for a file that
+    cannot be read, or naming the source for a template that does not compile."""
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return ChatTemplate(f.read(), tokenizer, source=path)
+        except OSError as e:
+            raise TemplateError(f"--chat-template={path!r} cannot be read: {e.strerror}") from None
+    found = find_template(tokenizer_spec)
+    return None if found is None else ChatTemplate(found[0], tokenizer, source=found[1])
+
+
 class ChatTemplate:
     """A compiled chat template for `tokenizer` (module docstring). Raises TemplateError naming `source` if the
     template does not compile."""
 
     def __init__(self, template: str, tokenizer: Tokenizer, *, source: str):
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
         def raise_exception(message):
             raise TemplateError(f"the chat template refused the messages: {message}")
 
@@ -89,8 +100,6 @@ class ChatTemplate:
 
     def render(self, messages: list[dict[str, Any]]) -> str:
         """The prompt's text for `messages` (dicts with role and content), ending with the assistant's turn."""
-        import jinja2
-
         try:
             return self._template.render(messages=messages, add_generation_prompt=True, **self._names)
         except TemplateError:

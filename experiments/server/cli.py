@@ -24,81 +24,67 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
-from experiments.bench import common
+import uvicorn
+from fastapi import FastAPI
 
-if TYPE_CHECKING:
-    from fastapi import FastAPI
+from core.model import Transformer
+from core.tokenizer import Tokenizer
+from experiments import args as args_lib
+from experiments.server import chat as chat_lib
+from experiments.server.app import create_app
+from experiments.server.metrics import ServerMetrics
+from experiments.server.runner import EngineRunner
+from kvcache import engine as engine_lib
+from kvcache.formats import Format
 
-    from core.model import Transformer
-    from core.tokenizer import Tokenizer
-    from experiments.server.chat import ChatTemplate
-    from experiments.server.runner import EngineRunner
-    from kvcache.engine import EngineConfig
-    from kvcache.formats import Format
-
-__all__ = ["build_server", "main", "serve_in_thread"]
+__all__ = ["build_parser", "build_server", "main", "serve_in_thread"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from experiments import serve
-
+    """`serve --http`'s command line; every flag's value is checked as it is parsed (nothing is loaded)."""
     parser = argparse.ArgumentParser(
         prog="python -m experiments.serve --http",
         description=(__doc__ or "").split("\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--workdir", required=True, default=argparse.SUPPRESS, help="a finished or imported run")
+    args_lib.add_run_flags(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    parser.add_argument("--port", type=common.integer(0, maximum=65535), default=8000, help="port (0: any free one)")
-    serve.add_kv_flags(parser)
-    parser.add_argument("--max-num-seqs", type=common.integer(1), default=16, help="requests in one engine step")
+    parser.add_argument("--port", type=args_lib.integer(0, maximum=65535), default=8000, help="port (0: any free one)")
+    args_lib.add_kv_flags(parser)
+    parser.add_argument("--max-num-seqs", type=args_lib.integer(1), default=16, help="requests in one engine step")
     parser.add_argument(
-        "--max-num-batched-tokens", type=common.integer(1), default=256, help="tokens in one engine step"
+        "--max-num-batched-tokens", type=args_lib.integer(1), default=256, help="tokens in one engine step"
     )
     parser.add_argument(
         "--max-model-len",
-        type=common.integer(2),
+        type=args_lib.integer(2),
         default=2048,
         help="longest request (prompt + output tokens); at least 2 x --max-num-batched-tokens",
     )
     parser.add_argument(
-        "--max-waiting", type=common.integer(1), default=256, help="queued requests before a 429 answers"
+        "--max-waiting", type=args_lib.integer(1), default=256, help="queued requests before a 429 answers"
     )
     parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: workdir's)")
     parser.add_argument("--chat-template", default=None, help="a Jinja2 chat template file (default: tokenizer's)")
-    parser.add_argument("--site", type=common.integer(0), default=0, help="a federated run's site (0 .. sites - 1)")
-    parser.add_argument("--seed", type=common.integer(0), default=0, help="seed of requests that give none")
+    parser.add_argument("--seed", type=args_lib.integer(0), default=0, help="seed of requests that give none")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m experiments.serve --http` (module docstring); returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    for name in ("kv_format", "scale_rule"):
-        setattr(args, name, getattr(args, name, None))
-
-    import uvicorn
-
-    from core.tokenizer import TokenizerError
-    from experiments import build, load, serve
-    from experiments.server.chat import TemplateError
-
+    args = build_parser().parse_args(argv)
     try:
-        load.check_workdir(args.workdir)
-        run = load.run_config(args.workdir)
-        tok = build.build_tokenizer(run)
-        fmt, source = serve.kv_format(args, run)
-        config = engine_config(args, run, fmt, tok)
-        chat = chat_template(args.chat_template, run.data.tokenizer, tok)
-    except (FileNotFoundError, TokenizerError, serve.FlagError, TemplateError) as e:
+        run, tok = args_lib.load_run(args.workdir)
+        fmt, source = args_lib.kv_format(args, run)
+        config = args_lib.engine_config(args, run, fmt, tok)
+        chat = chat_lib.load_template(args.chat_template, run.data.tokenizer, tok)
+    except (args_lib.FlagError, chat_lib.TemplateError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"kv format: {source}", file=sys.stderr)
     print(f"chat template: {chat.source if chat else 'none (chat completions answer 400)'}", file=sys.stderr)
-    model, status = serve.load_model(args.workdir, args.site)
+    model, status = args_lib.load_model(args.workdir, args.site)
     if model is None:
         return status
     name = args.served_model_name or os.path.basename(os.path.normpath(args.workdir))
@@ -138,73 +124,19 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def engine_config(args: argparse.Namespace, run, fmt: Format, tok: Tokenizer) -> EngineConfig:
-    """The engine's config for these flags; raises serve.FlagError naming the flag for a pool that holds no
-    block, a --site the run lacks, or a --max-model-len below 2 x --max-num-batched-tokens."""
-    from experiments import build, serve
-    from kvcache.engine import EngineConfig
-
-    if args.site >= run.mesh.site:
-        raise serve.FlagError(
-            f"--site={args.site}: the run has {run.mesh.site} site(s); allowed 0..{run.mesh.site - 1}"
-        )
-    if args.max_model_len < 2 * args.max_num_batched_tokens:
-        raise serve.FlagError(
-            f"--max-model-len={args.max_model_len} must be >= 2 x --max-num-batched-tokens = "
-            f"{2 * args.max_num_batched_tokens}"
-        )
-    cfg = build.model_config(run)
-    per_block = cfg.num_layers * EngineConfig.block_size * fmt.bytes_per_token(cfg.num_kv_heads, cfg.head_dim)
-    if int(args.kv_memory_mib * 2**20) < per_block:
-        raise serve.FlagError(
-            f"--kv-memory-mib={args.kv_memory_mib!r} holds no KV block; the minimum is {per_block / 2**20!r} MiB"
-        )
-    return EngineConfig(
-        memory_bytes=int(args.kv_memory_mib * 2**20),
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        temperature=1.0,
-        seed=args.seed,
-        eos_id=tok.eos_id,
-        never=tok.never_sampled,
-        num_ids=tok.vocab_size,
-    )
-
-
-def chat_template(path: str | None, tokenizer_spec: str, tok: Tokenizer) -> ChatTemplate | None:
-    """The chat template of `--chat-template path`, else of the tokenizer, else None; raises TemplateError for an
-    unreadable file or a template that does not compile."""
-    from experiments.server.chat import ChatTemplate, TemplateError, find_template
-
-    if path is not None:
-        try:
-            with open(path, encoding="utf-8") as f:
-                return ChatTemplate(f.read(), tok, source=path)
-        except OSError as e:
-            raise TemplateError(f"--chat-template={path!r} cannot be read: {e.strerror}") from None
-    found = find_template(tokenizer_spec)
-    return None if found is None else ChatTemplate(found[0], tok, source=found[1])
-
-
 def build_server(
     model: Transformer,
     fmt: Format,
-    config: EngineConfig,
+    config: engine_lib.EngineConfig,
     tokenizer: Tokenizer,
     *,
     model_name: str,
-    chat: ChatTemplate | None = None,
+    chat: chat_lib.ChatTemplate | None = None,
     max_waiting: int = 256,
 ) -> tuple[FastAPI, EngineRunner]:
     """(app, started runner) serving `model` with a KV pool in `fmt`: the engine is warmed up (every batch shape
     compiled) before the runner starts. Stop the runner (`runner.stop()`) when done."""
-    from experiments.server.app import create_app
-    from experiments.server.metrics import ServerMetrics
-    from experiments.server.runner import EngineRunner
-    from kvcache.engine import Engine
-
-    engine = Engine(model, fmt, config)
+    engine = engine_lib.Engine(model, fmt, config)
     engine.warmup()
     runner = EngineRunner(engine, tokenizer, max_waiting=max_waiting, metrics=ServerMetrics(model_name))
     runner.start()
@@ -215,8 +147,6 @@ def build_server(
 def serve_in_thread(app: FastAPI, *, host: str = "127.0.0.1", timeout: float = 60.0) -> Iterator[str]:
     """Runs `app` with uvicorn on a thread, on a free port of `host`; yields its base URL ("http://host:port") once
     it accepts connections, and shuts it down on exit (open connections get 5 s)."""
-    import uvicorn
-
     sock = _bind(host, 0)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)

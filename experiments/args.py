@@ -1,0 +1,352 @@
+"""Command-line pieces shared by the commands: argparse types, the flags of a run to serve and of its KV pool, the
+engine's config built from those flags, and loading a run for serving.
+
+    parser.add_argument("--steps", type=args.integer(1), default=100)     # refused by argparse, naming the rule
+    args.add_run_flags(parser); args.add_kv_flags(parser)                  # --workdir --site; --kv-format ...
+    run, tok = args.load_run(ns.workdir)                                   # FlagError: not a finished run
+    fmt, why = args.kv_format(ns, run)                                     # the run's KV format unless a flag says
+    config = args.engine_config(ns, run, fmt, tok, prompts=[...] | None)   # FlagError naming the flag
+    model, status = args.load_model(ns.workdir, ns.site)                   # None, exit status after an error line
+
+Both serve commands (`python -m experiments.serve`, `python -m experiments.serve --http`) read them; the benchmark
+and reproduction scripts take their flag types from here too (through experiments.bench.common).
+
+Every check is made on flags and the run's config.json alone, before a model is loaded or an engine built, and
+fails with a FlagError (or argparse's own error) naming the flag, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from collections.abc import Callable, Iterable
+
+import ml_collections
+
+from core import config as config_lib
+from core.checkpoint import CheckpointError
+from core.model import Transformer
+from core.tokenizer import Tokenizer, TokenizerError
+from experiments import build, load
+from kvcache import capacity, formats
+from kvcache import config as kv_config
+from kvcache.engine import EngineConfig
+from kvcache.formats import Format
+
+__all__ = [
+    "MAX_KV_MEMORY_MIB",
+    "FlagError",
+    "add_kv_flags",
+    "add_run_flags",
+    "engine_config",
+    "integer",
+    "integers",
+    "kv_format",
+    "load_model",
+    "load_run",
+    "names",
+    "number",
+]
+
+MAX_KV_MEMORY_MIB = 2.0**40
+"""The largest --kv-memory-mib (1 EiB): larger pools cannot be allocated anywhere and overflow XLA's shape sizes."""
+
+IN_PROCESS_STEP_TOKENS = 256
+"""The in-process command's step budget at most (its requests are known: it is capped at what they can hold)."""
+
+IN_PROCESS_MODEL_LEN = 256
+"""The in-process command's max_model_len is a multiple of this, and at least twice it."""
+
+
+class FlagError(ValueError):
+    """A flag that cannot serve this run (its message names the flag, the value and what is allowed)."""
+
+
+# ------------------------------------------------------------------------------------------------ argparse types
+
+
+def integer(minimum: int = 1, *, multiple_of: int = 1, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse `type`: an integer >= `minimum` (and <= `maximum` if given) that is a multiple of `multiple_of`;
+    otherwise argparse reports the flag, the value and this rule."""
+    rule = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+    rule += f" and a multiple of {multiple_of}" if multiple_of > 1 else ""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum or value % multiple_of or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {rule}")
+        return value
+
+    return parse
+
+
+def number(low: float, *, low_open: bool = False, high: float | None = None) -> Callable[[str], float]:
+    """An argparse `type`: a finite float > `low` (`low_open`) or >= `low`, and <= `high` if given; otherwise
+    argparse reports the flag, the value and this rule (nan and inf are refused)."""
+    rule = f"a finite number {'>' if low_open else '>='} {low:g}" + ("" if high is None else f" and <= {high!r}")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if (
+            not math.isfinite(value)
+            or value < low
+            or (low_open and value == low)
+            or (high is not None and value > high)
+        ):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {rule}")
+        return value
+
+    return parse
+
+
+def integers(minimum: int = 1, *, distinct: bool = False, empty: bool = False) -> Callable[[str], list[int]]:
+    """An argparse `type`: comma-separated integers, each >= `minimum` (all different if `distinct`); an empty
+    string gives [] when `empty`, else it is refused."""
+    rule = f"comma-separated integers >= {minimum}" + (", all different" if distinct else "")
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            values = None
+        if values is None or (not values and not empty) or any(v < minimum for v in values):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {rule}")
+        if distinct and len(set(values)) != len(values):
+            raise argparse.ArgumentTypeError(f"{text!r} repeats a value; give {rule}")
+        return values
+
+    return parse
+
+
+def names(allowed: Iterable[str], *, empty: bool = False) -> Callable[[str], list[str]]:
+    """An argparse `type`: a comma-separated subset of `allowed` (in the order given); an empty string gives []
+    when `empty`, else it is refused."""
+    allowed = list(allowed)
+
+    def parse(text: str) -> list[str]:
+        values = [v for v in text.split(",") if v]
+        unknown = [v for v in values if v not in allowed]
+        if unknown or (not values and not empty):
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: {'unknown ' + repr(unknown) if unknown else 'give at least one'}; allowed: {allowed}"
+            )
+        return values
+
+    return parse
+
+
+# ------------------------------------------------------------------------------------------------ shared flags
+
+
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """--workdir (required) and --site: the run to serve, and a federated run's site whose model serves."""
+    # required: default=SUPPRESS keeps "(default: None)" out of the help
+    parser.add_argument(
+        "--workdir",
+        required=True,
+        default=argparse.SUPPRESS,
+        help="a finished run's directory, trained by experiments.run or imported by experiments.hf (config.json, "
+        "data.json, checkpoints/)",
+    )
+    parser.add_argument(
+        "--site", type=integer(0), default=0, help="a federated run's site whose model serves (0 .. sites - 1)"
+    )
+
+
+def add_kv_flags(parser: argparse.ArgumentParser) -> None:
+    """--kv-format, --scale-rule and --kv-memory-mib: the KV pool's flags. The first two are absent from the parsed
+    namespace when not given (their default is the run's: `kv_format` reads them)."""
+    parser.add_argument(
+        "--kv-format",
+        default=argparse.SUPPRESS,
+        choices=formats.NAMES,
+        help="format the KV pool stores keys/values in (default: the run's kvcache.format)",
+    )
+    parser.add_argument(
+        "--scale-rule",
+        default=argparse.SUPPRESS,
+        choices=formats.SCALE_RULES,
+        help="fp4 scale rule, with the fp4 format only (default: the run's kvcache.scale_rule)",
+    )
+    parser.add_argument(
+        "--kv-memory-mib",
+        type=number(0.0, low_open=True, high=MAX_KV_MEMORY_MIB),
+        default=64.0,
+        help=f"KV pool size in MiB (at least one block of {EngineConfig.block_size} tokens must fit)",
+    )
+
+
+# ------------------------------------------------------------------------------------------------ from flags
+
+
+def kv_format(args: argparse.Namespace, run: ml_collections.ConfigDict) -> tuple[Format, str]:
+    """(the KV format serving uses, a line saying which and why): the run's `kvcache` section (format, and for fp4
+    its scale rule, K rotation and FP8 query), with `--kv-format` / `--scale-rule` replacing its format / scale rule
+    when given. Raises FlagError for --scale-rule without fp4, or a format that cannot hold the model's heads."""
+    given_format, given_rule = getattr(args, "kv_format", None), getattr(args, "scale_rule", None)
+    kv = config_lib.from_config(kv_config.KVCacheConfig, run.kvcache)
+    name = given_format or kv.format
+    why = "--kv-format" if given_format else "the run's kvcache.format; --kv-format overrides"
+    if given_rule is not None and name != "fp4":
+        raise FlagError(
+            f"--scale-rule={given_rule} applies to the fp4 KV format only, and the format is {name} ({why}); "
+            "allowed: --scale-rule with --kv-format=fp4 (or a run whose kvcache.format is fp4), or no --scale-rule"
+        )
+    kv = dataclasses.replace(kv, format=name, scale_rule=given_rule or kv.scale_rule)
+    head_dim = build.model_config(run).head_dim
+    fits = [n for n in formats.NAMES if _holds(kv_config.make_format(dataclasses.replace(kv, format=n)), head_dim)]
+    fmt = kv_config.make_format(kv)
+    try:
+        fmt.check_head_dim(head_dim)
+    except ValueError as e:
+        flag = f"--kv-format={name}" if given_format else f"kv format {name} (the run's kvcache.format)"
+        raise FlagError(
+            f"{flag} cannot hold this model's keys and values: {e}; allowed for this model: --kv-format in {fits}"
+        ) from None
+    source = f"{name} ({why})"
+    if name == "fp4":
+        rule = "--scale-rule" if given_rule else "the run's kvcache.scale_rule; --scale-rule overrides"
+        source += f", scale rule {kv.scale_rule} ({rule})"
+    return fmt, source
+
+
+def _holds(fmt: Format, head_dim: int) -> bool:
+    """Whether `fmt` can store heads of `head_dim` (Format.check_head_dim)."""
+    try:
+        fmt.check_head_dim(head_dim)
+    except ValueError:
+        return False
+    return True
+
+
+def engine_config(
+    args: argparse.Namespace,
+    run: ml_collections.ConfigDict,
+    fmt: Format,
+    tok: Tokenizer,
+    *,
+    prompts: list[list[int]] | None = None,
+) -> EngineConfig:
+    """The engine's config for these flags (--site, --kv-memory-mib, --seed), the run's model, the KV format and the
+    tokenizer (its EOS ends a request; its PAD / BOS and the ids past its vocabulary are never sampled), from the
+    run's config alone (nothing is loaded).
+
+    The pool holds floor(memory / block bytes) blocks of `EngineConfig.block_size` tokens (kvcache.paged); a request
+    needs ceil((prompt + new tokens) / block size) of them. Two kinds of caller:
+      * `prompts` given (ids, BOS included; the in-process command, whose requests are all known before the engine
+        starts): each must fit the pool with --max-new-tokens; sampling is at --temperature; the step's token budget
+        is capped at the tokens all requests can ever hold and max_model_len at what the longest needs, so that
+        warm-up compiles only the batch shapes these requests take;
+      * `prompts` None (the HTTP server): the limits are --max-num-seqs, --max-num-batched-tokens, --max-model-len
+        (at least 2 x --max-num-batched-tokens); every request brings its own sampling parameters.
+
+    Raises FlagError for a --site the run lacks, a --kv-memory-mib that holds no block of the model's KV, a prompt
+    that (with --max-new-tokens) the pool cannot hold, or a --max-model-len below 2 x --max-num-batched-tokens.
+    """
+    sites = run.mesh.site
+    if args.site >= sites:
+        raise FlagError(
+            f"--site={args.site}: the run in {args.workdir} has mesh.site = {sites} site(s); allowed "
+            f"--site in 0..{sites - 1}"
+        )
+    if prompts is None and args.max_model_len < 2 * args.max_num_batched_tokens:
+        raise FlagError(
+            f"--max-model-len={args.max_model_len} must be >= 2 x --max-num-batched-tokens = "
+            f"{2 * args.max_num_batched_tokens}"
+        )
+    cfg = build.model_config(run)
+    mib, bs = args.kv_memory_mib, EngineConfig.block_size
+    memory = int(mib * 2**20)
+    per_block = bs * capacity.kv_bytes_per_token(
+        capacity.ModelShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), fmt
+    )
+    blocks = memory // per_block
+    if blocks < 1:
+        raise FlagError(
+            f"--kv-memory-mib={mib!r} holds no KV block; the minimum is {per_block / 2**20!r} MiB ({per_block} "
+            f"bytes: one block of {bs} tokens x {cfg.num_layers} layers in {fmt.label})"
+        )
+    if prompts is None:
+        seqs, step, model_len = args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len
+        temperature = 1.0  # (every request brings its own)
+    else:
+        _check_prompts_fit(prompts, args.max_new_tokens, blocks * bs, per_block, mib, fmt)
+        longest = max(map(len, prompts)) + args.max_new_tokens
+        seqs = EngineConfig.max_num_seqs
+        step = min(IN_PROCESS_STEP_TOKENS, sum(len(p) + args.max_new_tokens for p in prompts))
+        model_len = max(2 * IN_PROCESS_MODEL_LEN, -(-longest // IN_PROCESS_MODEL_LEN) * IN_PROCESS_MODEL_LEN)
+        temperature = args.temperature
+    return EngineConfig(
+        memory_bytes=memory,
+        block_size=bs,
+        max_num_seqs=seqs,
+        max_num_batched_tokens=step,
+        max_model_len=model_len,
+        temperature=temperature,
+        seed=args.seed,
+        eos_id=tok.eos_id,
+        never=tok.never_sampled,
+        num_ids=tok.vocab_size,
+    )
+
+
+def _check_prompts_fit(
+    prompts: list[list[int]], max_new_tokens: int, capacity_tokens: int, per_block: int, mib: float, fmt: Format
+) -> None:
+    """Raises FlagError naming --prompt or --max-new-tokens, and the --kv-memory-mib that would do, for the first
+    prompt that with `max_new_tokens` new tokens does not fit a pool of `capacity_tokens` tokens."""
+    bs = EngineConfig.block_size
+    for i, prompt in enumerate(prompts):
+        need = len(prompt) + max_new_tokens
+        if need <= capacity_tokens:
+            continue
+        enough = -(-need // bs) * per_block / 2**20
+        if len(prompt) >= capacity_tokens:
+            raise FlagError(
+                f"--prompt: prompt {i + 1} ({len(prompt)} tokens, BOS included) is longer than "
+                f"--kv-memory-mib={mib!r} holds with a new token ({capacity_tokens} tokens in {fmt.label}); allowed: "
+                f"a prompt of at most {capacity_tokens - 1} tokens, or --kv-memory-mib >= {enough!r} for this one "
+                f"with --max-new-tokens={max_new_tokens}"
+            )
+        raise FlagError(
+            f"prompt {i + 1} ({len(prompt)} tokens, BOS included) and --max-new-tokens={max_new_tokens} need "
+            f"{need} tokens and do not fit --kv-memory-mib={mib!r} ({capacity_tokens} tokens in {fmt.label}); "
+            f"allowed: --max-new-tokens <= {capacity_tokens - len(prompt)}, or --kv-memory-mib >= {enough!r}"
+        )
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+
+def load_run(workdir: str) -> tuple[ml_collections.ConfigDict, Tokenizer]:
+    """(the run's config, its tokenizer) from `workdir`, without loading the model (experiments.load). Raises
+    FlagError (its message the loader's) for a workdir that is not a finished run or a tokenizer that cannot be
+    read."""
+    try:
+        load.check_workdir(workdir)
+        run = load.run_config(workdir)
+        return run, build.build_tokenizer(run)
+    except (FileNotFoundError, TokenizerError) as e:
+        raise FlagError(str(e)) from e
+
+
+def load_model(workdir: str, site: int) -> tuple[Transformer | None, int]:
+    """(the run's model on this process's first device, 0) by `experiments.load.trained_model`, or (None, exit
+    status) after an `error:` line on stderr: 1 a damaged checkpoint (core.checkpoint.CheckpointError), 2 a workdir
+    that is not a finished run or lacks the site."""
+    try:
+        return load.trained_model(workdir, site=site)[1], 0
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None, 1
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None, 2

@@ -1,0 +1,142 @@
+"""The JSON of the OpenAI API's responses and streamed chunks, one renderer per endpoint: `CompletionRender`
+(/v1/completions: `text_completion` objects, logprobs as tokens / token_logprobs / top_logprobs / text_offset) and
+`ChatRender` (/v1/chat/completions: `chat.completion` and `chat.completion.chunk`, the first chunk carrying the
+assistant's role, logprobs as content entries with each token's bytes).
+
+A renderer is made per HTTP request (its id and creation time are the response's). `usage` counts a prompt's
+tokens once however many completions (n) it has, and reports the prompt tokens the prefix cache supplied as
+`prompt_tokens_details.cached_tokens`. With `return_token_ids` (vLLM's extension), a choice also carries its
+`token_ids`, and a non-streamed one its `prompt_token_ids`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from core.tokenizer import Tokenizer
+from experiments.server.runner import Event, Stream
+
+__all__ = ["ChatRender", "CompletionRender", "Render"]
+
+
+class Render:
+    """The JSON of one endpoint's responses and chunks."""
+
+    object = ""
+    chunk_object = ""
+    prefix = ""
+
+    def __init__(self, tokenizer: Tokenizer, model: str, body):
+        self.tokenizer, self.model, self.logprobs, self.ids = tokenizer, model, body.logprobs, body.return_token_ids
+        self.id, self.created = f"{self.prefix}-{uuid.uuid4().hex}", int(time.time())
+
+    def choice(self, index: int, event: Event, stream: Stream | None = None, **fields) -> dict[str, Any]:
+        """A choice of a chunk (stream None) or of a response, with the token ids when asked for."""
+        out = {"index": index, **fields, "finish_reason": event.finish_reason}
+        if self.ids:
+            out["token_ids"] = event.token_ids
+            if stream is not None:
+                out["prompt_token_ids"] = stream.prompt
+        return out
+
+    def head(self, object: str) -> dict[str, Any]:
+        return {"id": self.id, "object": object, "created": self.created, "model": self.model}
+
+    def token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def usage(self, finals: list[Event], streams: list[Stream]) -> dict[str, Any]:
+        """Prompt tokens once per prompt (n completions of one prompt share it), completion tokens of every choice."""
+        seen, prompt, cached = set(), 0, 0
+        for event, stream in zip(finals, streams):
+            if id(stream.prompt) not in seen:
+                seen.add(id(stream.prompt))
+                prompt, cached = prompt + event.prompt_tokens, cached + event.cached_tokens
+        completion = sum(e.completion_tokens for e in finals)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def usage_chunk(self, finals: list[Event], streams: list[Stream]) -> dict[str, Any]:
+        return {**self.head(self.chunk_object), "choices": [], "usage": self.usage(finals, streams)}
+
+    def first_chunk(self, index: int) -> dict[str, Any] | None:
+        return None
+
+    def chunk(self, index: int, event: Event) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def response(self, finals: list[Event], streams: list[Stream]) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class CompletionRender(Render):
+    object, chunk_object, prefix = "text_completion", "text_completion", "cmpl"
+
+    def __init__(self, tokenizer, model, body):
+        super().__init__(tokenizer, model, body)
+        self._offsets: dict[int, int] = {}
+
+    def _logprobs(self, index: int, event: Event) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        tokens = [self.token(t) for t in event.token_ids]
+        offsets, at = [], self._offsets.get(index, 0)
+        for text in tokens:
+            offsets.append(at)
+            at += len(text)
+        self._offsets[index] = at
+        top = [{self.token(t): lp for t, lp in alts} for alts in event.top_logprobs] if self.logprobs else None
+        return {"tokens": tokens, "token_logprobs": event.logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def chunk(self, index, event):
+        choice = self.choice(index, event, text=event.text, logprobs=self._logprobs(index, event))
+        return {**self.head(self.chunk_object), "choices": [choice]}
+
+    def response(self, finals, streams):
+        choices = [
+            self.choice(i, e, s, text=e.text, logprobs=self._logprobs(i, e))
+            for i, (e, s) in enumerate(zip(finals, streams))
+        ]
+        return {**self.head(self.object), "choices": choices, "usage": self.usage(finals, streams)}
+
+
+class ChatRender(Render):
+    object, chunk_object, prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        return {
+            "token": self.token(token_id),
+            "logprob": logprob,
+            "bytes": list(self.tokenizer.decode_bytes([token_id])),
+        }
+
+    def _logprobs(self, event: Event) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        content = [
+            {**self._entry(t, lp), "top_logprobs": [self._entry(a, alp) for a, alp in alts]}
+            for t, lp, alts in zip(event.token_ids, event.logprobs, event.top_logprobs)
+        ]
+        return {"content": content}
+
+    def first_chunk(self, index):
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+        return {**self.head(self.chunk_object), "choices": [{**choice, "finish_reason": None}]}
+
+    def chunk(self, index, event):
+        delta = {"content": event.text} if event.text or event.finish_reason is None else {}
+        choice = self.choice(index, event, delta=delta, logprobs=self._logprobs(event))
+        return {**self.head(self.chunk_object), "choices": [choice]}
+
+    def response(self, finals, streams):
+        choices = [
+            self.choice(i, e, s, message={"role": "assistant", "content": e.text}, logprobs=self._logprobs(e))
+            for i, (e, s) in enumerate(zip(finals, streams))
+        ]
+        return {**self.head(self.object), "choices": choices, "usage": self.usage(finals, streams)}

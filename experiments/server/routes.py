@@ -1,0 +1,64 @@
+"""The HTTP routes, as FastAPI routers over the app's `OpenAIServing` (experiments.server.serving): each route
+parses its request and hands it to the serving object, which holds the logic. `ROUTERS` lists them, in the order
+`create_app` includes them.
+
+  completions   POST /v1/completions
+  chat          POST /v1/chat/completions
+  info          GET /v1/models, GET /health, GET /metrics
+
+A new endpoint is one route function in the router of its group (or a new router added to ROUTERS) and one method
+of OpenAIServing; its request body, if any, a model in experiments.server.protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends
+from fastapi import Request as HTTPRequest
+from fastapi.responses import Response
+
+from experiments.server.protocol import ChatCompletionRequest, CompletionRequest
+from experiments.server.serving import OpenAIServing
+
+__all__ = ["ROUTERS", "chat", "completions", "info", "serving"]
+
+
+def serving(request: HTTPRequest) -> OpenAIServing:
+    """The app's serving object (`app.state.serving`, set by create_app): the routes' dependency."""
+    return request.app.state.serving
+
+
+Serving = Annotated[OpenAIServing, Depends(serving)]
+
+completions = APIRouter(tags=["completions"])
+chat = APIRouter(tags=["chat"])
+info = APIRouter(tags=["info"])
+
+
+@completions.post("/v1/completions")
+async def create_completion(body: CompletionRequest, raw: HTTPRequest, s: Serving) -> Response:
+    return await s.completions(body, raw)
+
+
+@chat.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, raw: HTTPRequest, s: Serving) -> Response:
+    return await s.chat_completions(body, raw)
+
+
+@info.get("/v1/models")
+async def models(s: Serving) -> dict[str, Any]:
+    return s.models()
+
+
+@info.get("/health")
+async def health(s: Serving) -> Response:
+    return s.health()
+
+
+@info.get("/metrics")
+async def metrics(s: Serving) -> Response:
+    return s.metrics()
+
+
+ROUTERS = (completions, chat, info)
