@@ -1,7 +1,8 @@
 """Autoregressive generation with a KV cache: one prefill of the (ragged) prompts, then one token per step.
 
 The whole loop is a single jitted program (prefill + `lax.scan` over decode steps). Any `core.attention.KVCache`
-works; `DenseKVCache` (bf16) is the default.
+works; `DenseKVCache` (bf16) is the default. Tokens are drawn by `core.sampling.sample` (greedy at temperature 0,
+else temperature, top-k and top-p), one key per row and step split from `key`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from core import attention as attention_lib
+from core import sampling
 from core.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 __all__ = ["dense_cache_factory", "generate"]
@@ -36,25 +38,6 @@ def dense_cache_factory(model, dtype=jnp.bfloat16) -> CacheFactory:
     )
 
 
-def _sample(
-    logits: jax.Array, key: jax.Array, temperature: float, top_k: int, never: tuple[int, ...], num_ids: int | None
-) -> jax.Array:
-    """logits [B, V] -> tokens [B]; greedy when temperature == 0. The ids in `never` and those >= `num_ids` (rows
-    of the embedding no token uses) are never sampled."""
-    keep = np.ones(logits.shape[-1], bool)  # static: built once when traced
-    keep[[t for t in never if t < keep.size]] = False
-    if num_ids is not None:
-        keep[num_ids:] = False
-    logits = jnp.where(keep, logits, -jnp.inf)
-    if temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / temperature
-    if top_k:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
-
-
 def generate(
     model: nnx.Module,
     prompts: Sequence[np.ndarray],
@@ -63,6 +46,7 @@ def generate(
     key: jax.Array,
     temperature: float = 0.0,
     top_k: int = 0,
+    top_p: float = 1.0,
     cache_factory: CacheFactory | None = None,
     eos_id: int | None = EOS_ID,
     never: tuple[int, ...] = (PAD_ID, BOS_ID),
@@ -79,6 +63,7 @@ def generate(
       model: a Transformer (its `__call__` accepts `cache=`).
       prompts: B int arrays of token ids (lengths may differ, each >= 1).
       key: PRNG key for sampling (unused when temperature == 0).
+      temperature, top_k, top_p: `core.sampling.sample`'s (0 = greedy; top_k 0 and top_p 1: no cut).
       cache_factory: builds the empty cache (default: bf16 DenseKVCache).
       eos_id: the token that ends a sequence (default the byte tokenizer's EOS; None: none does).
       never, num_ids: ids never sampled: those in `never` and those >= `num_ids` (None: no limit). The defaults
@@ -91,6 +76,11 @@ def generate(
         raise ValueError("generate needs at least one prompt and every prompt must hold at least one token (e.g. BOS)")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens = {max_new_tokens}; must be >= 1")
+    if not (temperature >= 0 and top_k >= 0 and 0 < top_p <= 1):  # NaN fails too
+        raise ValueError(
+            f"temperature = {temperature}, top_k = {top_k}, top_p = {top_p}; allowed: temperature >= 0, top_k >= 0, "
+            "0 < top_p <= 1"
+        )
     lengths = np.array([len(p) for p in prompts], np.int32)
     width = int(lengths.max())
     padded = np.full((len(prompts), width), pad_id, np.int32)
@@ -110,6 +100,7 @@ def generate(
             max_new_tokens=max_new_tokens,
             temperature=float(temperature),
             top_k=int(top_k),
+            top_p=float(top_p),
             eos_id=-1 if eos_id is None else int(eos_id),
             never=tuple(int(t) for t in never),
             num_ids=None if num_ids is None else int(num_ids),
@@ -120,13 +111,42 @@ def generate(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "eos_id", "never", "num_ids", "pad_id"),
+    static_argnames=(
+        "graphdef",
+        "max_new_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "eos_id",
+        "never",
+        "num_ids",
+        "pad_id",
+    ),
 )
 def _generate(
-    graphdef, state, padded, lengths, cache, key, *, max_new_tokens, temperature, top_k, eos_id, never, num_ids, pad_id
+    graphdef,
+    state,
+    padded,
+    lengths,
+    cache,
+    key,
+    *,
+    max_new_tokens,
+    temperature,
+    top_k,
+    top_p,
+    eos_id,
+    never,
+    num_ids,
+    pad_id,
 ):
-    sample = functools.partial(_sample, temperature=temperature, top_k=top_k, never=never, num_ids=num_ids)
     model = nnx.merge(graphdef, state)
+
+    def sample(logits, step_key):
+        allowed = sampling.allowed_ids(logits.shape[-1], never, num_ids)  # static: built when traced
+        keys = jax.random.split(step_key, logits.shape[0])
+        return sampling.sample(logits, keys, temperature=temperature, top_k=top_k, top_p=top_p, allowed=allowed)
+
     logits, _, cache = model(padded, cache=cache)
     # Prefill wrote every padded position; roll each sequence back to its true length (positions beyond are
     # overwritten by the decode steps and never attended before that, by causality).

@@ -7,7 +7,10 @@ layers do not grow with it), so a model with L such layers, K KV heads and head 
 
 A paged pool of M bytes with blocks of B tokens holds whole blocks only, and n tokens need whole blocks:
 
-    pool_tokens(M) = floor(M / (B b)) * B            tokens
+    block_bytes    = B b                             bytes of one block over all layers (the one place this is
+                                                     computed: kvcache.paged and kvcache.serving.simulate call it)
+    num_blocks(M)  = floor(M / (B b))                blocks
+    pool_tokens(M) = num_blocks(M) * B               tokens
     memory_for(n)  = ceil(n / B) * B b               bytes, so pool_tokens(memory_for(n)) >= n
 
 vLLM reports concurrency = pool_tokens / max_model_len: how many requests of the full context length fit at once.
@@ -38,10 +41,12 @@ __all__ = [
     "SPEC_MAX_MODEL_LEN",
     "SPEC_MODEL",
     "ModelShape",
+    "block_bytes",
     "concurrency",
     "kv_bytes_per_token",
     "markdown",
     "memory_for",
+    "num_blocks",
     "plan",
     "pool_tokens",
 ]
@@ -59,8 +64,10 @@ def _int(name: str, value, *, low: int) -> int:
 def _format(fmt: kv_formats.Format | str) -> kv_formats.Format:
     if isinstance(fmt, kv_formats.Format):
         return fmt
-    if not isinstance(fmt, str) or fmt not in kv_formats.NAMES:
-        raise ValueError(f"fmt = {fmt!r} unknown; allowed: a kvcache.formats.Format or one of {list(kv_formats.NAMES)}")
+    if not isinstance(fmt, str) or fmt not in kv_formats.REGISTRY:
+        raise ValueError(
+            f"fmt = {fmt!r} unknown; allowed: a kvcache.formats.Format or one of {list(kv_formats.REGISTRY)}"
+        )
     return kv_formats.get(fmt)
 
 
@@ -101,12 +108,23 @@ def kv_bytes_per_token(shape: ModelShape, fmt: kv_formats.Format | str) -> int:
     return shape.full_attention_layers * _format(fmt).bytes_per_token(shape.num_kv_heads, shape.head_dim)
 
 
+def block_bytes(shape: ModelShape, fmt: kv_formats.Format | str, *, block_size: int = 16) -> int:
+    """Bytes of one paged-cache block of `block_size` tokens over all full-attention layers:
+    block_size * `kv_bytes_per_token(shape, fmt)`."""
+    return _int("block_size", block_size, low=1) * kv_bytes_per_token(shape, fmt)
+
+
+def num_blocks(memory_bytes: int, shape: ModelShape, fmt: kv_formats.Format | str, *, block_size: int = 16) -> int:
+    """Whole blocks a paged pool of `memory_bytes` bytes holds: floor(memory_bytes / `block_bytes(...)`)."""
+    memory_bytes = _int("memory_bytes", memory_bytes, low=0)
+    return memory_bytes // block_bytes(shape, fmt, block_size=block_size)
+
+
 def pool_tokens(memory_bytes: int, shape: ModelShape, fmt: kv_formats.Format | str, *, block_size: int = 16) -> int:
     """Tokens a paged pool of `memory_bytes` bytes holds in whole blocks of `block_size` tokens:
-    floor(memory_bytes / (block_size * b)) * block_size, with b = `kv_bytes_per_token(shape, fmt)`."""
-    memory_bytes = _int("memory_bytes", memory_bytes, low=0)
-    block_size = _int("block_size", block_size, low=1)
-    return memory_bytes // (block_size * kv_bytes_per_token(shape, fmt)) * block_size
+    `num_blocks(...)` * block_size = floor(memory_bytes / (block_size * b)) * block_size, with
+    b = `kv_bytes_per_token(shape, fmt)`."""
+    return num_blocks(memory_bytes, shape, fmt, block_size=block_size) * _int("block_size", block_size, low=1)
 
 
 def memory_for(tokens: int, shape: ModelShape, fmt: kv_formats.Format | str, *, block_size: int = 16) -> int:
@@ -114,7 +132,7 @@ def memory_for(tokens: int, shape: ModelShape, fmt: kv_formats.Format | str, *, 
     ceil(tokens / block_size) * block_size * b, with b = `kv_bytes_per_token(shape, fmt)`."""
     tokens = _int("tokens", tokens, low=0)
     block_size = _int("block_size", block_size, low=1)
-    return -(-tokens // block_size) * block_size * kv_bytes_per_token(shape, fmt)
+    return -(-tokens // block_size) * block_bytes(shape, fmt, block_size=block_size)
 
 
 def concurrency(pool_tokens: int, max_model_len: int) -> float:
@@ -140,7 +158,7 @@ def plan(
     """
     if isinstance(formats, (str, kv_formats.Format)) or not formats:
         raise ValueError(
-            f"formats = {formats!r}; must be a non-empty sequence of formats or names {list(kv_formats.NAMES)}"
+            f"formats = {formats!r}; must be a non-empty sequence of formats or names {list(kv_formats.REGISTRY)}"
         )
     _int("max_model_len", max_model_len, low=1)
     bf16_tokens = pool_tokens(memory_bytes, shape, "bf16", block_size=block_size)

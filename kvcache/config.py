@@ -38,15 +38,15 @@ class KVCacheConfig:
         "xla",
         "paged attention: xla (reference), xla_split (split-KV decode as an XLA loop: the fast CPU path) or "
         "pallas (kernels; interpreted on CPU)",
-        choices=IMPLEMENTATIONS,
+        choices=tuple(IMPLEMENTATIONS),
     )
 
 
 def make_format(kv: KVCacheConfig) -> formats.Format:
-    """The format a `kvcache` section describes."""
-    if kv.format != "fp4":
-        return formats.get(kv.format)
-    return formats.get("fp4", scale_rule=kv.scale_rule, rotate_k=kv.rotate_k, fp8_query=kv.fp8_query)
+    """The format a `kvcache` section describes: `formats.get(kv.format)` with the section's keys that are options
+    of that format (`formats.options`; scale_rule, rotate_k and fp8_query for fp4)."""
+    taken = {name: getattr(kv, name) for name in formats.options(kv.format) if hasattr(kv, name)}
+    return formats.get(kv.format, **taken)
 
 
 def check(kv: KVCacheConfig, head_dim: int) -> None:

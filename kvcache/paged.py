@@ -3,8 +3,8 @@
 pool fields: `fields[name]` [L, NB, K, bs, *trailing] per stored array of the format (layers x blocks x KV heads
              x block tokens); one token of one layer costs `fmt.bytes_per_token(K, D)` bytes, so a byte budget
              holds 512 / 136 = 3.76x more fp4 tokens than bf16 tokens at D = 128.
-Which blocks a sequence owns is its block table; `kvcache.blocks.BlockManager` hands blocks out (with a prefix
-cache) on the host.
+Whole blocks only: a byte budget holds `kvcache.capacity.num_blocks` blocks. Which blocks a sequence owns is its
+block table; `kvcache.serving.blocks.BlockManager` hands blocks out (with a prefix cache) on the host.
 PagedKVCache: the `core.attention.KVCache` protocol over a pool, so the model's cached generation runs on any
              format: each forward call writes its tokens' K/V (quantised) and runs unified attention.
 """
@@ -19,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvcache import attention
+from kvcache import attention, capacity
 from kvcache.formats import Format
 
 __all__ = ["IMPLEMENTATIONS", "PagedKVCache", "PagedPool", "paged_cache_factory"]
 
-IMPLEMENTATIONS = attention.IMPLEMENTATIONS
+IMPLEMENTATIONS = attention.IMPLEMENTATIONS  # (re-exported: the attention implementations' names)
 
 
 @struct.dataclass
@@ -51,10 +51,11 @@ class PagedPool:
             raise ValueError("PagedPool.create needs exactly one of memory_bytes and num_blocks")
         if block_size < 1:
             raise ValueError(f"block_size = {block_size}; must be >= 1")
-        per_block = num_layers * block_size * fmt.bytes_per_token(num_kv_heads, head_dim)
         if num_blocks is None:
             assert memory_bytes is not None  # exactly one of the two is None (checked above)
-            num_blocks = int(memory_bytes) // per_block
+            shape = capacity.ModelShape(num_layers, num_kv_heads, head_dim)
+            per_block = capacity.block_bytes(shape, fmt, block_size=block_size)
+            num_blocks = capacity.num_blocks(int(memory_bytes), shape, fmt, block_size=block_size)
             if num_blocks < 1:
                 raise ValueError(
                     f"memory_bytes = {memory_bytes} holds no block: one block of {block_size} tokens "

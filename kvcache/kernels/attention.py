@@ -13,7 +13,8 @@ Splitting a long context over P partitions is flash-decoding: without it one pro
 context alone while the rest of the GPU idles (the long-context cliff). `num_partitions` picks P from the
 context and the batch.
 
-Formats are decoded in the kernel, 32 head-dim columns at a time:
+Formats are decoded in the kernel, 32 head-dim columns at a time, by the format's own hooks
+(`Format.kernel_groups`, `Format.kernel_token_scale`); the built-in ones:
   bf16 / fp8: the columns' values (fp8's per-token scale multiplies the scores and the probabilities);
   fp4: a 32-byte chunk of split-half packed codes gives two 32-column groups (low and high nibbles), decoded
        arithmetically; the UE8M0 group scale multiplies that group's partial scores (K) or values (V).
@@ -43,7 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kvcache.formats import GROUP, Format, decode_e2m1, scale_value
+from kvcache.formats import GROUP, Format
 
 __all__ = ["MIN_ROWS", "decode_attention", "num_partitions", "unified_attention"]
 
@@ -60,21 +61,6 @@ def num_partitions(
     by_parallelism = math.ceil(target / max(programs, 1))
     by_length = max(1, max_blocks // min_blocks)
     return max(1, min(by_parallelism, by_length, max_blocks))
-
-
-def _groups(fmt: Format, refs: dict, prefix: str, blk, h, head_dim: int):
-    """Yields (group index, values [bs, 32] float32, group scale [bs] or None) of K or V of one block and head."""
-    if fmt.name in ("bf16", "fp8"):
-        for g in range(head_dim // GROUP):
-            yield g, refs[prefix][blk, h, :, pl.ds(g * GROUP, GROUP)].astype(jnp.float32), None
-        return
-    half = head_dim // (2 * GROUP)  # 32-byte chunks; chunk c holds groups c (low nibbles) and c + half (high)
-    codes_ref, scales_ref = refs[prefix + "_codes"], refs[prefix + "_scales"]
-    for c in range(half):
-        chunk = codes_ref[blk, h, :, pl.ds(c * GROUP, GROUP)]
-        for g, nibbles in ((c, chunk & 15), (c + half, chunk >> 4)):
-            scale = scale_value(scales_ref[blk, h, :, g])
-            yield g, decode_e2m1(nibbles), scale
 
 
 def _kernel(
@@ -111,11 +97,12 @@ def _kernel(
         m, l, acc = carry
         blk = bt_ref[b, j]
         scores = jnp.zeros((rows, block_size), jnp.float32)
-        for g, k, scale in _groups(fmt, fields, "k", blk, h, head_dim):
+        for g, k, scale in fmt.kernel_groups(fields, "k", blk, h, head_dim):
             part = jax.lax.dot_general(q[g], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             scores += part if scale is None else part * scale[None, :]
-        if fmt.name == "fp8":
-            scores *= fields["k_scale"][blk, h, :][None, :]
+        k_scale = fmt.kernel_token_scale(fields, "k", blk, h)
+        if k_scale is not None:
+            scores *= k_scale[None, :]
         key_pos = j * block_size + jax.lax.broadcasted_iota(jnp.int32, (1, block_size), 1)
         owned = key_pos < seq_len  # [1, bs]: the block's tail past the sequence may hold NaN / Inf
         owned_rows = (j * block_size + jax.lax.broadcasted_iota(jnp.int32, (block_size, 1), 0)) < seq_len  # [bs, 1]
@@ -126,10 +113,11 @@ def _kernel(
         probs = jnp.exp(scores - m_safe)
         alpha = jnp.exp(m - m_safe)
         l = alpha * l + jnp.sum(probs, axis=1, keepdims=True)
-        if fmt.name == "fp8":
-            probs = probs * jnp.where(owned, fields["v_scale"][blk, h, :][None, :], 0.0)
+        v_scale = fmt.kernel_token_scale(fields, "v", blk, h)
+        if v_scale is not None:
+            probs = probs * jnp.where(owned, v_scale[None, :], 0.0)
         acc = list(acc)
-        for g, values, scale in _groups(fmt, fields, "v", blk, h, head_dim):
+        for g, values, scale in fmt.kernel_groups(fields, "v", blk, h, head_dim):
             # Selection, not 0 x value: the tail's rows become 0 (for fp4 via its scale; E2M1 codes are finite).
             if scale is None:
                 v = jnp.where(owned_rows, values, 0.0)
@@ -175,8 +163,7 @@ def unified_attention(
       excluded by selection (see the module docstring), so NaN or Inf in them never reaches the output.
     """
     t, num_heads, d = q.shape
-    name0 = "k_codes" if fmt.name == "fp4" else "k"
-    _, num_kv, block_size = fields[name0].shape[:3]
+    _, num_kv, block_size = fields[fmt.key_field].shape[:3]
     batch, max_blocks = block_tables.shape
     groups = num_heads // num_kv
     max_q = t if max_query_len is None else int(max_query_len)

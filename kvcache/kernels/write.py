@@ -3,6 +3,7 @@
 Same signature as `kvcache.reference.write`. Grid: (T tokens, K KV heads); program (t, h) reads token t's K and V
 rows of head h, quantises them in the format's stored form and stores them at slot `slot_mapping[t]` = block * bs +
 offset of the pool (updated in place: the pool fields are aliased to the outputs). Negative slots are skipped.
+What a token row becomes is the format's `Format.kernel_write`; the built-in ones:
 
 fp4 (per 32-column group: UE8M0 scale by the format's rule, then E2M1 codes, ties to the even code, split-half
 packing: chunk c's bytes hold group c in the low and group c + D/64 in the high nibble). K's Hadamard rotation (and
@@ -20,8 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from core.lowbit import E4M3_MAX, cast_e4m3, encode_e2m1, pow2
-from kvcache.formats import GROUP, Format, ue8m0_exponent
+from kvcache.formats import Format
 
 __all__ = ["write"]
 
@@ -35,29 +35,12 @@ def _kernel(slots_ref, k_ref, v_ref, *refs, fmt: Format, names: tuple[str, ...],
     def _():
         blk, off = slot // block_size, slot % block_size
         for prefix, src in (("k", k_ref), ("v", v_ref)):
-            row = src[pl.ds(t, 1), h, :].astype(jnp.float32)  # [1, D]
-            if fmt.name == "bf16":
-                outs[prefix][blk, h, pl.ds(off, 1), :] = row.astype(jnp.bfloat16)
-            elif fmt.name == "fp8":
-                absmax = jnp.max(jnp.abs(row))
-                scale = jnp.where(absmax > 0, absmax / E4M3_MAX, 1.0)
-                outs[prefix][blk, h, pl.ds(off, 1), :] = cast_e4m3(row / scale)
-                outs[prefix + "_scale"][blk, h, pl.ds(off, 1)] = jnp.reshape(scale, (1,))
-            else:
-                half = head_dim // (2 * GROUP)
-                codes, scales = [], []
-                for g in range(head_dim // GROUP):
-                    group = src[pl.ds(t, 1), h, pl.ds(g * GROUP, GROUP)].astype(jnp.float32)
-                    e = ue8m0_exponent(jnp.max(jnp.abs(group)), fmt.scale_rule)
-                    codes.append(encode_e2m1(group * pow2(-e)))
-                    scales.append(e + 127)
-                for c in range(half):
-                    packed = (codes[c] | (codes[c + half] << 4)).astype(jnp.uint8)
-                    outs[prefix + "_codes"][blk, h, pl.ds(off, 1), pl.ds(c * GROUP, GROUP)] = packed
-                for g, s in enumerate(scales):
-                    outs[prefix + "_scales"][blk, h, pl.ds(off, 1), pl.ds(g, 1)] = jnp.reshape(s, (1, 1)).astype(
-                        jnp.uint8
-                    )
+
+            def row(start=0, size=None, src=src):
+                columns = slice(None) if size is None else pl.ds(start, size)
+                return src[pl.ds(t, 1), h, columns].astype(jnp.float32)  # [1, D] or [1, size]
+
+            fmt.kernel_write(outs, prefix, row, blk, h, off, head_dim)
 
 
 def write(
