@@ -1,6 +1,7 @@
-"""What the benchmark and reproduction scripts share: the command-line head (`parser`, the flag types, and `command`,
-the command line a results table states), median timers, a description of the machine, writing the results. JAX is
-imported by the functions that use it, so a reproduction script's --help and its bookkeeping stay cheap.
+"""What the benchmark and reproduction scripts share: the command-line head (`parser`, `--steps`, `--parts`, and
+`command`, the command line a results table states), median timers, a description of the machine, writing the
+results. The flag types (`integer`, `number`, `integers`, `names`) are the commands' own (experiments.args), named
+here too for the scripts.
 
 Every script writes under `runs/<topic>/` (git-ignored) unless told `--out`: `--out results/<topic>` replaces the
 reference tables and plots the README quotes, so a quick trial never overwrites them."""
@@ -9,14 +10,34 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TypeVar
 
+import jax
 import numpy as np
+
+from experiments.args import integer, integers, names, number
+
+__all__ = [
+    "add_parts",
+    "add_steps",
+    "command",
+    "compiling",
+    "describe",
+    "first_paragraph",
+    "integer",
+    "integers",
+    "interleaved_medians",
+    "machine",
+    "median_seconds",
+    "names",
+    "number",
+    "parser",
+    "write_results",
+]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -30,8 +51,6 @@ def compiling(what: str) -> None:
 def median_seconds(call: Callable[[], object], *, repeats: int, warmup: int = 1, what: str | None = None) -> float:
     """Median seconds of `call()` (whose result is blocked on) over `repeats` calls after `warmup` calls (the first
     of which compiles: "compiling <what> ..." is printed before them when `what` is given)."""
-    import jax
-
     if what is not None and warmup:
         compiling(what)
     for _ in range(warmup):
@@ -51,8 +70,6 @@ def interleaved_medians(
     machine's speed hit every candidate alike: the ratios are what such a benchmark reports. The `warmup` calls
     of each come first (they compile: "compiling <what> (<n> programs) ..." is printed before them when `what` is
     given)."""
-    import jax
-
     if what is not None and warmup:
         compiling(f"{what} ({len(calls)} programs)")
     for call in calls.values():
@@ -69,8 +86,6 @@ def interleaved_medians(
 
 def machine() -> dict:
     """Device kind, platform, device and core counts, jax version, and a note for CPU-only runs."""
-    import jax
-
     device = jax.devices()[0]
     return {
         "device": device.device_kind,
@@ -189,79 +204,3 @@ def add_parts(p: argparse.ArgumentParser, parts: Sequence[str]) -> None:
         default=",".join(parts),
         help=f"what to run: a comma-separated subset of {list(parts)}",
     )
-
-
-def integer(minimum: int = 1, *, multiple_of: int = 1, maximum: int | None = None) -> Callable[[str], int]:
-    """An argparse `type`: an integer >= `minimum` (and <= `maximum` if given) that is a multiple of `multiple_of`;
-    otherwise argparse reports the flag, the value and this rule."""
-    rule = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
-    rule += f" and a multiple of {multiple_of}" if multiple_of > 1 else ""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum or value % multiple_of or (maximum is not None and value > maximum):
-            raise argparse.ArgumentTypeError(f"{text!r} is not {rule}")
-        return value
-
-    return parse
-
-
-def number(low: float, *, low_open: bool = False, high: float | None = None) -> Callable[[str], float]:
-    """An argparse `type`: a finite float > `low` (`low_open`) or >= `low`, and <= `high` if given; otherwise
-    argparse reports the flag, the value and this rule (nan and inf are refused)."""
-    rule = f"a finite number {'>' if low_open else '>='} {low:g}" + ("" if high is None else f" and <= {high!r}")
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if (
-            not math.isfinite(value)
-            or value < low
-            or (low_open and value == low)
-            or (high is not None and value > high)
-        ):
-            raise argparse.ArgumentTypeError(f"{text!r} is not {rule}")
-        return value
-
-    return parse
-
-
-def integers(minimum: int = 1, *, distinct: bool = False, empty: bool = False) -> Callable[[str], list[int]]:
-    """An argparse `type`: comma-separated integers, each >= `minimum` (all different if `distinct`); an empty
-    string gives [] when `empty`, else it is refused."""
-    rule = f"comma-separated integers >= {minimum}" + (", all different" if distinct else "")
-
-    def parse(text: str) -> list[int]:
-        try:
-            values = [int(v) for v in text.split(",") if v.strip()]
-        except ValueError:
-            values = None
-        if values is None or (not values and not empty) or any(v < minimum for v in values):
-            raise argparse.ArgumentTypeError(f"{text!r} is not {rule}")
-        if distinct and len(set(values)) != len(values):
-            raise argparse.ArgumentTypeError(f"{text!r} repeats a value; give {rule}")
-        return values
-
-    return parse
-
-
-def names(allowed: Iterable[str], *, empty: bool = False) -> Callable[[str], list[str]]:
-    """An argparse `type`: a comma-separated subset of `allowed` (in the order given); an empty string gives []
-    when `empty`, else it is refused."""
-    allowed = list(allowed)
-
-    def parse(text: str) -> list[str]:
-        values = [v for v in text.split(",") if v]
-        unknown = [v for v in values if v not in allowed]
-        if unknown or (not values and not empty):
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: {'unknown ' + repr(unknown) if unknown else 'give at least one'}; allowed: {allowed}"
-            )
-        return values
-
-    return parse

@@ -33,22 +33,29 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from typing import Any
 
 import numpy as np
 
+from core.model import Transformer
+from core.tokenizer import Tokenizer
+from experiments import args as flags
 from experiments import plotting
 from experiments.bench import common
+from experiments.reproduce import kvcache as kv_repro
+from kvcache import formats
+from kvcache import workload as workload_lib
+from kvcache.engine import Engine, EngineConfig
 
-FORMATS = ("bf16", "fp8", "fp4")
+FORMATS = formats.NAMES
 STEP_TOKENS = 256
 GOAL = 0.10  # the HTTP layer may cost at most this fraction of the in-process throughput at 32 clients
 
 
-def workload_for(clients: int):
-    from kvcache.workload import AgentWorkload
-
-    return AgentWorkload(
+def workload_for(clients: int) -> workload_lib.AgentWorkload:
+    """The benchmark's workload for `clients` clients (module docstring): one conversation each, all at once."""
+    return workload_lib.AgentWorkload(
         conversations=clients,
         concurrency=clients,
         rounds=3,
@@ -59,16 +66,16 @@ def workload_for(clients: int):
     )
 
 
-def max_model_len(workload) -> int:
+def max_model_len(workload: workload_lib.AgentWorkload) -> int:
+    """The longest request both engines take: the workload's longest, rounded up to whole steps, plus two steps."""
     return -(-workload.max_tokens // STEP_TOKENS) * STEP_TOKENS + 2 * STEP_TOKENS
 
 
-def in_process(model, name: str, memory_bytes: int, workload) -> dict:
-    """The workload on an in-process engine (kvcache.workload.run)."""
-    from kvcache import formats
-    from kvcache import workload as workload_lib
-    from kvcache.engine import Engine, EngineConfig
-
+def in_process(
+    model: Transformer, tok: Tokenizer, name: str, memory_bytes: int, workload: workload_lib.AgentWorkload
+) -> dict:
+    """The workload on an in-process engine (kvcache.workload.run) in KV format `name`, with the limits and the
+    tokenizer's ids the server gets."""
     engine = Engine(
         model,
         formats.get(name),
@@ -77,6 +84,9 @@ def in_process(model, name: str, memory_bytes: int, workload) -> dict:
             max_num_seqs=workload.concurrency,
             max_num_batched_tokens=STEP_TOKENS,
             max_model_len=max_model_len(workload),
+            eos_id=tok.eos_id,
+            never=tok.never_sampled,
+            num_ids=tok.vocab_size,
         ),
     )
     common.compiling(f"the engine's step programs ({name} KV, in-process)")
@@ -87,8 +97,6 @@ def in_process(model, name: str, memory_bytes: int, workload) -> dict:
 
 def engine_counters(url: str) -> dict[str, float]:
     """The server's engine steps and seconds spent in them, from its /metrics."""
-    import urllib.request
-
     text = urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=30).read().decode()
     found = dict(re.findall(r"^lowbit_(engine_steps_total|engine_step_seconds_total)\{[^}]*\} (\S+)$", text, re.M))
     return {"steps": float(found["engine_steps_total"]), "step_seconds": float(found["engine_step_seconds_total"])}
@@ -140,9 +148,7 @@ def stop_server(server: subprocess.Popen) -> None:
 async def drive(url: str, workload, progress=None) -> tuple[list[dict], float]:
     """The workload through HTTP: `concurrency` clients, each serving conversations round after round (streamed
     completions of token-id prompts); (per-request records, wall seconds)."""
-    import openai
-
-    from kvcache import workload as workload_lib
+    import openai  # the [test] extra's client: only this benchmark needs it
 
     client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
     model = (await client.models.list()).data[0].id
@@ -220,20 +226,18 @@ def summarize(records: list[dict], seconds: float) -> dict[str, Any]:
 
 def main(argv=None) -> None:
     """The command line: see the module docstring, or --help."""
-    from experiments.reproduce import kvcache as kv_repro
-
     parser = common.parser(__doc__ or "", module="experiments.bench.serve_http", topic="bench")
-    parser.add_argument("--clients", type=common.integer(1), default=32, help="concurrent clients (conversations)")
+    parser.add_argument("--clients", type=flags.integer(1), default=32, help="concurrent clients (conversations)")
     parser.add_argument(
         "--kv-memory-mib",
-        type=common.number(0.0, low_open=True),
+        type=flags.number(0.0, low_open=True),
         default=6.0,
         help="KV memory of every format, in MiB (6 MiB holds 6,144 bf16, ~11,500 fp8 and ~23,000 fp4 tokens of the "
         "model; 32 clients' histories grow to ~16,000)",
     )
     parser.add_argument(
         "--formats",
-        type=common.names(FORMATS),
+        type=flags.names(FORMATS),
         default=",".join(FORMATS),
         help=f"KV formats: a comma-separated subset of {list(FORMATS)}",
     )
@@ -246,13 +250,14 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     _, model = kv_repro.trained_model(args.model_out)
     workdir = os.path.join(args.model_out, "runs", "model")
+    _, tok = flags.load_run(workdir)
     workload = workload_for(args.clients)
     memory = int(args.kv_memory_mib * 2**20)
     load = os.getloadavg()
     results: dict[str, Any] = {}
     for name in args.formats:
         print(f"{name}: in-process engine, {args.clients} conversations", flush=True)
-        local = in_process(model, name, memory, workload)
+        local = in_process(model, tok, name, memory, workload)
         print(f"{name}: HTTP server, {args.clients} clients", flush=True)
         server, url = start_server(workdir, name, args.kv_memory_mib, workload)
         try:
