@@ -2,22 +2,22 @@
 
 from optim import mgup_adamw, cautious_mgup_adamw, mgup_lion, mgup_muon, cautious_adamw, diloco_outer
 
-Algorithms: docs/mgup.md. Every optimizer takes the learning rate first and everything else by keyword;
+Modules: transform (the MGUP mask `scale_by_mgup`, the directions, `with_mgup`, their states), alias (the presets),
+select (which coordinates get alpha), muon (Muon and MGUP-Muon), outer (DiLoCo), config (the `optim` config
+section). Algorithms: docs/mgup.md. Every optimizer takes the learning rate first and everything else by keyword;
 `state_metrics(opt_state)` gives the metrics an MGUP state holds (the selected fraction).
 """
 
-from optim.mgup import (
+from optim.alias import cautious_adamw, cautious_mgup_adamw, mgup_adamw, mgup_lion, paper_defaults
+from optim.muon import MuonState, mgup_muon, newton_schulz, scale_by_muon
+from optim.outer import diloco_outer
+from optim.select import num_selected
+from optim.transform import (
     DirectionFn,
     DirectionTransformation,
     MGUPChainState,
     MGUPState,
-    cautious_adamw,
-    cautious_mgup_adamw,
-    mgup_adamw,
-    mgup_lion,
     mgup_mask,
-    num_selected,
-    paper_defaults,
     scale_by_cautious,
     scale_by_hf_adam,
     scale_by_lion_direction,
@@ -25,8 +25,6 @@ from optim.mgup import (
     state_metrics,
     with_mgup,
 )
-from optim.muon import MuonState, mgup_muon, newton_schulz, scale_by_muon
-from optim.outer import diloco_outer
 
 __all__ = [
     "DirectionFn",

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from core.config import ConfigError, OptimConfig, field
-from optim.mgup import SELECTIONS
+from optim.select import SELECTIONS
 
 __all__ = ["FAMILIES", "FAMILY_DEFAULTS", "FAMILY_SOURCES", "OptimizerConfig", "hyperparameters"]
 

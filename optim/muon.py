@@ -10,8 +10,9 @@ Muon for 2-D weight matrices (by default all except embeddings and the output he
 
 The AdamW branch is the reference's HF-style AdamW with the same lr and wd (betas 0.95, 0.95, eps 1e-8), without
 a mask unless `adam_mgup=True`. The reference runs Newton-Schulz in bfloat16; `ns_dtype` chooses (float32 by
-default here: XLA:CPU's bfloat16 matmuls are slow and no more faithful to the math). Every argument after the
-learning rate is keyword-only; the numeric ones may be arrays (optax.inject_hyperparams, see optim/mgup.py).
+default here). Every argument after the learning rate is keyword-only; the numeric ones may be arrays
+(optax.inject_hyperparams, see optim/transform.py). Built from optim/transform.py's pieces, as optim/alias.py's
+presets are; `mgup=False` gives the base Muon with the same code.
 """
 
 from __future__ import annotations
@@ -24,17 +25,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optim.mgup import (
-    MGUPState,
-    Scalar,
-    check_arguments,
-    decay_and_learning_rate,
-    leaves_like,
-    scale_by_hf_adam,
-    scale_by_mgup,
-    select_masks,
-    with_mgup,
-)
+from optim.alias import decay_and_learning_rate
+from optim.select import Scalar, select_masks
+from optim.transform import MGUPState, check_arguments, leaves_like, scale_by_hf_adam, scale_by_mgup, with_mgup
 
 __all__ = ["NS_COEFFICIENTS", "MuonState", "default_muon_labels", "mgup_muon", "newton_schulz", "scale_by_muon"]
 
@@ -88,9 +81,15 @@ def scale_by_muon(
     selection: str = "exact",
     ns_dtype: Any = None,
 ) -> optax.GradientTransformation:
-    """The Muon direction of every (2-D) leaf G [rows, cols]: 0.2 sqrt(max(rows, cols)) NS5(G_hat) * phi, in G's
-    dtype, with buf <- mu buf + G, G_hat = G + mu buf (Nesterov) or buf, phi = mgup_mask(G_hat, G) (phi = 1 if not
-    `mgup`). ns_dtype: Newton-Schulz's dtype (default float32). State: MuonState."""
+    """The Muon direction (docs/mgup.md, "MGUP-Muon") of every (2-D) leaf G [rows, cols], in G's dtype:
+
+        buf <- mu buf + G                          (mu = momentum; no dampening)
+        G_hat = G + mu buf  (nesterov)  else buf
+        phi   = mgup_mask(G_hat, G)                (before orthogonalisation; phi = 1 if not `mgup`)
+        out   = 0.2 sqrt(max(rows, cols)) NS5(G_hat) * phi      (NS5 = newton_schulz, `ns_steps` steps)
+
+    ns_dtype: Newton-Schulz's dtype (default float32). State: MuonState. Raises ValueError for MGUP arguments
+    optim.transform.check_arguments refuses."""
     if mgup:
         check_arguments(mask_ratio, alpha, gamma, selection)
     ns_dtype = ns_dtype or jnp.float32
@@ -149,10 +148,12 @@ def mgup_muon(
     ns_dtype: Any = None,
     weight_decay_mask: Any = None,
 ) -> optax.GradientTransformation:
-    """MGUP-Muon (defaults: the reference's); `mgup=False` gives plain Moonlight-style Muon (the base optimizer)
-    with the same code. Per 'muon' leaf: p <- p (1 - lr wd) - lr * scale_by_muon's direction; per 'adam' leaf:
-    p <- p (1 - lr wd) - lr * u, u = scale_by_hf_adam(b1=adam_b1, b2=adam_b2, eps=adam_eps)'s direction (times
-    its own MGUP mask if `adam_mgup`).
+    """MGUP-Muon (reference MGUP_Muon.py; docs/mgup.md, "MGUP-Muon"; defaults: the reference's); `mgup=False`
+    gives plain Moonlight-style Muon (the base optimizer) with the same code. Per leaf:
+
+        'muon':  p <- p (1 - lr wd) - lr * scale_by_muon's direction
+        'adam':  p <- p (1 - lr wd) - lr * u,  u = scale_by_hf_adam(b1=adam_b1, b2=adam_b2, eps=adam_eps)'s
+                 direction (times its own MGUP mask if `adam_mgup`)
 
     labels: params -> a tree of 'muon' / 'adam' (default `default_muon_labels`); every 'muon' leaf must be 2-D.
     weight_decay_mask: which leaves decay, in both branches (optax.add_decayed_weights' mask; default all).

@@ -1,18 +1,24 @@
-"""Selecting the k largest entries of a tensor without sorting it: the top-k behind MGUP's mask (docs/mgup.md).
+"""MGUP's selection (docs/mgup.md, "The mask"): which coordinates of each tensor get alpha, without sorting it.
 
-Design: a full sort (`lax.top_k` of half a tensor lowers to one on XLA:CPU), and even a top_k of a few hundred,
-costs several passes over the tensor, while selection only needs counts. Floats are mapped to unsigned integer keys
-in the same order (`ordered_keys`); the k-th largest key is found by a multiway search over the key range: each pass
-counts the entries at or above `WAYS` thresholds at once (one variadic reduction, about the cost of one count) and
-keeps the sub-range that holds the answer. A first pass tests a bracket from a strided sample's quantiles, so a
-float32 tensor needs a handful of passes (at most 8 on 1.6M normal, Cauchy and Adam-like products;
-tests/test_select.py) instead of 32 / log2(WAYS + 1). The search stops once exactly k keys lie at or above its lower
-end, or at the k-th largest key itself; ties there go to the first positions, found from per-row counts (a cumsum
-over a whole tensor costs many counting passes on XLA:CPU). The mask is an elementwise function of the scores and
-three scalars, which XLA fuses into the parameter update. A tensor of at most 4096 entries, which the first pass would
-sort whole for its bracket, is ranked by a stable sort instead (no search: a fraction of the compiled program, since a
-model holds many such tensors: norms, biases, routers). `approx_threshold` runs the same search on a strided
-sample only. Timings: results/bench/optim.md.
+For a direction u and the raw gradient g of one tensor, MGUP gives alpha to the k = int(tau * size) largest entries
+of the signed product s = u * g and gamma to the others (`select_masks`, with k from `num_selected`). Three rules
+(`SELECTIONS`):
+
+    "exact"   exactly the k largest entries of s (ties at the k-th value: the first positions, row-major)
+    "approx"  s >= t, t the k-th largest of a strided sample of APPROX_SAMPLE entries (tensors of more than
+              2 APPROX_SAMPLE entries; smaller ones are selected exactly); the realised fraction is estimated
+              from a second, disjoint sample
+    "sign"    s >= 0 (Cautious-MGUP; tau unused)
+
+The top-k needs counts, not an order. Floats are mapped to unsigned integer keys in the same order (`ordered_keys`);
+the k-th largest key is found by a multiway search over the key range: each pass counts the entries at or above
+`WAYS` thresholds at once (one variadic reduction, `count_at_least`) and keeps the sub-range that holds the answer.
+A first pass tests a bracket from a strided sample's quantiles, so that a float32 tensor needs a handful of passes
+instead of 32 / log2(WAYS + 1). The search stops once exactly k keys lie at or above its lower end, or at the k-th
+largest key itself; ties there go to the first positions, found from per-row counts. The mask is an elementwise
+function of the scores and three scalars, which XLA fuses into the parameter update. A tensor of at most 4096
+entries, which the first pass would sort whole for its bracket, is ranked by a stable sort instead (no search).
+`approx_threshold` runs the same search on a strided sample only. Timings: results/bench/optim.md.
 
 k may be a Python int (its edge cases resolved while tracing) or an int32 scalar array (a traced hyperparameter,
 e.g. from `optax.inject_hyperparams`); both select the same entries. NaN scores are not supported (they sort above
@@ -21,23 +27,44 @@ e.g. from `optax.inject_hyperparams`); both select the same entries. NaN scores 
 
 from __future__ import annotations
 
+import functools
 import math
+import numbers
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 __all__ = [
+    "APPROX_SAMPLE",
+    "SELECTIONS",
     "WAYS",
+    "Scalar",
     "approx_threshold",
     "count_at_least",
+    "is_static",
+    "num_selected",
     "ordered_keys",
+    "score_dtype",
+    "select_masks",
     "selection_key",
     "strided_sample",
     "top_k_mask",
 ]
 
-WAYS = 6  # thresholds per counting pass: up to about 8 cost about one plain count on XLA:CPU
+SELECTIONS = ("exact", "approx", "sign")
+"""MGUP's selection rules (see the module docstring); `selection=` of the MGUP transforms takes one of them."""
+
+APPROX_SAMPLE = 1024
+"""Entries of each strided sample that "approx" and "sign" take of a tensor of more than 2 APPROX_SAMPLE entries."""
+
+WAYS = 6
+"""Thresholds counted per pass of the search (one variadic reduction over the keys)."""
+
 _BRACKET_SAMPLE = 4096
+
+Scalar = float | jax.Array
+"""A hyperparameter: a Python number, or a scalar array (e.g. traced, from optax.inject_hyperparams)."""
 
 
 def ordered_keys(x: jax.Array) -> jax.Array:
@@ -209,3 +236,143 @@ def approx_threshold(sample: jax.Array, check: jax.Array, fraction: float | jax.
     # itself, so that t depends on the sample only (not on the search's path).
     t = jnp.min(jnp.where(keys >= lo, keys, jnp.asarray(jnp.iinfo(keys.dtype).max, keys.dtype)))
     return t, jnp.mean(ordered_keys(check.ravel()) >= t, dtype=jnp.float32)
+
+
+# MGUP's per-tensor selection on top of the search above.
+
+
+def is_static(x: Any) -> bool:
+    """Whether a hyperparameter is a Python or NumPy number (not a JAX array): k is then computed while tracing."""
+    return isinstance(x, numbers.Real) and not isinstance(x, jax.Array)
+
+
+def num_selected(mask_ratio: Scalar, size: int) -> int | jax.Array:
+    """k = int(mask_ratio * size), the number of coordinates MGUP gives alpha in a tensor of `size` entries.
+
+    A Python number gives a Python int (Python's double product, floored: the reference's rule). A scalar array
+    gives an int32 scalar computed on device with the same value as int(float(mask_ratio) * size): float64 by the
+    same double product; float32 (bfloat16 and float16 are widened exactly) by the exact floor of m * size / 2^s
+    for mask_ratio = m 2^-s, in 32-bit integer limbs (no float64 needed; equal to the double product's floor for
+    size < 2^29, where that product is exact). Values outside [0, 1] are clipped to k in [0, size].
+    """
+    if is_static(mask_ratio):
+        return int(float(mask_ratio) * size)
+    r = jnp.asarray(mask_ratio)
+    k = jnp.floor(r * size) if r.dtype == jnp.float64 else _floor_times(r.astype(jnp.float32), size)
+    return jnp.clip(k, 0, size).astype(jnp.int32)
+
+
+def _floor_times(r: jax.Array, n: int) -> jax.Array:
+    """floor(r * n) exactly, for a float32 scalar r in [0, 1] and 0 <= n < 2^31 (int32; r < 0 gives 0)."""
+    u32 = jnp.uint32
+    bits = jax.lax.bitcast_convert_type(r, u32)
+    exponent = (bits >> 23) & u32(0xFF)
+    mantissa = (bits & u32(0x7FFFFF)) | jnp.where(exponent > 0, u32(1 << 23), u32(0))  # r = mantissa * 2^-shift
+    shift = u32(150) - jnp.maximum(exponent, u32(1))  # >= 23 for r < 2
+    # mantissa * n as hi * 2^32 + lo from 16-bit limbs (every partial product fits in 32 bits).
+    a1, a0 = mantissa >> 16, mantissa & u32(0xFFFF)
+    b1, b0 = u32(n >> 16), u32(n & 0xFFFF)
+    low = a0 * b0
+    mid = a0 * b1 + a1 * b0  # < 2^32: a0 * b1 < 2^31, a1 * b0 < 2^24
+    lo = low + (mid << 16)
+    hi = a1 * b1 + (mid >> 16) + (lo < low).astype(u32)
+    small = jnp.minimum(shift, u32(31))  # shift < 32: the result takes bits of hi and lo
+    below = (hi << (u32(32) - small)) | (lo >> small)
+    big = jnp.maximum(shift, u32(32)) - u32(32)  # shift >= 32: of hi alone
+    above = jnp.where(big < 32, hi >> jnp.minimum(big, u32(31)), u32(0))
+    k = jnp.where(shift < 32, below, above)
+    return jnp.where(r >= 1, u32(n), jnp.where(r > 0, k, u32(0))).astype(jnp.int32)
+
+
+def score_dtype(update: jax.Array) -> jnp.dtype:
+    """The dtype MGUP ranks and scales a tensor in: the update's, widened to at least float32."""
+    return jnp.promote_types(update.dtype, jnp.float32)
+
+
+def _product(u: jax.Array, g: jax.Array, dtype) -> jax.Array:
+    """The score s = u * g in `dtype`."""
+    return u.astype(dtype) * g.astype(dtype)
+
+
+def _select(
+    updates: list[jax.Array],
+    grads: list[jax.Array],
+    mask_ratio: Scalar,
+    selection: str,
+    samples: list | None = None,
+) -> list[tuple[jax.Array, jax.Array]]:
+    """Per tensor: (the coordinates that get alpha, bool of its shape; their fraction, exact or estimated, float32).
+
+    "approx": tensors of more than 2 APPROX_SAMPLE entries get the threshold of their strided sample, all such
+    tensors in one batched search (per-tensor small searches would cost more on CPU than the pass over the tensor);
+    smaller ones are selected exactly. "sign" on such tensors reports the fraction of its second sample, not a
+    count (which would cost a pass over the tensor). `samples[i]`: ((direction, grad) at strided_sample, the same
+    at the second sample) of tensor i, computed elsewhere (optim.transform.with_mgup); by default sliced from the
+    tensors.
+    A traced `mask_ratio` takes the same paths with k on device; "approx" then also covers k = 0 and k = size (no
+    coordinate, every coordinate) on its large tensors, as the exact path does.
+    """
+    static = is_static(mask_ratio)
+    out: list = [None] * len(updates)
+    sampled = []
+    for i, (u, g) in enumerate(zip(updates, grads)):
+        n = u.size
+        k = num_selected(mask_ratio, n) if selection != "sign" else 0
+        if n > 2 * APPROX_SAMPLE and (selection == "sign" or (selection == "approx" and (not static or 0 < k < n))):
+            sampled.append(i)
+        elif selection == "sign":
+            chosen = _product(u, g, score_dtype(u)) >= 0
+            out[i] = chosen, count_at_least(chosen, [jnp.bool_(True)])[0] / max(n, 1)
+        elif static:
+            # full_like: the constant carries u's mesh-axis type (a state leaf inside shard_map must)
+            fraction = jnp.full_like(u, k, jnp.float32, ()) / max(n, 1)
+            out[i] = top_k_mask(_product(u, g, score_dtype(u)), k), fraction
+        else:  # (the same float32 division as above)
+            fraction = jnp.zeros_like(u, jnp.float32, ()) + jnp.asarray(k).astype(jnp.float32) / max(n, 1)
+            out[i] = top_k_mask(_product(u, g, score_dtype(u)), k), fraction
+    if not sampled:
+        return out
+    dtype = functools.reduce(jnp.promote_types, [score_dtype(updates[i]) for i in sampled])
+
+    def pair(i, second):
+        if samples is not None and samples[i] is not None:
+            u, g = samples[i][int(second)]
+        else:
+            u, g = (strided_sample(x, APPROX_SAMPLE, second=second) for x in (updates[i], grads[i]))
+        return _product(u, g, dtype)
+
+    first, second = (jnp.stack([pair(i, b) for i in sampled]) for b in (False, True))
+    if selection == "sign":
+        fractions = jnp.mean(second >= 0, axis=1, dtype=jnp.float32)
+        for j, i in enumerate(sampled):
+            out[i] = _product(updates[i], grads[i], dtype) >= 0, fractions[j]
+        return out
+    thresholds, fractions = jax.vmap(lambda a, b: approx_threshold(a, b, mask_ratio))(first, second)
+    for j, i in enumerate(sampled):
+        chosen, fraction = ordered_keys(_product(updates[i], grads[i], dtype)) >= thresholds[j], fractions[j]
+        if not static:
+            n = updates[i].size
+            k = num_selected(mask_ratio, n)
+            chosen = (chosen & (k > 0)) | (k >= n)
+            fraction = jnp.where(k <= 0, 0.0, jnp.where(k >= n, 1.0, fraction))
+        out[i] = chosen, fraction
+    return out
+
+
+def select_masks(
+    updates: list[jax.Array],
+    grads: list[jax.Array],
+    mask_ratio: Scalar,
+    selection: str,
+    samples: list | None = None,
+) -> tuple[list[jax.Array], jax.Array]:
+    """MGUP's selection on a list of tensors: (chosen_i, f) with chosen_i a bool array of updates[i]'s shape, True on
+    the coordinates that get alpha under `selection` (one of SELECTIONS; not checked here) with
+    k_i = num_selected(mask_ratio, n_i), and f = sum_i f_i n_i / sum_i n_i (float32 scalar) the selected fraction
+    over all their coordinates: f_i = k_i / n_i for "exact", counted or estimated for "approx" and "sign" (see the
+    module docstring). updates[i], grads[i]: the direction and the raw gradient of tensor i, one shape each, any
+    float dtype. `samples`: optional per-tensor strided samples of (direction, gradient), see `_select`."""
+    pairs = _select(updates, grads, mask_ratio, selection, samples)
+    total = max(sum(u.size for u in updates), 1)
+    fraction = sum(f * (u.size / total) for u, (_, f) in zip(updates, pairs))
+    return [c for c, _ in pairs], jnp.asarray(fraction, jnp.float32)

@@ -10,7 +10,8 @@ import numpy as np
 import optax
 import pytest
 
-from optim import mgup
+import optim
+from optim import select
 
 SHAPES = {"vec": (7,), "mat": (5, 3), "cube": (2, 3, 4), "one": (1,)}  # "one": k = int(0.5 * 1) = 0 -> all gamma
 STEPS = 50
@@ -93,11 +94,11 @@ def test_adamw_family_matches_float64_reference(mode, wd, schedule):
     tau, alpha, gamma = 0.3, 2.5, 0.2
     with jax.enable_x64(True):
         if mode == "mgup":
-            tx = mgup.mgup_adamw(lr, weight_decay=wd, mask_ratio=tau, alpha=alpha, gamma=gamma, **hp)
+            tx = optim.mgup_adamw(lr, weight_decay=wd, mask_ratio=tau, alpha=alpha, gamma=gamma, **hp)
         elif mode == "cautious_mgup":
-            tx = mgup.cautious_mgup_adamw(lr, weight_decay=wd, alpha=alpha, gamma=gamma, **hp)
+            tx = optim.cautious_mgup_adamw(lr, weight_decay=wd, alpha=alpha, gamma=gamma, **hp)
         else:
-            tx = mgup.cautious_adamw(lr, weight_decay=wd, **hp)
+            tx = optim.cautious_adamw(lr, weight_decay=wd, **hp)
         refs = {k: NumpyMGUPAdamW(np_lr, hp["b1"], hp["b2"], hp["eps"], wd, tau, alpha, gamma, mode) for k in SHAPES}
         p, ref, _ = _run(tx, refs, seed=len(mode) + int(schedule))
         for k in SHAPES:
@@ -109,7 +110,7 @@ def test_adamw_family_matches_float64_reference(mode, wd, schedule):
 def test_lion_matches_float64_reference(wd):
     tau, alpha, gamma = 0.5, 2.0, 0.1
     with jax.enable_x64(True):
-        tx = mgup.mgup_lion(3e-3, b1=0.9, b2=0.99, weight_decay=wd, mask_ratio=tau, alpha=alpha, gamma=gamma)
+        tx = optim.mgup_lion(3e-3, b1=0.9, b2=0.99, weight_decay=wd, mask_ratio=tau, alpha=alpha, gamma=gamma)
         refs = {k: NumpyMGUPLion(3e-3, 0.9, 0.99, wd, tau, alpha, gamma) for k in SHAPES}
         p, ref, state = _run(tx, refs, seed=7)
         for k in SHAPES:
@@ -120,7 +121,7 @@ def test_lion_matches_float64_reference(wd):
 
 
 # as the optimizers run it: jitted (one program per shape and setting, not one per operation)
-_mask = jax.jit(mgup.mgup_mask, static_argnames=("mask_ratio", "alpha", "gamma", "selection"))
+_mask = jax.jit(optim.mgup_mask, static_argnames=("mask_ratio", "alpha", "gamma", "selection"))
 
 
 def test_mask_selects_exactly_k_per_tensor_and_k_zero_gives_gamma():
@@ -142,21 +143,21 @@ def test_approx_selection_realises_about_the_fraction():
     phi = _mask(u, g, mask_ratio=0.25, selection="approx")
     exact = _mask(u, g, mask_ratio=0.25)
     realised = float(jnp.mean(phi == 2.0))
-    bound = 4 * (0.25 * 0.75 / mgup.APPROX_SAMPLE) ** 0.5 + 2 / mgup.APPROX_SAMPLE  # sample quantile, 4 sigma
+    bound = 4 * (0.25 * 0.75 / select.APPROX_SAMPLE) ** 0.5 + 2 / select.APPROX_SAMPLE  # sample quantile, 4 sigma
     assert abs(realised - 0.25) < bound
     assert float(jnp.mean(phi == exact)) > 1 - bound  # it disagrees only near the threshold
-    tx = mgup.scale_by_mgup(mask_ratio=0.25, selection="approx")
+    tx = optim.scale_by_mgup(mask_ratio=0.25, selection="approx")
     _, state = jax.jit(tx.update)({"w": u}, tx.init({"w": u}), grad={"w": g})
     assert abs(float(state.selected_fraction) - realised) < bound  # an estimate from a second sample
-    tx = mgup.scale_by_mgup(selection="sign")
+    tx = optim.scale_by_mgup(selection="sign")
     _, state = jax.jit(tx.update)({"w": u, "b": u[0]}, tx.init(None), grad={"w": g + 0.3, "b": g[0]})  # (b: counted)
     aligned = (float(jnp.sum(u * (g + 0.3) >= 0)) + float(jnp.sum(u[0] * g[0] >= 0))) / (u.size + u.shape[1])
-    assert abs(float(state.selected_fraction) - aligned) < 4 * (0.25 / mgup.APPROX_SAMPLE) ** 0.5
+    assert abs(float(state.selected_fraction) - aligned) < 4 * (0.25 / select.APPROX_SAMPLE) ** 0.5
 
 
 def test_zero_gradients_give_no_step_in_bf16():
     params = {"w": jnp.ones((4, 6), jnp.bfloat16), "b": jnp.zeros((3,), jnp.bfloat16)}
-    for tx in (mgup.mgup_adamw(1e-2), mgup.mgup_lion(1e-2), mgup.cautious_mgup_adamw(1e-2), mgup.cautious_adamw()):
+    for tx in (optim.mgup_adamw(1e-2), optim.mgup_lion(1e-2), optim.cautious_mgup_adamw(1e-2), optim.cautious_adamw()):
         zeros = jax.tree.map(jnp.zeros_like, params)
         updates, _ = jax.jit(tx.update)(zeros, tx.init(params), params)
         for u in jax.tree.leaves(updates):
@@ -181,15 +182,15 @@ def test_bf16_updates_match_the_float64_reference(case, steps):
     lr, wd, tau, alpha, gamma = 1e-2, 0.1, 0.5, 2.0, 0.1
     hp: dict[str, Any] = dict(b1=0.9, b2=0.999, eps=1e-6)
     if case == "mgup_lion":
-        tx = mgup.mgup_lion(lr, weight_decay=wd, mask_ratio=tau)
+        tx = optim.mgup_lion(lr, weight_decay=wd, mask_ratio=tau)
         refs: dict[str, Any] = {k: NumpyMGUPLion(lr, 0.9, 0.99, wd, tau, alpha, gamma) for k in SHAPES}
     else:
         tau = 1.0 if case == "mgup_adamw_tau1" else tau
         tx = {
-            "mgup_adamw_tau1": lambda: mgup.mgup_adamw(lr, **hp, weight_decay=wd, mask_ratio=tau),
-            "mgup_adamw": lambda: mgup.mgup_adamw(lr, **hp, weight_decay=wd, mask_ratio=tau),
-            "cautious_mgup_adamw": lambda: mgup.cautious_mgup_adamw(lr, **hp, weight_decay=wd),
-            "c_adamw": lambda: mgup.cautious_adamw(lr, **hp, weight_decay=wd),
+            "mgup_adamw_tau1": lambda: optim.mgup_adamw(lr, **hp, weight_decay=wd, mask_ratio=tau),
+            "mgup_adamw": lambda: optim.mgup_adamw(lr, **hp, weight_decay=wd, mask_ratio=tau),
+            "cautious_mgup_adamw": lambda: optim.cautious_mgup_adamw(lr, **hp, weight_decay=wd),
+            "c_adamw": lambda: optim.cautious_adamw(lr, **hp, weight_decay=wd),
         }[case]()
         mode = {"cautious_mgup_adamw": "cautious_mgup", "c_adamw": "c_adamw"}.get(case, "mgup")
         refs = {k: NumpyMGUPAdamW(lr, hp["b1"], hp["b2"], hp["eps"], wd, tau, alpha, gamma, mode) for k in SHAPES}
@@ -219,7 +220,7 @@ def test_num_selected_on_device_equals_pythons_int_of_the_product():
     rng = np.random.default_rng(0)
     fixed = [0.0, 1.0, 0.5, 0.7, 0.29, 0.1, 1e-45, 1e-38, 1 - 2**-24, 2**-24]
     sizes = [1, 3, 10, 4097, 65_536, 65_537, 999_983, 2**24 + 1, 2**28 - 1]
-    count = jax.jit(jax.vmap(mgup.num_selected, in_axes=(0, None)), static_argnums=1)
+    count = jax.jit(jax.vmap(optim.num_selected, in_axes=(0, None)), static_argnums=1)
     for n in sizes:
         edges = (rng.integers(0, n + 1, size=30) / n).astype(np.float32)
         r = np.concatenate([rng.random(100), fixed, edges, np.nextafter(edges, 0), np.nextafter(edges, 1)])
@@ -227,7 +228,7 @@ def test_num_selected_on_device_equals_pythons_int_of_the_product():
         np.testing.assert_array_equal(count(jnp.asarray(r), n), [int(float(x) * n) for x in r], err_msg=str(n))
         half = jnp.asarray(r[:40], jnp.bfloat16)
         np.testing.assert_array_equal(count(half, n), [int(float(x) * n) for x in np.asarray(half)], err_msg=str(n))
-    assert mgup.num_selected(0.7, 10) == 7 and mgup.num_selected(0.29, 100) == 28  # static: Python's product
+    assert optim.num_selected(0.7, 10) == 7 and optim.num_selected(0.29, 100) == 28  # static: Python's product
     with jax.enable_x64(True):
         r = np.concatenate([rng.random(100), [0.7, 0.29, 0.0, 1.0]])
         for n in (10, 100, 2**31 - 1):
@@ -236,20 +237,20 @@ def test_num_selected_on_device_equals_pythons_int_of_the_product():
 
 def test_bad_arguments_are_rejected():
     with pytest.raises(ValueError, match="mask_ratio = 1.5"):
-        mgup.mgup_adamw(mask_ratio=1.5)
+        optim.mgup_adamw(mask_ratio=1.5)
     with pytest.raises(ValueError, match="gamma = 0"):
-        mgup.mgup_lion(gamma=0.0)
+        optim.mgup_lion(gamma=0.0)
     with pytest.raises(ValueError, match="selection = 'fast'"):
-        mgup.mgup_adamw(selection="fast")
-    assert mgup.paper_defaults(0.25) == {"mask_ratio": 0.25, "alpha": 4.0, "gamma": 0.25}
+        optim.mgup_adamw(selection="fast")
+    assert optim.paper_defaults(0.25) == {"mask_ratio": 0.25, "alpha": 4.0, "gamma": 0.25}
     with pytest.raises(TypeError, match="positional"):  # everything after the learning rate by keyword
-        mgup.mgup_adamw(1e-3, 0.9)  # type: ignore[call-arg]
+        optim.mgup_adamw(1e-3, 0.9)  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="mask_ratio = 1.5"):  # an array that is known is checked too
-        mgup.scale_by_mgup(mask_ratio=jnp.float32(1.5))
-    traced = jax.jit(lambda r: mgup.scale_by_mgup(mask_ratio=r).update({"a": r}, None, grad={"a": r})[0]["a"])
+        optim.scale_by_mgup(mask_ratio=jnp.float32(1.5))
+    traced = jax.jit(lambda r: optim.scale_by_mgup(mask_ratio=r).update({"a": r}, None, grad={"a": r})[0]["a"])
     assert float(traced(jnp.float32(0.5))) == pytest.approx(0.05)  # traced: not checked; k = int(0.5) = 0: gamma
     with pytest.raises(ValueError, match="needs the raw gradient"):
-        tx = mgup.scale_by_mgup()
+        tx = optim.scale_by_mgup()
         tx.update({"a": jnp.ones(3)}, tx.init({"a": jnp.ones(3)}))
 
 
@@ -363,10 +364,10 @@ def test_muon_labels_on_a_real_model():
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: mgup.mgup_adamw(1e-2, weight_decay=0.1),
-        lambda: mgup.mgup_lion(1e-3),
-        lambda: __import__("optim").mgup_muon(1e-2),
-        lambda: mgup.mgup_adamw(1e-2, selection="approx"),
+        lambda: optim.mgup_adamw(1e-2, weight_decay=0.1),
+        lambda: optim.mgup_lion(1e-3),
+        lambda: optim.mgup_muon(1e-2),
+        lambda: optim.mgup_adamw(1e-2, selection="approx"),
     ],
 )
 def test_sharded_parameters_keep_their_sharding_and_match_one_device(make):
@@ -420,10 +421,10 @@ def test_approx_samples_from_the_inner_transform_equal_samples_of_the_direction(
     }
 
     def make(hook):
-        adam = mgup.scale_by_hf_adam()
+        adam = optim.scale_by_hf_adam()
         inner = adam if hook else optax.GradientTransformation(adam.init, adam.update)
-        return mgup.with_mgup(
-            inner, mgup.scale_by_mgup(mask_ratio=0.3, selection="approx"), optax.scale_by_learning_rate(1e-2)
+        return optim.with_mgup(
+            inner, optim.scale_by_mgup(mask_ratio=0.3, selection="approx"), optax.scale_by_learning_rate(1e-2)
         )
 
     fused, plain = make(True), make(False)

@@ -114,9 +114,9 @@ def _expected_fraction(name: str, grads: list) -> float | None:
     for i, n in enumerate(sizes):
         m = sum((1 - b1) * b1 ** (len(grads) - 1 - t) * leaves[t][i] for t in range(len(grads)))
         ok = m * leaves[-1][i] >= 0
-        if n > 2 * optim.mgup.APPROX_SAMPLE:
-            stride = n // optim.mgup.APPROX_SAMPLE
-            ok = ok[stride // 2 :: stride][: optim.mgup.APPROX_SAMPLE]
+        if n > 2 * optim.select.APPROX_SAMPLE:
+            stride = n // optim.select.APPROX_SAMPLE
+            ok = ok[stride // 2 :: stride][: optim.select.APPROX_SAMPLE]
         aligned += float(np.mean(ok)) * n / sum(sizes)
     return aligned
 
