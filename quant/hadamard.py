@@ -31,8 +31,8 @@ def random_signs(key: jax.Array, block_size: int = 16) -> jax.Array:
 
 def run_signs(seed: int = 0, block_size: int = 16) -> jax.Array:
     """The run's fixed RHT signs, [block_size] float32 of +-1: `random_signs(jax.random.key(seed), block_size)`.
-    The training config's `train.seed` is the seed (experiments/build.py passes it to QuantPrecision); seed 0 gives
-    the signs of runs made before the seed was threaded through."""
+    The training config's `train.seed` is the seed (experiments/build.py passes it to QuantPrecision); 0 is the
+    default."""
     return random_signs(jax.random.key(seed), block_size)
 
 

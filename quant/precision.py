@@ -5,7 +5,7 @@
 unquantised NONE recipe get `jax.lax.dot_general` (so BF16 rounds the operands of every GEMM to bfloat16 except
 the kept paths'). Experts get `quant.grouped_matmul(recipe, key=...)` around `grouped` (the MoE package's grouped
 matmul). `seed` (the run's `train.seed`) fixes the RHT signs of every GEMM
-(`quant.hadamard.run_signs(seed)`; seed 0 gives the signs used before the seed was threaded through).
+(`quant.hadamard.run_signs(seed)`; default 0).
 """
 
 from __future__ import annotations

@@ -2,14 +2,14 @@
 
     python -m experiments.bench.moe [--tokens 4096] [--repeats 5] [--expert-sizes 128,512] [--out runs/bench]
 
-For E in {8, 32, 64} experts, k in {1, 2, 4} and each expert size h (128 is FoMoE's; 512 the shape of the issue's
-grouped-matmul measurement): the MoE layer (d_model 256, sigmoid router) with dropless dispatch (sort + the
+For E in {8, 32, 64} experts, k in {1, 2, 4} and each expert size h (128 is FoMoE's; 512 the output width of the
+grouped-matmul shape below): the MoE layer (d_model 256, sigmoid router) with dropless dispatch (sort + the
 backend's grouped matmul) and with capacity dispatch (GShard einsum, one group per sequence, capacity factor 1.25),
 against a dense SiLU FFN of hidden width k x h, which does the same expert FLOPs per token (the MoE also pays its
 router, d_model x E per token). Time = jitted gradient of a scalar of the output with respect to
-the input and all weights (forward + backward). Also times the grouped matmul alone, every implementation, on the
-issue's shape (4096 x 256 -> 512, 64 equal groups) against one dense product of the same FLOPs.
-Writes moe.json and moe.md into `--out` (`--out results/bench` for the README's table).
+the input and all weights (forward + backward). Also times the grouped matmul alone, every implementation, on
+4096 x 256 -> 512 in 64 equal groups against one dense product of the same FLOPs.
+Writes moe.json and moe.md into `--out` (`--out results/bench` for the table docs/fomoe.md quotes).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def bench_layers(tokens: int, expert_size: int, repeats: int) -> list[dict]:
 
 
 def bench_grouped_matmul(repeats: int) -> list[dict]:
-    """The issue's shape: 4096 rows x 256 -> 512 in 64 equal groups; forward and forward+backward."""
+    """The grouped-matmul shape: 4096 rows x 256 -> 512 in 64 equal groups; forward and forward+backward."""
     m, k, n, g = 4096, 256, 512, 64
     x = jax.random.normal(jax.random.key(0), (m, k), jnp.float32)
     w = jax.random.normal(jax.random.key(1), (g, k, n), jnp.float32)
@@ -109,7 +109,7 @@ def bench_grouped_matmul(repeats: int) -> list[dict]:
     calls: dict[tuple[str, str], Callable[[], object]] = {}
     for name, fn in candidates.items():
         if name == "ragged_dot" and jax.default_backend() == "cpu":
-            continue  # ~100x slower on CPU: timed once below, outside the rounds
+            continue  # far slower on CPU (a generic loop): timed once below, outside the rounds
         fwd = jax.jit(fn)
         bwd = jax.jit(jax.grad(lambda x, w, fn=fn: jnp.sum(fn(x, w) ** 2), argnums=(0, 1)))
         calls[(name, "forward")] = functools.partial(fwd, x, w)

@@ -8,7 +8,7 @@ The pytree is transformer-shaped (per layer: q, k, v, o of d x d, an MLP of d x 
 which every optimizer runs once (interleaved). Pairs: AdamW (optax) / MGUP-AdamW (exact and approx selection),
 C-AdamW, Cautious-MGUP-AdamW; Lion (optax) / MGUP-Lion; Muon (optax.contrib) / our Muon / MGUP-Muon. Goals on CPU:
 MGUP-AdamW / AdamW <= 1.25 with exact top-k, <= 1.10 with the approximate selection. Writes optim.json and
-optim.md into `--out` (`--out results/bench` for the README's table).
+optim.md into `--out` (`--out results/bench` for the table docs/mgup.md quotes).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ operands with float32 accumulation, the 4-bit recipes), median of `--repeats` in
 against "none" this measures the quantisers' overhead, not 4-bit speed. Quantiser: `quant.quantize` of a 4096 x
 4096 float32 tensor per format (and with stochastic rounding, and after the RHT), as effective GB/s (4 bytes read +
 4 written per entry) against a jitted copy of the same tensor. Writes quant.json and quant.md into `--out`
-(`--out results/bench` for the README's table).
+(`--out results/bench` for the table docs/ufp4.md quotes).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ global router still scores all N_e, and a choice of a ghost is not computed (its
 matmuls: the grouped matmul's trip count follows the resident rows). Time = the jitted train step (forward,
 backward, AdamW) on random tokens, the variants interleaved in rounds; throughput = tokens / median step time;
 speedup against the site hosting every expert. Writes skip_token.json, skip_token.md and skip_token.png into
-`--out` (`--out results/fomoe` for the README's table).
+`--out` (`--out results/fomoe` for the table docs/fomoe.md quotes).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ achieved FLOP/s, counted two ways: the model FLOPs of the PaLM formula (6 N + 12
 parameters a token meets: all 2-D weights, and top_k / num_experts of each MoE layer's [E, d, h] expert
 weights) and the FLOPs XLA's cost analysis reports for the compiled step. The peak is a large square
 `jnp.dot` in the same dtype, timed in the same process, so the ratio is the fraction of what this machine's
-matmul can do. Writes train_step.json and train_step.md into `--out` (`--out results/bench` for the README's
-table).
+matmul can do. Writes train_step.json and train_step.md into `--out` (`--out results/bench` for the
+table docs/cli.md quotes).
 """
 
 from __future__ import annotations

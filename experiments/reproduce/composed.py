@@ -8,7 +8,7 @@ Every variant trains on the same steps with each seed (initialisation and data o
 variant of a seed), so effects are read as paired differences within a seed. Each run is `python -m experiments.run`
 in its own process (2 virtual CPU sites), in `<out>/runs/<name>_s<seed>`, its progress shown prefixed by that
 name; finished runs are reused. Writes table.md, table.json and curves.png (held-out bits per byte over the steps,
-mean over seeds) into `--out` (`--out results/composed` for the README's table).
+mean over seeds) into `--out` (`--out results/composed` for the table docs/cli.md quotes).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ devices, in `<out>/runs/<name>`, its progress shown prefixed by that name; a run
 (and one that was interrupted resumes).
 Reports held-out perplexity (per byte-token, mean over sites) and the bytes each site sent over the whole run,
 measured from the compiled programs' collectives (and by the formulas) -> table.md, table.json, pareto.png.
-Everything goes into `--out` (`--out results/fomoe` for the README's tables and plots).
+Everything goes into `--out` (`--out results/fomoe` for the tables and plots docs/fomoe.md quotes).
 
 throughput: `experiments.bench.skip_token` (training throughput against the number of ghost experts).
 system: `experiments.reproduce.fomoe_system` (parameter table and the 104B projection).

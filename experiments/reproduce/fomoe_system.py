@@ -2,13 +2,12 @@
 
     python -m experiments.reproduce.fomoe_system [--out runs/fomoe]
 
-Writes into `--out` (`--out results/fomoe` for the README's tables and plots) system_model.md (parameter counts
-against the paper's table; bytes per site per round, memory per site and training hours for FoMoE at O_e in
+Writes into `--out` (`--out results/fomoe` for the tables and plots docs/fomoe.md quotes) system_model.md (parameter
+counts against the paper's table; bytes per site per round, memory per site and training hours for FoMoE at O_e in
 {1, 2, 4, 8, 16, 32} and for DDP, at 1, 10 and 100 Gbps), system_model.json, cumulative_bytes.png (bytes each site
 has sent against training tokens) and training_hours.png (hours against O_e). Every assumption the paper does not
 state is a documented default of `moe.system_model` (fp32 parameters on the wire, 20 tokens per active parameter,
-4M-token global batch, K = 32, a 64-accelerator site at MFU 0.4, 50 ms latency).
-"""
+4M-token global batch, K = 32, a 64-accelerator site at MFU 0.4, 50 ms latency)."""
 
 from __future__ import annotations
 

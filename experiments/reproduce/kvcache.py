@@ -5,7 +5,8 @@ the model decoding through each cache format, and the capacity table of the spec
 
 model: the quickstart MoE (experiments/configs/quickstart.py, d_model 128, 4 layers, 2 query heads sharing one KV
 head of dim 64) trained on one device for 400 steps (`<out>/runs/model`, its progress shown prefixed by `[model]`;
-reused when finished). Everything goes into `--out` (`--out results/kvcache` for the README's tables and plot).
+reused when finished). Everything goes into `--out` (`--out results/kvcache` for the tables and plot
+docs/kvcache.md quotes).
 
 quality: attention-output relative error ||o_fmt - o|| / ||o|| against float32 attention on the unquantised K/V
 (all causal positions of 8 held-out sequences x 256 tokens, every layer; q, k, v recorded from the model's own

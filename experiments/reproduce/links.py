@@ -74,7 +74,7 @@ METHODS = {  # name: (label, mesh.site, fomoe.overlap (None: M), fomoe.outer)
     "fomoe_o1": ("FoMoE O_e = 1, LocalAdamW", None, 1, "local_adamw"),
     "fomoe_o2": ("FoMoE O_e = 2, LocalAdamW", None, 2, "local_adamw"),
 }
-TOLERANCE = 0.20  # the bound on the model's relative error
+TOLERANCE = 0.20  # the bound on the system model's relative error that the table checks
 ATTEMPTS = 2  # a failed run is set aside and run again once; the table says which runs were retried
 
 

@@ -16,7 +16,7 @@ family 2.5e-4, 5e-4, 1e-3); each optimizer keeps its best, and seed 1 (other ini
 there. Seed 0's value is the best of three, which favours every optimizer alike. Each run is `python -m
 experiments.run` in its own process, in `<out>/runs/<name>`, its progress shown prefixed by that name; finished runs
 are reused. Writes table.md, table.json (with the curves) and curves.png (training loss, smoothed, and held-out loss
-at the tuned learning rates) into `--out` (`--out results/mgup` for the README's table).
+at the tuned learning rates) into `--out` (`--out results/mgup` for the table docs/mgup.md quotes).
 """
 
 from __future__ import annotations

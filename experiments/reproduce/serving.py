@@ -22,7 +22,7 @@ scheduler on a cost model (`kvcache.simulate`: every hardware and model number i
 kernels are assumed to reach 80% of the bandwidth, fp4 75%, until a GPU session measures them), across KV budgets
 -> projection.md, projection.json, projection.png.
 
-Everything goes into `--out` (`--out results/serving` for the README's tables and plots).
+Everything goes into `--out` (`--out results/serving` for the tables and plots docs/kvcache.md quotes).
 """
 
 from __future__ import annotations

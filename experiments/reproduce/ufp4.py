@@ -17,7 +17,7 @@ rounding), against full RHT + SR on dy (= UFP4). Reported: the BF16-relative los
 training loss over the last 20% of steps (logged every 10 steps, same seed's BF16 run), and the held-out loss at the
 end -> table.md, table.json (with the loss curves), loss_error.png. Each run is `python -m experiments.run` in
 `<out>/runs/<name>`, its progress shown prefixed by that name; finished runs are reused. Everything goes into
-`--out` (`--out results/ufp4` for the README's tables and plots).
+`--out` (`--out results/ufp4` for the tables and plots docs/ufp4.md quotes).
 """
 
 from __future__ import annotations
