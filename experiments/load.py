@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING
 
 import jax
 import ml_collections
 from flax import nnx
 
-if TYPE_CHECKING:
-    from core.model import Transformer
-    from core.train import TrainState
+from core import checkpoint as checkpoint_lib
+from core import train as train_lib
+from core.model import Transformer
+from core.train import TrainState
+from experiments import build, federated
 
 __all__ = ["check_workdir", "run_config", "trained_model"]
 
@@ -36,9 +37,6 @@ def trained_model(workdir: str, *, site: int = 0) -> tuple[ml_collections.Config
 
     Raises FileNotFoundError naming what is missing, or ValueError for a site the run does not have.
     """
-    from core import checkpoint as checkpoint_lib
-    from experiments import build
-
     paths = check_workdir(workdir)
     config = run_config(workdir)
     sites = config.mesh.site
@@ -52,8 +50,6 @@ def trained_model(workdir: str, *, site: int = 0) -> tuple[ml_collections.Config
         raise FileNotFoundError(f"{paths['checkpoints']} holds no checkpoint")
     compat = build.checkpoint_compat(config, fingerprint)
     if sites > 1:
-        from experiments import federated
-
         graphdef, _, _, state = federated.initial_state(config)  # [sites, ...] on this process's first device
         state, _ = checkpointer.restore(step, state, compat=compat)
         train = jax.tree.map(lambda x: x[site], state.train)
@@ -72,9 +68,6 @@ def _restore_target(config: ml_collections.ConfigDict) -> tuple[nnx.GraphDef, Tr
     `core.checkpoint.Checkpointer.restore` restores a single-site run's checkpoint into. Abstract
     (`core.train.state_layout`): the random parameters and optimizer state that `core.train.init_state` would
     compute (and compile a program for) are not, since the checkpoint replaces all of them."""
-    from core import train as train_lib
-    from experiments import build
-
     _, sharder = build.build_mesh(config)
     graphdef, shapes, shardings = train_lib.state_layout(
         build.build_model_fn(config, sharder), build.build_optimizer(config), config.train.seed, sharder
@@ -108,8 +101,6 @@ def _on_one_device(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
 def run_config(workdir: str) -> ml_collections.ConfigDict:
     """The resolved config a run in `workdir` trained with (its config.json over today's defaults: sections and keys
     added since the run was trained keep their defaults)."""
-    from experiments import build
-
     config = build.default_config()
     with open(os.path.join(workdir, "config.json")) as f:
         for section, values in json.load(f).items():
