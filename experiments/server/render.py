@@ -22,7 +22,9 @@ __all__ = ["ChatRender", "CompletionRender", "Render"]
 
 
 class Render:
-    """The JSON of one endpoint's responses and chunks."""
+    """The JSON of one endpoint's responses and chunks, for one HTTP request's `body` (its `logprobs` and
+    `return_token_ids`). Subclasses set `object` / `chunk_object` (the OpenAI object names) and `prefix` (of the id),
+    and implement `chunk` and `response` (and `first_chunk` if their stream opens with one)."""
 
     object = ""
     chunk_object = ""
@@ -42,9 +44,11 @@ class Render:
         return out
 
     def head(self, object: str) -> dict[str, Any]:
+        """The fields every response and chunk of this request begins with: id, object, created, model."""
         return {"id": self.id, "object": object, "created": self.created, "model": self.model}
 
     def token(self, token_id: int) -> str:
+        """One token's text (a token that is part of a character alone decodes to U+FFFD)."""
         return self.tokenizer.decode([token_id])
 
     def usage(self, finals: list[Event], streams: list[Stream]) -> dict[str, Any]:
@@ -63,19 +67,26 @@ class Render:
         }
 
     def usage_chunk(self, finals: list[Event], streams: list[Stream]) -> dict[str, Any]:
+        """The last chunk of a stream asked for with stream_options.include_usage: no choices, the usage."""
         return {**self.head(self.chunk_object), "choices": [], "usage": self.usage(finals, streams)}
 
     def first_chunk(self, index: int) -> dict[str, Any] | None:
+        """The chunk that opens choice `index`'s stream before any token, or None (no such chunk)."""
         return None
 
     def chunk(self, index: int, event: Event) -> dict[str, Any]:
+        """The chunk carrying choice `index`'s `event`."""
         raise NotImplementedError
 
     def response(self, finals: list[Event], streams: list[Stream]) -> dict[str, Any]:
+        """The non-streamed response: one choice per stream (`finals[i]`: stream i's events merged) and the usage."""
         raise NotImplementedError
 
 
 class CompletionRender(Render):
+    """/v1/completions' `text_completion` objects; logprobs as OpenAI's legacy tokens / token_logprobs /
+    top_logprobs / text_offset (the offsets running on across a choice's chunks)."""
+
     object, chunk_object, prefix = "text_completion", "text_completion", "cmpl"
 
     def __init__(self, tokenizer, model, body):
@@ -107,6 +118,9 @@ class CompletionRender(Render):
 
 
 class ChatRender(Render):
+    """/v1/chat/completions' `chat.completion` and `chat.completion.chunk` objects; a stream opens with the
+    assistant's role; logprobs as content entries (token, logprob, bytes, top_logprobs)."""
+
     object, chunk_object, prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:

@@ -38,26 +38,31 @@ info = APIRouter(tags=["info"])
 
 @completions.post("/v1/completions")
 async def create_completion(body: CompletionRequest, raw: HTTPRequest, s: Serving) -> Response:
+    """POST /v1/completions (OpenAIServing.completions)."""
     return await s.completions(body, raw)
 
 
 @chat.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, raw: HTTPRequest, s: Serving) -> Response:
+    """POST /v1/chat/completions (OpenAIServing.chat_completions)."""
     return await s.chat_completions(body, raw)
 
 
 @info.get("/v1/models")
 async def models(s: Serving) -> dict[str, Any]:
+    """GET /v1/models (OpenAIServing.models)."""
     return s.models()
 
 
 @info.get("/health")
 async def health(s: Serving) -> Response:
+    """GET /health (OpenAIServing.health)."""
     return s.health()
 
 
 @info.get("/metrics")
 async def metrics(s: Serving) -> Response:
+    """GET /metrics (OpenAIServing.metrics)."""
     return s.metrics()
 
 
