@@ -28,6 +28,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from core import config as config_lib
+from core import jax_compat
 
 __all__ = [
     "CLUSTER_ENVIRONMENTS",
@@ -149,8 +150,9 @@ CLUSTER_ENVIRONMENTS = {
     "GkeTpuCluster": "Cloud TPU on GKE (TPU_WORKER_HOSTNAMES or TPU_PROCESS_ADDRESSES)",
     "K8sCluster": "a Kubernetes Job or JobSet (KUBERNETES_SERVICE_HOST, with `pip install jax[k8s]`)",
 }
-"""What each of jax's cluster environments (`jax._src.clusters`, by class name) is detected by, for the error of
-`mesh.num_processes = -1` outside any of them. One this table lacks (a newer jax's) is named by its class."""
+"""What each of jax's cluster environments (`core.jax_compat.cluster_environments`, by class name) is detected by,
+for the error of `mesh.num_processes = -1` outside any of them. One this table lacks (a newer jax's) is named by its
+class."""
 
 INITIALIZATION_TIMEOUT_SECONDS = 300
 """jax.distributed.initialize's default `initialization_timeout`, which its cluster detection also passes to the
@@ -162,8 +164,8 @@ def resolve_processes(config: ml_collections.ConfigDict) -> None:
     one place where the config learns the cluster's values. Does nothing when `mesh.num_processes` is given.
 
     The environment is the one `jax.distributed.initialize()` without arguments would detect (the first of jax's
-    `jax._src.clusters` environments present, in jax's order: Open MPI, SLURM, Cloud TPU, Kubernetes), read as jax
-    reads it: `mesh.num_processes` <- its process count (SLURM_NTASKS, ...), `mesh.process_id` <- this process's
+    cluster environments present, `core.jax_compat`, in jax's order: Open MPI, SLURM, Cloud TPU, Kubernetes), read
+    as jax reads it: `mesh.num_processes` <- its process count (SLURM_NTASKS, ...), `mesh.process_id` <- this process's
     index (SLURM_PROCID, ...), `mesh.coordinator_address` <- `JAX_COORDINATOR_ADDRESS` if set, else the environment's
     (SLURM: the step's first node, port 61440 + SLURM_JOB_ID mod 4096, or `JAX_COORDINATOR_PORT`). It runs before
     `jax.distributed` starts, so that whatever reads these keys sees the real values from the start (experiments.run
@@ -181,10 +183,11 @@ def resolve_processes(config: ml_collections.ConfigDict) -> None:
         return
     config_lib.check_processes(mesh)
     environments = _cluster_environments()
-    env = next((e for e in environments if not getattr(e, "opt_in_only_method", False) and e.is_env_present()), None)
+    env = jax_compat.present_environment(environments)
     if env is None:
         known = "; ".join(
-            f"{e.__name__}: {CLUSTER_ENVIRONMENTS.get(e.__name__, 'see jax')}" for e in _detectable(environments)
+            f"{e.__name__}: {CLUSTER_ENVIRONMENTS.get(e.__name__, 'see jax')}"
+            for e in jax_compat.detectable_environments(environments)
         )
         raise config_lib.ConfigError(
             "config key 'mesh.num_processes' = -1 takes the processes from the cluster environment, but none is "
@@ -196,10 +199,11 @@ def resolve_processes(config: ml_collections.ConfigDict) -> None:
     name = env.__name__
     where = f"the cluster environment ({name}: {CLUSTER_ENVIRONMENTS.get(name, 'see jax')})"
     try:
-        count, index = env.get_process_count(), env.get_process_id()
-        address = os.environ.get("JAX_COORDINATOR_ADDRESS") or env.get_coordinator_address(
+        count, index, address = jax_compat.read_environment(
+            env,
             timeout_secs=INITIALIZATION_TIMEOUT_SECONDS,
-            override_coordinator_port=os.environ.get("JAX_COORDINATOR_PORT"),
+            coordinator_port=os.environ.get("JAX_COORDINATOR_PORT"),
+            coordinator_address=os.environ.get("JAX_COORDINATOR_ADDRESS"),
         )
     except (KeyError, ValueError) as e:
         raise config_lib.ConfigError(
@@ -216,31 +220,15 @@ def resolve_processes(config: ml_collections.ConfigDict) -> None:
 
 
 def _cluster_environments() -> list[Any]:
-    """jax's cluster environments (subclasses of `jax._src.clusters.ClusterEnv`), in the order it tries them."""
+    """jax's cluster environments (`core.jax_compat.cluster_environments`), in the order it tries them; ConfigError
+    naming the missing symbol where this jax has none this code knows."""
     try:
-        from jax._src import clusters
-
-        environments = list(clusters.ClusterEnv._cluster_types)
-    except (ImportError, AttributeError):
-        environments = []
-    if not environments:
+        return jax_compat.cluster_environments()
+    except jax_compat.JaxCompatError as e:
         raise config_lib.ConfigError(
-            f"config key 'mesh.num_processes' = -1 needs jax's cluster detection, but jax {jax.__version__} has no "
-            "`jax._src.clusters.ClusterEnv` this code knows (core/mesh.py `_cluster_environments` needs updating); "
-            "give mesh.num_processes, mesh.process_id and mesh.coordinator_address by hand."
-        )
-    return environments
-
-
-def _detectable(environments: list[Any]) -> list[Any]:
-    """The environments jax detects by itself: not opt-in ones (mpi4py), nor bases others derive from (jax's
-    `BaseTpuCluster`, never present itself)."""
-    return [
-        e
-        for e in environments
-        if not getattr(e, "opt_in_only_method", False)
-        and not any(o is not e and issubclass(o, e) for o in environments)
-    ]
+            f"config key 'mesh.num_processes' = -1 needs jax's cluster detection: {e}; give mesh.num_processes, "
+            "mesh.process_id and mesh.coordinator_address by hand."
+        ) from None
 
 
 def initialize_distributed(config: ml_collections.ConfigDict) -> None:
@@ -343,52 +331,18 @@ def _exit_on_peer_lost_notice(fd: int, process_id: int) -> None:
     threading.Thread(target=wait, name="peer-lost-notice", daemon=True).start()
 
 
-_SERVICE = "get_distributed_runtime_service"
-
-
 @contextlib.contextmanager
 def _service_elsewhere() -> Iterator[None]:
     """Within the block, `jax.distributed.initialize` in process 0 does not start a coordination service (another
-    process serves it) and only connects to it, like the other processes.
-
-    `jax.distributed.initialize` has no option for this: it starts the service whenever `process_id == 0`. So for
-    the duration of the block the name under which `jax._src.distributed` finds jaxlib (`_jax` in jax 0.10,
-    `xla_extension` before) is bound to a proxy whose `get_distributed_runtime_service` returns a stand-in (its
-    `shutdown` does nothing); every other attribute is jaxlib's. Where jax's internals differ this raises ConfigError
-    (a clear `error:` line from experiments.run) rather than starting a second service on the launcher's port.
-    """
-    from jax._src import distributed as jax_distributed
-
-    name = next((n for n in ("_jax", "xla_extension") if hasattr(getattr(jax_distributed, n, None), _SERVICE)), None)
-    if name is None:
+    process serves it) and only connects to it, like the other processes (`core.jax_compat`'s
+    `without_coordination_service`). Where jax's internals differ this raises ConfigError (a clear `error:` line
+    from experiments.run) rather than starting a second service on the launcher's port."""
+    try:
+        skipped = jax_compat.without_coordination_service()
+    except jax_compat.JaxCompatError as e:
         raise config_lib.ConfigError(
             f"{EXTERNAL_SERVICE_ENV}=1 asks process 0 not to start jax.distributed's coordination service "
-            f"(experiments.launch serves it), but jax {jax.__version__} offers no way to skip it: "
-            "core/mesh.py `_service_elsewhere` needs updating for this jax"
-        )
-    lib = getattr(jax_distributed, name)
-    setattr(jax_distributed, name, _WithoutService(lib))
-    try:
+            f"(experiments.launch serves it), but this jax offers no way to skip it: {e}"
+        ) from None
+    with skipped:
         yield
-    finally:
-        setattr(jax_distributed, name, lib)
-
-
-class _WithoutService:
-    """Stands for jaxlib's `_jax` module, except that `get_distributed_runtime_service` starts nothing."""
-
-    def __init__(self, lib: Any):
-        self._lib = lib
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._lib, name)
-
-    def get_distributed_runtime_service(self, *args: Any, **kwargs: Any) -> _NoService:
-        return _NoService()
-
-
-class _NoService:
-    """The stand-in for the service process 0 does not run: jax.distributed's shutdown calls `shutdown` on it."""
-
-    def shutdown(self) -> None:
-        pass

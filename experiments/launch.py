@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import importlib
 import os
 import signal
 import socket
@@ -51,6 +50,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from core import jax_compat
 
 GRACE_SECONDS = 60
 """After a process fails, the others are given this long to stop by themselves before they are terminated."""
@@ -127,18 +128,12 @@ def _coordination_service_factory() -> Callable[..., Any] | None:
     where jaxlib cannot be imported or has none: then process 0 runs the service. Only jaxlib is imported here (a
     fraction of importing jax), and its INFO log lines (the service starting and stopping) are turned off."""
     try:
-        lib = importlib.import_module("jaxlib._jax")
-        utils = importlib.import_module("jaxlib.utils")
-    except ImportError as e:
-        print(f"launch: the coordination service runs in process 0 (cannot import jaxlib: {e})", flush=True)
+        factory = jax_compat.coordination_service_factory()
+    except jax_compat.JaxCompatError as e:
+        print(f"launch: the coordination service runs in process 0 ({e})", flush=True)
         return None
-    factory = getattr(lib, "get_distributed_runtime_service", None)
-    if factory is None:
-        print("launch: the coordination service runs in process 0 (this jaxlib cannot serve it here)", flush=True)
-        return None
-    set_min_log_level = getattr(utils, "absl_set_min_log_level", None)
-    if set_min_log_level is not None:
-        set_min_log_level(1)
+    with contextlib.suppress(jax_compat.JaxCompatError):  # without the switch only jaxlib's INFO lines show
+        jax_compat.quiet_jaxlib_logs()
     return factory
 
 
