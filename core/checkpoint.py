@@ -192,7 +192,7 @@ class Checkpointer:
                 f"the arrays of the {where} cannot be read ({type(e).__name__}: {_short(e)}). {_AFTER}"
             ) from e
         recorded = {k: entry[2] for k, entry in saved.items() if len(entry) > 2}
-        if len(recorded) < len(saved):  # written before checksums were recorded
+        if len(recorded) < len(saved):  # a record without a checksum for every array
             print(f"warning: the {where} records no checksums; it is restored unverified", file=sys.stderr)
         else:
             found = digest(restored).checksums

@@ -331,7 +331,7 @@ def describe(spec: Schema | None = None) -> str:
 def fit_to_steps(config: ml_collections.ConfigDict) -> list[str]:
     """Lowers, in place, the keys a short run would otherwise have to set by hand, and says what it changed.
 
-    Today one key: `optim.warmup_steps` > `train.steps` becomes `train.steps` (the linear warm-up then spans the
+    One key: `optim.warmup_steps` > `train.steps` becomes `train.steps` (the linear warm-up then spans the
     whole run, as the schedule of `core.train.learning_rate_schedule` with warmup = steps), so that a trial run
     (`--config.train.steps=10` on a config that warms up over 40 steps) needs no second flag. The cadences need no
     such fit: `train.log_every`, `train.eval_every` and `checkpoint.every` beyond `train.steps` still log, evaluate

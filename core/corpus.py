@@ -120,7 +120,7 @@ def stdlib_files() -> list[pathlib.Path]:
 
     The root is ``sysconfig.get_paths()["stdlib"]``; ``site-packages``, ``dist-packages`` and
     ``__pycache__`` directories are skipped. Sorted by relative POSIX path, so the list is
-    deterministic (about 1,790 files / 31.5 MB on CPython 3.11).
+    deterministic for a given Python installation.
     """
     root = _stdlib_root()
     files: list[pathlib.Path] = []

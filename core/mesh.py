@@ -113,11 +113,9 @@ def param_shardings(state, sharder: Sharder):
 
 def put_global(tree, shardings):
     """`jax.device_put(tree, shardings)` for a value every process holds in full (the same on each): each process
-    builds only its own devices' shards from its copy, so nothing crosses processes. jax.device_put onto devices of
-    several processes sends every process's whole copy to the others (seen by hand: 33 MB from each of 2 processes for
-    a 32 MB array; tests/test_links.py checks this function sends almost nothing), which over a slow link is the
-    dominant start-up cost. `shardings`: one Sharding, or a tree of
-    them with `tree`'s structure."""
+    builds only its own devices' shards from its copy, so nothing crosses processes (jax.device_put onto devices of
+    several processes sends every process's whole copy to the others; tests/test_links.py checks this function
+    sends almost nothing). `shardings`: one Sharding, or a tree of them with `tree`'s structure."""
     if jax.process_count() == 1:
         return jax.device_put(tree, shardings)
     if isinstance(shardings, jax.sharding.Sharding):

@@ -351,7 +351,7 @@ class _Window:
 
     @classmethod
     def restore(cls, record: Mapping[str, Any]) -> _Window:
-        # "window_steps": checkpoints of plain runs written before calls and steps were told apart
+        # "window_steps": the name a plain run's checkpoint record may give the window's calls
         return cls(record.get("window_loss_sum", 0.0), record.get("window_calls", record.get("window_steps", 0)))
 
 
