@@ -9,7 +9,8 @@ derived from pyproject.toml and the installed metadata, so it cannot drift from 
 
 In that process every module of `core`, `moe`, `optim`, `quant` and `kvcache` imports (a module that imports an
 extra's package at module level fails the test, naming both), and the README's three library snippets run and
-print their results. `experiments` is the extras' consumer and is not checked here.
+print their results. The same way, every module of `experiments` but the HTTP server's (`experiments/server/`, the
+`[serve]` extra) imports with the `[experiments]` extra alone, which the README's quickstart command installs.
 """
 
 import importlib.metadata
@@ -72,20 +73,23 @@ def closure(names: set[str]) -> set[str]:
     return seen
 
 
-def refused_modules() -> set[str]:
-    """The top-level import names provided only by an extra's distributions."""
-    extra_only = set().union(*extra_names().values()) - closure(base_names())
+def refused_modules(allowed: tuple[str, ...] = ()) -> set[str]:
+    """The top-level import names provided only by the distributions of extras other than `allowed`."""
+    extras = extra_names()
+    installed = closure(base_names() | set().union(*(extras[e] for e in allowed)))
+    extra_only = set().union(*extras.values()) - installed
     provided: dict[str, set[str]] = {}
     for module, dists in importlib.metadata.packages_distributions().items():
         for dist in dists:
             provided.setdefault(normalize(dist), set()).add(module)
-    base_modules = set().union(*(provided.get(d, set()) for d in closure(base_names())))
+    base_modules = set().union(*(provided.get(d, set()) for d in installed))
     missing = sorted(d for d in extra_only if d not in provided)
     assert not missing, f"extras' distributions not installed here (install '.[test]'): {missing}"
     return set().union(*(provided[d] for d in extra_only)) - base_modules
 
 
-# Runs in the subprocess: argv[1] = JSON {"refused": [...], "library": [...], "snippets": [...]}.
+# Runs in the subprocess: argv[1] = JSON {"refused": [...], "packages": [...], "skip": [...], "snippets": [...]}:
+# imports every module of the packages but those under a `skip` prefix, then runs the snippets.
 CHILD = r"""
 import importlib, importlib.abc, json, os, pkgutil, sys, traceback
 
@@ -104,11 +108,13 @@ class RefuseExtras(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, RefuseExtras())
 failures = []
-for package in spec["library"]:
+skip = tuple(spec["skip"])
+for package in spec["packages"]:
     modules = [package]
     try:
         pkg = importlib.import_module(package)
-        modules += [m.name for m in pkgutil.walk_packages(pkg.__path__, package + ".")]
+        found = pkgutil.walk_packages(pkg.__path__, package + ".")
+        modules += [m.name for m in found if not m.name.startswith(skip)]
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] not in REFUSED:
             raise
@@ -122,15 +128,18 @@ for package in spec["library"]:
             where = f"{os.path.relpath(ours[-1].filename)}:{ours[-1].lineno}" if ours else module
             failures.append(f"{where} imports {e.name}")
 if failures:
-    sys.exit("library modules that need an extra: " + "; ".join(sorted(set(failures))))
+    sys.exit("modules that need a package the install lacks: " + "; ".join(sorted(set(failures))))
 for i, snippet in enumerate(spec["snippets"]):
     exec(compile(snippet, f"README.md snippet {i}", "exec"), {"__name__": "readme_snippet"})
 print("base install ok")
 """
 
 
-def run_child(snippets: list[str]) -> subprocess.CompletedProcess:
-    spec = {"refused": sorted(refused_modules()), "library": list(LIBRARY), "snippets": snippets}
+def run_child(
+    snippets: list[str], packages: tuple[str, ...] = LIBRARY, extras: tuple[str, ...] = (), skip: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    refused = sorted(refused_modules(extras))
+    spec = {"refused": refused, "packages": list(packages), "skip": list(skip), "snippets": snippets}
     argv = [sys.executable, "-c", CHILD, json.dumps(spec)]
     return subprocess.run(argv, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
@@ -165,3 +174,10 @@ def test_the_readme_library_snippets_run_without_any_extra():
     result = run_child(snippets)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "MGUP-AdamW: loss" in result.stdout and "fp4:" in result.stdout and "step 100:" in result.stdout
+
+
+def test_the_commands_import_with_the_experiments_extra_alone():
+    """`experiments` without its HTTP server needs only `[experiments]` (the serve and test extras refused)."""
+    assert "fastapi" in refused_modules(("experiments",)) and "matplotlib" not in refused_modules(("experiments",))
+    result = run_child([], packages=("experiments",), extras=("experiments",), skip=("experiments.server",))
+    assert result.returncode == 0, result.stderr[-3000:]
