@@ -32,8 +32,8 @@ from core.tokenizer import Tokenizer, TokenizerError
 from experiments import build, load
 from kvcache import capacity, formats
 from kvcache import config as kv_config
-from kvcache.engine import EngineConfig
 from kvcache.formats import Format
+from kvcache.serving import EngineConfig
 
 __all__ = [
     "MAX_KV_MEMORY_MIB",

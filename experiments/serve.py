@@ -36,7 +36,7 @@ import time
 
 from core.tokenizer import StreamDecoder
 from experiments import args as args_lib
-from kvcache import engine as engine_lib
+from kvcache import serving as engine_lib
 
 
 def build_parser() -> argparse.ArgumentParser:

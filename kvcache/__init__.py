@@ -1,16 +1,15 @@
-"""UltraQuant (arXiv 2606.20474): FP4 KV cache, paged split-KV and unified attention kernels, capacity planning,
-and a serving engine with prefix caching.
+"""UltraQuant (arXiv 2606.20474): FP4 KV cache, paged split-KV and unified attention kernels, capacity planning
+(the KV library), and a serving runtime with prefix caching (`kvcache.serving`). docs/kvcache.md.
 
     from kvcache import formats, PagedPool, decode_attention, unified_attention
     fmt = formats.get("fp4")                       # or "bf16", "fp8"; fp4 takes scale_rule="mse" | "mx"
     pool = PagedPool.create(fmt, num_layers=L, num_kv_heads=K, head_dim=D, memory_bytes=2**30)
 """
 
-from kvcache import capacity, formats
+from kvcache import capacity, formats, serving
 from kvcache.attention import IMPLEMENTATIONS, decode_attention, unified_attention, write
-from kvcache.blocks import BlockManager
-from kvcache.engine import Engine, EngineConfig
 from kvcache.paged import PagedKVCache, PagedPool, paged_cache_factory
+from kvcache.serving import BlockManager, Engine, EngineConfig
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -23,6 +22,7 @@ __all__ = [
     "decode_attention",
     "formats",
     "paged_cache_factory",
+    "serving",
     "unified_attention",
     "write",
 ]

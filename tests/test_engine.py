@@ -4,20 +4,23 @@ preemption; the block manager's reference counts and LRU; admission control; met
 import logging
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from core import generate as generate_lib
+from core import sampling
 from core.model import Transformer, TransformerConfig
-from kvcache import formats, paged_cache_factory
-from kvcache.blocks import BlockManager, block_hashes
-from kvcache.engine import Engine, EngineConfig, Request, SamplingParams
+from core.tokenizer import ByteTokenizer
+from kvcache import capacity, formats, paged_cache_factory
+from kvcache.serving import BlockManager, Engine, EngineConfig, Request, SamplingParams, block_hashes
 
 CFG = TransformerConfig(
     vocab_size=264, d_model=128, num_layers=2, num_heads=2, num_kv_heads=1, d_ff=96, init_std=0.3
 )  # large weights: varied greedy continuations
 BS = 16
+IDS = dict(eos_id=258, never=(256, 257), num_ids=259)  # the byte tokenizer's, as `isolated` generates
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +44,17 @@ def isolated(model, fmt, prompt, n):
 
 
 def engine(model, fmt, blocks, **kw):
-    per_block = CFG.num_layers * BS * fmt.bytes_per_token(CFG.num_kv_heads, CFG.head_dim)
+    shape = capacity.ModelShape(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim)
+    per_block = capacity.block_bytes(shape, fmt, block_size=BS)
     return Engine(
         model,
         fmt,
-        EngineConfig(
-            memory_bytes=blocks * per_block, block_size=BS, max_model_len=256, **{"max_num_batched_tokens": 32, **kw}
+        EngineConfig.for_tokenizer(
+            ByteTokenizer(),
+            memory_bytes=blocks * per_block,
+            block_size=BS,
+            max_model_len=256,
+            **{"max_num_batched_tokens": 32, **kw},
         ),
     )
 
@@ -127,7 +135,7 @@ def test_request_larger_than_the_pool_is_rejected(model):
     eng.run()
     assert ok.output == isolated(model, fmt, list(range(20)), 5)
     with pytest.raises(ValueError, match="max_model_len = 64 must be >= 2 x"):
-        EngineConfig(memory_bytes=1 << 20, max_model_len=64, max_num_batched_tokens=64)
+        EngineConfig(memory_bytes=1 << 20, max_model_len=64, max_num_batched_tokens=64, **IDS)
 
 
 @pytest.mark.parametrize(
@@ -248,16 +256,19 @@ def _reference_probs(logits, allowed, temperature, top_k, top_p):
 
 @pytest.mark.parametrize("top_k, top_p", [(0, 0.8), (5, 1.0), (6, 0.7)])
 def test_sampling_follows_temperature_top_k_and_top_p(model, top_k, top_p):
-    """4000 draws of `_sample` on fixed logits: the ids drawn lie in the float64 reference's support and their
-    frequencies are within 4 standard errors of its probabilities; the recorded log-probabilities are the float64
-    log-softmax over the sampleable ids (before temperature and cuts), and the top alternatives are the best ids."""
+    """4000 draws of `_sample` (the engine's on-device sampler, as a step draws: the seeded request's keys for its
+    tokens 0..3999) on fixed logits: the ids drawn lie in the float64 reference's support and their frequencies
+    are within 4 standard errors of its probabilities; the recorded log-probabilities are the float64 log-softmax
+    over the sampleable ids (before temperature and cuts), and the top alternatives are the best ids."""
     eng = engine(model, formats.get("bf16"), blocks=4)
     rng = np.random.default_rng(3)
     logits = rng.normal(0, 2, CFG.vocab_size).astype(np.float32)
     logits[[256, 257]] += 20  # never sampled (PAD, BOS) however likely
     params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p, seed=9, logprobs=True, top_logprobs=3)
     request = Request(0, [1], 4000, 0.0, sampling=params)
-    draws = np.array([eng._sample(logits, request) for _ in range(4000)])
+    for _ in range(4000):
+        request.output.append(eng._sample(logits, request))  # the next token index: the next key of its stream
+    draws = np.array(request.output)
     allowed = np.arange(CFG.vocab_size) < 259
     allowed[[256, 257]] = False
     want = _reference_probs(logits, allowed, 0.7, top_k or CFG.vocab_size, top_p)
@@ -284,6 +295,32 @@ def test_a_seeded_request_samples_the_same_tokens_whatever_runs_beside_it(model)
         crowded.submit(other, 12, sampling=SamplingParams(temperature=1.0))
     crowded.run()
     assert a.output == b.output and len(set(a.output)) > 3
+
+
+def test_a_rows_token_depends_only_on_its_logits_parameters_and_key():
+    """`core.sampling.sample` draws each row from its own key: rows without cuts get the same tokens whether or not
+    other rows of the batch cut (top-k / top-p sort the batch), and greedy rows are the argmax over the allowed ids."""
+    n = 64
+    logits = jnp.asarray(np.random.default_rng(4).normal(0, 2, (n, CFG.vocab_size)), jnp.float32)
+    keys = sampling.keys_from_words(np.array([sampling.key_words(5, i) for i in range(n)], np.uint32))
+    allowed = sampling.allowed_ids(CFG.vocab_size, never=(256, 257), num_ids=259)
+    temperature = jnp.where(jnp.arange(n) % 4 == 3, 0.0, 1.0)
+    cuts = jnp.arange(n) % 2 == 1
+    plain = sampling.sample(
+        logits, keys, temperature=temperature, top_k=jnp.zeros(n, jnp.int32), top_p=jnp.ones(n), allowed=allowed
+    )
+    mixed = sampling.sample(
+        logits,
+        keys,
+        temperature=temperature,
+        top_k=jnp.where(cuts, 3, 0),
+        top_p=jnp.where(cuts, 0.5, 1.0),
+        allowed=allowed,
+    )
+    np.testing.assert_array_equal(np.asarray(plain)[~np.asarray(cuts)], np.asarray(mixed)[~np.asarray(cuts)])
+    greedy = np.argmax(np.where(allowed, np.asarray(logits), -np.inf), axis=-1)
+    np.testing.assert_array_equal(np.asarray(mixed)[3::4], greedy[3::4])
+    assert np.all(allowed[np.asarray(mixed)]) and len(set(np.asarray(plain)[: n // 2].tolist())) > 10
 
 
 def test_finish_and_abort_free_blocks_at_once_and_leave_others_exact(model):

@@ -25,8 +25,8 @@ from core.checkpoint import CheckpointError
 from core.config import TransformerConfig
 from core.tokenizer import HFTokenizer
 from experiments import build, load, serve
-from kvcache import engine as engine_lib
 from kvcache import formats
+from kvcache import serving as engine_lib
 
 # head_dim 64 (fp4 needs a multiple of 64); a block of 16 tokens in bf16: 2 layers x 16 x (K + V: 2 x 64 x 2 bytes)
 CFG = TransformerConfig(vocab_size=264, d_model=128, num_layers=2, num_heads=2, num_kv_heads=1, d_ff=64)

@@ -26,7 +26,7 @@ from experiments.server import cli
 from experiments.server.app import create_app
 from experiments.server.chat import ChatTemplate
 from kvcache import formats
-from kvcache.engine import Engine, EngineConfig, SamplingParams
+from kvcache.serving import Engine, EngineConfig, SamplingParams
 
 CFG = TransformerConfig(
     vocab_size=264, d_model=128, num_layers=2, num_heads=2, num_kv_heads=1, d_ff=96, init_std=0.3

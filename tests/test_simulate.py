@@ -2,10 +2,11 @@
 
 import pytest
 
+from core.tokenizer import ByteTokenizer
 from kvcache import capacity, formats
-from kvcache import workload as workload_lib
-from kvcache.engine import EngineConfig
-from kvcache.simulate import H200, SPEC_MODEL_SERVING, Hardware, ServedModel, SimulatedEngine, StepCost
+from kvcache.serving import EngineConfig
+from kvcache.serving import workload as workload_lib
+from kvcache.serving.simulate import H200, SPEC_MODEL_SERVING, Hardware, ServedModel, SimulatedEngine, StepCost
 
 TINY = ServedModel(capacity.ModelShape(2, 1, 64), num_heads=2, active_params=1e6, weight_bytes=1e6)
 SLOW = Hardware("slow", flops=1e12, bandwidth=1e9, memory=1e9, mfu=0.5, bandwidth_efficiency=0.5)
@@ -27,7 +28,9 @@ def _simulate(name, memory_bytes, workload):
     cost = StepCost(SPEC_MODEL_SERVING, H200, capacity.kv_bytes_per_token(SPEC_MODEL_SERVING.shape, fmt), 0.8)
     engine = SimulatedEngine(
         fmt,
-        EngineConfig(memory_bytes=memory_bytes, max_num_seqs=4, max_num_batched_tokens=512, max_model_len=8192),
+        EngineConfig.for_tokenizer(
+            ByteTokenizer(), memory_bytes=memory_bytes, max_num_seqs=4, max_num_batched_tokens=512, max_model_len=8192
+        ),
         SPEC_MODEL_SERVING,
         cost,
     )

@@ -26,7 +26,7 @@ from core.tokenizer import ByteTokenizer, HFTokenizer, StreamDecoder, TokenizerE
 from core.train import count_target_bytes
 from experiments import build
 from experiments import tokenizer as tokenizer_cli
-from kvcache.engine import EngineConfig
+from kvcache.serving import EngineConfig
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
 BPE_DIR = FIXTURES / "tokenizer"
@@ -352,10 +352,19 @@ def test_data_tokenizer_is_checked_early_and_is_provenance(tmp_path):
     assert isinstance(build.build_tokenizer(config), HFTokenizer)
 
 
-def test_the_engine_config_takes_the_tokenizers_ids():
-    config = EngineConfig(memory_bytes=1 << 20, eos_id=2, never=(0, 1), num_ids=320)
+def test_the_engine_config_takes_the_tokenizers_ids(bpe):
+    """The special ids are the tokenizer's, given or read by `for_tokenizer`; none defaults to a particular
+    tokenizer's (a config without them is refused); ids that contradict each other are refused by name."""
+    ids = dict(eos_id=2, never=(0, 1), num_ids=320)
+    config = EngineConfig(memory_bytes=1 << 20, **ids)
     assert (config.eos_id, config.never, config.num_ids) == (2, (0, 1), 320)
-    assert (EngineConfig(memory_bytes=1).eos_id, EngineConfig(memory_bytes=1).never) == (258, (256, 257))
+    from_bpe = EngineConfig.for_tokenizer(bpe, memory_bytes=1)
+    assert (from_bpe.eos_id, from_bpe.never, from_bpe.num_ids) == (bpe.eos_id, tuple(bpe.never_sampled), 320)
+    from_bytes = EngineConfig.for_tokenizer(ByteTokenizer(), memory_bytes=1)
+    assert (from_bytes.eos_id, from_bytes.never, from_bytes.num_ids) == (258, (256, 257), 259)
+    for missing in ("eos_id", "never", "num_ids"):
+        with pytest.raises(ValueError, match=f"needs the tokenizer's special ids; missing \\['{missing}'\\]"):
+            EngineConfig(memory_bytes=1 << 20, **{k: v for k, v in ids.items() if k != missing})
     for kwargs, needle in [
         (dict(eos_id=1, never=(0, 1)), "eos_id = 1 can never be sampled"),
         (dict(eos_id=400, num_ids=320), "eos_id = 400 can never be sampled"),
@@ -363,7 +372,7 @@ def test_the_engine_config_takes_the_tokenizers_ids():
         (dict(never=(0, -2)), "never holds -2"),
     ]:
         with pytest.raises(ValueError, match=needle):
-            EngineConfig(memory_bytes=1 << 20, **kwargs)  # type: ignore[arg-type]
+            EngineConfig(memory_bytes=1 << 20, **{**ids, **kwargs})  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- python -m experiments.tokenizer

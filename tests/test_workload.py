@@ -4,9 +4,10 @@ import pytest
 from flax import nnx
 
 from core.model import Transformer, TransformerConfig
+from core.tokenizer import ByteTokenizer
 from kvcache import formats
-from kvcache import workload as workload_lib
-from kvcache.engine import Engine, EngineConfig
+from kvcache.serving import Engine, EngineConfig
+from kvcache.serving import workload as workload_lib
 
 CFG = TransformerConfig(vocab_size=264, d_model=128, num_layers=2, num_heads=2, num_kv_heads=1, d_ff=96)
 SMALL = workload_lib.AgentWorkload(
@@ -33,9 +34,10 @@ def test_driver_runs_every_round_and_the_history_hits_the_cache():
     """Each conversation's rounds run in order with the full history as prompt; with memory for everything, round
     r + 1 finds the full blocks of round r's prompt in the prefix cache."""
     model = Transformer(CFG, rngs=nnx.Rngs(0))
-    engine = Engine(
-        model, formats.get("fp4"), EngineConfig(memory_bytes=1 << 20, max_num_batched_tokens=32, max_model_len=128)
+    config = EngineConfig.for_tokenizer(
+        ByteTokenizer(), memory_bytes=1 << 20, max_num_batched_tokens=32, max_model_len=128
     )
+    engine = Engine(model, formats.get("fp4"), config)
     seen = []
     result = workload_lib.run(engine, SMALL, progress=lambda done, total: seen.append((done, total)))
     records = result["records"]

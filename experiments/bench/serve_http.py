@@ -45,8 +45,8 @@ from experiments import plotting
 from experiments.bench import common
 from experiments.reproduce import kvcache as kv_repro
 from kvcache import formats
-from kvcache import workload as workload_lib
-from kvcache.engine import Engine, EngineConfig
+from kvcache.serving import Engine, EngineConfig
+from kvcache.serving import workload as workload_lib
 
 FORMATS = formats.NAMES
 STEP_TOKENS = 256

@@ -41,14 +41,16 @@ FORMATS = ("bf16", "fp8", "fp4")
 def serve(model, fmt_name: str, memory_bytes: int, workload) -> dict:
     """Serves `workload` with `model` on an engine with `memory_bytes` of `fmt_name` KV; the workload's measures
     (kvcache.workload.run) and the pool's capacity in tokens."""
+    from core.tokenizer import ByteTokenizer
     from kvcache import formats
-    from kvcache import workload as workload_lib
-    from kvcache.engine import Engine, EngineConfig
+    from kvcache.serving import Engine, EngineConfig
+    from kvcache.serving import workload as workload_lib
 
     engine = Engine(
         model,
         formats.get(fmt_name),
-        EngineConfig(
+        EngineConfig.for_tokenizer(
+            ByteTokenizer(),  # the quickstart model's
             memory_bytes=memory_bytes,
             max_num_seqs=workload.concurrency,
             max_num_batched_tokens=256,
@@ -74,7 +76,7 @@ def serve(model, fmt_name: str, memory_bytes: int, workload) -> dict:
 def main(argv=None) -> None:
     """The command line: see the module docstring, or --help."""
     from experiments.reproduce import kvcache as kv_repro
-    from kvcache.workload import AgentWorkload
+    from kvcache.serving.workload import AgentWorkload
 
     parser = common.parser(__doc__, module="experiments.reproduce.serving", topic="serving")
     parser.add_argument(
@@ -153,16 +155,23 @@ FP4_EFFICIENCIES = (0.75, 0.5, 0.35, 0.25)
 
 def simulate(gib: float, name: str, efficiency: float, workload) -> dict:
     """The published workload on the spec's model with `gib` GiB of `name` KV, decode kernels at `efficiency`."""
+    from core.tokenizer import ByteTokenizer
     from kvcache import capacity, formats
-    from kvcache import workload as workload_lib
-    from kvcache.engine import EngineConfig
-    from kvcache.simulate import H200, SPEC_MODEL_SERVING, SimulatedEngine, StepCost
+    from kvcache.serving import EngineConfig
+    from kvcache.serving import workload as workload_lib
+    from kvcache.serving.simulate import H200, SPEC_MODEL_SERVING, SimulatedEngine, StepCost
 
     fmt = formats.get(name)
     cost = StepCost(SPEC_MODEL_SERVING, H200, capacity.kv_bytes_per_token(capacity.SPEC_MODEL, fmt), efficiency)
     engine = SimulatedEngine(
         fmt,
-        EngineConfig(memory_bytes=int(gib * 2**30), max_num_seqs=32, max_num_batched_tokens=8192, max_model_len=65536),
+        EngineConfig.for_tokenizer(
+            ByteTokenizer(),  # byte tokens (the workload's)
+            memory_bytes=int(gib * 2**30),
+            max_num_seqs=32,
+            max_num_batched_tokens=8192,
+            max_model_len=65536,
+        ),
         SPEC_MODEL_SERVING,
         cost,
     )
@@ -181,8 +190,8 @@ def simulate(gib: float, name: str, efficiency: float, workload) -> dict:
 def project(out: str, command: str) -> None:
     """projection.md/json/png: the published workload simulated at each KV budget per format, and the fp4
     kernel's sensitivity."""
-    from kvcache import workload as workload_lib
-    from kvcache.simulate import H200, SPEC_MODEL_SERVING
+    from kvcache.serving import workload as workload_lib
+    from kvcache.serving.simulate import H200, SPEC_MODEL_SERVING
 
     workload = workload_lib.AgentWorkload(**PUBLISHED_WORKLOAD)
     points = []

@@ -35,7 +35,7 @@ from experiments.server import chat as chat_lib
 from experiments.server.app import create_app
 from experiments.server.metrics import ServerMetrics
 from experiments.server.runner import EngineRunner
-from kvcache import engine as engine_lib
+from kvcache import serving as engine_lib
 from kvcache.formats import Format
 
 __all__ = ["build_parser", "build_server", "main", "serve_in_thread"]

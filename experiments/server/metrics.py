@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from kvcache.engine import Engine, Request
+    from kvcache.serving import Engine, Request
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
 

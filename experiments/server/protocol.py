@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from kvcache.engine import MAX_TOP_LOGPROBS, SamplingParams
+from kvcache.serving import MAX_TOP_LOGPROBS, SamplingParams
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "error_body"]
 

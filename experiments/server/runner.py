@@ -40,7 +40,7 @@ from core.tokenizer import StreamDecoder
 if TYPE_CHECKING:
     from core.tokenizer import Tokenizer
     from experiments.server.metrics import ServerMetrics
-    from kvcache.engine import Engine, Request, SamplingParams
+    from kvcache.serving import Engine, Request, SamplingParams
 
 __all__ = ["EngineRunner", "Event", "QueueFull", "Stream"]
 

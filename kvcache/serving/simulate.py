@@ -1,9 +1,9 @@
 """The serving engine's scheduler driven by a cost model instead of a model: projections at scales a CPU cannot run.
 
-`SimulatedEngine` is `kvcache.engine.Scheduler` (the same admission, chunked prefill, prefix cache, eviction and
-preemption) on a virtual clock: each step advances it by `StepCost` of the batch and yields a fixed token. With the
-capacity planner's pool size for a model and a KV budget, it projects hit rates, time to first token and
-throughput of a workload at the published scale.
+`SimulatedEngine` is `kvcache.serving.scheduler.Scheduler` (the same admission, chunked prefill, prefix cache,
+eviction and preemption) on a virtual clock: each step advances it by `StepCost` of the batch and yields a fixed
+token. With the capacity planner's pool size for a model and a KV budget (`kvcache.capacity.num_blocks`), it projects
+hit rates, time to first token and throughput of a workload at the published scale.
 
 Step time (seconds) of a batch of sequences i with c_i tokens cached before the step and n_i new tokens:
 
@@ -22,8 +22,9 @@ from __future__ import annotations
 import dataclasses
 
 from kvcache import capacity
-from kvcache.engine import EngineConfig, Scheduler
 from kvcache.formats import Format
+from kvcache.serving.config import EngineConfig
+from kvcache.serving.scheduler import Scheduler
 
 __all__ = ["H200", "SPEC_MODEL_SERVING", "Hardware", "ServedModel", "SimulatedEngine", "StepCost"]
 
@@ -80,8 +81,8 @@ class SimulatedEngine(Scheduler):
     """The scheduler on a virtual clock: every step takes `cost(batch)` seconds and emits token 65 ("A")."""
 
     def __init__(self, fmt: Format, config: EngineConfig, model: ServedModel, cost: StepCost):
-        per_block = config.block_size * capacity.kv_bytes_per_token(model.shape, fmt)
-        super().__init__(config, fmt, int(config.memory_bytes // per_block))
+        blocks = capacity.num_blocks(int(config.memory_bytes), model.shape, fmt, block_size=config.block_size)
+        super().__init__(config, fmt, blocks)
         self.cost, self.now = cost, 0.0
 
     def clock(self) -> float:

@@ -74,8 +74,8 @@ def conversations(workload: AgentWorkload) -> list[Conversation]:
 
 
 def run(engine, workload: AgentWorkload, *, progress=None) -> dict:
-    """Serves the workload on `engine` (a `kvcache.engine.Scheduler`: the real engine or a simulated one); returns
-    per-request records and per-round summaries (P50 / P90 time to first token, KV hit rate = cached / prompt
+    """Serves the workload on `engine` (a `kvcache.serving.scheduler.Scheduler`: the real engine or a simulated one);
+    returns per-request records and per-round summaries (P50 / P90 time to first token, KV hit rate = cached / prompt
     tokens) and the output throughput (output tokens / wall seconds). `progress(done, total)` is called as requests
     finish."""
     pending = conversations(workload)[::-1]

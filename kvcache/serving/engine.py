@@ -1,0 +1,284 @@
+"""The serving engine: the scheduler (`kvcache.serving.scheduler`) over a `core.model.Transformer` and a paged,
+quantised KV pool, sampling on the device.
+
+Every step runs one jitted program (`_forward`) over the scheduler's ragged batch, seen by the model as one row of
+tokens with explicit positions: their keys and values are quantised into the pool on write and each token attends
+its own sequence's cache with `kvcache.unified_attention` (causal inside a chunk). The program ends with
+`core.sampling` on the last token of each sequence: per row its request's temperature, top_k, top_p and key
+(a seeded request's token i: the key of (seed, i), `core.sampling.key_words`; others: the engine's stream of
+`EngineConfig.seed`), and the log-probabilities (the chosen id's and the `MAX_TOP_LOGPROBS` best) over the ids the
+config lets it sample. Only those small arrays come back to the host.
+
+Memory: the pool is `memory_bytes` of blocks in the chosen format (`kvcache.capacity.num_blocks`), so fp4 holds
+about 3.76x the tokens of bf16 (docs/kvcache.md). Batches are padded to a power of two of at least 16 tokens, so the
+steps run a few compiled programs, all of which `Engine.warmup` compiles before serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from core import sampling
+from kvcache import attention
+from kvcache.formats import Format
+from kvcache.paged import PagedPool
+from kvcache.serving.config import EngineConfig
+from kvcache.serving.scheduler import Request, Scheduler
+
+if TYPE_CHECKING:
+    from core.model import Transformer
+
+__all__ = ["Engine"]
+
+_ENGINE_STREAM, _REQUEST_STREAM = 1, 0  # `core.sampling.key_words` streams: the engine's, a seeded request's
+
+
+@struct.dataclass
+class _FlatBatchCache:
+    """`core.attention.KVCache` for one engine step: the model sees the whole ragged batch as one row of tokens
+    (explicit positions); this cache writes their K/V to their slots and runs unified attention."""
+
+    pool: PagedPool
+    slots: jax.Array  # [N]
+    block_tables: jax.Array  # [S, MB]
+    seq_lens: jax.Array  # [S]
+    query_start_loc: jax.Array  # [S + 1]
+    max_query_len: int = struct.field(pytree_node=False)
+    implementation: str = struct.field(pytree_node=False)
+
+    @property
+    def lengths(self):
+        return self.seq_lens
+
+    def update_and_attend(self, layer, q, k, v):
+        kw: dict[str, Any] = dict(fmt=self.pool.fmt, implementation=self.implementation)
+        fields = attention.write(self.pool.layer(layer), k[0], v[0], self.slots, **kw)
+        out = attention.unified_attention(
+            q[0], fields, self.block_tables, self.seq_lens, self.query_start_loc, max_query_len=self.max_query_len, **kw
+        )
+        pool = dataclasses.replace(
+            self.pool, fields={n: x.at[layer].set(fields[n]) for n, x in self.pool.fields.items()}
+        )
+        return out[None].astype(q.dtype), dataclasses.replace(self, pool=pool)
+
+    def advance(self, num_tokens):
+        return self
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_query_len", "implementation"), donate_argnums=(2,))
+def _forward(
+    graphdef,
+    state,
+    pool,
+    tokens,
+    positions,
+    slots,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    last,
+    params,
+    words,
+    allowed,
+    *,
+    max_query_len,
+    implementation,
+):
+    """One step: the model over the batch's N tokens, then `_draw` of each sequence row's logits at `last` [S].
+    Returns (`_draw`'s arrays, the pool)."""
+    model = nnx.merge(graphdef, state)
+    cache = _FlatBatchCache(pool, slots, block_tables, seq_lens, query_start_loc, max_query_len, implementation)
+    logits, _, cache = model(tokens[None], positions=positions[None], cache=cache)
+    return _draw(logits[0, last], params, words, allowed), cache.pool
+
+
+def _draw(logits, params, words, allowed):
+    """Row s of logits [S, V]: its token drawn by `core.sampling.sample` with temperature params[s, 0], top_p
+    params[s, 1], top_k words[s, 0] and the key of `core.sampling.key_words` words[s, 1:] over the `allowed` ids
+    (bool [V]), and `core.sampling.logprobs` of it: (tokens [S], logprob [S], top ids [S, 20], top logprobs
+    [S, 20])."""
+    logits = logits.astype(jnp.float32)
+    drawn = sampling.sample(
+        logits,
+        sampling.keys_from_words(words[:, 1:]),
+        temperature=params[:, 0],
+        top_k=words[:, 0].astype(jnp.int32),
+        top_p=params[:, 1],
+        allowed=allowed,
+    )
+    return (drawn, *sampling.logprobs(logits, drawn, allowed=allowed))
+
+
+_draw_jit = jax.jit(_draw)
+
+
+class Engine(Scheduler):
+    """Continuous-batching server of a `core.model.Transformer` over a paged KV pool in format `fmt` (the pool:
+    `config.memory_bytes` of whole blocks of `config.block_size` tokens for every layer). `allowed` (bool
+    [vocab_size]) holds the ids it may sample: not in `config.never` and below `config.num_ids`."""
+
+    def __init__(self, model: Transformer, fmt: Format, config: EngineConfig):
+        cfg = model.cfg
+        self.graphdef, self.state = nnx.split(model)
+        self.pool = PagedPool.create(
+            fmt,
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            block_size=config.block_size,
+            memory_bytes=config.memory_bytes,
+        )
+        super().__init__(config, fmt, self.pool.num_blocks)
+        self.vocab_size = cfg.vocab_size  # token ids a prompt may hold: [0, vocab_size)
+        self.allowed = sampling.allowed_ids(cfg.vocab_size, config.never, config.num_ids)  # bool [vocab_size]
+        self._allowed = jnp.asarray(self.allowed)
+        self._executed = 0  # batches run: the engine stream's draw index is (batch, row)
+
+    def _check_tokens(self, prompt: Sequence[int]) -> None:
+        """The model's vocabulary: `prompt` (a 1-D sequence of ids: Python or NumPy integers) must hold only
+        integers (not bool, not float, even a whole one) in [0, model vocab_size). Raises ValueError naming the
+        first bad position, its value and the range (`submit` and `check` then change nothing)."""
+        for i, token in enumerate(prompt):
+            if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
+                raise ValueError(
+                    f"prompt token at position {i} is {token!r} ({type(token).__name__}); token ids must be "
+                    f"integers (not bool or float) in [0, {self.vocab_size}) (the model's vocab_size)"
+                )
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(
+                    f"prompt token at position {i} is {token!r}, outside [0, {self.vocab_size}) (the model's "
+                    "vocab_size)"
+                )
+
+    def _execute(self, batch):
+        bs, s_max = self.config.block_size, self.config.max_num_seqs + 1  # + 1 row for the padding tokens
+        n_real = sum(n for _, n in batch)
+        n_pad = _bucket(n_real)
+        tokens, positions = np.zeros(n_pad, np.int32), np.zeros(n_pad, np.int32)
+        slots = np.full(n_pad, -1, np.int32)
+        tables = np.zeros((s_max, self.max_blocks), np.int32)
+        seq_lens, qsl, last = np.ones(s_max, np.int32), np.zeros(s_max + 1, np.int32), np.zeros(s_max, np.int32)
+        at = 0
+        for i, (request, n) in enumerate(batch):
+            pos = np.arange(request.num_computed, request.num_computed + n)
+            tokens[at : at + n] = request.tokens[request.num_computed : request.num_computed + n]
+            positions[at : at + n] = pos
+            table = np.asarray(request.blocks, np.int32)
+            slots[at : at + n] = table[pos // bs] * bs + pos % bs
+            tables[i, : len(table)] = table
+            seq_lens[i] = request.num_computed + n
+            at += n
+            qsl[i + 1], last[i] = at, at - 1
+        qsl[len(batch) + 1 :] = at
+        # The padding tokens are the last row's chunk; it "holds" as many keys as it has queries (block 0 repeated:
+        # finite garbage, never written, results discarded), so every padding query sees at least one key.
+        qsl[s_max], seq_lens[s_max - 1] = n_pad, max(1, n_pad - at)
+        params, words = self._sampling_rows(batch, s_max)
+        sampled, self.pool = _forward(
+            self.graphdef,
+            self.state,
+            self.pool,
+            jnp.asarray(tokens),
+            jnp.asarray(positions),
+            jnp.asarray(slots),
+            jnp.asarray(tables),
+            jnp.asarray(seq_lens),
+            jnp.asarray(qsl),
+            jnp.asarray(last),
+            jnp.asarray(params),
+            jnp.asarray(words),
+            self._allowed,
+            max_query_len=n_pad,
+            implementation=self.config.implementation,
+        )
+        self._executed += 1
+        drawn, chosen, top_ids, top_logp = jax.device_get(sampled)
+        out: list[int | None] = []
+        for i, (request, n) in enumerate(batch):
+            if request.num_computed + n < len(request.tokens):
+                out.append(None)  # prefill not done: its sample is not a token
+                continue
+            self._record(request, chosen[i], top_ids[i], top_logp[i])
+            out.append(int(drawn[i]))
+        return out
+
+    def _sample(self, logits: np.ndarray, request: Request) -> int:
+        """The next token of `request` from its logits (float32 [vocab]) exactly as a step draws it (the same
+        sampler, key and log-probability records)."""
+        params, words = self._sampling_rows([(request, 0)], 1)
+        args = (jnp.asarray(logits)[None], jnp.asarray(params), jnp.asarray(words), self._allowed)
+        drawn, chosen, top_ids, top_logp = jax.device_get(_draw_jit(*args))
+        self._record(request, chosen[0], top_ids[0], top_logp[0])
+        return int(drawn[0])
+
+    @staticmethod
+    def _record(request: Request, logprob, top_ids, top_logp) -> None:
+        """Appends the drawn token's log-probability and its `top_logprobs` best alternatives, if it asks for them."""
+        if request.sampling.logprobs:
+            request.logprobs.append(float(logprob))
+            best = range(request.sampling.top_logprobs)
+            request.top_logprobs.append([(int(top_ids[j]), float(top_logp[j])) for j in best])
+
+    def _sampling_rows(self, batch: list[tuple[Request, int]], rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """(float32 [rows, 2]: temperature, top_p; uint32 [rows, 5]: top_k and the key's `core.sampling.key_words`)
+        of each batch entry's request; rows past the batch are greedy."""
+        params = np.zeros((rows, 2), np.float32)
+        params[:, 1] = 1.0
+        words = np.zeros((rows, 5), np.uint32)
+        for i, (request, _) in enumerate(batch):
+            p = request.sampling
+            params[i] = (self.config.temperature if p.temperature is None else p.temperature, p.top_p)
+            if p.seed is not None:
+                key = sampling.key_words(p.seed, len(request.output), _REQUEST_STREAM)
+            else:
+                key = sampling.key_words(self.config.seed, (self._executed * rows + i) % 2**32, _ENGINE_STREAM)
+            words[i] = (min(p.top_k, self.vocab_size), *key)
+        return params, words
+
+    def warmup(self) -> None:
+        """Compiles the step for every batch-size bucket (slots all -1: the pool is not written), so that no
+        request's time to first token pays for compilation. The first bucket runs twice: first given the pool as
+        created, then the pool as a step returns it (placed as the step's output, which may differ from the new
+        pool's placement and is then another program: the one every later step of that size runs)."""
+        s_max = self.config.max_num_seqs + 1
+        sizes = sorted({_bucket(n) for n in range(1, self.config.max_num_batched_tokens + 1)})
+        for n in [*sizes, sizes[0]]:
+            qsl = np.zeros(s_max + 1, np.int32)
+            qsl[-1] = n
+            seq_lens = np.ones(s_max, np.int32)
+            seq_lens[-1] = n
+            sampled, self.pool = _forward(
+                self.graphdef,
+                self.state,
+                self.pool,
+                *map(  # built as `_execute` builds them (NumPy arrays moved to the device): no other programs
+                    jnp.asarray,
+                    (
+                        np.zeros(n, np.int32),
+                        np.arange(n, dtype=np.int32),
+                        np.full(n, -1, np.int32),
+                        np.zeros((s_max, self.max_blocks), np.int32),
+                        seq_lens,
+                        qsl,
+                        np.zeros(s_max, np.int32),
+                        *self._sampling_rows([], s_max),
+                    ),
+                ),
+                self._allowed,
+                max_query_len=n,
+                implementation=self.config.implementation,
+            )
+            jax.block_until_ready(sampled)
+
+
+def _bucket(num_tokens: int) -> int:
+    """Padded batch size: the next power of two, at least 16 (few distinct compiled shapes)."""
+    return max(16, 1 << (num_tokens - 1).bit_length())

@@ -1,0 +1,288 @@
+"""The host side of serving: requests and the scheduler (continuous batching over a paged pool with a prefix cache).
+
+Every `step()` schedules one ragged batch: one token for each decoding sequence and a chunk of prompt for sequences
+still in prefill, together at most `max_num_batched_tokens` tokens (vLLM's chunked prefill with a token budget), and
+hands it to `_execute` (a subclass: `kvcache.serving.engine.Engine` runs the model, `kvcache.serving.simulate` a cost
+model), which returns the next token of every sequence whose tokens are all computed.
+
+Prefix caching: full blocks are registered under chained hashes (`kvcache.serving.blocks`); a new request starts
+from the longest cached full-block prefix of its tokens (less its last token, which must be computed for its
+logits) and only computes the rest. Finished requests release their blocks to the cache; evictions take the least
+recently released.
+
+Scheduling (documented behaviour):
+  * Running sequences go first, in admission order; then waiting requests first-come first-served, while the
+    token budget and `max_num_seqs` allow and their blocks can be allocated (evicting cached blocks if needed).
+  * Admission control: a request whose prompt + max_new_tokens exceeds `max_model_len` or the whole pool is
+    rejected at `submit` with a ValueError; nothing else changes.
+  * Preemption: when a running sequence needs a block and none can be freed, the most recently admitted running
+    sequence is preempted: its blocks are released (full ones stay cached) and it returns to the front of the
+    queue, to be recomputed (from its cached prefix) when it is admitted again. Its generated tokens are kept.
+
+Metrics per request (clock = `Scheduler.clock()`, time.perf_counter() unless a subclass keeps its own): arrival,
+first-token time, finish time and the time of every token; TTFT = first token - arrival; TPOT = (finish - first
+token) / (tokens - 1). Per scheduler: steps, preemptions, prompt tokens asked of and found in the prefix cache.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Sequence
+
+from kvcache.formats import Format
+from kvcache.serving.blocks import BlockManager, block_hashes
+from kvcache.serving.config import EngineConfig, SamplingParams
+
+__all__ = ["Request", "Scheduler"]
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One sequence's state. `finish_reason`: "stop" (it sampled EOS, or `Scheduler.finish` was told so: a stop
+    string), "length" (max_new_tokens reached), "abort" (`Scheduler.abort`); None while it runs. With
+    `sampling.logprobs`, `logprobs[i]` is output[i]'s log-probability and `top_logprobs[i]` the (id, logprob) pairs
+    of the most likely ids, best first."""
+
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    arrival: float
+    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    finish_reason: str | None = None
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    output: list[int] = dataclasses.field(default_factory=list)
+    tokens: list[int] = dataclasses.field(default_factory=list)  # prompt + output (kept in step)
+    hashes: list[int] = dataclasses.field(default_factory=list)  # chained hashes of the computed full blocks
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the pool
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at (the last) admission
+    preemptions: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    token_times: list[float] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        self.tokens = self.prompt + self.output
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_time is not None
+
+    @property
+    def ttft(self) -> float:
+        assert self.first_token_time is not None, "ttft is read once the request has its first token"
+        return self.first_token_time - self.arrival
+
+    @property
+    def tpot(self) -> float:
+        n = len(self.output)
+        if n <= 1:
+            return 0.0
+        # read on a finished request: its first token and its finish both have their times
+        assert self.first_token_time is not None and self.finish_time is not None, "tpot of an unfinished request"
+        return (self.finish_time - self.first_token_time) / (n - 1)
+
+
+class Scheduler:
+    """The host side of serving: requests, blocks and the prefix cache, scheduling, metrics. A subclass runs the
+    batches (`_execute`) and keeps the time (`clock`): `Engine` runs the model; `kvcache.serving.simulate` a cost
+    model."""
+
+    def __init__(self, config: EngineConfig, fmt: Format, num_blocks: int):
+        self.config, self.fmt = config, fmt
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.max_blocks = -(-config.max_model_len // config.block_size)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.stats = {"steps": 0, "preemptions": 0, "prompt_tokens": 0, "cached_tokens": 0}
+        self._next_id = 0
+
+    def clock(self) -> float:
+        return time.perf_counter()
+
+    def _execute(self, batch: list[tuple[Request, int]]) -> list[int | None]:
+        """Runs one batch; returns the next token of every entry whose tokens are now all computed (else None)."""
+        raise NotImplementedError
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.blocks.num_blocks * self.config.block_size
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def submit(
+        self,
+        prompt,
+        max_new_tokens: int,
+        *,
+        arrival: float | None = None,
+        ignore_eos: bool = False,
+        sampling: SamplingParams | None = None,
+    ) -> Request:
+        """Queues a request (prompt: token ids, at least one); it ends at EOS or after max_new_tokens tokens
+        (exactly that many with `ignore_eos`), sampled as `sampling` says (default: the engine's temperature).
+        Raises ValueError, changing nothing, if it cannot ever fit: longer than max_model_len or than the whole
+        pool (`check`)."""
+        prompt = list(prompt)  # (a generator is read once)
+        self.check(prompt, max_new_tokens)
+        prompt = [int(t) for t in prompt]
+        request = Request(
+            self._next_id,
+            prompt,
+            max_new_tokens,
+            self.clock() if arrival is None else arrival,
+            ignore_eos,
+            sampling or SamplingParams(),
+        )
+        self._next_id += 1
+        self.waiting.append(request)
+        return request
+
+    def check(self, prompt: Sequence[int], max_new_tokens: int) -> None:
+        """Raises ValueError, naming the limit, if a request of `prompt` (token ids) and `max_new_tokens` can never
+        be served: its ids must be valid (`_check_tokens`), it needs a prompt and a new token, and must fit
+        max_model_len and the whole pool. It reads only the engine's fixed limits, so any thread may call it while
+        another steps the engine."""
+        self._check_tokens(prompt)
+        prompt_len = len(prompt)
+        need = prompt_len + max_new_tokens
+        if prompt_len < 1 or max_new_tokens < 1:
+            raise ValueError(
+                f"a request needs >= 1 prompt token and max_new_tokens >= 1 (got {prompt_len} and {max_new_tokens})"
+            )
+        if need > self.config.max_model_len:
+            raise ValueError(
+                f"request of {prompt_len} prompt + {max_new_tokens} new tokens = {need} exceeds "
+                f"max_model_len = {self.config.max_model_len}"
+            )
+        if -(-need // self.config.block_size) > self.blocks.num_blocks:
+            raise ValueError(
+                f"request of {need} tokens needs {-(-need // self.config.block_size)} blocks; the KV "
+                f"pool has {self.blocks.num_blocks} ({self.capacity_tokens} tokens in {self.fmt.label})"
+            )
+
+    def _check_tokens(self, prompt: Sequence[int]) -> None:
+        """Raises ValueError for a prompt holding an id this scheduler cannot take (none here; see Engine)."""
+
+    def finish(self, request: Request, reason: str = "abort") -> None:
+        """Ends `request` now, wherever it is (waiting or running; a finished one is left as it is): its blocks are
+        released at once (full ones stay in the prefix cache) and its `finish_reason` is `reason` ("abort": the
+        client went away; "stop": it met a stop string)."""
+        if request.finished:
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
+        elif request in self.running:
+            self.running.remove(request)
+            self.blocks.release(request.blocks)
+            request.blocks = []
+        request.finish_reason, request.finish_time = reason, self.clock()
+
+    def abort(self, request: Request) -> None:
+        """`finish(request, "abort")`."""
+        self.finish(request, "abort")
+
+    # ----------------------------------------------------------------------------------------------- schedule
+
+    def _blocks_for(self, request: Request, num_tokens: int) -> int:
+        """New blocks `request` needs to hold `num_tokens` more tokens."""
+        return -(-(request.num_computed + num_tokens) // self.config.block_size) - len(request.blocks)
+
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.blocks.release(victim.blocks)
+        victim.blocks, victim.num_computed = [], 0
+        victim.preemptions += 1
+        self.stats["preemptions"] += 1
+        self.waiting.appendleft(victim)
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        budget, batch = self.config.max_num_batched_tokens, []
+        for request in list(self.running):
+            if request not in self.running or budget == 0:
+                continue
+            n = min(len(request.tokens) - request.num_computed, budget)
+            while True:
+                new = self.blocks.allocate(self._blocks_for(request, n))
+                if new is not None:
+                    break
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if request not in self.running:
+                continue
+            assert new is not None  # the loop ends without blocks only when `request` itself was preempted
+            request.blocks += new
+            batch.append((request, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hit = self.blocks.match(request.tokens[:-1])
+            request.blocks, request.num_computed = hit, len(hit) * self.config.block_size
+            n = min(len(request.tokens) - request.num_computed, budget)
+            new = self.blocks.allocate(self._blocks_for(request, n))
+            if new is None:
+                self.blocks.release(hit)
+                request.blocks, request.num_computed = [], 0
+                break
+            self.waiting.popleft()
+            request.blocks += new
+            request.cached_tokens = request.num_computed
+            self.stats["prompt_tokens"] += len(request.tokens)
+            self.stats["cached_tokens"] += request.num_computed
+            self.running.append(request)
+            batch.append((request, n))
+            budget -= n
+        return batch
+
+    # --------------------------------------------------------------------------------------------------- step
+
+    def step(self) -> list[Request]:
+        """Schedules and runs one batch; returns the requests that finished in it."""
+        batch = self._schedule()
+        if not batch:
+            if self.waiting:  # nothing fits although the pool is free: cannot happen after submit's checks
+                raise RuntimeError("the scheduler could not place any request; the pool is smaller than a block")
+            return []
+        tokens = self._execute(batch)
+        now = self.clock()
+        self.stats["steps"] += 1
+        bs, finished = self.config.block_size, []
+        for (request, n), token in zip(batch, tokens):
+            request.num_computed += n
+            done = len(request.hashes)
+            request.hashes = block_hashes(request.tokens, bs, request.hashes, upto=request.num_computed)
+            for j in range(done, len(request.hashes)):
+                self.blocks.register(request.blocks[j], request.hashes[j])
+            if token is None:
+                continue  # prefill not done: no token yet
+            request.output.append(token)
+            request.tokens.append(token)
+            request.token_times.append(now)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            ended = token == self.config.eos_id and not request.ignore_eos
+            if ended or len(request.output) >= request.max_new_tokens:
+                request.finish_time, request.finish_reason = now, "stop" if ended else "length"
+                self.running.remove(request)
+                self.blocks.release(request.blocks)
+                request.blocks = []
+                finished.append(request)
+        return finished
+
+    def run(self, on_step=None) -> list[Request]:
+        """Steps until every submitted request finished; `on_step(engine, finished)` after each step."""
+        done = []
+        while self.has_work:
+            finished = self.step()
+            done += finished
+            if on_step is not None:
+                on_step(self, finished)
+        return done
