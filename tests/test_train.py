@@ -1,13 +1,16 @@
 """Training loop: loss and schedule against formulas, exact resume, NaN guard, checkpoint refusal."""
 
+import io
 import json
 import math
 import os
 import shutil
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from test_logging import event_scalars, jsonl_scalars
@@ -15,7 +18,8 @@ from test_logging import event_scalars, jsonl_scalars
 from core import checkpoint as checkpoint_lib
 from core import train as train_lib
 from core.model import Transformer, TransformerConfig, split_params
-from core.tokenizer import PAD_ID
+from core.tokenizer import PAD_ID, HFTokenizer, TokenizerError
+from core.workdir import WorkdirError
 from experiments import build
 
 from helpers import forward, make_tiny_config, metric_rows
@@ -223,3 +227,83 @@ def test_eval_bits_per_byte_formula():
     assert int(out["tokens"]) == 8 + 5 and int(out["bytes"]) == 7 + 5
     np.testing.assert_allclose(ev["val_bits_per_byte"], float(out["nll_sum"]) / (math.log(2) * 12), rtol=1e-6)
     np.testing.assert_allclose(ev["val_loss"], float(out["nll_sum"]) / 13, rtol=1e-6)
+
+
+_OPTIMIZERS = {  # a mask (MaskedNode leaves), a partition by shape (muon), a chain with clipping
+    "adamw_masked": lambda: optax.adamw(1e-3, mask=build.decay_mask),
+    "muon": lambda: optax.contrib.muon(1e-3),
+    "clipped_lion": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.lion(1e-4)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OPTIMIZERS))
+def test_optimizer_state_shardings_follow_the_parameters(name):
+    """optimizer_state_like (optax.tree_utils.tree_map_params) gives every moment its parameter's sharding and
+    every other leaf the default: the same tree as matching key paths and shapes (`mirror`)."""
+    from core import mesh as mesh_lib
+    from core.config import DEFAULT_RULES
+
+    cfg = TransformerConfig(d_model=32, num_layers=1, num_heads=4, num_kv_heads=4, d_ff=64)
+    mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8])
+    sharder = mesh_lib.Sharder(mesh, DEFAULT_RULES)
+    _, params, _ = split_params(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    shardings, replicated = mesh_lib.param_shardings(params, sharder), sharder.named(())
+    optimizer = _OPTIMIZERS[name]()
+    opt_state = jax.eval_shape(optimizer.init, params)
+    got = train_lib.optimizer_state_like(optimizer, opt_state, params, shardings, replicated)
+    want = train_lib.mirror(opt_state, params, shardings, replicated)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert jax.tree.leaves(got) == jax.tree.leaves(want)
+    assert any(s != replicated for s in jax.tree.leaves(got))  # the moments of sharded matrices are sharded
+
+
+_OFF = r"needs the package .*lowbit-moe-lab\[experiments\].* turn the .* off"
+_BPE = json.dumps(
+    {
+        "model": {"type": "BPE", "vocab": {}, "merges": []},
+        "decoder": {"type": "ByteLevel"},
+        "pre_tokenizer": {"type": "ByteLevel"},
+    }
+)
+
+
+@pytest.mark.parametrize(
+    "package, needed_by, error, message",
+    [
+        (
+            ("tqdm", "tqdm.auto"),
+            lambda: train_lib.progress_bar(0, 3, enabled=True, stream=_Terminal()),
+            ImportError,
+            _OFF,
+        ),
+        (
+            ("tensorboardX", "tensorboardX.event_file_writer"),
+            lambda: train_lib.tensorboard_enabled(_tensorboard()),
+            WorkdirError,
+            _OFF,
+        ),
+        (
+            ("tokenizers",),
+            lambda: HFTokenizer(_BPE),
+            TokenizerError,
+            r"needs the package tokenizers.*\[experiments\].* 'bytes'",
+        ),
+    ],
+    ids=["tqdm", "tensorboardX", "tokenizers"],
+)
+def test_a_missing_optional_package_names_the_extra_that_installs_it(monkeypatch, package, needed_by, error, message):
+    for module in package:
+        monkeypatch.setitem(sys.modules, module, None)  # import then raises ImportError
+    with pytest.raises(error, match=message):
+        needed_by()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def _tensorboard():
+    config = make_tiny_config()
+    config.train.tensorboard = True
+    return config
