@@ -56,7 +56,7 @@ def key_words(seed: int, index: int, stream: int = 0) -> tuple[int, int, int, in
     return seed % _WORD, seed // _WORD, int(stream), int(index)
 
 
-def keys_from_words(words: jax.Array) -> jax.Array:
+def keys_from_words(words: jax.Array | np.ndarray) -> jax.Array:
     """uint32 [B, 4] `key_words` rows -> B typed PRNG keys: fold_in(fold_in(fold_in(key(lo), hi), stream), index)."""
     words = jnp.asarray(words, jnp.uint32)
 

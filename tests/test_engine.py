@@ -2,6 +2,7 @@
 preemption; the block manager's reference counts and LRU; admission control; metrics from timestamps."""
 
 import logging
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ CFG = TransformerConfig(
     vocab_size=264, d_model=128, num_layers=2, num_heads=2, num_kv_heads=1, d_ff=96, init_std=0.3
 )  # large weights: varied greedy continuations
 BS = 16
-IDS = dict(eos_id=258, never=(256, 257), num_ids=259)  # the byte tokenizer's, as `isolated` generates
+IDS: dict[str, Any] = dict(eos_id=258, never=(256, 257), num_ids=259)  # the byte tokenizer's, as `isolated` generates
 
 
 @pytest.fixture(scope="module")

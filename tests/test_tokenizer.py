@@ -11,6 +11,7 @@ import os
 import pathlib
 import struct
 import types
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -355,7 +356,7 @@ def test_data_tokenizer_is_checked_early_and_is_provenance(tmp_path):
 def test_the_engine_config_takes_the_tokenizers_ids(bpe):
     """The special ids are the tokenizer's, given or read by `for_tokenizer`; none defaults to a particular
     tokenizer's (a config without them is refused); ids that contradict each other are refused by name."""
-    ids = dict(eos_id=2, never=(0, 1), num_ids=320)
+    ids: dict[str, Any] = dict(eos_id=2, never=(0, 1), num_ids=320)
     config = EngineConfig(memory_bytes=1 << 20, **ids)
     assert (config.eos_id, config.never, config.num_ids) == (2, (0, 1), 320)
     from_bpe = EngineConfig.for_tokenizer(bpe, memory_bytes=1)
@@ -365,14 +366,15 @@ def test_the_engine_config_takes_the_tokenizers_ids(bpe):
     for missing in ("eos_id", "never", "num_ids"):
         with pytest.raises(ValueError, match=f"needs the tokenizer's special ids; missing \\['{missing}'\\]"):
             EngineConfig(memory_bytes=1 << 20, **{k: v for k, v in ids.items() if k != missing})
-    for kwargs, needle in [
+    cases: list[tuple[dict[str, Any], str]] = [
         (dict(eos_id=1, never=(0, 1)), "eos_id = 1 can never be sampled"),
         (dict(eos_id=400, num_ids=320), "eos_id = 400 can never be sampled"),
         (dict(eos_id=-1), "eos_id = -1"),
         (dict(never=(0, -2)), "never holds -2"),
-    ]:
+    ]
+    for kwargs, needle in cases:
         with pytest.raises(ValueError, match=needle):
-            EngineConfig(memory_bytes=1 << 20, **{**ids, **kwargs})  # type: ignore[arg-type]
+            EngineConfig(memory_bytes=1 << 20, **{**ids, **kwargs})
 
 
 # --------------------------------------------------------------------------- python -m experiments.tokenizer
