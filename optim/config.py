@@ -1,48 +1,43 @@
-"""The `optim` section of an experiment (core's keys and the optimizer families') and each family's defaults.
+"""The `optim` section of an experiment: core's keys (name, schedule, clipping, weight decay), the optimizer
+families' keys and MGUP's.
 
-b1, b2, eps and momentum default to None, meaning "the family's default" (`FAMILY_DEFAULTS`); a value set in the
-config is used as given. `hyperparameters(section)` resolves them for the chosen optimizer.
+`optim.name` takes the names of optim.registry; b1, b2, eps and momentum default to None, meaning "the family's
+default" (optim.registry's families); a value set in the config is used as given. `hyperparameters(section)`
+resolves them for the chosen optimizer. The keys' descriptions are generated from the registry's families.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
 
-from core.config import ConfigError, OptimConfig, field
+from core.config import OptimConfig, field
+from optim import registry
+from optim.registry import hyperparameters
 from optim.select import SELECTIONS
 
 __all__ = ["FAMILIES", "FAMILY_DEFAULTS", "FAMILY_SOURCES", "OptimizerConfig", "hyperparameters"]
 
-FAMILIES: dict[str, str] = {
-    "adamw": "adamw",
-    "cautious_adamw": "adamw",
-    "mgup_adamw": "adamw",
-    "cautious_mgup_adamw": "adamw",
-    "lion": "lion",
-    "mgup_lion": "lion",
-    "muon": "muon",
-    "mgup_muon": "muon",
-}
-"""Optimizer name (`optim.name`) -> its family, whose defaults it takes."""
+# Views of optim.registry (the one table), by name.
+FAMILIES: dict[str, str] = {name: entry.family.name for name, entry in registry.OPTIMIZERS.items()}
+"""Optimizer name (`optim.name`) -> its family's name."""
+FAMILY_DEFAULTS: dict[str, dict[str, float]] = {f.name: dict(f.defaults) for f in registry.FAMILIES}
+"""Family name -> the default of each family key it reads."""
+FAMILY_SOURCES: dict[str, str] = {f.name: f.source for f in registry.FAMILIES}
+"""Family name -> where its defaults come from."""
 
-FAMILY_DEFAULTS: dict[str, dict[str, float]] = {
-    "adamw": {"b1": 0.9, "b2": 0.95, "eps": 1e-8},
-    "lion": {"b1": 0.9, "b2": 0.99},
-    "muon": {"b1": 0.95, "b2": 0.95, "eps": 1e-8, "momentum": 0.95},
-}
-"""Family -> the value of each family key it uses when the config leaves the key unset. A key a family does not
-list (Lion's eps, momentum outside Muon) is not used by it, and setting it is an error."""
 
-FAMILY_SOURCES: dict[str, str] = {
-    "adamw": "the pre-training betas (0.9, 0.95) and eps 1e-8 the quickstart has always trained with",
-    "lion": "the Lion paper's (Chen et al., arXiv 2302.06675) and the MGUP reference's MGUP_Lion.py betas",
-    "muon": "the MGUP reference's MGUP_Muon.py / Moonlight: AdamW backup betas (0.95, 0.95), eps 1e-8; momentum 0.95",
-}
-"""Family -> where its defaults come from (for docs/configuration.md)."""
+def _number(value: float) -> str:
+    return f"{value:g}".replace("e-0", "e-")
 
-_FAMILY_KEYS = ("b1", "b2", "eps", "momentum")
+
+def _family_key_doc(key: str) -> str:
+    """What a family key means in each family that reads it, who does not read it, and its defaults."""
+    users = [f for f in registry.FAMILIES if key in f.defaults]
+    others = [f.label for f in registry.FAMILIES if key not in f.defaults]
+    doc = "; ".join(f"{f.label}: {f.meanings[key]}" for f in users)
+    doc += f"; not used by {', '.join(others)}" if others else ""
+    defaults = ", ".join(f"{f.name} {_number(f.defaults[key])}" for f in users)
+    return f"{doc}. None: the family's default ({defaults})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,29 +45,11 @@ class OptimizerConfig(OptimConfig):
     """The section `optim` of an experiment: core's keys (the optimizer's name, schedule, clipping, weight decay)
     and the optimizer families'. b1, b2, eps and momentum default to None: the family's default."""
 
-    b1: float | None = field(
-        None,
-        "AdamW: first-moment decay; Lion: interpolation beta of the update sign; Muon: the AdamW backup's b1. "
-        "None: the family's default (adamw 0.9, lion 0.9, muon 0.95)",
-        low=0.0,
-        high=1.0,
-    )
-    b2: float | None = field(
-        None,
-        "AdamW: second-moment decay; Lion: momentum decay; Muon: the AdamW backup's b2. None: the family's "
-        "default (adamw 0.95, lion 0.99, muon 0.95)",
-        low=0.0,
-        high=1.0,
-    )
-    eps: float | None = field(
-        None,
-        "AdamW and Muon's AdamW backup: denominator epsilon; not used by Lion. None: the family's default "
-        "(adamw 1e-8, muon 1e-8)",
-        low=0.0,
-    )
-    momentum: float | None = field(
-        None, "Muon only: momentum of the Nesterov SGD buffer. None: the family's default (0.95)", low=0.0, high=1.0
-    )
+    name: str = field("adamw", "optimizer", choices=registry.NAMES)
+    b1: float | None = field(None, _family_key_doc("b1"), low=0.0, high=1.0)
+    b2: float | None = field(None, _family_key_doc("b2"), low=0.0, high=1.0)
+    eps: float | None = field(None, _family_key_doc("eps"), low=0.0)
+    momentum: float | None = field(None, _family_key_doc("momentum"), low=0.0, high=1.0)
     mask_ratio: float = field(
         0.5,
         "MGUP: fraction tau of each tensor's coordinates (best update x gradient alignment) whose step is "
@@ -91,26 +68,3 @@ class OptimizerConfig(OptimConfig):
         "MGUP: 'exact' top-k per tensor or 'approx' (threshold from a sample)",
         choices=tuple(s for s in SELECTIONS if s != "sign"),
     )
-
-
-def hyperparameters(section: Mapping[str, Any]) -> dict[str, float]:
-    """The family keys (b1, b2, eps, momentum) the optimizer `section["name"]` uses: the config's value where it is
-    set (not None), its family's default elsewhere. Raises ConfigError naming the key if the config sets a key the
-    family does not use (e.g. `optim.eps` with Lion), or if the name has no family."""
-    name = section["name"]
-    if name not in FAMILIES:
-        raise ConfigError(f"config key 'optim.name' = {name!r} has no optimizer family; known: {sorted(FAMILIES)}.")
-    family = FAMILIES[name]
-    defaults = FAMILY_DEFAULTS[family]
-    out = {}
-    for key in _FAMILY_KEYS:
-        value = section.get(key)
-        if key not in defaults:
-            if value is not None:
-                raise ConfigError(
-                    f"config key 'optim.{key}' = {value!r} is not used by optim.name = {name!r} ({family} family; "
-                    f"it uses {', '.join(f'optim.{k}' for k in defaults)}); leave it unset (None)."
-                )
-            continue
-        out[key] = defaults[key] if value is None else float(value)
-    return out
