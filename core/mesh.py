@@ -27,8 +27,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from core import config as config_lib
-from core import jax_compat
+from core import jax_compat, mesh_config
+from core.schema import ConfigError
 
 __all__ = [
     "CLUSTER_ENVIRONMENTS",
@@ -52,7 +52,7 @@ def make_mesh(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
     annotations (not explicit types) drive the partitioner. Size-1 axes are kept so every rule stays valid.
     """
     devices = list(jax.devices() if devices is None else devices)
-    shape = config_lib.mesh_shape(config, len(devices))
+    shape = mesh_config.mesh_shape(config, len(devices))
     n = int(np.prod(list(shape.values())))
     return jax.make_mesh(
         tuple(shape.values()), tuple(shape), axis_types=(AxisType.Auto,) * len(shape), devices=devices[:n]
@@ -70,7 +70,7 @@ def logical_to_spec(axes: Sequence[str | None], rules: Rules, mesh: Mesh | None 
     used: set[str] = set()
     spec = []
     for name in axes:
-        targets = config_lib.mesh_axes(table.get(name) if name is not None else None)
+        targets = mesh_config.mesh_axes(table.get(name) if name is not None else None)
         keep = tuple(t for t in targets if t not in used and (mesh is None or mesh.shape[t] > 1))
         used.update(keep)
         spec.append(None if not keep else keep[0] if len(keep) == 1 else keep)
@@ -177,9 +177,9 @@ def resolve_processes(config: ml_collections.ConfigDict) -> None:
         or the environment's values are inconsistent.
     """
     mesh = config.mesh
-    if mesh.num_processes != config_lib.FROM_CLUSTER:
+    if mesh.num_processes != mesh_config.FROM_CLUSTER:
         return
-    config_lib.check_processes(mesh)
+    mesh_config.check_processes(mesh)
     environments = _cluster_environments()
     env = jax_compat.present_environment(environments)
     if env is None:
@@ -187,7 +187,7 @@ def resolve_processes(config: ml_collections.ConfigDict) -> None:
             f"{e.__name__}: {CLUSTER_ENVIRONMENTS.get(e.__name__, 'see jax')}"
             for e in jax_compat.detectable_environments(environments)
         )
-        raise config_lib.ConfigError(
+        raise ConfigError(
             "config key 'mesh.num_processes' = -1 takes the processes from the cluster environment, but none is "
             f"detected here. jax {jax.__version__} detects: {known}. Start every process under one of them (e.g. "
             "`srun python -m experiments.run ... --config.mesh.num_processes=-1` in an sbatch script), or give "
@@ -204,12 +204,12 @@ def resolve_processes(config: ml_collections.ConfigDict) -> None:
             coordinator_address=os.environ.get("JAX_COORDINATOR_ADDRESS"),
         )
     except (KeyError, ValueError) as e:
-        raise config_lib.ConfigError(
+        raise ConfigError(
             f"config key 'mesh.num_processes' = -1: {where} cannot be read ({type(e).__name__}: {e}); check those "
             "variables, or give the three mesh keys by hand."
         ) from None
     if not (isinstance(count, int) and isinstance(index, int) and 0 <= index < count):
-        raise config_lib.ConfigError(
+        raise ConfigError(
             f"config key 'mesh.num_processes' = -1: {where} gives process {index!r} of {count!r}; an index in "
             "0..count-1 is needed. Check those variables, or give the three mesh keys by hand."
         )
@@ -223,7 +223,7 @@ def _cluster_environments() -> list[Any]:
     try:
         return jax_compat.cluster_environments()
     except jax_compat.JaxCompatError as e:
-        raise config_lib.ConfigError(
+        raise ConfigError(
             f"config key 'mesh.num_processes' = -1 needs jax's cluster detection: {e}; give mesh.num_processes, "
             "mesh.process_id and mesh.coordinator_address by hand."
         ) from None
@@ -338,7 +338,7 @@ def _service_elsewhere() -> Iterator[None]:
     try:
         skipped = jax_compat.without_coordination_service()
     except jax_compat.JaxCompatError as e:
-        raise config_lib.ConfigError(
+        raise ConfigError(
             f"{EXTERNAL_SERVICE_ENV}=1 asks process 0 not to start jax.distributed's coordination service "
             f"(experiments.launch serves it), but this jax offers no way to skip it: {e}"
         ) from None
