@@ -82,8 +82,7 @@ def count_at_least(keys: jax.Array, thresholds: list[jax.Array]) -> list[jax.Arr
     """[#(keys >= t) for t in thresholds] in one pass over `keys`: one variadic reduction of int32 indicators.
 
     XLA:CPU emits a variadic reduction as one vectorised loop, but rewrites a single-operand one into a slower tree
-    of windowed reductions (several times slower here); a lone threshold is therefore counted together with its
-    complement.
+    of windowed reductions; a lone threshold is therefore counted together with its complement.
     """
     ops = [(keys >= t).astype(jnp.int32).ravel() for t in thresholds]
     if len(ops) == 1:  # (both results are used, or XLA drops the complement again)
