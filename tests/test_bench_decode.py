@@ -1,4 +1,4 @@
-"""The decode benchmark's report: the Pallas section a GPU run adds, and its verdict on the issue's goal."""
+"""The decode benchmark's report: the Pallas section a GPU run adds, and its verdict on the decode goal it states."""
 
 import pytest
 

@@ -1,15 +1,19 @@
 """KV formats against independent NumPy float64 quantisers; the slot layout; the rotation; error bounds. The shared
 numerics (E2M1 codes, powers of two, E4M3, Hadamard) are tested against ml_dtypes and NumPy in test_lowbit.py."""
 
+import dataclasses
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 from core import lowbit
-from kvcache import formats
+from kvcache import PagedPool, capacity, decode_attention, formats
+from kvcache import write as kv_write
 
 LEVELS = np.array(formats.E2M1_LEVELS)
 # the format's functions as the cache runs them: jitted (one program per format and shape, not one per operation)
@@ -80,8 +84,8 @@ def test_fp4_matches_numpy_element_for_element(rule, head_dim):
 
 def test_scale_exponent_is_exact_at_powers_of_two():
     """The mx rule's floor(log2 a) - 2 is exact at and next to powers of two over the whole normal range (float32
-    log2 alone rounds across integers there), clipped to [-126, 126] at both ends (up to 2^127 <= a < 2^128, whose
-    exponent 125 an earlier version put at 126); 0 for a zero group."""
+    log2 alone rounds across integers there), clipped to [-126, 126] at both ends (2^127 <= a < 2^128 has exponent
+    125); 0 for a zero group."""
     k = np.arange(-126, 128)
     p = (2.0**k).astype(np.float32)
     a = np.concatenate([p, np.nextafter(p, np.float32(0)), np.nextafter(p, np.float32(np.inf))])
@@ -207,3 +211,50 @@ def test_bad_input_is_named():
             jax.eval_shape(formats.get("fp4").quantize, ones, ones)
     x = np.ones((1, 1, 192), np.float32)
     assert np.all(_quantize(formats.get("fp4", rotate_k=False), x, x)["k_scales"] > 0)
+
+
+def test_a_new_format_is_one_definition_and_its_registration():
+    """A format defined and registered here (float32 K and V, no scales) is served by name with nothing else changed:
+    `get`, the capacity planner, the paged pool, quantise-on-write and decode attention, through the XLA reference
+    and through the Pallas kernels (which read its `kernel_groups` default and its `kernel_write`)."""
+
+    @dataclasses.dataclass(frozen=True)
+    class F32(formats.Format):
+        name: ClassVar[str] = "f32-test"
+        key_field: ClassVar[str] = "k"
+
+        def fields(self, num_kv_heads, head_dim):
+            return {"k": ((num_kv_heads, head_dim), jnp.float32), "v": ((num_kv_heads, head_dim), jnp.float32)}
+
+        def _encode(self, k, v):
+            return {"k": k.astype(jnp.float32), "v": v.astype(jnp.float32)}
+
+        def dequantize(self, fields, *, rotated=False):
+            return fields["k"], fields["v"]
+
+        def kernel_write(self, outs, prefix, row, blk, h, off, head_dim):
+            outs[prefix][blk, h, pl.ds(off, 1), :] = row()
+
+    formats.register(F32)
+    try:
+        fmt = formats.get("f32-test")
+        assert capacity.kv_bytes_per_token(capacity.ModelShape(3, 2, 64), "f32-test") == 3 * 2 * 2 * 64 * 4
+        pool = PagedPool.create(fmt, num_layers=1, num_kv_heads=2, head_dim=64, num_blocks=4, block_size=16)
+        rng = np.random.default_rng(7)
+        k, v = (jnp.asarray(rng.normal(size=(40, 2, 64)), jnp.float32) for _ in range(2))
+        q = jnp.asarray(rng.normal(size=(1, 4, 64)), jnp.float32)
+        slots, tables, seq_lens = jnp.arange(40), jnp.array([[0, 1, 2, 3]]), jnp.array([40])
+        outs = {}
+        for impl in ("xla", "pallas"):
+            fields = kv_write(pool.layer(0), k, v, slots, fmt=fmt, implementation=impl)
+            np.testing.assert_array_equal(fields["k"].transpose(0, 2, 1, 3).reshape(64, 2, 64)[:40], k)
+            outs[impl] = decode_attention(q, fields, tables, seq_lens, fmt=fmt, implementation=impl)
+        scores = np.einsum("hd,shd->hs", np.asarray(q[0], np.float64), np.repeat(np.asarray(k), 2, axis=1)) / 8.0
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        want = np.einsum("hs,shd->hd", p / p.sum(-1, keepdims=True), np.repeat(np.asarray(v), 2, axis=1))
+        for impl, out in outs.items():
+            np.testing.assert_allclose(np.asarray(out[0]), want, rtol=2e-3, atol=2e-3, err_msg=impl)
+    finally:
+        del formats.REGISTRY["f32-test"]
+    with pytest.raises(ValueError, match="'f32-test' unknown"):
+        formats.get("f32-test")
