@@ -284,7 +284,8 @@ def engine_config(
         step = min(IN_PROCESS_STEP_TOKENS, sum(len(p) + args.max_new_tokens for p in prompts))
         model_len = max(2 * IN_PROCESS_MODEL_LEN, -(-longest // IN_PROCESS_MODEL_LEN) * IN_PROCESS_MODEL_LEN)
         temperature = args.temperature
-    return EngineConfig(
+    return EngineConfig.for_tokenizer(
+        tok,
         memory_bytes=memory,
         block_size=bs,
         max_num_seqs=seqs,
@@ -292,9 +293,6 @@ def engine_config(
         max_model_len=model_len,
         temperature=temperature,
         seed=args.seed,
-        eos_id=tok.eos_id,
-        never=tok.never_sampled,
-        num_ids=tok.vocab_size,
     )
 
 

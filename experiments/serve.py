@@ -7,7 +7,7 @@
 
 Any run serves on this process's first device, whatever mesh it trained on (data, tensor or expert parallelism:
 experiments.load). A federated run keeps one model per site (its own experts): `--site` picks it (default 0). Every
-prompt is one request of a continuous-batching engine (kvcache.engine) over a paged KV pool of `--kv-memory-mib` in
+prompt is one request of a continuous-batching engine (kvcache.serving) over a paged KV pool of `--kv-memory-mib` in
 the run's KV format (its `kvcache` section: format, and for fp4 the scale rule, K rotation and FP8 query), unless
 `--kv-format` / `--scale-rule` say otherwise; stderr says which format and why. The engine's step is compiled for
 every batch shape the requests can take before they are submitted ("compiled in X s"), so their times to first
@@ -36,7 +36,7 @@ import time
 
 from core.tokenizer import StreamDecoder
 from experiments import args as args_lib
-from kvcache import serving as engine_lib
+from kvcache import serving as kv_serving
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     if model is None:
         return status
     try:
-        engine = engine_lib.Engine(model, fmt, config)
+        engine = kv_serving.Engine(model, fmt, config)
     except RuntimeError as e:  # jax.errors.JaxRuntimeError: the device has not that much memory
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def warm_up(engine: engine_lib.Engine) -> float:
+def warm_up(engine: kv_serving.Engine) -> float:
     """Compiles the engine's step for every batch shape its requests can take (`Engine.warmup`), so that no request's
     time to first token includes compilation; returns the seconds it took."""
     started = time.perf_counter()
@@ -160,7 +160,7 @@ def warm_up(engine: engine_lib.Engine) -> float:
     return time.perf_counter() - started
 
 
-def _header(request: engine_lib.Request) -> str:
+def _header(request: kv_serving.Request) -> str:
     """The line above each request's text when several are served (the first one's streams below it)."""
     return f"--- request {request.id}:"
 

@@ -6,7 +6,7 @@ those bytes.
 
 All but the last test neither train nor compile: a run is its config.json (the loader's check of a workdir and its
 config are real), the loader is replaced by one returning that config and a model that is only its config, and the
-engine by the real scheduler (kvcache.engine.Scheduler) whose "model" emits a scripted token per decode step (a byte;
+engine by the real scheduler (kvcache.serving.Scheduler) whose "model" emits a scripted token per decode step (a byte;
 or a BPE id, for a run with a BPE tokenizer). The last one loads and serves a real checkpoint whose parameters are
 sharded over mesh.model = 2 of the 8 virtual devices."""
 

@@ -5,12 +5,13 @@ through HTTP with N concurrent clients, and the HTTP layer's cost against the in
         [--formats bf16,fp8,fp4] [--model-out runs/kvcache]
 
 The model is the trained quickstart model of `experiments.reproduce.kvcache` (reused from `<--model-out>/runs/model`,
-trained there if absent), the one results/serving measured. The workload is `kvcache.workload.AgentWorkload` with
-one conversation per client, all at once: a 64-token shared and a 256-token own prefix, 3 rounds of 32-64 new input
-and 16 output tokens (greedy, `ignore_eos`), each round sent when the last one's answer has arrived.
+trained there if absent), the one results/serving measured. The workload is
+`kvcache.serving.workload.AgentWorkload` with one conversation per client, all at once: a 64-token shared and a
+256-token own prefix, 3 rounds of 32-64 new input and 16 output tokens (greedy, `ignore_eos`), each round sent when
+the last one's answer has arrived.
 
 For each format, side by side in one run:
-  * in-process: `kvcache.engine.Engine` serves it through `kvcache.workload.run` (no HTTP, no client);
+  * in-process: `kvcache.serving.Engine` serves it through `kvcache.serving.workload.run` (no HTTP, no client);
   * HTTP: `python -m experiments.serve --http` serves it in its own process (model loaded from the workdir, every
     batch shape compiled before it listens), and N `openai.AsyncOpenAI` clients in this process drive it, streaming
     (time to first token = from sending the request to the first chunk carrying a token, measured by the client).
@@ -74,19 +75,17 @@ def max_model_len(workload: workload_lib.AgentWorkload) -> int:
 def in_process(
     model: Transformer, tok: Tokenizer, name: str, memory_bytes: int, workload: workload_lib.AgentWorkload
 ) -> dict:
-    """The workload on an in-process engine (kvcache.workload.run) in KV format `name`, with the limits and the
+    """The workload on an in-process engine (kvcache.serving.workload.run) in KV format `name`, with the limits and the
     tokenizer's ids the server gets."""
     engine = Engine(
         model,
         formats.get(name),
-        EngineConfig(
+        EngineConfig.for_tokenizer(
+            tok,
             memory_bytes=memory_bytes,
             max_num_seqs=workload.concurrency,
             max_num_batched_tokens=STEP_TOKENS,
             max_model_len=max_model_len(workload),
-            eos_id=tok.eos_id,
-            never=tok.never_sampled,
-            num_ids=tok.vocab_size,
         ),
     )
     common.compiling(f"the engine's step programs ({name} KV, in-process)")

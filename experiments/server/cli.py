@@ -35,7 +35,7 @@ from experiments.server import chat as chat_lib
 from experiments.server.app import create_app
 from experiments.server.metrics import ServerMetrics
 from experiments.server.runner import EngineRunner
-from kvcache import serving as engine_lib
+from kvcache import serving as kv_serving
 from kvcache.formats import Format
 
 __all__ = ["build_parser", "build_server", "main", "serve_in_thread"]
@@ -127,7 +127,7 @@ def _bind(host: str, port: int) -> socket.socket:
 def build_server(
     model: Transformer,
     fmt: Format,
-    config: engine_lib.EngineConfig,
+    config: kv_serving.EngineConfig,
     tokenizer: Tokenizer,
     *,
     model_name: str,
@@ -136,7 +136,7 @@ def build_server(
 ) -> tuple[FastAPI, EngineRunner]:
     """(app, started runner) serving `model` with a KV pool in `fmt`: the engine is warmed up (every batch shape
     compiled) before the runner starts. Stop the runner (`runner.stop()`) when done."""
-    engine = engine_lib.Engine(model, fmt, config)
+    engine = kv_serving.Engine(model, fmt, config)
     engine.warmup()
     runner = EngineRunner(engine, tokenizer, max_waiting=max_waiting, metrics=ServerMetrics(model_name))
     runner.start()
