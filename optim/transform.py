@@ -26,7 +26,7 @@ gamma=...)` works (inside jit they are traced). Python numbers are checked when 
 computed while tracing; arrays are checked when concrete, and k is computed on device, equal to Python's
 int(float(tau) * size) (optim.select.num_selected). Scalar coefficients are cast to the moments' dtype before use
 (1 - b1 is computed in it), so a hyperparameter given as a number or as an array of the moments' dtype gives
-bit-identical updates. Every argument is keyword-only.
+bit-identical updates. Hyperparameters are keyword-only arguments.
 """
 
 from __future__ import annotations
