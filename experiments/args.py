@@ -37,6 +37,7 @@ from kvcache.serving import EngineConfig
 
 __all__ = [
     "MAX_KV_MEMORY_MIB",
+    "MAX_SEED",
     "FlagError",
     "add_kv_flags",
     "add_run_flags",
@@ -52,6 +53,9 @@ __all__ = [
 
 MAX_KV_MEMORY_MIB = 2.0**40
 """The largest --kv-memory-mib (1 EiB): larger pools cannot be allocated anywhere and overflow XLA's shape sizes."""
+
+MAX_SEED = 2**64 - 1
+"""The largest --seed: an engine's and a request's random streams are seeded in [0, 2^64) (kvcache.serving)."""
 
 IN_PROCESS_STEP_TOKENS = 256
 """The in-process command's step budget at most (its requests are known: it is capped at what they can hold)."""

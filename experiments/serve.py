@@ -67,7 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.7,
         help="sampling temperature; 0 = greedy",
     )
-    parser.add_argument("--seed", type=args_lib.integer(0), default=0, help="sampling seed (an integer >= 0)")
+    parser.add_argument(
+        "--seed",
+        type=args_lib.integer(0, maximum=args_lib.MAX_SEED),
+        default=0,
+        help="sampling seed (an integer in [0, 2**64))",
+    )
     parser.add_argument(
         "--http",
         action="store_true",

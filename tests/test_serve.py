@@ -150,6 +150,7 @@ def serve_main(capsys, *args, workdir="run"):
         ("--max-new-tokens", "nan", "integer >= 1"),
         ("--seed", "-1", "integer >= 0"),
         ("--seed", "0.5", "integer >= 0"),
+        ("--seed", str(2**64), f"<= {2**64 - 1}"),  # the engine's random streams take 64-bit seeds
         ("--site", "-1", "integer >= 0"),
         ("--kv-format", "fp16", "bf16"),
         ("--scale-rule", "max", "mse"),
@@ -170,7 +171,7 @@ MIN_MIB = BF16_BLOCK_BYTES / 2**20  # 0.0078125: one bf16 block of CFG, 16 token
 @pytest.mark.parametrize(
     "run, args, needles",
     [
-        # pools too small for one block (1e-7 MiB: 0 bytes, once a traceback) or for a request
+        # pools too small for one block (1e-7 MiB: 0 bytes) or for a request
         ({}, ["--kv-memory-mib=0.001"], ["--kv-memory-mib=0.001 holds no KV block", f"minimum is {MIN_MIB!r} MiB"]),
         ({}, ["--kv-memory-mib=1e-7"], ["--kv-memory-mib=1e-07 holds no KV block", f"{BF16_BLOCK_BYTES} bytes"]),
         (
@@ -428,6 +429,7 @@ def test_a_tensor_parallel_run_loads_and_serves_on_one_device(tmp_path, capsys, 
     "args, needles",
     [
         (["--port=70000"], ["--port", "'70000' is not an integer >= 0 and <= 65535"]),
+        ([f"--seed={2**64}"], ["--seed", f"'{2**64}' is not an integer >= 0 and <= {2**64 - 1}"]),
         (["--max-model-len=300"], ["--max-model-len=300 must be >= 2 x --max-num-batched-tokens = 512"]),
         (["--site=1"], ["--site=1: the run in run has mesh.site = 1 site(s); allowed --site in 0..0"]),
         (["--kv-memory-mib=0.0001"], ["--kv-memory-mib=0.0001 holds no KV block"]),

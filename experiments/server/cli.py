@@ -67,7 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: workdir's)")
     parser.add_argument("--chat-template", default=None, help="a Jinja2 chat template file (default: tokenizer's)")
-    parser.add_argument("--seed", type=args_lib.integer(0), default=0, help="seed of requests that give none")
+    parser.add_argument(
+        "--seed",
+        type=args_lib.integer(0, maximum=args_lib.MAX_SEED),
+        default=0,
+        help="seed of requests that give none",
+    )
     return parser
 
 
