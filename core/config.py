@@ -3,7 +3,7 @@
 A configuration is an `ml_collections.ConfigDict` with one sub-dict per section: the core ones declared here
 (`model`, `data`, `optim`, `train`, `mesh`, `checkpoint`, `sample`) and those other packages declare the same way
 (moe.config, quant.config, kvcache.config, optim.config), each a frozen dataclass of `core.schema.field`s. The
-composition root (`experiments/build.py`) adds the others to `SECTIONS` and fills registered choices (`optim.name`).
+composition root (`experiments/schema.py`) adds the others to `SECTIONS` and fills registered choices (`optim.name`).
 
 `validate` checks every key, type and value (`core.schema.check_keys`) and then the core sections' constraints
 between keys: an impossible combination (heads not dividing d_model, a mesh larger than the devices, a batch the
@@ -310,7 +310,7 @@ SECTIONS: dict[str, type] = {
     "sample": SampleConfig,
 }
 """The core sections: name -> declaration. Other packages declare theirs the same way; the composition root
-(`experiments/build.py`) adds them."""
+(`experiments/schema.py`) adds them."""
 
 
 def schema(sections: Mapping[str, type] | None = None) -> Schema:

@@ -278,7 +278,7 @@ def check_keys(config: ml_collections.ConfigDict, spec: Schema) -> None:
             if section not in config or key not in config[section]:
                 raise ConfigError(
                     f"config key '{section}.{key}' is missing; start from a default config "
-                    f"(core.config.defaults or experiments.build.default_config)."
+                    f"(core.config.defaults or experiments.schema.default_config)."
                 )
 
 
