@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -252,7 +253,7 @@ def test_optimizer_state_shardings_follow_the_parameters(name):
     opt_state = jax.eval_shape(optimizer.init, params)
     got = train_lib.optimizer_state_like(optimizer, opt_state, params, shardings, replicated)
     want = train_lib.mirror(opt_state, params, shardings, replicated)
-    assert jax.tree.structure(got) == jax.tree.structure(want)
+    chex.assert_trees_all_equal_structs(got, want)
     assert jax.tree.leaves(got) == jax.tree.leaves(want)
     assert any(s != replicated for s in jax.tree.leaves(got))  # the moments of sharded matrices are sharded
 
