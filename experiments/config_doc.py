@@ -8,15 +8,15 @@ import pathlib
 import textwrap
 
 from core import config as config_lib
-from experiments import build
-from optim import config as optim_config
+from experiments import schema
+from optim import registry
 
 PATH = pathlib.Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
 def family_table() -> str:
-    """The optimizer families' defaults of optim.b1, b2, eps and momentum (from optim.config), as markdown."""
-    keys = ("b1", "b2", "eps", "momentum")
+    """The optimizer families' defaults of optim.b1, b2, eps and momentum (from optim.registry), as markdown."""
+    keys = registry.FAMILY_KEYS
     lines = [
         "### Optimizer families: the defaults of `optim.b1`, `b2`, `eps` and `momentum`",
         "",
@@ -26,10 +26,10 @@ def family_table() -> str:
         "| family | `optim.name` | " + " | ".join(f"`{k}`" for k in keys) + " | source |",
         "|---|---|" + "---|" * len(keys) + "---|",
     ]
-    for family, values in optim_config.FAMILY_DEFAULTS.items():
-        names = ", ".join(f"`{n}`" for n, f in optim_config.FAMILIES.items() if f == family)
-        cells = " | ".join(f"{values[k]:g}" if k in values else "-" for k in keys)
-        lines.append(f"| {family} | {names} | {cells} | {optim_config.FAMILY_SOURCES[family]} |")
+    for family in registry.FAMILIES:
+        names = ", ".join(f"`{n}`" for n, o in registry.OPTIMIZERS.items() if o.family == family)
+        cells = " | ".join(f"{family.defaults[k]:g}" if k in family.defaults else "-" for k in keys)
+        lines.append(f"| {family.name} | {names} | {cells} | {family.source} |")
     return "\n".join(lines) + "\n\n"
 
 
@@ -37,7 +37,7 @@ def resume_rules() -> str:
     """Which keys a resume requires equal and which it lets change only when told to (the sections' `compat` and
     `provenance` declarations), as markdown."""
     fixed, trained = [], []
-    for name, cls in build.SECTIONS.items():
+    for name, cls in schema.SECTIONS.items():
         compat = getattr(cls, "compat", False)
         fixed += [f"`{name}`"] if compat is True else [f"`{name}.{k}`" for k in compat or ()]
         keys = getattr(cls, "provenance", False)
@@ -62,7 +62,7 @@ def render() -> str:
         "`--config.<section>.<key>=<value>`. Unknown keys, wrong types and impossible values are rejected\n"
         "before anything compiles, with a message naming the key, the value and what is allowed.\n\n"
     ) + resume_rules()
-    body = config_lib.describe(build.schema())
+    body = config_lib.describe(schema.schema())
     # the families' table right after the optim section's table (before the next section's heading)
     start = body.index("## `optim`")
     end = body.find("\n## `", start + 1)
@@ -94,8 +94,8 @@ def text(width: int = 100) -> str:
         )
 
     lines = []
-    for section, fields in build.schema().items():
-        lines += ["", *wrap(f"{section}: {section_summary(build.SECTIONS[section])}", 0, 4)]
+    for section, fields in schema.schema().items():
+        lines += ["", *wrap(f"{section}: {section_summary(schema.SECTIONS[section])}", 0, 4)]
         for key, f in fields.items():
             lines += wrap(f"{section}.{key} = {f.default!r}  [{f.describe()}]", 2, 8)
             lines += wrap(f.doc, 6, 6)

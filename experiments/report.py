@@ -12,7 +12,9 @@ import jax
 from flax import nnx
 
 from core import config as config_lib
+from core import generate
 from core import model as model_lib
+from experiments import build, plotting
 from moe.config import MoEConfig
 
 LN2 = math.log(2.0)
@@ -91,8 +93,6 @@ def plot_loss_curve(metrics_path: str, out_path: str, *, title: str | None = Non
     """Train loss and held-out bits per byte against step, in bits, from metrics.jsonl; beside it, for a MoE
     model, the routing balance (expert-load CV and load entropy) against step. The figure's title says which run
     it shows: `title`, by default `run_title` of the directory holding metrics.jsonl (its workdir)."""
-    from experiments import plotting
-
     if title is None:
         title = run_title(os.path.dirname(metrics_path) or ".")
     with open(metrics_path) as f:
@@ -127,9 +127,6 @@ def plot_loss_curve(metrics_path: str, out_path: str, *, title: str | None = Non
 def sample_text(config, model_fn, results) -> str:
     """Continues `config.sample.prompt` with the trained model (KV-cached generation), encoded and decoded by
     the run's tokenizer (`data.tokenizer`), ending at its EOS."""
-    from core import generate
-    from experiments import build
-
     model = nnx.merge(results["graphdef"], results["final_state"].params, results["final_state"].rest)
     tok = build.build_tokenizer(config)
     s = config.sample

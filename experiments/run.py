@@ -26,13 +26,21 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
+from core import checkpoint as checkpoint_lib
 from core import config as config_lib
+from core import mesh as mesh_lib
+from core import train as train_lib
 from core import workdir as workdir_lib
 from core.data import DataError
+from experiments import build, config_doc, report, schema
+from experiments import federated as federated_lib
+from experiments.hf.config_map import HFConfigError
+from experiments.hf.weights import HFWeightsError
 
 USAGE = (
     "usage: python -m experiments.run --config experiments/configs/<name>.py[:arg] --workdir <dir> "
@@ -68,8 +76,6 @@ def _listing() -> str:
 def help_text() -> str:
     """What `python -m experiments.run --help` prints: usage, the flags, then every config key with its default,
     what it allows and its one-line description (experiments.config_doc.text, from the schema)."""
-    from experiments import config_doc
-
     return (
         f"{USAGE}\n\n"
         "Trains a model from a config file, then writes the summary, loss curve and a sample into the workdir;\n"
@@ -192,9 +198,7 @@ def _load_error(value: str, error: BaseException) -> UsageError | None:
 def parse_args(argv: list[str]):
     """Parses the command line into (config, workdir); fits a warm-up longer than a short run to it
     (core.config.fit_to_steps), printing a notice. Raises UsageError with a clear message."""
-    from experiments import build
-
-    spec = build.schema()
+    spec = schema.schema()
     for arg in argv[1:]:
         if arg.startswith("--config."):
             unknown = _unknown_override(arg, spec)
@@ -263,9 +267,6 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, config_lib.ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from experiments.hf.config_map import HFConfigError
-    from experiments.hf.weights import HFWeightsError
-
     try:
         return run(config, workdir)
     except (config_lib.ConfigError, DataError, workdir_lib.WorkdirError, HFConfigError, HFWeightsError) as e:
@@ -278,13 +279,10 @@ def run(config, workdir: str, *, hooks: Sequence[Callable[[int, dict[str, float]
     `hooks` are called after every step (`core.train.run`); an exception they raise stops the run as a crash would
     (tests use one). Raises ConfigError, DataError, WorkdirError, HFConfigError or HFWeightsError (a checkpoint
     of checkpoint.init_from that does not fit) for bad input."""
-    from core import mesh as mesh_lib
-    from experiments import build
-
-    build.validate(config)  # static checks: no JAX backend touched yet
-    build.resolve(config)
+    schema.validate(config)  # static checks: no JAX backend touched yet
+    schema.resolve(config)
     mesh_lib.resolve_processes(config)  # mesh.num_processes = -1: this process's index and count from srun, mpirun...
-    build.validate(config)  # with what init_from and the cluster imply
+    schema.validate(config)  # with what init_from and the cluster imply
     if config.mesh.process_id != 0:
         return _run(config, workdir, hooks)
     with workdir_lib.lock(workdir):
@@ -299,18 +297,9 @@ def write_records(workdir: str, config: ml_collections.ConfigDict, corpus) -> No
 
 
 def _run(config, workdir: str, hooks: Sequence[Callable[[int, dict[str, float]], None]]) -> int:
-    from core import mesh as mesh_lib
-    from experiments import build
-
-    _virtual_sites(config)
+    _virtual_sites(config)  # before the JAX backend starts (the first device query below)
     mesh_lib.initialize_distributed(config)
-    import jax
-
-    build.validate(config, num_devices=jax.device_count())
-    from core import checkpoint as checkpoint_lib
-    from core import train as train_lib
-    from experiments import report
-
+    schema.validate(config, num_devices=jax.device_count())
     logging.getLogger("absl").setLevel(logging.WARNING)
     started = time.time()
     is_main = jax.process_index() == 0
@@ -335,24 +324,16 @@ def _run(config, workdir: str, hooks: Sequence[Callable[[int, dict[str, float]],
                 flush=True,
             )
 
-    def write_records(resumed_from):  # only once any checkpoint in the workdir has been accepted
-        if is_main:
-            workdir_lib.write_json(os.path.join(workdir, "config.json"), config.to_dict())
-            workdir_lib.write_json(
-                os.path.join(workdir, "data.json"), {"fingerprint": corpus.fingerprint, **corpus.info}
-            )
-
     federated = config.mesh.site > 1
-    from experiments import federated as federated_lib
-
     common: dict[str, Any] = dict(
         workdir=workdir,
         batches=batches,
-        compat=build.checkpoint_compat(config, corpus.fingerprint),
-        provenance=build.provenance(config),
+        compat=schema.checkpoint_compat(config, corpus.fingerprint),
+        provenance=schema.provenance(config),
         state_metrics=build.optimizer_metrics,
         hooks=hooks,
-        on_start=write_records,
+        # the records are written once any checkpoint in the workdir has been accepted (process 0)
+        on_start=(lambda resumed_from: write_records(workdir, config, corpus)) if is_main else None,
     )
     try:
         if federated:

@@ -199,7 +199,7 @@ def _serve_streams_the_greedy_continuation(workdir, capsys, kv_format="bf16"):
     from core.tokenizer import ByteTokenizer
     from experiments import load
     from kvcache import formats
-    from kvcache.engine import Engine, EngineConfig
+    from kvcache.serving import Engine, EngineConfig
 
     capsys.readouterr()  # what the training printed
     assert (
@@ -221,7 +221,9 @@ def _serve_streams_the_greedy_continuation(workdir, capsys, kv_format="bf16"):
     # serve's pool (1 MiB holds this request's one block of 16 tokens; on the CPU a step's time grows with the pool:
     # about 0.3 s a step at serve's default 64 MiB) and max_model_len (512): the engine's programs are the ones serve
     # compiled
-    engine = Engine(model, formats.get(kv_format), EngineConfig(memory_bytes=1 << 20, max_model_len=512))
+    engine = Engine(
+        model, formats.get(kv_format), EngineConfig.for_tokenizer(tok, memory_bytes=1 << 20, max_model_len=512)
+    )
     request = engine.submit(tok.encode("def f").tolist(), 6)
     engine.run()
     assert out.splitlines()[0] == "def f" + tok.decode(request.output)
@@ -235,14 +237,13 @@ def _exports_as_a_hugging_face_checkpoint(workdir, out, capsys):
     import jax
     import numpy as np
 
-    from experiments import load
+    from experiments import load, pretrained
     from experiments.hf import __main__ as hf_cli
-    from experiments.hf import load as hf_load
 
     assert hf_cli.main(["export", f"--workdir={workdir}", f"--out={out}"]) == 0, capsys.readouterr().err
     assert json.loads((out / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
     _, trained = load.trained_model(str(workdir))
-    _, imported = hf_load.model_from_hf(str(out))
+    _, imported = pretrained.model_from_hf(str(out))
     tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 256)
     a, b = (np.asarray(jax.jit(lambda t, m=m: m(t)[0])(tokens)) for m in (trained, imported))
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * np.abs(a).max())

@@ -16,12 +16,13 @@ import pytest
 from test_cli import CONFIG, ROOT, TINY, _run
 
 from core import config as config_lib
+from core import jax_compat
 from core import mesh as mesh_lib
-from experiments import build
+from experiments import schema
 
 CLUSTER_VARIABLES = ("SLURM_", "OMPI_", "TPU_", "KUBERNETES_SERVICE_HOST", "JAX_COORDINATOR_", "JAX_LOCAL_DEVICE_IDS")
-"""What jax's cluster detection reads (jax._src.clusters): removed from each test's environment, so that a test run
-inside a SLURM job or a Kubernetes pod sees only what the test sets."""
+"""What jax's cluster detection reads (core.jax_compat.cluster_environments): removed from each test's environment,
+so that a test run inside a SLURM job or a Kubernetes pod sees only what the test sets."""
 
 
 @pytest.fixture
@@ -39,7 +40,7 @@ def cluster_env(monkeypatch):
 
 
 def _config(**mesh):
-    c = build.default_config()
+    c = schema.default_config()
     c.mesh.update(mesh)
     return c
 
@@ -58,14 +59,14 @@ def _config(**mesh):
 )
 def test_bad_process_keys_are_refused(mesh, needles):
     with pytest.raises(config_lib.ConfigError) as e:
-        build.validate(_config(**mesh))
+        schema.validate(_config(**mesh))
     assert all(n in str(e.value) for n in needles), str(e.value)
 
 
 def test_outside_a_cluster_minus_one_names_the_key_the_environments_and_the_fix(cluster_env):
     cluster_env({})
     config = _config(num_processes=-1)
-    build.validate(config)  # the form is fine; what it needs is checked when it is resolved
+    schema.validate(config)  # the form is fine; what it needs is checked when it is resolved
     with pytest.raises(config_lib.ConfigError) as e:
         mesh_lib.resolve_processes(config)
     for needle in ("'mesh.num_processes' = -1", "none is detected", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "srun"):
@@ -99,15 +100,14 @@ OMPI = {  # rank 2 of 3 under mpirun: the launcher's first address, port 61440 +
     ],
 )
 def test_the_cluster_variables_fill_in_the_process_keys_as_jax_reads_them(cluster_env, capsys, env, expected):
-    from jax._src import clusters
-
+    auto_detect = jax_compat.lookup("jax._src.clusters.ClusterEnv.auto_detect_unset_distributed_params")
     cluster_env(env)
     config = _config(num_processes=-1)
     mesh_lib.resolve_processes(config)
     got = (config.mesh.num_processes, config.mesh.process_id, config.mesh.coordinator_address)
     assert got == expected[:3]
     # what jax.distributed.initialize() without arguments would use
-    assert clusters.ClusterEnv.auto_detect_unset_distributed_params(None, None, None, None, None, 300)[:3] == (
+    assert auto_detect(None, None, None, None, None, 300)[:3] == (
         expected[2],
         expected[0],
         expected[1],
@@ -115,7 +115,7 @@ def test_the_cluster_variables_fill_in_the_process_keys_as_jax_reads_them(cluste
     assert f"cluster: {expected[3]}: process {expected[1]} of {expected[0]}" in capsys.readouterr().out
     config.data.batch_size = 4 * expected[0] + 1  # the process-count checks, deferred under -1, now apply
     with pytest.raises(config_lib.ConfigError, match=rf"data.batch_size.*'mesh.num_processes' = {expected[0]}"):
-        build.validate(config)
+        schema.validate(config)
 
 
 def test_inconsistent_cluster_variables_are_refused(cluster_env):

@@ -15,7 +15,7 @@ from core import hlo
 from core import train as train_lib
 from core.config import DEFAULT_RULES, ConfigError
 from core.model import Transformer, TransformerConfig
-from experiments import build
+from experiments import schema
 from moe import MoE, MoEConfig, federation, rounds
 from moe.placement import fixed_placement
 
@@ -119,7 +119,7 @@ def test_local_steps_stay_inside_sites_and_the_sync_moves_one_device_per_sites_b
 
 
 def _config(**overrides):
-    c = build.default_config()
+    c = schema.default_config()
     c.model.update(d_model=32, num_layers=2, num_heads=2, num_kv_heads=2, d_ff=64)
     c.moe.update(every=1, num_experts=8, top_k=2)
     c.mesh.update(site=4, data=1, expert=2)
@@ -158,9 +158,9 @@ def _config(**overrides):
     ],
 )
 def test_bad_expert_parallel_sites_are_rejected_by_name(overrides, devices, needles):
-    build.validate(_config(), num_devices=8)  # the base config is valid: 4 sites x 2 devices
+    schema.validate(_config(), num_devices=8)  # the base config is valid: 4 sites x 2 devices
     with pytest.raises(ConfigError) as error:
-        build.validate(_config(**overrides), num_devices=devices)
+        schema.validate(_config(**overrides), num_devices=devices)
     for needle in needles:
         assert needle in str(error.value), (needle, str(error.value))
 

@@ -29,14 +29,14 @@ from core import generate as generate_lib
 from core import mesh as mesh_lib
 from core import train as train_lib
 from core.model import split_params
-from experiments import build, federated
+from experiments import build, federated, pretrained, schema
 from experiments import load as run_load
 from experiments import run as run_lib
 from experiments.configs import finetune
 from experiments.hf import __main__ as hf_cli
-from experiments.hf import config_map, export, importer, load, weights
+from experiments.hf import config_map, export, load, weights
 from kvcache import config as kv_config
-from kvcache.engine import Engine, EngineConfig
+from kvcache.serving import Engine, EngineConfig
 from moe import placement as placement_lib
 from moe.config import MoEConfig
 
@@ -48,9 +48,9 @@ NAMES = ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
 def test_imported_model_equals_transformers(name):
     directory = os.path.join(FIXTURES, name)
     reference = np.load(os.path.join(directory, "reference.npz"))
-    config = load.config_from_hf(directory)
+    config = pretrained.config_from_hf(directory)
     config.moe.grouped_matmul = "ragged_dot"  # the CPU's default windowed loop computes the same, compiles slower
-    config, model = load.model_from_hf(directory, config=config)
+    config, model = pretrained.model_from_hf(directory, config=config)
     logits, aux, _ = jax.jit(lambda t: model(t, intermediates=True))(jnp.asarray(reference["tokens"]))
     logits = np.asarray(logits)
     for row, n in enumerate(reference["lengths"]):  # ragged rows: each row's own prefix
@@ -100,7 +100,7 @@ def test_unsupported_config_fields_are_refused_by_name(tmp_path, changes, needle
     directory = _copy(tmp_path)
     _edit_config(directory, **changes)
     with pytest.raises(config_map.HFConfigError, match="config.json: ") as e:
-        load.model_from_hf(str(directory))
+        pretrained.model_from_hf(str(directory))
     assert needle in str(e.value), str(e.value)
 
 
@@ -108,14 +108,14 @@ def test_missing_shard_missing_tensor_and_wrong_shape_are_refused_by_name(tmp_pa
     directory = _copy(tmp_path, "mixtral")
     (directory / "model-00002-of-00003.safetensors").unlink()
     with pytest.raises(weights.HFWeightsError, match="model-00002-of-00003.safetensors: the shard is missing"):
-        load.model_from_hf(str(directory))
+        pretrained.model_from_hf(str(directory))
     directory = _copy(tmp_path, "qwen2")
     _edit_config(directory, intermediate_size=40)
     with pytest.raises(weights.HFWeightsError, match=r"'model.layers.0.mlp.gate_proj.weight' has shape \(48, 32\)"):
-        load.model_from_hf(str(directory))
+        pretrained.model_from_hf(str(directory))
     _edit_config(directory, intermediate_size=48, num_hidden_layers=3)
     with pytest.raises(weights.HFWeightsError, match="tensor 'model.layers.2.input_layernorm.weight' is missing"):
-        load.model_from_hf(str(directory))
+        pretrained.model_from_hf(str(directory))
 
 
 @pytest.mark.hf
@@ -142,7 +142,7 @@ def test_export_of_an_imported_model_is_the_checkpoint(tmp_path, name):
     """import -> export: every tensor equal to the original file's, the config.json mapping to the same sections
     (Mixtral written as shards with an index, as it came)."""
     directory = os.path.join(FIXTURES, name)
-    config, model = load.model_from_hf(directory)
+    config, model = pretrained.model_from_hf(directory)
     files = export.save(config, model, str(tmp_path), max_shard_bytes=100_000 if name == "mixtral" else 2**30)
     assert (name == "mixtral") == any(f.endswith("index.json") for f in files)
     original, again = weights.read(directory), weights.read(str(tmp_path))
@@ -162,7 +162,7 @@ def test_export_of_an_imported_model_is_the_checkpoint(tmp_path, name):
     ],
 )
 def test_what_maps_to_no_architecture_is_refused_before_writing(tmp_path, section, changes, needle):
-    config = build.default_config()
+    config = schema.default_config()
     config[section].update(changes)
     with pytest.raises(export.HFExportError, match=re.escape(needle)):
         export.save(config, nnx.Module(), str(tmp_path / "out"))  # refused before the model is read
@@ -176,7 +176,7 @@ def test_transformers_loads_our_export(tmp_path, name):
     the fixture's logits."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    config, model = load.model_from_hf(os.path.join(FIXTURES, name))
+    config, model = pretrained.model_from_hf(os.path.join(FIXTURES, name))
     export.save(config, model, str(tmp_path))
     reference = np.load(os.path.join(FIXTURES, name, "reference.npz"))
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
@@ -206,15 +206,15 @@ def test_an_imported_checkpoint_is_a_run_that_serves_through_the_paged_cache(tmp
     directory = os.path.join(FIXTURES, "qwen3")
     reference = np.load(os.path.join(directory, "reference.npz"))
     workdir = tmp_path / "run"
-    config = _tiny_data(build.default_config(), tmp_path)
+    config = _tiny_data(schema.default_config(), tmp_path)
     config.mesh.data = 1
-    summary = importer.import_to(str(workdir), directory, config=config, eval_batches=0)  # runs evaluate: elsewhere
+    summary = pretrained.import_to(str(workdir), directory, config=config, eval_batches=0)  # runs evaluate: elsewhere
     assert summary["steps"] == 0
     assert summary["num_params"] == sum(x.size for x in weights.read(directory).values())  # the checkpoint's
     saved = json.loads((workdir / "config.json").read_text())
     assert saved["checkpoint"]["init_from"] == "hf:" + directory and saved["model"]["head_dim"] == 64
     config, model = run_load.trained_model(str(workdir))
-    expected = weights.to_ours(weights.read(directory), build.model_config(config), _moe(config), source=directory)
+    expected = weights.to_ours(weights.read(directory), schema.model_config(config), _moe(config), source=directory)
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         np.testing.assert_array_equal(np.asarray(var.get_value()), expected[".".join(map(str, path))])
     fmt = kv_config.make_format(config_lib.from_config(kv_config.KVCacheConfig, {**config.kvcache, "format": "bf16"}))
@@ -267,11 +267,11 @@ def test_imported_parameters_are_created_in_their_shardings():
     """On a data x tensor mesh (4 x 2) each device receives only its slice of a head-sharded projection, and the
     values are the checkpoint's."""
     directory = os.path.join(FIXTURES, "qwen3")
-    config = build.default_config()
+    config = schema.default_config()
     config.checkpoint.init_from = "hf:" + directory
     config.mesh.update(data=4, model=2)
-    build.resolve(config)
-    build.validate(config, num_devices=8)
+    schema.resolve(config)
+    schema.validate(config, num_devices=8)
     _, sharder = build.build_mesh(config)
     _, abstract, _ = split_params(nnx.eval_shape(lambda: build.build_model_fn(config, sharder)(nnx.Rngs(0))))
     params = load.initial_params(config, abstract, mesh_lib.param_shardings(abstract, sharder))
@@ -309,7 +309,7 @@ def _moe(config):
 
 def test_fine_tuning_starts_from_the_checkpoint(tmp_path):
     """`checkpoint.init_from = "hf:DIR"` (experiments/configs/finetune.py), here with MGUP-AdamW: the first step's
-    training loss is the imported model's loss on that step's batch (computed here from `load.model_from_hf`); a
+    training loss is the imported model's loss on that step's batch (computed here from `pretrained.model_from_hf`); a
     config that sets an architecture key to another value is refused by name."""
     directory = os.path.join(FIXTURES, "llama")
     config = _tiny_data(finetune.get_config(directory), tmp_path)
@@ -320,7 +320,7 @@ def test_fine_tuning_starts_from_the_checkpoint(tmp_path):
     [row] = [
         r for r in map(json.loads, (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()) if "train_loss" in r
     ]
-    _, model = load.model_from_hf(directory, config=config)  # resolved by the run: llama's architecture
+    _, model = pretrained.model_from_hf(directory, config=config)  # resolved by the run: llama's architecture
     _, batches = build.build_data(config)
     key = jax.random.fold_in(jax.random.PRNGKey(config.train.seed), 0)  # the train step's key of step 0
     loss, _ = train_lib.lm_loss(model, jnp.asarray(batches.train_batch(0)), key=key)
@@ -328,7 +328,7 @@ def test_fine_tuning_starts_from_the_checkpoint(tmp_path):
     bad = _tiny_data(finetune.get_config(directory), tmp_path)
     bad.model.d_model = 64
     with pytest.raises(config_lib.ConfigError, match=r"'model.d_model' = 64 conflicts with the checkpoint .* has 32"):
-        build.resolve(bad)
+        schema.resolve(bad)
 
 
 def test_a_federation_starts_each_site_from_its_resident_experts_and_a_site_exports_as_its_own_model(tmp_path):
@@ -340,10 +340,10 @@ def test_a_federation_starts_each_site_from_its_resident_experts_and_a_site_expo
     config = _tiny_data(finetune.get_config(directory), tmp_path)
     config.mesh.update(site=2, data=1)
     config.fomoe.update(overlap=1, local_steps=1)
-    build.resolve(config)
-    build.validate(config, num_devices=8)
+    schema.resolve(config)
+    schema.validate(config, num_devices=8)
     graphdef, _, _, state = federated.initial_state(config, pretrained=True)
-    expected = weights.to_ours(weights.read(directory), build.model_config(config), _moe(config), source=directory)
+    expected = weights.to_ours(weights.read(directory), schema.model_config(config), _moe(config), source=directory)
     placement = placement_lib.fixed_placement(config.moe.num_experts, 2, 1)
     for path, var in nnx.to_flat_state(state.train.params):
         key, value = ".".join(map(str, path)), np.asarray(var.get_value())
@@ -356,7 +356,7 @@ def test_a_federation_starts_each_site_from_its_resident_experts_and_a_site_expo
                 np.testing.assert_array_equal(value[site], expected[key], err_msg=key)
     site_model = nnx.merge(graphdef, *jax.tree.map(lambda x: x[1], (state.train.params, state.train.rest)))
     export.save(federated.site_config(config), site_model, str(tmp_path / "site1"))
-    exported, again = load.model_from_hf(str(tmp_path / "site1"))
+    exported, again = pretrained.model_from_hf(str(tmp_path / "site1"))
     assert exported.moe.num_experts == 2
     tokens = jnp.asarray(np.load(os.path.join(directory, "reference.npz"))["tokens"])
     np.testing.assert_allclose(again(tokens)[0], site_model(tokens)[0], rtol=0, atol=1e-5)

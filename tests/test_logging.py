@@ -18,7 +18,7 @@ import pytest
 from core import checkpoint as checkpoint_lib
 from core import train as train_lib
 from core import workdir as workdir_lib
-from experiments.federated import FederatedStepper
+from moe.stepper import FederatedStepper
 
 from helpers import make_tiny_config
 

@@ -204,10 +204,10 @@ def test_a_rounds_collectives_are_exactly_the_formula_bytes(name, overlap, metho
     LocalAdamW, the optimizer state that mirrors them (counts and MGUP's selected fraction stay with each site).
     Every optimizer, as `optim.name` builds it, also trains the MoE sites: the second round's loss on the same
     batches is lower than the first's."""
-    from experiments import build
+    from experiments import build, schema
     from moe import system_model
 
-    config = build.default_config()
+    config = schema.default_config()
     config.optim.update(name=name, learning_rate=3e-3, warmup_steps=0)
     optimizer = build.build_optimizer(config)
     outer = diloco_outer() if method == "diloco" else None

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from experiments import build, run
+from experiments import run, schema
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "experiments", "configs")
@@ -31,7 +31,7 @@ def test_help_lists_the_flags_and_every_config_key_with_its_default(capsys, noth
     for needle in ("--config FILE", "--workdir DIR", "--config.<section>.<key>=", "docs/configuration.md"):
         assert needle in out, needle
     flat = " ".join(out.split())  # long defaults (mesh.rules) wrap over lines
-    for section, fields in build.schema().items():
+    for section, fields in schema.schema().items():
         for key, field in fields.items():
             entry = " ".join(f"{section}.{key} = {field.default!r} [{field.describe()}]".split())
             assert entry in flat, entry
@@ -91,6 +91,6 @@ def test_a_short_run_fits_the_warm_up_and_records_it(capsys):
     assert (config.train.steps, config.optim.warmup_steps) == (10, 10)
     out = capsys.readouterr().out
     assert "optim.warmup_steps = 40 > train.steps = 10: warming up over all 10 steps" in out
-    build.validate(config)
+    schema.validate(config)
     config, _ = run.parse_args(["run", f"--config={QUICKSTART}", "--workdir=unused", "--config.train.steps=50"])
     assert config.optim.warmup_steps == 40 and "warming up" not in capsys.readouterr().out

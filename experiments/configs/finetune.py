@@ -11,11 +11,11 @@ defaults: a learning rate 10x below pre-training's, a short warm-up, no weight d
 steps.
 """
 
-from experiments import build
+from experiments import schema
 
 
 def get_config(hf_dir: str):
-    config = build.default_config()
+    config = schema.default_config()
     config.checkpoint.init_from = "hf:" + hf_dir
     config.optim.update(learning_rate=1e-4, warmup_steps=10, weight_decay=0.0)
     config.train.update(steps=200, eval_every=50, eval_batches=8)

@@ -17,11 +17,11 @@ The DDP baseline is the same model with
 --config.mesh.site=1 --config.mesh.data=4 (gradients all-reduced every step).
 """
 
-from experiments import build
+from experiments import schema
 
 
 def get_config():
-    config = build.default_config()
+    config = schema.default_config()
     config.model.update(d_model=128, num_layers=4, num_heads=2, num_kv_heads=2, d_ff=512)
     config.moe.update(every=1, num_experts=8, top_k=2, expert_size=128, router="sigmoid")
     config.mesh.update(site=4, data=1)

@@ -13,11 +13,11 @@ Without federation (`--config.mesh.site=1 --config.mesh.data=-1`) the same MoE r
 (dense model, one run each, lr 5e-3, 4 held-out batches: batch 8 x 620 steps 2.47 bits/byte, 16 x 340 2.52,
 32 x 180 2.72)."""
 
-from experiments import build
+from experiments import schema
 
 
 def get_config():
-    config = build.default_config()
+    config = schema.default_config()
     config.model.update(d_model=128, num_layers=4, num_heads=2, num_kv_heads=1, d_ff=384)
     config.moe.update(every=1, num_experts=8, top_k=2, expert_size=128, router="sigmoid")
     config.mesh.update(site=2, data=1)  # two federated sites (virtual CPU devices of this process)

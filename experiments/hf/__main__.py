@@ -5,7 +5,7 @@
 
 `import` writes a checkpoint (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM,
 Qwen3MoeForCausalLM) into a new workdir as a run at step 0, with its held-out loss and bits per byte on the corpus
-(experiments.hf.importer): serve, sample or export it as any run. `export` writes a trained run's model (a federated
+(experiments.pretrained): serve, sample or export it as any run. `export` writes a trained run's model (a federated
 run: site `--site`'s model, its own experts) as a Hugging Face checkpoint (config.json, safetensors and the tokenizer
 files) of the architecture it fits (experiments.hf.export). Exit codes: 0 written;
 2 bad input (a config.json field or a tensor we cannot honour, a workdir that is not a finished run or already holds
@@ -17,7 +17,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from core.checkpoint import CheckpointError
+from core.workdir import WorkdirError
+from experiments import load, pretrained, schema
 from experiments.bench import common
+from experiments.hf import export
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,9 +62,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    from core.checkpoint import CheckpointError
-    from core.workdir import WorkdirError
-
     try:
         return _import(args) if args.command == "import" else _export(args)
     except CheckpointError as e:
@@ -72,12 +73,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _import(args) -> int:
-    from experiments import build
-    from experiments.hf import importer
-
-    config = build.default_config()
+    config = schema.default_config()
     config.data.path = args.data_path
-    summary = importer.import_to(args.workdir, args.hf_dir, config=config, eval_batches=args.eval_batches)
+    summary = pretrained.import_to(args.workdir, args.hf_dir, config=config, eval_batches=args.eval_batches)
     held_out = (
         f"; held-out loss {summary['val_loss']:.4f}, {summary['val_bits_per_byte']:.4f} bits/byte"
         if "val_loss" in summary
@@ -88,9 +86,6 @@ def _import(args) -> int:
 
 
 def _export(args) -> int:
-    from experiments import load
-    from experiments.hf import export
-
     config, model = load.trained_model(args.workdir, site=args.site)
     files = export.save(config, model, args.out, max_shard_bytes=int(args.max_shard_mib * 2**20))
     print(f"wrote {len(files)} files to {args.out}: {', '.join(f.rsplit('/', 1)[-1] for f in files)}")

@@ -1,12 +1,16 @@
-"""A Hugging Face checkpoint directory -> our config and parameters (in their shardings) or a whole Transformer.
+"""`checkpoint.init_from = "hf:DIR"`: what a Hugging Face checkpoint directory implies for our config, and its
+parameters (in their shardings).
 
-    config, model = hf.load.model_from_hf("path/to/checkpoint")   # a model to call, on the default device
-    load.apply_to(config)            # checkpoint.init_from = "hf:DIR": the model and moe sections from DIR
+    load.apply_to(config)                       # the model and moe sections (and tokenizer) from DIR, in place
+    params = load.initial_params(config, abstract, shardings)   # DIR's tensors as our parameters
+    model = load.pretrained_model(config, model_fn)             # model_fn(rngs)'s module holding DIR's weights
 
-The config is our defaults with the `model` and `moe` sections the checkpoint's config.json maps to
-(`config_map.from_hf`); parameters are built abstractly (no random initialisation is ever computed) and receive the
-checkpoint's tensors (`weights.to_ours`), cast to `model.param_dtype`, each placed directly in its sharding (a device
-receives only its slice). Errors name the file, the field or the tensor, and nothing is written anywhere.
+The `model` and `moe` sections are those the checkpoint's config.json maps to (`config_map.from_hf`); parameters are
+built abstractly (no random initialisation is ever computed) and receive the checkpoint's tensors
+(`weights.to_ours`), cast to `model.param_dtype`, each placed directly in its sharding (a device receives only its
+slice). Errors name the file, the field or the tensor, and nothing is written anywhere. This module reads only the
+`model` and `moe` sections' declarations (core.config.TransformerConfig, moe.config.MoEConfig): experiments.schema
+calls it from `validate` and `resolve`, and experiments.pretrained composes the whole model.
 """
 
 from __future__ import annotations
@@ -23,13 +27,11 @@ import numpy as np
 from flax import nnx
 
 from core import config as config_lib
-from core.mesh import Sharder
 from core.model import Transformer, split_params
-from experiments import build
 from experiments.hf import config_map, weights
 from moe.config import MoEConfig
 
-__all__ = ["PREFIX", "apply_to", "config_from_hf", "hf_dir", "initial_params", "model_from_hf", "pretrained_model"]
+__all__ = ["PREFIX", "apply_to", "hf_dir", "initial_params", "pretrained_model"]
 
 PREFIX = "hf:"
 """`checkpoint.init_from = "hf:DIR"` starts a run from the Hugging Face checkpoint in DIR."""
@@ -52,6 +54,10 @@ def hf_dir(config: ml_collections.ConfigDict) -> str | None:
     return spec[len(PREFIX) :]
 
 
+def _model(config: ml_collections.ConfigDict) -> config_lib.TransformerConfig:
+    return config_lib.from_config(config_lib.TransformerConfig, config.model)
+
+
 def _sections(directory: str) -> dict[str, dict[str, Any]]:
     path = os.path.join(directory, "config.json")
     if not os.path.exists(path):
@@ -62,16 +68,6 @@ def _sections(directory: str) -> dict[str, dict[str, Any]]:
         except json.JSONDecodeError as e:
             raise config_map.HFConfigError(f"{path} is not JSON: {e}") from None
     return config_map.from_hf(hf, source=path)
-
-
-def config_from_hf(directory: str) -> ml_collections.ConfigDict:
-    """Our default config with the sections `directory/config.json` maps to, validated. Raises HFConfigError or
-    ConfigError naming the field."""
-    config = build.default_config()
-    config.checkpoint.init_from = PREFIX + directory
-    apply_to(config)
-    build.validate(config)
-    return config
 
 
 def apply_to(config: ml_collections.ConfigDict) -> None:
@@ -88,7 +84,10 @@ def apply_to(config: ml_collections.ConfigDict) -> None:
         return
     directory = os.path.abspath(directory)
     config.checkpoint.init_from = PREFIX + directory  # the same checkpoint from any working directory
-    spec = build.schema()
+    spec = {  # the defaults of the two sections a checkpoint's config.json maps to
+        "model": config_lib.section_fields(config_lib.TransformerConfig),
+        "moe": config_lib.section_fields(MoEConfig),
+    }
     for section, values in _sections(directory).items():
         for key, value in values.items():
             current, default = config[section][key], spec[section][key].default
@@ -103,7 +102,7 @@ def apply_to(config: ml_collections.ConfigDict) -> None:
             if current == default:
                 config[section][key] = value
     moe = config_lib.from_config(MoEConfig, config.moe)
-    weights.check(weights.headers(directory), build.model_config(config), moe, source=directory)
+    weights.check(weights.headers(directory), _model(config), moe, source=directory)
     tokenizer = os.path.join(directory, "tokenizer.json")
     if config.data.tokenizer == "bytes" and os.path.isfile(tokenizer):
         config.data.tokenizer = directory
@@ -119,7 +118,7 @@ def initial_params(
     if directory is None:
         raise ValueError("initial_params needs checkpoint.init_from = 'hf:DIR'")
     moe = config_lib.from_config(MoEConfig, config.moe)
-    tensors = weights.to_ours(weights.read(directory), build.model_config(config), moe, source=directory)
+    tensors = weights.to_ours(weights.read(directory), _model(config), moe, source=directory)
     return _place(abstract, tensors, shardings, jnp.dtype(config.model.param_dtype))
 
 
@@ -135,16 +134,6 @@ def _place(abstract: nnx.State, tensors: Mapping[str, np.ndarray], shardings, dt
 def _on(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     """`host` as an array in `sharding`: each device receives only its slice."""
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-
-def model_from_hf(
-    directory: str, *, config: ml_collections.ConfigDict | None = None
-) -> tuple[ml_collections.ConfigDict, Transformer]:
-    """(config, Transformer with the checkpoint's weights) of the Hugging Face checkpoint in `directory`, on the
-    default device. `config`: a resolved config whose other sections (precision, moe.grouped_matmul, ...) the model
-    is built with (default: the defaults)."""
-    config = config_from_hf(directory) if config is None else config
-    return config, pretrained_model(config, build.build_model_fn(config, Sharder()))
 
 
 def pretrained_model(config: ml_collections.ConfigDict, model_fn) -> Transformer:

@@ -3,9 +3,10 @@
     tensors = weights.read(hf_dir)                    # {hf name: np.ndarray}, one file or an index of shards
     weights.check(weights.headers(hf_dir), model_cfg, moe_cfg, source=hf_dir)  # the same checks, headers only
     params = weights.to_ours(tensors, model_cfg, moe_cfg, source=hf_dir)  # {our path ("blocks.0.attn.q.kernel"): array}
-    tensors = weights.from_ours(params, model_cfg, moe_cfg, mixtral=False)  # and back (experiments.hf.export)
+    tensors = weights.from_ours(params, model_cfg, moe_cfg, experts=arch.experts)  # and back (experiments.hf.export)
 
-Both directions read one table, `layout`: every checkpoint tensor's name and shape, our path, and how they relate.
+Both directions read one table, `layout` (from experiments.hf.arch): every checkpoint tensor's name and shape, our
+path, and how they relate.
 
 Layout differences the mapping undoes: PyTorch's Linear stores [out, in] (ours [in, out]); experts are one tensor
 per expert and projection (ours one [E, in, out] stack per projection); the router is `gate` / `block_sparse_moe.gate`
@@ -17,15 +18,16 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from core.config import TransformerConfig
+from experiments.hf import arch as arch_lib
 from moe.config import MoEConfig
 
-__all__ = ["Entry", "HFWeightsError", "check", "from_ours", "headers", "layout", "read", "to_ours"]
+__all__ = ["Entry", "HFWeightsError", "check", "expert_names", "from_ours", "headers", "layout", "read", "to_ours"]
 
 _FLOATS = ("float32", "float16", "bfloat16")
 
@@ -38,7 +40,7 @@ class HFWeightsError(ValueError):
 def read(hf_dir: str) -> dict[str, np.ndarray]:
     """Every tensor of the checkpoint in `hf_dir`: `model.safetensors`, or the shards `model.safetensors.index.json`
     lists (each tensor from the file the index names). Read with the safetensors NumPy API (bfloat16 as ml_dtypes')."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # an optional dependency ([experiments]): imported where it is used
 
     tensors: dict[str, np.ndarray] = {}
     for path, names in _shards(hf_dir).items():
@@ -50,7 +52,7 @@ def read(hf_dir: str) -> dict[str, np.ndarray]:
 def headers(hf_dir: str) -> dict[str, tuple[tuple[int, ...], str]]:
     """{tensor name: (shape, dtype name)} of the checkpoint in `hf_dir`, from the safetensors headers alone (no
     tensor is read): what `check` needs to refuse a checkpoint before anything is loaded."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # an optional dependency ([experiments]): imported where it is used
 
     out = {}
     for path, names in _shards(hf_dir).items():
@@ -67,7 +69,7 @@ _DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # safetensor
 def _shards(hf_dir: str) -> dict[str, list[str]]:
     """{shard file path: the tensor names it holds} of `hf_dir`. Raises HFWeightsError for a missing file or
     tensor."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # an optional dependency ([experiments]): imported where it is used
 
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -107,55 +109,38 @@ class Entry(NamedTuple):
     expert: int | None = None
 
 
-def layout(model: TransformerConfig, moe: MoEConfig, *, mixtral: bool) -> list[Entry]:
+def layout(model: TransformerConfig, moe: MoEConfig, *, experts: arch_lib.ExpertNames | None = None) -> list[Entry]:
     """Every tensor of the Hugging Face checkpoint of a model with the config sections `model` and `moe`, mapped to
-    ours: the one table import (`to_ours`) and export (`from_ours`) both read. `mixtral`: MoE layers named as
-    Mixtral's (block_sparse_moe, w1 gate / w3 up / w2 down) rather than Qwen3-MoE's (mlp, gate/up/down_proj)."""
-    m = model
-    d, v, hd, ff = m.d_model, m.vocab_size, m.head_dim, m.d_ff
-    h, kv = m.num_heads, m.num_kv_heads
-    out = [
-        Entry("model.embed_tokens.weight", (v, d), "embedding"),
-        Entry("model.norm.weight", (d,), "final_norm.scale"),
-    ]
-    if not m.tie_embeddings:
-        out.append(Entry("lm_head.weight", (v, d), "head.kernel", transpose=True))
-    for i in range(m.num_layers):
+    ours: the one table import (`to_ours`) and export (`from_ours`) both read, from experiments.hf.arch (`TOP`,
+    `LAYER`, `DENSE_MLP`, and `experts`: the MoE layers' names, default `arch.MLP_EXPERTS`)."""
+    names = experts or arch_lib.MLP_EXPERTS
+    out = [Entry(t.hf, t.shape(model), t.ours, t.transpose) for t in arch_lib.TOP if t.present(model)]
+    for i in range(model.num_layers):
         hf, ours = f"model.layers.{i}", f"blocks.{i}"
-        out += [
-            Entry(f"{hf}.input_layernorm.weight", (d,), f"{ours}.attn_norm.scale"),
-            Entry(f"{hf}.post_attention_layernorm.weight", (d,), f"{ours}.ffn_norm.scale"),
-        ]
-        for name, width in (("q", h * hd), ("k", kv * hd), ("v", kv * hd)):
-            out.append(Entry(f"{hf}.self_attn.{name}_proj.weight", (width, d), f"{ours}.attn.{name}.kernel", True))
-            if m.qkv_bias:
-                out.append(Entry(f"{hf}.self_attn.{name}_proj.bias", (width,), f"{ours}.attn.{name}.bias"))
-        out.append(Entry(f"{hf}.self_attn.o_proj.weight", (d, h * hd), f"{ours}.attn.o.kernel", True))
-        if m.out_bias:
-            out.append(Entry(f"{hf}.self_attn.o_proj.bias", (d,), f"{ours}.attn.o.bias"))
-        if m.qk_norm:
-            out += [
-                Entry(f"{hf}.self_attn.q_norm.weight", (hd,), f"{ours}.attn.q_norm.scale"),
-                Entry(f"{hf}.self_attn.k_norm.weight", (hd,), f"{ours}.attn.k_norm.scale"),
-            ]
+        ffn = () if moe.is_moe_layer(i) else arch_lib.DENSE_MLP
+        for t in (*arch_lib.LAYER, *ffn):
+            if t.present(model):
+                out.append(Entry(f"{hf}.{t.hf}", t.shape(model), f"{ours}.{t.ours}", t.transpose))
         if not moe.is_moe_layer(i):
-            out += [
-                Entry(f"{hf}.mlp.gate_proj.weight", (ff, d), f"{ours}.ffn.gate.kernel", True),
-                Entry(f"{hf}.mlp.up_proj.weight", (ff, d), f"{ours}.ffn.up.kernel", True),
-                Entry(f"{hf}.mlp.down_proj.weight", (d, ff), f"{ours}.ffn.down.kernel", True),
-            ]
             continue
-        e, size = moe.num_experts, moe.expert_size
-        prefix, names = (
-            (f"{hf}.block_sparse_moe", ("w1", "w3", "w2"))
-            if mixtral
-            else (f"{hf}.mlp", ("gate_proj", "up_proj", "down_proj"))
-        )
-        out.append(Entry(f"{prefix}.gate.weight", (e, d), f"{ours}.ffn.router", True))
+        e, size, d, prefix = moe.num_experts, moe.expert_size, model.d_model, f"{hf}.{names.block}"
+        out.append(Entry(f"{prefix}.{names.router}.weight", (e, d), f"{ours}.ffn.router", True))
         for j in range(e):
-            for name, ours_name, shape in zip(names, ("gate", "up", "down"), ((size, d), (size, d), (d, size))):
+            for name, ours_name, shape in zip(
+                (names.gate, names.up, names.down), ("gate", "up", "down"), ((size, d), (size, d), (d, size))
+            ):
                 out.append(Entry(f"{prefix}.experts.{j}.{name}.weight", shape, f"{ours}.ffn.{ours_name}", True, j))
     return out
+
+
+def expert_names(found: Iterable[str]) -> arch_lib.ExpertNames | None:
+    """The MoE layers' names of the architecture whose expert tensors appear among the tensor names `found`
+    (None: none does, e.g. a dense checkpoint)."""
+    found = list(found)
+    for a in arch_lib.ARCHITECTURES:
+        if a.experts is not None and any(f".{a.experts.block}.experts." in name for name in found):
+            return a.experts
+    return None
 
 
 def check(
@@ -164,7 +149,7 @@ def check(
     """The layout entries of a checkpoint whose tensors have the {name: (shape, dtype name)} `found` (`headers`),
     after checking it holds exactly the tensors of a model with the sections `model` and `moe`, each of its shape
     and a float dtype. Raises HFWeightsError naming `source` and the first tensor that does not fit."""
-    entries = layout(model, moe, mixtral=any(".block_sparse_moe." in name for name in found))
+    entries = layout(model, moe, experts=expert_names(found))
     for entry in entries:
         if entry.hf not in found:
             raise HFWeightsError(f"{source}: tensor {entry.hf!r} is missing (expected shape {entry.shape})")
@@ -199,10 +184,17 @@ def to_ours(tensors: Mapping[str, np.ndarray], model: TransformerConfig, moe: Mo
     return out
 
 
-def from_ours(params: Mapping[str, np.ndarray], model: TransformerConfig, moe: MoEConfig, *, mixtral: bool) -> dict:
-    """The inverse of `to_ours`: {checkpoint tensor name: array} from {our parameter path: array}."""
+def from_ours(
+    params: Mapping[str, np.ndarray],
+    model: TransformerConfig,
+    moe: MoEConfig,
+    *,
+    experts: arch_lib.ExpertNames | None = None,
+) -> dict:
+    """The inverse of `to_ours`: {checkpoint tensor name: array} from {our parameter path: array}, the MoE layers
+    named by `experts` (the architecture's, experiments.hf.arch)."""
     out = {}
-    for entry in layout(model, moe, mixtral=mixtral):
+    for entry in layout(model, moe, experts=experts):
         x = np.asarray(params[entry.ours])
         x = x if entry.expert is None else x[entry.expert]
         out[entry.hf] = np.ascontiguousarray(x.T if entry.transpose else x)

@@ -87,7 +87,8 @@ def round_trip(out: str) -> tuple[dict[str, Any], str]:
     """Exports the BPE run and imports the export into a fresh workdir, evaluated on the run's held-out batches;
     returns (the import's summary, its workdir)."""
     from experiments import build, load
-    from experiments.hf import export, importer
+    from experiments import pretrained as importer
+    from experiments.hf import export
 
     config, model = load.trained_model(os.path.join(out, "runs", "bpe"))
     exported = os.path.join(out, "runs", "export")

@@ -1,7 +1,12 @@
-"""A Hugging Face checkpoint -> a run's workdir, so that everything that takes a workdir takes the imported model.
+"""A Hugging Face checkpoint as our model, or as a run's workdir (so everything that takes a workdir takes it).
 
-    summary = importer.import_to("runs/qwen3", "path/to/checkpoint")
+    config, model = pretrained.model_from_hf("path/to/checkpoint")   # a model to call, on the default device
+    summary = pretrained.import_to("runs/qwen3", "path/to/checkpoint")
     # then: python -m experiments.serve --workdir runs/qwen3 ...; python -m experiments.hf export --workdir ...
+
+The composition over experiments.hf's mapping: the config is our defaults with the sections the checkpoint's
+config.json maps to (experiments.hf.load.apply_to), the model is built by experiments.build and receives the
+checkpoint's weights (experiments.hf.load.pretrained_model).
 
 The workdir receives what a run of zero steps would leave: config.json (our defaults with `checkpoint.init_from`
 and the architecture and tokenizer it implies), data.json (the corpus the held-out numbers are measured on),
@@ -21,10 +26,32 @@ import ml_collections
 from core import checkpoint as checkpoint_lib
 from core import train as train_lib
 from core import workdir as workdir_lib
-from experiments import build, report, run
+from core.mesh import Sharder
+from core.model import Transformer
+from experiments import build, report, run, schema
 from experiments.hf import load
 
-__all__ = ["import_to"]
+__all__ = ["config_from_hf", "import_to", "model_from_hf"]
+
+
+def config_from_hf(directory: str) -> ml_collections.ConfigDict:
+    """Our default config with the sections `directory/config.json` maps to, validated. Raises HFConfigError or
+    ConfigError naming the field."""
+    config = schema.default_config()
+    config.checkpoint.init_from = load.PREFIX + directory
+    load.apply_to(config)
+    schema.validate(config)
+    return config
+
+
+def model_from_hf(
+    directory: str, *, config: ml_collections.ConfigDict | None = None
+) -> tuple[ml_collections.ConfigDict, Transformer]:
+    """(config, Transformer with the checkpoint's weights) of the Hugging Face checkpoint in `directory`, on the
+    default device. `config`: a resolved config whose other sections (precision, moe.grouped_matmul, ...) the model
+    is built with (default: `config_from_hf(directory)`)."""
+    config = config_from_hf(directory) if config is None else config
+    return config, load.pretrained_model(config, build.build_model_fn(config, Sharder()))
 
 
 def import_to(
@@ -41,12 +68,12 @@ def import_to(
       HFConfigError, HFWeightsError or ConfigError naming the field or tensor, before anything is written;
       WorkdirError if `workdir` already holds a run's checkpoints or is in use.
     """
-    config = build.default_config() if config is None else config
+    config = schema.default_config() if config is None else config
     config.checkpoint.init_from = load.PREFIX + directory
     config.train.eval_batches = max(eval_batches, 1)
-    build.validate(config)
-    build.resolve(config)  # the architecture, the tokenizer, and the checkpoint's headers checked
-    build.validate(config, num_devices=jax.device_count())
+    schema.validate(config)
+    schema.resolve(config)  # the architecture, the tokenizer, and the checkpoint's headers checked
+    schema.validate(config, num_devices=jax.device_count())
     ckpt_dir = os.path.join(workdir, "checkpoints")
     if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
         raise workdir_lib.WorkdirError(
@@ -73,8 +100,8 @@ def import_to(
             0,
             state,
             loop={},
-            compat=build.checkpoint_compat(config, corpus.fingerprint),
-            provenance=build.provenance(config),
+            compat=schema.checkpoint_compat(config, corpus.fingerprint),
+            provenance=schema.provenance(config),
         )
         checkpointer.close()
         workdir_lib.write_json(os.path.join(workdir, "summary.json"), summary)

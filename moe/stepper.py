@@ -1,0 +1,302 @@
+"""The federated round as a training-driver Stepper (docs/fomoe.md, "Synchronisation (one round)").
+
+    stepper = FederatedStepper(graphdef, optimizer, state, mesh, batches, placement_at=lambda r: placement,
+                               local_steps=K, total_rounds=R, eval_batches=4)
+    core.train.run(config, stepper, state, workdir=..., compat=...)
+
+Config-free: the site model's graphdef, the inner optimizer and the outer one (DiLoCo's, or None for LocalAdamW),
+the site mesh (moe.federation.site_mesh), the placements and the batch source are passed in; experiments.federated
+builds them from a config. One call is one round: the K global batches of its steps (pure functions of the step,
+core.data.Batches) are split over the sites, the K local steps and the synchronisation run as two programs compiled
+once in the constructor (moe.rounds), and the metrics are the means over steps and sites. The bytes a round moves
+are read from the compiled synchronisation (moe.federation.sync_bytes_per_site) and given beside the spec's formula
+(moe.system_model.sync_bytes).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
+
+from core import hlo
+from core import train as train_lib
+from core.data import Batches
+from moe import federation, reshuffle, system_model
+from moe import rounds as rounds_lib
+from moe.placement import Placement
+
+__all__ = ["ROUTING_MODES", "FederatedStepper", "round_bytes"]
+
+ROUTING_MODES = ("partitioned", "skip_token")
+
+
+class FederatedStepper(train_lib.Stepper):
+    """One call = one round: K local steps on every site, then their synchronisation (moe.rounds), compiled once.
+
+    The round's metrics are means over its K steps and M sites, plus what the round moved per site
+    ("bytes_per_site_per_round", read from the compiled program) and the routing stability:
+    "routing/topk_agreement" of every site's routing on a fixed probe batch (the first held-out batch) after the round
+    with its routing before it (the state the round started from: after a reshuffle, the migrated one, so a run
+    resumed from any checkpoint measures what an uninterrupted one does), and with skip-token the ideal ghost
+    fraction 1 - N_le / N_e. With `reshuffle_every` > 0 (random placement) the experts move to the next placement
+    after every `reshuffle_every` rounds (a metric row of its own).
+    Time: the local steps and the synchronisation are two programs, each waited for, so every round also reports
+    "seconds/local_steps" and "seconds/sync" (means over processes; a site's synchronisation includes its wait for
+    the slowest site) and "seconds/round" (process 0's whole round, host work included: batches, metrics, probe).
+    Evaluation: every site evaluates its own model (its resident experts, its routing) on the same held-out
+    batches; the reported loss is the mean over sites (and the worst site's bits per byte).
+
+    Args:
+      graphdef: the site model's graphdef (`rounds.init_sites`).
+      optimizer: the inner optimizer every site steps with.
+      state: the federation's initial FederatedState (its shapes and shardings are what the round compiles for).
+      mesh: the site mesh (moe.federation.site_mesh).
+      batches: the global batch source; each round takes steps r K .. (r + 1) K - 1, split over the sites.
+      placement_at: round -> the placement that round trains with (a pure function of the round).
+      local_steps: K, local steps per round.
+      total_rounds: rounds of the whole run (no reshuffle after the last one).
+      outer: DiLoCo's outer optimizer (method "diloco"), else None.
+      method: the synchronisation, one of moe.rounds.OUTER_METHODS.
+      reshuffle_every: 0 for a fixed placement; R > 0: the experts migrate after every R rounds (moe.reshuffle).
+      routing: the MoE layers' mode, one of ROUTING_MODES (for its report: skip-token adds the ideal ghost fraction).
+      eval_batches: held-out batches of `evaluate` (the first is the routing probe).
+      state_metrics: what the optimizer state reports after a step (core.train.StateMetrics).
+    Raises:
+      ValueError naming the argument for a method, routing mode or count outside what is allowed.
+    """
+
+    unit = "round"
+    compiles_on_first_call = False  # the round is compiled in the constructor, which says so
+
+    def __init__(
+        self,
+        graphdef: Any,
+        optimizer: optax.GradientTransformation,
+        state: rounds_lib.FederatedState,
+        mesh: jax.sharding.Mesh,
+        batches: Batches,
+        *,
+        placement_at: Callable[[int], Placement],
+        local_steps: int,
+        total_rounds: int,
+        outer: optax.GradientTransformation | None = None,
+        method: str = "local_adamw",
+        reshuffle_every: int = 0,
+        routing: str = "partitioned",
+        eval_batches: int = 1,
+        state_metrics: train_lib.StateMetrics | None = None,
+    ):
+        _check(method=method, routing=routing, local_steps=local_steps, eval_batches=eval_batches)
+        if reshuffle_every < 0:
+            raise ValueError(f"reshuffle_every = {reshuffle_every}: allowed 0 (fixed placement) or a positive count")
+        self.batches, self.graphdef, self.placement_at = batches, graphdef, placement_at
+        self.steps_per_call, self.total_rounds, self.reshuffle_every = local_steps, total_rounds, reshuffle_every
+        placement = placement_at(0)
+        self.sites = sites = placement.sites
+        tok = batches.tokenizer
+        loss_fn = functools.partial(train_lib.lm_loss, pad_id=tok.pad_id)
+        local_fn, sync_fn = rounds_lib.make_round_parts(
+            graphdef, optimizer, mesh, method=method, outer=outer, loss_fn=loss_fn, state_metrics=state_metrics
+        )
+        eval_step = train_lib.make_eval_step(graphdef, byte_lengths=tok.byte_lengths, pad_id=tok.pad_id)
+        self.eval_fn = jax.jit(federation.per_site(eval_step, mesh, (0, 0, None)))
+        self.token_sharding = NamedSharding(mesh, PartitionSpec(None, federation.SITE_AXES))
+        k = local_steps
+        self.batch_shape = (k, sites, batches.global_batch // sites, batches.seq_len + 1)
+        # Compiled once, in two programs (the K local steps, then the synchronisation) so that each round's compute
+        # and synchronisation are timed apart; the executables also tell the bytes the synchronisation moves.
+        tokens = jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.token_sharding)
+        if jax.process_index() == 0:
+            print(f"compiling the round ({k} local steps and their synchronisation; can take a minute) ...", flush=True)
+        t0 = time.perf_counter()
+        self.start_kept = method == "diloco"  # DiLoCo's synchronisation needs the parameters the round started from
+        others = state.train._replace(params=None)
+        self.local_exec = local_fn.lower(state.train.params, others, tokens).compile()
+        start = state.train.params if self.start_kept else None
+        self.sync_exec = sync_fn.lower(start, state.outer, state.train).compile()
+        if jax.process_index() == 0:
+            print(f"compiled the round in {time.perf_counter() - t0:.1f} s", flush=True)
+        self.migrate_exec, self.plan_sharding = None, NamedSharding(mesh, PartitionSpec(federation.SITE_AXES))
+        if reshuffle_every:  # compiled once too: the plan is data
+            plan = jax.ShapeDtypeStruct(placement.experts.shape, jnp.int32, sharding=self.plan_sharding)
+            migrate = jax.jit(functools.partial(reshuffle.migrate, mesh=mesh), donate_argnums=0)
+            self.migrate_exec = migrate.lower(state, [plan] * 4).compile()
+        round_hlo = self.sync_exec.as_text()  # the local steps' program moves nothing across sites (tests/test_rounds)
+        assert round_hlo is not None  # None only where a backend has no text form; CPU, GPU and TPU all have one
+        migrate_hlo = None if self.migrate_exec is None else self.migrate_exec.as_text()
+        self.bytes_info = round_bytes(
+            round_hlo,
+            migrate_hlo,
+            state.train,
+            mesh,
+            sites=sites,
+            overlap=placement.overlap,
+            method=method,
+            reshuffle_every=reshuffle_every,
+        )
+        tokens_per_step = batches.global_batch * batches.seq_len
+        self.bytes_info["bytes_per_token"] = system_model.bytes_per_token(
+            self.bytes_info["measured"], sites, k, tokens_per_step
+        )
+        self.val = [jnp.asarray(b) for b in batches.every_row().val_batches(eval_batches)]
+        self.probe_fn, self.probe_tokens = rounds_lib.make_probe(graphdef, mesh), self.val[0][:, :-1]
+        self.routes: np.ndarray | None = None  # every site's routes on the probe batch in the current state
+        self.ghosts = {"moe/ideal_ghost_fraction": placement.ideal_ghost_fraction} if routing == "skip_token" else {}
+        if jax.process_index() == 0:
+            print(
+                f"federation: {sites} sites, O_e = {placement.overlap}, {placement.local_experts} of "
+                f"{placement.num_experts} experts per site, K = {k}, {method}, {routing} routing; "
+                f"{self.bytes_info['measured']:,.0f} bytes per site per round (formula "
+                f"{self.bytes_info['formula']:,.0f})" + _migration_line(self.bytes_info, reshuffle_every),
+                flush=True,
+            )
+
+    def completed_steps(self, state: rounds_lib.FederatedState) -> int:
+        return int(_host(state.train.step)[0])
+
+    def tags(self, call: int) -> dict[str, Any]:
+        return {"round": call + 1}
+
+    def step(self, state: rounds_lib.FederatedState, call: int) -> tuple[rounds_lib.FederatedState, dict[str, float]]:
+        if self.routes is None:  # the routes of the state this round starts from
+            self.routes = self._probe(state)
+        k = self.steps_per_call
+        local = np.stack([self.batches.train_batch(step) for step in range(call * k, (call + 1) * k)])
+        local = rounds_lib.site_batches(local, self.sites // jax.process_count())
+        tokens = jax.make_array_from_process_local_data(self.token_sharding, local, self.batch_shape)
+        t0 = time.perf_counter()
+        start = state.train.params if self.start_kept else None
+        train, metrics = self.local_exec(state.train.params, state.train._replace(params=None), tokens)
+        jax.block_until_ready(train)
+        t1 = time.perf_counter()
+        state = self.sync_exec(start, state.outer, train)
+        jax.block_until_ready(state)
+        t2 = time.perf_counter()
+        gathered = _host({"metrics": metrics, "seconds": np.array([[t1 - t0, t2 - t1]])})  # [processes, 2]
+        means = {name: float(np.mean(v)) for name, v in gathered["metrics"].items()}
+        local_seconds, sync_seconds = np.mean(gathered["seconds"], axis=0)
+        previous, self.routes = self.routes, self._probe(state)
+        return state, {
+            "loss": means.pop("loss"),
+            "grad_norm": means.pop("grad_norm"),
+            "bytes_per_site_per_round": self.bytes_info["measured"],
+            "routing/topk_agreement": rounds_lib.topk_agreement(previous, self.routes),
+            "seconds/local_steps": float(local_seconds),
+            "seconds/sync": float(sync_seconds),
+            "seconds/round": time.perf_counter() - t0,
+            **self.ghosts,
+            **means,
+        }
+
+    def evaluate(self, state: rounds_lib.FederatedState) -> dict[str, float]:
+        ev = train_lib.evaluate(self.eval_fn, state.train, self.val, fetch=_host)
+        return {
+            "val_loss": float(np.mean(ev["val_loss"])),
+            "val_bits_per_byte": float(np.mean(ev["val_bits_per_byte"])),
+            "val_bits_per_byte_worst_site": float(np.max(ev["val_bits_per_byte"])),
+        }
+
+    def after_step(
+        self, state: rounds_lib.FederatedState, call: int
+    ) -> tuple[rounds_lib.FederatedState, dict[str, float]]:
+        """Random placement: after every `reshuffle_every` rounds but the last, the experts move to the next
+        placement (arrived ones with fresh optimizer state)."""
+        every = self.reshuffle_every
+        if self.migrate_exec is None or (call + 1) % every or call + 1 == self.total_rounds:
+            return state, {}
+        plan = reshuffle.plan_migration(self.placement_at(call), self.placement_at(call + 1))
+        arrays = [jax.make_array_from_callback(a.shape, self.plan_sharding, a.__getitem__) for a in plan.arrays()]
+        arrived = float(plan.arrivals.sum(axis=1).mean())
+        self.routes = None  # the next round starts from the migrated state: probe it then
+        return self.migrate_exec(state, arrays), {"reshuffle/arrived_experts_per_site": arrived}
+
+    def results(self, state: rounds_lib.FederatedState) -> dict[str, Any]:
+        info = self.bytes_info
+        return {
+            "rounds": self.total_rounds,
+            "bytes_per_site_per_round": info["measured"],
+            "bytes_per_site_per_round_formula": info["formula"],
+            "bytes_per_token": info["bytes_per_token"],
+            **{f"bytes_per_site_{name}": v for name, v in info.items() if name.startswith("migration")},
+            "graphdef": self.graphdef,
+            # site 0's own model (its resident experts, its routing), e.g. to sample from
+            "final_state": jax.tree.map(lambda x: x[0], state.train) if jax.process_count() == 1 else None,
+        }
+
+    def _probe(self, state: rounds_lib.FederatedState) -> np.ndarray:
+        return _host(self.probe_fn(state.train.params, state.train.rest, self.probe_tokens))
+
+
+def _check(**given: Any) -> None:
+    allowed = {"method": rounds_lib.OUTER_METHODS, "routing": ROUTING_MODES}
+    for name, value in given.items():
+        if name in allowed and value not in allowed[name]:
+            raise ValueError(f"{name} = {value!r}: allowed {', '.join(map(repr, allowed[name]))}")
+        if name not in allowed and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} = {value!r}: allowed a positive integer")
+
+
+def _host(tree):
+    """The full values of (possibly multi-process) arrays on every process."""
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def _migration_line(bytes_info: dict, reshuffle_every: int) -> str:
+    if "migration_per_reshuffle" not in bytes_info:
+        return ""
+    moved, arrivals = bytes_info["migration_per_reshuffle"], bytes_info["migration_per_reshuffle_formula"]
+    return (
+        f"; random placement reshuffled every {reshuffle_every} rounds: {moved:,.0f} bytes per site per "
+        f"reshuffle (expected arrivals {arrivals:,.0f}), included per round"
+    )
+
+
+def _split_bytes(tree, flags, sites: int) -> tuple[int, int]:
+    """(dense, expert) bytes per site of a stacked tree's floating leaves, by `flags` (True expert, False dense,
+    None not averaged)."""
+    totals = {False: 0, True: 0}
+    for x, e in zip(jax.tree.leaves(tree), federation.leaf_flags(flags, tree)):
+        if e is not None and jnp.issubdtype(x.dtype, jnp.inexact):
+            totals[bool(e)] += x.nbytes // sites
+    return totals[False], totals[True]
+
+
+def round_bytes(
+    round_hlo: str,
+    migrate_hlo: str | None,
+    train: train_lib.TrainState,
+    mesh: jax.sharding.Mesh,
+    *,
+    sites: int,
+    overlap: int,
+    method: str,
+    reshuffle_every: int = 0,
+) -> dict[str, float]:
+    """Bytes per site per round, read from the compiled programs' collectives ("measured") and by the spec's
+    formulas ("formula"; their inputs: the bytes of the parameters and of the optimizer state LocalAdamW averages,
+    from the stacked `train` state's tree of `sites` sites). With random placement (`migrate_hlo`, the compiled
+    migration) a reshuffle's bytes count 1 / reshuffle_every per round: measured, what the migration's all-gather moves
+    ("migration_per_reshuffle"); by formula, the expected arrivals (P with gamma = 1 / reshuffle_every,
+    "migration_per_reshuffle_formula")."""
+    measured = federation.sync_bytes_per_site(round_hlo, mesh)["cross_site"]  # summed over a site's devices
+    dense, experts = _split_bytes(train.params, federation.expert_flags(train.params), sites)
+    state = _split_bytes(train.opt_state, rounds_lib.moment_flags(train.opt_state, train.params), sites)
+    gamma = 1.0 / reshuffle_every if migrate_hlo is not None else 0.0
+    formula = system_model.sync_bytes(
+        dense, experts, sites, overlap, optimizer=method, migration=gamma, state_bytes=state
+    )["total"]
+    out = {"measured": measured, "formula": formula}
+    if migrate_hlo is not None:
+        out["migration_per_reshuffle"] = hlo.collective_bytes(migrate_hlo)["bytes_per_device"]
+        out["migration_per_reshuffle_formula"] = (1.0 - overlap / sites) * experts
+        out["measured"] += out["migration_per_reshuffle"] / reshuffle_every
+    return out
