@@ -21,7 +21,7 @@ The spec's check (kvcache.md, the RDNA4 long-context report): 10 full-attention 
 the tokens in the same memory.
 
     from kvcache import capacity
-    rows = capacity.plan(capacity.SPEC_BUDGET_BYTES, capacity.SPEC_MODEL)   # bf16, fp8, fp4
+    rows = capacity.plan(capacity.SPEC_BUDGET_BYTES, capacity.SPEC_MODEL)   # every registered format
     print(capacity.markdown(rows, title="KV capacity", memory_bytes=capacity.SPEC_BUDGET_BYTES,
                             shape=capacity.SPEC_MODEL, max_model_len=capacity.SPEC_MAX_MODEL_LEN))
 """
@@ -145,17 +145,19 @@ def concurrency(pool_tokens: int, max_model_len: int) -> float:
 def plan(
     memory_bytes: int,
     shape: ModelShape,
-    formats: Sequence[kv_formats.Format | str] = ("bf16", "fp8", "fp4"),
+    formats: Sequence[kv_formats.Format | str] | None = None,
     *,
     max_model_len: int = SPEC_MAX_MODEL_LEN,
     block_size: int = 16,
 ) -> list[dict]:
-    """One row per format of what `memory_bytes` bytes of KV cache hold for a model of this shape.
+    """One row per format (default: every registered format, `kvcache.formats.REGISTRY`) of what `memory_bytes`
+    bytes of KV cache hold for a model of this shape.
 
     Each row: "format" (its label), "bytes_per_token" (B, all full-attention layers), "pool_tokens" (tokens in whole
     blocks), "concurrency" (pool_tokens / max_model_len) and "vs_bf16" (pool_tokens / bf16's pool tokens; nan if the
     budget holds no bf16 block).
     """
+    formats = tuple(kv_formats.REGISTRY) if formats is None else formats
     if isinstance(formats, (str, kv_formats.Format)) or not formats:
         raise ValueError(
             f"formats = {formats!r}; must be a non-empty sequence of formats or names {list(kv_formats.REGISTRY)}"
