@@ -2,8 +2,9 @@
 families' keys and MGUP's.
 
 `optim.name` takes the names of optim.registry; b1, b2, eps and momentum default to None, meaning "the family's
-default" (optim.registry's families); a value set in the config is used as given. `hyperparameters(section)`
-resolves them for the chosen optimizer. The keys' descriptions are generated from the registry's families.
+default" (optim.registry's families); a value set in the config is used as given, and
+optim.registry.hyperparameters(section) resolves them for the chosen optimizer. The keys' descriptions are
+generated from the registry's families.
 """
 
 from __future__ import annotations
@@ -12,18 +13,9 @@ import dataclasses
 
 from core.config import OptimConfig, field
 from optim import registry
-from optim.registry import hyperparameters
 from optim.select import SELECTIONS
 
-__all__ = ["FAMILIES", "FAMILY_DEFAULTS", "FAMILY_SOURCES", "OptimizerConfig", "hyperparameters"]
-
-# Views of optim.registry (the one table), by name.
-FAMILIES: dict[str, str] = {name: entry.family.name for name, entry in registry.OPTIMIZERS.items()}
-"""Optimizer name (`optim.name`) -> its family's name."""
-FAMILY_DEFAULTS: dict[str, dict[str, float]] = {f.name: dict(f.defaults) for f in registry.FAMILIES}
-"""Family name -> the default of each family key it reads."""
-FAMILY_SOURCES: dict[str, str] = {f.name: f.source for f in registry.FAMILIES}
-"""Family name -> where its defaults come from."""
+__all__ = ["OptimizerConfig"]
 
 
 def _number(value: float) -> str:

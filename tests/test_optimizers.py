@@ -14,7 +14,6 @@ import pytest
 import optim
 from core import train as train_lib
 from experiments import build
-from optim import config as optim_config
 from optim import registry
 
 # matrices, a vector and an embedding (ragged sizes); BIG adds a matrix of more than 2 APPROX_SAMPLE entries, which
@@ -190,18 +189,18 @@ def test_family_defaults_and_keys_a_family_does_not_use():
     resolved = {}
     for name in registry.NAMES:
         config.optim.name = name
-        resolved[name] = optim_config.hyperparameters(config.optim)
+        resolved[name] = registry.hyperparameters(config.optim)
     assert resolved["adamw"] == resolved["mgup_adamw"] == {"b1": 0.9, "b2": 0.95, "eps": 1e-8}  # the quickstart's
     assert resolved["lion"] == resolved["mgup_lion"] == {"b1": 0.9, "b2": 0.99}
     assert resolved["muon"] == resolved["mgup_muon"] == {"b1": 0.95, "b2": 0.95, "eps": 1e-8, "momentum": 0.95}
     config.optim.update(name="lion", b2=0.98)
-    assert optim_config.hyperparameters(config.optim) == {"b1": 0.9, "b2": 0.98}
+    assert registry.hyperparameters(config.optim) == {"b1": 0.9, "b2": 0.98}
     config.optim.eps = 1e-6
     with pytest.raises(build.config_lib.ConfigError, match="'optim.eps' = 1e-06 is not used by optim.name = 'lion'"):
         build.build_optimizer(config)
     config.optim.update(name="adamw", eps=None, momentum=0.9)
     with pytest.raises(build.config_lib.ConfigError, match="'optim.momentum' = 0.9 is not used"):
-        optim_config.hyperparameters(config.optim)
+        registry.hyperparameters(config.optim)
 
 
 def test_an_unknown_optimizer_name_is_refused_with_the_allowed_names():
