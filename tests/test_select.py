@@ -83,8 +83,8 @@ def test_top_k_mask_keeps_shape_and_edge_k():
 
 
 def test_the_search_takes_a_handful_of_passes():
-    """1.6M normal, Cauchy and Adam-like (normal x |normal|) products, k at 10%, 50%, 90%: at most 8 counting passes
-    (measured: 4-8), against 32 / log2(WAYS + 1) = 12 for a plain multiway search of 32-bit keys."""
+    """1.6M normal, Cauchy and Adam-like (normal x |normal|) products, k at 10%, 50%, 90%: at most 8 counting passes,
+    against 32 / log2(WAYS + 1) = 12 for a plain multiway search of 32-bit keys."""
     rng = np.random.default_rng(0)
     n = 640 * 2560
     count = jax.jit(lambda keys, k: select.selection_key(keys, k)[3], static_argnums=1)
