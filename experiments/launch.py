@@ -1,216 +1,38 @@
 """Start a multi-process run on this machine: one process per site (or per host), on 127.0.0.1.
 
     python -m experiments.launch --processes 4 -- --config experiments/configs/fomoe.py --workdir runs/fomoe
-
-Every process runs `python -m experiments.run <args> --config.mesh.num_processes=N --config.mesh.process_id=i
---config.mesh.coordinator_address=127.0.0.1:<free port>` with `--devices-per-process` CPU devices, and its output
-lines are prefixed with `[i]`. If a process fails, the others stop by themselves (a federated run stops when a site
-is lost; see below), and those still running 60 s later are terminated. On a cluster, run the same experiments.run
-command on every host with its own process_id and the coordinator's address instead (or `num_processes = -1` under
-srun / mpirun: README "On a cluster").
-
-Over real slow links (experiments.links; root):
-
     python -m experiments.links run --sites 2 --rate-mbit 100 --in-hub -- \
         python -m experiments.launch --processes 2 --links -- --config ... --workdir ...
 
-`--links` runs process i inside site i's network namespace (`ip netns exec`) and serves the coordination service on
-the hub's address, so the processes reach each other only over the rate-limited links.
-
-The launcher hosts jax.distributed's coordination service itself (`core.mesh.EXTERNAL_SERVICE_ENV`), so that every
-process, process 0 included, is a peer the others can lose: they then stop with experiments.run's `error: ...
-another process has probably died ... rerun the same command on every process to resume from it` (exit status 1).
-With the service inside process 0 (on a cluster, or where jaxlib cannot be imported here), process 0's death makes
-the others abort (SIGABRT and a C++ stack trace from jaxlib). And as the launcher sees a process die at once, it tells
-the others still running `NOTICE_SECONDS` later (`core.mesh.PEER_LOST_NOTICE_ENV`), which stop with an `error:` line
-and status 1: one waiting at a coordination barrier (a checkpoint's) would otherwise be aborted by jaxlib when the
-heartbeats time out.
-
-Stopping: SIGTERM, SIGINT (Ctrl-C) or SIGHUP to the launcher is passed on to every process as SIGTERM, and those
-still running `STOP_GRACE_SECONDS` later (or at a second such signal) are killed. The processes run in their own
-sessions, so a terminal's Ctrl-C reaches them only this way, and they are bound to the launcher: if it dies, even by
-SIGKILL, they receive SIGTERM (Linux: prctl(PR_SET_PDEATHSIG); elsewhere each polls its parent once a second).
-
-Exit code: 0 if every process succeeded; else the first failure's: the process's exit code, or 128+N for a process
-killed by signal N (the shell's convention: 137 for SIGKILL); 128+N when the launcher itself is stopped by signal N.
-The last line, `launch: exit codes [0, 1, SIGKILL]`, lists every process's code (a signal's name where one killed it).
+The command's arguments are parsed and checked here; the processes are started and supervised by
+experiments.cluster.supervisor (what every process runs, how a failure, a stop signal or the launcher's death reaches
+the others, and the exit code: its docstring, printed by --help). Exit code 2 for bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import os
-import signal
-import socket
-import subprocess
 import sys
-import threading
-import time
-from collections.abc import Callable, Sequence
-from typing import Any
 
-from core import jax_compat
+from experiments.cluster import supervisor
 
-GRACE_SECONDS = 60
-"""After a process fails, the others are given this long to stop by themselves before they are terminated."""
-STOP_GRACE_SECONDS = 10
-"""After the launcher sends SIGTERM to the processes, those still running this long afterwards are killed."""
-HEARTBEAT_TIMEOUT_SECONDS = 20
-"""The hosted coordination service's heartbeat timeout: core.mesh.HEARTBEAT_TIMEOUT_SECONDS (not imported from
-there, which would import jax into the launcher; a test checks they agree)."""
-NOTICE_SECONDS = 2
-"""After a process fails, the others still running this long afterwards are told so (`core.mesh`'s peer-lost notice:
-an `error:` line, exit status 1). One in a collective has stopped by itself by then, naming its last checkpoint; one
-waiting at a coordination barrier would otherwise learn it only from the heartbeat timeout (10-20 s), at which jaxlib
-aborts it. Well under HEARTBEAT_TIMEOUT_SECONDS / 2."""
-EXTERNAL_SERVICE_ENV = "MESH_EXTERNAL_COORDINATION_SERVICE"
-"""core.mesh.EXTERNAL_SERVICE_ENV (same reason)."""
-PEER_LOST_NOTICE_ENV = "MESH_PEER_LOST_NOTICE_FD"
-"""core.mesh.PEER_LOST_NOTICE_ENV (same reason)."""
-
-_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-_HAS_PDEATHSIG = sys.platform.startswith("linux")
-_WATCH_LAUNCHER = """\
-import os, runpy, signal, sys, threading, time
-launcher = int(sys.argv[1])
-def watch():
-    while os.getppid() == launcher:
-        time.sleep(1)
-    os.kill(os.getpid(), signal.SIGTERM)
-threading.Thread(target=watch, daemon=True).start()
-del sys.argv[:2]
-runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
-"""
-"""Where prctl is not available: the child's program, `python -c _WATCH_LAUNCHER <launcher pid> <module> <args>`,
-sends itself SIGTERM once its parent is no longer the launcher, and runs `<module>` as `python -m` would."""
-
-
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _site_network(processes: int) -> tuple[list[str], str]:
-    """(each process's network namespace, the coordinator's host) from the environment `python -m experiments.links
-    run --in-hub` gives its command (LINKS_NETNS, LINKS_HUB_ADDRESS); ValueError saying what is missing or wrong."""
-    netns = [n for n in os.environ.get("LINKS_NETNS", "").split(",") if n]
-    hub = os.environ.get("LINKS_HUB_ADDRESS", "")
-    if not netns or not hub:
-        raise ValueError(
-            "--links needs the network of `python -m experiments.links run --in-hub -- <this command>` (LINKS_NETNS "
-            "and LINKS_HUB_ADDRESS are not set)"
-        )
-    if len(netns) != processes:
-        raise ValueError(f"--links: the network has {len(netns)} sites but --processes={processes}; they must match")
-    return netns, hub
-
-
-def _child_env(devices: int, external_service: bool, notice_fd: int) -> dict[str, str]:
-    """This process's environment for a child run with `devices` CPU devices: the caller's XLA flags pass through,
-    the device count is replaced, output unbuffered; `external_service` tells process 0 not to start the
-    coordination service (the launcher runs it); the launcher's peer-lost notices come on `notice_fd`."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
-    flags.append(f"{_DEVICE_COUNT_FLAG}={devices}")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_FLAGS=" ".join(flags), **{PEER_LOST_NOTICE_ENV: str(notice_fd)})
-    env.pop(EXTERNAL_SERVICE_ENV, None)
-    if external_service:
-        env[EXTERNAL_SERVICE_ENV] = "1"
-    return env
-
-
-def _coordination_service_factory() -> Callable[..., Any] | None:
-    """jaxlib's `get_distributed_runtime_service` (what `jax.distributed.initialize` calls in process 0), or None
-    where jaxlib cannot be imported or has none: then process 0 runs the service. Only jaxlib is imported here (a
-    fraction of importing jax), and its INFO log lines (the service starting and stopping) are turned off."""
-    try:
-        factory = jax_compat.coordination_service_factory()
-    except jax_compat.JaxCompatError as e:
-        print(f"launch: the coordination service runs in process 0 ({e})", flush=True)
-        return None
-    with contextlib.suppress(jax_compat.JaxCompatError):  # without the switch only jaxlib's INFO lines show
-        jax_compat.quiet_jaxlib_logs()
-    return factory
-
-
-def _bound_to_launcher(module: str) -> tuple[list[str], Callable[[], None] | None]:
-    """The command prefix that runs `module` and the `preexec_fn` that make a child receive SIGTERM when the
-    launcher dies (by any signal, SIGKILL included).
-
-    Linux: prctl(PR_SET_PDEATHSIG, SIGTERM) in the child between fork and exec (libc's prctl is looked up here,
-    before any fork); a launcher that died before that call is caught by comparing the child's parent with it.
-    Elsewhere: the child polls its parent (`_WATCH_LAUNCHER`).
-    """
-    launcher = os.getpid()
-    if not _HAS_PDEATHSIG:
-        return [sys.executable, "-c", _WATCH_LAUNCHER, str(launcher), module], None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-
-    def die_with_launcher() -> None:
-        if prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-        if os.getppid() != launcher:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return [sys.executable, "-m", module], die_with_launcher
-
-
-def _forward(index: int, stream) -> None:
-    """Copies a child's output lines to ours with an `[index] ` prefix, to its end (once our stdout is gone, the
-    lines are dropped: the child must never block on a full pipe)."""
-    for line in stream:
-        try:
-            sys.stdout.write(f"[{index}] {line}")
-            sys.stdout.flush()
-        except (OSError, ValueError):
-            pass
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-def _shown(code: int) -> str:
-    """A process's return code as the summary line shows it: the number, or the name of the signal that killed it."""
-    return _signal_name(-code) if code < 0 else str(code)
-
-
-def _exit_status(code: int) -> int:
-    """Popen's return code as the shell reports it: 128+N for a process killed by signal N."""
-    return 128 - code if code < 0 else code
-
-
-def _send(procs: Sequence[subprocess.Popen], codes: Sequence[int | None], signum: int) -> None:
-    """Sends `signum` to the process group of every child still running (each leads its own session)."""
-    for p, code in zip(procs, codes):
-        if code is None:
-            with contextlib.suppress(ProcessLookupError):  # exited meanwhile
-                os.killpg(p.pid, signum)
+__all__ = ["main"]
 
 
 def main(argv: list[str] | None = None, *, module: str = "experiments.run") -> int:
-    """Runs the launcher on `argv` (default: the command line) and returns its exit code (see the module docstring).
-
-    `module` is the program every process runs (`python -m <module>`); tests point it at a cheap stand-in. Call it
-    from the main thread: it installs handlers for SIGTERM, SIGINT and SIGHUP (restored on return).
-    """
+    """Runs the launcher on `argv` (default: the command line) and returns its exit code (see
+    experiments.cluster.supervisor). `module` is the program every process runs (`python -m <module>`); tests point
+    it at a cheap stand-in. Call it from the main thread: it installs handlers for SIGTERM, SIGINT and SIGHUP
+    (restored on return). Bad arguments exit with status 2 (argparse's SystemExit), naming the flag."""
     argv = sys.argv[1:] if argv is None else argv
     if "--" in argv:
         split = argv.index("--")
         own, run_args = argv[:split], argv[split + 1 :]
     else:
         own, run_args = argv, []
-    doc = __doc__ or ""
+    doc = supervisor.__doc__ or ""
     parser = argparse.ArgumentParser(
-        description=doc.split("\n")[0],
+        description=(__doc__ or "").split("\n")[0],
         epilog=doc[doc.find("Stopping:") :],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="python -m experiments.launch --processes N [--devices-per-process D] -- <experiments.run arguments>",
@@ -234,135 +56,14 @@ def main(argv: list[str] | None = None, *, module: str = "experiments.run") -> i
     for flag in ("num_processes", "process_id", "coordinator_address"):
         if any(a.startswith(f"--config.mesh.{flag}") for a in run_args):
             parser.error(f"--config.mesh.{flag} is set by the launcher; remove it from the run arguments")
-
     netns: list[str] = []
     host = "127.0.0.1"
     if args.links:
         try:
-            netns, host = _site_network(args.processes)
+            netns, host = supervisor.site_network(args.processes)
         except ValueError as e:
             parser.error(str(e))
-    port = _free_port(host)
-    serve = _coordination_service_factory() if args.processes > 1 else None
-    program, preexec_fn = _bound_to_launcher(module)
-    procs: list[subprocess.Popen] = []
-    codes: list[int | None] = []
-    notices: list[int] = []  # the write end of each process's peer-lost notice pipe
-    service = None
-    received: list[int] = []
-    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in _STOP_SIGNALS}
-    try:
-        for i in range(args.processes):  # all started before any thread: preexec_fn and threads do not mix
-            cmd = [
-                *(["ip", "netns", "exec", netns[i]] if netns else []),  # (ip execs the program: no process between)
-                *program,
-                *run_args,
-                f"--config.mesh.num_processes={args.processes}",
-                f"--config.mesh.process_id={i}",
-                f"--config.mesh.coordinator_address={host}:{port}",
-            ]
-            read_end, write_end = os.pipe()
-            notices.append(write_end)
-            env = _child_env(args.devices_per_process, serve is not None, read_end)
-            try:
-                proc = subprocess.Popen(
-                    cmd,
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    errors="replace",
-                    start_new_session=True,
-                    pass_fds=(read_end,),
-                    preexec_fn=preexec_fn,  # noqa: PLW1509 (no thread of ours runs yet)
-                )
-            finally:
-                os.close(read_end)
-            procs.append(proc)
-            codes.append(None)
-        if serve is not None:  # after the forks: the service runs threads (the processes connect when it is up)
-            try:
-                service = serve(f"{host}:{port}", args.processes, heartbeat_timeout=HEARTBEAT_TIMEOUT_SECONDS)
-            except Exception as e:  # jaxlib's XlaRuntimeError, e.g. the port was taken meanwhile
-                print(f"launch: error: cannot start the coordination service on {host}:{port}: {e}", flush=True)
-                return 1  # (the processes are killed below)
-        forwarders = [threading.Thread(target=_forward, args=(i, p.stdout), daemon=True) for i, p in enumerate(procs)]
-        for t in forwarders:
-            t.start()
-        stopped_by, first_failed = _supervise(procs, codes, received, notices)
-        for t in forwarders:  # the children's last lines before the summary
-            t.join(timeout=5)
-    finally:  # on the way out of an error here (say, a process that could not start), none is left running
-        _send(procs, [p.poll() for p in procs], signal.SIGKILL)
-        for p in procs:
-            p.wait()
-        for fd in notices:
-            os.close(fd)
-        if service is not None:
-            service.shutdown()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    print(f"launch: exit codes [{', '.join(_shown(p.returncode) for p in procs)}]", flush=True)
-    if stopped_by is not None:
-        return 128 + stopped_by
-    return 0 if first_failed is None else _exit_status(procs[first_failed].returncode)
-
-
-def _supervise(
-    procs: Sequence[subprocess.Popen], codes: list[int | None], received: list[int], notices: Sequence[int]
-) -> tuple[int | None, int | None]:
-    """Waits for every child to exit, filling `codes` (Popen return codes) and reporting signal deaths as they
-    happen. `NOTICE_SECONDS` after the first failure, tells the children still running which process failed and how
-    (a line on their `notices` pipe). Stops the children on a stop signal (in `received`, appended by the handlers)
-    or `GRACE_SECONDS` after the first failure: SIGTERM, then SIGKILL after `STOP_GRACE_SECONDS` or at a second stop
-    signal. Returns the stop signal that stopped the launcher (or None) and the index of the first process seen
-    failing (or None)."""
-    stopped_by: int | None = None
-    failure: tuple[int, float] | None = None  # the first process seen failing, and when
-    term_sent_at: float | None = None
-    killed = noticed = False
-    while True:
-        now = time.monotonic()
-        for i, p in enumerate(procs):
-            if codes[i] is None and p.poll() is not None:
-                codes[i] = p.returncode
-                if p.returncode < 0:
-                    print(f"launch: process {i} was killed by signal {_signal_name(-p.returncode)}", flush=True)
-                if p.returncode and failure is None:
-                    failure = i, now
-        if all(c is not None for c in codes):
-            return stopped_by, None if failure is None else failure[0]
-        if stopped_by is None and failure is not None and not noticed and now - failure[1] > NOTICE_SECONDS:
-            first_failed = failure[0]
-            code = procs[first_failed].returncode
-            what = f"was killed by signal {_signal_name(-code)}" if code < 0 else f"exited with status {code}"
-            for fd, running in zip(notices, codes):
-                if running is None:
-                    with contextlib.suppress(OSError):  # a process that exited meanwhile (or never read it)
-                        os.write(fd, f"process {first_failed} {what}\n".encode())
-            noticed = True
-        if received and stopped_by is None:
-            stopped_by = received[0]
-            print(
-                f"launch: stopped by {_signal_name(stopped_by)}: sending SIGTERM to the processes (SIGKILL to those "
-                f"still running after {STOP_GRACE_SECONDS} s); exit code {128 + stopped_by}",
-                flush=True,
-            )
-            _send(procs, codes, signal.SIGTERM)
-            term_sent_at = now
-        elif failure is not None and term_sent_at is None and now - failure[1] > GRACE_SECONDS:
-            for i, code in enumerate(codes):
-                if code is None:
-                    print(f"launch: terminating process {i} ({GRACE_SECONDS} s after a failure)", flush=True)
-            _send(procs, codes, signal.SIGTERM)
-            term_sent_at = now
-        if not killed and term_sent_at is not None and (now - term_sent_at > STOP_GRACE_SECONDS or len(received) > 1):
-            for i, code in enumerate(codes):
-                if code is None:
-                    print(f"launch: killing process {i} (still running after SIGTERM)", flush=True)
-            _send(procs, codes, signal.SIGKILL)
-            killed = True
-        time.sleep(0.1)
+    return supervisor.launch(args.processes, args.devices_per_process, run_args, module=module, netns=netns, host=host)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,7 @@ if __name__ == "__main__":  # one of the launcher's processes: the stand-in, wit
 import pytest  # noqa: E402
 
 from experiments import launch  # noqa: E402
+from experiments.cluster import supervisor  # noqa: E402
 
 from helpers import running  # noqa: E402
 
@@ -78,12 +79,12 @@ from helpers import running  # noqa: E402
 class _Launcher:
     """`python -m experiments.launch --processes N -- --then=<then>` running this file's stand-in, in its own
     session (as a shell runs a foreground job), its output collected line by line. `settings` override the
-    launcher module's constants (e.g. STOP_GRACE_SECONDS)."""
+    supervisor module's constants (e.g. STOP_GRACE_SECONDS)."""
 
     def __init__(self, then, processes=2, **settings):
         code = "; ".join(
-            ["import sys", "from experiments import launch"]
-            + [f"launch.{k} = {v!r}" for k, v in settings.items()]
+            ["import sys", "from experiments import launch", "from experiments.cluster import supervisor"]
+            + [f"supervisor.{k} = {v!r}" for k, v in settings.items()]
             + ["sys.exit(launch.main(sys.argv[1:], module='test_launch'))"]
         )
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT, os.environ.get("PYTHONPATH", "")]))
@@ -241,9 +242,9 @@ def test_a_lost_coordinator_stops_the_others_with_an_error(cleanup):
     as any other (jax's preemption notifier would swallow it) and, like SIGKILL, leaves it no last word."""
     from core import mesh as mesh_lib
 
-    assert launch.HEARTBEAT_TIMEOUT_SECONDS == mesh_lib.HEARTBEAT_TIMEOUT_SECONDS
-    assert launch.EXTERNAL_SERVICE_ENV == mesh_lib.EXTERNAL_SERVICE_ENV
-    assert launch.PEER_LOST_NOTICE_ENV == mesh_lib.PEER_LOST_NOTICE_ENV
+    assert supervisor.HEARTBEAT_TIMEOUT_SECONDS == mesh_lib.HEARTBEAT_TIMEOUT_SECONDS
+    assert supervisor.EXTERNAL_SERVICE_ENV == mesh_lib.EXTERNAL_SERVICE_ENV
+    assert supervisor.PEER_LOST_NOTICE_ENV == mesh_lib.PEER_LOST_NOTICE_ENV
     launcher = _Launcher("barrier,barrier")
     cleanup.append(launcher)
     pids = launcher.pids()
