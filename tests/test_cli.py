@@ -218,9 +218,8 @@ def _serve_streams_the_greedy_continuation(workdir, capsys, kv_format="bf16"):
     out = capsys.readouterr().out
     _, model = load.trained_model(str(workdir))
     tok = ByteTokenizer()
-    # serve's pool (1 MiB holds this request's one block of 16 tokens; on the CPU a step's time grows with the pool:
-    # about 0.3 s a step at serve's default 64 MiB) and max_model_len (512): the engine's programs are the ones serve
-    # compiled
+    # serve's pool (1 MiB holds this request's one block of 16 tokens; on the CPU a step's time grows with the pool)
+    # and max_model_len (512): the engine's programs are the ones serve compiled
     engine = Engine(
         model, formats.get(kv_format), EngineConfig.for_tokenizer(tok, memory_bytes=1 << 20, max_model_len=512)
     )

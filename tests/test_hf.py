@@ -199,7 +199,7 @@ def _tiny_data(config, tmp_path):
 
 def test_an_imported_checkpoint_is_a_run_that_serves_through_the_paged_cache(tmp_path):
     """`import` writes a run at step 0 whose parameters are the checkpoint's; the run loads back and its greedy
-    generation through the engine's bf16 paged cache equals transformers' own (12 tokens; all 32 when measured).
+    generation through the engine's bf16 paged cache equals transformers' own (its first 12 of the fixture's 32 tokens).
     The same workdir served by `python -m experiments.serve --http` answers a greedy /v1/completions with
     transformers' tokens too (the first 6: the run's byte tokenizer never samples the 7th, id 286 >= 259).
     The fp8 / fp4 formats on an imported (and exported, reloaded) model: experiments.reproduce.hf's table."""
@@ -219,7 +219,7 @@ def test_an_imported_checkpoint_is_a_run_that_serves_through_the_paged_cache(tmp
         np.testing.assert_array_equal(np.asarray(var.get_value()), expected[".".join(map(str, path))])
     fmt = kv_config.make_format(config_lib.from_config(kv_config.KVCacheConfig, {**config.kvcache, "format": "bf16"}))
     engine = Engine(model, fmt, EngineConfig(memory_bytes=2**18, eos_id=None, never=(), num_ids=None))
-    request = engine.submit(reference["greedy_prompt"].tolist(), 12)  # (a CPU engine step takes ~0.2 s)
+    request = engine.submit(reference["greedy_prompt"].tolist(), 12)
     engine.run()
     np.testing.assert_array_equal(request.output, reference["greedy"][:12])
     flags = ["--kv-format", "bf16", "--kv-memory-mib", "1", "--max-num-batched-tokens", "16", "--max-model-len", "64"]
@@ -334,8 +334,8 @@ def test_fine_tuning_starts_from_the_checkpoint(tmp_path):
 def test_a_federation_starts_each_site_from_its_resident_experts_and_a_site_exports_as_its_own_model(tmp_path):
     """A pretrained MoE over 2 sites with overlap 1: site s holds the checkpoint's experts that the placement puts
     there, its router's columns of those experts (partitioned routing), and every other parameter whole. Site 1's
-    model exports as a Qwen3-MoE of its 2 experts that computes its logits (it once failed: the export described
-    all 4); under skip-token routing (a site routes to experts it does not hold) export refuses by name."""
+    model exports as a Qwen3-MoE of its 2 experts (not all 4) that computes its logits; under skip-token routing (a
+    site routes to experts it does not hold) export refuses by name."""
     directory = os.path.join(FIXTURES, "qwen3_moe")
     config = _tiny_data(finetune.get_config(directory), tmp_path)
     config.mesh.update(site=2, data=1)

@@ -2,8 +2,7 @@
 environment of `run`, and teardown after an exception and a Ctrl-C.
 
 Tests that make networks need root and iproute2, and skip with the tool's own message without them. The checks read
-the machine's state with `ip` and `tc` themselves (not through the tool). One test moves 2 MB over an 8 Mbit/s link
-(about 2 s); the others take well under a second each.
+the machine's state with `ip` and `tc` themselves (not through the tool). One test moves 2 MB over an 8 Mbit/s link.
 """
 
 import json

@@ -126,8 +126,8 @@ def test_local_adamw_averages_parameters_and_both_moments_over_groups(overlap):
 def test_a_round_of_mgup_and_ufp4_sites_equals_their_unsharded_steps_then_the_mean():
     """The composition the experiments run: sites that train with MGUP-AdamW and UFP4 GEMMs (experts included,
     through ragged_dot, the accelerators' grouped matmul) under shard_map take the same local steps as under a plain
-    vmap, then LocalAdamW averages them. (Under shard_map each piece once failed on mesh-axis types or on ragged_dot's
-    batching; the CPU's windowed grouped matmul runs this composition in test_cli's composed-config test.)"""
+    vmap, then LocalAdamW averages them. (The CPU's windowed grouped matmul runs this composition in test_cli's
+    composed-config test.)"""
     from moe.grouped_matmul import GroupedMatmulFn
     from optim import mgup_adamw
     from quant import recipes

@@ -1,5 +1,5 @@
-"""Quickstart: a small byte-level MoE trained by 2 federated sites on the Python standard library's sources,
-about 3 minutes on 2 CPU cores.
+"""Quickstart: a small byte-level MoE trained by 2 federated sites on the Python standard library's sources, in
+minutes on 2 CPU cores.
 
     python -m experiments.run --config experiments/configs/quickstart.py --workdir runs/quickstart
 
@@ -7,11 +7,9 @@ d_model 128, 4 layers, 2 query heads sharing 1 KV head; every block's FFN is a M
 a sigmoid top-2 router (FoMoE's router; 1.28M parameters, 0.50M used per token). Federation (FoMoE): 2 sites as
 virtual CPU devices, disjoint experts (O_e = 1: experts 0-3 on site 0, 4-7 on site 1, each site routing over its
 own 4), 10 local AdamW steps per round, LocalAdamW synchronisation; 700 steps = 70 rounds of 2 x 4 x 256 bytes.
-Goal: held-out bits per byte below 3.0 (uniform over bytes is 8); measured 2.701 (mean over the sites) in 2 min.
-Without federation (`--config.mesh.site=1 --config.mesh.data=-1`) the same MoE reached 2.481, and the dense model
-(`--config.moe.every=0`, SwiGLU d_ff 384) 2.389. Small batches and many steps beat larger batches at this budget
-(dense model, one run each, lr 5e-3, 4 held-out batches: batch 8 x 620 steps 2.47 bits/byte, 16 x 340 2.52,
-32 x 180 2.72)."""
+Goal: held-out bits per byte below 3.0 (uniform over bytes is 8). What it reaches, and the same MoE without
+federation (`--config.mesh.site=1 --config.mesh.data=-1`) and the dense model (`--config.moe.every=0`, SwiGLU d_ff
+384) beside it: docs/cli.md."""
 
 from experiments import schema
 
