@@ -22,8 +22,9 @@ import argparse
 import sys
 import time
 
+from core import data as data_lib
 from core import tokenizer as tokenizer_lib
-from experiments.bench import common
+from experiments import args as arg_types
 
 MIN_VOCAB = 259  # the 256 byte characters and the three specials
 
@@ -34,7 +35,7 @@ def train(
     """A byte-level BPE of at most `vocab_size` ids (>= 259) trained on `documents` (read as UTF-8, invalid bytes as
     U+FFFD): specials `<|pad|>`, `<|bos|>`, `<|eos|>` = ids 0, 1, 2, the 256 byte characters next, then merges of
     pairs seen at least `min_frequency` times, most frequent first (fewer ids when the corpus runs out of them)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # optional ([experiments])
 
     if vocab_size < MIN_VOCAB:
         raise ValueError(f"vocab_size = {vocab_size}; must be >= {MIN_VOCAB} (256 byte characters + 3 specials)")
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--vocab-size",
-        type=common.integer(MIN_VOCAB),
+        type=arg_types.integer(MIN_VOCAB),
         required=True,
         default=argparse.SUPPRESS,
         help=f"ids of the tokenizer, specials included (>= {MIN_VOCAB}: 256 byte characters + 3 specials)",
@@ -88,13 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--jsonl-field", default="text", help="string field holding a document in .jsonl files")
     t.add_argument(
         "--val-fraction",
-        type=common.number(0.0, low_open=True, high=0.5),
+        type=arg_types.number(0.0, low_open=True, high=0.5),
         default=0.02,
         help="fraction of documents held out (never trained on; as data.val_fraction, so a run with the same value "
         "evaluates on them)",
     )
     t.add_argument(
-        "--min-frequency", type=common.integer(1), default=2, help="a pair is merged only if seen this many times"
+        "--min-frequency", type=arg_types.integer(1), default=2, help="a pair is merged only if seen this many times"
     )
     return parser
 
@@ -103,8 +104,6 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the command line on `argv` (default sys.argv[1:]); returns the exit status (module docstring). Flag
     errors exit through argparse (SystemExit 2, an `error:` line) before anything is read."""
     args = build_parser().parse_args(argv)
-    from core import data as data_lib
-
     t0 = time.perf_counter()
     try:
         docs = data_lib.load_documents(

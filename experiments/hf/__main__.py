@@ -19,8 +19,8 @@ import sys
 
 from core.checkpoint import CheckpointError
 from core.workdir import WorkdirError
+from experiments import args as arg_types
 from experiments import load, pretrained, schema
-from experiments.bench import common
 from experiments.hf import export
 
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the corpus the held-out numbers are measured on (data.path; '' = the built-in one)",
     )
     imp.add_argument(
-        "--eval-batches", type=common.integer(0), default=8, help="held-out batches to evaluate (0: no evaluation)"
+        "--eval-batches", type=arg_types.integer(0), default=8, help="held-out batches to evaluate (0: no evaluation)"
     )
     out = commands.add_parser(
         "export",
@@ -53,10 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     out.add_argument("--workdir", required=True, help="a finished run's directory (config.json, checkpoints/)")
     out.add_argument("--out", required=True, help="the directory to write config.json and the safetensors into")
-    out.add_argument("--site", type=common.integer(0), default=0, help="a federated run's site whose model is exported")
+    out.add_argument(
+        "--site", type=arg_types.integer(0), default=0, help="a federated run's site whose model is exported"
+    )
     out.add_argument(
         "--max-shard-mib",
-        type=common.number(0.0, low_open=True),
+        type=arg_types.number(0.0, low_open=True),
         default=5120.0,
         help="safetensors files are cut past this size",
     )
