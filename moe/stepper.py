@@ -32,11 +32,10 @@ from core import train as train_lib
 from core.data import Batches
 from moe import federation, reshuffle, system_model
 from moe import rounds as rounds_lib
+from moe.config import ROUTING_MODES
 from moe.placement import Placement
 
-__all__ = ["ROUTING_MODES", "FederatedStepper", "round_bytes"]
-
-ROUTING_MODES = ("partitioned", "skip_token")
+__all__ = ["FederatedStepper", "round_bytes"]
 
 
 class FederatedStepper(train_lib.Stepper):
@@ -67,7 +66,8 @@ class FederatedStepper(train_lib.Stepper):
       outer: DiLoCo's outer optimizer (method "diloco"), else None.
       method: the synchronisation, one of moe.rounds.OUTER_METHODS.
       reshuffle_every: 0 for a fixed placement; R > 0: the experts migrate after every R rounds (moe.reshuffle).
-      routing: the MoE layers' mode, one of ROUTING_MODES (for its report: skip-token adds the ideal ghost fraction).
+      routing: the MoE layers' mode, one of moe.config.ROUTING_MODES (skip-token also reports the ideal ghost
+        fraction).
       eval_batches: held-out batches of `evaluate` (the first is the routing probe).
       state_metrics: what the optimizer state reports after a step (core.train.StateMetrics).
     Raises:

@@ -1,6 +1,8 @@
 """FoMoE rounds on 4 virtual sites: full replication with one local step equals DDP; LocalAdamW averages
 parameters and both moments over the right sites; DiLoCo's outer step follows its formula."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -281,3 +283,23 @@ def test_topk_agreement_and_probe_routes():
     assert routes.shape == (SITES, 1, 16, 2)  # 1 MoE layer, 16 tokens, top-2
     for s in range(SITES):  # partitioned routing: a site only ever chooses its resident experts (global ids)
         assert set(routes[s].ravel()) <= set(placement.experts[s])
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        ({"method": "sgd"}, "method = 'sgd': allowed 'local_adamw', 'diloco'"),
+        ({"routing": "dense"}, "routing = 'dense': allowed 'partitioned', 'skip_token'"),
+        ({"local_steps": 0}, "local_steps = 0: allowed a positive integer"),
+        ({"eval_batches": 0}, "eval_batches = 0: allowed a positive integer"),
+        ({"reshuffle_every": -1}, "reshuffle_every = -1: allowed 0 (fixed placement) or a positive count"),
+    ],
+)
+def test_the_federated_stepper_refuses_a_bad_argument_by_name(overrides, needle):
+    """moe.stepper.FederatedStepper takes its round's settings as arguments (no config): a value outside what is
+    allowed is refused, naming the argument, before anything is built or compiled."""
+    from moe.stepper import FederatedStepper
+
+    kwargs = {"placement_at": lambda r: fixed_placement(8, SITES, 1), "local_steps": 2, "total_rounds": 3, **overrides}
+    with pytest.raises(ValueError, match="^" + re.escape(needle)):
+        FederatedStepper(None, None, None, None, None, **kwargs)  # type: ignore[arg-type]
