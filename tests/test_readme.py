@@ -15,6 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import schema
+from experiments.run import parse_args
+
 README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
 CLI_DOC = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "cli.md")
 SECTION = "## Use it as a library"
@@ -100,11 +103,9 @@ def sharding_examples() -> list[list[str]]:
 def test_the_sharding_example_is_a_valid_run_on_8_devices(index, monkeypatch):
     """The command is parsed as the CLI parses it and validated for the 8 devices it says, as the run would before
     compiling (training it takes minutes: docs/cli.md quotes what 10 steps of each measured)."""
-    from experiments import build, run
-
     monkeypatch.chdir(os.path.join(os.path.dirname(__file__), os.pardir))
-    config, _ = run.parse_args(sharding_examples()[index])
-    build.resolve(config)
-    build.validate(config, num_devices=8)
+    config, _ = parse_args(sharding_examples()[index])
+    schema.resolve(config)
+    schema.validate(config, num_devices=8)
     mesh = config.mesh
     assert (mesh.site, mesh.data, mesh.model * mesh.expert) == (1, 2, 4)
