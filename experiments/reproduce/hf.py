@@ -16,9 +16,9 @@ Hugging Face checkpoint, reloaded from the exporter's own files, and served thro
    one token per step; experiments.reproduce.kvcache.served_loss) -> bits per byte per format.
 
 Writes <out>/table.{md,json}, <out>/curves.png (held-out bits per byte against steps and against bytes of text
-trained on) and <out>/tokenizer/ (`--out results/hf` for the README's table); the runs, the export and the reloaded
-run go to <out>/runs (each run's progress shown prefixed by its name; finished runs are reused when their
-configuration is unchanged).
+trained on) and <out>/tokenizer/ (`--out results/hf` for the table docs/huggingface.md quotes); the runs, the export
+and the reloaded run go to <out>/runs (each run's progress shown prefixed by its name; finished runs are reused
+when their configuration is unchanged).
 """
 
 from __future__ import annotations
