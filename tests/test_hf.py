@@ -4,6 +4,7 @@ heads, Llama 3.1 RoPE scaling, untied), Qwen2 (q/k/v biases, tied), Qwen3 (q/k n
 softmax top-2 SwiGLU experts) and Qwen3-MoE (a dense first layer) checkpoints, imported logits on a ragged batch,
 every MoE layer's top-k experts, and 32 greedy tokens; and clear refusals of what the importer cannot honour."""
 
+import dataclasses
 import inspect
 import json
 import json.decoder
@@ -34,7 +35,7 @@ from experiments import load as run_load
 from experiments import run as run_lib
 from experiments.configs import finetune
 from experiments.hf import __main__ as hf_cli
-from experiments.hf import config_map, export, load, weights
+from experiments.hf import arch, config_map, export, load, weights
 from kvcache import config as kv_config
 from kvcache.serving import Engine, EngineConfig
 from moe import placement as placement_lib
@@ -151,6 +152,23 @@ def test_export_of_an_imported_model_is_the_checkpoint(tmp_path, name):
         np.testing.assert_array_equal(again[key], value, err_msg=key)
     read = lambda d: config_map.from_hf(json.loads((d / "config.json").read_text()), source=str(d))  # noqa: E731
     assert read(tmp_path) == read(pathlib.Path(directory))
+
+
+def test_an_architecture_is_one_entry_read_by_import_and_export(monkeypatch):
+    """An entry added to experiments.hf.arch.ARCHITECTURES (here Qwen3's under another name, preferred by export as
+    the later of two a config fits) is what import reads and what export writes: no other table names it."""
+    qwen3 = arch.get("Qwen3ForCausalLM")
+    assert qwen3 is not None
+    entry = dataclasses.replace(qwen3, name="TestQwen3ForCausalLM", model_type="test_qwen3")
+    monkeypatch.setattr(arch, "ARCHITECTURES", (*arch.ARCHITECTURES, entry))
+    directory = os.path.join(FIXTURES, "qwen3")
+    with open(os.path.join(directory, "config.json")) as f:
+        hf = json.load(f)
+    sections = config_map.from_hf(hf, source="qwen3")
+    assert config_map.from_hf({**hf, "architectures": [entry.name]}, source="renamed") == sections
+    written = export.hf_config(pretrained.config_from_hf(directory))
+    assert written["architectures"] == [entry.name] and written["model_type"] == "test_qwen3"
+    assert config_map.from_hf(written, source="exported") == sections
 
 
 @pytest.mark.parametrize(
