@@ -1,8 +1,8 @@
 """The composition root's builders: config -> model, precision, KV cache factory, mesh, tokenizer, data, optimizer.
 
 A component added by another package (an FFN, a precision recipe, an optimizer) gets its config section in
-experiments.schema and a builder here that picks it from a validated config. The schema's functions are
-re-exported (`build.default_config()`, `build.validate(config)`, ...) for callers that read both.
+experiments.schema and a builder here that picks it from a validated config. The schema itself
+(`schema.default_config()`, `schema.validate(config)`) lives in experiments.schema; nothing is re-exported here.
 """
 
 from __future__ import annotations
@@ -24,16 +24,7 @@ from core import model as model_lib
 from core import tokenizer as tokenizer_lib
 from core import train as train_lib
 from experiments.hf import load as hf_load
-from experiments.schema import (  # noqa: F401  (re-exported: the schema, for callers that also build)
-    SECTIONS,
-    checkpoint_compat,
-    default_config,
-    model_config,
-    provenance,
-    resolve,
-    schema,
-    validate,
-)
+from experiments.schema import model_config
 from kvcache import config as kv_config
 from kvcache import paged_cache_factory
 from moe import config as moe_config

@@ -23,7 +23,7 @@ from core import checkpoint as checkpoint_lib
 from core import train as train_lib
 from core.model import Transformer
 from core.train import TrainState
-from experiments import build, federated
+from experiments import build, federated, schema
 
 __all__ = ["check_workdir", "run_config", "trained_model"]
 
@@ -48,7 +48,7 @@ def trained_model(workdir: str, *, site: int = 0) -> tuple[ml_collections.Config
     step = checkpointer.latest_step()
     if step is None:
         raise FileNotFoundError(f"{paths['checkpoints']} holds no checkpoint")
-    compat = build.checkpoint_compat(config, fingerprint)
+    compat = schema.checkpoint_compat(config, fingerprint)
     if sites > 1:
         graphdef, _, _, state = federated.initial_state(config)  # [sites, ...] on this process's first device
         state, _ = checkpointer.restore(step, state, compat=compat)
@@ -56,7 +56,7 @@ def trained_model(workdir: str, *, site: int = 0) -> tuple[ml_collections.Config
         config = _on_one_device(federated.site_config(config))  # the site's model as a model of its own
     else:
         config = _on_one_device(config)  # the arrays are restored onto one device, whatever mesh wrote them
-        build.validate(config, num_devices=1)
+        schema.validate(config, num_devices=1)
         graphdef, like = _restore_target(config)
         train, _ = checkpointer.restore(step, like, compat=compat)
     checkpointer.close()
@@ -101,7 +101,7 @@ def _on_one_device(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
 def run_config(workdir: str) -> ml_collections.ConfigDict:
     """The resolved config a run in `workdir` trained with (its config.json over today's defaults: sections and keys
     added since the run was trained keep their defaults)."""
-    config = build.default_config()
+    config = schema.default_config()
     with open(os.path.join(workdir, "config.json")) as f:
         for section, values in json.load(f).items():
             config[section].update(

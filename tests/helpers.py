@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from core import mesh as mesh_lib
-from experiments import build
+from experiments import schema
 from moe import MoEConfig
 from quant import quantize
 
@@ -59,7 +59,7 @@ def reference(p: dict, x, m: MoEConfig, chosen: np.ndarray):
 
 
 def sharder(data: int, expert: int) -> mesh_lib.Sharder:
-    c = build.default_config()
+    c = schema.default_config()
     c.mesh.data, c.mesh.expert = data, expert
     return mesh_lib.Sharder(mesh_lib.make_mesh(c), tuple(tuple(r) for r in c.mesh.rules))
 
@@ -88,9 +88,26 @@ call = nnx.jit(lambda module, *args: module(*args))
 jit_quantize = jax.jit(quantize, static_argnames=("fmt", "axis"))
 
 
+def by_key_path(tree, params, values, default):
+    """An independent reference for core.train.optimizer_state_like: a leaf of `tree` whose key path ends with a
+    parameter's key path and has its shape gets that parameter's entry of `values` (shaped like `params`); any
+    other leaf gets `default`."""
+    flat_params, _ = jax.tree_util.tree_flatten_with_path(params)
+    by_path = {tuple(path): (leaf.shape, v) for (path, leaf), v in zip(flat_params, jax.tree.leaves(values))}
+
+    def pick(path, leaf):
+        for i in range(len(path)):
+            hit = by_path.get(tuple(path[i:]))
+            if hit is not None and hit[0] == leaf.shape:
+                return hit[1]
+        return default
+
+    return jax.tree_util.tree_map_with_path(pick, tree)
+
+
 def make_tiny_config():
     """A config small enough to train a few steps in seconds on one device (tests that shard set the mesh)."""
-    c = build.default_config()
+    c = schema.default_config()
     c.model.d_model, c.model.num_layers, c.model.num_heads, c.model.num_kv_heads, c.model.d_ff = 32, 2, 4, 2, 64
     c.data.seq_len, c.data.batch_size = 16, 8
     c.optim.warmup_steps = 2

@@ -8,7 +8,7 @@ import pytest
 
 from core import config as config_lib
 from core.config import ConfigError
-from experiments import build
+from experiments import schema
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -19,20 +19,20 @@ def declared_compat(cls: type) -> config_lib.Compat | None:
 
 
 def test_defaults_are_valid_and_every_default_passes_its_field():
-    build.validate(build.default_config(), num_devices=8)
-    for section, fields in build.schema().items():
+    schema.validate(schema.default_config(), num_devices=8)
+    for section, fields in schema.schema().items():
         for key, field in fields.items():
             field.check(f"{section}.{key}", field.default)
 
 
-@pytest.mark.parametrize("name", list(build.SECTIONS))
+@pytest.mark.parametrize("name", list(schema.SECTIONS))
 def test_each_section_is_declared_once_and_its_dataclass_matches_the_schema(name):
     """The schema, the default ConfigDict and the dataclass code reads are one declaration: same keys in the same
     order, same defaults, each key documented, and `compat` names only keys the section has."""
-    cls = build.SECTIONS[name]
-    fields = build.schema()[name]
+    cls = schema.SECTIONS[name]
+    fields = schema.schema()[name]
     assert list(fields) == [f.name for f in dataclasses.fields(cls)]
-    section = build.default_config()[name]
+    section = schema.default_config()[name]
     assert set(section.keys()) == set(fields)
     assert config_lib.from_config(cls, section) == cls()
     declared = {f.name: f.default for f in dataclasses.fields(cls)}  # (an instance may resolve a default: head_dim)
@@ -44,10 +44,10 @@ def test_each_section_is_declared_once_and_its_dataclass_matches_the_schema(name
 
 
 def test_checkpoint_compat_follows_the_section_declarations():
-    c = build.default_config()
-    facts = build.checkpoint_compat(c, "fingerprint")
+    c = schema.default_config()
+    facts = schema.checkpoint_compat(c, "fingerprint")
     expected = {"data": "fingerprint"}
-    for name, cls in build.SECTIONS.items():
+    for name, cls in schema.SECTIONS.items():
         compat = declared_compat(cls)
         if compat is True:
             expected[name] = c[name].to_dict()
@@ -60,7 +60,7 @@ def test_checkpoint_compat_follows_the_section_declarations():
 
 
 def test_from_config_rejects_unknown_keys_and_restores_tuples():
-    mesh = build.default_config().mesh.to_dict()
+    mesh = schema.default_config().mesh.to_dict()
     mesh["rules"] = [list(rule) for rule in mesh["rules"]]  # as JSON or the command line gives them back
     assert config_lib.from_config(config_lib.MeshConfig, mesh) == config_lib.MeshConfig()
     with pytest.raises(ConfigError, match="dmodel"):
@@ -81,7 +81,7 @@ def test_a_none_default_can_be_set_from_the_command_line():
 
 def _error(changes, num_devices=8):
     """Applies {"section.key": value} to a default config built as a plain dict (as a config file may return)."""
-    d = build.default_config().to_dict()
+    d = schema.default_config().to_dict()
     for key, value in changes.items():
         section, _, name = key.partition(".")
         if value is DELETE:
@@ -91,7 +91,7 @@ def _error(changes, num_devices=8):
         else:
             d[section] = value
     with pytest.raises(ConfigError) as e:
-        build.validate(ml_collections.ConfigDict(d), num_devices=num_devices)
+        schema.validate(ml_collections.ConfigDict(d), num_devices=num_devices)
     return str(e.value)
 
 
@@ -143,24 +143,24 @@ def test_bad_config_is_rejected_with_a_clear_message(changes, needles):
 
 
 def test_static_validation_needs_no_devices():
-    c = build.default_config()
+    c = schema.default_config()
     c.mesh.data, c.mesh.model = 4, 4  # 16 devices: fine until we know how many there are
-    build.validate(c)
+    schema.validate(c)
     with pytest.raises(ConfigError):
-        build.validate(c, num_devices=8)
+        schema.validate(c, num_devices=8)
 
 
 def test_mesh_shape_resolves_the_free_axis():
-    c = build.default_config()
+    c = schema.default_config()
     c.mesh.model = 2
     assert config_lib.mesh_shape(c, 8) == {"site": 1, "data": 4, "expert": 1, "model": 2}
 
 
 def test_int_is_accepted_for_float_but_not_bool_for_int():
-    d = build.default_config().to_dict()
+    d = schema.default_config().to_dict()
     d["optim"]["learning_rate"] = 1  # a config file may write an int where a float is expected
-    build.validate(ml_collections.ConfigDict(d))
-    field = build.schema()["train"]["steps"]
+    schema.validate(ml_collections.ConfigDict(d))
+    field = schema.schema()["train"]["steps"]
     with pytest.raises(ConfigError, match="bool"):
         field.check("train.steps", True)
 
@@ -178,7 +178,7 @@ def test_configuration_reference_is_current():
 def test_fit_to_steps_lowers_only_a_warm_up_longer_than_the_run(steps, warmup, fitted):
     """A warm-up longer than the run becomes the run's length, with a notice naming both keys; anything else is left
     as it is (a mistyped value for validate to report)."""
-    d = build.default_config().to_dict()  # a plain dict, as a config file may return (a typed ConfigDict refuses "10")
+    d = schema.default_config().to_dict()  # a plain dict, as a config file may return (a typed ConfigDict refuses "10")
     d["train"]["steps"], d["optim"]["warmup_steps"] = steps, warmup
     c = ml_collections.ConfigDict(d)
     notices = config_lib.fit_to_steps(c)
@@ -195,10 +195,10 @@ def test_a_fitted_warm_up_ramps_linearly_over_the_whole_run():
     """The schedule of a fitted run (warmup = steps = 10) is the linear ramp peak * t / 10 at every step it trains."""
     from core import train as train_lib
 
-    c = build.default_config()
+    c = schema.default_config()
     c.train.steps, c.optim.warmup_steps = 10, 40
     config_lib.fit_to_steps(c)
-    build.validate(c)
+    schema.validate(c)
     schedule = train_lib.learning_rate_schedule(c.optim, c.train.steps)
     peak = c.optim.learning_rate
     for t in range(10):

@@ -9,7 +9,7 @@ from flax import nnx
 from core import generate as generate_lib
 from core.config import ConfigError
 from core.model import Transformer, TransformerConfig
-from experiments import build
+from experiments import build, schema
 from kvcache import PagedKVCache, formats, paged_cache_factory
 
 from helpers import forward
@@ -79,16 +79,16 @@ def test_config_selects_the_cache(tiny_config):
         TransformerConfig(vocab_size=264, d_model=128, num_layers=2, num_heads=2, num_kv_heads=1, d_ff=64),
         rngs=nnx.Rngs(0),
     )
-    build.validate(c)
+    schema.validate(c)
     assert build.build_cache_factory(c, model)(1, 16).__class__.__name__ == "DenseKVCache"
     c.kvcache.format, c.kvcache.scale_rule = "fp4", "mx"
-    build.validate(c)
+    schema.validate(c)
     cache = build.build_cache_factory(c, model)(2, 40)
     assert isinstance(cache, PagedKVCache)
     assert cache.pool.fmt == formats.get("fp4", scale_rule="mx") and cache.block_tables.shape == (2, 3)
     c.model.d_model = 96  # head_dim 48: fp4 cannot store it
     with pytest.raises(ConfigError, match="'kvcache.format' = 'fp4'.*head_dim = 48"):
-        build.validate(c)
+        schema.validate(c)
     with pytest.raises(ConfigError, match="kvcache.implementation"):
         c.kvcache.implementation = "triton"
-        build.validate(c)
+        schema.validate(c)

@@ -344,7 +344,7 @@ def test_muon_labels_on_a_real_model():
     it. (tests/test_optimizers.py checks every optimizer's wiring bit for bit.)"""
     from flax import nnx
 
-    from experiments import build
+    from experiments import build, schema
     from optim import muon
 
     from helpers import tiny_moe_transformer
@@ -356,7 +356,7 @@ def test_muon_labels_on_a_real_model():
         want = "muon" if leaf.ndim == 2 and "embedding" not in name else "adam"
         assert label == want, name
     assert {"muon", "adam"} == set(jax.tree.leaves(labels))
-    config = build.default_config()
+    config = schema.default_config()
     config.optim.name = "mgup_muon"
     build.build_optimizer(config).init(params)
 

@@ -13,7 +13,7 @@ from core import mesh as mesh_lib
 from core import train as train_lib
 from core.config import ConfigError
 from core.model import TransformerConfig, split_params
-from experiments import build
+from experiments import build, schema
 from moe import MoE, MoEConfig, dispatch, grouped_matmul, load_balance_loss, route, routing_stats, z_loss
 from moe.router import Routing
 
@@ -400,7 +400,7 @@ def test_moe_train_steps_on_8_devices_equal_one_device(tiny_config):
     results = {}
     for data, expert in ((1, 1), (2, 4)):
         c.mesh.data, c.mesh.expert = data, expert
-        build.validate(c, num_devices=jax.device_count())
+        schema.validate(c, num_devices=jax.device_count())
         _, shard = build.build_mesh(c)
         optimizer = build.build_optimizer(c)
         graphdef, state = train_lib.init_state(build.build_model_fn(c, shard), optimizer, 0, shard)
@@ -427,7 +427,7 @@ def test_moe_train_steps_on_8_devices_equal_one_device(tiny_config):
 
 
 def test_moe_every_chooses_the_layers():
-    c = build.default_config()
+    c = schema.default_config()
     c.model.update(d_model=32, num_layers=4, num_heads=4, num_kv_heads=4, d_ff=64)
     c.moe.update(every=2, num_experts=4, top_k=1, expert_size=8)
     model = build.build_model_fn(c, mesh_lib.Sharder())(nnx.Rngs(0))
@@ -438,11 +438,11 @@ def test_moe_every_chooses_the_layers():
 
 
 def _validate(changes, num_devices=8):
-    c = build.default_config()
+    c = schema.default_config()
     for key, value in changes.items():
         section, name = key.split(".")
         c[section][name] = value
-    build.validate(c, num_devices=num_devices)
+    schema.validate(c, num_devices=num_devices)
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import pytest
 
 import optim
 from core import train as train_lib
-from experiments import build
+from experiments import build, schema
 from optim import registry
 
 # matrices, a vector and an embedding (ragged sizes); BIG adds a matrix of more than 2 APPROX_SAMPLE entries, which
@@ -91,10 +91,10 @@ def _assert_rounding_close(a, b) -> None:
 
 
 def _config(name: str, **optim_keys):
-    config = build.default_config()
+    config = schema.default_config()
     config.optim.update(**{"name": name, "warmup_steps": 2, **optim_keys})
     config.train.steps = 10
-    build.validate(config)
+    schema.validate(config)
     return config
 
 
@@ -149,7 +149,7 @@ def test_build_optimizer_is_the_documented_optimizer_bit_for_bit(name):
     got, state = _run(build.build_optimizer(config), params, grads)
     want_updates, want_state = _run(direct, params, grads)
     _assert_identical(got, want_updates)
-    assert build.schema()["optim"]["name"].choices == registry.NAMES  # the schema allows what the registry builds
+    assert schema.schema()["optim"]["name"].choices == registry.NAMES  # the schema allows what the registry builds
     clip = jax.jit(lambda g: optax.clip_by_global_norm(1.0).update(g, optax.EmptyState())[0])
     clipped = [clip(g) for g in grads]
     want = _expected_fraction(name, clipped)
@@ -185,7 +185,7 @@ def test_a_family_key_set_in_the_config_replaces_the_default(name, key, value, d
 
 
 def test_family_defaults_and_keys_a_family_does_not_use():
-    config = build.default_config()
+    config = schema.default_config()
     resolved = {}
     for name in registry.NAMES:
         config.optim.name = name
@@ -207,10 +207,10 @@ def test_an_unknown_optimizer_name_is_refused_with_the_allowed_names():
     refused = "'optim.name' = 'sgd' is not an optimizer; allowed: .*'adamw'"
     with pytest.raises(build.config_lib.ConfigError, match=refused):
         registry.lookup("sgd")
-    config = build.default_config()
+    config = schema.default_config()
     config.optim.name = "sgd"
     with pytest.raises(build.config_lib.ConfigError, match="'optim.name'.*'sgd'.*mgup_muon"):
-        build.validate(config)
+        schema.validate(config)
 
 
 HYPER = dict(learning_rate=3e-3, weight_decay=0.1, mask_ratio=0.375, alpha=2.5, gamma=0.25)  # float32-exact tau

@@ -220,9 +220,9 @@ def test_rht_signs_come_from_the_run_seed():
     with pytest.raises(ValueError, match="QuantPrecision.seed = -1"):
         QuantPrecision(recipes.UFP4, seed=-1)
 
-    from experiments import build
+    from experiments import build, schema
 
-    c = build.default_config()
+    c = schema.default_config()
     c.precision.recipe = "ufp4"
     c.train.seed = 7
     precision = build.build_precision(c, jax.lax.ragged_dot)
@@ -232,12 +232,12 @@ def test_rht_signs_come_from_the_run_seed():
 def test_the_configs_bf16_recipe_reaches_the_model_as_bf16_gemms():
     """precision.recipe = "bf16" gives a projection bf16-rounded operands (it once built the unrounded default
     slot), "none" the float32 product; against float64 products."""
-    from experiments import build
+    from experiments import build, schema
 
     rng = np.random.default_rng(8)
     x, w = jnp.asarray(rng.normal(size=(12, 40)), jnp.float32), jnp.asarray(rng.normal(size=(40, 8)), jnp.float32)
     bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)  # noqa: E731
-    c = build.default_config()
+    c = schema.default_config()
     for name, want in (("bf16", bf16(x) @ bf16(w)), ("none", np.asarray(x, np.float64) @ np.asarray(w, np.float64))):
         c.precision.recipe = name
         gemm = build.build_precision(c, jax.lax.ragged_dot).dot_general("blocks.0.attn.q", None)
@@ -449,15 +449,15 @@ def test_precision_recipe_from_the_config_trains_the_moe_model(recipe):
     from flax import nnx
 
     from core import mesh as mesh_lib
-    from experiments import build
+    from experiments import build, schema
 
     from helpers import forward, train_losses
 
-    c = build.default_config()
+    c = schema.default_config()
     c.model.update(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, d_ff=64)
     c.moe.update(every=1, num_experts=4, top_k=2, expert_size=16, grouped_matmul="ragged_dot")
     c.precision.recipe = recipe
-    build.validate(c)
+    schema.validate(c)
     model = build.build_model_fn(c, mesh_lib.Sharder())(nnx.Rngs(0))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(4, 33)), jnp.int32)
     losses = train_losses(model, optax.adam(3e-3), tokens, 5)
@@ -468,7 +468,7 @@ def test_precision_recipe_from_the_config_trains_the_moe_model(recipe):
     assert not np.allclose(forward(model, x)[0], forward(plain, x)[0], atol=1e-3)
     with pytest.raises(Exception, match="precision.last_blocks_high_precision"):
         c.precision.last_blocks_high_precision = 3
-        build.validate(c)
+        schema.validate(c)
 
 
 def test_config_overrides_for_the_ablation():

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from core import mesh as mesh_lib
 from core import train as train_lib
-from experiments import build
+from experiments import build, schema
 
 
 def test_logical_to_spec_rules():
@@ -21,7 +21,7 @@ def test_logical_to_spec_rules():
 
 
 def test_size_one_mesh_axes_are_dropped():
-    c = build.default_config()
+    c = schema.default_config()
     c.mesh.data, c.mesh.model = 2, 4
     mesh = mesh_lib.make_mesh(c)
     assert dict(mesh.shape) == {"site": 1, "data": 2, "expert": 1, "model": 4}
@@ -31,7 +31,7 @@ def test_size_one_mesh_axes_are_dropped():
 
 def _setup(config, data, model):
     config.mesh.data, config.mesh.model = data, model
-    build.validate(config, num_devices=jax.device_count())
+    schema.validate(config, num_devices=jax.device_count())
     _, sharder = build.build_mesh(config)
     optimizer = build.build_optimizer(config)
     graphdef, state = train_lib.init_state(build.build_model_fn(config, sharder), optimizer, 0, sharder)

@@ -15,7 +15,7 @@ import pytest
 from core import checkpoint as checkpoint_lib
 from core import train as train_lib
 from core import workdir as workdir_lib
-from experiments import build, run
+from experiments import run, schema
 
 from helpers import make_tiny_config, metric_rows
 
@@ -64,7 +64,7 @@ def _run(config, workdir, *, stepper=None, crash_at=None):
         state,
         workdir=str(workdir),
         compat={"model": "counter"},
-        provenance=build.provenance(config),
+        provenance=schema.provenance(config),
         hooks=[hook],
     )
 

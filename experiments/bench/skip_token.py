@@ -21,14 +21,14 @@ import jax
 import numpy as np
 
 from core import train as train_lib
-from experiments import build, plotting
+from experiments import build, plotting, schema
 from experiments.bench import common
 from experiments.bench.common import describe, interleaved_medians, machine, write_results
 
 
 def _config(experts: int, top_k: int, layers: int, seq: int, batch: int):
     """The benchmark's model and data shape on one device, as a config."""
-    config = build.default_config()
+    config = schema.default_config()
     config.model.update(d_model=512, num_layers=layers, num_heads=8, num_kv_heads=8, d_ff=2048)
     config.moe.update(every=1, num_experts=experts, top_k=top_k, expert_size=128, router="sigmoid")
     config.data.update(seq_len=seq, batch_size=batch)

@@ -86,7 +86,7 @@ def train(out: str, steps: int, vocab_size: int, tokenizer_dir: str) -> dict[str
 def round_trip(out: str) -> tuple[dict[str, Any], str]:
     """Exports the BPE run and imports the export into a fresh workdir, evaluated on the run's held-out batches;
     returns (the import's summary, its workdir)."""
-    from experiments import build, load
+    from experiments import load, schema
     from experiments import pretrained as importer
     from experiments.hf import export
 
@@ -95,7 +95,7 @@ def round_trip(out: str) -> tuple[dict[str, Any], str]:
     shutil.rmtree(exported, ignore_errors=True)
     files = export.save(config, model, exported)
     print(f"exported: {', '.join(sorted(os.path.basename(f) for f in files))}", flush=True)
-    again = build.default_config()  # the run's data and evaluation; the model and tokenizer from the export alone
+    again = schema.default_config()  # the run's data and evaluation; the model and tokenizer from the export alone
     again.data.update({k: v for k, v in config.data.items() if k != "tokenizer"})
     workdir = os.path.join(out, "runs", "reloaded")
     shutil.rmtree(workdir, ignore_errors=True)
