@@ -116,6 +116,8 @@ def arrival_warmup(dims, steps: int) -> optax.GradientTransformation:
 
     def init(params):
         leaves = jax.tree.leaves(params)
+        if not leaves:  # optax.tree_utils.tree_map_params traces `init` with a leafless placeholder for params
+            return ArrivalWarmupState(jnp.full((0,), steps, jnp.int32))
         sizes = {x.shape[d] for x, d in zip(leaves, dim_list) if d >= 0}
         if len(sizes) != 1:
             raise ValueError(f"arrival_warmup: expert parameters must share one expert count; got {sorted(sizes)}.")
@@ -131,22 +133,30 @@ def arrival_warmup(dims, steps: int) -> optax.GradientTransformation:
     return optax.GradientTransformation(init, update)
 
 
-def migrate(state, plan_arrays, mesh: Mesh):
+def migrate(
+    state,
+    plan_arrays,
+    mesh: Mesh,
+    optimizer: optax.GradientTransformation,
+    outer: optax.GradientTransformation | None = None,
+):
     """Applies a reshuffle to a stacked per-site federated state (`moe.rounds.FederatedState`; jit it).
 
     Args:
       state: leaves [M, ...] sharded over the site mesh, the parameters synchronised.
       plan_arrays: `MigrationPlan.arrays()` as [M, N_le] device arrays sharded like the state.
+      optimizer, outer: the transformations that built the state's optimizer state and its outer state (DiLoCo's;
+        None when there is none): their `init` says which leaves are parameter-shaped (optax.tree_utils).
     Returns:
       the state under the new placement: expert weights gathered from their previous block, each Residency set to
       the new expert ids, expert-shaped optimizer leaves (moments, DiLoCo momentum) of kept experts moved to their
       new slot and of arrived experts zeroed, `ArrivalWarmupState.age` of arrived slots zeroed.
     """
-    train, outer = state
+    train, outer_state = state
     dims = expert_dims(train.params)
     spec = PartitionSpec(SITE_AXES)
 
-    def local(train, outer, experts, source_block, source_slot, kept_slot):
+    def local(train, outer_state, experts, source_block, source_slot, kept_slot):
         experts, source_block, source_slot, kept_slot = experts[0], source_block[0], source_slot[0], kept_slot[0]
         arrived = kept_slot < 0
 
@@ -162,7 +172,9 @@ def migrate(state, plan_arrays, mesh: Mesh):
             moved = jnp.take(x, jnp.maximum(kept_slot, 0), axis=1 + d)
             return jnp.where(_along(arrived, 1 + d, x.ndim), jnp.zeros_like(moved), moved)
 
-        def opt(tree):
+        def opt(tree, tx):
+            if tx is None:
+                return tree
             tree = jax.tree.map(
                 lambda s: (
                     ArrivalWarmupState(jnp.where(arrived, 0, s.age[0, jnp.maximum(kept_slot, 0)])[None])
@@ -172,7 +184,8 @@ def migrate(state, plan_arrays, mesh: Mesh):
                 tree,
                 is_leaf=lambda s: isinstance(s, ArrivalWarmupState),
             )
-            return jax.tree.map(keep, tree, train_lib.mirror(tree, train.params, dims, -1))
+            axes = train_lib.optimizer_state_like(tx, tree, train.params, _leaf_tree(dims, train.params), -1)
+            return jax.tree.map(keep, tree, axes)
 
         params = jax.tree.map(gather, train.params, _leaf_tree(dims, train.params))
         rest = jax.tree.map(
@@ -180,9 +193,13 @@ def migrate(state, plan_arrays, mesh: Mesh):
             train.rest,
             is_leaf=lambda v: isinstance(v, Residency),
         )
-        return train._replace(params=params, rest=rest, opt_state=opt(train.opt_state)), opt(outer)
+        return train._replace(params=params, rest=rest, opt_state=opt(train.opt_state, optimizer)), opt(
+            outer_state, outer
+        )
 
-    out = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 6, out_specs=(spec, spec))(train, outer, *plan_arrays)
+    out = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 6, out_specs=(spec, spec))(
+        train, outer_state, *plan_arrays
+    )
     return type(state)(*out)
 
 

@@ -140,7 +140,9 @@ def _round_parts(graphdef, optimizer, mesh, method, outer, loss_fn, state_metric
         flags = federation.expert_flags(train.params)
         averaged = federation.average(train.params, flags, mesh)
         if method == "local_adamw":
-            opt_state = federation.average(train.opt_state, moment_flags(train.opt_state, train.params), mesh)
+            opt_state = federation.average(
+                train.opt_state, moment_flags(optimizer, train.opt_state, train.params), mesh
+            )
             params = averaged
         else:
             assert outer is not None  # checked above: diloco has its outer optimizer
@@ -152,12 +154,14 @@ def _round_parts(graphdef, optimizer, mesh, method, outer, loss_fn, state_metric
     return local_steps, sync
 
 
-def moment_flags(opt_state: Any, params: Any) -> Any:
-    """LocalAdamW's averaging of the optimizer state: the leaves that mirror a parameter (Adam's moments, Lion's and
-    Muon's momentum) are averaged like that parameter (True: expert, over its replica group; False: dense, over all
-    sites); the others (step counts, MGUP's selected fraction, injected hyperparameters) are each site's own (None),
-    identical across sites or a per-site statistic, and cost no bytes."""
-    return train_lib.mirror(opt_state, params, federation.expert_flags(params), None)
+def moment_flags(optimizer: optax.GradientTransformation, opt_state: Any, params: Any) -> Any:
+    """LocalAdamW's averaging of `optimizer`'s state: the leaves that mirror a parameter (Adam's moments, Lion's and
+    Muon's momentum; which ones is what `optimizer.init` says, core.train.optimizer_state_like) are averaged like
+    that parameter (True: expert, over its replica group; False: dense, over all sites); the others (step counts,
+    MGUP's selected fraction, injected hyperparameters) are each site's own (None), identical across sites or a
+    per-site statistic, and cost no bytes. `opt_state` and `params` may be stacked per site ([M, ...] leaves)."""
+    flags = jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(federation.expert_flags(params)))
+    return train_lib.optimizer_state_like(optimizer, opt_state, params, flags, None)
 
 
 def site_batches(tokens: np.ndarray, sites: int) -> np.ndarray:

@@ -45,8 +45,8 @@ class FederatedStepper(train_lib.Stepper):
     ("bytes_per_site_per_round", read from the compiled program) and the routing stability:
     "routing/topk_agreement" of every site's routing on a fixed probe batch (the first held-out batch) after the round
     with its routing before it (the state the round started from: after a reshuffle, the migrated one, so a run
-    resumed from any checkpoint measures what an uninterrupted one does), and with skip-token the ideal ghost
-    fraction 1 - N_le / N_e. With `reshuffle_every` > 0 (random placement) the experts move to the next placement
+    resumed from any checkpoint measures what an uninterrupted one does; a model without MoE layers has none), and
+    with skip-token the ideal ghost fraction 1 - N_le / N_e. With `reshuffle_every` > 0 (random placement) the experts move to the next placement
     after every `reshuffle_every` rounds (a metric row of its own).
     Time: the local steps and the synchronisation are two programs, each waited for, so every round also reports
     "seconds/local_steps" and "seconds/sync" (means over processes; a site's synchronisation includes its wait for
@@ -128,7 +128,9 @@ class FederatedStepper(train_lib.Stepper):
         self.migrate_exec, self.plan_sharding = None, NamedSharding(mesh, PartitionSpec(federation.SITE_AXES))
         if reshuffle_every:  # compiled once too: the plan is data
             plan = jax.ShapeDtypeStruct(placement.experts.shape, jnp.int32, sharding=self.plan_sharding)
-            migrate = jax.jit(functools.partial(reshuffle.migrate, mesh=mesh), donate_argnums=0)
+            migrate = jax.jit(
+                functools.partial(reshuffle.migrate, mesh=mesh, optimizer=optimizer, outer=outer), donate_argnums=0
+            )
             self.migrate_exec = migrate.lower(state, [plan] * 4).compile()
         round_hlo = self.sync_exec.as_text()  # the local steps' program moves nothing across sites (tests/test_rounds)
         assert round_hlo is not None  # None only where a backend has no text form; CPU, GPU and TPU all have one
@@ -136,6 +138,7 @@ class FederatedStepper(train_lib.Stepper):
         self.bytes_info = round_bytes(
             round_hlo,
             migrate_hlo,
+            optimizer,
             state.train,
             mesh,
             sites=sites,
@@ -148,7 +151,10 @@ class FederatedStepper(train_lib.Stepper):
             self.bytes_info["measured"], sites, k, tokens_per_step
         )
         self.val = [jnp.asarray(b) for b in batches.every_row().val_batches(eval_batches)]
-        self.probe_fn, self.probe_tokens = rounds_lib.make_probe(graphdef, mesh), self.val[0][:, :-1]
+        # a model without MoE layers (moe.every = 0: the federation of a dense model) has no routing to probe
+        routed = any(jax.tree.leaves(federation.expert_flags(state.train.params)))
+        self.probe_fn = rounds_lib.make_probe(graphdef, mesh) if routed else None
+        self.probe_tokens = self.val[0][:, :-1]
         self.routes: np.ndarray | None = None  # every site's routes on the probe batch in the current state
         self.ghosts = {"moe/ideal_ghost_fraction": placement.ideal_ghost_fraction} if routing == "skip_token" else {}
         if jax.process_index() == 0:
@@ -167,7 +173,7 @@ class FederatedStepper(train_lib.Stepper):
         return {"round": call + 1}
 
     def step(self, state: rounds_lib.FederatedState, call: int) -> tuple[rounds_lib.FederatedState, dict[str, float]]:
-        if self.routes is None:  # the routes of the state this round starts from
+        if self.routes is None and self.probe_fn is not None:  # the routes of the state this round starts from
             self.routes = self._probe(state)
         k = self.steps_per_call
         local = np.stack([self.batches.train_batch(step) for step in range(call * k, (call + 1) * k)])
@@ -184,12 +190,15 @@ class FederatedStepper(train_lib.Stepper):
         gathered = _host({"metrics": metrics, "seconds": np.array([[t1 - t0, t2 - t1]])})  # [processes, 2]
         means = {name: float(np.mean(v)) for name, v in gathered["metrics"].items()}
         local_seconds, sync_seconds = np.mean(gathered["seconds"], axis=0)
-        previous, self.routes = self.routes, self._probe(state)
+        routing = {}
+        if self.probe_fn is not None:
+            previous, self.routes = self.routes, self._probe(state)
+            routing["routing/topk_agreement"] = rounds_lib.topk_agreement(previous, self.routes)
         return state, {
             "loss": means.pop("loss"),
             "grad_norm": means.pop("grad_norm"),
             "bytes_per_site_per_round": self.bytes_info["measured"],
-            "routing/topk_agreement": rounds_lib.topk_agreement(previous, self.routes),
+            **routing,
             "seconds/local_steps": float(local_seconds),
             "seconds/sync": float(sync_seconds),
             "seconds/round": time.perf_counter() - t0,
@@ -273,6 +282,7 @@ def _split_bytes(tree, flags, sites: int) -> tuple[int, int]:
 def round_bytes(
     round_hlo: str,
     migrate_hlo: str | None,
+    optimizer: optax.GradientTransformation,
     train: train_lib.TrainState,
     mesh: jax.sharding.Mesh,
     *,
@@ -289,7 +299,7 @@ def round_bytes(
     "migration_per_reshuffle_formula")."""
     measured = federation.sync_bytes_per_site(round_hlo, mesh)["cross_site"]  # summed over a site's devices
     dense, experts = _split_bytes(train.params, federation.expert_flags(train.params), sites)
-    state = _split_bytes(train.opt_state, rounds_lib.moment_flags(train.opt_state, train.params), sites)
+    state = _split_bytes(train.opt_state, rounds_lib.moment_flags(optimizer, train.opt_state, train.params), sites)
     gamma = 1.0 / reshuffle_every if migrate_hlo is not None else 0.0
     formula = system_model.sync_bytes(
         dense, experts, sites, overlap, optimizer=method, migration=gamma, state_bytes=state

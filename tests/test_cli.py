@@ -7,6 +7,7 @@ a real SIGKILL, to a site's process of a multi-process run, and relaunches it. R
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -325,6 +326,19 @@ def test_federated_run_measures_its_bytes_and_resumes_after_a_crashed_round(tmp_
     for key in ("train_loss", "val_loss", "val_bits_per_byte", "steps", "bytes_per_site_per_round"):
         assert resumed[key] == summary[key], key
     assert metric_rows(crashed) == rows
+
+
+def test_a_federation_of_a_dense_model_trains_without_a_routing_probe(tmp_path):
+    """moe.every = 0 under mesh.site > 1 (the quickstart's dense variant): the sites train full replicas with
+    LocalAdamW rounds; there is no routing to probe (no routing metric), and the round moves the formula's bytes."""
+    summary = _run(
+        tmp_path / "dense", *FEDERATED[:2], "--config.moe.every=0", "--config.fomoe.overlap=4", *FEDERATED[3:]
+    )
+    assert summary["rounds"] == 6 and math.isfinite(summary["val_loss"])
+    rows = metric_rows(tmp_path / "dense")
+    assert [r["round"] for r in rows if "train_loss" in r] == list(range(1, 7))
+    assert not any(key.startswith("routing/") for r in rows for key in r)
+    assert summary["bytes_per_site_per_round"] == summary["bytes_per_site_per_round_formula"] > 0
 
 
 def test_the_composed_config_trains_sites_with_mgup_on_ufp4_and_serves_through_fp4_kv(tmp_path, capsys):

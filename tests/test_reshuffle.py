@@ -12,14 +12,13 @@ import pytest
 from flax import nnx
 
 from core import hlo
-from core import train as train_lib
 from core.model import Transformer, TransformerConfig
 from moe import MoE, MoEConfig, federation, reshuffle, rounds
 from moe.layer import Residency
 from moe.placement import fixed_placement, random_placement
 from optim import diloco_outer
 
-from helpers import tiny_moe_transformer
+from helpers import by_key_path, tiny_moe_transformer
 
 SITES, EXPERTS = 4, 8
 
@@ -80,16 +79,16 @@ def _moved_state(overlap, warmup, outer, model=tiny_moe_transformer):
     before = jax.tree.map(np.asarray, state)
     plan = reshuffle.plan_migration(old, new)
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(federation.SITE_AXES))
-    migrate = jax.jit(lambda st, arrays: reshuffle.migrate(st, arrays, mesh))
+    migrate = jax.jit(lambda st, arrays: reshuffle.migrate(st, arrays, mesh, optimizer, outer))
     arrays = [jax.device_put(a, sharding) for a in plan.arrays()]
     compiled = migrate.lower(state, arrays).compile()  # once: it migrates and tells what it moves
     after = compiled(state, arrays)
-    return old, new, dims, before, jax.tree.map(np.asarray, after), compiled.as_text()
+    return old, new, dims, optimizer, before, jax.tree.map(np.asarray, after), compiled.as_text()
 
 
 def _expert_leaves(tree, params, dims):
     """(leaf, expert axis) of every leaf of `tree` that mirrors an expert parameter (by path and shape)."""
-    flags = jax.tree.leaves(train_lib.mirror(tree, params, dims, -1))
+    flags = jax.tree.leaves(by_key_path(tree, params, dims, -1))
     return [(x, d) for x, d in zip(jax.tree.leaves(tree), flags)]
 
 
@@ -100,14 +99,14 @@ def _expert_leaves(tree, params, dims):
 )
 def test_migration_matches_a_numpy_reference(overlap, outer, expert_mlp):
     outer_tx = diloco_outer() if outer else None
-    old, new, dims, before, after, text = _moved_state(overlap, 4, outer_tx, MODELS[expert_mlp])
+    old, new, dims, optimizer, before, after, text = _moved_state(overlap, 4, outer_tx, MODELS[expert_mlp])
     dim_list = jax.tree.leaves(dims)
     ffn = before.train.params["blocks"][0]["ffn"]
     assert set(ffn) == {"router", "up", "down"} | ({"gate"} if expert_mlp == "swiglu" else set())
     if expert_mlp == "swiglu":  # the gate matrices are expert parameters found by their axes, like up and down
         assert dims["blocks"][0]["ffn"]["gate"] == 0
         assert federation.expert_flags(before.train.params)["blocks"][0]["ffn"]["gate"]
-        adam = rounds.moment_flags(before.train.opt_state, before.train.params)[0][0]
+        adam = rounds.moment_flags(optimizer, before.train.opt_state, before.train.params)[0][0]
         assert adam.mu["blocks"][0]["ffn"]["gate"].get_value() and adam.nu["blocks"][0]["ffn"]["gate"].get_value()
         # each site's view (federation.to_sites, which init_sites used) holds its experts' gate matrices
         full: Any = nnx.state(_swiglu_moe_transformer(), nnx.Param)

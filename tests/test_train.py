@@ -21,9 +21,9 @@ from core import train as train_lib
 from core.model import Transformer, TransformerConfig, split_params
 from core.tokenizer import PAD_ID, HFTokenizer, TokenizerError
 from core.workdir import WorkdirError
-from experiments import build
+from experiments import build, schema
 
-from helpers import forward, make_tiny_config, metric_rows
+from helpers import by_key_path, forward, make_tiny_config, metric_rows
 
 
 def _train(config, workdir, hooks=()):
@@ -36,7 +36,7 @@ def _train(config, workdir, hooks=()):
         optimizer=build.build_optimizer(config),
         batches=batches,
         sharder=sharder,
-        compat=build.checkpoint_compat(config, corpus.fingerprint),
+        compat=schema.checkpoint_compat(config, corpus.fingerprint),
         hooks=hooks,
     )
 
@@ -71,7 +71,7 @@ def test_lm_loss_matches_numpy_cross_entropy():
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
 def test_schedule_matches_formula(schedule):
-    o = build.default_config().optim
+    o = schema.default_config().optim
     o.learning_rate, o.warmup_steps, o.min_lr_ratio, o.schedule = 1e-2, 10, 0.1, schedule
     lr = train_lib.learning_rate_schedule(o, 110)
     for step in (0, 5, 10, 35, 60, 109, 110):
@@ -240,7 +240,7 @@ _OPTIMIZERS = {  # a mask (MaskedNode leaves), a partition by shape (muon), a ch
 @pytest.mark.parametrize("name", sorted(_OPTIMIZERS))
 def test_optimizer_state_shardings_follow_the_parameters(name):
     """optimizer_state_like (optax.tree_utils.tree_map_params) gives every moment its parameter's sharding and
-    every other leaf the default: the same tree as matching key paths and shapes (`mirror`)."""
+    every other leaf the default: the same tree as matching key paths and shapes (helpers.by_key_path)."""
     from core import mesh as mesh_lib
     from core.config import DEFAULT_RULES
 
@@ -252,7 +252,7 @@ def test_optimizer_state_shardings_follow_the_parameters(name):
     optimizer = _OPTIMIZERS[name]()
     opt_state = jax.eval_shape(optimizer.init, params)
     got = train_lib.optimizer_state_like(optimizer, opt_state, params, shardings, replicated)
-    want = train_lib.mirror(opt_state, params, shardings, replicated)
+    want = by_key_path(opt_state, params, shardings, replicated)
     chex.assert_trees_all_equal_structs(got, want)
     assert jax.tree.leaves(got) == jax.tree.leaves(want)
     assert any(s != replicated for s in jax.tree.leaves(got))  # the moments of sharded matrices are sharded

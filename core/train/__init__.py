@@ -13,7 +13,7 @@ from core.train.loop import (
     train,
 )
 from core.train.progress import progress_bar, tensorboard_enabled
-from core.train.state import init_state, mirror, optimizer_state_like, state_layout
+from core.train.state import init_state, optimizer_state_like, state_layout
 from core.train.step import (
     StateMetrics,
     TrainState,
@@ -41,7 +41,6 @@ __all__ = [
     "lm_loss",
     "make_eval_step",
     "make_train_step",
-    "mirror",
     "nonfinite_advice",
     "optimizer_state_like",
     "progress_bar",

@@ -17,7 +17,7 @@ from core.mesh import Sharder, param_shardings
 from core.model import split_params
 from core.train.step import TrainState
 
-__all__ = ["init_state", "mirror", "optimizer_state_like", "state_layout"]
+__all__ = ["init_state", "optimizer_state_like", "state_layout"]
 
 
 def init_state(
@@ -103,21 +103,3 @@ def optimizer_state_like(
     return optax.tree_utils.tree_map_params(
         optimizer, pick, opt_state, params, values, transform_non_params=lambda _: default, is_leaf=masked
     )
-
-
-def mirror(tree, params, values, default):
-    """Carries a per-parameter value over to a tree whose leaves mirror the parameters, where the optimizer that
-    built the tree is not at hand (`optimizer_state_like` when it is): a leaf whose key path ends with a
-    parameter's key path and has its shape gets that parameter's entry of `values` (a tree shaped like `params`:
-    shardings, flags, ...); any other leaf (a step count) gets `default`."""
-    flat_params, _ = jax.tree_util.tree_flatten_with_path(params)
-    by_path = {tuple(path): (leaf.shape, v) for (path, leaf), v in zip(flat_params, jax.tree.leaves(values))}
-
-    def pick(path, leaf):
-        for i in range(len(path)):
-            hit = by_path.get(tuple(path[i:]))
-            if hit is not None and hit[0] == leaf.shape:
-                return hit[1]
-        return default
-
-    return jax.tree_util.tree_map_with_path(pick, tree)
