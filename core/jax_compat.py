@@ -6,8 +6,8 @@ raises `JaxCompatError` naming the symbol, what it is used for and the installed
 failing somewhere else or, worse, behaving differently. tests/test_jax_compat.py resolves every entry of the list
 against the installed JAX, so a release that drops or renames one fails there first.
 
-Importing this module imports no JAX: each function imports what it resolves when it is called (the launcher,
-experiments.launch, needs jaxlib's coordination service without importing jax).
+Importing this module imports no JAX: each function imports what it resolves when it is called (the launcher's
+supervisor, experiments.cluster.supervisor, needs jaxlib's coordination service without importing jax).
 """
 
 from __future__ import annotations
@@ -66,6 +66,11 @@ PRIVATE_SYMBOLS: tuple[Symbol, ...] = (
         _CLUSTERS,
         "ClusterEnv.auto_detect_unset_distributed_params",
         "checking (tests/test_cluster.py) that core.mesh reads an environment as jax.distributed does",
+    ),
+    Symbol(
+        "jax._src.distributed",
+        "global_state.client",
+        "the coordination-service client (tests/test_launch.py waits at a barrier no process reaches)",
     ),
 )
 """Every private JAX symbol this project uses (tests/test_jax_compat.py checks each against the installed JAX)."""

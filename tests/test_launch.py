@@ -46,9 +46,9 @@ def _collective_then_barrier(flags):
     barrier waits for a process that died). Any exception ends the process with its traceback."""
     import ml_collections
     import numpy as np
-    from jax._src import distributed
     from jax.experimental import multihost_utils
 
+    from core import jax_compat
     from core import mesh as mesh_lib
 
     mesh = {k: flags[f"config.mesh.{k}"] for k in ("num_processes", "process_id", "coordinator_address")}
@@ -58,7 +58,7 @@ def _collective_then_barrier(flags):
     print(f"gathered {gathered.ravel().tolist()}", flush=True)
     if mesh["process_id"] > 0:
         print("waiting at a barrier", flush=True)
-        client = distributed.global_state.client
+        client = jax_compat.lookup("jax._src.distributed.global_state.client")
         assert client is not None
         client.wait_at_barrier("never", 300_000)
 
