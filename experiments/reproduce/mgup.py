@@ -27,21 +27,14 @@ import time
 from experiments import plotting
 from experiments.bench import common
 from experiments.reproduce import runs as runs_lib
+from optim import registry
 
 CONFIG = runs_lib.config_path("quickstart")
 
-# optimizer -> (base it is compared with, family); the family fixes the learning-rate grid. Betas, eps and Muon's
-# momentum are the config's family defaults (optim/config.py; docs/configuration.md).
-OPTIMIZERS = {
-    "adamw": ("adamw", "adamw"),
-    "cautious_adamw": ("adamw", "adamw"),
-    "mgup_adamw": ("adamw", "adamw"),
-    "cautious_mgup_adamw": ("adamw", "adamw"),
-    "lion": ("lion", "lion"),
-    "mgup_lion": ("lion", "lion"),
-    "muon": ("muon", "muon"),
-    "mgup_muon": ("muon", "muon"),
-}
+# optimizer -> its family (optim.registry), which fixes the learning-rate grid and the base it is compared with
+# (the family's plain member: adamw, lion, muon). Betas, eps and Muon's momentum are the family defaults
+# (docs/configuration.md).
+FAMILY = {name: entry.family.name for name, entry in registry.OPTIMIZERS.items()}
 LEARNING_RATES = {"adamw": (2.5e-3, 5e-3, 1e-2), "lion": (2.5e-4, 5e-4, 1e-3), "muon": (2.5e-3, 5e-3, 1e-2)}
 # The committed results/mgup table ran the Muon family's AdamW backup with b1 = 0.9 (then the one optim.b1 of every
 # optimizer), not the family default 0.95 (the reference's); pinned so that the table reproduces. Drop this when
@@ -64,7 +57,7 @@ def train(optimizer: str, lr: float, seed: int, steps: int, out: str) -> dict:
         "--config.mesh.data=1",
         f"--config.optim.name={optimizer}",
         f"--config.optim.learning_rate={lr}",
-        *PINNED.get(OPTIMIZERS[optimizer][1], ()),
+        *PINNED.get(FAMILY[optimizer], ()),
         f"--config.train.seed={seed}",
         f"--config.data.seed={seed}",
         f"--config.train.eval_every={EVAL_EVERY}",
@@ -82,7 +75,7 @@ def train(optimizer: str, lr: float, seed: int, steps: int, out: str) -> dict:
 
 def collect(optimizers: list[str], steps: int, out: str) -> dict:
     """The sweep on seed 0, then the other seeds at each optimizer's best learning rate."""
-    plan = [(o, lr, SEEDS[0]) for o in optimizers for lr in LEARNING_RATES[OPTIMIZERS[o][1]]]
+    plan = [(o, lr, SEEDS[0]) for o in optimizers for lr in LEARNING_RATES[FAMILY[o]]]
     runs, started = {}, time.time()
 
     def go(o, lr, seed, i, total):
@@ -98,9 +91,7 @@ def collect(optimizers: list[str], steps: int, out: str) -> dict:
     total = len(plan) + len(optimizers) * (len(SEEDS) - 1)
     for i, (o, lr, seed) in enumerate(plan):
         go(o, lr, seed, i + 1, total)
-    best = {
-        o: min(LEARNING_RATES[OPTIMIZERS[o][1]], key=lambda lr: runs[(o, lr, SEEDS[0])]["val_loss"]) for o in optimizers
-    }
+    best = {o: min(LEARNING_RATES[FAMILY[o]], key=lambda lr: runs[(o, lr, SEEDS[0])]["val_loss"]) for o in optimizers}
     i = len(plan)
     for o in optimizers:
         for seed in SEEDS[1:]:
@@ -119,13 +110,13 @@ def summarise(optimizers: list[str], collected: dict, steps: int) -> dict:
         rows.append(
             {
                 "optimizer": o,
-                "base": OPTIMIZERS[o][0],
+                "base": FAMILY[o],
                 "learning_rate": best[o],
                 "val_losses": losses,
                 "mean": sum(losses) / len(losses),
                 "spread": max(losses) - min(losses),
                 "tokens_per_second": sum(runs[(o, best[o], s)]["tokens_per_second"] for s in SEEDS) / len(SEEDS),
-                "sweep": {f"{lr:g}": runs[(o, lr, SEEDS[0])]["val_loss"] for lr in LEARNING_RATES[OPTIMIZERS[o][1]]},
+                "sweep": {f"{lr:g}": runs[(o, lr, SEEDS[0])]["val_loss"] for lr in LEARNING_RATES[FAMILY[o]]},
             }
         )
     by = {r["optimizer"]: r for r in rows}
@@ -189,11 +180,11 @@ def curves_plot(result: dict, path: str) -> None:
     optimizer's tuned learning rate, mean over seeds (`result`: what `summarise` returns, with the command)."""
     best = {r["optimizer"]: r["learning_rate"] for r in result["rows"]}
     optimizers = list(best)
-    families = [f for f in LEARNING_RATES if any(OPTIMIZERS[o][1] == f for o in optimizers)]
+    families = [f for f in LEARNING_RATES if any(FAMILY[o] == f for o in optimizers)]
     title = f"MGUP against its base, quickstart MoE, mean of seeds {result['seeds']}\n{result['command']}"
     with plotting.figure(path, size=(5 * len(families), 4.4), ncols=len(families), squeeze=False, title=title) as axes:
         for ax, family in zip(axes, families):
-            members = [o for o in optimizers if OPTIMIZERS[o][1] == family]
+            members = [o for o in optimizers if FAMILY[o] == family]
             for o, color in plotting.colors(members).items():
                 curves = [result["curves"][o][str(s)] for s in result["seeds"]]
                 steps, train = plotting.mean_curve([c["train"] for c in curves])
@@ -212,12 +203,12 @@ def main(argv=None) -> None:
     common.add_steps(parser, default=400, multiple_of=EVAL_EVERY, why="the evaluation interval")
     parser.add_argument(
         "--only",
-        type=common.names(OPTIMIZERS, empty=True),
+        type=common.names(FAMILY, empty=True),
         default="",
-        help=f"optimizers to run: a comma-separated subset of {list(OPTIMIZERS)} (empty: all)",
+        help=f"optimizers to run: a comma-separated subset of {list(FAMILY)} (empty: all)",
     )
     args = parser.parse_args(argv)
-    optimizers = args.only or list(OPTIMIZERS)
+    optimizers = args.only or list(FAMILY)
     collected = collect(optimizers, args.steps, args.out)
     result = {"command": common.command(parser, args), **summarise(optimizers, collected, args.steps)}
     common.write_results(args.out, "table", result, markdown)
