@@ -29,7 +29,7 @@ from core import config as config_lib
 from core.checkpoint import CheckpointError
 from core.model import Transformer
 from core.tokenizer import Tokenizer, TokenizerError
-from experiments import build, load
+from experiments import build, load, schema
 from kvcache import capacity, formats
 from kvcache import config as kv_config
 from kvcache.formats import Format
@@ -192,20 +192,23 @@ def add_kv_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def kv_format(args: argparse.Namespace, run: ml_collections.ConfigDict) -> tuple[Format, str]:
-    """(the KV format serving uses, a line saying which and why): the run's `kvcache` section (format, and for fp4
-    its scale rule, K rotation and FP8 query), with `--kv-format` / `--scale-rule` replacing its format / scale rule
-    when given. Raises FlagError for --scale-rule without fp4, or a format that cannot hold the model's heads."""
+    """(the KV format serving uses, a line saying which and why): the run's `kvcache` section (format, and for a
+    format with options, fp4's, its scale rule, K rotation and FP8 query), with `--kv-format` / `--scale-rule`
+    replacing its format / scale rule when given. Raises FlagError for --scale-rule with a format that has no scale
+    rule (kvcache.formats.options), or a format that cannot hold the model's heads."""
     given_format, given_rule = getattr(args, "kv_format", None), getattr(args, "scale_rule", None)
     kv = config_lib.from_config(kv_config.KVCacheConfig, run.kvcache)
     name = given_format or kv.format
     why = "--kv-format" if given_format else "the run's kvcache.format; --kv-format overrides"
-    if given_rule is not None and name != "fp4":
+    ruled = [n for n in formats.NAMES if "scale_rule" in formats.options(n)]  # the formats with a scale rule
+    if given_rule is not None and name not in ruled:
         raise FlagError(
-            f"--scale-rule={given_rule} applies to the fp4 KV format only, and the format is {name} ({why}); "
-            "allowed: --scale-rule with --kv-format=fp4 (or a run whose kvcache.format is fp4), or no --scale-rule"
+            f"--scale-rule={given_rule} applies to the {'/'.join(ruled)} KV format only, and the format is {name} "
+            f"({why}); allowed: --scale-rule with --kv-format in {ruled} (or a run whose kvcache.format is one), "
+            "or no --scale-rule"
         )
     kv = dataclasses.replace(kv, format=name, scale_rule=given_rule or kv.scale_rule)
-    head_dim = build.model_config(run).head_dim
+    head_dim = schema.model_config(run).head_dim
     fits = [n for n in formats.NAMES if _holds(kv_config.make_format(dataclasses.replace(kv, format=n)), head_dim)]
     fmt = kv_config.make_format(kv)
     try:
@@ -216,7 +219,7 @@ def kv_format(args: argparse.Namespace, run: ml_collections.ConfigDict) -> tuple
             f"{flag} cannot hold this model's keys and values: {e}; allowed for this model: --kv-format in {fits}"
         ) from None
     source = f"{name} ({why})"
-    if name == "fp4":
+    if name in ruled:
         rule = "--scale-rule" if given_rule else "the run's kvcache.scale_rule; --scale-rule overrides"
         source += f", scale rule {kv.scale_rule} ({rule})"
     return fmt, source
@@ -266,7 +269,7 @@ def engine_config(
             f"--max-model-len={args.max_model_len} must be >= 2 x --max-num-batched-tokens = "
             f"{2 * args.max_num_batched_tokens}"
         )
-    cfg = build.model_config(run)
+    cfg = schema.model_config(run)
     mib, bs = args.kv_memory_mib, EngineConfig.block_size
     memory = int(mib * 2**20)
     per_block = bs * capacity.kv_bytes_per_token(

@@ -24,8 +24,8 @@ from flax import nnx
 from core.checkpoint import CheckpointError
 from core.config import TransformerConfig
 from core.tokenizer import HFTokenizer
-from experiments import build, load, serve
-from kvcache import formats
+from experiments import build, load, schema, serve
+from kvcache import capacity, formats
 from kvcache import serving as engine_lib
 
 # head_dim 64 (fp4 needs a multiple of 64); a block of 16 tokens in bf16: 2 layers x 16 x (K + V: 2 x 64 x 2 bytes)
@@ -65,8 +65,12 @@ class ScriptedEngine(engine_lib.Scheduler):
 
     def __init__(self, model, fmt, config):
         cfg = model.cfg
-        per_block = cfg.num_layers * config.block_size * fmt.bytes_per_token(cfg.num_kv_heads, cfg.head_dim)
-        super().__init__(config, fmt, config.memory_bytes // per_block)
+        shape = capacity.ModelShape(
+            full_attention_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim
+        )
+        super().__init__(
+            config, fmt, capacity.num_blocks(config.memory_bytes, shape, fmt, block_size=config.block_size)
+        )
         ScriptedEngine.configs.append(config)
         ScriptedEngine.kv_formats.append(fmt)
 
@@ -109,7 +113,7 @@ def scripted(monkeypatch, a_run):
 
     def trained_model(workdir, site=0):
         config = load.run_config(workdir)
-        return config, types.SimpleNamespace(cfg=build.model_config(config))
+        return config, types.SimpleNamespace(cfg=schema.model_config(config))
 
     monkeypatch.setattr(load, "trained_model", trained_model)
     monkeypatch.setattr(engine_lib, "Engine", ScriptedEngine)
@@ -365,7 +369,7 @@ def test_a_tensor_parallel_run_loads_and_serves_on_one_device(tmp_path, capsys, 
     config.model.num_layers = 1
     config.moe.every = 0  # dense
     config.mesh.update(data=1, model=2)  # (kvcache.format: bf16, the default; head_dim 8 holds no fp4)
-    build.validate(config, num_devices=8)
+    schema.validate(config, num_devices=8)
     _, sharder = build.build_mesh(config)
     graphdef, state = train_lib.init_state(
         build.build_model_fn(config, sharder), build.build_optimizer(config), config.train.seed, sharder
@@ -376,8 +380,8 @@ def test_a_tensor_parallel_run_loads_and_serves_on_one_device(tmp_path, capsys, 
     workdir.mkdir()
     run.write_records(str(workdir), config, types.SimpleNamespace(fingerprint="f", info={}))
     checkpointer = checkpoint_lib.Checkpointer(workdir / "checkpoints")
-    compat = build.checkpoint_compat(config, "f")
-    checkpointer.save(2, state, loop={}, compat=compat, provenance=build.provenance(config))
+    compat = schema.checkpoint_compat(config, "f")
+    checkpointer.save(2, state, loop={}, compat=compat, provenance=schema.provenance(config))
     checkpointer.close()
 
     loaded_config, model = load.trained_model(str(workdir))
