@@ -1,6 +1,6 @@
 """core.lowbit against ml_dtypes casts and exact NumPy references; quant's MXFP4 / NVFP4 block scaling (built on it)
 against exact NumPy quantisers over block exponents -100..100, blocks whose max is exactly 2^k, exact ties on bf16
-data, tiny, subnormal and zero tensors; the reproductions of issue 15 as regression tests."""
+data, tiny, subnormal and zero tensors; the reproductions of the defects once found there as regression tests."""
 
 import jax
 import jax.numpy as jnp

@@ -7,7 +7,7 @@ import pytest
 from experiments.reproduce import fomoe
 
 
-def test_grid_covers_the_issues_table():
+def test_grid_is_sites_by_overlap_by_k_by_outer_method_plus_random_placement_and_ddp():
     runs = fomoe.grid()
     names = [r["name"] for r in runs]
     assert len(names) == len(set(names))

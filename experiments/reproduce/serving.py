@@ -4,7 +4,7 @@
         [--sweep-kib 2048,3072,6144,8192] [--project]
 
 The trained quickstart model (the one `experiments.reproduce.kvcache` trains, reused from `<--model-out>/runs`) is
-served by `kvcache.engine.Engine` (continuous batching, 256-token steps, prefix caching, XLA attention) on
+served by `kvcache.serving.Engine` (continuous batching, 256-token steps, prefix caching, XLA attention) on
 `kvcache.workload.AgentWorkload()`: 24 conversations, 8 at a time, 4 rounds each; 64 shared + 768 per-conversation
 prefix tokens, 64-96 new input and 16 output tokens per round (the spec's 100 x 32 x 6 rounds, 2K + 25K prefix,
 2-3K in, 200 out, scaled to 2 CPU cores). The same KV memory for every format (default 4 MiB: 4,096 bf16 tokens of
