@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from experiments import links
+from experiments.bench import link_rate
 
 from helpers import running
 
@@ -84,27 +85,6 @@ def test_up_makes_exactly_the_network_and_down_removes_it():
     assert not any(os.path.exists(f"/etc/netns/{s['netns']}") for s in sites)
 
 
-_RECEIVER = """
-import json, socket, sys, time
-server = socket.create_server((sys.argv[1], int(sys.argv[2])))
-print("listening", flush=True)
-conn, _ = server.accept()
-total = first = 0
-start = last = None
-while chunk := conn.recv(1 << 16):
-    last = time.monotonic()
-    if start is None:
-        start, first = last, len(chunk)
-    total += len(chunk)
-print(json.dumps({"bytes": total, "first": first, "seconds": last - start}), flush=True)
-"""
-_SENDER = """
-import socket, sys
-with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30) as s:
-    s.sendall(b"x" * int(sys.argv[3]))
-"""
-
-
 @needs_root
 def test_a_transfer_between_two_sites_runs_at_the_link_rate_and_is_counted():
     """2 MB from site 0 to site 1 over 8 Mbit/s links: the receiver's payload rate (timed in its own process, from
@@ -114,16 +94,11 @@ def test_a_transfer_between_two_sites_runs_at_the_link_rate_and_is_counted():
     and TCP headers for every (at most) 1460 of it, and at most 10% more than the payload; nothing was dropped."""
     payload, rate_mbit = 2_000_000, 8
     with links.Network(sites=2, rate_mbit=rate_mbit) as net:
-        dest = [net.sites[1].address, "5001"]
-        receiver = net.popen(1, [sys.executable, "-c", _RECEIVER, *dest], stdout=subprocess.PIPE, text=True)
-        assert receiver.stdout is not None and receiver.stdout.readline() == "listening\n"
         before = net.counters()
-        net.run(0, [sys.executable, "-c", _SENDER, *dest, str(payload)], timeout=60, check=True)
-        got = json.loads(receiver.communicate(timeout=60)[0])
+        got = link_rate.transfer(net, payload, timeout=60)  # (what experiments.bench.link_rate measures)
         after = net.counters()
     assert got["bytes"] == payload
-    rate = (got["bytes"] - got["first"]) * 8 / got["seconds"] / 1e6
-    assert 0.75 <= rate / rate_mbit <= 1.25, (rate, got)
+    assert 0.75 <= got["payload_mbit"] / rate_mbit <= 1.25, got
     grew = {k: getattr(after[i], k) - getattr(before[i], k) for i, k in ((0, "tx_bytes"), (0, "tx_wire_bytes"))}
     grew |= {k: getattr(after[1], k) - getattr(before[1], k) for k in ("rx_bytes", "rx_wire_bytes")}
     framed = payload + 54 * -(-payload // 1460)
@@ -251,6 +226,7 @@ def test_without_root_or_tc_it_says_what_is_missing_and_makes_nothing(monkeypatc
         (dict(sites=2, rate_mbit=float("nan")), "rate_mbit=nan"),
         (dict(sites=2, rate_mbit=8, subnet="8.8.8.0/24"), "subnet='8.8.8.0/24': must be a private IPv4"),
         (dict(sites=2, rate_mbit=8, subnet="10.0.0.0/30"), "subnet='10.0.0.0/30': must be a network with at least 3"),
+        (dict(sites=2, rate_mbit=8, min_queue_bytes=-1), "min_queue_bytes=-1: must be an integer >= 0"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, needle):

@@ -1,4 +1,4 @@
-"""The command-line head of the 15 benchmark and reproduction scripts (experiments.bench.common.parser, its flag
+"""The command-line head of the 16 benchmark and reproduction scripts (experiments.bench.common.parser, its flag
 types and `command`): --help renders in-process, says what the script does in full sentences, documents every flag
 with its default, writes under runs/ unless told `--out results/...`; bad values are refused naming the flag, the
 value and the rule; the command line a table states gives back the same arguments."""
@@ -11,7 +11,10 @@ import pytest
 from experiments.bench import common
 
 MODULES = [
-    *(f"experiments.bench.{m}" for m in ("decode", "moe", "optim", "quant", "serve_http", "skip_token", "train_step")),
+    *(
+        f"experiments.bench.{m}"
+        for m in ("decode", "link_rate", "moe", "optim", "quant", "serve_http", "skip_token", "train_step")
+    ),
     *(
         f"experiments.reproduce.{m}"
         for m in ("composed", "fomoe", "fomoe_system", "hf", "kvcache", "mgup", "serving", "ufp4")

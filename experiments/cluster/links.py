@@ -196,17 +196,30 @@ class Network:
       rate_mbit: every link's rate in each direction, in Mbit/s (10^6 bit/s, counted on whole frames).
       subnet: a private IPv4 network with at least M + 1 host addresses (the hub, then the sites).
       resolve_hostname: inside a site's namespace, this machine's hostname resolves to the site's address.
+      min_queue_bytes: the floor of each shaper's queue (`MIN_QUEUE_BYTES`; experiments.bench.link_rate measures
+        what a lower one drops), an integer >= 0.
     Raises ValueError naming a bad argument; entering raises LinksUnavailable (nothing made) or LinksError (an `ip`
     or `tc` command failed: whatever was made is removed first).
     """
 
-    def __init__(self, sites: int, rate_mbit: float, *, subnet: str = DEFAULT_SUBNET, resolve_hostname: bool = True):
+    def __init__(
+        self,
+        sites: int,
+        rate_mbit: float,
+        *,
+        subnet: str = DEFAULT_SUBNET,
+        resolve_hostname: bool = True,
+        min_queue_bytes: int = MIN_QUEUE_BYTES,
+    ):
         bad = problems(sites, rate_mbit, subnet)
+        if isinstance(min_queue_bytes, bool) or not isinstance(min_queue_bytes, int) or min_queue_bytes < 0:
+            bad.append(("min_queue_bytes", min_queue_bytes, "an integer >= 0"))
         if bad:
             raise ValueError("; ".join(f"{name}={value!r}: must be {allowed}" for name, value, allowed in bad))
         self.rate_mbit = float(rate_mbit)
         self.subnet = str(ipaddress.IPv4Network(subnet))
         self.resolve_hostname = resolve_hostname
+        self.min_queue_bytes = min_queue_bytes
         self.prefix = f"lnk{secrets.token_hex(3)}"
         hosts = ipaddress.IPv4Network(subnet).hosts()
         length = ipaddress.IPv4Network(subnet).prefixlen
@@ -241,7 +254,7 @@ class Network:
     def _tbf(self) -> list[str]:
         rate = round(self.rate_mbit * 1e6)  # bit/s
         burst = max(math.ceil(rate / 8 * BURST_SECONDS), MIN_BURST_BYTES)
-        limit = max(math.ceil(rate / 8 * QUEUE_SECONDS), MIN_QUEUE_BYTES) + burst
+        limit = max(math.ceil(rate / 8 * QUEUE_SECONDS), self.min_queue_bytes) + burst
         return ["tbf", "rate", f"{rate}bit", "burst", str(burst), "limit", str(limit)]
 
     def _make(self) -> None:
