@@ -46,8 +46,8 @@ class FederatedStepper(train_lib.Stepper):
     "routing/topk_agreement" of every site's routing on a fixed probe batch (the first held-out batch) after the round
     with its routing before it (the state the round started from: after a reshuffle, the migrated one, so a run
     resumed from any checkpoint measures what an uninterrupted one does; a model without MoE layers has none), and
-    with skip-token the ideal ghost fraction 1 - N_le / N_e. With `reshuffle_every` > 0 (random placement) the experts move to the next placement
-    after every `reshuffle_every` rounds (a metric row of its own).
+    with skip-token the ideal ghost fraction 1 - N_le / N_e. With `reshuffle_every` > 0 (random placement) the
+    experts move to the next placement after every `reshuffle_every` rounds (a metric row of its own).
     Time: the local steps and the synchronisation are two programs, each waited for, so every round also reports
     "seconds/local_steps" and "seconds/sync" (means over processes; a site's synchronisation includes its wait for
     the slowest site) and "seconds/round" (process 0's whole round, host work included: batches, metrics, probe).
@@ -193,6 +193,7 @@ class FederatedStepper(train_lib.Stepper):
         routing = {}
         if self.probe_fn is not None:
             previous, self.routes = self.routes, self._probe(state)
+            assert previous is not None  # probed before the round
             routing["routing/topk_agreement"] = rounds_lib.topk_agreement(previous, self.routes)
         return state, {
             "loss": means.pop("loss"),
@@ -242,6 +243,7 @@ class FederatedStepper(train_lib.Stepper):
         }
 
     def _probe(self, state: rounds_lib.FederatedState) -> np.ndarray:
+        assert self.probe_fn is not None  # a model with MoE layers
         return _host(self.probe_fn(state.train.params, state.train.rest, self.probe_tokens))
 
 
