@@ -267,9 +267,8 @@ def test_sampling_follows_temperature_top_k_and_top_p(model, top_k, top_p):
     logits[[256, 257]] += 20  # never sampled (PAD, BOS) however likely
     params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p, seed=9, logprobs=True, top_logprobs=3)
     request = Request(0, [1], 4000, 0.0, sampling=params)
-    for _ in range(4000):
-        request.output.append(eng._sample(logits, request))  # the next token index: the next key of its stream
-    draws = np.array(request.output)
+    draws = np.array(eng._sample(logits, request, 4000))  # tokens 0..3999: each the next key of its stream
+    assert request.output == list(draws)
     allowed = np.arange(CFG.vocab_size) < 259
     allowed[[256, 257]] = False
     want = _reference_probs(logits, allowed, 0.7, top_k or CFG.vocab_size, top_p)

@@ -210,14 +210,20 @@ class Engine(Scheduler):
             out.append(int(drawn[i]))
         return out
 
-    def _sample(self, logits: np.ndarray, request: Request) -> int:
-        """The next token of `request` from its logits (float32 [vocab]) exactly as a step draws it (the same
-        sampler, key and log-probability records)."""
-        params, words = self._sampling_rows([(request, 0)], 1)
-        args = (jnp.asarray(logits)[None], jnp.asarray(params), jnp.asarray(words), self._allowed)
+    def _sample(self, logits: np.ndarray, request: Request, count: int = 1) -> list[int]:
+        """The next `count` tokens of `request`, each drawn from the same logits (float32 [vocab]) exactly as
+        successive steps draw them (the same sampler, each token's key and log-probability records), in one device
+        call; appended to `request.output` and returned. (A seeded request's key follows its token index; an
+        unseeded one's follows the engine's step count, which this does not advance.)"""
+        start = len(request.output)
+        ahead = [dataclasses.replace(request, output=[0] * (start + t)) for t in range(count)]  # token start + t
+        params, words = self._sampling_rows([(r, 0) for r in ahead], count)
+        args = (jnp.broadcast_to(jnp.asarray(logits), (count, len(logits))), params, words, self._allowed)
         drawn, chosen, top_ids, top_logp = jax.device_get(_draw_jit(*args))
-        self._record(request, chosen[0], top_ids[0], top_logp[0])
-        return int(drawn[0])
+        for i in range(count):
+            self._record(request, chosen[i], top_ids[i], top_logp[i])
+        request.output.extend(int(t) for t in drawn)
+        return [int(t) for t in drawn]
 
     @staticmethod
     def _record(request: Request, logprob, top_ids, top_logp) -> None:
