@@ -16,7 +16,7 @@ from typing import Any
 
 import optax
 
-from optim.select import Scalar, is_static
+from optim.select import Scalar
 from optim.transform import (
     check_ratio,
     scale_by_cautious,
@@ -50,11 +50,10 @@ def decay_and_learning_rate(
     learning_rate: Scalar | optax.Schedule, weight_decay: Scalar, mask=None
 ) -> list[optax.GradientTransformation]:
     """The transforms after the mask, d -> -lr (d + wd p): the reference's decoupled decay p <- p - lr wd p with the
-    raw learning rate (on the leaves `mask` selects, as in optax.add_decayed_weights), then the learning rate. A
-    weight decay of Python 0 adds no decay transform; an array (e.g. injected) always adds one."""
-    skip = is_static(weight_decay) and weight_decay == 0
-    decay = [] if skip else [optax.add_decayed_weights(weight_decay, mask)]
-    return decay + [optax.scale_by_learning_rate(learning_rate)]
+    raw learning rate (on the leaves `mask` selects, as in optax.add_decayed_weights), then the learning rate. The
+    decay transform is there for every weight decay, 0 included (as in optax.adamw), so that the state has one
+    structure whether the value is a number or injected (optax.inject_hyperparams)."""
+    return [optax.add_decayed_weights(weight_decay, mask), optax.scale_by_learning_rate(learning_rate)]
 
 
 def mgup_adamw(

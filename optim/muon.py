@@ -27,7 +27,15 @@ import optax
 
 from optim.alias import decay_and_learning_rate
 from optim.select import Scalar, select_masks
-from optim.transform import MGUPState, check_arguments, leaves_like, scale_by_hf_adam, scale_by_mgup, with_mgup
+from optim.transform import (
+    MGUPState,
+    check_arguments,
+    leaves_like,
+    refuse_complex,
+    scale_by_hf_adam,
+    scale_by_mgup,
+    with_mgup,
+)
 
 __all__ = ["NS_COEFFICIENTS", "MuonState", "default_muon_labels", "mgup_muon", "newton_schulz", "scale_by_muon"]
 
@@ -80,7 +88,7 @@ def scale_by_muon(
     mgup: bool = True,
     selection: str = "exact",
     ns_dtype: Any = None,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
     """The Muon direction (docs/mgup.md, "MGUP-Muon") of every (2-D) leaf G [rows, cols], in G's dtype:
 
         buf <- mu buf + G                          (mu = momentum; no dampening)
@@ -89,17 +97,18 @@ def scale_by_muon(
         out   = 0.2 sqrt(max(rows, cols)) NS5(G_hat) * phi      (NS5 = newton_schulz, `ns_steps` steps)
 
     ns_dtype: Newton-Schulz's dtype (default float32). State: MuonState. Raises ValueError for MGUP arguments
-    optim.transform.check_arguments refuses."""
+    optim.transform.check_arguments refuses, and at init for a complex parameter (named)."""
     if mgup:
         check_arguments(mask_ratio, alpha, gamma, selection)
     ns_dtype = ns_dtype or jnp.float32
 
     def init(params):
+        refuse_complex(params, "Muon orthogonalises real matrices" + (" and MGUP ranks u * g" if mgup else ""))
         buf = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.promote_types(p.dtype, jnp.float32)), params)
         return MuonState(buf, MGUPState(jnp.zeros((), jnp.float32)) if mgup else None)
 
-    def update(grads, state, params=None):
-        del params
+    def update(grads, state, params=None, **extra_args):
+        del params, extra_args
         buf = jax.tree.map(lambda m, g: momentum * m + g.astype(m.dtype), state.momentum, grads)
         leaves, treedef = jax.tree.flatten(buf)
         g_leaves = leaves_like(buf, grads)
@@ -115,7 +124,7 @@ def scale_by_muon(
             out.append((0.2 * max(g.shape) ** 0.5 * o).astype(g.dtype))
         return jax.tree.unflatten(treedef, out), MuonState(buf, MGUPState(fraction) if mgup else None)
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def default_muon_labels(params) -> object:
@@ -158,7 +167,7 @@ def mgup_muon(
     labels: params -> a tree of 'muon' / 'adam' (default `default_muon_labels`); every 'muon' leaf must be 2-D.
     weight_decay_mask: which leaves decay, in both branches (optax.add_decayed_weights' mask; default all).
     ns_dtype: Newton-Schulz's dtype (default float32). With optax.inject_hyperparams, name `labels` and a callable
-    `weight_decay_mask` in `static_args`.
+    `weight_decay_mask` in `static_args`. Raises ValueError at init for a complex parameter (named).
     """
     labels = labels or default_muon_labels
     muon = optax.chain(
@@ -187,6 +196,7 @@ def mgup_muon(
         adam = optax.chain(plain, *decay_and_learning_rate(learning_rate, weight_decay, weight_decay_mask))
 
     def checked_labels(params):
+        refuse_complex(params, "Muon orthogonalises real matrices and its AdamW backup squares gradients")
         tree = labels(params)
         for (path, leaf), name in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(tree)):
             if name == "muon" and jnp.ndim(leaf) != 2:

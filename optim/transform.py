@@ -58,6 +58,7 @@ __all__ = [
     "check_ratio",
     "leaves_like",
     "mgup_mask",
+    "refuse_complex",
     "scale_by_cautious",
     "scale_by_hf_adam",
     "scale_by_lion_direction",
@@ -74,6 +75,19 @@ def _concrete(x: Any) -> float | None:
         return float(x)
     except jax.errors.ConcretizationTypeError:
         return None
+
+
+def refuse_complex(params: Any, why: str) -> None:
+    """Raises ValueError naming the first complex leaf of `params` (arrays or shapes): `why` says what needs real
+    numbers. A tree without leaves (optax.tree_utils' placeholder) passes."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and jnp.issubdtype(dtype, jnp.complexfloating):
+            raise ValueError(
+                f"parameter {jax.tree_util.keystr(path)} is {jnp.dtype(dtype).name}: {why}, which needs real "
+                "parameters (optimise a complex parameter as its real and imaginary parts, or use optax's own "
+                "AdamW or Lion)"
+            )
 
 
 def check_ratio(mask_ratio: Scalar) -> None:
@@ -206,12 +220,14 @@ def with_mgup(
     inner: optax.GradientTransformation | DirectionTransformation,
     mask: optax.GradientTransformationExtraArgs,
     *after: optax.GradientTransformation,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
     """MGUP around a direction (docs/mgup.md, "The idea"): per step, with g the raw gradient,
 
         d = inner(g)  ;  d <- mask(d, grad=g)  ;  out = chain(*after)(d)
 
-    e.g. mask = scale_by_mgup(...) and after = (weight decay, learning rate). State: MGUPChainState.
+    e.g. mask = scale_by_mgup(...) and after = (weight decay, learning rate). State: MGUPChainState. Extra keyword
+    arguments of `update` (optax.GradientTransformationExtraArgs) reach `inner` and `after`. Raises ValueError at
+    init for a complex parameter, naming it (the ranking of u * g needs real numbers).
 
     If `inner` is a DirectionTransformation (HF-style Adam), the samples that "approx" and "sign" take of the
     direction are computed from strided samples of its updated state and the gradient, not sliced from the full
@@ -220,10 +236,12 @@ def with_mgup(
     state beside its in-place update makes XLA copy it whole. The exact selection ignores the samples (and jit
     drops them).
     """
-    tail = optax.chain(*after)
+    tail = optax.chain(*after) if after else optax.with_extra_args_support(optax.identity())
     direction_of = inner.direction if isinstance(inner, DirectionTransformation) else None
+    inner_update = optax.with_extra_args_support(inner).update
 
     def init(params):
+        refuse_complex(params, "MGUP and Cautious rank u * g")
         return MGUPChainState(inner.init(params), mask.init(params), tail.init(params))
 
     def sampled(direction: DirectionFn, grads, inner_state, second: bool):
@@ -232,16 +250,16 @@ def with_mgup(
         state = optax.tree_utils.tree_map_params(inner, take, inner_state, transform_non_params=lambda x: x)
         return direction(state, g), g
 
-    def update(grads, state, params=None):
-        direction, inner_state = inner.update(grads, state.inner, params)
+    def update(grads, state, params=None, **extra_args):
+        direction, inner_state = inner_update(grads, state.inner, params, **extra_args)
         samples = None
         if direction_of is not None:
             samples = [sampled(direction_of, grads, inner_state, b) for b in (False, True)]
         masked, mask_state = mask.update(direction, state.mask, params, grad=grads, samples=samples)
-        out, tail_state = tail.update(masked, state.tail, params)
+        out, tail_state = tail.update(masked, state.tail, params, **extra_args)
         return out, MGUPChainState(inner_state, mask_state, tail_state)
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 class HFAdamState(NamedTuple):
@@ -282,8 +300,8 @@ def scale_by_hf_adam(*, b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-6
 
         return jax.tree.map(one, state.mu, state.nu, grads)
 
-    def update(grads, state, params=None):
-        del params
+    def update(grads, state, params=None, **extra_args):
+        del params, extra_args
 
         def moment(decay, x, g):
             d = _as(decay, x.dtype)
@@ -303,7 +321,7 @@ class LionState(NamedTuple):
     mu: optax.Updates
 
 
-def scale_by_lion_direction(*, b1: Scalar = 0.9, b2: Scalar = 0.99) -> optax.GradientTransformation:
+def scale_by_lion_direction(*, b1: Scalar = 0.9, b2: Scalar = 0.99) -> optax.GradientTransformationExtraArgs:
     """Lion's direction (docs/mgup.md, "MGUP-Lion"), per leaf, no step counter:
 
         c  = sign(b1 m + (1 - b1) g)        (sign(0) = 0; in the gradient's dtype)
@@ -314,8 +332,8 @@ def scale_by_lion_direction(*, b1: Scalar = 0.9, b2: Scalar = 0.99) -> optax.Gra
     def init(params):
         return LionState(jax.tree.map(lambda p: jnp.zeros_like(p, jnp.promote_types(p.dtype, jnp.float32)), params))
 
-    def update(grads, state, params=None):
-        del params
+    def update(grads, state, params=None, **extra_args):
+        del params, extra_args
 
         def interpolate(beta, m, g):
             b = _as(beta, m.dtype)
@@ -325,7 +343,7 @@ def scale_by_lion_direction(*, b1: Scalar = 0.9, b2: Scalar = 0.99) -> optax.Gra
         mu = jax.tree.map(lambda m, g: interpolate(b2, m, g), state.mu, grads)
         return out, LionState(mu)
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def scale_by_cautious() -> optax.GradientTransformationExtraArgs:
