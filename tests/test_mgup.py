@@ -120,6 +120,43 @@ def test_lion_matches_float64_reference(wd):
     assert float(state.mask.selected_fraction) == pytest.approx(chosen / total)
 
 
+def _rosenbrock_grad(p):
+    x, y = p[0], p[1]
+    return np.array([-2 * (1 - x) - 400 * x * (y - x * x), 200 * (y - x * x)])
+
+
+def test_lion_on_rosenbrock_stops_where_the_reference_algorithm_stops():
+    """MGUP-Lion, lr 1e-2, from (0, 0) on the Rosenbrock function (one 2-entry tensor: k = 1), 10,000 steps in
+    float64: our optimizer ends where the float64 NumPy reference (the authors' update order) ends, (0.715, 0.496),
+    and stays there (the same point after 20,000 steps): a fixed-step sign method's iterates live on a lattice and
+    cycle; plain Lion (the reference without the mask) stops too, at (0.94, 0.87). MGUP's 2x / 0.1x multipliers
+    change where, not whether. (docs/mgup.md, "MGUP-Lion".)"""
+    with jax.enable_x64(True):
+        tx = optim.mgup_lion(1e-2)
+        rosenbrock = lambda p: (1 - p[0]) ** 2 + 100 * (p[1] - p[0] ** 2) ** 2  # noqa: E731
+
+        def step(_, carry):
+            p, state = carry
+            updates, state = tx.update(jax.grad(rosenbrock)(p), state, p)
+            return optax.apply_updates(p, updates), state
+
+        p0 = jnp.zeros(2, jnp.float64)
+        run = jax.jit(lambda n: jax.lax.fori_loop(0, n, step, (p0, tx.init(p0)))[0])
+        ours, longer = np.asarray(run(10_000)), np.asarray(run(20_000))
+    ends = {}
+    for multipliers in ((2.0, 0.1), (1.0, 1.0)):  # MGUP's; none (plain Lion, weight decay 0)
+        ref, p = NumpyMGUPLion(1e-2, 0.9, 0.99, 0.0, 0.5, *multipliers), np.zeros(2)
+        for i in range(1, 20_001):
+            p = ref.step(p, _rosenbrock_grad(p))
+            ends[multipliers, i] = p
+    np.testing.assert_allclose(ours, ends[(2.0, 0.1), 10_000], rtol=0, atol=1e-9)
+    np.testing.assert_allclose(ours, [0.715, 0.496], atol=1e-9)
+    np.testing.assert_allclose(longer, ours, atol=1e-9)
+    # plain Lion stops too, elsewhere on the valley
+    np.testing.assert_allclose(ends[(1.0, 1.0), 10_000], [0.94, 0.87], atol=1e-9)
+    np.testing.assert_allclose(ends[(1.0, 1.0), 20_000], [0.94, 0.87], atol=1e-9)
+
+
 # as the optimizers run it: jitted (one program per shape and setting, not one per operation)
 _mask = jax.jit(optim.mgup_mask, static_argnames=("mask_ratio", "alpha", "gamma", "selection"))
 
