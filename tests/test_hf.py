@@ -321,6 +321,29 @@ def test_import_refuses_before_writing_anything(tmp_path, capsys):
     assert "already holds a run's checkpoints" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("keep", ["half", "100 bytes"])
+def test_a_truncated_safetensors_file_is_one_error_line_naming_it(tmp_path, capsys, keep):
+    """model.safetensors cut in its data or to 100 bytes (inside the header): `experiments.hf import` and a
+    fine-tuning run from it each stop with one `error:` line naming the file and exit code 2, creating no workdir."""
+    directory = _copy(tmp_path, "qwen2")
+    path = directory / "model.safetensors"
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2 if keep == "half" else 100)
+    workdir = tmp_path / "w"
+    argv = ["import", "--hf-dir", str(directory), "--workdir", str(workdir), "--eval-batches", "0"]
+    finetune_argv = [
+        "run",
+        f"--config=experiments/configs/finetune.py:{directory}",
+        f"--workdir={workdir}",
+        f"--config.data.path={_corpus(tmp_path)}",
+    ]
+    for code in (lambda: hf_cli.main(argv), lambda: run_lib.main(finetune_argv)):
+        assert code() == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and str(path) in err[0], err
+        assert not workdir.exists()
+
+
 def _moe(config):
     return config_lib.from_config(MoEConfig, config.moe)
 

@@ -16,9 +16,10 @@ raises `HFWeightsError` naming the file and the tensor.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -40,11 +41,9 @@ class HFWeightsError(ValueError):
 def read(hf_dir: str) -> dict[str, np.ndarray]:
     """Every tensor of the checkpoint in `hf_dir`: `model.safetensors`, or the shards `model.safetensors.index.json`
     lists (each tensor from the file the index names). Read with the safetensors NumPy API (bfloat16 as ml_dtypes')."""
-    from safetensors import safe_open  # an optional dependency ([experiments]): imported where it is used
-
     tensors: dict[str, np.ndarray] = {}
     for path, names in _shards(hf_dir).items():
-        with safe_open(path, framework="np") as f:
+        with _opened(path) as f:
             tensors.update((name, f.get_tensor(name)) for name in names)
     return tensors
 
@@ -52,15 +51,28 @@ def read(hf_dir: str) -> dict[str, np.ndarray]:
 def headers(hf_dir: str) -> dict[str, tuple[tuple[int, ...], str]]:
     """{tensor name: (shape, dtype name)} of the checkpoint in `hf_dir`, from the safetensors headers alone (no
     tensor is read): what `check` needs to refuse a checkpoint before anything is loaded."""
-    from safetensors import safe_open  # an optional dependency ([experiments]): imported where it is used
-
     out = {}
     for path, names in _shards(hf_dir).items():
-        with safe_open(path, framework="np") as f:
+        with _opened(path) as f:
             for name in names:
                 piece = f.get_slice(name)
                 out[name] = (tuple(piece.get_shape()), _DTYPES.get(piece.get_dtype(), piece.get_dtype()))
     return out
+
+
+@contextlib.contextmanager
+def _opened(path: str) -> Iterator[Any]:
+    """`safe_open(path)` (NumPy arrays) whose failures, on opening or on reading a tensor (a truncated or corrupt
+    file), are one HFWeightsError naming the file."""
+    from safetensors import SafetensorError, safe_open  # an optional dependency ([experiments]): imported here
+
+    try:
+        with safe_open(path, framework="np") as f:
+            yield f
+    except SafetensorError as e:
+        raise HFWeightsError(
+            f"{path}: not a readable safetensors file ({e}): it is truncated or damaged; copy or download it again"
+        ) from None
 
 
 _DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # safetensors' header names
@@ -69,8 +81,6 @@ _DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # safetensor
 def _shards(hf_dir: str) -> dict[str, list[str]]:
     """{shard file path: the tensor names it holds} of `hf_dir`. Raises HFWeightsError for a missing file or
     tensor."""
-    from safetensors import safe_open  # an optional dependency ([experiments]): imported where it is used
-
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
@@ -79,7 +89,7 @@ def _shards(hf_dir: str) -> dict[str, list[str]]:
         single = os.path.join(hf_dir, "model.safetensors")
         if not os.path.exists(single):
             raise HFWeightsError(f"{hf_dir}: neither model.safetensors nor model.safetensors.index.json is there")
-        with safe_open(single, framework="np") as f:
+        with _opened(single) as f:
             weight_map = dict.fromkeys(f.keys(), "model.safetensors")
     out: dict[str, list[str]] = {}
     for shard in sorted(set(weight_map.values())):
@@ -89,7 +99,7 @@ def _shards(hf_dir: str) -> dict[str, list[str]]:
             raise HFWeightsError(
                 f"{path}: the shard is missing (the index puts {len(names)} tensors there, e.g. {names[0]!r})"
             )
-        with safe_open(path, framework="np") as f:
+        with _opened(path) as f:
             present = set(f.keys())
         for name in names:
             if name not in present:
