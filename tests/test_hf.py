@@ -344,6 +344,28 @@ def test_a_truncated_safetensors_file_is_one_error_line_naming_it(tmp_path, caps
         assert not workdir.exists()
 
 
+def test_export_refuses_a_folder_that_holds_a_model_and_replace_leaves_no_stale_shard(tmp_path, capsys):
+    """An export written in 3 shards, then again into the same folder: refused, naming the folder and what is there
+    (no file touched); with --replace, one model.safetensors and no stale shard or index remain (a file of the
+    user's stays), and the importer reads the new model."""
+    config, model = pretrained.model_from_hf(os.path.join(FIXTURES, "qwen2"))
+    out = tmp_path / "out"
+    tensor_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    first = export.save(config, model, str(out), max_shard_bytes=tensor_bytes // 3 + 1)
+    assert sum(f.endswith(".safetensors") for f in first) >= 3
+    (out / "NOTES.txt").write_text("mine")
+    before = sorted(os.listdir(out))
+    with pytest.raises(export.HFExportError, match=f"--out {out} is not empty .*model-00001-of"):
+        export.save(config, model, str(out))
+    assert sorted(os.listdir(out)) == before
+    export.save(config, model, str(out), replace=True)
+    assert sorted(f for f in os.listdir(out) if "safetensors" in f) == ["model.safetensors"]
+    assert (out / "NOTES.txt").read_text() == "mine"
+    _, again = pretrained.model_from_hf(str(out))
+    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(again, nnx.Param))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def _moe(config):
     return config_lib.from_config(MoEConfig, config.moe)
 

@@ -84,16 +84,34 @@ def _values(config: ml_collections.ConfigDict) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
 
 
+def model_files(out_dir: str) -> list[str]:
+    """The names of the files in `out_dir` that make up a Hugging Face model (weights, their index, configs,
+    tokenizer, chat template): what an export writes, and what `save(..., replace=True)` removes first."""
+    if not os.path.isdir(out_dir):
+        return []
+    fixed = {"model.safetensors.index.json", "config.json", "generation_config.json", "chat_template.jinja"}
+    fixed |= {tokenizer_lib.TOKENIZER_FILE, tokenizer_lib.CONFIG_FILE, "special_tokens_map.json"}
+    return sorted(n for n in os.listdir(out_dir) if n in fixed or n.endswith(".safetensors"))
+
+
 def save(
-    config: ml_collections.ConfigDict, model: nnx.Module, out_dir: str, *, max_shard_bytes: int = 5 * 2**30
+    config: ml_collections.ConfigDict,
+    model: nnx.Module,
+    out_dir: str,
+    *,
+    max_shard_bytes: int = 5 * 2**30,
+    replace: bool = False,
 ) -> list[str]:
     """Writes `model` (a core.model.Transformer built from `config`) to `out_dir` as a Hugging Face checkpoint:
     config.json and model.safetensors, or shards model-0000i-of-0000n.safetensors with model.safetensors.index.json
     when the tensors exceed `max_shard_bytes`, and the run's tokenizer (`data.tokenizer`, the byte tokenizer
     included) as tokenizer.json + tokenizer_config.json (core.tokenizer: transformers' AutoTokenizer loads them).
     config.json carries the tokenizer's BOS / EOS / PAD ids, so that transformers' generate stops at our EOS.
-    Returns the files written. Raises HFExportError first if the model maps to no supported architecture, and
-    core.tokenizer.TokenizerError if the run's tokenizer cannot be loaded (both before anything is written)."""
+    Returns the files written. `out_dir` must be new or empty; with `replace`, the model files already there
+    (`model_files`: stale shards and their index included) are removed first and other files are kept. Raises
+    HFExportError first if `out_dir` is not empty (without `replace`) or the model maps to no supported
+    architecture, and core.tokenizer.TokenizerError if the run's tokenizer cannot be loaded (all before anything is
+    written or removed)."""
     from safetensors.numpy import save_file  # an optional dependency ([experiments]): imported where it is used
 
     tok = tokenizer_lib.load(config.data.tokenizer)
@@ -104,6 +122,14 @@ def save(
     moe = config_lib.from_config(MoEConfig, config.moe)
     experts = arch_lib.get(hf["architectures"][0]).experts  # type: ignore[union-attr]  # hf_config's own entry
     tensors = weights.from_ours(params, schema.model_config(config), moe, experts=experts)
+    if not replace and os.path.isdir(out_dir) and os.listdir(out_dir):
+        held = model_files(out_dir) or sorted(os.listdir(out_dir))
+        raise HFExportError(
+            f"--out {out_dir} is not empty (it holds {', '.join(held[:5])}{', ...' if len(held) > 5 else ''}): "
+            "allowed: a new or empty folder, or --replace to remove the model files there first"
+        )
+    for name in model_files(out_dir) if replace else ():
+        os.remove(os.path.join(out_dir, name))
     os.makedirs(out_dir, exist_ok=True)
     shards = _shards(tensors, max_shard_bytes)
     names = (

@@ -93,7 +93,7 @@ def round_trip(out: str) -> tuple[dict[str, Any], str]:
     config, model = load.trained_model(os.path.join(out, "runs", "bpe"))
     exported = os.path.join(out, "runs", "export")
     shutil.rmtree(exported, ignore_errors=True)
-    files = export.save(config, model, exported)
+    files = export.save(config, model, exported, replace=True)  # a rerun writes over its own export
     print(f"exported: {', '.join(sorted(os.path.basename(f) for f in files))}", flush=True)
     again = schema.default_config()  # the run's data and evaluation; the model and tokenizer from the export alone
     again.data.update({k: v for k, v in config.data.items() if k != "tokenizer"})
