@@ -21,6 +21,7 @@ import urllib.request
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
@@ -364,6 +365,39 @@ def test_export_refuses_a_folder_that_holds_a_model_and_replace_leaves_no_stale_
     _, again = pretrained.model_from_hf(str(out))
     for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(again, nnx.Param))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_export_carries_what_it_imported(tmp_path):
+    """A bfloat16 checkpoint with a chat template, a generation_config.json and max_position_embeddings 64,
+    imported and exported: the export holds the same template, generation config and max_position_embeddings, its
+    tensors are bfloat16 as imported (float32 when asked), its files are readable by others as transformers'
+    are (0644 under umask 022), and re-imported it is the model."""
+    from safetensors.numpy import save_file
+
+    directory = _copy(tmp_path, "qwen2")
+    tensors = weights.read(str(directory))
+    save_file({k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}, str(directory / "model.safetensors"))
+    _edit_config(directory, dtype="bfloat16")
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    (directory / "chat_template.jinja").write_text(template)
+    config, model = pretrained.model_from_hf(str(directory))
+    out = tmp_path / "out"
+    previous = os.umask(0o022)
+    try:
+        files = export.save(config, model, str(out))
+    finally:
+        os.umask(previous)
+    assert (out / "chat_template.jinja").read_text() == template
+    assert (out / "generation_config.json").read_text() == (directory / "generation_config.json").read_text()
+    written = json.loads((out / "config.json").read_text())
+    assert written["max_position_embeddings"] == 64 and written["dtype"] == "bfloat16"
+    assert {x.dtype for x in weights.read(str(out)).values()} == {np.dtype(ml_dtypes.bfloat16)}
+    assert {oct(os.stat(f).st_mode & 0o777) for f in files} == {"0o644"}
+    _, again = pretrained.model_from_hf(str(out))
+    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(again, nnx.Param))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bf16 values survive a bf16 round trip
+    export.save(config, model, str(out), replace=True, dtype="float32")
+    assert {x.dtype for x in weights.read(str(out)).values()} == {np.dtype(np.float32)}
 
 
 def _moe(config):

@@ -57,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         "--site", type=arg_types.integer(0), default=0, help="a federated run's site whose model is exported"
     )
     out.add_argument(
+        "--dtype",
+        choices=list(export.DTYPES),
+        default=None,
+        help="the tensors' dtype (default: the dtype of the checkpoint the run was imported from, else float32)",
+    )
+    out.add_argument(
         "--replace",
         action="store_true",
         help="write into a folder that holds a model: its model files (safetensors, index, configs, tokenizer) are "
@@ -95,7 +101,14 @@ def _import(args) -> int:
 
 def _export(args) -> int:
     config, model = load.trained_model(args.workdir, site=args.site)
-    files = export.save(config, model, args.out, max_shard_bytes=int(args.max_shard_mib * 2**20), replace=args.replace)
+    files = export.save(
+        config,
+        model,
+        args.out,
+        max_shard_bytes=int(args.max_shard_mib * 2**20),
+        replace=args.replace,
+        dtype=args.dtype,
+    )
     print(f"wrote {len(files)} files to {args.out}: {', '.join(f.rsplit('/', 1)[-1] for f in files)}")
     return 0
 

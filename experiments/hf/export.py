@@ -13,11 +13,14 @@ raises `HFExportError` naming the config key and its value, before anything is w
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
 from collections.abc import Mapping
 from typing import Any
 
 import ml_collections
+import ml_dtypes
 import numpy as np
 from flax import nnx
 
@@ -29,7 +32,10 @@ from experiments.hf import arch as arch_lib
 from experiments.hf import weights
 from moe.config import MoEConfig
 
-__all__ = ["HFExportError", "hf_config", "save"]
+__all__ = ["DTYPES", "HFExportError", "hf_config", "model_files", "save"]
+
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+"""The tensor dtypes an export writes (`save(..., dtype=)`, `export --dtype`)."""
 
 
 class HFExportError(ValueError):
@@ -101,12 +107,18 @@ def save(
     *,
     max_shard_bytes: int = 5 * 2**30,
     replace: bool = False,
+    dtype: str | None = None,
 ) -> list[str]:
     """Writes `model` (a core.model.Transformer built from `config`) to `out_dir` as a Hugging Face checkpoint:
     config.json and model.safetensors, or shards model-0000i-of-0000n.safetensors with model.safetensors.index.json
     when the tensors exceed `max_shard_bytes`, and the run's tokenizer (`data.tokenizer`, the byte tokenizer
     included) as tokenizer.json + tokenizer_config.json (core.tokenizer: transformers' AutoTokenizer loads them).
     config.json carries the tokenizer's BOS / EOS / PAD ids, so that transformers' generate stops at our EOS.
+    What the run was imported from (`checkpoint.init_from = "hf:DIR"`, where DIR still exists) is carried over:
+    its generation_config.json, its chat template (chat_template.jinja, or tokenizer_config.json's
+    `chat_template`), its max_position_embeddings (else the run's data.seq_len), and its tensors' dtype: `dtype`
+    (a key of DTYPES) if given, else the imported checkpoint's config.json `dtype` / `torch_dtype`, else float32.
+    Files are written readable by others, as transformers writes them (0666 less the umask).
     Returns the files written. `out_dir` must be new or empty; with `replace`, the model files already there
     (`model_files`: stale shards and their index included) are removed first and other files are kept. Raises
     HFExportError first if `out_dir` is not empty (without `replace`) or the model maps to no supported
@@ -114,14 +126,21 @@ def save(
     written or removed)."""
     from safetensors.numpy import save_file  # an optional dependency ([experiments]): imported where it is used
 
+    if dtype is not None and dtype not in DTYPES:
+        raise HFExportError(f"dtype = {dtype!r}; allowed: {list(DTYPES)}")
     tok = tokenizer_lib.load(config.data.tokenizer)
     hf = {**hf_config(config), "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    source = _source(config)
+    imported = _read_json(os.path.join(source, "config.json")) if source else {}
+    dtype = dtype or next((imported[k] for k in ("dtype", "torch_dtype") if imported.get(k) in DTYPES), "float32")
+    hf |= {"dtype": dtype, "max_position_embeddings": imported.get("max_position_embeddings", config.data.seq_len)}
     params = {
         ".".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
     }
     moe = config_lib.from_config(MoEConfig, config.moe)
     experts = arch_lib.get(hf["architectures"][0]).experts  # type: ignore[union-attr]  # hf_config's own entry
     tensors = weights.from_ours(params, schema.model_config(config), moe, experts=experts)
+    tensors = {name: x.astype(DTYPES[dtype]) for name, x in tensors.items()}
     if not replace and os.path.isdir(out_dir) and os.listdir(out_dir):
         held = model_files(out_dir) or sorted(os.listdir(out_dir))
         raise HFExportError(
@@ -151,7 +170,48 @@ def save(
     workdir_lib.write_json(written[-1], hf)
     tok.save(out_dir)
     written += [os.path.join(out_dir, name) for name in (tokenizer_lib.TOKENIZER_FILE, tokenizer_lib.CONFIG_FILE)]
+    written += _carry(source, out_dir) if source else []
+    mode = 0o666 & ~_umask()
+    for path in written:
+        os.chmod(path, mode)
     return written
+
+
+def _source(config: ml_collections.ConfigDict) -> str | None:
+    """The directory the run was imported from (`checkpoint.init_from = "hf:DIR"`) if it still exists."""
+    init_from = str(config.checkpoint.get("init_from", "") or "")
+    directory = init_from.removeprefix("hf:") if init_from.startswith("hf:") else ""
+    return directory if directory and os.path.isdir(directory) else None
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        value = json.load(f)
+    return value if isinstance(value, dict) else {}
+
+
+def _carry(source: str, out_dir: str) -> list[str]:
+    """Copies `source`'s generation_config.json and chat template into `out_dir` (the template as
+    chat_template.jinja, or into the exported tokenizer_config.json where the source kept it there). Returns the
+    files written."""
+    written = []
+    for name in ("generation_config.json", "chat_template.jinja"):
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
+            written.append(os.path.join(out_dir, name))
+    template = _read_json(os.path.join(source, tokenizer_lib.CONFIG_FILE)).get("chat_template")
+    if template is not None:
+        path = os.path.join(out_dir, tokenizer_lib.CONFIG_FILE)
+        workdir_lib.write_json(path, {**_read_json(path), "chat_template": template})
+    return written
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _shards(tensors: Mapping[str, np.ndarray], max_bytes: int) -> list[dict[str, np.ndarray]]:
