@@ -24,6 +24,7 @@ from core import train as train_lib
 from core.model import Transformer
 from core.train import TrainState
 from experiments import build, federated, schema
+from experiments.hf import load as hf_load
 
 __all__ = ["check_workdir", "run_config", "trained_model"]
 
@@ -80,6 +81,11 @@ def check_workdir(workdir: str) -> dict[str, str]:
     read, so a caller such as experiments.serve can refuse a workdir before it loads anything)."""
     paths = {name: os.path.join(workdir, name) for name in RUN_FILES}
     missing = [p for p in paths.values() if not os.path.exists(p)]
+    if missing and hf_load.problem(workdir) is None:
+        raise FileNotFoundError(
+            f"{workdir} is a Hugging Face checkpoint, not a run: import it first "
+            f"(`python -m experiments.hf import --hf-dir {workdir} --workdir runs/NAME`), then pass that workdir"
+        )
     if missing:
         raise FileNotFoundError(
             f"{workdir} is not a finished run's workdir: missing {missing} (train one with "

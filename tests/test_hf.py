@@ -30,8 +30,9 @@ from core import config as config_lib
 from core import generate as generate_lib
 from core import mesh as mesh_lib
 from core import train as train_lib
+from core.config import ConfigError
 from core.model import split_params
-from experiments import build, federated, pretrained, schema
+from experiments import build, federated, pretrained, schema, serve
 from experiments import load as run_load
 from experiments import run as run_lib
 from experiments.configs import finetune
@@ -398,6 +399,34 @@ def test_export_carries_what_it_imported(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bf16 values survive a bf16 round trip
     export.save(config, model, str(out), replace=True, dtype="float32")
     assert {x.dtype for x in weights.read(str(out)).values()} == {np.dtype(np.float32)}
+
+
+def test_a_folder_that_is_no_checkpoint_is_named_as_what_it_is(tmp_path, capsys):
+    """`experiments.hf import --hf-dir` names a missing folder, an empty one, one without config.json (naming what
+    it holds) and a PyTorch-only one (saying how to convert) by the flag; a fine-tuning config names the config key
+    with the same reason; `serve --workdir` on a checkpoint folder points to `experiments.hf import`."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "config.json").write_text("{}")
+    (tmp_path / "torch" / "pytorch_model.bin").write_bytes(b"x")
+    cases = {
+        "missing": "does not exist",
+        "empty": "is empty",
+        "other": "holds no config.json (it holds notes.txt)",
+        "torch": "holds PyTorch weights (pytorch_model.bin) but no safetensors",
+    }
+    for name, reason in cases.items():
+        directory = tmp_path / name
+        argv = ["import", "--hf-dir", str(directory), "--workdir", str(tmp_path / "w"), "--eval-batches", "0"]
+        assert hf_cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"--hf-dir={directory}: " in err and reason in err, err
+        with pytest.raises(ConfigError, match=f"'checkpoint.init_from' = 'hf:{directory}': .*{re.escape(reason)}"):
+            load.hf_dir(finetune.get_config(str(directory)))
+    assert serve.main([f"--workdir={os.path.join(FIXTURES, 'qwen2')}", "--prompt=x"]) == 2
+    assert "a Hugging Face checkpoint, not a run" in capsys.readouterr().err
 
 
 def _moe(config):

@@ -22,6 +22,7 @@ from core.workdir import WorkdirError
 from experiments import args as arg_types
 from experiments import load, pretrained, schema
 from experiments.hf import export
+from experiments.hf import load as hf_load
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _import(args) -> int:
+    why = hf_load.problem(args.hf_dir)
+    if why is not None:
+        raise FileNotFoundError(f"--hf-dir={args.hf_dir}: {why}; allowed: a Hugging Face checkpoint directory")
     config = schema.default_config()
     config.data.path = args.data_path
     summary = pretrained.import_to(args.workdir, args.hf_dir, config=config, eval_batches=args.eval_batches)

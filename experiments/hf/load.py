@@ -31,7 +31,7 @@ from core.model import Transformer, split_params
 from experiments.hf import config_map, weights
 from moe.config import MoEConfig
 
-__all__ = ["PREFIX", "apply_to", "hf_dir", "initial_params", "pretrained_model"]
+__all__ = ["PREFIX", "apply_to", "hf_dir", "initial_params", "pretrained_model", "problem"]
 
 PREFIX = "hf:"
 """`checkpoint.init_from = "hf:DIR"` starts a run from the Hugging Face checkpoint in DIR."""
@@ -40,17 +40,45 @@ PREFIX = "hf:"
 _KNOBS = frozenset({"moe.load_balance_weight", "moe.z_loss_weight"})
 
 
+def problem(directory: str) -> str | None:
+    """Why `directory` is not a Hugging Face checkpoint directory (config.json and safetensors weights), in words
+    that say what it is instead (missing, a file, empty, what it holds, PyTorch weights and how to convert them);
+    None if it is one."""
+    if not os.path.exists(directory):
+        return "it does not exist"
+    if not os.path.isdir(directory):
+        return "it is a file, not a directory"
+    names = sorted(os.listdir(directory))
+    if not names:
+        return "it is empty"
+    listed = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    if "config.json" not in names:
+        return f"it holds no config.json (it holds {listed})"
+    if not any(n.endswith(".safetensors") or n == "model.safetensors.index.json" for n in names):
+        torch = [n for n in names if n.endswith((".bin", ".pt", ".pth"))]
+        if torch:
+            return (
+                f"it holds PyTorch weights ({', '.join(torch[:3])}) but no safetensors: convert them, e.g. with "
+                "transformers: AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR) writes safetensors"
+            )
+        return f"it holds config.json but no model.safetensors or model.safetensors.index.json (it holds {listed})"
+    return None
+
+
 def hf_dir(config: ml_collections.ConfigDict) -> str | None:
-    """DIR of `checkpoint.init_from = "hf:DIR"`; None for a random start (''). Raises ConfigError otherwise."""
+    """DIR of `checkpoint.init_from = "hf:DIR"`; None for a random start (''). Raises ConfigError otherwise, saying
+    what DIR is instead (`problem`)."""
     spec = config.checkpoint.init_from
     if not spec:
         return None
-    if not spec.startswith(PREFIX) or not os.path.isfile(os.path.join(spec[len(PREFIX) :], "config.json")):
+    allowed = "allowed '' (random initialisation) or 'hf:DIR', DIR a Hugging Face checkpoint directory"
+    if not spec.startswith(PREFIX):
         raise config_lib.ConfigError(
-            f"config key 'checkpoint.init_from' = {spec!r}: allowed '' (random initialisation) or 'hf:DIR' where DIR "
-            "is a Hugging Face checkpoint directory holding config.json"
-            + ("" if spec.startswith(PREFIX) else " (the 'hf:' prefix is missing)")
+            f"config key 'checkpoint.init_from' = {spec!r}: {allowed} (the 'hf:' prefix is missing)"
         )
+    why = problem(spec[len(PREFIX) :])
+    if why is not None:
+        raise config_lib.ConfigError(f"config key 'checkpoint.init_from' = {spec!r}: {why}; {allowed}")
     return spec[len(PREFIX) :]
 
 
