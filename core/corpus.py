@@ -43,8 +43,10 @@ from core.tokenizer import BOS_ID, EOS_ID, ByteTokenizer, Tokenizer
 __all__ = [
     "ACCEPTED_SUFFIXES",
     "Corpus",
+    "CorpusRecord",
     "DataError",
     "Documents",
+    "describe_corpus",
     "load_corpus",
     "load_documents",
     "stdlib_files",
@@ -155,12 +157,39 @@ def load_corpus(
     """
     docs = load_documents(path, val_fraction=val_fraction, jsonl_field=jsonl_field)
     tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
+    fingerprint, info = _described(docs, tokenizer)
     if isinstance(tokenizer, ByteTokenizer):
-        return Corpus(_byte_stream(docs.train), _byte_stream(docs.val), docs.fingerprint, docs.info, tokenizer)
-    fingerprint = hashlib.sha256(f"{docs.fingerprint}:tokenizer:{tokenizer.digest}".encode()).hexdigest()
-    info = {**docs.info, "tokenizer": {"vocab_size": tokenizer.vocab_size, "digest": tokenizer.digest}}
+        return Corpus(_byte_stream(docs.train), _byte_stream(docs.val), fingerprint, info, tokenizer)
     train, val = (_token_stream(tokenizer, contents) for contents in (docs.train, docs.val))
     return Corpus(train, val, fingerprint, info, tokenizer)
+
+
+class CorpusRecord(NamedTuple):
+    """A corpus's `fingerprint` and `info`, as :class:`Corpus` holds them, without its token streams."""
+
+    fingerprint: str
+    info: dict[str, Any]
+
+
+def describe_corpus(
+    path: str | os.PathLike | None = None,
+    *,
+    val_fraction: float = 0.02,
+    jsonl_field: str = "text",
+    tokenizer: Tokenizer | None = None,
+) -> CorpusRecord:
+    """What :func:`load_corpus` would record of the corpus (its fingerprint and info, equal to the loaded
+    corpus's), from the documents alone: nothing is tokenized. Raises DataError as :func:`load_corpus` does."""
+    docs = load_documents(path, val_fraction=val_fraction, jsonl_field=jsonl_field)
+    return CorpusRecord(*_described(docs, ByteTokenizer() if tokenizer is None else tokenizer))
+
+
+def _described(docs: Documents, tokenizer: Tokenizer) -> tuple[str, dict[str, Any]]:
+    """(fingerprint, info) of `docs` tokenized by `tokenizer` (the byte tokenizer's: the documents' own)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return docs.fingerprint, docs.info
+    fingerprint = hashlib.sha256(f"{docs.fingerprint}:tokenizer:{tokenizer.digest}".encode()).hexdigest()
+    return fingerprint, {**docs.info, "tokenizer": {"vocab_size": tokenizer.vocab_size, "digest": tokenizer.digest}}
 
 
 def load_documents(

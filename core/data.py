@@ -17,14 +17,26 @@ from typing import Any
 
 import numpy as np
 
-from core.corpus import ACCEPTED_SUFFIXES, Corpus, DataError, Documents, load_corpus, load_documents, stdlib_files
+from core.corpus import (
+    ACCEPTED_SUFFIXES,
+    Corpus,
+    CorpusRecord,
+    DataError,
+    Documents,
+    describe_corpus,
+    load_corpus,
+    load_documents,
+    stdlib_files,
+)
 
 __all__ = [
     "ACCEPTED_SUFFIXES",
     "Batches",
     "Corpus",
+    "CorpusRecord",
     "DataError",
     "Documents",
+    "describe_corpus",
     "load_corpus",
     "load_documents",
     "stdlib_files",

@@ -136,6 +136,15 @@ def build_tokenizer(config: ml_collections.ConfigDict) -> tokenizer_lib.Tokenize
     return tokenizer_lib.load(config.data.tokenizer)
 
 
+def describe_data(config: ml_collections.ConfigDict) -> data_lib.CorpusRecord:
+    """The fingerprint and info `build_data`'s corpus would have, without tokenizing it (for a run that reads no
+    batch, such as an import without evaluation)."""
+    d = config.data
+    return data_lib.describe_corpus(
+        d.path or None, val_fraction=d.val_fraction, jsonl_field=d.jsonl_field, tokenizer=build_tokenizer(config)
+    )
+
+
 def build_data(config: ml_collections.ConfigDict) -> tuple[data_lib.Corpus, data_lib.Batches]:
     """Loads the corpus, tokenized by `data.tokenizer`, and the per-process batch source (which carries the
     tokenizer: its padding id and bytes per id reach the loss and the evaluation, core.train)."""

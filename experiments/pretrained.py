@@ -63,7 +63,8 @@ def import_to(
     Args:
       config: a config to start from (its data section chooses the held-out corpus; default: the defaults); its
         `checkpoint.init_from` is set to `directory`.
-      eval_batches: held-out batches the summary is measured on (0: none, no evaluation is compiled).
+      eval_batches: held-out batches the summary is measured on, of `config.data.batch_size` sequences (0: none:
+        no evaluation is compiled and the corpus is not tokenized, only fingerprinted).
     Raises:
       HFConfigError, HFWeightsError or ConfigError naming the field or tensor, before anything is written;
       WorkdirError if `workdir` already holds a run's checkpoints or is in use.
@@ -79,9 +80,11 @@ def import_to(
         raise workdir_lib.WorkdirError(
             f"{workdir} already holds a run's checkpoints; import into a new --workdir (nothing was changed)"
         )
-    corpus, batches = build.build_data(config)
     if eval_batches:
+        corpus, batches = build.build_data(config)
         batches.val_batches(eval_batches)  # a held-out split too short for them is refused here, not half-way
+    else:  # nothing is evaluated: the corpus is only recorded (its fingerprint), never tokenized
+        corpus = build.describe_data(config)
     _, sharder = build.build_mesh(config)
     model_fn = build.build_model_fn(config, sharder)
     optimizer = build.build_optimizer(config)

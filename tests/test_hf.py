@@ -429,6 +429,26 @@ def test_a_folder_that_is_no_checkpoint_is_named_as_what_it_is(tmp_path, capsys)
     assert "a Hugging Face checkpoint, not a run" in capsys.readouterr().err
 
 
+def test_import_without_evaluation_tokenizes_nothing_and_records_the_corpus(tmp_path, capsys, monkeypatch):
+    """`import --eval-batches 0` never loads (tokenizes) the corpus, yet its data.json holds the fingerprint the
+    loaded corpus has; `--eval-batch-size` sets the held-out batches' size (what the held-out split must hold)."""
+    directory, corpus = _copy(tmp_path, "qwen2"), _corpus(tmp_path)
+    real = build.data_lib.load_corpus
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the corpus was tokenized")
+
+    monkeypatch.setattr(build.data_lib, "load_corpus", refuse)
+    argv = ["import", "--hf-dir", str(directory), "--data-path", corpus, "--eval-batches", "0"]
+    assert hf_cli.main([*argv, "--workdir", str(tmp_path / "a")]) == 0, capsys.readouterr().err
+    recorded = json.loads((tmp_path / "a" / "data.json").read_text())
+    assert recorded["fingerprint"] == real(corpus).fingerprint and recorded["source"] == corpus
+    monkeypatch.setattr(build.data_lib, "load_corpus", real)
+    smaller = [*argv[:-1], "2", "--eval-batch-size", "8", "--workdir", str(tmp_path / "b")]
+    assert hf_cli.main(smaller) == 2  # this corpus's 2% held out is too short even for these
+    assert "train.eval_batches=2 needs 16 non-overlapping windows" in capsys.readouterr().err
+
+
 def _moe(config):
     return config_lib.from_config(MoEConfig, config.moe)
 

@@ -45,7 +45,17 @@ def main(argv: list[str] | None = None) -> int:
         help="the corpus the held-out numbers are measured on (data.path; '' = the built-in one)",
     )
     imp.add_argument(
-        "--eval-batches", type=arg_types.integer(0), default=8, help="held-out batches to evaluate (0: no evaluation)"
+        "--eval-batches",
+        type=arg_types.integer(0),
+        default=8,
+        help="held-out batches to evaluate (0: no evaluation, and the corpus is not tokenized)",
+    )
+    imp.add_argument(
+        "--eval-batch-size",
+        type=arg_types.integer(1),
+        default=None,
+        help="sequences per held-out batch (data.batch_size; default: its default, 32); the held-out split needs "
+        "--eval-batches x this many windows of data.seq_len + 1 tokens",
     )
     out = commands.add_parser(
         "export",
@@ -93,6 +103,8 @@ def _import(args) -> int:
         raise FileNotFoundError(f"--hf-dir={args.hf_dir}: {why}; allowed: a Hugging Face checkpoint directory")
     config = schema.default_config()
     config.data.path = args.data_path
+    if args.eval_batch_size is not None:
+        config.data.batch_size = args.eval_batch_size
     summary = pretrained.import_to(args.workdir, args.hf_dir, config=config, eval_batches=args.eval_batches)
     held_out = (
         f"; held-out loss {summary['val_loss']:.4f}, {summary['val_bits_per_byte']:.4f} bits/byte"
