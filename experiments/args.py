@@ -39,6 +39,7 @@ __all__ = [
     "MAX_KV_MEMORY_MIB",
     "MAX_SEED",
     "FlagError",
+    "HelpFormatter",
     "add_kv_flags",
     "add_run_flags",
     "engine_config",
@@ -69,6 +70,16 @@ class FlagError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------------ argparse types
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default after its help, except a default of None or "" (whose meaning the help states)
+    and a switch's (it takes no value): every command's --help states each default once."""
+
+    def _get_help_string(self, action):
+        if action.default in ("", None) or action.default is argparse.SUPPRESS or action.nargs == 0:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def integer(minimum: int = 1, *, multiple_of: int = 1, maximum: int | None = None) -> Callable[[str], int]:

@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m experiments.serve",
         description=(__doc__ or "").split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=args_lib.HelpFormatter,
     )
     args_lib.add_run_flags(parser)
     parser.add_argument(

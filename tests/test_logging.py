@@ -165,6 +165,31 @@ def test_progress_bar_is_tqdm_on_a_terminal_only(capsys):
     assert capsys.readouterr().out == ""
 
 
+def test_progress_lines_name_a_step_once_leave_compilation_out_of_the_estimate_and_show_at_zero_width(
+    capsys, monkeypatch
+):
+    """Plain lines of a step-by-step run read `step 2/10: ...` (no `(step 2)` beside it); the time left is
+    estimated from the calls after the first (which compiles: 100 s here, then 1 s a step); a terminal whose width
+    is unknown (0 columns, as a new pseudo-terminal has), where tqdm would draw nothing, gets the plain lines."""
+    clock = iter([0.0, 100.0, *(100.0 + i for i in range(1, 10))])
+    monkeypatch.setattr(train_lib.progress, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
+    lines = train_lib.progress_bar(0, 10, enabled=True, stream=io.StringIO())
+    for _ in range(10):
+        lines.update(1)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("step 1/10: 1:40 elapsed") and "left" not in printed[0]
+    assert printed[1] == "step 2/10: 1:41 elapsed, about 0:08 left"
+    monkeypatch.undo()
+    primary, secondary = os.openpty()
+    try:
+        with os.fdopen(secondary, "w", closefd=False) as terminal:
+            assert os.get_terminal_size(terminal.fileno()).columns == 0
+            assert isinstance(train_lib.progress_bar(0, 4, enabled=True, stream=terminal), type(lines))
+    finally:
+        os.close(primary)
+        os.close(secondary)
+
+
 def test_without_tensorboardx_a_run_stops_before_it_starts_unless_events_are_off(tmp_path, monkeypatch):
     """tensorboardX missing: the run is refused before any call, naming the package and the switch; with
     train.tensorboard = False it trains and writes metrics.jsonl only."""

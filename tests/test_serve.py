@@ -214,6 +214,18 @@ def test_a_prompt_that_is_not_text_nor_bytes_is_refused(capsys, tmp_path, nothin
     )
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["--http", "--help"]])
+def test_help_states_each_default_once(capsys, monkeypatch, argv):
+    """Both serve commands' --help: no flag's help names its default twice, and none says "(default: None)"."""
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        serve.main(argv)
+    out = capsys.readouterr().out
+    assert "(default: None)" not in out
+    for block in re.split(r"\n(?=  -)", out.split("options:\n")[1]):
+        assert " ".join(block.split()).count("(default:") <= 1, block
+
+
 def test_help_shows_every_flag_with_its_default(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "120")
     with pytest.raises(SystemExit) as exit_info:

@@ -4,6 +4,7 @@ switch."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -19,13 +20,16 @@ def progress_bar(
 ):
     """The progress display of a training loop over calls `start`..`total` (each `steps` optimizer steps).
 
-    Where `stream` (default stderr) is a terminal: a tqdm bar on it. Elsewhere (CI, output redirected to a file),
-    no bar: a plain line on stdout every tenth of the run or every minute, whichever comes first, and at the end
-    (`round 12/70 (step 120): train loss 2.345, 0:41 elapsed, about 3:05 left`). Disabled: nothing. Each has tqdm's
-    `update`, `set_postfix`, `write` (a line that does not break the bar; printed even when disabled) and `close`.
+    Where `stream` (default stderr) is a terminal of known width: a tqdm bar on it. Elsewhere (CI, output
+    redirected to a file, a terminal of 0 columns, where tqdm draws nothing), no bar: a plain line on stdout every
+    tenth of the run or every minute, whichever comes first, and at the end (`round 12/70 (step 120): train loss
+    2.345, 0:41 elapsed, about 3:05 left`; `step 12/70: ...` when a call is one step). The time left is estimated
+    from the calls after the first, which includes compilation (the first line gives none). Disabled: nothing.
+    Each has tqdm's `update`, `set_postfix`, `write` (a line that does not break the bar; printed even when
+    disabled) and `close`.
     """
     stream = sys.stderr if stream is None else stream
-    if enabled and stream.isatty():
+    if enabled and stream.isatty() and _columns(stream) != 0:
         try:
             from tqdm.auto import tqdm  # optional dependency (the [experiments] extra): imported only for a bar
         except ImportError as e:
@@ -45,6 +49,14 @@ def progress_bar(
     return _ProgressLines(start, total, enabled=enabled, unit=unit, steps=steps)
 
 
+def _columns(stream) -> int | None:
+    """The width of the terminal `stream` writes to, or None where it has no file descriptor to ask."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 class _ProgressLines:
     """`progress_bar` where no terminal shows a bar: plain lines on stdout (none when disabled)."""
 
@@ -55,22 +67,23 @@ class _ProgressLines:
         self.every = max(1, -(-(total - start) // 10))
         self.t0 = self.last_time = time.monotonic()
         self.last_n, self.loss = start, ""
+        self.first: tuple[int, float] | None = None  # (calls, time) after the first call: it compiled
 
     def update(self, n: int = 1) -> None:
         self.n += n
         now = time.monotonic()
+        if self.first is None:
+            self.first = (self.n, now)
         due = self.n - self.last_n >= self.every or now - self.last_time >= self.seconds or self.n == self.total
         if not (self.enabled and due):
             return
         self.last_n, self.last_time = self.n, now
         elapsed = now - self.t0
-        left = elapsed / (self.n - self.start) * (self.total - self.n)
+        done, since = self.n - self.first[0], now - self.first[1]
+        left = f", about {_clock(since / done * (self.total - self.n))} left" if done > 0 else ""
         loss = f": train loss {self.loss}," if self.loss else ":"
-        print(
-            f"{self.unit} {self.n}/{self.total} (step {self.n * self.steps}){loss} {_clock(elapsed)} elapsed, "
-            f"about {_clock(left)} left",
-            flush=True,
-        )
+        step = "" if self.unit == "step" and self.steps == 1 else f" (step {self.n * self.steps})"
+        print(f"{self.unit} {self.n}/{self.total}{step}{loss} {_clock(elapsed)} elapsed{left}", flush=True)
 
     def set_postfix(self, refresh: bool = False, **values: str) -> None:
         del refresh

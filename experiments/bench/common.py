@@ -19,7 +19,7 @@ from typing import TypeVar
 import jax
 import numpy as np
 
-from experiments.args import integer, integers, names, number
+from experiments.args import HelpFormatter, integer, integers, names, number
 
 __all__ = [
     "add_parts",
@@ -119,16 +119,6 @@ def write_results(out_dir: str, name: str, result: dict, markdown: Callable[[dic
 # ------------------------------------------------------------------------------------------------ command line
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each flag's default after its help, except an empty default (whose meaning the help states) and a
-    switch's (it takes no value)."""
-
-    def _get_help_string(self, action):
-        if action.default in ("", None) or action.default is argparse.SUPPRESS or action.nargs == 0:
-            return action.help
-        return super()._get_help_string(action)
-
-
 def first_paragraph(doc: str) -> str:
     """The first paragraph of a docstring (up to its first blank line), its lines joined by single spaces."""
     paragraph = doc.strip().split("\n\n", 1)[0]
@@ -141,7 +131,7 @@ def parser(doc: str, *, module: str, topic: str, repeats: int | None = None) -> 
     `results/<topic>` for the committed tables) and, for a benchmark, `--repeats` (timed rounds per measurement,
     default `repeats`)."""
     p = argparse.ArgumentParser(
-        prog=f"python -m {module}", description=first_paragraph(doc), formatter_class=_HelpFormatter
+        prog=f"python -m {module}", description=first_paragraph(doc), formatter_class=HelpFormatter
     )
     p.add_argument(
         "--out",
