@@ -122,6 +122,19 @@ def post(url, path, body: bytes | dict):
         return e.code, e.headers, json.loads(e.read())
 
 
+def _post_typed(url, path, body: bytes, content_type: str | None) -> tuple[int, dict]:
+    """(status, JSON) of a POST of `body` with that Content-Type header (None: none)."""
+    headers = {} if content_type is None else {"content-type": content_type}
+    request = urllib.request.Request(url + path, data=body, headers=headers)
+    if content_type is None:
+        request.remove_header("Content-type")  # urllib adds the form type to a body otherwise
+    try:
+        with urllib.request.urlopen(request) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
 PROMPTS = ["The quick brown fox", list(np.random.default_rng(0).integers(0, 256, 41))]  # text; ids over 2 blocks
 
 
@@ -328,6 +341,19 @@ BAD: list[tuple[bytes | dict, int, str | None, str]] = [  # (body, status, param
     ({"prompt": "a", "max_tokens": 255}, 400, "max_tokens", "exceeds max_model_len = 256"),
     ({"prompt": "a", "model": "gpt-4"}, 404, "model", "`gpt-4` does not exist"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed with stream"),
+    # strict types, as OpenAI's: nothing is coerced
+    ({"prompt": "a", "max_tokens": "10"}, 400, "max_tokens", "valid integer"),
+    ({"prompt": "a", "max_tokens": 2.0}, 400, "max_tokens", "valid integer"),
+    ({"prompt": "a", "max_tokens": True}, 400, "max_tokens", "valid integer"),
+    ({"prompt": "a", "n": "2"}, 400, "n", "valid integer"),
+    ({"prompt": "a", "stream": "yes"}, 400, "stream", "valid boolean"),
+    ({"prompt": "a", "stream": 1}, 400, "stream", "valid boolean"),
+    ({"prompt": "a", "logprobs": True}, 400, "logprobs", "valid integer"),
+    ({"prompt": [1, True]}, 400, "prompt", "valid"),
+    ({"prompt": [1, 2.0]}, 400, "prompt", "valid"),
+    # text that is no Unicode (valid JSON)
+    (b'{"prompt": "a\\ud800b"}', 400, "prompt", "lone surrogate (U+D800)"),
+    (b'{"prompt": "a", "stop": ["\\udfff"]}', 400, "stop", "lone surrogate"),
 ]
 
 
@@ -347,6 +373,12 @@ def test_bad_requests_get_openai_errors_and_disturb_nobody(model, servers):
         assert words in error["error"]["message"], (body, error)
     code, _, error = post(url, "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]})
     assert (code, error["error"]["param"]) == (400, "messages.0.role")
+    for content in (None, "x\ud800"):
+        code, _, error = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": content}]})
+        assert code == 400 and error["error"]["param"].startswith("messages.0.content"), error
+    for content_type in ("application/x-www-form-urlencoded", "text/plain", None):  # curl's default, others
+        code, error = _post_typed(url, "/v1/completions", b"prompt=a", content_type)
+        assert code in (400, 415) and error["error"]["type"] == "invalid_request_error", (content_type, error)
     got += flat(choice_dict(ch.choices[0])["token_ids"] for ch in stream)
     assert got == in_process(model, "fp4", ids, 40)
     assert json.loads(urllib.request.urlopen(url + "/health").read()) == {"status": "ok"}

@@ -65,11 +65,17 @@ async def _invalid(request: HTTPRequest, e: RequestValidationError) -> JSONRespo
     first = e.errors()[0]
     if first.get("type") == "json_invalid":
         return JSONResponse(error_body(f"malformed JSON body: {first.get('msg')}"), status_code=400)
+    if isinstance(first.get("input"), bytes | str) and first.get("loc") == ("body",):  # not parsed as JSON at all
+        kind = request.headers.get("content-type") or "none"
+        return JSONResponse(
+            error_body(f"the body must be JSON (Content-Type: application/json); got Content-Type: {kind}"),
+            status_code=415,
+        )
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     # pydantic names the union branch it tried ('str', 'list[int]', 'function-after[...]'): name the field
     param = ".".join(p for p in loc if (p.isidentifier() and p not in _TYPE_TAGS) or p.isdigit()) or None
     given = first.get("input")
-    shown = json.dumps(given)[:200] if not isinstance(given, dict) or loc else "the body"
+    shown = json.dumps(given, default=repr)[:200] if not isinstance(given, dict) or loc else "the body"
     message = f"{param or 'body'} = {shown}: {first.get('msg')}" if loc else f"body: {first.get('msg')}"
     return JSONResponse(error_body(message, param=param), status_code=400)
 

@@ -45,20 +45,32 @@ def _neutral(value, info: ValidationInfo):
     return value
 
 
+def _text(value):
+    """`value` (a string, or lists of them) if every string is Unicode text; a lone surrogate ("\\ud800", valid
+    JSON) has no UTF-8 form, so no tokenizer can read it: ValueError naming its position."""
+    for i, s in enumerate([value] if isinstance(value, str) else value if isinstance(value, list) else []):
+        if isinstance(s, str):
+            bad = next((j for j, ch in enumerate(s) if "\ud800" <= ch <= "\udfff"), None)
+            if bad is not None:
+                where = f"character {bad}" if isinstance(value, str) else f"string {i}, character {bad}"
+                raise ValueError(f"{where} is a lone surrogate (U+{ord(s[bad]):04X}): not Unicode text")
+    return value
+
+
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None, code=None) -> dict:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # no coercion: "10", 2.0, true are not 10
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
     """The fields both endpoints share."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # no coercion: "10", 2.0, true are not 10
 
     model: str | None = None  # None: the served model
     temperature: Annotated[float, Field(ge=0, le=2)] | None = 1.0
@@ -82,7 +94,7 @@ class _Sampling(BaseModel):
         stops = [value] if isinstance(value, str) else value or []
         if len(stops) > MAX_STOP or any(not s for s in stops):
             raise ValueError(f"at most {MAX_STOP} non-empty stop strings")
-        return stops
+        return _text(stops)
 
     _unimplemented = field_validator("presence_penalty", "frequency_penalty", "logit_bias")(_neutral)
 
@@ -123,7 +135,7 @@ class CompletionRequest(_Sampling):
     def _prompt(cls, value):
         if isinstance(value, list) and (not value or any(isinstance(p, list) and not p for p in value)):
             raise ValueError("a prompt must not be empty")
-        return value
+        return _text(value)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts: one string, several strings, one list of ids or several."""
@@ -134,16 +146,26 @@ class CompletionRequest(_Sampling):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # no coercion: "10", 2.0, true are not 10
     type: Literal["text"]
     text: str
 
+    @field_validator("text")
+    @classmethod
+    def _unicode(cls, value):
+        return _text(value)
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # no coercion: "10", 2.0, true are not 10
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart]
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value):
+        return _text(value) if isinstance(value, str) else value
 
     def as_dict(self) -> dict[str, Any]:
         """The message as templates read it (content parts joined into one string)."""
