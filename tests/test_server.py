@@ -300,7 +300,9 @@ def test_disconnects_abort_and_free_blocks(servers):
 
 def test_full_queue_answers_429(servers, monkeypatch):
     """10 long requests against 8 sequences per step: 2 wait. With the queue bounded at 2, the next request gets a
-    429 with Retry-After, in OpenAI's error format, and the others go on."""
+    429 with Retry-After, in OpenAI's error format, and the others go on; a request of more sequences than the
+    queue ever holds (n x prompts > 2) gets 400 naming `n` or `prompt`, not a 429 a client would retry forever,
+    and queues nothing."""
     url, runner = servers["fp8"]
     body = {"model": "tiny", "prompt": "y" * 20, "max_tokens": 200, "ignore_eos": True, "stream": True}
     conns = []
@@ -320,6 +322,12 @@ def test_full_queue_answers_429(servers, monkeypatch):
     for conn in conns:
         conn.close()
     wait_idle(url)
+    aborted = metrics(url)['lowbit_request_success_total{finished_reason="abort"}']
+    for body, param in (({"prompt": "z", "n": 3}, "n"), ({"prompt": ["a", "b", "c"]}, "prompt")):
+        status, headers, error = post(url, "/v1/completions", {**body, "max_tokens": 2})
+        assert status == 400 and "Retry-After" not in headers and error["error"]["param"] == param, error
+        assert "--max-waiting = 2" in error["error"]["message"]
+    assert metrics(url)['lowbit_request_success_total{finished_reason="abort"}'] == aborted  # nothing was queued
 
 
 BAD: list[tuple[bytes | dict, int, str | None, str]] = [  # (body, status, param, words in the message)

@@ -150,9 +150,18 @@ class OpenAIServing:
     ) -> list[Stream]:
         """One stream per (prompt, completion), in the order the choices are numbered; `max_new_tokens` None: up to
         the server's limit. Refuses all or none (ApiError 400 / 429 / 503, aborting what it queued). A 400 names
-        `param` (the prompt's field) when the prompt alone is at fault, else max_tokens."""
+        `param` (the prompt's field) when the prompt alone is at fault, else max_tokens; more sequences (prompts x
+        n) than the queue ever holds are a 400 naming n (or the prompt field), before anything is queued."""
         streams: list[Stream] = []
         field = param
+        sequences, room = len(prompts) * body.n, self.runner.max_waiting
+        if sequences > room:  # can never be queued at once: a 429 would be retried forever
+            raise ApiError(
+                400,
+                f"{len(prompts)} prompt(s) x n = {body.n} is {sequences} sequences, more than this server ever queues "
+                f"at once (--max-waiting = {room}); send at most {room}",
+                param="n" if body.n > 1 else param,
+            )
         try:
             for prompt in prompts:
                 field = param
