@@ -24,6 +24,7 @@ import jax
 import ml_collections
 
 from core import checkpoint as checkpoint_lib
+from core import data as data_lib
 from core import train as train_lib
 from core import workdir as workdir_lib
 from core.mesh import Sharder
@@ -80,6 +81,7 @@ def import_to(
         raise workdir_lib.WorkdirError(
             f"{workdir} already holds a run's checkpoints; import into a new --workdir (nothing was changed)"
         )
+    corpus: data_lib.Corpus | data_lib.CorpusRecord  # what run.write_records reads: fingerprint and info
     if eval_batches:
         corpus, batches = build.build_data(config)
         batches.val_batches(eval_batches)  # a held-out split too short for them is refused here, not half-way

@@ -4,6 +4,9 @@ arguments in `update`, the same state structure under `optax.inject_hyperparams`
 name where unsupported, init from abstract shapes, `optax.MultiSteps`, state dtypes stable across updates
 (bfloat16, float16, float32, float64), no recompilation on the second update, shardings kept."""
 
+from typing import Any
+
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,7 +40,7 @@ def _optimizer(name: str) -> optax.GradientTransformation:
     return build.build_optimizer(config)
 
 
-PRESETS = {
+PRESETS: dict[str, Any] = {
     "mgup_adamw": optim.mgup_adamw,
     "cautious_mgup_adamw": optim.cautious_mgup_adamw,
     "mgup_lion": optim.mgup_lion,
@@ -46,7 +49,7 @@ PRESETS = {
 }
 
 # The public transforms, each with what its update needs besides (updates, state, params).
-TRANSFORMS = {
+TRANSFORMS: dict[str, tuple[Any, bool]] = {
     "scale_by_hf_adam": (optim.scale_by_hf_adam, False),
     "scale_by_lion_direction": (optim.scale_by_lion_direction, False),
     "scale_by_muon": (lambda: optim.scale_by_muon(mask_ratio=0.5), False),
@@ -93,7 +96,7 @@ def test_injected_hyperparameters_keep_the_state_structure_and_the_updates(name,
         optax.inject_hyperparams(make)(1e-2, weight_decay=weight_decay),
     )
     plain_state, injected_state = plain.init(params), injected.init(params)
-    assert jax.tree.structure(injected_state.inner_state) == jax.tree.structure(plain_state)
+    chex.assert_trees_all_equal_structs(injected_state.inner_state, plain_state)
     grads = jax.tree.map(lambda p: 0.1 * p + 0.01, params)
     want, _ = plain.update(grads, plain_state, params)
     got, _ = injected.update(grads, injected_state, params)

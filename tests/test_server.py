@@ -323,7 +323,11 @@ def test_full_queue_answers_429(servers, monkeypatch):
         conn.close()
     wait_idle(url)
     aborted = metrics(url)['lowbit_request_success_total{finished_reason="abort"}']
-    for body, param in (({"prompt": "z", "n": 3}, "n"), ({"prompt": ["a", "b", "c"]}, "prompt")):
+    too_many: list[tuple[dict[str, Any], str]] = [
+        ({"prompt": "z", "n": 3}, "n"),
+        ({"prompt": ["a", "b", "c"]}, "prompt"),
+    ]
+    for body, param in too_many:
         status, headers, error = post(url, "/v1/completions", {**body, "max_tokens": 2})
         assert status == 400 and "Retry-After" not in headers and error["error"]["param"] == param, error
         assert "--max-waiting = 2" in error["error"]["message"]
