@@ -82,6 +82,11 @@ class Field:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"config key '{key}' = {value!r} must be a finite number.")
+            if isinstance(value, float) and abs(value) > _FLOAT32_MAX:  # inf once training casts it
+                raise ConfigError(
+                    f"config key '{key}' = {value!r} is not finite in float32, the dtype training computes in: "
+                    f"allowed |value| <= {_FLOAT32_MAX:.1e}."
+                )
             too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
             too_high = self.high is not None and value > self.high
             if too_low or too_high:
@@ -100,6 +105,9 @@ class Field:
         if self.low is not None or self.high is not None:
             kinds = f"{kinds} in {self._range()}"
         return f"{kinds} or None" if type(None) in self.types else kinds
+
+
+_FLOAT32_MAX = 3.4028234663852886e38  # float(numpy.finfo(numpy.float32).max): the largest finite float32
 
 
 def _names(accepted: tuple[type, ...]) -> str:

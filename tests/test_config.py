@@ -111,6 +111,7 @@ DELETE = object()
         ({"optim.b2": 1.5}, ["optim.b2", "1.5", "[0, 1]"]),
         ({"data.val_fraction": 0.0}, ["data.val_fraction", "0.0", "(0, 0.5]"]),
         ({"optim.learning_rate": float("nan")}, ["optim.learning_rate", "nan", "finite"]),
+        ({"optim.learning_rate": 1e39}, ["optim.learning_rate", "1e+39", "float32", "3.4e+38"]),  # inf in float32
         ({"model.num_heads": 5}, ["model.num_heads", "5", "model.d_model", "256"]),
         ({"model.num_kv_heads": 3}, ["model.num_kv_heads", "3", "model.num_heads"]),
         ({"model.d_model": 24, "model.num_heads": 8}, ["head dim", "3", "even"]),
