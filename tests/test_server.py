@@ -401,6 +401,12 @@ def test_bad_requests_get_openai_errors_and_disturb_nobody(model, servers):
         assert code == 400 and "has no chat template" in error["error"]["message"]
         models = json.loads(urllib.request.urlopen(bare + "/v1/models").read())
         assert [m["id"] for m in models["data"]] == ["tiny"] and models["data"][0]["max_model_len"] == 256
+        assert json.loads(urllib.request.urlopen(bare + "/v1/models/tiny").read()) == models["data"][0]
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(bare + "/v1/models/gpt-4")
+        assert missing.value.code == 404 and json.loads(missing.value.read())["error"]["code"] == "model_not_found"
+        head = urllib.request.urlopen(urllib.request.Request(bare + "/health", method="HEAD"))
+        assert head.status == 200 and head.read() == b""
 
 
 def test_chat_template_tokens_match_a_hand_built_prompt():

@@ -4,7 +4,7 @@ parses its request and hands it to the serving object, which holds the logic. `R
 
   completions   POST /v1/completions
   chat          POST /v1/chat/completions
-  info          GET /v1/models, GET /health, GET /metrics
+  info          GET /v1/models, GET /v1/models/{id}, GET or HEAD /health, GET /metrics
 
 A new endpoint is one route function in the router of its group (or a new router added to ROUTERS) and one method
 of OpenAIServing; its request body, if any, a model in experiments.server.protocol.
@@ -54,9 +54,15 @@ async def models(s: Serving) -> dict[str, Any]:
     return s.models()
 
 
-@info.get("/health")
+@info.get("/v1/models/{model_id}")
+async def model(model_id: str, s: Serving) -> dict[str, Any]:
+    """GET /v1/models/{model_id} (OpenAIServing.model)."""
+    return s.model(model_id)
+
+
+@info.api_route("/health", methods=["GET", "HEAD"])
 async def health(s: Serving) -> Response:
-    """GET /health (OpenAIServing.health)."""
+    """GET or HEAD /health (OpenAIServing.health; HEAD: its status without the body)."""
     return s.health()
 
 

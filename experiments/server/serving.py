@@ -75,15 +75,20 @@ class OpenAIServing:
     # ------------------------------------------------------------------------------------------- models, health
 
     def models(self) -> dict[str, Any]:
-        """GET /v1/models: the one served model's card, with the longest request it takes (`max_model_len`)."""
-        card = {
+        """GET /v1/models: the one served model's card (`model`) in a list."""
+        return {"object": "list", "data": [self.model(self.model_name)]}
+
+    def model(self, model_id: str) -> dict[str, Any]:
+        """GET /v1/models/{model_id}: the served model's card, with the longest request it takes (`max_model_len`);
+        ApiError 404 for another id."""
+        self.check_model(model_id)
+        return {
             "id": self.model_name,
             "object": "model",
             "created": self.created,
             "owned_by": OWNER,
             "max_model_len": self.limit,
         }
-        return {"object": "list", "data": [card]}
 
     def health(self) -> JSONResponse:
         """GET /health: 200 {"status": "ok"} while the engine runs, else 503 with the error that stopped it."""
