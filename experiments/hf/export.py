@@ -29,6 +29,7 @@ from core import tokenizer as tokenizer_lib
 from core import workdir as workdir_lib
 from experiments import schema
 from experiments.hf import arch as arch_lib
+from experiments.hf import load as hf_load
 from experiments.hf import weights
 from moe.config import MoEConfig
 
@@ -128,6 +129,12 @@ def save(
 
     if dtype is not None and dtype not in DTYPES:
         raise HFExportError(f"dtype = {dtype!r}; allowed: {list(DTYPES)}")
+    if not replace and os.path.isdir(out_dir) and os.listdir(out_dir):
+        held = model_files(out_dir) or sorted(os.listdir(out_dir))
+        raise HFExportError(
+            f"--out {out_dir} is not empty (it holds {', '.join(held[:5])}{', ...' if len(held) > 5 else ''}): "
+            "allowed: a new or empty folder, or --replace to remove the model files there first"
+        )
     tok = tokenizer_lib.load(config.data.tokenizer)
     hf = {**hf_config(config), "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
     source = _source(config)
@@ -141,12 +148,6 @@ def save(
     experts = arch_lib.get(hf["architectures"][0]).experts  # type: ignore[union-attr]  # hf_config's own entry
     tensors = weights.from_ours(params, schema.model_config(config), moe, experts=experts)
     tensors = {name: x.astype(DTYPES[dtype]) for name, x in tensors.items()}
-    if not replace and os.path.isdir(out_dir) and os.listdir(out_dir):
-        held = model_files(out_dir) or sorted(os.listdir(out_dir))
-        raise HFExportError(
-            f"--out {out_dir} is not empty (it holds {', '.join(held[:5])}{', ...' if len(held) > 5 else ''}): "
-            "allowed: a new or empty folder, or --replace to remove the model files there first"
-        )
     for name in model_files(out_dir) if replace else ():
         os.remove(os.path.join(out_dir, name))
     os.makedirs(out_dir, exist_ok=True)
@@ -180,7 +181,7 @@ def save(
 def _source(config: ml_collections.ConfigDict) -> str | None:
     """The directory the run was imported from (`checkpoint.init_from = "hf:DIR"`) if it still exists."""
     init_from = str(config.checkpoint.get("init_from", "") or "")
-    directory = init_from.removeprefix("hf:") if init_from.startswith("hf:") else ""
+    directory = init_from.removeprefix(hf_load.PREFIX) if init_from.startswith(hf_load.PREFIX) else ""
     return directory if directory and os.path.isdir(directory) else None
 
 
