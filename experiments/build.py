@@ -139,19 +139,21 @@ def build_tokenizer(config: ml_collections.ConfigDict) -> tokenizer_lib.Tokenize
 def describe_data(config: ml_collections.ConfigDict) -> data_lib.CorpusRecord:
     """The fingerprint and info `build_data`'s corpus would have, without tokenizing it (for a run that reads no
     batch, such as an import without evaluation)."""
+    return data_lib.describe_corpus(**_corpus_args(config))
+
+
+def _corpus_args(config: ml_collections.ConfigDict) -> dict:
+    """The corpus the `data` section names, as `core.data.load_corpus`'s (and `describe_corpus`') arguments."""
     d = config.data
-    return data_lib.describe_corpus(
-        d.path or None, val_fraction=d.val_fraction, jsonl_field=d.jsonl_field, tokenizer=build_tokenizer(config)
-    )
+    tokenizer = build_tokenizer(config)
+    return dict(path=d.path or None, val_fraction=d.val_fraction, jsonl_field=d.jsonl_field, tokenizer=tokenizer)
 
 
 def build_data(config: ml_collections.ConfigDict) -> tuple[data_lib.Corpus, data_lib.Batches]:
     """Loads the corpus, tokenized by `data.tokenizer`, and the per-process batch source (which carries the
     tokenizer: its padding id and bytes per id reach the loss and the evaluation, core.train)."""
     d = config.data
-    corpus = data_lib.load_corpus(
-        d.path or None, val_fraction=d.val_fraction, jsonl_field=d.jsonl_field, tokenizer=build_tokenizer(config)
-    )
+    corpus = data_lib.load_corpus(**_corpus_args(config))
     batches = data_lib.Batches(
         corpus,
         seq_len=d.seq_len,
