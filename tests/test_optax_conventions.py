@@ -22,13 +22,11 @@ NAMES = sorted(registry.OPTIMIZERS)
 COMPLEX_READY = {"adamw", "lion"}  # optax's own: they support complex parameters
 
 
-def _tree(make):
-    return jax.tree.map(make, SHAPES, is_leaf=lambda x: isinstance(x, tuple))
-
-
 def _params(dtype=jnp.float32, seed=0):
     rng = np.random.default_rng(seed)
-    return _tree(lambda s: jnp.asarray(rng.normal(size=s), dtype))
+    return jax.tree.map(
+        lambda s: jnp.asarray(rng.normal(size=s), dtype), SHAPES, is_leaf=lambda x: isinstance(x, tuple)
+    )
 
 
 def _optimizer(name: str) -> optax.GradientTransformation:
