@@ -30,6 +30,7 @@ from core.checkpoint import CheckpointError
 from core.model import Transformer
 from core.tokenizer import Tokenizer, TokenizerError
 from experiments import build, load, schema
+from experiments.hf import load as hf_load
 from kvcache import capacity, formats
 from kvcache import config as kv_config
 from kvcache.formats import Format
@@ -60,6 +61,9 @@ MAX_SEED = 2**64 - 1
 
 IN_PROCESS_STEP_TOKENS = 256
 """The in-process command's step budget at most (its requests are known: it is capped at what they can hold)."""
+
+SERVED_STEP_TOKENS = 256
+"""The HTTP server's step budget by default (or half its max_model_len, if less)."""
 
 IN_PROCESS_MODEL_LEN = 256
 """The in-process command's max_model_len is a multiple of this, and at least twice it."""
@@ -263,8 +267,8 @@ def engine_config(
         starts): each must fit the pool with --max-new-tokens; sampling is at --temperature; the step's token budget
         is capped at the tokens all requests can ever hold and max_model_len at what the longest needs, so that
         warm-up compiles only the batch shapes these requests take;
-      * `prompts` None (the HTTP server): the limits are --max-num-seqs, --max-num-batched-tokens, --max-model-len
-        (at least 2 x --max-num-batched-tokens); every request brings its own sampling parameters.
+      * `prompts` None (the HTTP server): the limits are --max-num-seqs and `served_lengths`' --max-model-len and
+        --max-num-batched-tokens; every request brings its own sampling parameters.
 
     Raises FlagError for a --site the run lacks, a --kv-memory-mib that holds no block of the model's KV, a prompt
     that (with --max-new-tokens) the pool cannot hold, or a --max-model-len below 2 x --max-num-batched-tokens.
@@ -275,11 +279,8 @@ def engine_config(
             f"--site={args.site}: the run in {args.workdir} has mesh.site = {sites} site(s); allowed "
             f"--site in 0..{sites - 1}"
         )
-    if prompts is None and args.max_model_len < 2 * args.max_num_batched_tokens:
-        raise FlagError(
-            f"--max-model-len={args.max_model_len} must be >= 2 x --max-num-batched-tokens = "
-            f"{2 * args.max_num_batched_tokens}"
-        )
+    if prompts is None:
+        model_len, step = served_lengths(args, run)
     cfg = schema.model_config(run)
     mib, bs = args.kv_memory_mib, EngineConfig.block_size
     memory = int(mib * 2**20)
@@ -293,8 +294,7 @@ def engine_config(
             f"bytes: one block of {bs} tokens x {cfg.num_layers} layers in {fmt.label})"
         )
     if prompts is None:
-        seqs, step, model_len = args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len
-        temperature = 1.0  # (every request brings its own)
+        seqs, temperature = args.max_num_seqs, 1.0  # (every request brings its own temperature)
     else:
         _check_prompts_fit(prompts, args.max_new_tokens, blocks * bs, per_block, mib, fmt)
         longest = max(map(len, prompts)) + args.max_new_tokens
@@ -312,6 +312,22 @@ def engine_config(
         temperature=temperature,
         seed=args.seed,
     )
+
+
+def served_lengths(args: argparse.Namespace, run: ml_collections.ConfigDict) -> tuple[int, int]:
+    """(max_model_len, max_num_batched_tokens) of the HTTP server: --max-model-len, by default the model's context
+    (experiments.hf.load.context_length: an imported checkpoint's max_position_embeddings, else the run's
+    data.seq_len); --max-num-batched-tokens, by default 256 or half max_model_len if less. Raises FlagError if
+    max_model_len < 2 x max_num_batched_tokens (a step's padded batch is addressed like one sequence)."""
+    model_len, source = (args.max_model_len, "--max-model-len") if args.max_model_len else hf_load.context_length(run)
+    step = args.max_num_batched_tokens or max(1, min(SERVED_STEP_TOKENS, model_len // 2))
+    if model_len < 2 * step:
+        given = f"--max-model-len={model_len}" if args.max_model_len else f"max_model_len = {model_len} ({source})"
+        raise FlagError(
+            f"{given} must be >= 2 x --max-num-batched-tokens = {2 * step}: allowed a larger --max-model-len or a "
+            "smaller --max-num-batched-tokens"
+        )
+    return model_len, step
 
 
 def _check_prompts_fit(

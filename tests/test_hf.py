@@ -221,8 +221,9 @@ def test_an_imported_checkpoint_is_a_run_that_serves_through_the_paged_cache(tmp
     """`import` writes a run at step 0 whose parameters are the checkpoint's; the run loads back and its greedy
     generation through the engine's bf16 paged cache equals transformers' own (its first 12 of the fixture's 32 tokens).
     The same workdir served by `python -m experiments.serve --http` answers a greedy /v1/completions with
-    transformers' tokens too (the first 6: the run's byte tokenizer never samples the 7th, id 286 >= 259).
-    The fp8 / fp4 formats on an imported (and exported, reloaded) model: experiments.reproduce.hf's table."""
+    transformers' tokens too (the first 6: the run's byte tokenizer never samples the 7th, id 286 >= 259), with the
+    checkpoint's max_position_embeddings as its max_model_len, and stops cleanly (exit 0) on SIGTERM. The fp8 / fp4
+    formats on an imported (and exported, reloaded) model: experiments.reproduce.hf's table."""
     directory = os.path.join(FIXTURES, "qwen3")
     reference = np.load(os.path.join(directory, "reference.npz"))
     workdir = tmp_path / "run"
@@ -242,11 +243,12 @@ def test_an_imported_checkpoint_is_a_run_that_serves_through_the_paged_cache(tmp
     request = engine.submit(reference["greedy_prompt"].tolist(), 12)
     engine.run()
     np.testing.assert_array_equal(request.output, reference["greedy"][:12])
-    flags = ["--kv-format", "bf16", "--kv-memory-mib", "1", "--max-num-batched-tokens", "16", "--max-model-len", "64"]
+    flags = ["--kv-format", "bf16", "--kv-memory-mib", "1", "--max-num-batched-tokens", "16"]
     command = [sys.executable, "-m", "experiments.serve", "--http", "--workdir", str(workdir), "--port", "0", *flags]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(FIXTURES) + "/../..")
     try:
-        url = _listening_url(server)
+        url, said = _listening_url(server)
+        assert "max_model_len: 64 tokens (max_position_embeddings of" in said  # the checkpoint's, not a fixed 2048
         body = {
             "prompt": reference["greedy_prompt"].tolist(),
             "max_tokens": 6,
@@ -260,14 +262,15 @@ def test_an_imported_checkpoint_is_a_run_that_serves_through_the_paged_cache(tmp
             choice = json.loads(response.read())["choices"][0]
         assert choice["token_ids"] == reference["greedy"][:6].tolist() and choice["finish_reason"] == "length"
     finally:
-        server.send_signal(signal.SIGINT)
+        server.send_signal(signal.SIGTERM)
         status = server.wait(30)
         rest = server.stderr.read() if server.stderr else ""
-    assert status == 0, rest  # Ctrl-C stops it cleanly
+    assert status == 0 and "stopped: every open request was answered" in rest, rest  # SIGTERM stops it cleanly
 
 
-def _listening_url(server: subprocess.Popen, timeout: float = 120.0) -> str:
-    """The base URL `experiments.serve --http` prints on stderr once it listens (fails if it exits or times out)."""
+def _listening_url(server: subprocess.Popen, timeout: float = 120.0) -> tuple[str, str]:
+    """(the base URL `experiments.serve --http` prints on stderr once it listens, the stderr up to it); fails if it
+    exits or times out."""
     assert server.stderr is not None
     deadline, lines = time.monotonic() + timeout, []
     with selectors.DefaultSelector() as selector:
@@ -277,7 +280,7 @@ def _listening_url(server: subprocess.Popen, timeout: float = 120.0) -> str:
                 line = server.stderr.readline()
                 lines.append(line)
                 if found := re.search(r"serving `[^`]*` on (http://\S+/v1)", line):
-                    return found.group(1)
+                    return found.group(1), "".join(lines)
                 if not line:
                     break
     raise AssertionError(f"the server did not start: {''.join(lines)}")

@@ -24,6 +24,7 @@ from flax import nnx
 from core.checkpoint import CheckpointError
 from core.config import TransformerConfig
 from core.tokenizer import HFTokenizer
+from experiments import args as args_lib
 from experiments import build, load, schema, serve
 from kvcache import capacity, formats
 from kvcache import serving as engine_lib
@@ -446,7 +447,14 @@ def test_a_tensor_parallel_run_loads_and_serves_on_one_device(tmp_path, capsys, 
     [
         (["--port=70000"], ["--port", "'70000' is not an integer >= 0 and <= 65535"]),
         ([f"--seed={2**64}"], ["--seed", f"'{2**64}' is not an integer >= 0 and <= {2**64 - 1}"]),
-        (["--max-model-len=300"], ["--max-model-len=300 must be >= 2 x --max-num-batched-tokens = 512"]),
+        (
+            ["--max-model-len=300", "--max-num-batched-tokens=256"],
+            ["--max-model-len=300 must be >= 2 x --max-num-batched-tokens = 512"],
+        ),
+        (
+            ["--max-num-batched-tokens=200"],
+            ["max_model_len = 256 (the run's data.seq_len) must be >= 2 x --max-num-batched-tokens = 400"],
+        ),
         (["--site=1"], ["--site=1: the run in run has mesh.site = 1 site(s); allowed --site in 0..0"]),
         (["--kv-memory-mib=0.0001"], ["--kv-memory-mib=0.0001 holds no KV block"]),
         (["--chat-template=missing.jinja"], ["--chat-template='missing.jinja' cannot be read"]),
@@ -461,3 +469,25 @@ def test_http_flags_are_refused_before_anything_loads(capsys, a_run, nothing_loa
     assert code == 2 and "error" in err and "Traceback" not in err, err
     for needle in needles:
         assert needle in err, err
+
+
+def test_the_http_servers_max_model_len_is_the_models_context_unless_given(tmp_path):
+    """--max-model-len defaults to what the model was made for: an imported checkpoint's max_position_embeddings
+    (while its folder exists), else the run's data.seq_len, not a fixed 2048; --max-num-batched-tokens to 256 or
+    half of that; flags given win."""
+    from experiments.server import cli as http_cli
+
+    run = schema.default_config()
+    run.data.seq_len = 96
+    parse = http_cli.build_parser().parse_args
+    assert args_lib.served_lengths(parse(["--workdir", "w"]), run) == (96, 48)
+    source = tmp_path / "hf"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps({"max_position_embeddings": 1000}))
+    run.checkpoint.init_from = f"hf:{source}"
+    assert args_lib.served_lengths(parse(["--workdir", "w"]), run) == (1000, 256)
+    given = parse(["--workdir", "w", "--max-model-len", "700", "--max-num-batched-tokens", "300"])
+    assert args_lib.served_lengths(given, run) == (700, 300)
+    (source / "config.json").unlink()
+    source.rmdir()  # the imported folder is gone: the run's own training length
+    assert args_lib.served_lengths(parse(["--workdir", "w"]), run) == (96, 48)

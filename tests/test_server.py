@@ -5,6 +5,7 @@ requests get OpenAI errors naming the field without disturbing others, and a mul
 cache exactly as far as its token ids share full blocks."""
 
 import asyncio
+import dataclasses
 import http.client
 import json
 import pathlib
@@ -17,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import openai
+import pydantic
 import pytest
 from flax import nnx
 
@@ -25,6 +27,9 @@ from core.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
 from experiments.server import cli
 from experiments.server.app import create_app
 from experiments.server.chat import ChatTemplate
+from experiments.server.protocol import CompletionRequest
+from experiments.server.render import CompletionRender
+from experiments.server.runner import Event
 from kvcache import formats
 from kvcache.serving import Engine, EngineConfig, SamplingParams
 
@@ -170,7 +175,8 @@ def choice_dict(choice) -> dict:
 
 def test_streamed_deltas_concatenate_to_the_response(servers):
     """Completions and chat, sampled with a seed and with logprobs: the streamed text, token ids and logprobs
-    concatenate to the non-streamed response's; the usage chunk equals its usage."""
+    concatenate to the non-streamed response's; the usage chunk equals its usage, the chunks before it carry
+    `"usage": null`."""
     url, _ = servers["fp4"]
 
     async def main():
@@ -205,6 +211,8 @@ def test_streamed_deltas_concatenate_to_the_response(servers):
     assert (again.completion_tokens, again.total_tokens) == (usage.completion_tokens, usage.total_tokens)
     assert (usage.prompt_tokens_details.cached_tokens, again.prompt_tokens_details.cached_tokens) == (0, BS)
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == w.finish_reason
+    assert all(ch.to_dict()["usage"] is None for ch in chunks[:-1])  # OpenAI's: "usage": null until the last
+    assert not any("usage" in ch.to_dict() for ch in chat_parts)  # (not asked for: no such field)
     cw = chat_whole.choices[0]
     assert chat_parts[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chat_parts) == cw.message.content
@@ -346,7 +354,9 @@ BAD: list[tuple[bytes | dict, int, str | None, str]] = [  # (body, status, param
     ({"prompt": "a", "stop": ["1", "2", "3", "4", "5"]}, 400, "stop", "at most 4"),
     ({"prompt": "a", "frequency_penalty": 0.5}, 400, "frequency_penalty", "not implemented"),
     ({"prompt": "a", "echo": True}, 400, "echo", "not implemented"),
-    ({"prompt": "a", "functions": []}, 400, "functions", "Extra inputs"),
+    ({"prompt": "a", "functions": [{"name": "f"}]}, 400, "functions", "would change the answer"),
+    ({"prompt": "a", "response_format": {"type": "json_object"}}, 400, "response_format", 'allowed: null or {"type"'),
+    ({"prompt": "a", "min_tokens": 5}, 400, "min_tokens", "min_tokens = 5 would change the answer"),
     ({"prompt": []}, 400, "prompt", "must not be empty"),
     ({"prompt": [5, 300]}, 400, "prompt", "position 1 is 300, outside [0, 264)"),
     ({"prompt": "a" * 300}, 400, "prompt", "limit is 256 tokens"),
@@ -361,8 +371,8 @@ BAD: list[tuple[bytes | dict, int, str | None, str]] = [  # (body, status, param
     ({"prompt": "a", "stream": "yes"}, 400, "stream", "valid boolean"),
     ({"prompt": "a", "stream": 1}, 400, "stream", "valid boolean"),
     ({"prompt": "a", "logprobs": True}, 400, "logprobs", "valid integer"),
-    ({"prompt": [1, True]}, 400, "prompt", "valid"),
-    ({"prompt": [1, 2.0]}, 400, "prompt", "valid"),
+    ({"prompt": [1, True]}, 400, "prompt", "token 1 = true is not a token id"),
+    ({"prompt": [1, 2.0]}, 400, "prompt", "token 1 = 2.0 is not a token id"),
     # text that is no Unicode (valid JSON)
     (b'{"prompt": "a\\ud800b"}', 400, "prompt", "lone surrogate (U+D800)"),
     (b'{"prompt": "a", "stop": ["\\udfff"]}', 400, "stop", "lone surrogate"),
@@ -395,8 +405,16 @@ def test_bad_requests_get_openai_errors_and_disturb_nobody(model, servers):
     assert got == in_process(model, "fp4", ids, 40)
     assert json.loads(urllib.request.urlopen(url + "/health").read()) == {"status": "ok"}
     _, runner = servers["fp4"]
-    no_chat = create_app(runner, TOK, model_name="tiny")  # the same engine, served without a chat template
+    no_chat = create_app(runner, TOK, model_name="tiny", max_body_bytes=4096)  # without a template, small bodies
     with cli.serve_in_thread(no_chat) as bare:
+        big = json.dumps({"prompt": list(range(200)) * 5}).encode()  # 4,898 bytes
+        code, _, error = post(bare, "/v1/completions", big)
+        assert code == 413 and "limit of 4,096 bytes" in error["error"]["message"], error
+        conn = http.client.HTTPConnection(*bare.removeprefix("http://").split(":"))
+        conn.request("POST", "/v1/completions", iter([big[:3000], big[3000:]]), {"content-type": "application/json"})
+        chunked = conn.getresponse()  # no Content-Length: counted as it arrives
+        assert chunked.status == 413 and "4,096 bytes" in json.loads(chunked.read())["error"]["message"]
+        conn.close()
         code, _, error = post(bare, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
         assert code == 400 and "has no chat template" in error["error"]["message"]
         models = json.loads(urllib.request.urlopen(bare + "/v1/models").read())
@@ -494,3 +512,92 @@ def test_an_engine_failure_answers_500_then_503_and_health_says_so(model, monkey
             assert health.value.code == 503 and "injected failure" in json.loads(health.value.read())["error"]
     finally:
         runner.stop()
+
+
+@pytest.mark.parametrize(
+    "prompt, words",
+    [
+        ([7] * 100_000 + ["x"] * 1000, 'token 100000 = "x" is not a token id'),
+        ([[1, 2], [3, True], [4, 5.0]], "element 1, token 1 = true is not a token id"),
+        (["a", "b", 3, 4], "element 2 = 3 is not a string"),
+        ([[1], []], "element 1 = [] is not a non-empty list"),
+        ({"a": 1}, "expected a string, a list of strings"),
+    ],
+)
+def test_a_bad_prompt_is_one_error_naming_its_first_bad_element(prompt, words):
+    """A prompt list with bad elements gets one validation error, naming the first of them (not one error per
+    element and per union branch, which for a list of millions of ids cost minutes and gigabytes)."""
+    with pytest.raises(pydantic.ValidationError) as e:
+        CompletionRequest.model_validate({"prompt": prompt})
+    assert e.value.error_count() == 1 and words in str(e.value), str(e.value)[:500]
+    ok = [int(t) for t in np.random.default_rng(1).integers(0, 264, 50_001)]
+    for good in (ok, [ok[:3], ok[3:9]], ["a", "b"], "text"):
+        assert CompletionRequest.model_validate({"prompt": good}).prompt == good
+
+
+def test_unknown_fields_are_ignored_with_a_warning_unless_they_change_the_answer(caplog):
+    """vLLM's convention: `metadata`, `store`, ... are ignored with a logged warning naming them; a field of
+    ANSWER_CHANGING is ignored only when null or neutral (its refusals are in BAD)."""
+    body = {"prompt": "a", "metadata": {"k": "v"}, "store": False, "tools": [], "response_format": None}
+    with caplog.at_level("WARNING", logger="experiments.server.protocol"):
+        request = CompletionRequest.model_validate(body)
+    assert request.prompts() == ["a"] and request.max_tokens == 16
+    assert "unknown field(s) of the request: metadata, response_format, store, tools" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="experiments.server.protocol"):
+        CompletionRequest.model_validate({"prompt": "a", "max_tokens": 3})
+    assert caplog.text == ""
+
+
+def test_text_offsets_count_characters_when_a_character_spans_several_tokens():
+    """Byte tokens of 'aé€b😀c' (1, 2, 3, 1, 4, 1 bytes), streamed in two uneven chunks: each token's text_offset is
+    the number of characters complete before it (a float-free reference: the prefix's bytes decoded, an incomplete
+    tail dropped), running on across the chunks."""
+    ids = TOK.encode("aé€b😀c", bos=False).tolist()
+    body = CompletionRequest.model_validate({"prompt": "x", "logprobs": 0})
+    render = CompletionRender(TOK, "tiny", body)
+    got = []
+    for part in (ids[:4], ids[4:]):
+        event = Event(token_ids=part, logprobs=[-1.0] * len(part), top_logprobs=[[] for _ in part])
+        got += render.chunk(0, event)["choices"][0]["logprobs"]["text_offset"]
+    want = [len(TOK.decode_bytes(ids[:i]).decode("utf-8", errors="ignore")) for i in range(len(ids))]
+    assert got == want == [0, 1, 1, 2, 2, 2, 3, 4, 4, 4, 4, 5]
+
+
+def test_shutting_down_ends_every_open_request_in_openais_format(model):
+    """The server told to stop (what SIGINT / SIGTERM do) with one stream running and two non-streamed requests
+    waiting behind it (one sequence per step): the stream ends with an error event and `data: [DONE]`, the waiting
+    requests get 503 in OpenAI's format, /health never answers 200 again, and nothing was left for uvicorn's
+    graceful timeout to cut (the stream read to [DONE])."""
+    fmt = formats.get("bf16")
+    config = dataclasses.replace(engine_config(fmt), max_num_seqs=1)
+    app, runner = cli.build_server(model, fmt, config, TOK, model_name="tiny")
+    body = {"prompt": "x", "max_tokens": 250, "ignore_eos": True}
+    try:
+        with cli.serve_in_thread(app, runner=runner) as url:
+            host, port = url.removeprefix("http://").split(":")
+            streaming = http.client.HTTPConnection(host, port, timeout=60)
+            headers = {"content-type": "application/json"}
+            streaming.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), headers)
+            reply = streaming.getresponse()
+            assert reply.readline().startswith(b"data: {")  # it runs
+            waiting = []
+            for _ in range(2):
+                conn = http.client.HTTPConnection(host, port, timeout=60)
+                conn.request("POST", "/v1/completions", json.dumps(body), headers)
+                waiting.append(conn)
+            deadline = time.monotonic() + 10
+            while runner.queued < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        rest = reply.read().decode()
+        answers = [conn.getresponse() for conn in waiting]
+    finally:
+        runner.stop()
+    events = [line.removeprefix("data: ") for line in rest.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", rest[-500:]
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "service_unavailable" and "shutting down" in error["message"], error
+    for answer in answers:
+        assert answer.status == 503 and json.loads(answer.read())["error"]["code"] == "service_unavailable"
+    assert not runner.healthy and runner.closing == "the server is shutting down"

@@ -137,8 +137,7 @@ def save(
         )
     tok = tokenizer_lib.load(config.data.tokenizer)
     hf = {**hf_config(config), "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
-    source = _source(config)
-    imported = _read_json(os.path.join(source, "config.json")) if source else {}
+    source, imported = hf_load.source_config(config)
     dtype = dtype or next((imported[k] for k in ("dtype", "torch_dtype") if imported.get(k) in DTYPES), "float32")
     hf |= {"dtype": dtype, "max_position_embeddings": imported.get("max_position_embeddings", config.data.seq_len)}
     params = {
@@ -176,13 +175,6 @@ def save(
     for path in written:
         os.chmod(path, mode)
     return written
-
-
-def _source(config: ml_collections.ConfigDict) -> str | None:
-    """The directory the run was imported from (`checkpoint.init_from = "hf:DIR"`) if it still exists."""
-    init_from = str(config.checkpoint.get("init_from", "") or "")
-    directory = init_from.removeprefix(hf_load.PREFIX) if init_from.startswith(hf_load.PREFIX) else ""
-    return directory if directory and os.path.isdir(directory) else None
 
 
 def _read_json(path: str) -> dict:

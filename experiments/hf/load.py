@@ -82,6 +82,33 @@ def hf_dir(config: ml_collections.ConfigDict) -> str | None:
     return spec[len(PREFIX) :]
 
 
+def source_config(config: ml_collections.ConfigDict) -> tuple[str | None, dict[str, Any]]:
+    """(DIR, its config.json as a dict) of the checkpoint a run was imported from (`checkpoint.init_from =
+    "hf:DIR"`) while DIR still exists; (None, {}) for a run of ours or one whose DIR is gone. A config.json that is
+    no JSON object reads as {} (the import, which read it, refused such a file)."""
+    init_from = str(config.checkpoint.get("init_from", "") or "")
+    directory = init_from.removeprefix(PREFIX) if init_from.startswith(PREFIX) else ""
+    if not directory or not os.path.isdir(directory):
+        return None, {}
+    try:
+        with open(os.path.join(directory, "config.json")) as f:
+            hf = json.load(f)
+    except (OSError, ValueError):
+        hf = {}
+    return directory, hf if isinstance(hf, dict) else {}
+
+
+def context_length(config: ml_collections.ConfigDict) -> tuple[int, str]:
+    """(tokens, where the number comes from): the longest sequence the run's model was made for, the imported
+    checkpoint's `max_position_embeddings` (while its directory exists), else the run's training length
+    `data.seq_len`."""
+    directory, hf = source_config(config)
+    length = hf.get("max_position_embeddings")
+    if isinstance(length, int) and not isinstance(length, bool) and length > 0:
+        return length, f"max_position_embeddings of {os.path.join(str(directory), 'config.json')}"
+    return int(config.data.seq_len), "the run's data.seq_len"
+
+
 def _model(config: ml_collections.ConfigDict) -> config_lib.TransformerConfig:
     return config_lib.from_config(config_lib.TransformerConfig, config.model)
 

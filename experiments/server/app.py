@@ -9,9 +9,9 @@ GET /metrics (Prometheus). What each answers is experiments.server.serving's.
 
 Every error is OpenAI's error object (experiments.server.protocol.error_body). Status codes: 200; 400 a request the
 server cannot honour (malformed JSON, a bad or unimplemented parameter, a prompt longer than max_model_len or the KV
-pool, a chat request for a model without a chat template), with the field in the error's `param`; 404 an unknown
-model or path; 429 the queue is full (with Retry-After); 500 an engine failure (or any unexpected exception); 503 the
-engine has stopped (GET /health too).
+pool, a chat request for a model without a chat template), with the field in the error's `param`; 404 an unknown model
+or path; 413 a body over the size limit (16 MiB unless told); 415 a body that is not JSON; 429 the queue is full (with
+Retry-After); 500 an engine failure (or any unexpected exception); 503 the engine has stopped (GET /health too).
 """
 
 from __future__ import annotations
@@ -36,14 +36,25 @@ __all__ = ["ApiError", "create_app"]
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # union branches in pydantic's error locations
 
 
+MAX_BODY_BYTES = 16 * 2**20
+"""The largest request body read by default: 16 MiB holds about 2M token ids, far past any context this serves."""
+
+
 def create_app(
-    runner: EngineRunner, tokenizer: Tokenizer, *, model_name: str, chat: ChatTemplate | None = None
+    runner: EngineRunner,
+    tokenizer: Tokenizer,
+    *,
+    model_name: str,
+    chat: ChatTemplate | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
     """The app serving `runner`'s engine as `model_name` (module docstring): an `OpenAIServing` over them as
     `app.state.serving`, the routers of experiments.server.routes, and the handlers that answer every error in
     OpenAI's format. `chat`: the chat template, or None (chat completions are then refused with a 400 saying so).
-    The runner is started and stopped by the caller."""
+    A body longer than `max_body_bytes` (declared in Content-Length, or counted as it arrives) is answered 413
+    before it is parsed. The runner is started and stopped by the caller."""
     app = FastAPI(title="lowbit-moe-lab", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_BodyLimit, limit=max_body_bytes)
     app.state.serving = OpenAIServing(runner, tokenizer, model_name=model_name, chat=chat)
     for router in ROUTERS:
         app.include_router(router)
@@ -52,6 +63,35 @@ def create_app(
     app.add_exception_handler(HTTPException, _http)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _crash)
     return app
+
+
+class _BodyLimit:
+    """ASGI middleware: a request whose body exceeds `limit` bytes is answered 413 in OpenAI's format, from its
+    Content-Length before the app runs, or as soon as the bytes received pass the limit (a chunked body)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    def message(self) -> str:
+        return f"the request body exceeds this server's limit of {self.limit:,} bytes"
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await JSONResponse(error_body(self.message()), status_code=413)(scope, receive, send)
+        received = 0
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:  # answered by _http (FastAPI re-raises an HTTPException met reading a body)
+                raise HTTPException(413, self.message())
+            return message
+
+        await self.app(scope, counted, send)
 
 
 async def _api_error(request: HTTPRequest, e: ApiError) -> JSONResponse:
@@ -71,11 +111,14 @@ async def _invalid(request: HTTPRequest, e: RequestValidationError) -> JSONRespo
             error_body(f"the body must be JSON (Content-Type: application/json); got Content-Type: {kind}"),
             status_code=415,
         )
+    if first.get("type") == "not_implemented":  # an unknown field that changes the answer (protocol.ANSWER_CHANGING)
+        return JSONResponse(error_body(first["msg"], param=first["ctx"]["field"]), status_code=400)
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     # pydantic names the union branch it tried ('str', 'list[int]', 'function-after[...]'): name the field
     param = ".".join(p for p in loc if (p.isidentifier() and p not in _TYPE_TAGS) or p.isdigit()) or None
     given = first.get("input")
-    shown = json.dumps(given, default=repr)[:200] if not isinstance(given, dict) or loc else "the body"
+    head = given[:20] if isinstance(given, list) else given  # a prompt of millions of ids is not dumped whole
+    shown = json.dumps(head, default=repr)[:200] if not isinstance(given, dict) or loc else "the body"
     message = f"{param or 'body'} = {shown}: {first.get('msg')}" if loc else f"body: {first.get('msg')}"
     return JSONResponse(error_body(message, param=param), status_code=400)
 

@@ -2,16 +2,18 @@
 
     python -m experiments.serve --http --workdir runs/quickstart [--host 127.0.0.1] [--port 8000]
         [--kv-format bf16|fp8|fp4] [--scale-rule mse|mx] [--kv-memory-mib 64] [--max-num-seqs 16]
-        [--max-num-batched-tokens 256] [--max-model-len 2048] [--max-waiting 256]
+        [--max-num-batched-tokens 256] [--max-model-len N] [--max-waiting 256] [--max-body-mib 16]
         [--served-model-name NAME] [--chat-template FILE] [--site 0] [--seed 0]
 
 The model loads on one device as in `experiments.serve` (any mesh it trained on; `--site` picks a federated run's
 site), its KV pool is `--kv-memory-mib` in the run's KV format unless `--kv-format` says otherwise, and the engine's
 step is compiled for every batch shape before the server listens ("compiled in X s"). Then `experiments.server.app`
-answers until Ctrl-C. The chat template is the tokenizer's (`experiments.server.chat`) or `--chat-template FILE`.
+answers until Ctrl-C or SIGTERM, which end every open request first (streams with an error event and `[DONE]`,
+waiting requests with a 503). The chat template is the tokenizer's (`experiments.server.chat`) or
+`--chat-template FILE`.
 
-Exit status: 0 after Ctrl-C; 2 a bad flag (an `error:` line naming the flag, the value and what is allowed, before
-the model is loaded), 1 a damaged checkpoint.
+Exit status: 0 after Ctrl-C or SIGTERM (once every open request was answered); 2 a bad flag (an `error:` line naming
+the flag, the value and what is allowed, before the model is loaded), 1 a damaged checkpoint.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import socket
 import sys
 import threading
@@ -31,8 +34,9 @@ from fastapi import FastAPI
 from core.model import Transformer
 from core.tokenizer import Tokenizer
 from experiments import args as args_lib
+from experiments.hf import load as hf_load
 from experiments.server import chat as chat_lib
-from experiments.server.app import create_app
+from experiments.server.app import MAX_BODY_BYTES, create_app
 from experiments.server.metrics import ServerMetrics
 from experiments.server.runner import EngineRunner
 from kvcache import serving as kv_serving
@@ -54,16 +58,26 @@ def build_parser() -> argparse.ArgumentParser:
     args_lib.add_kv_flags(parser)
     parser.add_argument("--max-num-seqs", type=args_lib.integer(1), default=16, help="requests in one engine step")
     parser.add_argument(
-        "--max-num-batched-tokens", type=args_lib.integer(1), default=256, help="tokens in one engine step"
+        "--max-num-batched-tokens",
+        type=args_lib.integer(1),
+        default=None,
+        help=f"tokens in one engine step (default: {args_lib.SERVED_STEP_TOKENS}, or half --max-model-len if less)",
     )
     parser.add_argument(
         "--max-model-len",
         type=args_lib.integer(2),
-        default=2048,
-        help="longest request (prompt + output tokens); at least 2 x --max-num-batched-tokens",
+        default=None,
+        help="longest request (prompt + output tokens), at least 2 x --max-num-batched-tokens (default: the model's "
+        "context, an imported checkpoint's max_position_embeddings or the run's data.seq_len)",
     )
     parser.add_argument(
         "--max-waiting", type=args_lib.integer(1), default=256, help="queued requests before a 429 answers"
+    )
+    parser.add_argument(
+        "--max-body-mib",
+        type=args_lib.number(1 / 1024),
+        default=MAX_BODY_BYTES / 2**20,
+        help="largest request body read (a larger one answers 413 before it is parsed)",
     )
     parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: workdir's)")
     parser.add_argument("--chat-template", default=None, help="a Jinja2 chat template file (default: tokenizer's)")
@@ -88,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"kv format: {source}", file=sys.stderr)
+    length = "--max-model-len" if args.max_model_len else hf_load.context_length(run)[1]
+    print(f"max_model_len: {config.max_model_len} tokens ({length})", file=sys.stderr)
     print(f"chat template: {chat.source if chat else 'none (chat completions answer 400)'}", file=sys.stderr)
     model, status = args_lib.load_model(args.workdir, args.site)
     if model is None:
@@ -99,7 +115,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --host={args.host} --port={args.port} cannot be listened on: {e.strerror}", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    app, runner = build_server(model, fmt, config, tok, model_name=name, chat=chat, max_waiting=args.max_waiting)
+    app, runner = build_server(
+        model,
+        fmt,
+        config,
+        tok,
+        model_name=name,
+        chat=chat,
+        max_waiting=args.max_waiting,
+        max_body_bytes=int(args.max_body_mib * 2**20),
+    )
     host, port = sock.getsockname()[:2]
     print(
         f"{fmt.label} KV pool: {runner.engine.capacity_tokens:,} tokens in {args.kv_memory_mib:g} MiB; compiled in "
@@ -107,15 +132,39 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
         flush=True,
     )
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server = Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5), runner)
+    terminate = signal.signal(signal.SIGTERM, _stopped)  # uvicorn re-raises the signal once it has shut down
     try:
         server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn shuts down gracefully on Ctrl-C / SIGTERM, then raises it again
-        print("stopped", file=sys.stderr)
+    except (KeyboardInterrupt, Stopped):
+        print("stopped: every open request was answered", file=sys.stderr)
     finally:
+        signal.signal(signal.SIGTERM, terminate)
         runner.stop()
         sock.close()
     return 0
+
+
+class Stopped(Exception):
+    """SIGTERM, once uvicorn has shut the server down (as KeyboardInterrupt is SIGINT)."""
+
+
+def _stopped(signum, frame):
+    raise Stopped
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server that, told to stop (Ctrl-C, SIGTERM), first closes the runner (EngineRunner.close): every
+    open stream ends with an error event and `data: [DONE]`, every waiting non-streamed request gets a 503 in
+    OpenAI's format, new requests a 503; then uvicorn's graceful shutdown finds the connections done."""
+
+    def __init__(self, config: uvicorn.Config, runner: EngineRunner):
+        super().__init__(config)
+        self.runner = runner
+
+    async def shutdown(self, sockets=None):
+        self.runner.close("the server is shutting down")
+        await super().shutdown(sockets)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -138,22 +187,28 @@ def build_server(
     model_name: str,
     chat: chat_lib.ChatTemplate | None = None,
     max_waiting: int = 256,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> tuple[FastAPI, EngineRunner]:
-    """(app, started runner) serving `model` with a KV pool in `fmt`: the engine is warmed up (every batch shape
-    compiled) before the runner starts. Stop the runner (`runner.stop()`) when done."""
+    """(app, started runner) serving `model` with a KV pool in `fmt` (experiments.server.app.create_app's
+    `max_body_bytes`): the engine is warmed up (every batch shape compiled) before the runner starts. Stop the runner
+    (`runner.stop()`) when done."""
     engine = kv_serving.Engine(model, fmt, config)
     engine.warmup()
     runner = EngineRunner(engine, tokenizer, max_waiting=max_waiting, metrics=ServerMetrics(model_name))
     runner.start()
-    return create_app(runner, tokenizer, model_name=model_name, chat=chat), runner
+    return create_app(runner, tokenizer, model_name=model_name, chat=chat, max_body_bytes=max_body_bytes), runner
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: FastAPI, *, host: str = "127.0.0.1", timeout: float = 60.0) -> Iterator[str]:
+def serve_in_thread(
+    app: FastAPI, *, host: str = "127.0.0.1", timeout: float = 60.0, runner: EngineRunner | None = None
+) -> Iterator[str]:
     """Runs `app` with uvicorn on a thread, on a free port of `host`; yields its base URL ("http://host:port") once
-    it accepts connections, and shuts it down on exit (open connections get 5 s)."""
+    it accepts connections, and shuts it down on exit (open connections get 5 s); with `runner` (app's), shuts down
+    as the command does on a signal (`Server`: the runner is closed first)."""
     sock = _bind(host, 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5))
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config) if runner is None else Server(config, runner)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout

@@ -1,8 +1,11 @@
 """The OpenAI API's request bodies (as pydantic models) and error body, for the parameters this server honours.
 
-A field the server does not implement is refused, never silently ignored: unknown fields fail validation (extra =
-"forbid"), and fields it knows but only in their neutral value (n > 1 is implemented; echo, suffix, best_of > 1,
-logit_bias, non-zero presence / frequency penalties are not) fail with a message saying so. Extensions vLLM users
+A field that would change the answer is never silently ignored: fields the server knows but implements only in their
+neutral value (n > 1 is implemented; echo, suffix, best_of > 1, logit_bias, non-zero presence / frequency penalties
+are not) fail with a message saying so, and so do the unknown fields of ANSWER_CHANGING (tools, response_format,
+vLLM's sampling extensions, ...) unless null or neutral. Other unknown top-level fields (`metadata`, `store`,
+`service_tier`, ...) are ignored with a logged warning, as vLLM does; inside a message or `stream_options` they
+are refused. Extensions vLLM users
 know: `top_k` (0 or -1 = all), `ignore_eos` (generate exactly max_tokens; benchmarks) and `return_token_ids` (each
 choice also carries `token_ids`, and a non-streamed one `prompt_token_ids`).
 
@@ -12,9 +15,11 @@ Errors are OpenAI's shape: {"error": {"message", "type", "param", "code"}}; `par
 from __future__ import annotations
 
 import json
+import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from kvcache.serving import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -34,6 +39,41 @@ NEUTRAL: dict[
     "suffix": (None, ""),
     "best_of": (None, 1),
 }
+
+
+ANSWER_CHANGING: dict[str, tuple[Any, ...]] = {  # unknown fields that change the answer -> their neutral values
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "logits_processors": ([],),
+    "min_tokens": (0,),
+    "min_p": (0,),
+    "repetition_penalty": (1,),
+    "stop_token_ids": ([],),
+    "bad_words": ([],),
+    "allowed_token_ids": ([],),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
+    "prompt_logprobs": (),
+    "use_beam_search": (False,),
+    "structured_outputs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "modalities": (["text"],),
+    "audio": (),
+}
+"""Null is neutral for each of them too."""
+
+log = logging.getLogger(__name__)
 
 
 def _neutral(value, info: ValidationInfo):
@@ -57,6 +97,22 @@ def _text(value):
     return value
 
 
+PROMPT_KINDS = "a string, a list of strings, a list of token ids (integers) or a list of such lists"
+
+
+def _shown(value) -> str:
+    """`value` as JSON, cut to 40 characters (an error message names a bad element, not a whole body)."""
+    text = json.dumps(value, default=repr)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _token_ids(ids: list, where: str) -> None:
+    """ValueError naming the first element of `ids` that is not an int (bool and float are not token ids)."""
+    bad = next((i for i, t in enumerate(ids) if type(t) is not int), None)
+    if bad is not None:
+        raise ValueError(f"{where}token {bad} = {_shown(ids[bad])} is not a token id (an integer)")
+
+
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None, code=None) -> dict:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
@@ -68,9 +124,9 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    """The fields both endpoints share."""
+    """The fields both endpoints share; the unknown ones are kept in `model_extra` (module docstring)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)  # no coercion: "10", 2.0, true are not 10
+    model_config = ConfigDict(extra="allow", strict=True)  # no coercion: "10", 2.0, true are not 10
 
     model: str | None = None  # None: the served model
     temperature: Annotated[float, Field(ge=0, le=2)] | None = 1.0
@@ -87,6 +143,24 @@ class _Sampling(BaseModel):
     user: str | None = None  # an end-user id (OpenAI: for abuse monitoring); recorded nowhere
     ignore_eos: bool = False
     return_token_ids: bool = False  # vLLM's extension: each choice also carries its token ids (and the prompt's)
+
+    @model_validator(mode="after")
+    def _unknown_fields(self):
+        """Refuses an unknown field of ANSWER_CHANGING in a value other than null or its neutral ones (the error's
+        ctx names it: the app's `param`); logs a warning naming the other unknown fields, which are ignored."""
+        extra = self.model_extra or {}
+        for name, value in extra.items():
+            if name in ANSWER_CHANGING and value is not None and value not in ANSWER_CHANGING[name]:
+                allowed = " or ".join(json.dumps(a) for a in (None, *ANSWER_CHANGING[name]))
+                raise PydanticCustomError(
+                    "not_implemented",
+                    "{field} = {value} would change the answer and is not implemented by this server; allowed: "
+                    "{allowed}",
+                    {"field": name, "value": _shown(value), "allowed": allowed},
+                )
+        if extra:
+            log.warning("ignoring unknown field(s) of the request: %s", ", ".join(sorted(extra)))
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -130,12 +204,29 @@ class CompletionRequest(_Sampling):
 
     _unimplemented_here = field_validator("echo", "suffix", "best_of")(_neutral)
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="plain")
     @classmethod
     def _prompt(cls, value):
-        if isinstance(value, list) and (not value or any(isinstance(p, list) and not p for p in value)):
-            raise ValueError("a prompt must not be empty")
-        return _text(value)
+        """The prompt union checked by hand, in time linear in its size and stopping at the first bad element with
+        one error naming it (pydantic's union validation reports every element against every branch: a 5M-id list
+        with one string in it would cost minutes and gigabytes)."""
+        if isinstance(value, str):
+            return _text(value)
+        if not isinstance(value, list) or not value:
+            raise ValueError("a prompt must not be empty" if value == [] else f"expected {PROMPT_KINDS}")
+        if isinstance(value[0], str):
+            bad = next((i for i, p in enumerate(value) if not isinstance(p, str)), None)
+            if bad is not None:
+                raise ValueError(f"element {bad} = {_shown(value[bad])} is not a string, as element 0 is")
+            return _text(value)
+        if isinstance(value[0], list):
+            for i, ids in enumerate(value):
+                if not isinstance(ids, list) or not ids:
+                    raise ValueError(f"element {i} = {_shown(ids)} is not a non-empty list of token ids")
+                _token_ids(ids, f"element {i}, ")
+            return value
+        _token_ids(value, "")
+        return value
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts: one string, several strings, one list of ids or several."""

@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Any
 
-from core.tokenizer import Tokenizer
+from core.tokenizer import StreamDecoder, Tokenizer
 from experiments.server.runner import Event, Stream
 
 __all__ = ["ChatRender", "CompletionRender", "Render"]
@@ -91,17 +91,20 @@ class CompletionRender(Render):
 
     def __init__(self, tokenizer, model, body):
         super().__init__(tokenizer, model, body)
-        self._offsets: dict[int, int] = {}
+        self._offsets: dict[int, tuple[StreamDecoder, int]] = {}  # choice -> (its decoder, characters so far)
 
     def _logprobs(self, index: int, event: Event) -> dict[str, Any] | None:
+        """A token's text_offset is the number of characters of the choice's text complete before it: the tokens
+        of one character split over several (bytes of a UTF-8 character) share the offset of that character."""
         if self.logprobs is None:
             return None
         tokens = [self.token(t) for t in event.token_ids]
-        offsets, at = [], self._offsets.get(index, 0)
-        for text in tokens:
+        decoder, at = self._offsets.get(index) or (StreamDecoder(self.tokenizer), 0)
+        offsets = []
+        for t in event.token_ids:
             offsets.append(at)
-            at += len(text)
-        self._offsets[index] = at
+            at += len(decoder.feed([t]))
+        self._offsets[index] = decoder, at
         top = [{self.token(t): lp for t, lp in alts} for alts in event.top_logprobs] if self.logprobs else None
         return {"tokens": tokens, "token_logprobs": event.logprobs, "top_logprobs": top, "text_offset": offsets}
 

@@ -20,7 +20,9 @@ finished in the engine ("stop") and its blocks freed; while it runs, the last `l
 are held back, so no event ever carries text that a stop string then cuts away.
 
 If a step raises (a bug, not a client's input: that is refused before it reaches the engine), every open stream
-receives an Event with `error` set, the runner stops accepting requests and `healthy` turns False.
+receives an Event with `error` set, the runner stops accepting requests and `healthy` turns False. `close(reason)`
+ends it on purpose (a server shutting down): after the current step every open request is aborted and its stream
+receives an Event with `error = reason`; `closing` holds the reason, and later submissions are refused.
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ class EngineRunner:
         self._streams: list[Stream] = []  # (engine thread) submitted, not done
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.error: str | None = None  # the traceback that stopped the engine thread
+        self.closing: str | None = None  # why close() ended the runner (guarded by _lock)
 
     # ------------------------------------------------------------------------------------------- any thread
 
@@ -140,6 +143,14 @@ class EngineRunner:
 
     def start(self) -> None:
         self._thread.start()
+
+    def close(self, reason: str) -> None:
+        """Ends every request, running or waiting, after the current step: each open stream's last event has
+        `error = reason`; submissions from now on raise RuntimeError naming `reason`. Returns at once."""
+        with self._lock:  # a submit either reaches the inbox before the close command or is refused
+            if self.closing is None:
+                self.closing = reason
+                self._inbox.put(("close", None))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Ends the engine thread after its current step (open streams get no more events)."""
@@ -160,13 +171,15 @@ class EngineRunner:
         if the queue is full, RuntimeError if the engine has stopped; nothing is queued then."""
         self.engine.check(prompt, max_new_tokens)
         if not self.healthy:
-            raise RuntimeError(f"the engine has stopped: {self.error or 'not running'}")
+            raise RuntimeError(self.closing or f"the engine has stopped: {self.error or 'not running'}")
         with self._lock:
+            if self.closing is not None:
+                raise RuntimeError(self.closing)
             if self._queued >= self.max_waiting:
                 raise QueueFull(self._queued, retry_after=1)
             self._queued += 1
-        stream = Stream(prompt, max_new_tokens, sampling, stop, StreamDecoder(self.tokenizer), ignore_eos)
-        self._inbox.put(("submit", stream))
+            stream = Stream(prompt, max_new_tokens, sampling, stop, StreamDecoder(self.tokenizer), ignore_eos)
+            self._inbox.put(("submit", stream))
         return stream
 
     def abort(self, stream: Stream) -> None:
@@ -185,6 +198,8 @@ class EngineRunner:
                 for command, stream in commands:
                     if command == "stop":
                         return
+                    if command == "close":
+                        return self._close()
                     assert stream is not None
                     if command == "submit":
                         self._submit(stream)
@@ -201,6 +216,12 @@ class EngineRunner:
             for stream in self._streams:
                 stream.put(Event(error=self.error.strip().splitlines()[-1]))
             self._streams.clear()
+
+    def _close(self) -> None:
+        for stream in self._streams:
+            self._finish(stream, "abort")
+            stream.put(Event(error=self.closing))
+        self._streams.clear()
 
     def _submit(self, stream: Stream) -> None:
         stream.request = self.engine.submit(

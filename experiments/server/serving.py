@@ -8,7 +8,7 @@ A refusal is an `ApiError` (status, OpenAI's error body, headers), raised before
 request it queued aborted: 400 a request the server cannot honour (a prompt longer than max_model_len or the KV pool,
 a token outside the vocabulary, a chat request for a model without a chat template), with the field at fault in
 `param`; 404 an unknown model; 429 the queue is full (with Retry-After); 500 an engine failure during the request;
-503 the engine has stopped.
+503 the engine has stopped, or the server is shutting down (a stream then ends with an error event and `[DONE]`).
 
 Prompts given as text are tokenized with BOS (as `experiments.serve` and training documents begin); token-id prompts
 are taken as they are. A response is streamed as server-sent events in the OpenAI API's chunk format ending with
@@ -94,7 +94,7 @@ class OpenAIServing:
         """GET /health: 200 {"status": "ok"} while the engine runs, else 503 with the error that stopped it."""
         if self.runner.healthy:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "stopped", "error": self.runner.error}, status_code=503)
+        return JSONResponse({"status": "stopped", "error": self.runner.error or self.runner.closing}, status_code=503)
 
     def metrics(self) -> Response:
         """GET /metrics: the runner's metrics in Prometheus' text format (experiments.server.metrics); a 500 for a
@@ -227,6 +227,8 @@ class OpenAIServing:
             return Response(status_code=499)  # the client is gone: nobody reads this
         events = collect.result()
         error = next((e.error for group in events for e in group if e.error), None)
+        if error is not None and self.runner.closing:
+            raise ApiError(503, error, type="server_error", code="service_unavailable")
         if error is not None:
             raise ApiError(500, f"the engine failed: {error}", type="server_error")
         return JSONResponse(render.response([_merge(group) for group in events], streams))
@@ -289,16 +291,23 @@ async def _sse(runner: EngineRunner, streams: list[Stream], render: Render, usag
     """The server-sent events of a streamed response (an engine failure is a last `error` event); aborts every
     stream when it ends, so a client that goes away frees its requests."""
     finals: dict[int, Event] = {}
+
+    def chunk(obj: dict[str, Any]) -> str:  # with include_usage, OpenAI's chunks carry "usage": null until the last
+        return _data({**obj, "usage": None} if usage else obj)
+
     try:
         for index in range(len(streams)):
             first = render.first_chunk(index)
             if first is not None:
-                yield _data(first)
+                yield chunk(first)
         async for index, event in _merged(streams):
-            if event.error is not None:
-                yield _data(error_body(f"the engine failed: {event.error}", type="server_error"))
+            if event.error is not None:  # the last event; a client reading to [DONE] still ends
+                closing = runner.closing
+                message = event.error if closing else f"the engine failed: {event.error}"
+                yield _data(error_body(message, type="server_error", code="service_unavailable" if closing else None))
+                yield "data: [DONE]\n\n"
                 return
-            yield _data(render.chunk(index, event))
+            yield chunk(render.chunk(index, event))
             if event.finish_reason is not None:
                 finals[index] = event
         if usage:
