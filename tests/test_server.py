@@ -601,3 +601,31 @@ def test_shutting_down_ends_every_open_request_in_openais_format(model):
     for answer in answers:
         assert answer.status == 503 and json.loads(answer.read())["error"]["code"] == "service_unavailable"
     assert not runner.healthy and runner.closing == "the server is shutting down"
+
+
+def test_idle_and_slow_clients_are_disconnected(servers):
+    """With a 0.5 s head deadline: a connection that sends nothing, and one that trickles its request line and
+    headers a byte every 0.1 s, are both closed by the server (recv returns b"" long before the 30 s socket
+    timeout would fire); a client that sends its request at once is answered, twice on one kept-alive
+    connection."""
+    _, runner = servers["bf16"]
+    app = create_app(runner, TOK, model_name="tiny")
+    with cli.serve_in_thread(app, head_timeout=0.5) as url:
+        address = tuple(url.removeprefix("http://").split(":"))
+        address = (address[0], int(address[1]))
+        idle = socket.create_connection(address, timeout=30)
+        assert idle.recv(1) == b""  # closed by the server, not by our timeout (which would raise)
+        slow = socket.create_connection(address, timeout=30)
+        head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 100 + b"\r\n\r\n"
+        with pytest.raises((BrokenPipeError, ConnectionResetError)):
+            for byte in head:
+                slow.sendall(bytes([byte]))
+                time.sleep(0.1)
+        assert slow.recv(1) == b""
+        conn = http.client.HTTPConnection(*address, timeout=30)
+        for _ in range(2):
+            conn.request("GET", "/health")
+            assert json.loads(conn.getresponse().read()) == {"status": "ok"}
+        conn.close()
+        idle.close()
+        slow.close()

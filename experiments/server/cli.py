@@ -8,9 +8,10 @@
 The model loads on one device as in `experiments.serve` (any mesh it trained on; `--site` picks a federated run's
 site), its KV pool is `--kv-memory-mib` in the run's KV format unless `--kv-format` says otherwise, and the engine's
 step is compiled for every batch shape before the server listens ("compiled in X s"). Then `experiments.server.app`
-answers until Ctrl-C or SIGTERM, which end every open request first (streams with an error event and `[DONE]`,
-waiting requests with a 503). The chat template is the tokenizer's (`experiments.server.chat`) or
-`--chat-template FILE`.
+answers until Ctrl-C or SIGTERM, which end every open request first (streams with an error event and `[DONE]`, waiting
+requests with a 503). A client must send each request's head within 10 s of connecting or of its last response
+(`Connection`); an idle kept-alive connection is closed after uvicorn's 5 s. The chat template is the tokenizer's
+(`experiments.server.chat`) or `--chat-template FILE`.
 
 Exit status: 0 after Ctrl-C or SIGTERM (once every open request was answered); 2 a bad flag (an `error:` line naming
 the flag, the value and what is allowed, before the model is loaded), 1 a damaged checkpoint.
@@ -19,6 +20,7 @@ the flag, the value and what is allowed, before the model is loaded), 1 a damage
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import signal
@@ -30,6 +32,7 @@ from collections.abc import Iterator
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from core.model import Transformer
 from core.tokenizer import Tokenizer
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
         flush=True,
     )
-    server = Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5), runner)
+    server = Server(uvicorn.Config(app, http=Connection, log_level="warning", timeout_graceful_shutdown=5), runner)
     terminate = signal.signal(signal.SIGTERM, _stopped)  # uvicorn re-raises the signal once it has shut down
     try:
         server.run(sockets=[sock])
@@ -143,6 +146,54 @@ def main(argv: list[str] | None = None) -> int:
         runner.stop()
         sock.close()
     return 0
+
+
+HEAD_TIMEOUT = 10.0
+"""Seconds a connection may take to send a whole request head (request line and headers), counted from when it opens
+or its last response ended: idle or slow clients cannot hold the server's sockets."""
+
+
+class Connection(H11Protocol):
+    """uvicorn's h11 connection with a deadline on each request head (`head_timeout`, HEAD_TIMEOUT by default): a
+    client that connects and sends nothing, or sends its headers slowly, is disconnected when it passes. (uvicorn
+    itself times out only a kept-alive connection idle after a response, and not one trickling bytes.)"""
+
+    head_timeout = HEAD_TIMEOUT
+    _deadline: asyncio.TimerHandle | None = None
+
+    @classmethod
+    def with_timeout(cls, seconds: float) -> type[Connection]:
+        return type(cls.__name__, (cls,), {"head_timeout": seconds})
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(self.head_timeout, self._expired)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        self._arm()
+
+    def connection_lost(self, exc):
+        self._disarm()
+        super().connection_lost(exc)
+
+    def handle_events(self):
+        super().handle_events()
+        if self.cycle is not None and not self.cycle.response_complete:  # a whole head arrived: its request runs
+            self._disarm()
+
+    def on_response_complete(self):
+        self._arm()  # (before: a pipelined request's head may already be here, handled within)
+        super().on_response_complete()
 
 
 class Stopped(Exception):
@@ -201,13 +252,25 @@ def build_server(
 
 @contextlib.contextmanager
 def serve_in_thread(
-    app: FastAPI, *, host: str = "127.0.0.1", timeout: float = 60.0, runner: EngineRunner | None = None
+    app: FastAPI,
+    *,
+    host: str = "127.0.0.1",
+    timeout: float = 60.0,
+    runner: EngineRunner | None = None,
+    head_timeout: float = HEAD_TIMEOUT,
 ) -> Iterator[str]:
-    """Runs `app` with uvicorn on a thread, on a free port of `host`; yields its base URL ("http://host:port") once
-    it accepts connections, and shuts it down on exit (open connections get 5 s); with `runner` (app's), shuts down
-    as the command does on a signal (`Server`: the runner is closed first)."""
+    """Runs `app` with uvicorn on a thread, on a free port of `host`, as the command does (`Connection` with
+    `head_timeout`); yields its base URL ("http://host:port") once it accepts connections, and shuts it down on exit
+    (open connections get 5 s); with `runner` (app's), shuts down as the command does on a signal (`Server`: the
+    runner is closed first)."""
     sock = _bind(host, 0)
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app,
+        http=Connection.with_timeout(head_timeout),
+        log_level="warning",
+        lifespan="off",
+        timeout_graceful_shutdown=5,
+    )
     server = uvicorn.Server(config) if runner is None else Server(config, runner)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
     thread.start()
