@@ -198,18 +198,19 @@ class EventLog:
     number is left out. TensorBoard keeps scalars as float32. Each event is written and flushed at once (a crash loses
     none). The file is created on the first row, so a run that writes none (a rerun of a finished run) leaves none.
 
-    Resume: every process that writes starts a new file whose first event is a SessionLog START at step
-    `resumed_from + 1` (1 on a fresh start). TensorBoard's Python loader (its default `--purge_orphaned_data`) then
-    drops the scalars of earlier files at that step and after: what a crashed run logged after its last checkpoint
-    is hidden, as metrics.jsonl moves those rows to metrics.superseded.jsonl, and the scalars it shows equal
-    metrics.jsonl's rows. Its Rust loader ignores the marker but drops a series' points from the step at which a
-    later file writes the series again, which the rerun does for every recomputed row (docs/design.md says the one
-    exception). Files are read in name order: `<seconds>.<host>.<n>`, n counting the files already there, so a
-    rerun in the same second still sorts after the run it resumes.
+    Resume: every process that writes starts a new file whose first event is a SessionLog START at step `resumed_from +
+    1` (0 on a fresh start: a pretrained run's step-0 row too). TensorBoard's Python loader (its default
+    `--purge_orphaned_data`) then drops the scalars of earlier files at that step and after: what a crashed run
+    logged after its last checkpoint is hidden, as metrics.jsonl moves those rows to metrics.superseded.jsonl, and
+    the scalars it shows equal metrics.jsonl's rows. Its Rust loader ignores the marker but drops a series' points
+    from the step at which a later file writes the series again, which the rerun does for every recomputed row
+    (docs/design.md says the one exception). Files are read in name order: `<seconds>.<host>.<n>`, n counting the
+    files already there, so a rerun in the same second still sorts after the run it resumes.
     """
 
     def __init__(self, workdir: str, *, resumed_from: int | None, enabled: bool = True):
-        self.workdir, self.purge_from, self.enabled = workdir, (resumed_from or 0) + 1, enabled
+        self.workdir, self.enabled = workdir, enabled
+        self.purge_from = 0 if resumed_from is None else resumed_from + 1
         self._writer: Any = None
 
     def write(self, row: dict[str, Any]) -> None:

@@ -166,7 +166,8 @@ def names(allowed: Iterable[str], *, empty: bool = False) -> Callable[[str], lis
 
 
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
-    """--workdir (required) and --site: the run to serve, and a federated run's site whose model serves."""
+    """--workdir (required), --site and --precision: the run to serve, a federated run's site whose model serves,
+    and what its GEMMs compute in (experiments.load.PRECISIONS)."""
     # required: default=SUPPRESS keeps "(default: None)" out of the help
     parser.add_argument(
         "--workdir",
@@ -178,6 +179,23 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--site", type=integer(0), default=0, help="a federated run's site whose model serves (0 .. sites - 1)"
     )
+    parser.add_argument(
+        "--precision",
+        choices=load.PRECISIONS,
+        default="trained",
+        help="the GEMMs' precision: the run's training recipe (a UFP4 run's 4-bit GEMMs) or float (what an export "
+        "computes)",
+    )
+
+
+def precision_line(args: argparse.Namespace, run: ml_collections.ConfigDict) -> str:
+    """The console line saying what the served model's GEMMs compute in, and why (--precision, the run's recipe)."""
+    recipe = run.precision.recipe
+    if recipe == "none":
+        return "GEMMs: float (the run trained in float)"
+    if args.precision == "float":
+        return f"GEMMs: float (--precision float; the run trained with the {recipe} recipe, which its export drops too)"
+    return f"GEMMs: {recipe} (the run's training recipe; --precision float computes in float, as its export does)"
 
 
 def add_kv_flags(parser: argparse.ArgumentParser) -> None:
@@ -370,12 +388,12 @@ def load_run(workdir: str) -> tuple[ml_collections.ConfigDict, Tokenizer]:
         raise FlagError(str(e)) from e
 
 
-def load_model(workdir: str, site: int) -> tuple[Transformer | None, int]:
+def load_model(workdir: str, site: int, precision: str = "trained") -> tuple[Transformer | None, int]:
     """(the run's model on this process's first device, 0) by `experiments.load.trained_model`, or (None, exit
     status) after an `error:` line on stderr: 1 a damaged checkpoint (core.checkpoint.CheckpointError), 2 a workdir
     that is not a finished run or lacks the site."""
     try:
-        return load.trained_model(workdir, site=site)[1], 0
+        return load.trained_model(workdir, site=site, precision=precision)[1], 0
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return None, 1

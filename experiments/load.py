@@ -2,6 +2,7 @@
 
     config, model = load.trained_model("runs/quickstart")
     config, model = load.trained_model("runs/composed", site=1)
+    config, model = load.trained_model("runs/ufp4", precision="float")      # float GEMMs, as its export computes
 
 A federated run's checkpoint holds one model per site (its resident experts and, with partitioned routing, its
 router): `site` picks which one (default 0, the one the run's own sample uses). It loads on one device whatever
@@ -32,12 +33,25 @@ RUN_FILES = ("config.json", "data.json", "checkpoints")
 """What a finished run's workdir holds (experiments.run writes them) and `trained_model` reads."""
 
 
-def trained_model(workdir: str, *, site: int = 0) -> tuple[ml_collections.ConfigDict, Transformer]:
-    """(config, model with the latest checkpoint's parameters) of the run in `workdir`; for a federated run, site
-    `site`'s model and the config describing it as a model of its own (`experiments.federated.site_config`).
+PRECISIONS = ("trained", "float")
+"""What a loaded model computes its GEMMs in: "trained", the run's `precision.recipe` (a UFP4 run's 4-bit GEMMs, as
+it trained and evaluated); "float", ordinary float GEMMs (recipe "none"), what `experiments.hf export` writes and
+transformers computes."""
 
-    Raises FileNotFoundError naming what is missing, or ValueError for a site the run does not have.
+
+def trained_model(
+    workdir: str, *, site: int = 0, precision: str = "trained"
+) -> tuple[ml_collections.ConfigDict, Transformer]:
+    """(config, model with the latest checkpoint's parameters) of the run in `workdir`; for a federated run, site
+    `site`'s model and the config describing it as a model of its own (`experiments.federated.site_config`). The
+    model computes its GEMMs as the returned config's `precision.recipe` says: the run's own (`precision` =
+    "trained") or "none" (`precision` = "float"; one of PRECISIONS).
+
+    Raises FileNotFoundError naming what is missing, or ValueError for a site the run does not have or a precision
+    not in PRECISIONS.
     """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision = {precision!r}; allowed: {', '.join(PRECISIONS)}")
     paths = check_workdir(workdir)
     config = run_config(workdir)
     sites = config.mesh.site
@@ -49,7 +63,9 @@ def trained_model(workdir: str, *, site: int = 0) -> tuple[ml_collections.Config
     step = checkpointer.latest_step()
     if step is None:
         raise FileNotFoundError(f"{paths['checkpoints']} holds no checkpoint")
-    compat = schema.checkpoint_compat(config, fingerprint)
+    compat = schema.checkpoint_compat(config, fingerprint)  # (the run's: before a float model replaces its recipe)
+    if precision == "float":
+        config.precision.recipe = "none"
     if sites > 1:
         graphdef, _, _, state = federated.initial_state(config)  # [sites, ...] on this process's first device
         state, _ = checkpointer.restore(step, state, compat=compat)

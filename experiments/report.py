@@ -90,11 +90,21 @@ def run_title(workdir: str) -> str:
 
 
 def plot_loss_curve(metrics_path: str, out_path: str, *, title: str | None = None) -> None:
-    """Train loss and held-out bits per byte against step, in bits, from metrics.jsonl; beside it, for a MoE
-    model, the routing balance (expert-load CV and load entropy) against step. The figure's title says which run
-    it shows: `title`, by default `run_title` of the directory holding metrics.jsonl (its workdir)."""
+    """Train loss and held-out bits per byte against step, from metrics.jsonl; beside it, for a MoE model, the
+    routing balance (expert-load CV and load entropy) against step. One unit per axis: for a run of the byte
+    tokenizer (`data.tokenizer = "bytes"` in the workdir's config.json, or no config.json) a token is a byte and both
+    curves share the bits-per-byte axis; for any other tokenizer the train loss (bits per token) has its own axis on
+    the left and the held-out bits per byte theirs on the right. The figure's title says which run it shows:
+    `title`, by default `run_title` of the directory holding metrics.jsonl (its workdir)."""
+    workdir = os.path.dirname(metrics_path) or "."
     if title is None:
-        title = run_title(os.path.dirname(metrics_path) or ".")
+        title = run_title(workdir)
+    config_path = os.path.join(workdir, "config.json")
+    if os.path.exists(config_path):
+        with open(config_path) as f:
+            byte_tokens = json.load(f).get("data", {}).get("tokenizer", "bytes") == "bytes"
+    else:
+        byte_tokens = True
     with open(metrics_path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     train = [(r["step"], r["train_loss"] / LN2) for r in rows if "train_loss" in r]
@@ -105,15 +115,26 @@ def plot_loss_curve(metrics_path: str, out_path: str, *, title: str | None = Non
         out_path, size=(11 if routing else 6.5, 4.4), ncols=ncols, squeeze=False, legend_size="medium", title=title
     ) as axes:
         ax = axes[0]
+        held = ax if byte_tokens else ax.twinx()
         if train:
-            ax.plot(*zip(*train), label="train loss (bits / token)", lw=1.2)
+            what = "train loss (bits / byte token)" if byte_tokens else "train loss (bits / token, left axis)"
+            ax.plot(*zip(*train), label=what, lw=1.2, color="C0")
         if val:
-            ax.plot(*zip(*val), "o-", label="held-out bits / byte", lw=1.2, ms=3)
-        ax.axhline(8.0, color="grey", ls=":", lw=0.8, label="uniform over bytes (8 bits)")
+            what = "held-out bits / byte" + ("" if byte_tokens else " (right axis)")
+            held.plot(*zip(*val), "o-", lw=1.2, ms=3, color="C1")
+            ax.plot([], [], "o-", label=what, lw=1.2, ms=3, color="C1")  # (the legend is the left axis')
+        held.axhline(8.0, color="grey", ls=":", lw=0.8)
+        ax.plot([], [], color="grey", ls=":", lw=0.8, label="uniform over bytes (8 bits / byte)")
         ax.set_xlabel("step")
-        ax.set_ylabel("bits")
+        if byte_tokens:
+            ax.set_ylabel("bits per byte")
+            ax.set_ylim(0, max(9.0, 1.05 * max((v for _, v in train + val), default=9.0)))
+        else:
+            ax.set_ylabel("train loss, bits per token")
+            held.set_ylabel("held-out bits per byte")
+            ax.set_ylim(0, 1.05 * max((v for _, v in train), default=1.0))
+            held.set_ylim(0, max(9.0, 1.05 * max((v for _, v in val), default=9.0)))
         ax.set_title("Training loss and held-out bits per byte", fontsize=9)
-        ax.set_ylim(0, max(9.0, 1.05 * max((v for _, v in train + val), default=9.0)))
         if routing:
             steps, cv, entropy = zip(*routing)
             ax = axes[1]

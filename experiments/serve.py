@@ -111,7 +111,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"kv format: {source}", file=sys.stderr)
-    model, status = args_lib.load_model(args.workdir, args.site)
+    print(args_lib.precision_line(args, run), file=sys.stderr)
+    model, status = args_lib.load_model(args.workdir, args.site, args.precision)
     if model is None:
         return status
     try:

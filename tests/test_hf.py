@@ -456,16 +456,20 @@ def _moe(config):
     return config_lib.from_config(MoEConfig, config.moe)
 
 
-def test_fine_tuning_starts_from_the_checkpoint(tmp_path):
+def test_fine_tuning_starts_from_the_checkpoint(tmp_path, capsys):
     """`checkpoint.init_from = "hf:DIR"` (experiments/configs/finetune.py), here with MGUP-AdamW: the first step's
-    training loss is the imported model's loss on that step's batch (computed here from `pretrained.model_from_hf`); a
-    config that sets an architecture key to another value is refused by name."""
+    training loss is the imported model's loss on that step's batch (computed here from
+    `pretrained.model_from_hf`), and the held-out rows are one at step 0 (the imported model's loss on the
+    held-out batch) and one at the end, although the run is shorter than train.eval_every (printed as `step 1/1:
+    held-out ...`); a config that sets an architecture key to another value is refused by name."""
     directory = os.path.join(FIXTURES, "llama")
     config = _tiny_data(finetune.get_config(directory), tmp_path)
     config.optim.update(name="mgup_adamw", warmup_steps=0)
     config.train.update(steps=1, log_every=1, eval_batches=1, progress=False)
     config.mesh.data = 1  # one device (the import test places parameters over 8)
     assert run_lib.run(config, str(tmp_path / "ft")) == 0
+    printed = capsys.readouterr().out
+    assert "step 0 (the starting weights): held-out" in printed and "step 1/1: held-out" in printed, printed
     [row] = [
         r for r in map(json.loads, (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()) if "train_loss" in r
     ]
@@ -474,6 +478,10 @@ def test_fine_tuning_starts_from_the_checkpoint(tmp_path):
     key = jax.random.fold_in(jax.random.PRNGKey(config.train.seed), 0)  # the train step's key of step 0
     loss, _ = train_lib.lm_loss(model, jnp.asarray(batches.train_batch(0)), key=key)
     assert abs(row["train_loss"] - float(loss)) <= 1e-4 * float(loss), (row["train_loss"], float(loss))
+    held = [r for r in map(json.loads, (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
+    assert [r["step"] for r in held] == [0, 1] and config.train.eval_every > 1
+    _, at_start = train_lib.lm_loss(model, jnp.asarray(batches.val_batches(1)[0]))
+    assert abs(held[0]["val_loss"] - float(at_start["loss"])) <= 1e-4 * held[0]["val_loss"]
     bad = _tiny_data(finetune.get_config(directory), tmp_path)
     bad.model.d_model = 64
     with pytest.raises(config_lib.ConfigError, match=r"'model.d_model' = 64 conflicts with the checkpoint .* has 32"):

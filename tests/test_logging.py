@@ -85,9 +85,30 @@ def _config(every):
     return c
 
 
-def _run(workdir, every=4, hooks=()):
+def _run(workdir, every=4, hooks=(), init_from=""):
     state = {"w": jnp.zeros(4, jnp.float32), "step": jnp.zeros((), jnp.int32)}
-    return train_lib.run(_config(every), RoundStepper(), state, workdir=str(workdir), compat={}, hooks=hooks)
+    config = _config(every)
+    config.checkpoint.init_from = init_from  # (the loop only reads whether it is set)
+    return train_lib.run(config, RoundStepper(), state, workdir=str(workdir), compat={}, hooks=hooks)
+
+
+def test_a_pretrained_start_logs_step_0_once_across_a_crash_before_its_first_checkpoint(tmp_path, capsys):
+    """A fresh start from pretrained weights (checkpoint.init_from set) evaluates before its first call: a held-out
+    row at step 0. Crashed before its first checkpoint and rerun from scratch, the workdir holds that row once, in
+    metrics.jsonl and in what TensorBoard shows, as an uninterrupted run does; a run from random weights has none."""
+    full = tmp_path / "full"
+    _run(full, init_from="hf:somewhere")
+    assert "step 0 (the starting weights): held-out 0.000 bits/byte" in capsys.readouterr().out
+    assert [s for s, _ in jsonl_scalars(full)["val_loss"]] == [0, 6, 12, 15]
+    crashed = tmp_path / "crashed"
+    with pytest.raises(Crash):
+        _run(crashed, hooks=[_crash_at(3)], init_from="hf:somewhere")  # before the first checkpoint (6)
+    _run(crashed, init_from="hf:somewhere")
+    timing = ("tokens_per_second",)
+    assert jsonl_scalars(crashed, drop=timing) == jsonl_scalars(full, drop=timing)
+    assert event_scalars(crashed) == jsonl_scalars(crashed)
+    _run(tmp_path / "random")
+    assert [s for s, _ in jsonl_scalars(tmp_path / "random")["val_loss"]] == [6, 12, 15]
 
 
 class Crash(Exception):

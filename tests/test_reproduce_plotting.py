@@ -153,3 +153,35 @@ def test_a_runs_loss_curve_title_names_its_workdir_and_key_settings(tmp_path):
     config["moe"]["every"], config["mesh"]["site"] = 0, 1
     dense = report.run_settings(config)
     assert "dense FFN swiglu d_ff 192" in dense and "FoMoE" not in dense
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "tok/tokenizer.json"])
+def test_a_runs_loss_curve_has_one_unit_per_axis(tmp_path, monkeypatch, tokenizer):
+    """Byte tokens: train loss and held-out bits per byte share one bits-per-byte axis. Another tokenizer: the
+    train loss (bits per token) keeps the left axis and the held-out bits per byte get a right axis of their own;
+    the legend names both curves either way, and the held-out curve starts at its step-0 point."""
+    from experiments import report
+
+    plt = plotting.pyplot()
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at it
+    (tmp_path / "config.json").write_text(json.dumps({"data": {"tokenizer": tokenizer}}))
+    rows = [
+        {"step": 0, "val_bits_per_byte": 2.5},
+        {"step": 5, "train_loss": 1.3},
+        {"step": 5, "val_bits_per_byte": 2.1},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report.plot_loss_curve(str(tmp_path / "metrics.jsonl"), str(tmp_path / "c.png"), title="t")
+    [fig] = figures
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert any(label.startswith("train loss") for label in labels) and any("held-out" in x for x in labels)
+    held = [line for ax in fig.axes for line in ax.get_lines() if list(line.get_xdata()) == [0, 5]]
+    assert [list(line.get_ydata()) for line in held] == [[2.5, 2.1]]
+    if tokenizer == "bytes":
+        assert len(fig.axes) == 1 and fig.axes[0].get_ylabel() == "bits per byte"
+    else:
+        assert [ax.get_ylabel() for ax in fig.axes] == ["train loss, bits per token", "held-out bits per byte"]
+        assert held[0].axes is fig.axes[1]
+    monkeypatch.undo()
+    plt.close(fig)

@@ -36,9 +36,9 @@ SCRIPT = "naïve € 😀 ok".encode()  # 1-, 2-, 3- and 4-byte characters
 BPE_DIR = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf" / "tokenizer"  # 320 ids: pad 0, bos 1, eos 2
 
 
-def write_run(workdir, *, model=CFG, tokenizer="bytes", kvcache=None, sites=1):
+def write_run(workdir, *, model=CFG, tokenizer="bytes", kvcache=None, sites=1, recipe="none"):
     """A finished run's workdir as far as serve reads it before loading: config.json (`model`, data.tokenizer,
-    the `kvcache` section's keys given, mesh.site), data.json and an (empty) checkpoints/."""
+    the `kvcache` section's keys given, mesh.site, precision.recipe), data.json and an (empty) checkpoints/."""
     workdir = pathlib.Path(workdir)
     (workdir / "checkpoints").mkdir(parents=True, exist_ok=True)
     config = {
@@ -46,6 +46,7 @@ def write_run(workdir, *, model=CFG, tokenizer="bytes", kvcache=None, sites=1):
         "data": {"tokenizer": tokenizer},
         "kvcache": {"format": "bf16", **(kvcache or {})},
         "mesh": {"site": sites},
+        "precision": {"recipe": recipe},
     }
     (workdir / "config.json").write_text(json.dumps(config))
     (workdir / "data.json").write_text(json.dumps({"fingerprint": "f"}))
@@ -62,6 +63,7 @@ class ScriptedEngine(engine_lib.Scheduler):
     prompts: ClassVar[list[list[int]]] = []  # what each instance was submitted, in order
     configs: ClassVar[list[engine_lib.EngineConfig]] = []  # each instance's config
     kv_formats: ClassVar[list[formats.Format]] = []  # each instance's KV format
+    precisions: ClassVar[list[str]] = []  # the precision each load asked for
     events: ClassVar[list[str]] = []  # "warmup" and "submit", in the order they happened
 
     def __init__(self, model, fmt, config):
@@ -112,14 +114,15 @@ def a_run(tmp_path, monkeypatch):
 def scripted(monkeypatch, a_run):
     """`a_run`; the loader returns its config and a model that is only its config; the engine is ScriptedEngine."""
 
-    def trained_model(workdir, site=0):
+    def trained_model(workdir, site=0, precision="trained"):
         config = load.run_config(workdir)
+        ScriptedEngine.precisions.append(precision)
         return config, types.SimpleNamespace(cfg=schema.model_config(config))
 
     monkeypatch.setattr(load, "trained_model", trained_model)
     monkeypatch.setattr(engine_lib, "Engine", ScriptedEngine)
     monkeypatch.setattr(ScriptedEngine, "script", SCRIPT)
-    for name in ("prompts", "configs", "kv_formats", "events"):
+    for name in ("prompts", "configs", "kv_formats", "events", "precisions"):
         monkeypatch.setattr(ScriptedEngine, name, [])
     return a_run
 
@@ -246,6 +249,7 @@ def test_help_shows_every_flag_with_its_default(capsys, monkeypatch):
         "--temperature": "0.7",
         "--seed": "0",
         "--site": "0",
+        "--precision": "trained",
     }
     assert set(helps) == {"--help", "--workdir", "--prompt", "--http", *defaults}, helps
     assert "OpenAI API over HTTP" in helps["--http"]
@@ -264,14 +268,17 @@ def test_help_shows_every_flag_with_its_default(capsys, monkeypatch):
 )
 def test_the_loaders_failures_are_error_lines(capsys, monkeypatch, a_run, error, code):
     """A damaged checkpoint is a runtime failure (exit 1), a workdir that is no run or a site it lacks a usage
-    error (exit 2): one `error:` line each (after the line saying which KV format would serve), no traceback."""
+    error (exit 2): one `error:` line each (after the lines saying which KV format and GEMMs would serve), no
+    traceback."""
 
-    def trained_model(workdir, site=0):
+    def trained_model(workdir, site=0, precision="trained"):
         raise error
 
     monkeypatch.setattr(load, "trained_model", trained_model)
-    kv_line = "kv format: bf16 (the run's kvcache.format; --kv-format overrides)\n"
-    assert serve_main(capsys, "--prompt=x") == (code, "", f"{kv_line}error: {error}\n")
+    said = (
+        "kv format: bf16 (the run's kvcache.format; --kv-format overrides)\nGEMMs: float (the run trained in float)\n"
+    )
+    assert serve_main(capsys, "--prompt=x") == (code, "", f"{said}error: {error}\n")
 
 
 def test_an_empty_workdir_is_an_error_line(capsys, tmp_path):
@@ -359,6 +366,62 @@ def test_a_bpe_run_is_served_with_its_tokenizer(capsys, scripted, monkeypatch):
     assert (config.eos_id, config.never, config.num_ids) == (2, (0, 1), 320)
 
 
+def _saved_run(workdir, config):
+    """(workdir, graphdef, state): a run's workdir as experiments.run writes it for `config` (config.json and
+    data.json by write_records, a checkpoint at step 2 by core.checkpoint) without training: the initial state's
+    parameters scaled so that they differ from the loader's own start from the same seed."""
+    import jax
+
+    from core import checkpoint as checkpoint_lib
+    from core import train as train_lib
+    from experiments import run
+
+    schema.validate(config, num_devices=8)
+    _, sharder = build.build_mesh(config)
+    graphdef, state = train_lib.init_state(
+        build.build_model_fn(config, sharder), build.build_optimizer(config), config.train.seed, sharder
+    )
+    state = state._replace(params=jax.jit(lambda p: jax.tree.map(lambda x: 1.5 * x + 0.01, p))(state.params))
+    workdir.mkdir()
+    run.write_records(str(workdir), config, types.SimpleNamespace(fingerprint="f", info={}))
+    checkpointer = checkpoint_lib.Checkpointer(workdir / "checkpoints")
+    compat = schema.checkpoint_compat(config, "f")
+    checkpointer.save(2, state, loop={}, compat=compat, provenance=schema.provenance(config))
+    checkpointer.close()
+    return workdir, graphdef, state
+
+
+def test_a_ufp4_run_loads_in_its_4_bit_gemms_or_in_float(tmp_path):
+    """A UFP4 run loads computing as it trained (its 4-bit GEMMs: the logits of the saved state's own model) by
+    default, and with precision="float" as its export does (the logits of the same parameters in a float model,
+    which differ from the 4-bit ones); the returned config says which (precision.recipe)."""
+    import jax
+    import numpy as np
+
+    from helpers import make_tiny_config
+
+    config = make_tiny_config()
+    config.model.update(num_layers=1, d_model=64)
+    config.moe.every = 0
+    config.mesh.update(data=1, model=1)
+    config.precision.recipe = "ufp4"
+    workdir, graphdef, state = _saved_run(tmp_path / "run", config)
+    tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 256)
+    logits = lambda m: np.asarray(jax.jit(lambda t: m(t)[0])(tokens))  # noqa: E731
+    four_bit = logits(nnx.merge(graphdef, state.params, state.rest))
+    as_trained_config, as_trained = load.trained_model(str(workdir))
+    as_float_config, as_float = load.trained_model(str(workdir), precision="float")
+    assert (as_trained_config.precision.recipe, as_float_config.precision.recipe) == ("ufp4", "none")
+    np.testing.assert_allclose(logits(as_trained), four_bit, rtol=0, atol=1e-5 * np.abs(four_bit).max())
+    config.precision.recipe = "none"
+    float_graphdef, _ = nnx.split(build.build_model_fn(config, build.build_mesh(config)[1])(nnx.Rngs(0)))
+    in_float = logits(nnx.merge(float_graphdef, state.params, state.rest))
+    np.testing.assert_allclose(logits(as_float), in_float, rtol=0, atol=1e-5 * np.abs(in_float).max())
+    assert np.abs(in_float - four_bit).max() > 1e-2 * np.abs(in_float).max()  # (so the two really differ)
+    with pytest.raises(ValueError, match="precision = 'fp4'; allowed: trained, float"):
+        load.trained_model(str(workdir), precision="fp4")
+
+
 def test_a_tensor_parallel_run_loads_and_serves_on_one_device(tmp_path, capsys, monkeypatch):
     """A run's workdir as a run on a mesh.model = 2 mesh writes it (config.json and data.json by
     experiments.run.write_records, the checkpoint of the training state by core.checkpoint, its parameters sharded
@@ -371,10 +434,7 @@ def test_a_tensor_parallel_run_loads_and_serves_on_one_device(tmp_path, capsys, 
     import jax
     import numpy as np
 
-    from core import checkpoint as checkpoint_lib
-    from core import train as train_lib
     from core.model import split_params
-    from experiments import run
 
     from helpers import make_tiny_config
 
@@ -382,20 +442,8 @@ def test_a_tensor_parallel_run_loads_and_serves_on_one_device(tmp_path, capsys, 
     config.model.num_layers = 1
     config.moe.every = 0  # dense
     config.mesh.update(data=1, model=2)  # (kvcache.format: bf16, the default; head_dim 8 holds no fp4)
-    schema.validate(config, num_devices=8)
-    _, sharder = build.build_mesh(config)
-    graphdef, state = train_lib.init_state(
-        build.build_model_fn(config, sharder), build.build_optimizer(config), config.train.seed, sharder
-    )
-    state = state._replace(params=jax.jit(lambda p: jax.tree.map(lambda x: 1.5 * x + 0.01, p))(state.params))
+    workdir, graphdef, state = _saved_run(tmp_path / "run", config)
     assert any("'model'" in str(x.sharding.spec) for x in jax.tree.leaves(state.params))
-    workdir = tmp_path / "run"
-    workdir.mkdir()
-    run.write_records(str(workdir), config, types.SimpleNamespace(fingerprint="f", info={}))
-    checkpointer = checkpoint_lib.Checkpointer(workdir / "checkpoints")
-    compat = schema.checkpoint_compat(config, "f")
-    checkpointer.save(2, state, loop={}, compat=compat, provenance=schema.provenance(config))
-    checkpointer.close()
 
     loaded_config, model = load.trained_model(str(workdir))
     assert [loaded_config.mesh[a] for a in ("site", "data", "expert", "model", "num_processes")] == [1] * 5
@@ -411,7 +459,7 @@ def test_a_tensor_parallel_run_loads_and_serves_on_one_device(tmp_path, capsys, 
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
     # serve it (the model just loaded; serve's own checks read the workdir): compiles only while warming up
-    monkeypatch.setattr(load, "trained_model", lambda workdir, site=0: (loaded_config, model))
+    monkeypatch.setattr(load, "trained_model", lambda workdir, site=0, precision="trained": (loaded_config, model))
     warm, compiles = [False], []  # whether warm-up had ended, at each compilation of the engine's step
     serve_warm_up = serve.warm_up
 
@@ -491,3 +539,20 @@ def test_the_http_servers_max_model_len_is_the_models_context_unless_given(tmp_p
     (source / "config.json").unlink()
     source.rmdir()  # the imported folder is gone: the run's own training length
     assert args_lib.served_lengths(parse(["--workdir", "w"]), run) == (96, 48)
+
+
+@pytest.mark.parametrize(
+    "recipe, args, precision, line",
+    [
+        ("ufp4", [], "trained", "GEMMs: ufp4 (the run's training recipe; --precision float computes in float"),
+        ("ufp4", ["--precision=float"], "float", "GEMMs: float (--precision float; the run trained with the ufp4"),
+        ("none", [], "trained", "GEMMs: float (the run trained in float)"),
+    ],
+)
+def test_serve_says_what_its_gemms_compute_in(capsys, scripted, recipe, args, precision, line):
+    """A UFP4 run is served with its 4-bit GEMMs unless --precision float asks for float (what its export computes);
+    stderr says which, and the loader is asked for it."""
+    scripted(recipe=recipe)
+    code, _, err = serve_main(capsys, "--prompt=x", *args)
+    assert code == 0, err
+    assert line in err and ScriptedEngine.precisions == [precision], err

@@ -156,7 +156,8 @@ def run(
     Every call: the stepper runs; a non-finite loss or gradient norm stops the run (`NonFiniteLossError`, naming
     the step and the last good checkpoint); a row of train metrics is written whenever the call passes a multiple
     of `train.log_every` (train_loss: the mean over the calls since the last row), an evaluation row at multiples
-    of `train.eval_every` and at the end (a non-finite held-out loss stops the run too), and a checkpoint at
+    of `train.eval_every` and at the end (a non-finite held-out loss stops the run too), and for a fresh start from
+    pretrained weights (`checkpoint.init_from`) one at step 0, before the first call, and a checkpoint at
     multiples of the stepper's checkpoint cadence (`checkpoint.every` in whole calls, printed once) and at the end,
     once the state to be saved (parameters and optimizer state after the update) is checked finite. Rows go to
     `<workdir>/metrics.jsonl` and, unless `train.tensorboard` is False, as TensorBoard scalars to event files beside
@@ -223,6 +224,15 @@ def _run(config, stepper, state, workdir, compat, provenance, hooks, on_start) -
         return NonFiniteLossError(done, what, last_saved, checkpointer.directory, where=where, advice=advice)
 
     try:
+        if resumed_from is None and total > 0 and config.checkpoint.get("init_from"):  # pretrained: held-out at 0
+            ev = stepper.evaluate(state)
+            if not math.isfinite(ev["val_loss"]):
+                raise stop(
+                    0, f"the held-out loss of the starting weights ({config.checkpoint.init_from}) is {ev['val_loss']}"
+                )
+            write({"step": 0, **ev})
+            if is_main:
+                progress.write(f"step 0 (the starting weights): held-out {ev['val_bits_per_byte']:.3f} bits/byte")
         for call in range(start, total):
             first = call == start and is_main and stepper.compiles_on_first_call
             if first:
@@ -263,7 +273,7 @@ def _run(config, stepper, state, workdir, compat, provenance, hooks, on_start) -
                     results.update(ev)
                     if is_main:
                         progress.write(
-                            f"{stepper.unit} {call + 1}/{total} (step {done}): held-out "
+                            f"{progress_lib.position(stepper.unit, call + 1, total, k)}: held-out "
                             f"{ev['val_bits_per_byte']:.3f} bits/byte"
                         )
             if not bad_eval:

@@ -57,6 +57,11 @@ def _columns(stream) -> int | None:
         return None
 
 
+def position(unit: str, n: int, total: int, steps: int) -> str:
+    """Where a run is, for a console line: "step 3/30", or "round 3/30 (step 30)" for a unit of `steps` > 1 steps."""
+    return f"{unit} {n}/{total}" + ("" if unit == "step" and steps == 1 else f" (step {n * steps})")
+
+
 class _ProgressLines:
     """`progress_bar` where no terminal shows a bar: plain lines on stdout (none when disabled)."""
 
@@ -82,8 +87,9 @@ class _ProgressLines:
         done, since = self.n - self.first[0], now - self.first[1]
         left = f", about {_clock(since / done * (self.total - self.n))} left" if done > 0 else ""
         loss = f": train loss {self.loss}," if self.loss else ":"
-        step = "" if self.unit == "step" and self.steps == 1 else f" (step {self.n * self.steps})"
-        print(f"{self.unit} {self.n}/{self.total}{step}{loss} {_clock(elapsed)} elapsed{left}", flush=True)
+        print(
+            f"{position(self.unit, self.n, self.total, self.steps)}{loss} {_clock(elapsed)} elapsed{left}", flush=True
+        )
 
     def set_postfix(self, refresh: bool = False, **values: str) -> None:
         del refresh

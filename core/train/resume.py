@@ -80,7 +80,7 @@ def open_checkpoints(
                 multihost_utils.sync_global_devices("checkpoint fallback")
             checkpointer = checkpoint_lib.Checkpointer(directory, keep=cc.keep, async_save=cc.async_save)
             latest = checkpointer.latest_step()
-    log.truncate_after(latest or 0)
+    log.truncate_after(-1 if latest is None else latest)  # a fresh start keeps no row, a step-0 one included
     if latest is None:
         return checkpointer, state, {}, None
     if changes and jax.process_index() == 0:

@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     length = "--max-model-len" if args.max_model_len else hf_load.context_length(run)[1]
     print(f"max_model_len: {config.max_model_len} tokens ({length})", file=sys.stderr)
     print(f"chat template: {chat.source if chat else 'none (chat completions answer 400)'}", file=sys.stderr)
-    model, status = args_lib.load_model(args.workdir, args.site)
+    print(args_lib.precision_line(args, run), file=sys.stderr)
+    model, status = args_lib.load_model(args.workdir, args.site, args.precision)
     if model is None:
         return status
     name = args.served_model_name or os.path.basename(os.path.normpath(args.workdir))
