@@ -403,7 +403,7 @@ def _check_core(config: ml_collections.ConfigDict, num_devices: int | None) -> N
         tok = tokenizer_lib.load(config.data.tokenizer)
     except tokenizer_lib.TokenizerError as e:
         raise ConfigError(str(e)) from None
-    if m.vocab_size < tok.vocab_size:
+    if m.vocab_size < tok.vocab_size and not config.checkpoint.init_from:  # (else: the checkpoint's, apply_to's)
         what = "bytes + PAD, BOS, EOS" if config.data.tokenizer == "bytes" else config.data.tokenizer
         raise ConfigError(
             f"config key 'model.vocab_size' = {m.vocab_size} is smaller than the vocab_size of 'data.tokenizer' = "

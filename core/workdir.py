@@ -54,16 +54,32 @@ def prepare(path: str) -> str:
 @contextlib.contextmanager
 def lock(path: str) -> Iterator[None]:
     """Holds the exclusive lock of the workdir `path` (created if needed) for the body. Raises WorkdirError if
-    another process holds it (naming its pid, host and start time) or if the lock file cannot be written."""
+    another process holds it (naming its pid, host and start time) or if the lock file cannot be written.
+
+    A body that raises having written nothing into the workdir (a refused run) leaves it as it found it: a workdir
+    or lock file this call created is removed, and an earlier lock record is written back."""
+    existed = os.path.isdir(path)
     path = prepare(path)
-    key = os.path.realpath(path)
-    if key in _held:
+    key, lock_path = os.path.realpath(path), os.path.join(path, ".lock")
+    outer = key not in _held
+    if outer:
+        before = _read(lock_path)
+        _held[key] = (_acquire(lock_path), 1)
+    else:
         fd, depth = _held[key]
         _held[key] = (fd, depth + 1)
-    else:
-        _held[key] = (_acquire(os.path.join(path, ".lock")), 1)
     try:
         yield
+    except BaseException:
+        if outer and os.listdir(path) == [".lock"]:  # refused before anything was written: undo the lock
+            if before is None:
+                os.remove(lock_path)
+                if not existed:
+                    os.rmdir(path)
+            else:
+                with open(lock_path, "wb") as f:
+                    f.write(before)
+        raise
     finally:
         fd, depth = _held[key]
         if depth > 1:
@@ -71,6 +87,15 @@ def lock(path: str) -> Iterator[None]:
         else:
             del _held[key]
             os.close(fd)  # releases the flock
+
+
+def _read(path: str) -> bytes | None:
+    """The bytes of the file at `path`, or None if there is none."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
 
 
 def _acquire(lock_path: str) -> int:

@@ -76,11 +76,33 @@ def test_missing_required_flags(capsys, tmp_path):
     assert code == 2 and "nope.py" in err
 
 
-def test_bad_data_path_is_rejected(capsys, tmp_path):
-    code, err = _main(
-        capsys, f"--config={CONFIG}", f"--workdir={tmp_path}", f"--config.data.path={tmp_path}/none", *TINY
-    )
-    assert code == 2 and "data.path" in err
+def test_a_refused_run_creates_nothing_and_leaves_an_earlier_lock_record_as_it_was(capsys, tmp_path):
+    """Bad data (a missing path, a FIFO, /dev/zero, an empty folder, a glob matching nothing, an empty jsonl_field, a sequence longer
+    than the corpus) and a batch the mesh cannot divide: exit 2 with an `error:` line naming the key; a new workdir
+    is not created, and an existing one keeps its lock record (and nothing else appears in it)."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "data.jsonl").write_text('{"text": "some text"}\n')
+    os.mkfifo(tmp_path / "fifo")
+    cases = [
+        ([f"--config.data.path={tmp_path}/none"], "data.path"),
+        ([f"--config.data.path={tmp_path}/fifo"], "data.path"),
+        (["--config.data.path=/dev/zero"], "data.path"),
+        ([f"--config.data.path={tmp_path}/empty"], "data.path"),
+        ([f"--config.data.path={tmp_path}/*.none"], "data.path"),
+        ([f"--config.data.path={tmp_path}/data.jsonl", "--config.data.jsonl_field="], "data.jsonl_field"),
+        (["--config.data.seq_len=100000000"], "data.seq_len"),
+        (["--config.data.batch_size=7"], "batch_size"),
+    ]
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / ".lock").write_text('{"pid": 1, "host": "elsewhere", "started": "2026-01-01"}\n')
+    for args, key in cases:
+        for workdir in (tmp_path / "new", old):
+            code, err = _main(capsys, f"--config={CONFIG}", f"--workdir={workdir}", *TINY, *args)
+            assert code == 2 and err.startswith("error: ") and key in err, (args, err)
+        assert not (tmp_path / "new").exists(), args
+        assert [p.name for p in old.iterdir()] == [".lock"], args
+        assert (old / ".lock").read_text() == '{"pid": 1, "host": "elsewhere", "started": "2026-01-01"}\n'
 
 
 class Crash(Exception):

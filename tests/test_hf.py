@@ -521,3 +521,42 @@ def test_a_federation_starts_each_site_from_its_resident_experts_and_a_site_expo
     with pytest.raises(export.HFExportError, match="'fomoe.routing' = 'skip_token'"):
         export.save(federated.site_config(config), site_model, str(tmp_path / "skip"))
     assert not (tmp_path / "skip").exists()
+
+
+def test_a_checkpoint_without_tokenizer_json_keeps_the_byte_tokenizer_only_if_its_vocabulary_can_be_it(
+    tmp_path, capsys
+):
+    """No tokenizer.json: a 500-id vocabulary (more than 259 padded to 384), another tokenizer's file
+    (tokenizer.model) and special ids other than the byte tokenizer's are each refused by `import` (exit 2, no
+    workdir) naming the reason and the way out; `--tokenizer PATH` imports the 500-id model with that tokenizer;
+    the 300-id fixtures without special ids import with the byte tokenizer (the other tests)."""
+    from safetensors.numpy import load_file, save_file
+
+    directory = _copy(tmp_path, "qwen2")  # tied embeddings: one [vocab, d] tensor
+    tensors = load_file(str(directory / "model.safetensors"))
+    embed = tensors["model.embed_tokens.weight"]
+    tensors["model.embed_tokens.weight"] = np.concatenate([embed, embed[:200]])
+    save_file(tensors, str(directory / "model.safetensors"))
+    _edit_config(directory, vocab_size=500)
+    workdir = tmp_path / "w"
+    argv = ["import", "--hf-dir", str(directory), "--workdir", str(workdir), "--eval-batches", "0"]
+    assert hf_cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "has no tokenizer.json and 500 ids in its vocabulary" in err and "--tokenizer PATH" in err, err
+    assert not workdir.exists()
+    tokenizer = os.path.join(FIXTURES, "tokenizer")
+    assert hf_cli.main([*argv, "--tokenizer", tokenizer]) == 0, capsys.readouterr().err
+    assert json.loads((workdir / "config.json").read_text())["data"]["tokenizer"] == tokenizer
+    for name, edit, words in [
+        (
+            "spm",
+            lambda d: (d / "tokenizer.model").write_bytes(b"\x0a\x01"),
+            "has no tokenizer.json but tokenizer.model",
+        ),
+        ("ids", lambda d: _edit_config(d, eos_token_id=2), "eos_token_id = 2 (the byte tokenizer's: 258)"),
+    ]:
+        other = shutil.copytree(os.path.join(FIXTURES, "qwen2"), tmp_path / name)
+        edit(other)
+        assert hf_cli.main(["import", "--hf-dir", str(other), "--workdir", str(tmp_path / f"w{name}")]) == 2
+        assert words in capsys.readouterr().err
+        assert not (tmp_path / f"w{name}").exists()

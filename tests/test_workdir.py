@@ -131,12 +131,20 @@ def test_changed_hyperparameters_are_refused_unless_accepted_and_recorded(tmp_pa
     assert _run(changed, tmp_path)["resumed_from"] == 6
 
 
-def test_a_damaged_checkpoint_is_refused_and_fallen_back_from_only_when_told(uninterrupted, tmp_path):
-    _run(_config(), tmp_path)
-    biggest = max((p for p in (tmp_path / "checkpoints" / "6").rglob("*") if p.is_file()), key=os.path.getsize)
+def _damage(checkpoint):
+    """Flips one bit in the middle of the largest file of a checkpoint folder."""
+    biggest = max((p for p in checkpoint.rglob("*") if p.is_file()), key=os.path.getsize)
     data = bytearray(biggest.read_bytes())
     data[len(data) // 2] ^= 0x01
     biggest.write_bytes(bytes(data))
+
+
+def test_a_damaged_checkpoint_is_refused_and_fallen_back_from_only_when_told(uninterrupted, tmp_path):
+    """Refused unless checkpoint.fallback; with it, the damaged checkpoint moves to checkpoints.damaged/6 and the run
+    resumes from 4; damaged again, it moves beside the first (6.1, not an OSError); with every checkpoint damaged,
+    fallback refuses and changes nothing (no silent start from step 0)."""
+    _run(_config(), tmp_path)
+    _damage(tmp_path / "checkpoints" / "6")
     before = _files(tmp_path)
     with pytest.raises(checkpoint_lib.DamagedCheckpointError, match="step 6.*--config.checkpoint.fallback=True"):
         _run(_config(), tmp_path)
@@ -146,6 +154,14 @@ def test_a_damaged_checkpoint_is_refused_and_fallen_back_from_only_when_told(uni
     result = _run(config, tmp_path)
     assert result["resumed_from"] == 4 and (tmp_path / "checkpoints.damaged" / "6").is_dir()
     assert metric_rows(tmp_path) == uninterrupted
+    _damage(tmp_path / "checkpoints" / "6")
+    assert _run(config, tmp_path)["resumed_from"] == 4 and (tmp_path / "checkpoints.damaged" / "6.1").is_dir()
+    for step in checkpoint_lib.Checkpointer(tmp_path / "checkpoints").all_steps():
+        _damage(tmp_path / "checkpoints" / str(step))
+    before = _files(tmp_path)
+    with pytest.raises(checkpoint_lib.DamagedCheckpointError, match="every checkpoint .* is damaged .*start over"):
+        _run(config, tmp_path)
+    assert _files(tmp_path) == before
 
 
 def test_a_nonfinite_held_out_loss_stops_the_run_before_its_checkpoint(tmp_path):

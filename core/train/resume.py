@@ -3,6 +3,7 @@ as the config says, and recording an accepted change of provenance in the workdi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Mapping
@@ -31,7 +32,8 @@ def open_checkpoints(
 
     Returns (checkpointer, state, the checkpoint's loop record ({} on a fresh start), the step resumed from or
     None). Raises CheckpointError for a damaged checkpoint (unless `checkpoint.fallback`: then it is moved to
-    `checkpoints.damaged/` and the next newest is tried), one beyond train.steps, one from another program, one
+    `checkpoints.damaged/<step>` (`<step>.1`, ... if an earlier one is there) and the next newest is tried; when
+    every one is damaged they are all put back and the run is refused rather than started over), one beyond train.steps, one from another program, one
     trained with other hyper-parameters (unless `checkpoint.accept_changes`), or checkpoints present while
     checkpoint.resume is False; WorkdirError for a malformed metrics.jsonl. Nothing on disk changes before a
     restore succeeds.
@@ -54,6 +56,7 @@ def open_checkpoints(
         )
     changes: dict[str, list] = {}
     loop: dict[str, Any] = {}
+    moved: list[tuple[str, str]] = []  # (checkpoint, where fallback moved it) of the damaged ones
     while latest is not None:
         try:
             record = checkpointer.read_record(latest)
@@ -69,17 +72,29 @@ def open_checkpoints(
                     "(the damaged one is moved to checkpoints.damaged/), or use a new --workdir."
                 ) from e
             checkpointer.close()
-            aside = os.path.join(workdir, "checkpoints.damaged", str(latest))
+            aside = _free_name(os.path.join(workdir, "checkpoints.damaged", str(latest)))
             if jax.process_index() == 0:
                 os.makedirs(os.path.dirname(aside), exist_ok=True)
                 os.replace(os.path.join(directory, str(latest)), aside)
                 print(f"checkpoint.fallback: {e}\nmoved it to {aside}; trying the next newest", flush=True)
-            if jax.process_count() > 1:
-                from jax.experimental import multihost_utils
-
-                multihost_utils.sync_global_devices("checkpoint fallback")
+            moved.append((os.path.join(directory, str(latest)), aside))
+            _sync("checkpoint fallback")
             checkpointer = checkpoint_lib.Checkpointer(directory, keep=cc.keep, async_save=cc.async_save)
             latest = checkpointer.latest_step()
+    if latest is None and moved:  # every checkpoint was damaged: put them back, refuse to start over silently
+        checkpointer.close()
+        if jax.process_index() == 0:
+            for original, aside in reversed(moved):
+                os.replace(aside, original)
+            with contextlib.suppress(OSError):  # the folder fallback made, if nothing else is in it
+                os.rmdir(os.path.join(workdir, "checkpoints.damaged"))
+        _sync("checkpoint fallback undone")
+        steps_seen = ", ".join(os.path.basename(original) for original, _ in moved)
+        raise checkpoint_lib.DamagedCheckpointError(
+            f"checkpoint.fallback: every checkpoint in {directory} is damaged (steps {steps_seen}); none was moved "
+            "and nothing was changed. To start over from step 0, move the checkpoints folder aside or use a new "
+            "--workdir."
+        )
     log.truncate_after(-1 if latest is None else latest)  # a fresh start keeps no row, a step-0 one included
     if latest is None:
         return checkpointer, state, {}, None
@@ -89,6 +104,23 @@ def open_checkpoints(
     if jax.process_index() == 0:
         print(f"resuming from the checkpoint of step {latest} in {checkpointer.directory}", flush=True)
     return checkpointer, state, loop, latest
+
+
+def _free_name(path: str) -> str:
+    """`path`, or `path.1`, `path.2`, ... : the first that does not exist (an earlier fallback's folder is kept)."""
+    candidate, n = path, 0
+    while os.path.exists(candidate):
+        n += 1
+        candidate = f"{path}.{n}"
+    return candidate
+
+
+def _sync(name: str) -> None:
+    """A barrier of every process (a no-op in one), so that all see what process 0 moved."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def _changes(record: Mapping[str, Any], provenance: Mapping[str, Any]) -> dict[str, list]:

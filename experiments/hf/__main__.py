@@ -45,6 +45,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the corpus the held-out numbers are measured on (data.path; '' = the built-in one)",
     )
     imp.add_argument(
+        "--tokenizer",
+        default="",
+        help="the tokenizer (data.tokenizer: a tokenizer.json or a directory holding one; default: the checkpoint's "
+        "tokenizer.json, or the byte tokenizer for a checkpoint without one whose vocabulary can be the byte "
+        "tokenizer's)",
+    )
+    imp.add_argument(
         "--eval-batches",
         type=arg_types.integer(0),
         default=8,
@@ -103,6 +110,8 @@ def _import(args) -> int:
         raise FileNotFoundError(f"--hf-dir={args.hf_dir}: {why}; allowed: a Hugging Face checkpoint directory")
     config = schema.default_config()
     config.data.path = args.data_path
+    if args.tokenizer:
+        config.data.tokenizer = args.tokenizer
     if args.eval_batch_size is not None:
         config.data.batch_size = args.eval_batch_size
     summary = pretrained.import_to(args.workdir, args.hf_dir, config=config, eval_batches=args.eval_batches)

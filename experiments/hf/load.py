@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from core import config as config_lib
+from core import tokenizer as tokenizer_lib
 from core.model import Transformer, split_params
 from experiments.hf import config_map, weights
 from moe.config import MoEConfig
@@ -90,12 +91,17 @@ def source_config(config: ml_collections.ConfigDict) -> tuple[str | None, dict[s
     directory = init_from.removeprefix(PREFIX) if init_from.startswith(PREFIX) else ""
     if not directory or not os.path.isdir(directory):
         return None, {}
+    return directory, _config_json(directory)
+
+
+def _config_json(directory: str) -> dict[str, Any]:
+    """DIR's config.json as a dict; {} if it cannot be read or is no JSON object."""
     try:
         with open(os.path.join(directory, "config.json")) as f:
             hf = json.load(f)
     except (OSError, ValueError):
-        hf = {}
-    return directory, hf if isinstance(hf, dict) else {}
+        return {}
+    return hf if isinstance(hf, dict) else {}
 
 
 def context_length(config: ml_collections.ConfigDict) -> tuple[int, str]:
@@ -126,13 +132,16 @@ def _sections(directory: str) -> dict[str, dict[str, Any]]:
 
 
 def apply_to(config: ml_collections.ConfigDict) -> None:
-    """Sets, in place, what `checkpoint.init_from = "hf:DIR"` implies: the `model` and `moe` keys DIR's config.json
-    maps to (the architecture is the checkpoint's), and `data.tokenizer` = DIR when DIR holds a tokenizer.json and the
-    config keeps the byte tokenizer. Then the checkpoint's tensor names, shapes and dtypes are checked from the
-    safetensors headers (no tensor is read). Nothing happens for a random start.
+    """Sets, in place, what `checkpoint.init_from = "hf:DIR"` implies: the `model` and `moe` keys DIR's config.json maps
+    to (the architecture is the checkpoint's), and `data.tokenizer` = DIR when DIR holds a tokenizer.json and the
+    config keeps the byte tokenizer; without tokenizer.json the byte tokenizer is kept only for a checkpoint
+    whose vocabulary can be its (`_check_byte_vocabulary`), unless the config names a tokenizer. Then the
+    checkpoint's tensor names, shapes and dtypes are checked from the safetensors headers (no tensor is read).
+    Nothing happens for a random start.
 
     Raises ConfigError for a key the config sets to a value other than its default and the checkpoint's (so a
-    config file written for another model fails instead of being silently overridden), HFConfigError for a
+    config file written for another model fails instead of being silently overridden) or a checkpoint without
+    tokenizer.json that was not trained on bytes while the config names no tokenizer, HFConfigError for a
     config.json field we cannot honour, HFWeightsError for a tensor that does not fit."""
     directory = hf_dir(config)
     if directory is None:
@@ -161,6 +170,54 @@ def apply_to(config: ml_collections.ConfigDict) -> None:
     tokenizer = os.path.join(directory, "tokenizer.json")
     if config.data.tokenizer == "bytes" and os.path.isfile(tokenizer):
         config.data.tokenizer = directory
+    elif config.data.tokenizer == "bytes":
+        _check_byte_vocabulary(directory, config.model.vocab_size)
+    try:
+        tok = tokenizer_lib.load(config.data.tokenizer)
+    except tokenizer_lib.TokenizerError as e:
+        raise config_lib.ConfigError(str(e)) from None
+    if tok.vocab_size > config.model.vocab_size:
+        raise config_lib.ConfigError(
+            f"config key 'data.tokenizer' = {config.data.tokenizer!r} has {tok.vocab_size:,} ids, more than the "
+            f"{config.model.vocab_size:,} of the checkpoint in {directory} (config.json vocab_size): it is not "
+            "this model's tokenizer"
+        )
+
+
+BYTE_VOCAB_LIMIT = 384
+"""The largest vocabulary taken for the byte tokenizer's 259 ids when a checkpoint has no tokenizer.json: 259 padded
+to a multiple of 128, the coarsest padding in use."""
+
+_OTHER_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "merges.txt", "spiece.model", "vocab.txt")
+
+
+def _check_byte_vocabulary(directory: str, vocab_size: int) -> None:
+    """Raises ConfigError unless a checkpoint without tokenizer.json can be the byte tokenizer's (core.tokenizer:
+    PAD 256, BOS 257, EOS 258): no other tokenizer's files, at most BYTE_VOCAB_LIMIT ids, and config.json's special
+    ids, where given, the byte tokenizer's."""
+    fix = "set data.tokenizer to its tokenizer.json (experiments.hf import: --tokenizer PATH)"
+    found = [name for name in _OTHER_TOKENIZER_FILES if os.path.exists(os.path.join(directory, name))]
+    if found:
+        raise config_lib.ConfigError(
+            f"{directory} has no tokenizer.json but {', '.join(found)}: its tokenizer is not the byte tokenizer, and "
+            "this project reads tokenizer.json only; write one with transformers "
+            "(AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)), or " + fix
+        )
+    if vocab_size > BYTE_VOCAB_LIMIT:
+        raise config_lib.ConfigError(
+            f"{directory} has no tokenizer.json and {vocab_size:,} ids in its vocabulary (config.json vocab_size), "
+            f"more than the byte tokenizer's 259 padded (at most {BYTE_VOCAB_LIMIT}): it was not trained on bytes; "
+            + fix
+        )
+    hf = _config_json(directory)
+    byte_ids = {"pad_token_id": 256, "bos_token_id": 257, "eos_token_id": 258}
+    wrong = {k: hf[k] for k, v in byte_ids.items() if hf.get(k) is not None and hf[k] != v}
+    if wrong:
+        shown = ", ".join(f"{k} = {v} (the byte tokenizer's: {byte_ids[k]})" for k, v in wrong.items())
+        raise config_lib.ConfigError(
+            f"{directory} has no tokenizer.json and config.json's {shown}: its vocabulary is not the byte "
+            "tokenizer's; " + fix
+        )
 
 
 def initial_params(
