@@ -77,9 +77,9 @@ def test_missing_required_flags(capsys, tmp_path):
 
 
 def test_a_refused_run_creates_nothing_and_leaves_an_earlier_lock_record_as_it_was(capsys, tmp_path):
-    """Bad data (a missing path, a FIFO, /dev/zero, an empty folder, a glob matching nothing, an empty jsonl_field, a sequence longer
-    than the corpus) and a batch the mesh cannot divide: exit 2 with an `error:` line naming the key; a new workdir
-    is not created, and an existing one keeps its lock record (and nothing else appears in it)."""
+    """Bad data (a missing path, a FIFO, /dev/zero, an empty folder, a glob matching nothing, an empty jsonl_field,
+    a sequence longer than the corpus) and a batch the mesh cannot divide: exit 2 with an `error:` line naming the
+    key; a new workdir is not created, and an existing one keeps its lock record (and nothing else appears in it)."""
     (tmp_path / "empty").mkdir()
     (tmp_path / "data.jsonl").write_text('{"text": "some text"}\n')
     os.mkfifo(tmp_path / "fifo")

@@ -30,13 +30,13 @@ def open_checkpoints(
     allows (after checking it belongs to this program, was trained as the config says, and is intact), then sets
     metric rows written after it (all of them on a fresh start) aside.
 
-    Returns (checkpointer, state, the checkpoint's loop record ({} on a fresh start), the step resumed from or
-    None). Raises CheckpointError for a damaged checkpoint (unless `checkpoint.fallback`: then it is moved to
-    `checkpoints.damaged/<step>` (`<step>.1`, ... if an earlier one is there) and the next newest is tried; when
-    every one is damaged they are all put back and the run is refused rather than started over), one beyond train.steps, one from another program, one
-    trained with other hyper-parameters (unless `checkpoint.accept_changes`), or checkpoints present while
-    checkpoint.resume is False; WorkdirError for a malformed metrics.jsonl. Nothing on disk changes before a
-    restore succeeds.
+    Returns (checkpointer, state, the checkpoint's loop record ({} on a fresh start), the step resumed from or None).
+    Raises CheckpointError for a damaged checkpoint (unless `checkpoint.fallback`: then it is moved to
+    `checkpoints.damaged/<step>` (`<step>.1`, ... if an earlier one is there) and the next newest is tried; when every
+    one is damaged they are all put back and the run is refused rather than started over), one beyond train.steps, one
+    from another program, one trained with other hyper-parameters (unless `checkpoint.accept_changes`), or checkpoints
+    present while checkpoint.resume is False; WorkdirError for a malformed metrics.jsonl. Nothing on disk changes before
+    a restore succeeds.
     """
     cc, steps = config.checkpoint, config.train.steps
     log.check()  # a malformed metrics.jsonl is refused before anything else
