@@ -97,6 +97,7 @@ def _edit_config(directory, **changes):
         ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope_type 'yarn' is not implemented"),
         ({"use_sliding_window": True}, "use_sliding_window = True"),
         ({"some_new_field": 3}, "some_new_field = 3: a field this importer does not know"),
+        ({"num_hidden_layers": -1}, "num_hidden_layers = -1: it maps to our config key 'model.num_layers' = -1"),
     ],
 )
 def test_unsupported_config_fields_are_refused_by_name(tmp_path, changes, needle):
@@ -560,3 +561,33 @@ def test_a_checkpoint_without_tokenizer_json_keeps_the_byte_tokenizer_only_if_it
         assert hf_cli.main(["import", "--hf-dir", str(other), "--workdir", str(tmp_path / f"w{name}")]) == 2
         assert words in capsys.readouterr().err
         assert not (tmp_path / f"w{name}").exists()
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf in bfloat16", "fifo"])
+def test_non_finite_weights_and_a_fifo_are_refused_by_import_naming_them(tmp_path, capsys, bad):
+    """A NaN in one float32 tensor, an Inf in a bfloat16 checkpoint, and a FIFO in place of model.safetensors (which
+    would block the reader forever): `import` exits 2 with one error line naming the file (and the tensor), and
+    writes no workdir."""
+    from safetensors.numpy import load_file, save_file
+
+    directory = _copy(tmp_path, "qwen2")
+    path = directory / "model.safetensors"
+    name = "model.layers.0.mlp.up_proj.weight"
+    if bad == "fifo":
+        path.unlink()
+        os.mkfifo(path)
+        words = [f"{path}: not a regular file"]
+    else:
+        tensors = load_file(str(path))
+        if bad == "nan":
+            tensors[name][3, 1] = np.nan
+        else:
+            tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
+            tensors[name][0, 0] = np.inf
+        save_file(tensors, str(path))
+        words = [str(path), f"tensor {name!r} holds 1 non-finite values"]
+    workdir = tmp_path / "w"
+    assert hf_cli.main(["import", "--hf-dir", str(directory), "--workdir", str(workdir), "--eval-batches", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and all(w in err[0] for w in words), err
+    assert not workdir.exists()

@@ -15,12 +15,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from core import schema as schema_lib
+from core.config import TransformerConfig
 from experiments.hf import arch as arch_lib
+from moe.config import MoEConfig
 
 __all__ = ["ARCHITECTURES", "HFConfigError", "from_hf"]
 
 ARCHITECTURES = tuple(a.name for a in arch_lib.ARCHITECTURES)
 """The `architectures[0]` values we import (experiments.hf.arch)."""
+
+
+_FIELDS = {"model": schema_lib.section_fields(TransformerConfig), "moe": schema_lib.section_fields(MoEConfig)}
 
 
 class HFConfigError(ValueError):
@@ -57,7 +63,15 @@ def from_hf(hf: Mapping[str, Any], *, source: str) -> dict[str, dict[str, Any]]:
             raise fail(mapped.hf, "a required field is missing")
         default = mapped.default(hf) if callable(mapped.default) else mapped.default
         for ours in (mapped.ours, *mapped.also):
-            put(ours, mapped.read(default if present is None else present))
+            value = mapped.read(default if present is None else present)
+            section, key = ours.split(".")
+            rule = _FIELDS[section].get(key)
+            try:
+                if rule is not None:
+                    rule.check(ours, value)  # (its range: num_hidden_layers = -1 is no model)
+            except schema_lib.ConfigError as e:
+                raise fail(mapped.hf, f"it maps to our {e}") from None
+            put(ours, value)
     if entry.moe:
         for ours, value in arch_lib.MOE_KNOBS.items():
             put(ours, value)

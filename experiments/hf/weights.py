@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -40,11 +41,19 @@ class HFWeightsError(ValueError):
 
 def read(hf_dir: str) -> dict[str, np.ndarray]:
     """Every tensor of the checkpoint in `hf_dir`: `model.safetensors`, or the shards `model.safetensors.index.json`
-    lists (each tensor from the file the index names). Read with the safetensors NumPy API (bfloat16 as ml_dtypes')."""
+    lists (each tensor from the file the index names). Read with the safetensors NumPy API (bfloat16 as ml_dtypes').
+    Raises HFWeightsError naming the first tensor that holds a NaN or Inf."""
     tensors: dict[str, np.ndarray] = {}
     for path, names in _shards(hf_dir).items():
         with _opened(path) as f:
-            tensors.update((name, f.get_tensor(name)) for name in names)
+            for name in names:
+                tensors[name] = x = f.get_tensor(name)
+                bad = x.size - int(np.count_nonzero(np.isfinite(x)))
+                if bad:
+                    raise HFWeightsError(
+                        f"{path}: tensor {name!r} holds {bad:,} non-finite values (NaN or Inf) of {x.size:,}: the "
+                        "checkpoint is damaged or was saved after training diverged; nothing was imported"
+                    )
     return tensors
 
 
@@ -66,6 +75,7 @@ def _opened(path: str) -> Iterator[Any]:
     file), are one HFWeightsError naming the file."""
     from safetensors import SafetensorError, safe_open  # an optional dependency ([experiments]): imported here
 
+    _regular(path)
     try:
         with safe_open(path, framework="np") as f:
             yield f
@@ -73,6 +83,12 @@ def _opened(path: str) -> Iterator[Any]:
         raise HFWeightsError(
             f"{path}: not a readable safetensors file ({e}): it is truncated or damaged; copy or download it again"
         ) from None
+
+
+def _regular(path: str) -> None:
+    """Raises HFWeightsError unless `path` is a regular file (a FIFO or a device would block or never end)."""
+    if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+        raise HFWeightsError(f"{path}: not a regular file (a FIFO, a device or a socket); allowed: a safetensors file")
 
 
 _DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # safetensors' header names
@@ -83,6 +99,7 @@ def _shards(hf_dir: str) -> dict[str, list[str]]:
     tensor."""
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.exists(index):
+        _regular(index)
         with open(index) as f:
             weight_map: dict[str, str] = json.load(f)["weight_map"]
     else:
