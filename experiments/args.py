@@ -384,7 +384,7 @@ def load_run(workdir: str) -> tuple[ml_collections.ConfigDict, Tokenizer]:
         load.check_workdir(workdir)
         run = load.run_config(workdir)
         return run, build.build_tokenizer(run)
-    except (FileNotFoundError, TokenizerError) as e:
+    except (FileNotFoundError, TokenizerError, load.RunConfigError) as e:
         raise FlagError(str(e)) from e
 
 

@@ -21,13 +21,14 @@ import ml_collections
 from flax import nnx
 
 from core import checkpoint as checkpoint_lib
+from core import config as config_lib
 from core import train as train_lib
 from core.model import Transformer
 from core.train import TrainState
 from experiments import build, federated, schema
 from experiments.hf import load as hf_load
 
-__all__ = ["check_workdir", "run_config", "trained_model"]
+__all__ = ["RunConfigError", "check_workdir", "run_config", "trained_model"]
 
 RUN_FILES = ("config.json", "data.json", "checkpoints")
 """What a finished run's workdir holds (experiments.run writes them) and `trained_model` reads."""
@@ -120,15 +121,40 @@ def _on_one_device(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
     return out
 
 
+class RunConfigError(ValueError):
+    """A run's config.json that cannot be read back (edited by hand, damaged): the message names the file and the
+    key."""
+
+
 def run_config(workdir: str) -> ml_collections.ConfigDict:
     """The resolved config a run in `workdir` trained with (its config.json over today's defaults: sections and keys
-    added since the run was trained keep their defaults)."""
+    added since the run was trained keep their defaults). Raises RunConfigError naming the file and the key for a
+    file that is no JSON object of sections, an unknown section or key, or a value of the wrong type or range."""
+    path = os.path.join(workdir, "config.json")
     config = schema.default_config()
-    with open(os.path.join(workdir, "config.json")) as f:
-        for section, values in json.load(f).items():
-            config[section].update(
-                {k: _tuples(v) if isinstance(config[section][k], tuple) else v for k, v in values.items()}
-            )
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except ValueError as e:
+        raise RunConfigError(f"{path} is not JSON ({e}): a run's config.json is what experiments.run wrote") from None
+    if not isinstance(saved, dict):
+        raise RunConfigError(f"{path} holds a JSON {type(saved).__name__}, not an object of config sections")
+    for section, values in saved.items():
+        if section not in config:
+            raise RunConfigError(f"{path}: '{section}' is not a config section; allowed: {', '.join(config)}")
+        if not isinstance(values, dict):
+            raise RunConfigError(f"{path}: section '{section}' is a JSON {type(values).__name__}, not an object")
+        for key, value in values.items():
+            if key not in config[section]:
+                raise RunConfigError(f"{path}: '{section}.{key}' is not a config key of section '{section}'")
+            try:
+                config[section][key] = _tuples(value) if isinstance(config[section][key], tuple) else value
+            except (TypeError, ValueError) as e:
+                raise RunConfigError(f"{path}: '{section}.{key}' = {value!r}: {e}") from None
+    try:
+        config_lib.validate(config, schema.schema())
+    except config_lib.ConfigError as e:
+        raise RunConfigError(f"{path}: {e}") from None
     return config
 
 

@@ -556,3 +556,31 @@ def test_serve_says_what_its_gemms_compute_in(capsys, scripted, recipe, args, pr
     code, _, err = serve_main(capsys, "--prompt=x", *args)
     assert code == 0, err
     assert line in err and ScriptedEngine.precisions == [precision], err
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("not json", "config.json is not JSON (Expecting value"),
+        ("[1, 2]", "config.json holds a JSON list, not an object of config sections"),
+        ('{"foo": {}}', "config.json: 'foo' is not a config section; allowed: checkpoint"),
+        ('{"model": [1]}', "config.json: section 'model' is a JSON list"),
+        ('{"model": {"dmodel": 3}}', "config.json: 'model.dmodel' is not a config key"),
+        ('{"model": {"d_model": "abc"}}', "config.json: 'model.d_model' = 'abc'"),
+        ('{"model": {"d_model": -3}}', "config.json: config key 'model.d_model' = -3 is outside the allowed range"),
+    ],
+)
+def test_a_hand_edited_config_json_is_one_error_line_for_serve_and_export(capsys, a_run, text, words):
+    """`serve`, `serve --http` and `experiments.hf export` on a run whose config.json was edited into something no
+    run wrote: exit 2 and one `error:` line naming the file and the key, no traceback."""
+    from experiments.hf import __main__ as hf_cli
+
+    pathlib.Path("run/config.json").write_text(text)
+    for command in (
+        lambda: serve_main(capsys, "--prompt=x"),
+        lambda: serve_main(capsys, "--http"),
+        lambda: (hf_cli.main(["export", "--workdir=run", "--out=out"]), *capsys.readouterr()),
+    ):
+        code, _, err = command()
+        assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and words in err, err
+        assert "run/config.json" in err
