@@ -13,9 +13,15 @@ modified by a failed restore.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import glob
 import hashlib
 import json
+import logging
 import os
+import re
+import shutil
 import sys
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -43,6 +49,11 @@ class CheckpointError(RuntimeError):
 
 class DamagedCheckpointError(CheckpointError):
     """A checkpoint's files cannot be read, or what they hold is not what was saved (a checksum differs)."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (the disk is full, the folder not writable): the message names the folder,
+    the cause and the checkpoints kept, from which a rerun resumes."""
 
 
 def _key_name(entry) -> str:
@@ -89,6 +100,7 @@ class Checkpointer:
         self.directory = os.path.abspath(os.fspath(directory))
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._failed = False  # a write failed (close then stays quiet)
 
     def latest_step(self) -> int | None:
         """The newest fully written checkpoint's step (partial writes of a crashed run are ignored)."""
@@ -119,9 +131,49 @@ class Checkpointer:
             "provenance": _jsonable(dict(provenance or {})),
         }
         meta["sha256"] = _record_hash(meta)
-        self._manager.save(
-            step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(meta))
-        )
+        self._check_space(step, sum(int(np.prod(np.shape(v))) * np.dtype(v.dtype).itemsize for v in flat.values()))
+        with self._writing(step):
+            self._manager.save(
+                step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(meta))
+            )
+
+    def _check_space(self, step: int, nbytes: int) -> None:
+        """Raises CheckpointWriteError, before anything is written, if the disk holding the checkpoints has less
+        free space than twice the state's bytes (uncompressed) and 1 MiB of records: a bound, with a margin for
+        the many small files of orbax's layout, of what a checkpoint takes. A write that fails halfway leaves
+        orbax's worker threads failing on their own; this refuses the common case, a full disk, cleanly."""
+        need = 2 * nbytes + 2**20
+        free = shutil.disk_usage(_existing(self.directory)).free
+        if need > free:
+            raise CheckpointWriteError(
+                f"the checkpoint of step {step} needs up to {need / 2**20:,.1f} MiB and {self.directory} has "
+                f"{free / 2**20:,.1f} MiB free (No space left on device): nothing was written, and {self._kept()}"
+            )
+
+    def _kept(self) -> str:
+        kept = self.all_steps()
+        if not kept:
+            return "no checkpoint was kept (a rerun starts over)"
+        return f"the checkpoints kept are steps {kept} (free space, then rerun: it resumes from {kept[-1]})"
+
+    @contextlib.contextmanager
+    def _writing(self, step: int | None):
+        """Turns a failed write (orbax's many exception types, TensorStore's RESOURCE_EXHAUSTED for a full disk) into
+        one CheckpointWriteError naming the cause and what was kept; the partial write is removed. orbax's worker
+        threads log the same failure as absl errors: those are silenced while it writes (the exception reports
+        it)."""
+        try:
+            with self._silenced():
+                yield
+        except Exception as e:
+            self._failed = True
+            for partial in glob.glob(os.path.join(glob.escape(self.directory), "*.orbax-checkpoint-tmp*")):
+                shutil.rmtree(partial, ignore_errors=True)
+            what = f"the checkpoint of step {step}" if step is not None else "a checkpoint"
+            raise CheckpointWriteError(
+                f"{what} could not be written to {self.directory}: {_cause(e)}; the partial write was removed and "
+                f"{self._kept()}"
+            ) from None
 
     def read_record(self, step: int) -> dict[str, Any]:
         """The JSON record of the checkpoint of `step` (manifest, loop, compat, provenance), its hash verified.
@@ -208,14 +260,47 @@ class Checkpointer:
         return f"checkpoint of step {step} at {os.path.join(self.directory, str(step))}"
 
     def wait(self) -> None:
-        """Blocks until background writes finish."""
-        self._manager.wait_until_finished()
+        """Blocks until background writes finish. Raises CheckpointWriteError if one failed."""
+        with self._writing(None):
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.close()
+        """Waits for background writes and closes; after a failed write (already raised) nothing more is raised."""
+        if self._failed:
+            with contextlib.suppress(Exception), self._silenced():
+                self._manager.close()
+            return
+        with self._writing(None):
+            self._manager.close()
+
+    @contextlib.contextmanager
+    def _silenced(self):
+        absl = logging.getLogger("absl")
+        level = absl.level
+        absl.setLevel(logging.CRITICAL)
+        try:
+            yield
+        finally:
+            absl.setLevel(level)
 
 
 _AFTER = "Nothing was changed."
+
+
+def _existing(path: str) -> str:
+    """`path` or its nearest existing parent (the checkpoints folder is created on the first save)."""
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def _cause(e: BaseException) -> str:
+    """What stopped a write, in one line: "No space left on device (file ...)" for a full disk."""
+    text = str(e)
+    if "No space left on device" in text or getattr(e, "errno", None) == errno.ENOSPC:
+        where = re.search(r'file "([^"]+)"', text)
+        return "No space left on device" + (f" (writing {where.group(1)})" if where else "")
+    return f"{type(e).__name__}: {_short(e)}"
 
 
 def load_numpy(directory: str | os.PathLike, step: int | None = None, *, verify: bool = True) -> dict[str, np.ndarray]:

@@ -34,6 +34,20 @@ class WorkdirError(RuntimeError):
     file that cannot be read. The message names the path and what to do."""
 
 
+class WriteError(WorkdirError):
+    """A file of the workdir could not be written (the disk is full, ...): the message names the file, the cause
+    and what was kept."""
+
+
+@contextlib.contextmanager
+def _writing(path: str, kept: str):
+    """An OSError writing `path` as one WriteError naming it, the cause, and `kept` (what survives)."""
+    try:
+        yield
+    except OSError as e:
+        raise WriteError(f"{path} could not be written: {e.strerror or e}; {kept}") from None
+
+
 _held: dict[str, tuple[int, int]] = {}  # realpath -> (file descriptor, depth) of the locks this process holds
 
 
@@ -188,9 +202,14 @@ class MetricsLog:
         os.replace(tmp, self.path)
 
     def write(self, row: dict[str, Any]) -> None:
+        """Appends `row`; raises WriteError naming the file if it cannot be written (the rows before it are kept,
+        and a rerun resumes from the last checkpoint, recomputing the rows after it)."""
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
+        with (
+            _writing(self.path, "the rows before it are kept; free space and rerun to resume"),
+            open(self.path, "a") as f,
+        ):
             f.write(json.dumps(row) + "\n")
 
     def read(self) -> list[dict[str, Any]]:
@@ -269,10 +288,16 @@ class EventLog:
 
 def write_json(path: str, obj: Any) -> None:
     """Writes `obj` as indented JSON to `path` atomically (a temporary file renamed over it): a crash leaves the old
-    file or the new one, never a torn one. Values JSON cannot hold are written as their str()."""
+    file or the new one, never a torn one. Values JSON cannot hold are written as their str(). Raises WriteError
+    naming the file if it cannot be written (the old file, if any, is kept; the temporary one removed)."""
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
+    try:
+        with _writing(path, "its earlier version, if any, is kept"), open(tmp, "w") as f:
+            json.dump(obj, f, indent=2, default=str)
+    except WriteError:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     os.replace(tmp, path)
 
 

@@ -10,8 +10,8 @@ config.json (the resolved config), data.json (corpus description and fingerprint
 log / eval), checkpoints/, summary.json, loss_curve.png, sample.txt, and history.jsonl when a resume accepted changed
 hyper-parameters. Rerunning the same command resumes from the latest checkpoint (verified against the checksums it
 was saved with); one run at a time holds a workdir (`.lock`). Exit codes: 0 done, 1 training stopped (non-finite
-loss or state, unusable checkpoint, a lost process), 2 bad input (flags, config, data, a workdir that cannot be
-used or is in use).
+loss or state, unusable checkpoint, a lost process, a full disk), 2 bad input (flags, config, data, a workdir that
+cannot be used or is in use).
 """
 
 from __future__ import annotations
@@ -269,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return run(config, workdir)
+    except workdir_lib.WriteError as e:  # a full disk: the run stopped, it was not refused
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except (config_lib.ConfigError, DataError, workdir_lib.WorkdirError, HFConfigError, HFWeightsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -348,7 +351,7 @@ def _run(config, workdir: str, hooks: Sequence[Callable[[int, dict[str, float]],
                 init_params=build.init_params(config),
                 **common,
             )
-    except (train_lib.NonFiniteLossError, checkpoint_lib.CheckpointError) as e:
+    except (train_lib.NonFiniteLossError, checkpoint_lib.CheckpointError, workdir_lib.WriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except train_lib.PeerLostError as e:

@@ -3,8 +3,11 @@ one run at a time (a real SIGKILL frees the lock), metric rows after every resta
 malformed lines, changed hyper-parameters refused or recorded, damaged checkpoints refused or fallen back from, a
 non-finite held-out loss stopping the run."""
 
+import builtins
+import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -211,3 +214,60 @@ def test_a_workdir_that_cannot_be_used_is_an_error_line(tmp_path, capsys, where)
     assert run.main(["run", f"--config={CONFIG}", f"--workdir={path}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and str(path) in err and "Traceback" not in err, err
+
+
+def test_a_full_disk_stops_the_run_in_one_error_keeping_the_checkpoints_and_resume_is_exact(
+    uninterrupted, tmp_path, monkeypatch
+):
+    """The disk fills before the checkpoint of step 6 (its free space reported below what the state needs): one
+    CheckpointWriteError naming the folder, the cause and the checkpoints kept (2, 4), nothing partial left; the same
+    for metrics.jsonl and summary.json-style writes (WriteError naming the file). Once space is back, the rerun
+    resumes from 4 and writes the uninterrupted run's rows."""
+    real = shutil.disk_usage
+    full = [False]
+
+    def disk_usage(path):
+        usage = real(path)
+        return usage._replace(free=100) if full[0] else usage
+
+    def fill_at(step, metrics):
+        full[0] = full[0] or step == 5
+
+    monkeypatch.setattr(checkpoint_lib.shutil, "disk_usage", disk_usage)
+    state = {"step": np.int32(0), "w": np.arange(3, dtype=np.float32)}
+    config = _config()
+    with pytest.raises(checkpoint_lib.CheckpointWriteError) as e:
+        train_lib.run(
+            config,
+            Counter(),
+            state,
+            workdir=str(tmp_path),
+            compat={"model": "counter"},
+            provenance=schema.provenance(config),
+            hooks=[fill_at],
+        )
+    message = str(e.value)
+    assert "the checkpoint of step 6 needs up to" in message and "No space left on device" in message
+    assert "nothing was written, and the checkpoints kept are steps [2, 4]" in message and "\n" not in message
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
+    full[0] = False
+    assert _run(_config(), tmp_path)["resumed_from"] == 4
+    assert metric_rows(tmp_path) == uninterrupted
+    monkeypatch.setattr(builtins, "open", _no_space(builtins.open, str(tmp_path / "metrics.jsonl")))
+    with pytest.raises(workdir_lib.WriteError, match=r"metrics.jsonl could not be written: No space left on device"):
+        workdir_lib.MetricsLog(str(tmp_path)).write({"step": 7})
+    monkeypatch.setattr(builtins, "open", _no_space(builtins.open, str(tmp_path / "summary.json.tmp")))
+    with pytest.raises(workdir_lib.WriteError, match=r"summary.json could not be written: No space left"):
+        workdir_lib.write_json(str(tmp_path / "summary.json"), {"a": 1})
+    assert not (tmp_path / "summary.json.tmp").exists()
+
+
+def _no_space(real_open, path):
+    """`open` that fails with ENOSPC for `path` (as a full disk does), and opens everything else."""
+
+    def fake(file, *args, **kwargs):
+        if os.fspath(file) == path:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return real_open(file, *args, **kwargs)
+
+    return fake
