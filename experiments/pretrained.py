@@ -18,6 +18,7 @@ the same directory (`--config.checkpoint.init_from=hf:DIR`, experiments/configs/
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 import jax
@@ -55,6 +56,15 @@ def model_from_hf(
     return config, load.pretrained_model(config, build.build_model_fn(config, Sharder()))
 
 
+def _unfinished_import(workdir: str) -> bool:
+    """Whether `workdir` holds what a killed import leaves: no summary.json, and checkpoints/ holding only step 0
+    or orbax's temporary folders (training never saves step 0, so no run's checkpoints are mistaken for it)."""
+    if os.path.exists(os.path.join(workdir, "summary.json")):
+        return False
+    entries = os.listdir(os.path.join(workdir, "checkpoints"))
+    return all(e == "0" or e.startswith("0.orbax-checkpoint-tmp") for e in entries)
+
+
 def import_to(
     workdir: str, directory: str, *, config: ml_collections.ConfigDict | None = None, eval_batches: int = 8
 ) -> dict[str, Any]:
@@ -68,7 +78,8 @@ def import_to(
         no evaluation is compiled and the corpus is not tokenized, only fingerprinted).
     Raises:
       HFConfigError, HFWeightsError or ConfigError naming the field or tensor, before anything is written;
-      WorkdirError if `workdir` already holds a run's checkpoints or is in use.
+      WorkdirError if `workdir` already holds a run's checkpoints or is in use (what a killed import left, no
+        summary.json and only step 0, is started over, saying so).
     """
     config = schema.default_config() if config is None else config
     config.checkpoint.init_from = load.PREFIX + directory
@@ -78,9 +89,15 @@ def import_to(
     schema.validate(config, num_devices=jax.device_count())
     ckpt_dir = os.path.join(workdir, "checkpoints")
     if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
-        raise workdir_lib.WorkdirError(
-            f"{workdir} already holds a run's checkpoints; import into a new --workdir (nothing was changed)"
+        if not _unfinished_import(workdir):
+            raise workdir_lib.WorkdirError(
+                f"{workdir} already holds a run's checkpoints; import into a new --workdir (nothing was changed)"
+            )
+        print(
+            f"note: {workdir} holds an import that was stopped before it finished (no summary.json): starting it over",
+            flush=True,
         )
+        shutil.rmtree(ckpt_dir)
     corpus: data_lib.Corpus | data_lib.CorpusRecord  # what run.write_records reads: fingerprint and info
     if eval_batches:
         corpus, batches = build.build_data(config)

@@ -327,6 +327,55 @@ def test_import_refuses_before_writing_anything(tmp_path, capsys):
     assert "already holds a run's checkpoints" in capsys.readouterr().err
 
 
+def test_an_export_stopped_halfway_leaves_nothing_in_out_and_the_next_one_cleans_up(tmp_path, capsys, monkeypatch):
+    """An export that dies writing its weights (here: save_file raises) leaves --out absent and its partial files
+    beside it in `<out>.exporting`, not in --out; the next export (into the same --out) removes them and writes
+    the whole checkpoint."""
+    import safetensors.numpy
+
+    workdir, out = tmp_path / "w", tmp_path / "out"
+    hf_args = ["import", "--hf-dir", os.path.join(FIXTURES, "qwen2"), "--workdir", str(workdir)]
+    assert hf_cli.main([*hf_args, "--eval-batches", "0"]) == 0
+    real = safetensors.numpy.save_file
+
+    def dies(tensors, filename, metadata=None):
+        real(tensors, filename, metadata)
+        raise KeyboardInterrupt  # (as a kill would: after the bytes are on disk)
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", dies)
+    with pytest.raises(KeyboardInterrupt):
+        hf_cli.main(["export", f"--workdir={workdir}", f"--out={out}"])
+    assert not out.exists() and (tmp_path / "out.exporting" / "model.safetensors").exists()
+    monkeypatch.undo()
+    assert hf_cli.main(["export", f"--workdir={workdir}", f"--out={out}"]) == 0, capsys.readouterr().err
+    assert not (tmp_path / "out.exporting").exists()
+    assert sorted(os.listdir(out)) == sorted(
+        ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    )
+
+
+def test_a_rerun_of_a_killed_import_starts_it_over_and_finishes(tmp_path, capsys):
+    """What an import killed during its checkpoint write (orbax's temporary folder) or before summary.json (a whole
+    step-0 checkpoint) leaves: the same import run again says it starts over, finishes (exit 0, summary.json) and
+    the workdir serves; a fine-tune's checkpoints (step > 0) are still refused."""
+    directory = os.path.join(FIXTURES, "qwen2")
+    workdir = tmp_path / "w"
+    argv = ["import", "--hf-dir", directory, "--workdir", str(workdir), "--eval-batches", "0"]
+    assert hf_cli.main(argv) == 0
+    (workdir / "summary.json").unlink()  # killed before summary.json
+    (workdir / "checkpoints" / "0.orbax-checkpoint-tmp-7").mkdir()  # and a temporary folder of a killed write
+    assert hf_cli.main(argv) == 0
+    assert "holds an import that was stopped before it finished (no summary.json): starting it over" in (
+        capsys.readouterr().out
+    )
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["0"] and (workdir / "summary.json").exists()
+    run_load.trained_model(str(workdir))
+    (workdir / "summary.json").unlink()
+    (workdir / "checkpoints" / "20").mkdir()
+    assert hf_cli.main(argv) == 2
+    assert "already holds a run's checkpoints" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("keep", ["half", "100 bytes"])
 def test_a_truncated_safetensors_file_is_one_error_line_naming_it(tmp_path, capsys, keep):
     """model.safetensors cut in its data or to 100 bytes (inside the header): `experiments.hf import` and a

@@ -119,7 +119,9 @@ def save(
     its generation_config.json, its chat template (chat_template.jinja, or tokenizer_config.json's
     `chat_template`), its max_position_embeddings (else the run's data.seq_len), and its tensors' dtype: `dtype`
     (a key of DTYPES) if given, else the imported checkpoint's config.json `dtype` / `torch_dtype`, else float32.
-    Files are written readable by others, as transformers writes them (0666 less the umask).
+    Files are written readable by others, as transformers writes them (0666 less the umask), first into
+    `<out_dir>.exporting` (a killed export leaves nothing in `out_dir`; the next export removes that folder) and
+    moved into `out_dir` once all are written.
     Returns the files written. `out_dir` must be new or empty; with `replace`, the model files already there
     (`model_files`: stale shards and their index included) are removed first and other files are kept. Raises
     HFExportError first if `out_dir` is not empty (without `replace`) or the model maps to no supported
@@ -147,9 +149,9 @@ def save(
     experts = arch_lib.get(hf["architectures"][0]).experts  # type: ignore[union-attr]  # hf_config's own entry
     tensors = weights.from_ours(params, schema.model_config(config), moe, experts=experts)
     tensors = {name: x.astype(DTYPES[dtype]) for name, x in tensors.items()}
-    for name in model_files(out_dir) if replace else ():
-        os.remove(os.path.join(out_dir, name))
-    os.makedirs(out_dir, exist_ok=True)
+    stage = _staging(out_dir)
+    shutil.rmtree(stage, ignore_errors=True)  # what a killed export left
+    os.makedirs(stage)
     shards = _shards(tensors, max_shard_bytes)
     names = (
         ["model.safetensors"]
@@ -157,24 +159,38 @@ def save(
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
     for name, shard in zip(names, shards):
-        save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
-    written = [os.path.join(out_dir, n) for n in names]
+        save_file(shard, os.path.join(stage, name), metadata={"format": "pt"})
+    written = [os.path.join(stage, n) for n in names]
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": sum(x.nbytes for x in tensors.values())},
             "weight_map": {t: n for n, shard in zip(names, shards) for t in shard},
         }
-        written.append(os.path.join(out_dir, "model.safetensors.index.json"))
+        written.append(os.path.join(stage, "model.safetensors.index.json"))
         workdir_lib.write_json(written[-1], index)
-    written.append(os.path.join(out_dir, "config.json"))
+    written.append(os.path.join(stage, "config.json"))
     workdir_lib.write_json(written[-1], hf)
-    tok.save(out_dir)
-    written += [os.path.join(out_dir, name) for name in (tokenizer_lib.TOKENIZER_FILE, tokenizer_lib.CONFIG_FILE)]
-    written += _carry(source, out_dir) if source else []
+    tok.save(stage)
+    written += [os.path.join(stage, name) for name in (tokenizer_lib.TOKENIZER_FILE, tokenizer_lib.CONFIG_FILE)]
+    written += _carry(source, stage) if source else []
     mode = 0o666 & ~_umask()
     for path in written:
         os.chmod(path, mode)
-    return written
+    for name in model_files(out_dir) if replace else ():  # (only now: a failed export leaves the folder as it was)
+        os.remove(os.path.join(out_dir, name))
+    os.makedirs(out_dir, exist_ok=True)
+    moved = []
+    for path in written:
+        moved.append(os.path.join(out_dir, os.path.basename(path)))
+        os.replace(path, moved[-1])
+    shutil.rmtree(stage, ignore_errors=True)
+    return moved
+
+
+def _staging(out_dir: str) -> str:
+    """The folder beside `out_dir` an export writes into before moving its files in (`<out>.exporting`): a killed
+    export leaves its partial files there, never in `out_dir`, and the next export removes them."""
+    return os.path.abspath(out_dir).rstrip(os.sep) + ".exporting"
 
 
 def _read_json(path: str) -> dict:
