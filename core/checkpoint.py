@@ -294,7 +294,7 @@ def _existing(path: str) -> str:
     return path
 
 
-def _cause(e: BaseException) -> str:
+def _cause(e: Exception) -> str:
     """What stopped a write, in one line: "No space left on device (file ...)" for a full disk."""
     text = str(e)
     if "No space left on device" in text or getattr(e, "errno", None) == errno.ENOSPC:

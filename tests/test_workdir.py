@@ -55,7 +55,7 @@ def _config(steps=6, every=2):
     return c
 
 
-def _run(config, workdir, *, stepper=None, crash_at=None):
+def _run(config, workdir, *, stepper=None, crash_at=None, on_start=None):
     def hook(step, metrics):
         if step == crash_at:
             raise Crash
@@ -69,6 +69,7 @@ def _run(config, workdir, *, stepper=None, crash_at=None):
         compat={"model": "counter"},
         provenance=schema.provenance(config),
         hooks=[hook],
+        on_start=on_start,
     )
 
 
@@ -112,6 +113,9 @@ def test_a_malformed_line_is_refused_naming_file_and_line(tmp_path):
 
 
 def test_changed_hyperparameters_are_refused_unless_accepted_and_recorded(tmp_path):
+    """A resume with changed hyper-parameters is refused naming each change; accepted, the changes are recorded
+    (history.jsonl, and the run's records through on_start) only with the first checkpoint trained under them: a run
+    stopped before it records nothing."""
     _run(_config(steps=4), tmp_path)
     before = _files(tmp_path)
     changed = _config(steps=6)
@@ -127,7 +131,11 @@ def test_changed_hyperparameters_are_refused_unless_accepted_and_recorded(tmp_pa
         assert needle in str(e.value), str(e.value)
     assert _files(tmp_path) == before
     changed.checkpoint.accept_changes = True
-    assert _run(changed, tmp_path)["steps"] == 6
+    started = []
+    with pytest.raises(Crash):  # stopped at step 5, before the first checkpoint (6) trained under the changes
+        _run(changed, tmp_path, crash_at=5, on_start=started.append)
+    assert not (tmp_path / "history.jsonl").exists() and started == []  # nothing records the unsaved change
+    assert _run(changed, tmp_path, on_start=started.append)["steps"] == 6 and started == [4]
     (record,) = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
     assert record["resumed_from"] == 4 and record["changes"]["optim.learning_rate"] == [0.003, 1e-4]
     changed.checkpoint.accept_changes = False  # the checkpoints now record the new values: a rerun needs nothing

@@ -173,7 +173,9 @@ def run(
         `checkpoint.accept_changes`, which records it in `<workdir>/history.jsonl`.
       hooks: called after every call as `hook(step, metrics)`; an exception stops the run as a crash would.
       on_start: called once the state is built or restored, before the first call, with the step resumed from
-        (or None); the place to write run records, since a refused checkpoint never gets there.
+        (or None); the place to write run records, since a refused checkpoint never gets there. After a resume
+        that accepted changes (`checkpoint.accept_changes`) it is called, and the changes go to history.jsonl,
+        only with the first checkpoint trained under them: a run stopped before it records nothing.
     Returns:
       train_loss (of the last row), val_loss, val_bits_per_byte and the other evaluation entries, tokens_per_second
       (steady state, warm-up calls excluded; None if none ran), steps, resumed_from, and the stepper's `results`.
@@ -193,7 +195,9 @@ def _run(config, stepper, state, workdir, compat, provenance, hooks, on_start) -
     # tensorboardX missing: refused before anything runs
     tensorboard = is_main and progress_lib.tensorboard_enabled(config)
     log = workdir_lib.MetricsLog(workdir, enabled=is_main)
-    checkpointer, state, loop, resumed_from = resume.open_checkpoints(config, workdir, state, compat, provenance, log)
+    checkpointer, state, loop, resumed_from, accepted = resume.open_checkpoints(
+        config, workdir, state, compat, provenance, log
+    )
     events = workdir_lib.EventLog(workdir, resumed_from=resumed_from, enabled=tensorboard)
 
     def write(row: dict[str, Any]) -> None:  # one row, to metrics.jsonl and as TensorBoard scalars
@@ -201,7 +205,7 @@ def _run(config, stepper, state, workdir, compat, provenance, hooks, on_start) -
         events.write(row)
 
     window, steady = _Window.restore(loop), _Timer.restore(loop)  # the run's steady timing spans its resumes
-    if on_start is not None:
+    if on_start is not None and accepted is None:  # (else: with the first checkpoint trained under the changes)
         on_start(resumed_from)
     schedule = learning_rate_schedule(config.optim, tc.steps)
     tokens_per_call = config.data.batch_size * config.data.seq_len * k
@@ -293,6 +297,11 @@ def _run(config, stepper, state, workdir, compat, provenance, hooks, on_start) -
                     raise stop(done, bad_eval)
                 loop = {**window.record(), **steady.record()}
                 checkpointer.save(done, state, loop=loop, compat=compat, provenance=provenance, checked=checked)
+                if accepted is not None:  # the first checkpoint trained under accepted changes: record them now
+                    resume.record_accepted(workdir, accepted)
+                    if on_start is not None:
+                        on_start(resumed_from)
+                    accepted = None
                 last_saved = done
             results["steps"] = done
             progress.update(1)

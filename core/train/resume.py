@@ -15,7 +15,7 @@ import ml_collections
 from core import checkpoint as checkpoint_lib
 from core import workdir as workdir_lib
 
-__all__ = ["open_checkpoints"]
+__all__ = ["open_checkpoints", "record_accepted"]
 
 
 def open_checkpoints(
@@ -25,12 +25,14 @@ def open_checkpoints(
     compat: Mapping[str, Any],
     provenance: dict[str, Any],
     log: workdir_lib.MetricsLog,
-) -> tuple[checkpoint_lib.Checkpointer, Any, dict[str, Any], int | None]:
+) -> tuple[checkpoint_lib.Checkpointer, Any, dict[str, Any], int | None, dict[str, Any] | None]:
     """The run's `<workdir>/checkpoints`: restores the latest checkpoint into `state` when `checkpoint.resume`
     allows (after checking it belongs to this program, was trained as the config says, and is intact), then sets
     metric rows written after it (all of them on a fresh start) aside.
 
-    Returns (checkpointer, state, the checkpoint's loop record ({} on a fresh start), the step resumed from or None).
+    Returns (checkpointer, state, the checkpoint's loop record ({} on a fresh start), the step resumed from or None,
+    the accepted changes as a history.jsonl record or None): the caller records them (`record_accepted`) once a
+    checkpoint has been trained under them, never before.
     Raises CheckpointError for a damaged checkpoint (unless `checkpoint.fallback`: then it is moved to
     `checkpoints.damaged/<step>` (`<step>.1`, ... if an earlier one is there) and the next newest is tried; when every
     one is damaged they are all put back and the run is refused rather than started over), one beyond train.steps, one
@@ -97,13 +99,23 @@ def open_checkpoints(
         )
     log.truncate_after(-1 if latest is None else latest)  # a fresh start keeps no row, a step-0 one included
     if latest is None:
-        return checkpointer, state, {}, None
+        return checkpointer, state, {}, None, None
     if changes and jax.process_index() == 0:
-        workdir_lib.append_history(workdir, {"resumed_from": latest, "changes": changes})
-        print(f"checkpoint.accept_changes: {_describe_changes(changes)} (recorded in history.jsonl)", flush=True)
+        print(
+            f"checkpoint.accept_changes: {_describe_changes(changes)} (recorded in history.jsonl with the first "
+            "checkpoint trained under them)",
+            flush=True,
+        )
     if jax.process_index() == 0:
         print(f"resuming from the checkpoint of step {latest} in {checkpointer.directory}", flush=True)
-    return checkpointer, state, loop, latest
+    return checkpointer, state, loop, latest, {"resumed_from": latest, "changes": changes} if changes else None
+
+
+def record_accepted(workdir: str, accepted: Mapping[str, Any]) -> None:
+    """Appends the changes a resume accepted (`open_checkpoints`' last value) to `<workdir>/history.jsonl`
+    (process 0): called with the first checkpoint trained under them."""
+    if jax.process_index() == 0:
+        workdir_lib.append_history(workdir, dict(accepted))
 
 
 def _free_name(path: str) -> str:
