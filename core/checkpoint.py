@@ -195,6 +195,14 @@ class Checkpointer:
             )
         return meta
 
+    def check_compat(self, step: int, compat: Mapping[str, Any], record: Mapping[str, Any]) -> None:
+        """Raises CheckpointError naming the first compat fact (`record`: the checkpoint's `read_record`) that
+        differs from the running program's `compat`: a checkpoint of another program, whatever else differs."""
+        for key, value in compat.items():
+            saved = record["compat"].get(key)
+            if saved != _jsonable(value):
+                raise CheckpointError(_compat_message(self._where(step), key, saved, _jsonable(value)))
+
     def restore(self, step: int, like, *, compat: Mapping[str, Any], record: Mapping[str, Any] | None = None):
         """Restores the state saved at `step` into the structure, shapes, dtypes and shardings of `like`, and
         verifies every array's checksum.
@@ -211,10 +219,7 @@ class Checkpointer:
         """
         where = self._where(step)
         meta = self.read_record(step) if record is None else record
-        for key, value in compat.items():
-            saved = meta["compat"].get(key)
-            if saved != _jsonable(value):
-                raise CheckpointError(_compat_message(where, key, saved, _jsonable(value)))
+        self.check_compat(step, compat, meta)
         flat_like = flatten(like)
         expected = _manifest(flat_like)
         saved = meta["manifest"]
@@ -362,8 +367,11 @@ def _restore_numpy(path: str) -> dict[str, np.ndarray]:
 
 def _short(error: Exception, limit: int = 300) -> str:
     """An exception's message cut to `limit` characters (orbax's errors can quote a whole TensorStore spec)."""
-    text = str(error)
+    text = " ".join(_SPEC.sub("", str(error)).split())  # one line, without TensorStore's spec of the array
     return text if len(text) <= limit else text[:limit] + " ..."
+
+
+_SPEC = re.compile(r"\s*\[tensorstore_spec=.*?(?:'\]|$)", re.DOTALL)
 
 
 def _jsonable(value):

@@ -185,3 +185,24 @@ def test_the_documented_plain_orbax_recipe_reads_a_sharded_checkpoint_on_other_d
     biggest.write_bytes(bytes(data))
     with pytest.raises(checkpoint_lib.DamagedCheckpointError, match="7/state"):
         checkpoint_lib.load_numpy(tmp_path / "checkpoints")
+
+
+@pytest.mark.parametrize("damage", ["truncated array file", "missing array metadata"])
+def test_an_unreadable_checkpoint_is_one_line_without_tensorstores_spec(saved, tmp_path, damage):
+    """An array file cut in half, and the OCDBT manifest removed: the DamagedCheckpointError is one line naming the
+    checkpoint, with TensorStore's spec of the array (hundreds of characters of JSON) left out."""
+    directory = tmp_path / "checkpoints"
+    shutil.copytree(saved[0], directory)
+    files = [p for p in (directory / "3" / "state").rglob("*") if p.is_file()]
+    if damage == "truncated array file":
+        biggest = max(files, key=lambda p: p.stat().st_size)
+        with open(biggest, "r+b") as f:
+            f.truncate(biggest.stat().st_size // 2)
+    else:
+        for manifest in (p for p in files if p.name == "manifest.ocdbt"):
+            manifest.unlink()
+    with pytest.raises(checkpoint_lib.DamagedCheckpointError) as e:
+        _restore(directory, saved[1])
+    message = str(e.value)
+    assert "checkpoint of step 3" in message and "cannot be read" in message, message
+    assert "tensorstore_spec" not in message and "\n" not in message and len(message) < 600, message

@@ -150,6 +150,25 @@ def _damage(checkpoint):
     biggest.write_bytes(bytes(data))
 
 
+def test_another_programs_checkpoint_is_named_as_such_before_any_changed_hyperparameter(tmp_path):
+    """A workdir holding another model's checkpoint, resumed with a config whose train.steps also differs: the
+    refusal names the program difference (compat), not the steps as a change one could accept."""
+    _run(_config(steps=4), tmp_path)
+    config = _config(steps=6)
+    state = {"step": np.int32(0), "w": np.arange(3, dtype=np.float32)}
+    with pytest.raises(checkpoint_lib.CheckpointError) as e:
+        train_lib.run(
+            config,
+            Counter(),
+            state,
+            workdir=str(tmp_path),
+            compat={"model": "another"},
+            provenance=schema.provenance(config),
+        )
+    assert "was written with a different model (checkpoint 'counter', now 'another')" in str(e.value)
+    assert "train.steps" not in str(e.value)
+
+
 def test_a_damaged_checkpoint_is_refused_and_fallen_back_from_only_when_told(uninterrupted, tmp_path):
     """Refused unless checkpoint.fallback; with it, the damaged checkpoint moves to checkpoints.damaged/6 and the run
     resumes from 4; damaged again, it moves beside the first (6.1, not an OSError); with every checkpoint damaged,

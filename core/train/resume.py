@@ -62,6 +62,7 @@ def open_checkpoints(
     while latest is not None:
         try:
             record = checkpointer.read_record(latest)
+            checkpointer.check_compat(latest, compat, record)  # another program's checkpoint: said before any change
             changes = _changes(record, provenance)
             if changes and not cc.accept_changes:
                 raise checkpoint_lib.CheckpointError(_changes_message(checkpointer, latest, changes))
