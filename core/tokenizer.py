@@ -158,8 +158,12 @@ def load(spec: str) -> ByteTokenizer | HFTokenizer:
             raise TokenizerError(
                 f"data.tokenizer={spec!r} is a directory without a {TOKENIZER_FILE}; allowed: {allowed}"
             )
-    elif not os.path.isfile(spec):
+    elif not os.path.exists(spec):
         raise TokenizerError(f"data.tokenizer={spec!r} does not exist; allowed: {allowed}")
+    elif not os.path.isfile(spec):
+        raise TokenizerError(
+            f"data.tokenizer={spec!r} is not a regular file (a FIFO, a device or a socket); allowed: {allowed}"
+        )
     try:
         return HFTokenizer.from_file(spec)
     except TokenizerError as e:

@@ -241,10 +241,11 @@ def parse_args(argv: list[str]):
     config = config_flag.value
     if not isinstance(config, ml_collections.ConfigDict):  # config_flags defers a load error to first access
         filename = config_flags.get_config_filename(fv["config"])
-        try:
-            config.to_dict()
-        except Exception as e:
-            raise UsageError(f"cannot load --config={filename}: {e}") from None
+        if hasattr(config, "to_dict"):  # (config_flags' placeholder of a deferred load error raises it here)
+            try:
+                config.to_dict()
+            except Exception as e:
+                raise UsageError(f"cannot load --config={filename}: {e}") from None
         raise UsageError(
             f"--config={filename}: get_config() must return an ml_collections.ConfigDict, got {type(config).__name__}"
         )

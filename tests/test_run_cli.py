@@ -94,3 +94,18 @@ def test_a_short_run_fits_the_warm_up_and_records_it(capsys):
     schema.validate(config)
     config, _ = run.parse_args(["run", f"--config={QUICKSTART}", "--workdir=unused", "--config.train.steps=50"])
     assert config.optim.warmup_steps == 40 and "warming up" not in capsys.readouterr().out
+
+
+def test_a_config_returning_a_dict_and_a_fifo_tokenizer_are_named_as_what_they_are(capsys, nothing_runs, tmp_path):
+    """get_config() returning a plain dict: one `error:` line (exit 2) saying it must return a ConfigDict (not an
+    attribute error); a FIFO as data.tokenizer: "not a regular file" (not "does not exist")."""
+    from core import tokenizer as tokenizer_lib
+
+    (tmp_path / "dict_config.py").write_text('def get_config():\n    return {"train": {"steps": 3}}\n')
+    code = run.main(["run", f"--config={tmp_path}/dict_config.py", f"--workdir={tmp_path}/w"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "get_config() must return an ml_collections.ConfigDict, got dict" in err, err
+    os.mkfifo(tmp_path / "tok.json")
+    with pytest.raises(tokenizer_lib.TokenizerError, match="tok.json' is not a regular file"):
+        tokenizer_lib.load(str(tmp_path / "tok.json"))
