@@ -44,7 +44,7 @@ from moe import placement as placement_lib
 from moe.config import MoEConfig
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
-NAMES = ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
+NAMES = ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "mistral"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -640,3 +640,11 @@ def test_non_finite_weights_and_a_fifo_are_refused_by_import_naming_them(tmp_pat
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and all(w in err[0] for w in words), err
     assert not workdir.exists()
+
+
+def test_a_mistral_checkpoint_with_a_sliding_window_is_refused_by_name(tmp_path):
+    """MistralForCausalLM imports without a window (the fixture); with `sliding_window` set, the field is named."""
+    directory = _copy(tmp_path, "mistral")
+    _edit_config(directory, sliding_window=16)
+    with pytest.raises(config_map.HFConfigError, match="sliding_window = 16: no sliding window"):
+        pretrained.model_from_hf(str(directory))

@@ -98,7 +98,8 @@ class Architecture:
     `moe`: a MoE architecture (our moe.every > 0) or a dense one (moe.every = 0). `chosen_by`: the `fixed` keys
     that make export pick this entry (the last of its kind in `ARCHITECTURES` they fit; none: the kind's fallback);
     its other `fixed` values are then required, in order. `keys`: beyond `COMMON_KEYS`; `experts`: the MoE block's
-    tensor names."""
+    tensor names; `exported`: False for an entry only imported (Mistral, whose every checkpoint is also a Llama
+    one: export writes Llama)."""
 
     name: str
     model_type: str
@@ -107,6 +108,7 @@ class Architecture:
     fixed: tuple[Fixed, ...]
     chosen_by: tuple[str, ...] = ()
     experts: ExpertNames | None = None
+    exported: bool = True  # False: import only (export writes an equivalent entry's architecture instead)
 
     def all_keys(self) -> tuple[Key, ...]:
         return (*COMMON_KEYS, *self.keys)
@@ -209,6 +211,18 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         chosen_by=("model.qk_norm",),
     ),
     Architecture(
+        "MistralForCausalLM",
+        "mistral",
+        moe=False,
+        keys=(_D_FF,),
+        fixed=(
+            Fixed("model.qk_norm", False, "MistralForCausalLM has no q/k norm"),
+            Fixed("model.qkv_bias", False, "MistralForCausalLM has no attention biases"),
+            Fixed("model.out_bias", False, "MistralForCausalLM has no attention biases"),
+        ),
+        exported=False,
+    ),
+    Architecture(
         "MixtralForCausalLM",
         "mixtral",
         moe=True,
@@ -261,7 +275,7 @@ def get(name: Any) -> Architecture | None:
 def choose(values: Mapping[str, Any]) -> Architecture:
     """The last entry of its kind (MoE when values["moe.every"] > 0) whose `chosen_by` keys hold its fixed values in
     `values` ({"section.key": value}); the first entry of each kind has no `chosen_by` and takes the rest."""
-    kind = [a for a in ARCHITECTURES if a.moe == bool(values["moe.every"])]
+    kind = [a for a in ARCHITECTURES if a.moe == bool(values["moe.every"]) and a.exported]
     for a in reversed(kind):
         fixed = {f.ours: f.value for f in a.fixed}
         if all(values[key] == fixed[key] for key in a.chosen_by):
