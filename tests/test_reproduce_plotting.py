@@ -163,7 +163,7 @@ def test_a_runs_loss_curve_has_one_unit_per_axis(tmp_path, monkeypatch, tokenize
     from experiments import report
 
     plt = plotting.pyplot()
-    figures = []
+    figures: list = []
     monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at it
     (tmp_path / "config.json").write_text(json.dumps({"data": {"tokenizer": tokenizer}}))
     rows = [

@@ -82,6 +82,12 @@ def servers(model):
             runner.stop()
 
 
+def address(url: str) -> tuple[str, int]:
+    """(host, port) of a base URL "http://host:port"."""
+    host, port = url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
 def client(url, **kw):
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, **kw)
 
@@ -410,7 +416,7 @@ def test_bad_requests_get_openai_errors_and_disturb_nobody(model, servers):
         big = json.dumps({"prompt": list(range(200)) * 5}).encode()  # 4,898 bytes
         code, _, error = post(bare, "/v1/completions", big)
         assert code == 413 and "limit of 4,096 bytes" in error["error"]["message"], error
-        conn = http.client.HTTPConnection(*bare.removeprefix("http://").split(":"))
+        conn = http.client.HTTPConnection(*address(bare))
         conn.request("POST", "/v1/completions", iter([big[:3000], big[3000:]]), {"content-type": "application/json"})
         chunked = conn.getresponse()  # no Content-Length: counted as it arrives
         assert chunked.status == 413 and "4,096 bytes" in json.loads(chunked.read())["error"]["message"]
@@ -575,7 +581,7 @@ def test_shutting_down_ends_every_open_request_in_openais_format(model):
     body = {"prompt": "x", "max_tokens": 250, "ignore_eos": True}
     try:
         with cli.serve_in_thread(app, runner=runner) as url:
-            host, port = url.removeprefix("http://").split(":")
+            host, port = address(url)
             streaming = http.client.HTTPConnection(host, port, timeout=60)
             headers = {"content-type": "application/json"}
             streaming.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), headers)
@@ -611,18 +617,17 @@ def test_idle_and_slow_clients_are_disconnected(servers):
     _, runner = servers["bf16"]
     app = create_app(runner, TOK, model_name="tiny")
     with cli.serve_in_thread(app, head_timeout=0.5) as url:
-        address = tuple(url.removeprefix("http://").split(":"))
-        address = (address[0], int(address[1]))
-        idle = socket.create_connection(address, timeout=30)
+        where = address(url)
+        idle = socket.create_connection(where, timeout=30)
         assert idle.recv(1) == b""  # closed by the server, not by our timeout (which would raise)
-        slow = socket.create_connection(address, timeout=30)
+        slow = socket.create_connection(where, timeout=30)
         head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 100 + b"\r\n\r\n"
         with pytest.raises((BrokenPipeError, ConnectionResetError)):
             for byte in head:
                 slow.sendall(bytes([byte]))
                 time.sleep(0.1)
         assert slow.recv(1) == b""
-        conn = http.client.HTTPConnection(*address, timeout=30)
+        conn = http.client.HTTPConnection(*where, timeout=30)
         for _ in range(2):
             conn.request("GET", "/health")
             assert json.loads(conn.getresponse().read()) == {"status": "ok"}

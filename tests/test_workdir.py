@@ -131,7 +131,7 @@ def test_changed_hyperparameters_are_refused_unless_accepted_and_recorded(tmp_pa
         assert needle in str(e.value), str(e.value)
     assert _files(tmp_path) == before
     changed.checkpoint.accept_changes = True
-    started = []
+    started: list[int | None] = []
     with pytest.raises(Crash):  # stopped at step 5, before the first checkpoint (6) trained under the changes
         _run(changed, tmp_path, crash_at=5, on_start=started.append)
     assert not (tmp_path / "history.jsonl").exists() and started == []  # nothing records the unsaved change
