@@ -55,7 +55,7 @@ def _config(steps=6, every=2):
     return c
 
 
-def _run(config, workdir, *, stepper=None, crash_at=None, on_start=None):
+def _run(config, workdir, *, stepper=None, crash_at=None, on_start=None, model="counter", hooks=()):
     def hook(step, metrics):
         if step == crash_at:
             raise Crash
@@ -66,9 +66,9 @@ def _run(config, workdir, *, stepper=None, crash_at=None, on_start=None):
         stepper or Counter(),
         state,
         workdir=str(workdir),
-        compat={"model": "counter"},
+        compat={"model": model},
         provenance=schema.provenance(config),
-        hooks=[hook],
+        hooks=[hook, *hooks],
         on_start=on_start,
     )
 
@@ -154,17 +154,8 @@ def test_another_programs_checkpoint_is_named_as_such_before_any_changed_hyperpa
     """A workdir holding another model's checkpoint, resumed with a config whose train.steps also differs: the
     refusal names the program difference (compat), not the steps as a change one could accept."""
     _run(_config(steps=4), tmp_path)
-    config = _config(steps=6)
-    state = {"step": np.int32(0), "w": np.arange(3, dtype=np.float32)}
     with pytest.raises(checkpoint_lib.CheckpointError) as e:
-        train_lib.run(
-            config,
-            Counter(),
-            state,
-            workdir=str(tmp_path),
-            compat={"model": "another"},
-            provenance=schema.provenance(config),
-        )
+        _run(_config(steps=6), tmp_path, model="another")
     assert "was written with a different model (checkpoint 'counter', now 'another')" in str(e.value)
     assert "train.steps" not in str(e.value)
 
@@ -261,18 +252,8 @@ def test_a_full_disk_stops_the_run_in_one_error_keeping_the_checkpoints_and_resu
         full[0] = full[0] or step == 5
 
     monkeypatch.setattr(checkpoint_lib.shutil, "disk_usage", disk_usage)
-    state = {"step": np.int32(0), "w": np.arange(3, dtype=np.float32)}
-    config = _config()
     with pytest.raises(checkpoint_lib.CheckpointWriteError) as e:
-        train_lib.run(
-            config,
-            Counter(),
-            state,
-            workdir=str(tmp_path),
-            compat={"model": "counter"},
-            provenance=schema.provenance(config),
-            hooks=[fill_at],
-        )
+        _run(_config(), tmp_path, hooks=[fill_at])
     message = str(e.value)
     assert "the checkpoint of step 6 needs up to" in message and "No space left on device" in message
     assert "nothing was written, and the checkpoints kept are steps [2, 4]" in message and "\n" not in message
