@@ -61,6 +61,8 @@ class Field:
       choices: allowed values, or None.
       low, high: inclusive bounds for numbers, or None.
       low_open: if True, `low` itself is excluded (value > low).
+      since_checkpoints: a key added after checkpoints were written: `checkpoint_compat` leaves it out at its
+        default, so those checkpoints (written before it existed, i.e. with its default behaviour) still resume.
     """
 
     default: Any
@@ -70,6 +72,7 @@ class Field:
     low: float | None = None
     high: float | None = None
     low_open: bool = False
+    since_checkpoints: bool = False
 
     def check(self, key: str, value: Any) -> None:
         """Raises ConfigError if `value` is not an acceptable value for `key`."""
@@ -132,6 +135,7 @@ def field(
     low: float | None = None,
     high: float | None = None,
     low_open: bool = False,
+    since_checkpoints: bool = False,
 ) -> Any:
     """Declares one key of a config section: a dataclass field whose metadata holds its documentation and rules.
 
@@ -143,7 +147,14 @@ def field(
             compat: ClassVar[Compat] = False
             steps: int = field(1000, "optimizer steps", low=1)
     """
-    rules = {"doc": doc, "choices": choices, "low": low, "high": high, "low_open": low_open}
+    rules = {
+        "doc": doc,
+        "choices": choices,
+        "low": low,
+        "high": high,
+        "low_open": low_open,
+        "since_checkpoints": since_checkpoints,
+    }
     return dataclasses.field(default=default, metadata={_RULES: rules})
 
 
@@ -215,15 +226,20 @@ def checkpoint_compat(
     config: ml_collections.ConfigDict, sections: Mapping[str, type], data_fingerprint: str
 ) -> dict[str, Any]:
     """The facts a checkpoint must share with the running program to be resumed, from each section's `compat`
-    declaration: whole sections as `{name: {key: value}}`, single keys as `{"name.key": value}`, and the corpus
-    as `{"data": fingerprint}`."""
+    declaration: whole sections as `{name: {key: value}}` (less the `since_checkpoints` keys at their default),
+    single keys as `{"name.key": value}`, and the corpus as `{"data": fingerprint}`."""
     facts: dict[str, Any] = {}
     for name, cls in sections.items():
         keys = getattr(cls, "compat", None)
         if keys is None:
             raise TypeError(f"config section {name!r} ({cls.__name__}) does not declare `compat`.")
         if keys is True:
-            facts[name] = config[name].to_dict()
+            rules = section_fields(cls)
+            facts[name] = {
+                k: v
+                for k, v in config[name].to_dict().items()
+                if not (k in rules and rules[k].since_checkpoints and v == rules[k].default)
+            }
         elif keys:
             facts.update({f"{name}.{key}": config[name][key] for key in keys})
     return {**facts, "data": data_fingerprint}

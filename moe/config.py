@@ -42,6 +42,11 @@ class MoEConfig:
         128, "hidden width h of each expert (d_model -> h -> d_model; its form: expert_mlp)", low=1
     )
     shared_expert_size: int = field(0, "hidden width of an always-on shared expert (0 = none)", low=0)
+    shared_expert_gate: bool = field(
+        False,
+        "scale the shared expert's output by sigmoid(x @ w), w [d_model, 1] (Qwen2-MoE's shared_expert_gate)",
+        since_checkpoints=True,
+    )
     expert_mlp: str = field(
         "silu",
         "form of every expert and of the shared expert: 'silu' (silu(x @ up) @ down; 2 matrices) or 'swiglu' "

@@ -1,6 +1,7 @@
 """The MoE feed-forward layer: router, experts, optional shared expert; fits the transformer's FFN slot.
 
-    y = sum_{e in topk(x)} g_e(x) * E_e(x)   (+ E_s(x), the shared expert)
+    y = sum_{e in topk(x)} g_e(x) * E_e(x)   (+ E_s(x), the shared expert, times sigmoid(x @ w_s) with
+                                              moe.shared_expert_gate, Qwen2-MoE's)
 
 g_e(x) the router's gate of expert e (moe.router), and every expert (the shared one too) an MLP of the form
 `MoEConfig.expert_mlp`:
@@ -17,8 +18,8 @@ Dispatch (`MoEConfig.dispatch`):
 Parameters (logical axes): router [d, E] ("embed", "expert"); up [E, d, h] ("expert", "embed", "expert_mlp");
 down [E, h, d] ("expert", "expert_mlp", "embed"); with "swiglu" also gate [E, d, h], axes like up's. Every
 expert matrix names the axis "expert", which is all that FoMoE's site views, synchronisation and reshuffles and
-expert parallelism look for. The shared expert's matrices (shared_up, shared_down and with "swiglu"
-shared_gate) are Dense layers like the dense MLP's.
+expert parallelism look for. The shared expert's matrices (shared_up, shared_down, with "swiglu" shared_gate, with
+moe.shared_expert_gate shared_scale [d, 1]) are Dense layers like the dense MLP's.
 The layer imports nothing from `quant`: it asks the precision slot for its dot_general and its grouped matmul by
 module path: "<path>.router", "<path>.shared.{gate,up,down}", the dropless experts' grouped matmul
 "<path>.experts.{gate,up,down}", and the capacity products' dot_general "<path>.experts" (up and down) and
@@ -154,6 +155,8 @@ class MoE(nnx.Module):
             self.shared_down = Dense(
                 moe.shared_expert_size, d, axes=("mlp", "embed"), path=f"{path}.shared.down", std=out_std, **common
             )
+            if moe.shared_expert_gate:
+                self.shared_scale = Dense(d, 1, axes=("embed", None), path=f"{path}.shared.scale", **common)
 
     def route(self, x: jax.Array, key: jax.Array | None = None, router: jax.Array | None = None) -> router_lib.Routing:
         """Router logits in float32 for x [..., d] flattened to [N, d]; the top-k Routing over the router's
@@ -235,7 +238,8 @@ class MoE(nnx.Module):
         (silu(x @ gate) * (x @ up)) @ down (each product through the precision slot, in the compute dtype)."""
         h = self.shared_up(x, key=key)
         h = jax.nn.silu(self.shared_gate(x, key=key)) * h if self.gated else jax.nn.silu(h)
-        return self.shared_down(h, key=key)
+        y = self.shared_down(h, key=key)
+        return y * jax.nn.sigmoid(self.shared_scale(x, key=key)) if self.moe.shared_expert_gate else y
 
     def _dropless(self, x, up, down, gate, key):
         """Routing and dropless dispatch of x [N, d] -> (y [N, d], Routing, local expert slots [N, k]); gate: the

@@ -2,6 +2,7 @@
 
 import dataclasses
 import pathlib
+from typing import Any
 
 import ml_collections
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from core import config as config_lib
 from core.config import ConfigError
 from experiments import schema
+from moe.config import MoEConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -46,17 +48,29 @@ def test_each_section_is_declared_once_and_its_dataclass_matches_the_schema(name
 def test_checkpoint_compat_follows_the_section_declarations():
     c = schema.default_config()
     facts = schema.checkpoint_compat(c, "fingerprint")
-    expected = {"data": "fingerprint"}
+    expected: dict[str, Any] = {"data": "fingerprint"}
     for name, cls in schema.SECTIONS.items():
         compat = declared_compat(cls)
         if compat is True:
-            expected[name] = c[name].to_dict()
+            expected[name] = {k: v for k, v in c[name].to_dict().items() if (name, k) != ("moe", "shared_expert_gate")}
         elif isinstance(compat, tuple):
             expected.update({f"{name}.{key}": c[name][key] for key in compat})
     assert facts == expected
     # what a resumed run may change (runtime choices) and what it may not (the architecture, the optimizer)
     assert {"model", "moe", "fomoe", "precision", "optim.name", "data.seq_len", "data.batch_size"} <= set(facts)
     assert not {"kvcache", "train", "mesh", "checkpoint", "sample", "optim.learning_rate"} & set(facts)
+
+
+def test_a_key_added_since_checkpoints_leaves_their_compat_unchanged_at_its_default():
+    """moe.shared_expert_gate (since_checkpoints): absent from the compat facts at its default (False), so a
+    checkpoint written before the key existed, whose record lacks it, still resumes; set, it is a fact, so such a
+    checkpoint is refused for the model that differs."""
+    c = schema.default_config()
+    assert "shared_expert_gate" not in schema.checkpoint_compat(c, "f")["moe"]
+    c.moe.shared_expert_gate = True
+    assert schema.checkpoint_compat(c, "f")["moe"]["shared_expert_gate"] is True
+    fields = config_lib.section_fields(MoEConfig)
+    assert [k for k, f in fields.items() if f.since_checkpoints] == ["shared_expert_gate"]
 
 
 def test_from_config_rejects_unknown_keys_and_restores_tuples():

@@ -159,3 +159,16 @@ def test_launch_forwards_each_line_prefixed_and_thins_out_progress_bar_states(mo
     lines = capsys.readouterr().out.splitlines()
     expected = ["model: 10 parameters", "train 0/4", "held-out 2.5 bits/byte", "train 4/4", "done, no newline"]
     assert code == 3 and lines == [f"[r1] {x}" for x in expected] and tail == expected
+
+
+def test_a_run_written_before_a_since_checkpoints_key_existed_is_reused(tmp_path, launches):
+    """A finished run whose config.json lacks moe.shared_expert_gate (written before the key existed) is the same
+    config as today's at the key's default: reused, not moved aside and rerun."""
+    workdir = tmp_path / "run"
+    config, flags = runs.config_path("quickstart"), CASES["quickstart"]
+    old = _finished_run(workdir, config, flags, 40)
+    saved = json.loads((workdir / "config.json").read_text())
+    del saved["moe"]["shared_expert_gate"]
+    (workdir / "config.json").write_text(json.dumps(saved))
+    assert runs.run_or_reuse(config, str(workdir), flags, 40) == old
+    assert launches == []

@@ -142,7 +142,6 @@ DENSE_FIXED = Fixed("model.mlp", "swiglu", "only SwiGLU MLPs map")
 MOE_FIXED = (
     Fixed("moe.router", "softmax", "only a softmax router maps"),
     Fixed("moe.expert_mlp", "swiglu", "only SwiGLU experts map"),
-    Fixed("moe.shared_expert_size", 0, "no shared expert maps"),
 )
 """What every MoE architecture here fixes (checked by export before the architecture is chosen)."""
 
@@ -179,6 +178,13 @@ ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
 _BIAS = Key("attention_bias", "model.qkv_bias", default=False, also=("model.out_bias",), read=bool)
 _D_FF = Key("intermediate_size", "model.d_ff")
 _AUX = Key("router_aux_loss_coef", "moe.load_balance_weight", default=0.0, read=float)
+_NO_SHARED = (
+    Fixed("moe.shared_expert_size", 0, "a shared expert maps only to Qwen2-MoE (with its sigmoid gate)"),
+    Fixed("moe.shared_expert_gate", False, "a shared expert's gate maps only to Qwen2-MoE"),
+)
+SHARED_EXPERT = "shared_expert"
+"""The shared expert's module under the MoE block (Qwen2-MoE's; its sigmoid gate is `shared_expert_gate`), named
+like the dense MLP inside."""
 MLP_EXPERTS = ExpertNames(block="mlp", router="gate", gate="gate_proj", up="up_proj", down="down_proj")
 """Experts named like the dense MLP (Qwen3-MoE's): the default where a checkpoint's tensor names do not say."""
 
@@ -240,6 +246,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
             Fixed("model.qk_norm", False, "MixtralForCausalLM has no q/k norm"),
             Fixed("model.qkv_bias", False, "MixtralForCausalLM has no attention biases"),
             Fixed("model.out_bias", False, "MixtralForCausalLM has no attention biases"),
+            *_NO_SHARED,
         ),
         experts=ExpertNames(block="block_sparse_moe", router="gate", gate="w1", up="w3", down="w2"),
     ),
@@ -258,8 +265,32 @@ ARCHITECTURES: tuple[Architecture, ...] = (
             Key("decoder_sparse_step", "moe.every", default=1),
             Key("mlp_only_layers", "moe.dense_layers", default=(), read=_tuple, write=list),
         ),
-        fixed=(Fixed("model.qk_norm", True, "Qwen3-MoE has q/k norm"),),
+        fixed=(Fixed("model.qk_norm", True, "Qwen3-MoE has q/k norm"), *_NO_SHARED),
         chosen_by=("model.qk_norm",),
+        experts=MLP_EXPERTS,
+    ),
+    Architecture(
+        "Qwen2MoeForCausalLM",
+        "qwen2_moe",
+        moe=True,
+        keys=(
+            _D_FF,
+            _AUX,
+            Key("qkv_bias", "model.qkv_bias", default=True, read=bool),
+            Key("num_experts", "moe.num_experts"),
+            Key("num_experts_per_tok", "moe.top_k"),
+            Key("moe_intermediate_size", "moe.expert_size"),
+            Key("shared_expert_intermediate_size", "moe.shared_expert_size"),
+            Key("norm_topk_prob", "moe.normalize_gates", default=False, read=bool),
+            Key("decoder_sparse_step", "moe.every", default=1),
+            Key("mlp_only_layers", "moe.dense_layers", default=(), read=_tuple, write=list),
+        ),
+        fixed=(
+            Fixed("moe.shared_expert_gate", True, "Qwen2-MoE gates its shared expert"),
+            Fixed("model.out_bias", False, "Qwen2-MoE has no output bias"),
+            Fixed("model.qk_norm", False, "Qwen2-MoE has no q/k norm"),
+        ),
+        chosen_by=("moe.shared_expert_gate",),
         experts=MLP_EXPERTS,
     ),
 )

@@ -157,6 +157,12 @@ def layout(model: TransformerConfig, moe: MoEConfig, *, experts: arch_lib.Expert
                 (names.gate, names.up, names.down), ("gate", "up", "down"), ((size, d), (size, d), (d, size))
             ):
                 out.append(Entry(f"{prefix}.experts.{j}.{name}.weight", shape, f"{ours}.ffn.{ours_name}", True, j))
+        if moe.shared_expert_size:  # (Qwen2-MoE's: swiglu, named like the dense MLP)
+            s, shared = moe.shared_expert_size, f"{prefix}.{arch_lib.SHARED_EXPERT}"
+            for name, shape in (("gate", (s, d)), ("up", (s, d)), ("down", (d, s))):
+                out.append(Entry(f"{shared}.{name}_proj.weight", shape, f"{ours}.ffn.shared_{name}.kernel", True))
+            if moe.shared_expert_gate:
+                out.append(Entry(f"{shared}_gate.weight", (1, d), f"{ours}.ffn.shared_scale.kernel", True))
     return out
 
 
