@@ -106,6 +106,13 @@ class TransformerConfig:
     qkv_bias: bool = field(False, "biases on the query, key and value projections (Qwen2)")
     out_bias: bool = field(False, "a bias on the attention output projection")
     qk_norm: bool = field(False, "RMSNorm over each query and key head before RoPE, a learned scale per dim (Qwen3)")
+    qk_norm_over: str = field(
+        "head",
+        "with qk_norm: 'head' (each head of head_dim, one scale shared by the heads: Qwen3) or 'projection' (the "
+        "whole query and key projections, a scale per channel: OLMoE)",
+        choices=("head", "projection"),
+        since_checkpoints=True,
+    )
     d_ff: int = field(1024, "hidden width of the dense MLP", low=1)
     mlp: str = field(
         "swiglu",

@@ -180,7 +180,8 @@ class Attention(nnx.Module):
     """Multi-head / grouped-query self-attention with RoPE.
 
     q: [B, T, H, D], k, v: [B, T, K, D] (D = cfg.head_dim, which need not be d_model / H); optional q/k/v and
-    output biases, optional per-head RMSNorm of q and k before RoPE (Qwen3), optional Llama 3.1 RoPE scaling;
+    output biases, optional RMSNorm of q and k before RoPE (per head: Qwen3; over the whole projections: OLMoE),
+    optional Llama 3.1 RoPE scaling;
     output projection back to d_model.
     """
 
@@ -201,7 +202,11 @@ class Attention(nnx.Module):
             **common,
             std=cfg.init_std / math.sqrt(2 * cfg.num_layers),
         )
-        if cfg.qk_norm:  # one scale per head dimension, shared by the heads
+        self.norm_projection = cfg.qk_norm and cfg.qk_norm_over == "projection"
+        if self.norm_projection:  # over the whole projections (OLMoE): a scale per channel
+            self.q_norm = Norm(h * hd, cfg, kind="rmsnorm", axis="heads")
+            self.k_norm = Norm(kv * hd, cfg, kind="rmsnorm", axis="kv_heads")
+        elif cfg.qk_norm:  # one scale per head dimension, shared by the heads
             self.q_norm = Norm(hd, cfg, kind="rmsnorm", axis=None)
             self.k_norm = Norm(hd, cfg, kind="rmsnorm", axis=None)
         self.layer, self.num_heads, self.num_kv_heads, self.head_dim = layer, h, kv, hd
@@ -224,10 +229,13 @@ class Attention(nnx.Module):
     ):
         """x: [B, T, d_model], positions: [B, T]. Returns (y [B, T, d_model], cache)."""
         b, t, _ = x.shape
-        q = self.q(x, key=key).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k(x, key=key).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q, k = self.q(x, key=key), self.k(x, key=key)
+        if self.norm_projection:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(b, t, self.num_heads, self.head_dim)
+        k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v(x, key=key).reshape(b, t, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
+        if hasattr(self, "q_norm") and not self.norm_projection:
             q, k = self.q_norm(q), self.k_norm(k)
         q = attention_lib.rope(q, positions, self.rope_theta, self.rope_scaling)
         k = attention_lib.rope(k, positions, self.rope_theta, self.rope_scaling)

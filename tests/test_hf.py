@@ -44,7 +44,7 @@ from moe import placement as placement_lib
 from moe.config import MoEConfig
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
-NAMES = ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "mistral", "qwen2_moe"]
+NAMES = ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "mistral", "qwen2_moe", "olmoe"]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -155,6 +155,7 @@ EXPECTED: Mapping[str, tuple[Callable[[Any, Mapping[str, Any]], bool], str]] = {
     "sliding_window": (lambda v, hf: v is None or not hf.get("use_sliding_window", True), "no sliding window"),
     "use_sliding_window": (lambda v, hf: not v, "sliding-window attention is not implemented"),
     "router_jitter_noise": (lambda v, hf: not v, "router jitter is not implemented; use 0.0"),
+    "clip_qkv": (lambda v, hf: v is None, "clipping q/k/v is not implemented; use null"),
 }
 """config.json keys that must hold the one value we implement: (check(value, config.json), why not)."""
 
@@ -178,6 +179,7 @@ ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
 _BIAS = Key("attention_bias", "model.qkv_bias", default=False, also=("model.out_bias",), read=bool)
 _D_FF = Key("intermediate_size", "model.d_ff")
 _AUX = Key("router_aux_loss_coef", "moe.load_balance_weight", default=0.0, read=float)
+_PER_HEAD = Fixed("model.qk_norm_over", "head", "Qwen3's q/k norm is per head (over the projections: OLMoE)")
 _NO_SHARED = (
     Fixed("moe.shared_expert_size", 0, "a shared expert maps only to Qwen2-MoE (with its sigmoid gate)"),
     Fixed("moe.shared_expert_gate", False, "a shared expert's gate maps only to Qwen2-MoE"),
@@ -213,7 +215,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "qwen3",
         moe=False,
         keys=(_D_FF, _BIAS),
-        fixed=(Fixed("model.qk_norm", True, "Qwen3 has q/k norm"),),
+        fixed=(Fixed("model.qk_norm", True, "Qwen3 has q/k norm"), _PER_HEAD),
         chosen_by=("model.qk_norm",),
     ),
     Architecture(
@@ -265,7 +267,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
             Key("decoder_sparse_step", "moe.every", default=1),
             Key("mlp_only_layers", "moe.dense_layers", default=(), read=_tuple, write=list),
         ),
-        fixed=(Fixed("model.qk_norm", True, "Qwen3-MoE has q/k norm"), *_NO_SHARED),
+        fixed=(Fixed("model.qk_norm", True, "Qwen3-MoE has q/k norm"), _PER_HEAD, *_NO_SHARED),
         chosen_by=("model.qk_norm",),
         experts=MLP_EXPERTS,
     ),
@@ -291,6 +293,29 @@ ARCHITECTURES: tuple[Architecture, ...] = (
             Fixed("model.qk_norm", False, "Qwen2-MoE has no q/k norm"),
         ),
         chosen_by=("moe.shared_expert_gate",),
+        experts=MLP_EXPERTS,
+    ),
+    Architecture(
+        "OlmoeForCausalLM",
+        "olmoe",
+        moe=True,
+        keys=(
+            _BIAS,
+            _AUX,
+            Key("num_experts", "moe.num_experts"),
+            Key("num_experts_per_tok", "moe.top_k"),
+            Key("intermediate_size", "moe.expert_size"),
+            Key("intermediate_size", "model.d_ff", written=False),  # no OLMoE layer is dense
+            Key("norm_topk_prob", "moe.normalize_gates", default=False, read=bool),
+        ),
+        fixed=(
+            Fixed("model.qk_norm", True, "OLMoE has q/k norm"),
+            Fixed("model.qk_norm_over", "projection", "OLMoE's q/k norm is over the whole projections"),
+            Fixed("moe.every", 1, "OLMoE has experts in every layer"),
+            Fixed("moe.dense_layers", (), "OLMoE has no dense layers"),
+            *_NO_SHARED,
+        ),
+        chosen_by=("model.qk_norm_over",),
         experts=MLP_EXPERTS,
     ),
 )
@@ -339,6 +364,15 @@ def _qkv(name: str, heads: str) -> tuple[Tensor, Tensor]:
     )
 
 
+def _has_qk_norm(m: TransformerConfig) -> bool:
+    return m.qk_norm
+
+
+def _qk_norm(m: TransformerConfig, heads: int) -> tuple[int]:
+    """A q/k norm's scale: one per head dimension (Qwen3), or per channel of the `heads` heads' projection (OLMoE)."""
+    return (heads * m.head_dim,) if m.qk_norm_over == "projection" else (m.head_dim,)
+
+
 TOP = (
     Tensor("model.embed_tokens.weight", "embedding", lambda m: (m.vocab_size, m.d_model)),
     Tensor("model.norm.weight", "final_norm.scale", lambda m: (m.d_model,)),
@@ -356,8 +390,8 @@ LAYER = (
     ),
     Tensor("self_attn.o_proj.weight", "attn.o.kernel", lambda m: (m.d_model, m.num_heads * m.head_dim), True),
     Tensor("self_attn.o_proj.bias", "attn.o.bias", lambda m: (m.d_model,), present=lambda m: m.out_bias),
-    Tensor("self_attn.q_norm.weight", "attn.q_norm.scale", lambda m: (m.head_dim,), present=lambda m: m.qk_norm),
-    Tensor("self_attn.k_norm.weight", "attn.k_norm.scale", lambda m: (m.head_dim,), present=lambda m: m.qk_norm),
+    Tensor("self_attn.q_norm.weight", "attn.q_norm.scale", lambda m: _qk_norm(m, m.num_heads), present=_has_qk_norm),
+    Tensor("self_attn.k_norm.weight", "attn.k_norm.scale", lambda m: _qk_norm(m, m.num_kv_heads), present=_has_qk_norm),
 )
 """Every layer's tensors under `model.layers.{i}` <-> ours under `blocks.{i}`, but the FFN's."""
 
