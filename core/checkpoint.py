@@ -131,7 +131,7 @@ class Checkpointer:
             "provenance": _jsonable(dict(provenance or {})),
         }
         meta["sha256"] = _record_hash(meta)
-        self._check_space(step, sum(int(np.prod(np.shape(v))) * np.dtype(v.dtype).itemsize for v in flat.values()))
+        self._check_space(step, sum(v.nbytes for v in flat.values()))
         with self._writing(step):
             self._manager.save(
                 step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(meta))
@@ -300,11 +300,10 @@ def _existing(path: str) -> str:
 
 
 def _cause(e: Exception) -> str:
-    """What stopped a write, in one line: "No space left on device (file ...)" for a full disk."""
-    text = str(e)
-    if "No space left on device" in text or getattr(e, "errno", None) == errno.ENOSPC:
-        where = re.search(r'file "([^"]+)"', text)
-        return "No space left on device" + (f" (writing {where.group(1)})" if where else "")
+    """What stopped a write, in one line: "No space left on device" for a full disk (TensorStore's
+    RESOURCE_EXHAUSTED quotes the OS error), else the exception, shortened."""
+    if "No space left on device" in str(e) or getattr(e, "errno", None) == errno.ENOSPC:
+        return "No space left on device"
     return f"{type(e).__name__}: {_short(e)}"
 
 

@@ -202,11 +202,11 @@ class Attention(nnx.Module):
             **common,
             std=cfg.init_std / math.sqrt(2 * cfg.num_layers),
         )
-        self.norm_projection = cfg.qk_norm and cfg.qk_norm_over == "projection"
-        if self.norm_projection:  # over the whole projections (OLMoE): a scale per channel
+        self.qk_norm = cfg.qk_norm_over if cfg.qk_norm else None  # "head", "projection" or None
+        if self.qk_norm == "projection":  # over the whole projections (OLMoE): a scale per channel
             self.q_norm = Norm(h * hd, cfg, kind="rmsnorm", axis="heads")
             self.k_norm = Norm(kv * hd, cfg, kind="rmsnorm", axis="kv_heads")
-        elif cfg.qk_norm:  # one scale per head dimension, shared by the heads
+        elif self.qk_norm == "head":  # one scale per head dimension, shared by the heads
             self.q_norm = Norm(hd, cfg, kind="rmsnorm", axis=None)
             self.k_norm = Norm(hd, cfg, kind="rmsnorm", axis=None)
         self.layer, self.num_heads, self.num_kv_heads, self.head_dim = layer, h, kv, hd
@@ -230,12 +230,12 @@ class Attention(nnx.Module):
         """x: [B, T, d_model], positions: [B, T]. Returns (y [B, T, d_model], cache)."""
         b, t, _ = x.shape
         q, k = self.q(x, key=key), self.k(x, key=key)
-        if self.norm_projection:
+        if self.qk_norm == "projection":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(b, t, self.num_heads, self.head_dim)
         k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v(x, key=key).reshape(b, t, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm") and not self.norm_projection:
+        if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q = attention_lib.rope(q, positions, self.rope_theta, self.rope_scaling)
         k = attention_lib.rope(k, positions, self.rope_theta, self.rope_scaling)

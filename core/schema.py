@@ -43,6 +43,7 @@ __all__ = [
     "provenance",
     "section_fields",
     "unknown_key_error",
+    "without_new_defaults",
 ]
 
 
@@ -222,6 +223,14 @@ def fields_of(sections: Mapping[str, type]) -> Schema:
     return {name: section_fields(cls) for name, cls in sections.items()}
 
 
+def without_new_defaults(values: Mapping[str, Any], rules: Mapping[str, Field]) -> dict[str, Any]:
+    """A section's `values` less its `since_checkpoints` keys (`rules`: the section's Fields) at their default: what
+    a record written before those keys existed holds, so the two compare equal."""
+    return {
+        k: v for k, v in values.items() if not (k in rules and rules[k].since_checkpoints and v == rules[k].default)
+    }
+
+
 def checkpoint_compat(
     config: ml_collections.ConfigDict, sections: Mapping[str, type], data_fingerprint: str
 ) -> dict[str, Any]:
@@ -234,12 +243,7 @@ def checkpoint_compat(
         if keys is None:
             raise TypeError(f"config section {name!r} ({cls.__name__}) does not declare `compat`.")
         if keys is True:
-            rules = section_fields(cls)
-            facts[name] = {
-                k: v
-                for k, v in config[name].to_dict().items()
-                if not (k in rules and rules[k].since_checkpoints and v == rules[k].default)
-            }
+            facts[name] = without_new_defaults(config[name].to_dict(), section_fields(cls))
         elif keys:
             facts.update({f"{name}.{key}": config[name][key] for key in keys})
     return {**facts, "data": data_fingerprint}

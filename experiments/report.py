@@ -82,11 +82,20 @@ def run_settings(config: Mapping[str, Any]) -> str:
 def run_title(workdir: str) -> str:
     """The title of a run's plots: "run <workdir>" and, on a second line, `run_settings` of the workdir's
     config.json (the line is left out when there is no config.json)."""
+    return _title(workdir, _saved_config(workdir))
+
+
+def _saved_config(workdir: str) -> dict | None:
+    """The workdir's config.json, or None without one."""
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
-        return f"run {workdir}"
+        return None
     with open(path) as f:
-        return f"run {workdir}\n{run_settings(json.load(f))}"
+        return json.load(f)
+
+
+def _title(workdir: str, config: dict | None) -> str:
+    return f"run {workdir}" if config is None else f"run {workdir}\n{run_settings(config)}"
 
 
 def plot_loss_curve(metrics_path: str, out_path: str, *, title: str | None = None) -> None:
@@ -97,14 +106,9 @@ def plot_loss_curve(metrics_path: str, out_path: str, *, title: str | None = Non
     the left and the held-out bits per byte theirs on the right. The figure's title says which run it shows:
     `title`, by default `run_title` of the directory holding metrics.jsonl (its workdir)."""
     workdir = os.path.dirname(metrics_path) or "."
-    if title is None:
-        title = run_title(workdir)
-    config_path = os.path.join(workdir, "config.json")
-    if os.path.exists(config_path):
-        with open(config_path) as f:
-            byte_tokens = json.load(f).get("data", {}).get("tokenizer", "bytes") == "bytes"
-    else:
-        byte_tokens = True
+    saved = _saved_config(workdir)
+    title = _title(workdir, saved) if title is None else title
+    byte_tokens = saved is None or saved.get("data", {}).get("tokenizer", "bytes") == "bytes"
     with open(metrics_path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     train = [(r["step"], r["train_loss"] / LN2) for r in rows if "train_loss" in r]

@@ -352,7 +352,7 @@ def _run(config, workdir: str, hooks: Sequence[Callable[[int, dict[str, float]],
                 init_params=build.init_params(config),
                 **common,
             )
-    except (train_lib.NonFiniteLossError, checkpoint_lib.CheckpointError, workdir_lib.WriteError) as e:
+    except (train_lib.NonFiniteLossError, checkpoint_lib.CheckpointError) as e:  # (a WriteError: main's, exit 1 too)
         print(f"error: {e}", file=sys.stderr)
         return 1
     except train_lib.PeerLostError as e:

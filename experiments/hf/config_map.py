@@ -65,10 +65,8 @@ def from_hf(hf: Mapping[str, Any], *, source: str) -> dict[str, dict[str, Any]]:
         for ours in (mapped.ours, *mapped.also):
             value = mapped.read(default if present is None else present)
             section, key = ours.split(".")
-            rule = _FIELDS[section].get(key)
-            try:
-                if rule is not None:
-                    rule.check(ours, value)  # (its range: num_hidden_layers = -1 is no model)
+            try:  # our key's type and range: num_hidden_layers = -1 is no model
+                _FIELDS[section][key].check(ours, value)
             except schema_lib.ConfigError as e:
                 raise fail(mapped.hf, f"it maps to our {e}") from None
             put(ours, value)

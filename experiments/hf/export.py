@@ -13,7 +13,6 @@ raises `HFExportError` naming the config key and its value, before anything is w
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 from collections.abc import Mapping
@@ -193,14 +192,6 @@ def _staging(out_dir: str) -> str:
     return os.path.abspath(out_dir).rstrip(os.sep) + ".exporting"
 
 
-def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        value = json.load(f)
-    return value if isinstance(value, dict) else {}
-
-
 def _carry(source: str, out_dir: str) -> list[str]:
     """Copies `source`'s generation_config.json and chat template into `out_dir` (the template as
     chat_template.jinja, or into the exported tokenizer_config.json where the source kept it there). Returns the
@@ -210,10 +201,10 @@ def _carry(source: str, out_dir: str) -> list[str]:
         if os.path.isfile(os.path.join(source, name)):
             shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
             written.append(os.path.join(out_dir, name))
-    template = _read_json(os.path.join(source, tokenizer_lib.CONFIG_FILE)).get("chat_template")
+    template = hf_load.json_object(os.path.join(source, tokenizer_lib.CONFIG_FILE)).get("chat_template")
     if template is not None:
         path = os.path.join(out_dir, tokenizer_lib.CONFIG_FILE)
-        workdir_lib.write_json(path, {**_read_json(path), "chat_template": template})
+        workdir_lib.write_json(path, {**hf_load.json_object(path), "chat_template": template})
     return written
 
 

@@ -32,7 +32,7 @@ from core.model import Transformer, split_params
 from experiments.hf import config_map, weights
 from moe.config import MoEConfig
 
-__all__ = ["PREFIX", "apply_to", "hf_dir", "initial_params", "pretrained_model", "problem"]
+__all__ = ["PREFIX", "apply_to", "hf_dir", "initial_params", "json_object", "pretrained_model", "problem"]
 
 PREFIX = "hf:"
 """`checkpoint.init_from = "hf:DIR"` starts a run from the Hugging Face checkpoint in DIR."""
@@ -91,17 +91,18 @@ def source_config(config: ml_collections.ConfigDict) -> tuple[str | None, dict[s
     directory = init_from.removeprefix(PREFIX) if init_from.startswith(PREFIX) else ""
     if not directory or not os.path.isdir(directory):
         return None, {}
-    return directory, _config_json(directory)
+    return directory, json_object(os.path.join(directory, "config.json"))
 
 
-def _config_json(directory: str) -> dict[str, Any]:
-    """DIR's config.json as a dict; {} if it cannot be read or is no JSON object."""
+def json_object(path: str) -> dict[str, Any]:
+    """The JSON object in the file at `path`; {} if there is none, it cannot be read or is no JSON object (the
+    checkpoint files import or export read besides what they check)."""
     try:
-        with open(os.path.join(directory, "config.json")) as f:
-            hf = json.load(f)
+        with open(path) as f:
+            value = json.load(f)
     except (OSError, ValueError):
         return {}
-    return hf if isinstance(hf, dict) else {}
+    return value if isinstance(value, dict) else {}
 
 
 def context_length(config: ml_collections.ConfigDict) -> tuple[int, str]:
@@ -209,7 +210,7 @@ def _check_byte_vocabulary(directory: str, vocab_size: int) -> None:
             f"more than the byte tokenizer's 259 padded (at most {BYTE_VOCAB_LIMIT}): it was not trained on bytes; "
             + fix
         )
-    hf = _config_json(directory)
+    hf = json_object(os.path.join(directory, "config.json"))
     byte_ids = {"pad_token_id": 256, "bos_token_id": 257, "eos_token_id": 258}
     wrong = {k: hf[k] for k, v in byte_ids.items() if hf.get(k) is not None and hf[k] != v}
     if wrong:

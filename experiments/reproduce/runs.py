@@ -78,18 +78,19 @@ def _comparable(config: dict | None) -> dict | None:
     """`config` (a resolved config as config.json holds it) without the DISPLAY_ONLY keys, and without the keys added
     since runs were written (`since_checkpoints`) at their default: a run written before such a key existed still
     matches."""
-    from experiments import schema  # (imported where used: this module stays light)
+    from core import schema as schema_lib  # (imported where used: this module stays light)
+    from experiments import schema
 
     if config is None:
         return None
-    out = {section: dict(values) if isinstance(values, dict) else values for section, values in config.items()}
+    rules = schema.schema()
+    out = {
+        section: schema_lib.without_new_defaults(values, rules.get(section, {})) if isinstance(values, dict) else values
+        for section, values in config.items()
+    }
     for section, key in DISPLAY_ONLY:
         if isinstance(out.get(section), dict):
             out[section].pop(key, None)
-    for section, fields in schema.schema().items():
-        for key, rule in fields.items():
-            if rule.since_checkpoints and isinstance(out.get(section), dict) and out[section].get(key) == rule.default:
-                out[section].pop(key)
     return out
 
 
