@@ -25,6 +25,7 @@ from core import train as train_lib
 from core.data import Batches
 from experiments import build
 from experiments.hf import load as hf_load
+from moe import config as moe_config
 from moe import federation, reshuffle, rounds
 from moe.placement import Placement, fixed_placement, random_placement
 from moe.stepper import FederatedStepper
@@ -69,6 +70,8 @@ def train_federated(
         routing=f.routing,
         eval_batches=config.train.eval_batches,
         state_metrics=state_metrics,
+        wire=moe_config.wire_format(f),
+        error_feedback=f.error_feedback,
     )
     return train_lib.run(
         config, stepper, state, workdir=workdir, compat=compat, provenance=provenance, hooks=hooks, on_start=on_start
@@ -96,7 +99,9 @@ def initial_state(config: ml_collections.ConfigDict, mesh=None, *, pretrained: b
         global_model = hf_load.pretrained_model(config, model_fn())
     else:
         global_model = make()
-    graphdef, state = rounds.init_sites(global_model, site_model, placement, optimizer, outer, mesh, config.train.seed)
+    graphdef, state = rounds.init_sites(
+        global_model, site_model, placement, optimizer, outer, mesh, config.train.seed, error_feedback=f.error_feedback
+    )
     return graphdef, optimizer, outer, state
 
 

@@ -9,11 +9,21 @@ from typing import ClassVar
 
 import ml_collections
 
+from core.codec import FORMATS, ROUNDINGS, SCALES, WireFormat
 from core.config import Compat, ConfigError, field, rule_mesh_axes
 from moe.grouped_matmul import IMPLEMENTATIONS
 from moe.router import ROUTERS
 
-__all__ = ["DISPATCH", "EXPERT_MLPS", "ROUTING_MODES", "FoMoEConfig", "MoEConfig", "check", "check_fomoe"]
+__all__ = [
+    "DISPATCH",
+    "EXPERT_MLPS",
+    "ROUTING_MODES",
+    "FoMoEConfig",
+    "MoEConfig",
+    "check",
+    "check_fomoe",
+    "wire_format",
+]
 
 
 DISPATCH = ("dropless", "capacity")
@@ -170,6 +180,35 @@ class FoMoEConfig:
         "schedule's",
         low=1,
     )
+    sync_format: str = field(
+        "float32",
+        "what crosses the links at synchronisation: 'float32' (the exact mean), 'bf16', 'int8', 'fp4' (E2M1) or "
+        "'int4' (the uniform grid); low-bit formats send each site's change since the round's start, averaged in "
+        "float32 (moe.lowbit_sync)",
+        choices=FORMATS,
+        since_checkpoints=True,
+    )
+    sync_block: int = field(
+        32, "int8 / fp4 / int4 synchronisation: values per block scale (even for 4-bit)", low=1, since_checkpoints=True
+    )
+    sync_scale: str = field(
+        "ue8m0",
+        "int8 / fp4 / int4 synchronisation: block scale 'ue8m0' (a power of two, 1 byte) or 'fp32' (4 bytes)",
+        choices=SCALES,
+        since_checkpoints=True,
+    )
+    sync_rounding: str = field(
+        "nearest",
+        "low-bit synchronisation: 'nearest' (ties to even) or 'stochastic' (unbiased) rounding",
+        choices=ROUNDINGS,
+        since_checkpoints=True,
+    )
+    error_feedback: bool = field(
+        False,
+        "low-bit synchronisation: each site keeps what quantisation dropped and adds it to its next send "
+        "(checkpointed)",
+        since_checkpoints=True,
+    )
 
 
 def check_fomoe(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int] | None) -> None:
@@ -208,6 +247,7 @@ def check_fomoe(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int] | 
             f"{f.overlap} = {sites}): with a full replica every site hosts every expert and there "
             "is nothing to reshuffle. Use 'fixed'."
         )
+    _check_wire(config, expert)
     if config.train.steps % f.local_steps:
         below = config.train.steps // f.local_steps * f.local_steps
         fits = " or ".join(str(s) for s in (below, below + f.local_steps) if s > 0)
@@ -221,6 +261,34 @@ def check_fomoe(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int] | 
             f"config key 'data.batch_size' = {config.data.batch_size} must be divisible by "
             f"'mesh.site' = {sites} (each site trains on its share of the global batch)."
         )
+
+
+def wire_format(fomoe: ml_collections.ConfigDict) -> WireFormat:
+    """The synchronisation's core.codec.WireFormat from the section `fomoe`."""
+    return WireFormat(fomoe.sync_format, fomoe.sync_block, fomoe.sync_scale, fomoe.sync_rounding)
+
+
+def _check_wire(config: ml_collections.ConfigDict, expert: int) -> None:
+    """Low-bit synchronisation's keys against each other and the rest of the federation. Raises ConfigError."""
+    f = config.fomoe
+    if f.sync_format == "float32":
+        if f.error_feedback:
+            raise ConfigError(
+                "config key 'fomoe.error_feedback' = True needs a low-bit 'fomoe.sync_format' (got 'float32', which "
+                "drops nothing): set sync_format to 'bf16', 'int8', 'fp4' or 'int4', or error_feedback to False."
+            )
+        return
+    if f.sync_format in ("fp4", "int4") and f.sync_block % 2:
+        raise ConfigError(
+            f"config key 'fomoe.sync_block' = {f.sync_block} with 'fomoe.sync_format' = {f.sync_format!r}: two "
+            "4-bit codes share a byte, so a block holds an even number of values."
+        )
+    for key, value, allowed in (("mesh.expert", expert, 1), ("fomoe.placement", f.placement, "fixed")):
+        if value != allowed:
+            raise ConfigError(
+                f"config key {key!r} = {value!r} with 'fomoe.sync_format' = {f.sync_format!r}: low-bit "
+                f"synchronisation runs with {key} = {allowed!r}; set it so, or sync_format to 'float32'."
+            )
 
 
 def _check_site_experts(config: ml_collections.ConfigDict, expert: int) -> None:

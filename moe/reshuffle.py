@@ -152,7 +152,9 @@ def migrate(
       the new expert ids, expert-shaped optimizer leaves (moments, DiLoCo momentum) of kept experts moved to their
       new slot and of arrived experts zeroed, `ArrivalWarmupState.age` of arrived slots zeroed.
     """
-    train, outer_state = state
+    train, outer_state = state.train, state.outer
+    if state.feedback:
+        raise ValueError("a reshuffle does not move low-bit synchronisation's error feedback: use a fixed placement.")
     dims = expert_dims(train.params)
     spec = PartitionSpec(SITE_AXES)
 
@@ -200,7 +202,7 @@ def migrate(
     out = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 6, out_specs=(spec, spec))(
         train, outer_state, *plan_arrays
     )
-    return type(state)(*out)
+    return state._replace(train=out[0], outer=out[1])
 
 
 def _leaf_tree(dims, params):

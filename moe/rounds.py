@@ -10,6 +10,11 @@ steps are a `lax.scan`, and the synchronisation averages
     parameters start the next round;
   * "diloco": outer gradient Delta = theta_start - theta_avg and an outer Nesterov step (`optim.diloco_outer`);
     the inner AdamW state stays with each site.
+
+Low-bit synchronisation (`wire`, a core.codec.WireFormat other than float32): what a site sends is its change since
+the round's start (DiLoCo's outer gradient; LocalAdamW's parameter and moment deltas), quantised on the wire and
+averaged in float32 (moe.lowbit_sync); with `error_feedback` each site keeps what its encoding dropped, in
+FederatedState.feedback, and adds it to its next round's send.
 """
 
 from __future__ import annotations
@@ -24,11 +29,21 @@ import optax
 from flax import nnx
 
 from core import train as train_lib
+from core.codec import WireFormat
 from core.mesh import put_global
 from core.model import split_params
-from moe import federation
+from moe import federation, lowbit_sync
 
-__all__ = ["OUTER_METHODS", "FederatedState", "init_sites", "make_round", "make_round_parts", "site_batches"]
+__all__ = [
+    "OUTER_METHODS",
+    "FederatedState",
+    "init_sites",
+    "make_round",
+    "make_round_parts",
+    "round_start",
+    "site_batches",
+    "start_of",
+]
 
 OUTER_METHODS = ("local_adamw", "diloco")
 
@@ -36,10 +51,12 @@ OUTER_METHODS = ("local_adamw", "diloco")
 class FederatedState(NamedTuple):
     """train: the stacked per-site TrainState (its parameters are the synchronised ones a round starts from, its
     step counts the local steps done, K per round); outer: the outer optimizer's stacked state (DiLoCo momentum;
-    empty for LocalAdamW)."""
+    empty for LocalAdamW); feedback: low-bit synchronisation's error feedback, {"params": ..., "opt_state": ...}
+    float32 per site (moe.lowbit_sync.init_feedback; "opt_state" for LocalAdamW only), or () without it."""
 
     train: train_lib.TrainState
     outer: Any
+    feedback: Any = ()
 
 
 def init_sites(
@@ -50,6 +67,8 @@ def init_sites(
     outer: optax.GradientTransformation | None,
     mesh,
     seed: int,
+    *,
+    error_feedback: bool = False,
 ) -> tuple[Any, FederatedState]:
     """Every site's initial state from one model holding all experts, so replicas of an expert start equal.
 
@@ -59,6 +78,7 @@ def init_sites(
       placement: a `moe.placement.Placement`.
       outer: the outer optimizer for DiLoCo, or None.
       mesh: the site mesh, or None to leave the state on the default device (e.g. to restore a checkpoint into).
+      error_feedback: start low-bit synchronisation's error feedback (zeros; `make_round`'s wire and error_feedback).
     Returns:
       (site graphdef, FederatedState with every leaf's leading axis M sharded over the site mesh).
     """
@@ -70,7 +90,9 @@ def init_sites(
     keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.PRNGKey(seed), s))(jnp.arange(sites))
     train = train_lib.TrainState(jnp.zeros((sites,), jnp.int32), params, rest, jax.vmap(optimizer.init)(params), keys)
     outer_state = jax.vmap(outer.init)(params) if outer is not None else ()
-    state = FederatedState(train, outer_state)
+    state = FederatedState(train, outer_state, _init_feedback(optimizer, train, outer is None, placement.overlap))
+    if not error_feedback:
+        state = state._replace(feedback=())
     if mesh is None:
         return graphdef, state
     # each process places only its sites' slices: jax.device_put would send each process's whole copy to the others
@@ -86,16 +108,22 @@ def make_round(
     outer: optax.GradientTransformation | None = None,
     loss_fn: Callable = train_lib.lm_loss,
     state_metrics: train_lib.StateMetrics | None = None,
+    wire: WireFormat | None = None,
+    error_feedback: bool = False,
 ) -> jax.stages.Wrapped:
     """A jitted `(state, tokens [K, M, B_site, T + 1]) -> (state, metrics)`: K local steps on every site, then the
     synchronisation of `method`. Metrics are the train-step metrics of every step and site, [K, M] each (averaged
-    on the host, so the program's only cross-site collectives are the synchronisation's).
+    on the host, so the program's only cross-site collectives are the synchronisation's). `wire`: the wire format of
+    low-bit synchronisation (None or float32: today's exact mean); `error_feedback` keeps what it drops (the state
+    from `init_sites(..., error_feedback=True)`).
     """
-    local_steps, sync = _round_parts(graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics)
+    local_steps, sync = _round_parts(
+        graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics, wire, error_feedback
+    )
 
     def round_fn(state: FederatedState, tokens: jax.Array):
         train, metrics = local_steps(state.train, tokens)
-        return sync(state.train.params, state.outer, train), metrics
+        return sync(start_of(state.train, method, wire), state.outer, state.feedback, train), metrics
 
     return jax.jit(round_fn, donate_argnums=0)
 
@@ -109,47 +137,104 @@ def make_round_parts(
     outer: optax.GradientTransformation | None = None,
     loss_fn: Callable = train_lib.lm_loss,
     state_metrics: train_lib.StateMetrics | None = None,
+    wire: WireFormat | None = None,
+    error_feedback: bool = False,
 ) -> tuple[jax.stages.Wrapped, jax.stages.Wrapped]:
     """`make_round`'s round as two jitted programs, so that a driver can time its compute and its synchronisation
-    apart (experiments.federated); `sync(start, outer, *local(params, others, tokens)[:1])` is the round:
+    apart (experiments.federated); `sync(start, outer, feedback, *local(params, others, tokens)[:1])` is the round:
 
         local(params, others, tokens) -> (train, metrics)   K local steps; `others`: the TrainState, params None
-        sync(start, outer, train) -> FederatedState          the synchronisation; `start`: the parameters the round
-                                                             started from (DiLoCo's outer gradient), else None
+        sync(start, outer, feedback, train) -> FederatedState   the synchronisation; `start`: what the round started
+                                                             from that it needs (`round_start`), else None
 
-    Both donate what the round no longer needs (DiLoCo's `start` is kept through the local steps)."""
-    local_steps, sync = _round_parts(graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics)
-    local = jax.jit(
-        lambda params, others, tokens: local_steps(others._replace(params=params), tokens),
-        donate_argnums=(1,) if method == "diloco" else (0, 1),
+    Both donate what the round no longer needs (`start` is kept through the local steps)."""
+    local_steps, sync = _round_parts(
+        graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics, wire, error_feedback
     )
-    return local, jax.jit(sync, donate_argnums=(0, 1, 2))
+    kept = round_start(method, wire)
+    donated = (0, 1) if kept is None else (1,) if kept == "params" else ()
+    local = jax.jit(
+        lambda params, others, tokens: local_steps(others._replace(params=params), tokens), donate_argnums=donated
+    )
+    return local, jax.jit(sync, donate_argnums=(0, 1, 2, 3))
 
 
-def _round_parts(graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics) -> tuple[Callable, Callable]:
-    """(local_steps(train, tokens) -> (train, metrics), sync(start, outer_state, train) -> FederatedState)."""
+def round_start(method: str, wire: WireFormat | None) -> str | None:
+    """What the synchronisation needs of the state the round started from: "params" (DiLoCo's outer gradient, or
+    low-bit DiLoCo's deltas), "params_and_opt_state" (low-bit LocalAdamW: parameter and moment deltas), or None."""
+    if wire is not None and not wire.exact:
+        return "params" if method == "diloco" else "params_and_opt_state"
+    return "params" if method == "diloco" else None
+
+
+def start_of(train: train_lib.TrainState, method: str, wire: WireFormat | None):
+    """The part of `train` (the round's starting state) that the synchronisation needs (`round_start`), or None."""
+    kept = round_start(method, wire)
+    return None if kept is None else train.params if kept == "params" else (train.params, train.opt_state)
+
+
+def _init_feedback(optimizer, train: train_lib.TrainState, local_adamw: bool, overlap: int) -> dict[str, Any]:
+    sites = train.step.shape[0]
+    flags = federation.expert_flags(train.params)
+    out = {"params": lowbit_sync.init_feedback(train.params, flags, sites, overlap)}
+    if local_adamw:
+        moments = moment_flags(optimizer, train.opt_state, train.params)
+        out["opt_state"] = lowbit_sync.init_feedback(train.opt_state, moments, sites, overlap)
+    return out
+
+
+def _round_parts(
+    graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics, wire, error_feedback
+) -> tuple[Callable, Callable]:
+    """(local_steps(train, tokens) -> (train, metrics), sync(start, outer_state, feedback, train) -> FederatedState)."""
     if method not in OUTER_METHODS:
         raise ValueError(f"outer method = {method!r}; allowed: {list(OUTER_METHODS)}.")
     if (method == "diloco") != (outer is not None):
         raise ValueError("method 'diloco' needs its outer optimizer (optim.diloco_outer); 'local_adamw' takes none.")
+    lowbit = wire is not None and not wire.exact
+    if error_feedback and not lowbit:
+        raise ValueError("error_feedback needs a low-bit wire format: float32 synchronisation drops nothing.")
     step = train_lib.train_step_fn(graphdef, optimizer, loss_fn, state_metrics=state_metrics)
     # one site's K steps (tokens [K, B_site, T + 1]), on its own device (federation.per_site)
     local_steps = federation.per_site(lambda train, tokens: jax.lax.scan(step, train, tokens), mesh, (0, 1), (0, 1))
 
-    def sync(start: Any, outer_state: Any, train: train_lib.TrainState) -> FederatedState:
+    def sync(start: Any, outer_state: Any, feedback: Any, train: train_lib.TrainState) -> FederatedState:
         flags = federation.expert_flags(train.params)
-        averaged = federation.average(train.params, flags, mesh)
-        if method == "local_adamw":
-            opt_state = federation.average(
-                train.opt_state, moment_flags(optimizer, train.opt_state, train.params), mesh
+        moments = moment_flags(optimizer, train.opt_state, train.params)
+        if lowbit:
+            assert wire is not None
+            start_params, start_opt = (start, None) if method == "diloco" else start
+            # every site's own key, folded with the round (its step count): resumed runs repeat the draws
+            keys = jax.vmap(lambda k, t: jax.random.fold_in(jax.random.fold_in(k, 0x5EC0), t))(train.key, train.step)
+            fb = feedback or {}
+            averaged, fb_params = lowbit_sync.compressed_average(
+                train.params, start_params, flags, mesh, wire, keys, fb.get("params")
             )
+            new_feedback: Any = {"params": fb_params} if feedback else ()
+            if method == "local_adamw":
+                opt_state, fb_opt = lowbit_sync.compressed_average(
+                    train.opt_state,
+                    start_opt,
+                    moments,
+                    mesh,
+                    wire,
+                    jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys),
+                    fb.get("opt_state"),
+                )
+                if feedback:
+                    new_feedback["opt_state"] = fb_opt
+        else:
+            averaged, new_feedback = federation.average(train.params, flags, mesh), feedback
+            if method == "local_adamw":
+                opt_state = federation.average(train.opt_state, moments, mesh)
+        if method == "local_adamw":
             params = averaged
         else:
             assert outer is not None  # checked above: diloco has its outer optimizer
             delta = jax.tree.map(lambda s, a: s - a, start, averaged)
             updates, outer_state = jax.vmap(outer.update)(delta, outer_state, start)
             params, opt_state = optax.apply_updates(start, updates), train.opt_state
-        return FederatedState(train._replace(params=params, opt_state=opt_state), outer_state)
+        return FederatedState(train._replace(params=params, opt_state=opt_state), outer_state, new_feedback)
 
     return local_steps, sync
 
@@ -189,3 +274,38 @@ def topk_agreement(previous: np.ndarray, current: np.ndarray) -> float:
     previous, current = np.asarray(previous), np.asarray(current)
     same = (previous[..., :, None] == current[..., None, :]).any(-1)
     return float(same.mean())
+
+
+def routing_histograms(routes: np.ndarray, num_experts: int) -> np.ndarray:
+    """[M, L, N_e] float64: each site's and layer's share of the probe batch's expert choices per expert, from
+    `make_probe`'s routes [M, L, T, k] (global expert ids)."""
+    routes = np.asarray(routes)
+    m, layers = routes.shape[:2]
+    flat = routes.reshape(m * layers, -1)
+    counts = np.stack([np.bincount(row, minlength=num_experts) for row in flat]).astype(np.float64)
+    return (counts / counts.sum(-1, keepdims=True)).reshape(m, layers, num_experts)
+
+
+def _entropy(p: np.ndarray) -> np.ndarray:
+    return -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0), axis=-1)
+
+
+def routing_divergence(histograms: np.ndarray, groups) -> float:
+    """Jensen-Shannon divergence (nats) of the routing distributions of the sites of each group, the generalised form
+    H(mean_s p_s) - mean_s H(p_s) (0: the sites route alike; at most ln n for n sites), averaged over groups of more
+    than one site and layers; 0.0 when every group has one site. `groups`: site index arrays, e.g. the replica groups
+    (sites that route over the same experts) or all sites (skip-token: every site routes over every expert)."""
+    values = []
+    for g in groups:
+        if len(g) > 1:
+            p = histograms[np.asarray(g)]  # [n, L, N_e]
+            values.append(np.mean(_entropy(p.mean(0)) - _entropy(p).mean(0)))
+    return float(np.mean(values)) if values else 0.0
+
+
+def utilisation_entropy(histograms: np.ndarray, routed_over: int) -> float:
+    """Entropy of each site's and layer's expert utilisation over ln(`routed_over`), the experts it routes over
+    (1: every one of them equally used; 0: one expert takes every choice), averaged over sites and layers."""
+    if routed_over < 2:
+        return 1.0
+    return float(np.mean(_entropy(histograms)) / np.log(routed_over))

@@ -29,8 +29,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from core import hlo
 from core import train as train_lib
+from core.codec import WireFormat
 from core.data import Batches
-from moe import federation, reshuffle, system_model
+from moe import federation, lowbit_sync, reshuffle, system_model
 from moe import rounds as rounds_lib
 from moe.config import ROUTING_MODES
 from moe.placement import Placement
@@ -45,9 +46,14 @@ class FederatedStepper(train_lib.Stepper):
     ("bytes_per_site_per_round", read from the compiled program) and the routing stability:
     "routing/topk_agreement" of every site's routing on a fixed probe batch (the first held-out batch) after the round
     with its routing before it (the state the round started from: after a reshuffle, the migrated one, so a run
-    resumed from any checkpoint measures what an uninterrupted one does; a model without MoE layers has none), and
-    with skip-token the ideal ghost fraction 1 - N_le / N_e. With `reshuffle_every` > 0 (random placement) the
-    experts move to the next placement after every `reshuffle_every` rounds (a metric row of its own).
+    resumed from any checkpoint measures what an uninterrupted one does; a model without MoE layers has none);
+    "routing/js_divergence", the Jensen-Shannon divergence of the routing distributions of sites that route over the
+    same experts (the replica groups; with skip-token all sites), and "routing/utilisation_entropy", each site's
+    expert utilisation entropy over ln of the experts it routes over (moe.rounds); "sync/loss_jump", the mean over
+    sites of the probe batch's loss after the synchronisation minus before it (each site's own model), which shows
+    what averaging, compression or staleness costs; and with skip-token the ideal ghost fraction 1 - N_le / N_e.
+    With `reshuffle_every` > 0 (random placement) the experts move to the next placement after every
+    `reshuffle_every` rounds (a metric row of its own).
     Time: the local steps and the synchronisation are two programs, each waited for, so every round also reports
     "seconds/local_steps" and "seconds/sync" (means over processes; a site's synchronisation includes its wait for
     the slowest site) and "seconds/round" (process 0's whole round, host work included: batches, metrics, probe).
@@ -70,6 +76,8 @@ class FederatedStepper(train_lib.Stepper):
         fraction).
       eval_batches: held-out batches of `evaluate` (the first is the routing probe).
       state_metrics: what the optimizer state reports after a step (core.train.StateMetrics).
+      wire: low-bit synchronisation's core.codec.WireFormat (None: float32); `error_feedback` with it needs the
+        state's feedback (moe.rounds.init_sites(..., error_feedback=True)).
     Raises:
       ValueError naming the argument for a method, routing mode or count outside what is allowed.
     """
@@ -94,6 +102,8 @@ class FederatedStepper(train_lib.Stepper):
         routing: str = "partitioned",
         eval_batches: int = 1,
         state_metrics: train_lib.StateMetrics | None = None,
+        wire: WireFormat | None = None,
+        error_feedback: bool = False,
     ):
         _check(method=method, routing=routing, local_steps=local_steps, eval_batches=eval_batches)
         if reshuffle_every < 0:
@@ -104,8 +114,21 @@ class FederatedStepper(train_lib.Stepper):
         self.sites = sites = placement.sites
         tok = batches.tokenizer
         loss_fn = functools.partial(train_lib.lm_loss, pad_id=tok.pad_id)
+        if error_feedback != bool(state.feedback):
+            raise ValueError(
+                f"error_feedback = {error_feedback} but the state {'has' if state.feedback else 'has no'} error "
+                "feedback (moe.rounds.init_sites' error_feedback)."
+            )
         local_fn, sync_fn = rounds_lib.make_round_parts(
-            graphdef, optimizer, mesh, method=method, outer=outer, loss_fn=loss_fn, state_metrics=state_metrics
+            graphdef,
+            optimizer,
+            mesh,
+            method=method,
+            outer=outer,
+            loss_fn=loss_fn,
+            state_metrics=state_metrics,
+            wire=wire,
+            error_feedback=error_feedback,
         )
         eval_step = train_lib.make_eval_step(graphdef, byte_lengths=tok.byte_lengths, pad_id=tok.pad_id)
         self.eval_fn = jax.jit(federation.per_site(eval_step, mesh, (0, 0, None)))
@@ -118,11 +141,11 @@ class FederatedStepper(train_lib.Stepper):
         if jax.process_index() == 0:
             print(f"compiling the round ({k} local steps and their synchronisation; can take a minute) ...", flush=True)
         t0 = time.perf_counter()
-        self.start_kept = method == "diloco"  # DiLoCo's synchronisation needs the parameters the round started from
+        self.method, self.wire = method, wire  # what the synchronisation needs of the round's start (rounds_lib)
         others = state.train._replace(params=None)
         self.local_exec = local_fn.lower(state.train.params, others, tokens).compile()
-        start = state.train.params if self.start_kept else None
-        self.sync_exec = sync_fn.lower(start, state.outer, state.train).compile()
+        start = rounds_lib.start_of(state.train, method, wire)
+        self.sync_exec = sync_fn.lower(start, state.outer, state.feedback, state.train).compile()
         if jax.process_index() == 0:
             print(f"compiled the round in {time.perf_counter() - t0:.1f} s", flush=True)
         self.migrate_exec, self.plan_sharding = None, NamedSharding(mesh, PartitionSpec(federation.SITE_AXES))
@@ -145,6 +168,7 @@ class FederatedStepper(train_lib.Stepper):
             overlap=placement.overlap,
             method=method,
             reshuffle_every=reshuffle_every,
+            wire=wire,
         )
         tokens_per_step = batches.global_batch * batches.seq_len
         self.bytes_info["bytes_per_token"] = system_model.bytes_per_token(
@@ -157,6 +181,10 @@ class FederatedStepper(train_lib.Stepper):
         self.probe_tokens = self.val[0][:, :-1]
         self.routes: np.ndarray | None = None  # every site's routes on the probe batch in the current state
         self.ghosts = {"moe/ideal_ghost_fraction": placement.ideal_ghost_fraction} if routing == "skip_token" else {}
+        # routing health across sites: sites that route over the same experts (skip-token: all of them)
+        self.num_experts = placement.num_experts
+        self.routing_groups = [np.arange(sites)] if routing == "skip_token" else placement.replica_groups()
+        self.routed_over = placement.num_experts if routing == "skip_token" else placement.local_experts
         if jax.process_index() == 0:
             print(
                 f"federation: {sites} sites, O_e = {placement.overlap}, {placement.local_experts} of "
@@ -180,14 +208,18 @@ class FederatedStepper(train_lib.Stepper):
         local = rounds_lib.site_batches(local, self.sites // jax.process_count())
         tokens = jax.make_array_from_process_local_data(self.token_sharding, local, self.batch_shape)
         t0 = time.perf_counter()
-        start = state.train.params if self.start_kept else None
+        start = rounds_lib.start_of(state.train, self.method, self.wire)
         train, metrics = self.local_exec(state.train.params, state.train._replace(params=None), tokens)
         jax.block_until_ready(train)
         t1 = time.perf_counter()
-        state = self.sync_exec(start, state.outer, train)
+        before = self._probe_loss(train)  # the sites' own models on the probe batch, before synchronisation
+        t1_sync = time.perf_counter()
+        state = self.sync_exec(start, state.outer, state.feedback, train)
         jax.block_until_ready(state)
         t2 = time.perf_counter()
-        gathered = _host({"metrics": metrics, "seconds": np.array([[t1 - t0, t2 - t1]])})  # [processes, 2]
+        jump = float(np.mean(self._probe_loss(state.train) - before))
+        seconds = np.array([[t1 - t0, t2 - t1_sync]])  # (the probe is neither compute nor synchronisation)
+        gathered = _host({"metrics": metrics, "seconds": seconds})  # [processes, 2]
         means = {name: float(np.mean(v)) for name, v in gathered["metrics"].items()}
         local_seconds, sync_seconds = np.mean(gathered["seconds"], axis=0)
         routing = {}
@@ -195,11 +227,15 @@ class FederatedStepper(train_lib.Stepper):
             previous, self.routes = self.routes, self._probe(state)
             assert previous is not None  # probed before the round
             routing["routing/topk_agreement"] = rounds_lib.topk_agreement(previous, self.routes)
+            shares = rounds_lib.routing_histograms(self.routes, self.num_experts)
+            routing["routing/js_divergence"] = rounds_lib.routing_divergence(shares, self.routing_groups)
+            routing["routing/utilisation_entropy"] = rounds_lib.utilisation_entropy(shares, self.routed_over)
         return state, {
             "loss": means.pop("loss"),
             "grad_norm": means.pop("grad_norm"),
             "bytes_per_site_per_round": self.bytes_info["measured"],
             **routing,
+            "sync/loss_jump": jump,
             "seconds/local_steps": float(local_seconds),
             "seconds/sync": float(sync_seconds),
             "seconds/round": time.perf_counter() - t0,
@@ -241,6 +277,11 @@ class FederatedStepper(train_lib.Stepper):
             # site 0's own model (its resident experts, its routing), e.g. to sample from
             "final_state": jax.tree.map(lambda x: x[0], state.train) if jax.process_count() == 1 else None,
         }
+
+    def _probe_loss(self, train: train_lib.TrainState) -> np.ndarray:
+        """[M] every site's mean loss on the probe batch (the first held-out batch)."""
+        sums = _host(self.eval_fn(train.params, train.rest, self.val[0]))
+        return np.asarray(sums["nll_sum"], np.float64) / np.asarray(sums["tokens"])
 
     def _probe(self, state: rounds_lib.FederatedState) -> np.ndarray:
         assert self.probe_fn is not None  # a model with MoE layers
@@ -292,19 +333,31 @@ def round_bytes(
     overlap: int,
     method: str,
     reshuffle_every: int = 0,
+    wire: WireFormat | None = None,
 ) -> dict[str, float]:
     """Bytes per site per round, read from the compiled programs' collectives ("measured") and by the spec's
     formulas ("formula"; their inputs: the bytes of the parameters and of the optimizer state LocalAdamW averages,
     from the stacked `train` state's tree of `sites` sites). With random placement (`migrate_hlo`, the compiled
     migration) a reshuffle's bytes count 1 / reshuffle_every per round: measured, what the migration's all-gather moves
     ("migration_per_reshuffle"); by formula, the expected arrivals (P with gamma = 1 / reshuffle_every,
-    "migration_per_reshuffle_formula")."""
+    "migration_per_reshuffle_formula"). A low-bit `wire` counts values (4 bytes each in the formula's terms: what
+    moe.lowbit_sync quantises is float32)."""
     measured = federation.sync_bytes_per_site(round_hlo, mesh)["cross_site"]  # summed over a site's devices
-    dense, experts = _split_bytes(train.params, federation.expert_flags(train.params), sites)
-    state = _split_bytes(train.opt_state, rounds_lib.moment_flags(optimizer, train.opt_state, train.params), sites)
+    params_flags = federation.expert_flags(train.params)
+    state_flags = rounds_lib.moment_flags(optimizer, train.opt_state, train.params)
+    if wire is None or wire.exact:
+        dense, experts = _split_bytes(train.params, params_flags, sites)
+        state = _split_bytes(train.opt_state, state_flags, sites)
+    else:
+        count = {
+            name: lowbit_sync.group_values(tree, flags, sites, overlap)
+            for name, tree, flags in (("params", train.params, params_flags), ("state", train.opt_state, state_flags))
+        }
+        dense, experts = 4 * count["params"][False], 4 * count["params"][True]
+        state = (4 * count["state"][False], 4 * count["state"][True])
     gamma = 1.0 / reshuffle_every if migrate_hlo is not None else 0.0
     formula = system_model.sync_bytes(
-        dense, experts, sites, overlap, optimizer=method, migration=gamma, state_bytes=state
+        dense, experts, sites, overlap, optimizer=method, migration=gamma, state_bytes=state, wire=wire
     )["total"]
     out = {"measured": measured, "formula": formula}
     if migrate_hlo is not None:

@@ -12,6 +12,9 @@ Bytes per site per round (ring all-reduce; S = bytes of a parameter group):
     LocalAdamW averages parameters and both moments: x 3 (not P: arrived experts start with fresh moments, so a
     reshuffle moves weights only).      DDP: 2 (M - 1) / M * S_model every step.
     bytes per token: BPT = M * B_per_site / (K * global_batch_tokens).
+Low-bit synchronisation (moe.lowbit_sync, a core.codec.WireFormat of b bits, s-byte scales per G values): a group of
+n sites averaging N values moves 2 (n - 1) / n N' (b / 8 + s / G) per site, N' = N rounded up to a multiple of n G
+(the quantised mean's chunks), `wire_bytes`.
 `s_expert` holds both projections and, with the partitioned router, the expert's router row; with skip-token
 the router is dense (scores all experts) and is averaged with the dense parameters.
 
@@ -28,7 +31,10 @@ Decisions where the paper is silent (ours, used by the projections; every one is
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
+
+from core.codec import WireFormat
 
 __all__ = [
     "PAPER_MODELS",
@@ -46,6 +52,7 @@ __all__ = [
     "round_seconds",
     "sync_bytes",
     "training_hours",
+    "wire_bytes",
 ]
 
 BYTES_PER_PARAM = 4
@@ -134,6 +141,16 @@ def _ring(n: int) -> float:
     return 2.0 * (n - 1) / n
 
 
+def wire_bytes(values: float, group: int, wire: WireFormat | None = None) -> float:
+    """Bytes per site that averaging `values` values over a group of `group` sites moves: float32 (wire None or
+    float32) 2 (n - 1) / n 4 N; a low-bit `wire` 2 (n - 1) / n N' wire.bytes_per_value with N' = N rounded up to a
+    multiple of n x wire.unit (moe.lowbit_sync pads its buffer so). A group of one site moves nothing."""
+    if wire is None or wire.exact:
+        return _ring(group) * 4.0 * values
+    padded = math.ceil(values / (group * wire.unit)) * group * wire.unit
+    return _ring(group) * padded * wire.bytes_per_value
+
+
 def bytes_per_round(
     shape: ModelShape,
     sites: int,
@@ -143,6 +160,7 @@ def bytes_per_round(
     skip_token: bool = False,
     migration: float = 0.0,
     bytes_per_param: int = BYTES_PER_PARAM,
+    wire: WireFormat | None = None,
 ) -> dict[str, float]:
     """Bytes each site sends (and receives) per synchronisation round.
 
@@ -150,6 +168,7 @@ def bytes_per_round(
       optimizer: "diloco" (parameters only) or "local_adamw" (parameters and both moments: x 3).
       skip_token: the router is dense (synced with the dense parameters) instead of partitioned with the experts.
       migration: gamma in [0, 1], the fraction of experts reshuffled per round (0 = fixed placement).
+      wire: low-bit synchronisation's wire format (`sync_bytes`); None: parameters travel as `bytes_per_param`.
     Returns:
       {"dense", "sparse", "total"} in bytes per site per round.
     """
@@ -164,6 +183,7 @@ def bytes_per_round(
         overlap,
         optimizer=optimizer,
         migration=migration,
+        wire=wire,
     )
 
 
@@ -176,10 +196,15 @@ def sync_bytes(
     optimizer: str = "local_adamw",
     migration: float = 0.0,
     state_bytes: tuple[float, float] | None = None,
+    wire: WireFormat | None = None,
 ) -> dict[str, float]:
     """The communication formulas on given byte counts: `dense_bytes` = S_dense (the parameters every site
     averages over all M sites), `local_expert_bytes` = sum over layers of N_le s_expert (what a site averages over
     its O_e-site replica group).
+
+    With a low-bit `wire` the byte counts are read as float32 values (4 bytes each, the sites' master state) and
+    each of the (up to) four groups (dense and expert parameters, dense and expert optimizer state) is one quantised
+    mean of its own, `wire_bytes`; a reshuffle's migration still moves float32 weights.
 
     LocalAdamW also averages the optimizer state that mirrors the parameters: `state_bytes` = (dense, expert)
     bytes of it; by default AdamW's two moments, 2 x the parameters (Lion and Muon keep one momentum buffer per
@@ -192,10 +217,13 @@ def sync_bytes(
     dense_state, expert_state = (2 * dense_bytes, 2 * local_expert_bytes) if state_bytes is None else state_bytes
     if optimizer == "diloco":
         dense_state = expert_state = 0.0
-    dense = _ring(sites) * (dense_bytes + dense_state)
-    sparse = _ring(overlap) * (local_expert_bytes + expert_state) + migration * (1.0 - overlap / sites) * (
-        local_expert_bytes
-    )
+    if wire is None or wire.exact:
+        dense = _ring(sites) * (dense_bytes + dense_state)
+        sparse = _ring(overlap) * (local_expert_bytes + expert_state)
+    else:
+        dense = sum(wire_bytes(b / 4, sites, wire) for b in (dense_bytes, dense_state) if b)
+        sparse = sum(wire_bytes(b / 4, overlap, wire) for b in (local_expert_bytes, expert_state) if b)
+    sparse += migration * (1.0 - overlap / sites) * local_expert_bytes
     return {"dense": dense, "sparse": sparse, "total": dense + sparse}
 
 

@@ -285,6 +285,28 @@ def test_topk_agreement_and_probe_routes():
         assert set(routes[s].ravel()) <= set(placement.experts[s])
 
 
+def test_routing_divergence_and_utilisation_entropy_against_scipy():
+    """On random routes of 4 sites, 2 layers: each site's expert shares are its choice counts; the divergence of two
+    sites is scipy's Jensen-Shannon distance squared (nats), of four the generalised form; the utilisation entropy is
+    scipy's entropy over ln N; sites that route alike diverge by 0, and one expert taking every choice has entropy 0."""
+    from scipy.spatial.distance import jensenshannon
+    from scipy.stats import entropy
+
+    rng = np.random.default_rng(5)
+    routes = rng.integers(0, 6, size=(4, 2, 50, 2))
+    shares = rounds.routing_histograms(routes, 6)
+    counts = np.bincount(routes[2, 1].ravel(), minlength=6)
+    np.testing.assert_allclose(shares[2, 1], counts / counts.sum())
+    pair = np.mean([jensenshannon(shares[0, layer], shares[1, layer]) ** 2 for layer in range(2)])
+    assert rounds.routing_divergence(shares, [np.array([0, 1]), np.array([2])]) == pytest.approx(pair, rel=1e-10)
+    mixed = [entropy(shares[:, layer].mean(0)) - np.mean([entropy(p) for p in shares[:, layer]]) for layer in range(2)]
+    assert rounds.routing_divergence(shares, [np.arange(4)]) == pytest.approx(np.mean(mixed), rel=1e-10)
+    assert rounds.routing_divergence(shares[[0, 0]], [np.array([0, 1])]) == 0.0
+    want = np.mean([entropy(p) for p in shares.reshape(-1, 6)]) / np.log(6)
+    assert rounds.utilisation_entropy(shares, 6) == pytest.approx(want, rel=1e-10)
+    assert rounds.utilisation_entropy(rounds.routing_histograms(np.zeros((1, 1, 9, 1), int), 6), 6) == 0.0
+
+
 @pytest.mark.parametrize(
     "overrides, needle",
     [
