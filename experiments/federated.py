@@ -72,6 +72,7 @@ def train_federated(
         state_metrics=state_metrics,
         wire=moe_config.wire_format(f),
         error_feedback=f.error_feedback,
+        second_moments=f.second_moments,
     )
     return train_lib.run(
         config, stepper, state, workdir=workdir, compat=compat, provenance=provenance, hooks=hooks, on_start=on_start

@@ -7,11 +7,20 @@
 The command's arguments are parsed and checked here; the processes are started and supervised by
 experiments.cluster.supervisor (what every process runs, how a failure, a stop signal or the launcher's death reaches
 the others, and the exit code: its docstring, printed by --help). Exit code 2 for bad arguments.
+
+`--elastic` (a federated run, one site per process): when a site's process dies (killed by a signal) and the others
+stop, the run goes on without it by itself: its last checkpoint is regrouped onto the surviving sites
+(`python -m experiments.elastic`: every expert kept; with fomoe.overlap = 1 the lost site's experts are refused by name
+unless --reinitialise-lost-experts) and the survivors are started again with the new mesh.site, fomoe.overlap and
+data.batch_size, resuming from that checkpoint; this repeats while two sites are left. A process that exits with an
+error (a diverged loss, a bad config) stops the run as without --elastic.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 
 from experiments.cluster import supervisor
@@ -46,6 +55,17 @@ def main(argv: list[str] | None = None, *, module: str = "experiments.run") -> i
         "<this command>`, with the coordination service on the hub's address: the processes talk over the "
         "rate-limited links only",
     )
+    parser.add_argument(
+        "--elastic",
+        action="store_true",
+        help="a federated run goes on without a site whose process dies: regrouped from its last checkpoint onto "
+        "the survivors and started again (see above)",
+    )
+    parser.add_argument(
+        "--reinitialise-lost-experts",
+        action="store_true",
+        help="with --elastic: experts that died with their site (fomoe.overlap = 1) start afresh instead of stopping",
+    )
     args = parser.parse_args(own)
     if args.processes < 1:
         parser.error(f"--processes={args.processes}: must be >= 1")
@@ -63,7 +83,60 @@ def main(argv: list[str] | None = None, *, module: str = "experiments.run") -> i
             netns, host = supervisor.site_network(args.processes)
         except ValueError as e:
             parser.error(str(e))
-    return supervisor.launch(args.processes, args.devices_per_process, run_args, module=module, netns=netns, host=host)
+    if not args.elastic:
+        return supervisor.launch(
+            args.processes, args.devices_per_process, run_args, module=module, netns=netns, host=host
+        )
+    workdir = _flag(run_args, "--workdir")
+    if workdir is None:
+        parser.error("--elastic regroups the run's checkpoints: give its --workdir in the run arguments")
+    if args.devices_per_process != 1:
+        parser.error(f"--elastic: --devices-per-process={args.devices_per_process}; one site per process (1)")
+    return _elastic(args.processes, run_args, workdir, args.reinitialise_lost_experts, module, netns, host)
+
+
+def _flag(run_args: list[str], name: str) -> str | None:
+    """The value of `name` in the run arguments (`--name value` or `--name=value`; the last one counts)."""
+    value = None
+    for i, a in enumerate(run_args):
+        if a == name and i + 1 < len(run_args):
+            value = run_args[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def _elastic(processes, run_args, workdir, reinitialise, module, netns, host) -> int:
+    """`supervisor.launch`, started again on the survivors after each site death (module docstring)."""
+    run_args = list(run_args)
+    while True:
+        report: dict = {}
+        code = supervisor.launch(
+            processes, 1, run_args, module=module, netns=netns[:processes], host=host, report=report
+        )
+        lost = report.get("first_failed")
+        if code == 0 or report.get("stopped_by") is not None or lost is None:
+            return code
+        if report["codes"][lost] >= 0:  # exited with an error: not a lost site
+            print(f"launch: --elastic: process {lost} exited with status {report['codes'][lost]}, not a lost "
+                  "site; stopping", flush=True)  # fmt: skip
+            return code
+        if processes - 1 < 2:
+            print("launch: --elastic: one site left; a federation needs two, stopping", flush=True)
+            return code
+        cmd = [sys.executable, "-m", "experiments.elastic", "--workdir", workdir, "--sites", str(processes - 1)]
+        cmd += ["--lost", str(lost), "--json"] + (["--reinitialise-lost-experts"] if reinitialise else [])
+        print(f"launch: --elastic: site {lost} was lost; regrouping {workdir} onto {processes - 1} sites", flush=True)
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if out.returncode:
+            errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+            print(f"launch: --elastic: cannot go on: {(errors or out.stderr.splitlines() or ['?'])[-1]}", flush=True)
+            return code
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        for line in result["description"].splitlines():
+            print(f"launch: --elastic: {line}", flush=True)
+        run_args += result["flags"]
+        processes -= 1
 
 
 if __name__ == "__main__":

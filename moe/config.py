@@ -203,6 +203,13 @@ class FoMoEConfig:
         choices=ROUNDINGS,
         since_checkpoints=True,
     )
+    second_moments: str = field(
+        "sent",
+        "LocalAdamW's second moments: 'sent' (in sync_format when that is float32 or bf16; as bf16 under int8 / fp4 / "
+        "int4, whose block scales would round a small one to zero or below) or 'local' (each site keeps its own)",
+        choices=("sent", "local"),
+        since_checkpoints=True,
+    )
     error_feedback: bool = field(
         False,
         "low-bit synchronisation: each site keeps what quantisation dropped and adds it to its next send "

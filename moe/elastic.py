@@ -116,7 +116,9 @@ def regroup(
       reinitialise_lost: experts no survivor hosts take `like`'s values instead of being refused.
     Returns:
       (the M'-site FederatedState as NumPy arrays, a report: "lost_experts", "sources" (new site -> old source),
-      "copied" ({new site: {expert: old site}}) for experts a site did not host before, "joined" (new sites)).
+      "copied" ({new site: {expert: old site}}) for experts a site did not host before, "joined" (new sites),
+      "shipped_bytes" ({new site: bytes it receives}: the experts it did not host and their optimizer state; a
+      joiner's whole state but its fresh key and feedback)).
     Raises:
       LostExpertsError naming the experts that died with their sites (unless `reinitialise_lost`); ValueError for
       survivors outside the old sites or a placement of other experts.
@@ -156,6 +158,8 @@ def regroup(
                 copied.setdefault(s, {})[int(e)] = src
     slot = {(s, int(e)): j for s in range(before.sites) for j, e in enumerate(before.experts[s])}
     fresh_flat = checkpoint.flatten(like)
+    joined = list(range(len(survivors), after.sites))
+    shipped = dict.fromkeys(range(after.sites), 0)  # bytes a new site receives that it did not hold
     out = []
     for (key, value), mark in zip(fresh_flat.items(), _marks(like, optimizer, outer)):
         fresh = np.asarray(value)
@@ -167,6 +171,8 @@ def regroup(
             out.append(np.stack([source[sources[s]] if s < len(survivors) else fresh[s] for s in range(after.sites)]))
         elif mark == -1:
             out.append(np.stack([source[sources[s]] for s in range(after.sites)]).astype(fresh.dtype))
+            for s in joined:
+                shipped[s] += out[-1][s].nbytes
         else:
             sites = []
             for s in range(after.sites):
@@ -176,6 +182,8 @@ def regroup(
                     take = fresh[s] if src is None else source[src]
                     index = j if src is None else slot[(src, int(e))]
                     columns.append(np.take(take, index, axis=mark))
+                    if src is not None and (src != sources[s] or s in joined):
+                        shipped[s] += columns[-1].nbytes
                 sites.append(np.stack(columns, axis=mark))
             out.append(np.stack(sites).astype(fresh.dtype))
     state = jax.tree.unflatten(jax.tree.structure(like), out)
@@ -183,6 +191,7 @@ def regroup(
         "lost_experts": sorted(dead),
         "sources": sources,
         "copied": copied,
-        "joined": list(range(len(survivors), after.sites)),
+        "joined": joined,
+        "shipped_bytes": shipped,
     }
     return state, report

@@ -110,15 +110,17 @@ def make_round(
     state_metrics: train_lib.StateMetrics | None = None,
     wire: WireFormat | None = None,
     error_feedback: bool = False,
+    second_moments: str = "sent",
 ) -> jax.stages.Wrapped:
     """A jitted `(state, tokens [K, M, B_site, T + 1]) -> (state, metrics)`: K local steps on every site, then the
     synchronisation of `method`. Metrics are the train-step metrics of every step and site, [K, M] each (averaged
     on the host, so the program's only cross-site collectives are the synchronisation's). `wire`: the wire format of
     low-bit synchronisation (None or float32: today's exact mean); `error_feedback` keeps what it drops (the state
-    from `init_sites(..., error_feedback=True)`).
+    from `init_sites(..., error_feedback=True)`). `second_moments`: LocalAdamW's second moments "sent" (as
+    `second_moment_wire` says) or kept "local" to each site.
     """
     local_steps, sync = _round_parts(
-        graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics, wire, error_feedback
+        graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics, wire, error_feedback, second_moments
     )
 
     def round_fn(state: FederatedState, tokens: jax.Array):
@@ -139,6 +141,7 @@ def make_round_parts(
     state_metrics: train_lib.StateMetrics | None = None,
     wire: WireFormat | None = None,
     error_feedback: bool = False,
+    second_moments: str = "sent",
 ) -> tuple[jax.stages.Wrapped, jax.stages.Wrapped]:
     """`make_round`'s round as two jitted programs, so that a driver can time its compute and its synchronisation
     apart (experiments.federated); `sync(start, outer, feedback, *local(params, others, tokens)[:1])` is the round:
@@ -149,7 +152,7 @@ def make_round_parts(
 
     Both donate what the round no longer needs (`start` is kept through the local steps)."""
     local_steps, sync = _round_parts(
-        graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics, wire, error_feedback
+        graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics, wire, error_feedback, second_moments
     )
     kept = round_start(method, wire)
     donated = (0, 1) if kept is None else (1,) if kept == "params" else ()
@@ -174,17 +177,50 @@ def start_of(train: train_lib.TrainState, method: str, wire: WireFormat | None):
 
 
 def _init_feedback(optimizer, train: train_lib.TrainState, local_adamw: bool, overlap: int) -> dict[str, Any]:
+    """Error feedback for the parameters and (LocalAdamW) the first moments: second moments travel in a per-element
+    format or not at all (`second_moment_wire`)."""
     sites = train.step.shape[0]
     flags = federation.expert_flags(train.params)
     out = {"params": lowbit_sync.init_feedback(train.params, flags, sites, overlap)}
     if local_adamw:
-        moments = moment_flags(optimizer, train.opt_state, train.params)
-        out["opt_state"] = lowbit_sync.init_feedback(train.opt_state, moments, sites, overlap)
+        first, _ = split_second_moments(moment_flags(optimizer, train.opt_state, train.params), train.opt_state)
+        out["opt_state"] = lowbit_sync.init_feedback(train.opt_state, first, sites, overlap)
     return out
 
 
+SECOND_MOMENTS = ("sent", "local")
+SECOND_MOMENT_FIELDS = ("nu", "nu_max")  # optax's and optim's names of Adam's second moment (and AMSGrad's max)
+
+
+def split_second_moments(flags: Any, opt_state: Any) -> tuple[Any, Any]:
+    """`moment_flags`' tree split in two: (every flag but the second moments', None there; the second moments' flags
+    alone). A second moment is a leaf under a state field named in SECOND_MOMENT_FIELDS (optax.ScaleByAdamState.nu,
+    optim's HFAdamState.nu): positive, with a dynamic range a block scale cannot hold."""
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(opt_state)[0]]
+    leaves = federation.leaf_flags(flags, opt_state)
+    is_second = [any(getattr(k, "name", None) in SECOND_MOMENT_FIELDS for k in p) for p in paths]
+    treedef = jax.tree.structure(opt_state)
+    first = jax.tree.unflatten(treedef, [None if n else f for f, n in zip(leaves, is_second)])
+    second = jax.tree.unflatten(treedef, [f if n else None for f, n in zip(leaves, is_second)])
+    return first, second
+
+
+def second_moment_wire(wire: WireFormat | None, second_moments: str) -> WireFormat | None:
+    """How LocalAdamW's second moments travel: not at all ("local": each site keeps its own); else in the sync
+    format when that is per-element (float32, bf16), and as bf16 under a block format (int8, fp4, int4): a block
+    scale set by the block's largest value would round a small second moment's change to zero or below zero, and
+    Adam divides by its square root (int8 LocalAdamW diverged so)."""
+    if second_moments not in SECOND_MOMENTS:
+        raise ValueError(f"second_moments = {second_moments!r}; allowed: {list(SECOND_MOMENTS)}.")
+    if second_moments == "local":
+        return None
+    if wire is None or not wire.scaled:
+        return wire or WireFormat("float32")
+    return WireFormat("bf16")
+
+
 def _round_parts(
-    graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics, wire, error_feedback
+    graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics, wire, error_feedback, second_moments
 ) -> tuple[Callable, Callable]:
     """(local_steps(train, tokens) -> (train, metrics), sync(start, outer_state, feedback, train) -> FederatedState)."""
     if method not in OUTER_METHODS:
@@ -201,6 +237,8 @@ def _round_parts(
     def sync(start: Any, outer_state: Any, feedback: Any, train: train_lib.TrainState) -> FederatedState:
         flags = federation.expert_flags(train.params)
         moments = moment_flags(optimizer, train.opt_state, train.params)
+        first, second = split_second_moments(moments, train.opt_state)
+        nu_wire = second_moment_wire(wire, second_moments)
         if lowbit:
             assert wire is not None
             start_params, start_opt = (start, None) if method == "diloco" else start
@@ -212,21 +250,20 @@ def _round_parts(
             )
             new_feedback: Any = {"params": fb_params} if feedback else ()
             if method == "local_adamw":
+                moment_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys)
                 opt_state, fb_opt = lowbit_sync.compressed_average(
-                    train.opt_state,
-                    start_opt,
-                    moments,
-                    mesh,
-                    wire,
-                    jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys),
-                    fb.get("opt_state"),
+                    train.opt_state, start_opt, first, mesh, wire, moment_keys, fb.get("opt_state")
                 )
+                if nu_wire is not None:  # second moments in a per-element format, after the first moments
+                    opt_state, _ = lowbit_sync.compressed_average(
+                        opt_state, start_opt, second, mesh, nu_wire, moment_keys, None
+                    )
                 if feedback:
                     new_feedback["opt_state"] = fb_opt
         else:
             averaged, new_feedback = federation.average(train.params, flags, mesh), feedback
             if method == "local_adamw":
-                opt_state = federation.average(train.opt_state, moments, mesh)
+                opt_state = federation.average(train.opt_state, first if nu_wire is None else moments, mesh)
         if method == "local_adamw":
             params = averaged
         else:

@@ -78,6 +78,7 @@ class FederatedStepper(train_lib.Stepper):
       state_metrics: what the optimizer state reports after a step (core.train.StateMetrics).
       wire: low-bit synchronisation's core.codec.WireFormat (None: float32); `error_feedback` with it needs the
         state's feedback (moe.rounds.init_sites(..., error_feedback=True)).
+      second_moments: LocalAdamW's second moments "sent" or kept "local" (moe.rounds.second_moment_wire).
     Raises:
       ValueError naming the argument for a method, routing mode or count outside what is allowed.
     """
@@ -104,6 +105,7 @@ class FederatedStepper(train_lib.Stepper):
         state_metrics: train_lib.StateMetrics | None = None,
         wire: WireFormat | None = None,
         error_feedback: bool = False,
+        second_moments: str = "sent",
     ):
         _check(method=method, routing=routing, local_steps=local_steps, eval_batches=eval_batches)
         if reshuffle_every < 0:
@@ -129,6 +131,7 @@ class FederatedStepper(train_lib.Stepper):
             state_metrics=state_metrics,
             wire=wire,
             error_feedback=error_feedback,
+            second_moments=second_moments,
         )
         eval_step = train_lib.make_eval_step(graphdef, byte_lengths=tok.byte_lengths, pad_id=tok.pad_id)
         self.eval_fn = jax.jit(federation.per_site(eval_step, mesh, (0, 0, None)))
@@ -169,6 +172,7 @@ class FederatedStepper(train_lib.Stepper):
             method=method,
             reshuffle_every=reshuffle_every,
             wire=wire,
+            second_moments=second_moments,
         )
         tokens_per_step = batches.global_batch * batches.seq_len
         self.bytes_info["bytes_per_token"] = system_model.bytes_per_token(
@@ -334,6 +338,7 @@ def round_bytes(
     method: str,
     reshuffle_every: int = 0,
     wire: WireFormat | None = None,
+    second_moments: str = "sent",
 ) -> dict[str, float]:
     """Bytes per site per round, read from the compiled programs' collectives ("measured") and by the spec's
     formulas ("formula"; their inputs: the bytes of the parameters and of the optimizer state LocalAdamW averages,
@@ -344,21 +349,32 @@ def round_bytes(
     moe.lowbit_sync quantises is float32)."""
     measured = federation.sync_bytes_per_site(round_hlo, mesh)["cross_site"]  # summed over a site's devices
     params_flags = federation.expert_flags(train.params)
-    state_flags = rounds_lib.moment_flags(optimizer, train.opt_state, train.params)
-    if wire is None or wire.exact:
-        dense, experts = _split_bytes(train.params, params_flags, sites)
-        state = _split_bytes(train.opt_state, state_flags, sites)
-    else:
-        count = {
-            name: lowbit_sync.group_values(tree, flags, sites, overlap)
-            for name, tree, flags in (("params", train.params, params_flags), ("state", train.opt_state, state_flags))
-        }
-        dense, experts = 4 * count["params"][False], 4 * count["params"][True]
-        state = (4 * count["state"][False], 4 * count["state"][True])
+    first, second = rounds_lib.split_second_moments(
+        rounds_lib.moment_flags(optimizer, train.opt_state, train.params), train.opt_state
+    )
+    nu_wire = rounds_lib.second_moment_wire(wire, second_moments) if method == "local_adamw" else None
     gamma = 1.0 / reshuffle_every if migrate_hlo is not None else 0.0
-    formula = system_model.sync_bytes(
-        dense, experts, sites, overlap, optimizer=method, migration=gamma, state_bytes=state, wire=wire
-    )["total"]
+    dense, experts = _split_bytes(train.params, params_flags, sites)
+    if wire is None or wire.exact:
+        state = tuple(
+            a + b
+            for a, b in zip(
+                _split_bytes(train.opt_state, first, sites),
+                _split_bytes(train.opt_state, second if nu_wire else None, sites),
+            )
+        )
+        formula = system_model.sync_bytes(
+            dense, experts, sites, overlap, optimizer=method, migration=gamma, state_bytes=state
+        )["total"]
+    else:  # one quantised mean per group: parameters, first moments, second moments (moe.rounds)
+        groups = [(train.params, params_flags, wire)]
+        if method == "local_adamw":
+            groups += [(train.opt_state, first, wire)] + ([(train.opt_state, second, nu_wire)] if nu_wire else [])
+        formula = 0.0
+        for tree, flags, fmt in groups:
+            count = lowbit_sync.group_values(tree, flags, sites, overlap)
+            formula += system_model.wire_bytes(count[False], sites, fmt)
+            formula += system_model.wire_bytes(count[True], overlap, fmt)
     out = {"measured": measured, "formula": formula}
     if migrate_hlo is not None:
         out["migration_per_reshuffle"] = hlo.collective_bytes(migrate_hlo)["bytes_per_device"]

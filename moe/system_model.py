@@ -161,6 +161,7 @@ def bytes_per_round(
     migration: float = 0.0,
     bytes_per_param: int = BYTES_PER_PARAM,
     wire: WireFormat | None = None,
+    second_moments: str = "sent",
 ) -> dict[str, float]:
     """Bytes each site sends (and receives) per synchronisation round.
 
@@ -184,6 +185,7 @@ def bytes_per_round(
         optimizer=optimizer,
         migration=migration,
         wire=wire,
+        second_moments=second_moments,
     )
 
 
@@ -197,14 +199,16 @@ def sync_bytes(
     migration: float = 0.0,
     state_bytes: tuple[float, float] | None = None,
     wire: WireFormat | None = None,
+    second_moments: str = "sent",
 ) -> dict[str, float]:
     """The communication formulas on given byte counts: `dense_bytes` = S_dense (the parameters every site
     averages over all M sites), `local_expert_bytes` = sum over layers of N_le s_expert (what a site averages over
     its O_e-site replica group).
 
     With a low-bit `wire` the byte counts are read as float32 values (4 bytes each, the sites' master state) and
-    each of the (up to) four groups (dense and expert parameters, dense and expert optimizer state) is one quantised
-    mean of its own, `wire_bytes`; a reshuffle's migration still moves float32 weights.
+    each group (dense and expert parameters; dense and expert first and second moments, Adam's state halves) is one
+    quantised mean of its own, `wire_bytes`; second moments travel as bf16 under a block format, or not at all with
+    `second_moments` = "local" (moe.rounds.second_moment_wire); a reshuffle's migration still moves float32 weights.
 
     LocalAdamW also averages the optimizer state that mirrors the parameters: `state_bytes` = (dense, expert)
     bytes of it; by default AdamW's two moments, 2 x the parameters (Lion and Muon keep one momentum buffer per
@@ -215,14 +219,21 @@ def sync_bytes(
     if not 0.0 <= migration <= 1.0:
         raise ValueError(f"migration gamma = {migration} must be in [0, 1].")
     dense_state, expert_state = (2 * dense_bytes, 2 * local_expert_bytes) if state_bytes is None else state_bytes
+    if second_moments == "local" and (wire is None or wire.exact):  # Adam's state halves: nu stays on each site
+        dense_state, expert_state = dense_state / 2, expert_state / 2
     if optimizer == "diloco":
         dense_state = expert_state = 0.0
     if wire is None or wire.exact:
         dense = _ring(sites) * (dense_bytes + dense_state)
         sparse = _ring(overlap) * (local_expert_bytes + expert_state)
     else:
-        dense = sum(wire_bytes(b / 4, sites, wire) for b in (dense_bytes, dense_state) if b)
-        sparse = sum(wire_bytes(b / 4, overlap, wire) for b in (local_expert_bytes, expert_state) if b)
+        nu_wire = None if second_moments == "local" else wire if not wire.scaled else WireFormat("bf16")
+
+        def group(n: int, params: float, state: float) -> float:  # parameters, first and second moments
+            total = wire_bytes(params / 4, n, wire) + wire_bytes(state / 8, n, wire)
+            return total + (wire_bytes(state / 8, n, nu_wire) if nu_wire is not None else 0.0)
+
+        dense, sparse = group(sites, dense_bytes, dense_state), group(overlap, local_expert_bytes, expert_state)
     sparse += migration * (1.0 - overlap / sites) * local_expert_bytes
     return {"dense": dense, "sparse": sparse, "total": dense + sparse}
 

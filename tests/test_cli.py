@@ -387,6 +387,35 @@ def test_low_bit_synchronisation_with_error_feedback_resumes_exactly(tmp_path):
         assert 0 < row["routing/utilisation_entropy"] <= 1
 
 
+def test_a_federation_that_lost_a_site_is_regrouped_and_finishes_on_the_survivors(tmp_path, capsys):
+    """4 sites (O_e = 2, K = 3) stop after round 1; `experiments.elastic` regroups the checkpoint onto the 3 left (site
+    2 lost; O_e 2 -> 3: every expert kept), and the run, rerun with the flags it prints, resumes from step 3 and
+    finishes on 3 sites; the 4-site checkpoints are kept and history.jsonl records the regrouping. Refused: a lost
+    site outside the run's, and a run without a checkpoint (each named)."""
+    from experiments import elastic
+
+    args = [*FEDERATED[:-3], "--config.train.steps=6", "--config.train.eval_every=6", "--config.sample.num_tokens=0"]
+    args.append("--config.checkpoint.every=3")
+    work = tmp_path / "fed"
+    with pytest.raises(Crash):
+        _run(work, *args, hooks=[_crash_at(3)])
+    assert elastic.main(["--workdir", str(work), "--sites", "3", "--lost", "7"]) == 2
+    assert "--lost [7]: the run's sites are 0..3" in capsys.readouterr().err
+    assert elastic.main(["--workdir", str(work), "--sites", "3", "--lost", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "4 -> 3 sites, O_e 2 -> 3; lost site 2" in out and "every expert kept" in out, out
+    flags = out.split("rerun with: ")[1].split()
+    assert flags == ["--config.mesh.site=3", "--config.fomoe.overlap=3", "--config.data.batch_size=6"]
+    summary = _run(work, *args, *flags)
+    assert summary["resumed_from"] == 3 and summary["steps"] == 6 and math.isfinite(summary["val_loss"])
+    assert json.loads((work / "config.json").read_text())["mesh"]["site"] == 3
+    assert (work / "checkpoints.sites-4").is_dir()
+    history = [json.loads(line) for line in (work / "history.jsonl").read_text().splitlines()]
+    assert history[-1]["regrouped"]["lost"] == [2] and history[-1]["regrouped"]["overlap"] == 3
+    assert elastic.main(["--workdir", str(tmp_path / "none"), "--sites", "3"]) == 2
+    assert "config.json" in capsys.readouterr().err
+
+
 def test_a_federation_of_a_dense_model_trains_without_a_routing_probe(tmp_path):
     """moe.every = 0 under mesh.site > 1 (the quickstart's dense variant): the sites train full replicas with
     LocalAdamW rounds; there is no routing to probe (no routing metric), and the round moves the formula's bytes."""
@@ -532,3 +561,37 @@ def test_sites_as_processes_train_like_virtual_devices_and_survive_a_lost_site(t
         rounds = b["rounds"] - b["resumed_from"] // 3
         sent = [site["tx_wire_bytes"] for site in json.loads(report.read_text())["counters"]]
         assert min(sent) >= rounds * b["bytes_per_site_per_round"], (sent, rounds, b["bytes_per_site_per_round"])
+
+
+def test_an_elastic_launch_goes_on_without_a_killed_site(tmp_path):
+    """`experiments.launch --elastic` with 3 sites (full replicas, K = 3): killing site 1's process after the first
+    round's checkpoint, the launcher regroups that checkpoint onto the 2 survivors (O_e 3 -> 2: every expert kept),
+    says so, starts them again, and the run finishes on 2 sites from the checkpoint, without a manual step."""
+    args = [
+        "--config.mesh.site=3",
+        "--config.mesh.data=1",
+        "--config.fomoe.overlap=3",
+        "--config.fomoe.local_steps=3",
+        "--config.data.batch_size=6",
+        "--config.train.steps=9",
+        "--config.train.eval_every=9",
+        "--config.checkpoint.every=3",
+        "--config.sample.num_tokens=0",
+    ]
+    work = tmp_path / "elastic"
+    command = _launch(work, *args)
+    command[3:5] = ["--processes", "3", "--elastic"]
+    first = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while not (work / "checkpoints" / "3").exists():
+        assert first.poll() is None, first.communicate()[0]
+        assert time.time() < deadline
+        time.sleep(0.05)
+    os.kill(_child_running(first.pid, "--config.mesh.process_id=1"), signal.SIGKILL)
+    out = first.communicate(timeout=400)[0]
+    assert first.returncode == 0, out
+    assert "launch: --elastic: site 1 was lost; regrouping" in out, out
+    assert "3 -> 2 sites, O_e 3 -> 2; lost site 1" in out and "every expert kept" in out, out
+    assert out.rstrip().endswith("launch: exit codes [0, 0]"), out[-2000:]
+    summary = json.loads((work / "summary.json").read_text())
+    assert summary["resumed_from"] == 3 and summary["steps"] == 9 and summary["devices"].startswith("2 x")

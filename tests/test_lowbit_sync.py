@@ -202,13 +202,15 @@ def test_the_quantised_mean_and_its_error_feedback_follow_the_algorithm(name, sc
 
 
 @pytest.mark.parametrize(
-    "method, name",
-    [("local_adamw", "bf16"), ("local_adamw", "fp4"), ("diloco", "int8")],  # (int4: fp4's layout)
-)
-def test_a_low_bit_rounds_cross_site_bytes_are_exactly_the_formula(method, name):
+    "method, name, second_moments",
+    [("local_adamw", "bf16", "sent"), ("local_adamw", "fp4", "sent"), ("local_adamw", "int8", "local"),
+     ("diloco", "int8", "sent")],  # (int4: fp4's layout)
+)  # fmt: skip
+def test_a_low_bit_rounds_cross_site_bytes_are_exactly_the_formula(method, name, second_moments):
     """The compiled round (K local steps and the quantised synchronisation, error feedback on) moves across sites
-    exactly moe.system_model.sync_bytes with the wire format (ragged leaves padded to whole chunks), and the
-    state it returns carries the feedback, non-zero after one round."""
+    exactly the formula's bytes with the wire format (ragged leaves padded to whole chunks; LocalAdamW's second
+    moments as bf16 under a block format, or not at all), and the state it returns carries the feedback, non-zero
+    after one round; the second moments stay non-negative (a block format would round small ones below zero)."""
     optimizer = optax.adamw(1e-2)
     outer = diloco_outer() if method == "diloco" else None
     placement, mesh = fixed_placement(8, SITES, 2), federation.site_mesh(SITES, 2)
@@ -223,16 +225,28 @@ def test_a_low_bit_rounds_cross_site_bytes_are_exactly_the_formula(method, name)
         error_feedback=True,
     )
     wire = WireFormat(name, 32, "ue8m0", "stochastic")
-    round_fn = rounds.make_round(graphdef, optimizer, mesh, method=method, outer=outer, wire=wire, error_feedback=True)
+    round_fn = rounds.make_round(
+        graphdef, optimizer, mesh, method=method, outer=outer, wire=wire, error_feedback=True,
+        second_moments=second_moments,
+    )  # fmt: skip
     tokens = jnp.asarray(np.random.default_rng(4).integers(0, 256, size=(2, SITES, 2, 9)), jnp.int32)
     compiled = round_fn.lower(state, tokens).compile()
     text = compiled.as_text()
     assert text is not None  # the CPU backend gives the compiled program's text
-    info = round_bytes(text, None, optimizer, state.train, mesh, sites=SITES, overlap=2, method=method, wire=wire)
-    full = round_bytes(text, None, optimizer, state.train, mesh, sites=SITES, overlap=2, method=method)
+    kwargs = dict(sites=SITES, overlap=2, method=method, second_moments=second_moments)
+    info = round_bytes(text, None, optimizer, state.train, mesh, wire=wire, **kwargs)
+    full = round_bytes(text, None, optimizer, state.train, mesh, **kwargs)
     assert info["measured"] == info["formula"] > 0
-    assert full["formula"] / info["formula"] == pytest.approx(4 / wire.bytes_per_value, rel=0.02)
+    # every value at the wire's bytes but, under a block format, the second moments' (a third of them) at bf16's
+    nu_share = 1 / 3 if method == "local_adamw" and second_moments == "sent" and wire.scaled else 0.0
+    per_value = (1 - nu_share) * wire.bytes_per_value + nu_share * 2
+    assert full["formula"] / info["formula"] == pytest.approx(4 / per_value, rel=0.02)
     new, metrics = compiled(state, tokens)
     assert np.isfinite(metrics["loss"]).all()
     assert set(new.feedback) == ({"params"} if method == "diloco" else {"params", "opt_state"})
     assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(new.feedback)) > 0
+    if method == "local_adamw":
+        nu = jax.tree.leaves(new.train.opt_state[0].nu)
+        assert all(float(x.min()) >= 0 for x in nu)
+        up = np.asarray(new.train.opt_state[0].nu["blocks"][0]["ffn"]["up"].get_value())
+        assert (up[0] == up[2]).all() == (second_moments == "sent")  # sites 0 and 2 are one replica group

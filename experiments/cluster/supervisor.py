@@ -192,10 +192,13 @@ def launch(
     module: str = "experiments.run",
     netns: Sequence[str] = (),
     host: str = "127.0.0.1",
+    report: dict | None = None,
 ) -> int:
     """Runs `processes` processes of `python -m <module> <run_args> --config.mesh.*` with `devices_per_process`
     CPU devices each, supervises them and returns the launcher's exit code (module docstring). `netns`: each
     process's network namespace and `host` the coordinator's (`site_network()`; none: this namespace, 127.0.0.1).
+    `report`, if given, receives "first_failed" (the index of the first process seen failing, or None),
+    "stopped_by" (the signal that stopped the launcher, or None) and "codes" (every process's Popen return code).
     `module` is the program every process runs; tests point it at a cheap stand-in. Call it from the main thread:
     it installs handlers for SIGTERM, SIGINT and SIGHUP (restored on return)."""
     port = free_port(host)
@@ -259,6 +262,8 @@ def launch(
         for s, handler in previous.items():
             signal.signal(s, handler)
     print(f"launch: exit codes [{', '.join(_shown(p.returncode) for p in procs)}]", flush=True)
+    if report is not None:
+        report.update(first_failed=first_failed, stopped_by=stopped_by, codes=[p.returncode for p in procs])
     if stopped_by is not None:
         return 128 + stopped_by
     return 0 if first_failed is None else process.exit_status(procs[first_failed].returncode)
@@ -272,20 +277,23 @@ def _supervise(
     (a line on their `notices` pipe). Stops the children on a stop signal (in `received`, appended by the handlers)
     or `GRACE_SECONDS` after the first failure: SIGTERM, then SIGKILL after `STOP_GRACE_SECONDS` or at a second stop
     signal. Returns the stop signal that stopped the launcher (or None) and the index of the first process seen
-    failing (or None)."""
+    failing (or None; of several seen at once, one killed by a signal: the others failed because it died)."""
     stopped_by: int | None = None
     failure: tuple[int, float] | None = None  # the first process seen failing, and when
     term_sent_at: float | None = None
     killed = noticed = False
     while True:
         now = time.monotonic()
+        failed_now = []
         for i, p in enumerate(procs):
             if codes[i] is None and p.poll() is not None:
                 codes[i] = p.returncode
                 if p.returncode < 0:
                     print(f"launch: process {i} was killed by signal {process.signal_name(-p.returncode)}", flush=True)
-                if p.returncode and failure is None:
-                    failure = i, now
+                if p.returncode:
+                    failed_now.append(i)
+        if failed_now and failure is None:  # seen together: one killed by a signal is what made the others fail
+            failure = min(failed_now, key=lambda i: (codes[i] >= 0, i)), now  # type: ignore[operator]
         if all(c is not None for c in codes):
             return stopped_by, None if failure is None else failure[0]
         if stopped_by is None and failure is not None and not noticed and now - failure[1] > NOTICE_SECONDS:

@@ -7,7 +7,8 @@ Trains experiments/configs/fomoe.py (d_model 128, 4 layers, 8 experts top-2) at 
 spec's ratio setting), fixed placement, on the same tokens for `--steps` steps, once per seed (`train.seed`: the
 initialisation and the sites' rounding draws; the data order is the corpus's), with LocalAdamW rounds whose
 synchronisation sends float32 (the exact mean), bf16, int8 or fp4 (E2M1), the low-bit ones with UE8M0 scales per 32
-values and nearest rounding, with and without error feedback, and with DiLoCo rounds in float32 and fp4 with error
+values and nearest rounding, with and without error feedback (LocalAdamW's second moments as bf16 under a block
+format, moe.rounds.second_moment_wire, or kept on each site), and with DiLoCo rounds in float32 and fp4 with error
 feedback; plus DDP on 4 devices (gradients all-reduced every step; one seed, for its bytes and loss). Each run is
 `python -m experiments.run` with 4 virtual CPU devices in `<out>/runs/sync_<method>_s<seed>`, reused when finished.
 
@@ -28,16 +29,17 @@ from experiments.reproduce import runs
 
 CONFIG = runs.config_path("fomoe")
 SITES, OVERLAP, K = 4, 2, 32
-# name: (label, fomoe.outer, fomoe.sync_format, fomoe.error_feedback)
+# name: (label, fomoe.outer, fomoe.sync_format, fomoe.error_feedback, fomoe.second_moments)
 METHODS = {
-    "f32": ("LocalAdamW, float32", "local_adamw", "float32", False),
-    "bf16": ("LocalAdamW, bf16", "local_adamw", "bf16", False),
-    "int8": ("LocalAdamW, int8", "local_adamw", "int8", False),
-    "int8_ef": ("LocalAdamW, int8 + error feedback", "local_adamw", "int8", True),
-    "fp4": ("LocalAdamW, fp4", "local_adamw", "fp4", False),
-    "fp4_ef": ("LocalAdamW, fp4 + error feedback", "local_adamw", "fp4", True),
-    "diloco_f32": ("DiLoCo, float32", "diloco", "float32", False),
-    "diloco_fp4_ef": ("DiLoCo, fp4 + error feedback", "diloco", "fp4", True),
+    "f32": ("LocalAdamW, float32", "local_adamw", "float32", False, "sent"),
+    "bf16": ("LocalAdamW, bf16", "local_adamw", "bf16", False, "sent"),
+    "int8": ("LocalAdamW, int8 (second moments bf16)", "local_adamw", "int8", False, "sent"),
+    "int8_ef": ("LocalAdamW, int8 + error feedback (second moments bf16)", "local_adamw", "int8", True, "sent"),
+    "fp4": ("LocalAdamW, fp4 (second moments bf16)", "local_adamw", "fp4", False, "sent"),
+    "fp4_ef": ("LocalAdamW, fp4 + error feedback (second moments bf16)", "local_adamw", "fp4", True, "sent"),
+    "fp4_ef_local": ("LocalAdamW, fp4 + error feedback, second moments local", "local_adamw", "fp4", True, "local"),
+    "diloco_f32": ("DiLoCo, float32", "diloco", "float32", False, "sent"),
+    "diloco_fp4_ef": ("DiLoCo, fp4 + error feedback", "diloco", "fp4", True, "sent"),
 }
 
 
@@ -46,7 +48,7 @@ def flags(method: str, seed: int, steps: int) -> list[str]:
     out = [f"--config.train.eval_every={steps}", f"--config.train.seed={seed}"]
     if method == "ddp":
         return out + ["--config.mesh.site=1", f"--config.mesh.data={SITES}"]
-    _, outer, fmt, feedback = METHODS[method]
+    _, outer, fmt, feedback, second = METHODS[method]
     return out + [
         f"--config.mesh.site={SITES}",
         "--config.mesh.data=1",
@@ -55,6 +57,7 @@ def flags(method: str, seed: int, steps: int) -> list[str]:
         f"--config.fomoe.outer={outer}",
         f"--config.fomoe.sync_format={fmt}",
         f"--config.fomoe.error_feedback={feedback}",
+        f"--config.fomoe.second_moments={second}",
     ]
 
 
@@ -70,7 +73,7 @@ def rows(summaries: dict[str, dict[int, dict]], ddp: dict) -> list[dict]:
     low, high = min(f32_losses), max(f32_losses)
     out = []
     for method, by_seed in summaries.items():
-        label, outer, fmt, feedback = METHODS[method]
+        label, outer, fmt, feedback, second = METHODS[method]
         first = next(iter(by_seed.values()))
         reference = next(iter(summaries["f32" if outer == "local_adamw" else "diloco_f32"].values()))
         losses = [s["val_loss"] for s in by_seed.values()]  # in the order of the seeds
@@ -82,6 +85,7 @@ def rows(summaries: dict[str, dict[int, dict]], ddp: dict) -> list[dict]:
                 "outer": outer,
                 "sync_format": fmt,
                 "error_feedback": feedback,
+                "second_moments": second,
                 "bytes_per_round": first["bytes_per_site_per_round"],
                 "bytes_per_round_formula": first["bytes_per_site_per_round_formula"],
                 "vs_float32": reference["bytes_per_site_per_round"] / first["bytes_per_site_per_round"],
