@@ -356,13 +356,8 @@ def round_bytes(
     gamma = 1.0 / reshuffle_every if migrate_hlo is not None else 0.0
     dense, experts = _split_bytes(train.params, params_flags, sites)
     if wire is None or wire.exact:
-        state = tuple(
-            a + b
-            for a, b in zip(
-                _split_bytes(train.opt_state, first, sites),
-                _split_bytes(train.opt_state, second if nu_wire else None, sites),
-            )
-        )
+        (d1, e1), (d2, e2) = (_split_bytes(train.opt_state, f, sites) for f in (first, second if nu_wire else None))
+        state = (float(d1 + d2), float(e1 + e2))
         formula = system_model.sync_bytes(
             dense, experts, sites, overlap, optimizer=method, migration=gamma, state_bytes=state
         )["total"]
