@@ -304,16 +304,16 @@ def round_seconds(
     peak_flops: float = SITE_PEAK_FLOPS,
     mfu: float = 0.4,
     overlap_fraction: float = 0.0,
+    hidden: bool = False,
 ) -> dict[str, float]:
     """t_comp = F_token * tokens_per_step / (MFU * peak) per local step; t_comm = bytes / bandwidth + latency;
-    a round takes K t_comp + (1 - overlap) t_comm. `tokens_per_step` is one site's tokens per step."""
+    a round takes K t_comp + (1 - overlap) t_comm, or with the synchronisation `hidden` behind the next round's
+    local steps (one round late, Streaming DiLoCo's overlap) max(K t_comp, t_comm): a round is never shorter than its
+    transfer. `tokens_per_step` is one site's tokens per step."""
     t_comp = flops_per_token * tokens_per_step / (mfu * peak_flops)
     t_comm = 8.0 * round_bytes / bandwidth_bits_per_second + latency_seconds
-    return {
-        "compute": local_steps * t_comp,
-        "communication": t_comm,
-        "total": local_steps * t_comp + (1.0 - overlap_fraction) * t_comm,
-    }
+    total = max(local_steps * t_comp, t_comm) if hidden else local_steps * t_comp + (1.0 - overlap_fraction) * t_comm
+    return {"compute": local_steps * t_comp, "communication": t_comm, "total": total}
 
 
 def training_hours(rounds: float, seconds_per_round: float) -> float:
@@ -347,14 +347,21 @@ def project(
     peak_flops: float = SITE_PEAK_FLOPS,
     mfu: float = 0.4,
     latency_seconds: float = 0.05,
+    wire: WireFormat | None = None,
+    second_moments: str = "sent",
+    hidden: bool = False,
 ) -> list[Projection]:
-    """Training time and traffic of FoMoE at each overlap, and of DDP, at each bandwidth (module decisions)."""
+    """Training time and traffic of FoMoE at each overlap, and of DDP, at each bandwidth (module decisions); FoMoE's
+    synchronisation in `wire` (low-bit: `sync_bytes`) and, with `hidden`, behind the next round's compute
+    (`round_seconds`). DDP stays float32 and blocking."""
     total_tokens = tokens_per_active_param * active_params(shape)
     steps = total_tokens / global_batch_tokens
     rows = []
     for gbps in bandwidths_gbps:
         for o in overlaps:
-            b = bytes_per_round(shape, sites, o, optimizer=optimizer, skip_token=skip_token)["total"]
+            b = bytes_per_round(
+                shape, sites, o, optimizer=optimizer, skip_token=skip_token, wire=wire, second_moments=second_moments
+            )["total"]
             f = flops_per_token(shape, sites, o, skip_token=skip_token)["total"]
             t = round_seconds(
                 flops_per_token=f,
@@ -365,6 +372,7 @@ def project(
                 latency_seconds=latency_seconds,
                 peak_flops=peak_flops,
                 mfu=mfu,
+                hidden=hidden,
             )
             rounds = steps / local_steps
             rows.append(

@@ -182,3 +182,27 @@ def test_projection_orders_methods_as_the_formulas_say():
         assert all(a.memory_gib_per_site < b.memory_gib_per_site for a, b in itertools.pairwise(fomoe))
         assert by[("DDP", 32, gbps)].hours > fomoe[-1].hours  # DDP syncs every step: 32x the rounds
     assert by[("FoMoE", 4, 1)].hours > by[("FoMoE", 4, 100)].hours
+
+
+def test_low_bit_synchronisation_and_hidden_rounds_by_hand():
+    """wire_bytes pads to whole chunks of n x G values: 1000 values over 4 sites in fp4 with UE8M0 scales per 32 are
+    1024 padded values, 2 x 3/4 x 1024 x (0.5 + 1/32) bytes; LocalAdamW's state (Adam: two moments) sends its first
+    half in the wire format and its second (the second moments) as bf16, or nothing with second_moments = "local";
+    a hidden round takes max(compute, transfer)."""
+    from core.codec import WireFormat
+
+    fp4 = WireFormat("fp4", 32, "ue8m0")
+    assert sm.wire_bytes(1000, 4, fp4) == 2 * 3 / 4 * 1024 * (0.5 + 1 / 32)
+    assert sm.wire_bytes(1000, 4) == 2 * 3 / 4 * 4000 and sm.wire_bytes(1000, 1, fp4) == 0
+    got = sm.sync_bytes(4000, 2000, 4, 2, optimizer="local_adamw", wire=fp4)
+    dense = sm.wire_bytes(1000, 4, fp4) + sm.wire_bytes(1000, 4, fp4) + sm.wire_bytes(1000, 4, WireFormat("bf16"))
+    sparse = sm.wire_bytes(500, 2, fp4) * 2 + sm.wire_bytes(500, 2, WireFormat("bf16"))
+    assert got == {"dense": dense, "sparse": sparse, "total": dense + sparse}
+    local = sm.sync_bytes(4000, 2000, 4, 2, optimizer="local_adamw", wire=fp4, second_moments="local")
+    assert local["total"] == 2 * sm.wire_bytes(1000, 4, fp4) + 2 * sm.wire_bytes(500, 2, fp4)
+    diloco = sm.sync_bytes(4000, 2000, 4, 2, optimizer="diloco", wire=fp4)
+    assert diloco["total"] == sm.wire_bytes(1000, 4, fp4) + sm.wire_bytes(500, 2, fp4)
+    kw = dict(flops_per_token=1e9, tokens_per_step=1e3, local_steps=4, round_bytes=1e6, latency_seconds=0.0)
+    slow = sm.round_seconds(bandwidth_bits_per_second=1e6, peak_flops=1e12, mfu=1.0, **kw)
+    hidden = sm.round_seconds(bandwidth_bits_per_second=1e6, peak_flops=1e12, mfu=1.0, hidden=True, **kw)
+    assert slow["total"] == 4 * 1.0 + 8.0 and hidden["total"] == 8.0

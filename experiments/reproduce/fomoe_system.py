@@ -16,6 +16,7 @@ import os
 
 import numpy as np
 
+from core.codec import WireFormat
 from experiments import plotting
 from experiments.bench import common
 from moe import system_model as sm
@@ -47,7 +48,67 @@ def parameter_table() -> list[dict]:
     return rows
 
 
-def markdown(params: list[dict], projection: list[sm.Projection], command: str) -> str:
+# label: (outer method, wire format or None for float32, LocalAdamW's second moments)
+SYNC_VARIANTS = {
+    "LocalAdamW, float32": ("local_adamw", None, "sent"),
+    "LocalAdamW, bf16": ("local_adamw", WireFormat("bf16"), "sent"),
+    "LocalAdamW, int8 (second moments bf16)": ("local_adamw", WireFormat("int8"), "sent"),
+    "LocalAdamW, fp4 (second moments bf16)": ("local_adamw", WireFormat("fp4"), "sent"),
+    "LocalAdamW, fp4, second moments local": ("local_adamw", WireFormat("fp4"), "local"),
+    "DiLoCo, float32": ("diloco", None, "sent"),
+    "DiLoCo, fp4": ("diloco", WireFormat("fp4"), "sent"),
+}
+SYNC_OVERLAPS = (4, SITES)
+
+
+def sync_projection(shape: sm.ModelShape) -> list[dict]:
+    """The 104B projection per synchronisation variant (SYNC_VARIANTS: UE8M0 scales per 32 values), at O_e in
+    SYNC_OVERLAPS and each bandwidth, blocking and hidden behind the next round's compute."""
+    rows = []
+    for label, (outer, wire, second) in SYNC_VARIANTS.items():
+        for o in SYNC_OVERLAPS:
+            row: dict = {"variant": label, "overlap": o}
+            for hidden in (False, True):
+                projection = sm.project(
+                    shape, sites=SITES, overlaps=(o,), bandwidths_gbps=BANDWIDTHS, optimizer=outer, wire=wire,
+                    second_moments=second, hidden=hidden,
+                )  # fmt: skip
+                fomoe = [r for r in projection if r.method != "DDP"]
+                row["bytes_per_site_per_round"] = fomoe[0].bytes_per_site_per_round
+                row["hours_hidden" if hidden else "hours"] = {r.bandwidth_gbps: r.hours for r in fomoe}
+                row["ddp_bytes_per_step"] = next(r for r in projection if r.method == "DDP").bytes_per_site_per_round
+            rows.append(row)
+    return rows
+
+
+def sync_markdown(rows: list[dict]) -> list[str]:
+    """The lines of system_model.md's table of synchronisation variants."""
+    lines = [
+        "",
+        f"What low-bit synchronisation and overlap change at 104B (M = {SITES}, K = 32; wire formats with UE8M0 "
+        "scales per 32 values, moe.lowbit_sync; 'hidden': each round's synchronisation runs behind the next round's "
+        "local steps, so a round takes max(compute, transfer) instead of their sum):",
+        "",
+        "| synchronisation | O_e | GB per site per round | x fewer than DDP over K steps | "
+        + " | ".join(f"hours at {g} Gbps" for g in BANDWIDTHS)
+        + " | "
+        + " | ".join(f"hidden, {g} Gbps" for g in BANDWIDTHS)
+        + " |",
+        "|---|---|---|---|" + "---|" * (2 * len(BANDWIDTHS)),
+    ]
+    for r in rows:
+        ratio = 32 * r["ddp_bytes_per_step"] / r["bytes_per_site_per_round"]
+        lines.append(
+            f"| {r['variant']} | {r['overlap']} | {r['bytes_per_site_per_round'] / 1e9:,.0f} | {ratio:,.0f}x | "
+            + " | ".join(f"{r['hours'][g]:,.0f}" for g in BANDWIDTHS)
+            + " | "
+            + " | ".join(f"{r['hours_hidden'][g]:,.0f}" for g in BANDWIDTHS)
+            + " |"
+        )
+    return lines
+
+
+def markdown(params: list[dict], projection: list[sm.Projection], command: str, sync_rows=()) -> str:
     """system_model.md: the parameter table, then the 104B projection per method and O_e at each bandwidth."""
     lines = [
         "# FoMoE system model",
@@ -86,6 +147,8 @@ def markdown(params: list[dict], projection: list[sm.Projection], command: str) 
         "Full replica = FoMoE at O_e = 32. The paper states the large model as ~1.8B (two significant "
         "digits), which our 1,819.6M rounds to.",
     ]
+    if sync_rows:
+        lines += sync_markdown(list(sync_rows))
     return "\n".join(lines) + "\n"
 
 
@@ -137,13 +200,15 @@ def main(argv=None) -> None:
     shape = sm.PAPER_MODELS["XXL"][0]
     params = parameter_table()
     projection = sm.project(shape, sites=SITES, overlaps=OVERLAPS, bandwidths_gbps=BANDWIDTHS)
+    sync_rows = sync_projection(shape)
     result = {
         "command": command,
         "parameters": params,
         "shape": dataclasses.asdict(shape),
         "projection": [dataclasses.asdict(r) for r in projection],
+        "synchronisation": sync_rows,
     }
-    common.write_results(args.out, "system_model", result, lambda _: markdown(params, projection, command))
+    common.write_results(args.out, "system_model", result, lambda _: markdown(params, projection, command, sync_rows))
     plots(projection, sm.TOKENS_PER_ACTIVE_PARAM * sm.active_params(shape), args.out, command)
     print(f"wrote {args.out}/system_model.md, system_model.json, cumulative_bytes.png, training_hours.png")
 
