@@ -202,7 +202,11 @@ def test_low_bit_synchronisation_and_hidden_rounds_by_hand():
     assert local["total"] == 2 * sm.wire_bytes(1000, 4, fp4) + 2 * sm.wire_bytes(500, 2, fp4)
     diloco = sm.sync_bytes(4000, 2000, 4, 2, optimizer="diloco", wire=fp4)
     assert diloco["total"] == sm.wire_bytes(1000, 4, fp4) + sm.wire_bytes(500, 2, fp4)
-    kw = dict(flops_per_token=1e9, tokens_per_step=1e3, local_steps=4, round_bytes=1e6, latency_seconds=0.0)
-    slow = sm.round_seconds(bandwidth_bits_per_second=1e6, peak_flops=1e12, mfu=1.0, **kw)
-    hidden = sm.round_seconds(bandwidth_bits_per_second=1e6, peak_flops=1e12, mfu=1.0, hidden=True, **kw)
+    slow, hidden = (
+        sm.round_seconds(
+            flops_per_token=1e9, tokens_per_step=1e3, local_steps=4, round_bytes=1e6, latency_seconds=0.0,
+            bandwidth_bits_per_second=1e6, peak_flops=1e12, mfu=1.0, hidden=h,
+        )
+        for h in (False, True)
+    )  # fmt: skip
     assert slow["total"] == 4 * 1.0 + 8.0 and hidden["total"] == 8.0

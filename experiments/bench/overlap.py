@@ -65,8 +65,7 @@ def _worker(index: int, coordinator: str, megabytes: float, repeats: int, matmul
         jax.block_until_ready(f(*args))  # compiled and warm
 
     def threads():
-        out = {}
-        t = threading.Thread(target=lambda: out.update(a=jax.block_until_ready(collective(payload))))
+        t = threading.Thread(target=lambda: jax.block_until_ready(collective(payload)))
         t.start()
         jax.block_until_ready(compute(weights))
         t.join()
