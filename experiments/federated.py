@@ -73,6 +73,9 @@ def train_federated(
         wire=moe_config.wire_format(f),
         error_feedback=f.error_feedback,
         second_moments=f.second_moments,
+        fragments=f.fragments,
+        delay=f.delay,
+        mixing=f.mixing,
     )
     return train_lib.run(
         config, stepper, state, workdir=workdir, compat=compat, provenance=provenance, hooks=hooks, on_start=on_start

@@ -210,6 +210,28 @@ class FoMoEConfig:
         choices=("sent", "local"),
         since_checkpoints=True,
     )
+    fragments: int = field(
+        1,
+        "streaming synchronisation: F fragments of the parameters (fragment f: the blocks l with l mod F = f, and "
+        "fragment 0 the rest), one averaged per round in turn (moe.streaming); 1 = all every round",
+        low=1,
+        since_checkpoints=True,
+    )
+    delay: int = field(
+        0,
+        "streaming synchronisation: 0 = a round's fragment is averaged after its local steps (blocking); 1 = behind "
+        "the next round's local steps, its correction applied one round late (needs second_moments = 'local')",
+        choices=(0, 1),
+        since_checkpoints=True,
+    )
+    mixing: float = field(
+        1.0,
+        "delay 1: the share alpha of the group's correction a site applies (theta + alpha (mean - own))",
+        low=0.0,
+        low_open=True,
+        high=1.0,
+        since_checkpoints=True,
+    )
     error_feedback: bool = field(
         False,
         "low-bit synchronisation: each site keeps what quantisation dropped and adds it to its next send "
@@ -255,6 +277,7 @@ def check_fomoe(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int] | 
             "is nothing to reshuffle. Use 'fixed'."
         )
     _check_wire(config, expert)
+    _check_streaming(config)
     if config.train.steps % f.local_steps:
         below = config.train.steps // f.local_steps * f.local_steps
         fits = " or ".join(str(s) for s in (below, below + f.local_steps) if s > 0)
@@ -296,6 +319,34 @@ def _check_wire(config: ml_collections.ConfigDict, expert: int) -> None:
                 f"config key {key!r} = {value!r} with 'fomoe.sync_format' = {f.sync_format!r}: low-bit "
                 f"synchronisation runs with {key} = {allowed!r}; set it so, or sync_format to 'float32'."
             )
+
+
+def _check_streaming(config: ml_collections.ConfigDict) -> None:
+    """Streaming synchronisation's keys (moe.streaming) against the rest of the federation. Raises ConfigError."""
+    f = config.fomoe
+    if f.fragments > config.model.num_layers:
+        raise ConfigError(
+            f"config key 'fomoe.fragments' = {f.fragments} exceeds 'model.num_layers' = {config.model.num_layers}: "
+            "fragments are strided by layer, so some would hold no parameter."
+        )
+    if f.fragments == 1 and f.delay == 0:
+        return
+    what = f"'fomoe.fragments' = {f.fragments}, 'fomoe.delay' = {f.delay}"
+    for key, value, allowed in (
+        ("fomoe.outer", f.outer, "local_adamw"),
+        ("fomoe.sync_format", f.sync_format, "float32"),
+        ("fomoe.placement", f.placement, "fixed"),
+    ):
+        if value != allowed:
+            raise ConfigError(
+                f"config key {key!r} = {value!r} with {what}: streaming synchronisation runs with {key} = "
+                f"{allowed!r}; set it so, or fomoe.fragments = 1 and fomoe.delay = 0."
+            )
+    if f.delay == 1 and f.second_moments != "local":
+        raise ConfigError(
+            f"config key 'fomoe.delay' = 1 needs 'fomoe.second_moments' = 'local' (got {f.second_moments!r}): a "
+            "second moment corrected a round late could turn negative."
+        )
 
 
 def _check_site_experts(config: ml_collections.ConfigDict, expert: int) -> None:

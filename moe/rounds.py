@@ -120,7 +120,7 @@ def make_round(
     `second_moment_wire` says) or kept "local" to each site.
     """
     local_steps, sync = _round_parts(
-        graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics, wire, error_feedback, second_moments
+        graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics, wire, error_feedback, second_moments, None
     )
 
     def round_fn(state: FederatedState, tokens: jax.Array):
@@ -142,6 +142,8 @@ def make_round_parts(
     wire: WireFormat | None = None,
     error_feedback: bool = False,
     second_moments: str = "sent",
+    fragment: Any = None,
+    donate: bool = True,
 ) -> tuple[jax.stages.Wrapped, jax.stages.Wrapped]:
     """`make_round`'s round as two jitted programs, so that a driver can time its compute and its synchronisation
     apart (experiments.federated); `sync(start, outer, feedback, *local(params, others, tokens)[:1])` is the round:
@@ -150,16 +152,21 @@ def make_round_parts(
         sync(start, outer, feedback, train) -> FederatedState   the synchronisation; `start`: what the round started
                                                              from that it needs (`round_start`), else None
 
-    Both donate what the round no longer needs (`start` is kept through the local steps)."""
+    Both donate what the round no longer needs (`start` is kept through the local steps), unless `donate` is False
+    (moe.streaming's overlapped rounds read the state a round started from after both). `fragment`: a tree of bools
+    like the parameters, True for those this synchronisation averages (with their optimizer state; moe.streaming);
+    None: all of them."""
     local_steps, sync = _round_parts(
-        graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics, wire, error_feedback, second_moments
-    )
+        graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics, wire, error_feedback, second_moments,
+        fragment,
+    )  # fmt: skip
     kept = round_start(method, wire)
     donated = (0, 1) if kept is None else (1,) if kept == "params" else ()
     local = jax.jit(
-        lambda params, others, tokens: local_steps(others._replace(params=params), tokens), donate_argnums=donated
+        lambda params, others, tokens: local_steps(others._replace(params=params), tokens),
+        donate_argnums=donated if donate else (),
     )
-    return local, jax.jit(sync, donate_argnums=(0, 1, 2, 3))
+    return local, jax.jit(sync, donate_argnums=(0, 1, 2, 3) if donate else ())
 
 
 def round_start(method: str, wire: WireFormat | None) -> str | None:
@@ -220,7 +227,7 @@ def second_moment_wire(wire: WireFormat | None, second_moments: str) -> WireForm
 
 
 def _round_parts(
-    graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics, wire, error_feedback, second_moments
+    graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics, wire, error_feedback, second_moments, fragment
 ) -> tuple[Callable, Callable]:
     """(local_steps(train, tokens) -> (train, metrics), sync(start, outer_state, feedback, train) -> FederatedState)."""
     if method not in OUTER_METHODS:
@@ -235,8 +242,8 @@ def _round_parts(
     local_steps = federation.per_site(lambda train, tokens: jax.lax.scan(step, train, tokens), mesh, (0, 1), (0, 1))
 
     def sync(start: Any, outer_state: Any, feedback: Any, train: train_lib.TrainState) -> FederatedState:
-        flags = federation.expert_flags(train.params)
-        moments = moment_flags(optimizer, train.opt_state, train.params)
+        flags = masked_flags(federation.expert_flags(train.params), train.params, fragment)
+        moments = moment_flags(optimizer, train.opt_state, train.params, fragment)
         first, second = split_second_moments(moments, train.opt_state)
         nu_wire = second_moment_wire(wire, second_moments)
         if lowbit:
@@ -276,14 +283,26 @@ def _round_parts(
     return local_steps, sync
 
 
-def moment_flags(optimizer: optax.GradientTransformation, opt_state: Any, params: Any) -> Any:
+def masked_flags(flags: Any, params: Any, fragment: Any) -> Any:
+    """`flags` (one per parameter leaf, `federation.expert_flags`' tree or its leaves' structure) with None where
+    `fragment` (bools like `params`, or None: all True) leaves a parameter out."""
+    leaves = federation.leaf_flags(flags, params)
+    keep = [True] * len(leaves) if fragment is None else jax.tree.leaves(fragment)
+    return jax.tree.unflatten(jax.tree.structure(params), [f if k else None for f, k in zip(leaves, keep)])
+
+
+def moment_flags(optimizer: optax.GradientTransformation, opt_state: Any, params: Any, fragment: Any = None) -> Any:
     """LocalAdamW's averaging of `optimizer`'s state: the leaves that mirror a parameter (Adam's moments, Lion's and
     Muon's momentum; which ones is what `optimizer.init` says, core.train.optimizer_state_like) are averaged like
     that parameter (True: expert, over its replica group; False: dense, over all sites); the others (step counts,
     MGUP's selected fraction, injected hyperparameters) are each site's own (None), identical across sites or a
-    per-site statistic, and cost no bytes. `opt_state` and `params` may be stacked per site ([M, ...] leaves)."""
-    flags = jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(federation.expert_flags(params)))
-    return train_lib.optimizer_state_like(optimizer, opt_state, params, flags, None)
+    per-site statistic, and cost no bytes. `opt_state` and `params` may be stacked per site ([M, ...] leaves).
+    `fragment` (bools like `params`): the leaves of parameters it leaves out are None too."""
+    out = object()  # a parameter the fragment leaves out (None would be an empty subtree, not a leaf)
+    leaves = federation.leaf_flags(masked_flags(federation.expert_flags(params), params, fragment), params)
+    flags = jax.tree.unflatten(jax.tree.structure(params), [out if f is None else f for f in leaves])
+    tree = train_lib.optimizer_state_like(optimizer, opt_state, params, flags, None)
+    return jax.tree.map(lambda x: None if x is out else x, tree)
 
 
 def site_batches(tokens: np.ndarray, sites: int) -> np.ndarray:

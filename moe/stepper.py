@@ -31,7 +31,7 @@ from core import hlo
 from core import train as train_lib
 from core.codec import WireFormat
 from core.data import Batches
-from moe import federation, lowbit_sync, reshuffle, system_model
+from moe import federation, lowbit_sync, reshuffle, streaming, system_model
 from moe import rounds as rounds_lib
 from moe.config import ROUTING_MODES
 from moe.placement import Placement
@@ -79,6 +79,8 @@ class FederatedStepper(train_lib.Stepper):
       wire: low-bit synchronisation's core.codec.WireFormat (None: float32); `error_feedback` with it needs the
         state's feedback (moe.rounds.init_sites(..., error_feedback=True)).
       second_moments: LocalAdamW's second moments "sent" or kept "local" (moe.rounds.second_moment_wire).
+      fragments, delay, mixing: streaming synchronisation (moe.streaming): F fragments synchronised in turn, one
+        round late behind the next round's local steps with delay 1, the correction scaled by `mixing`.
     Raises:
       ValueError naming the argument for a method, routing mode or count outside what is allowed.
     """
@@ -106,6 +108,9 @@ class FederatedStepper(train_lib.Stepper):
         wire: WireFormat | None = None,
         error_feedback: bool = False,
         second_moments: str = "sent",
+        fragments: int = 1,
+        delay: int = 0,
+        mixing: float = 1.0,
     ):
         _check(method=method, routing=routing, local_steps=local_steps, eval_batches=eval_batches)
         if reshuffle_every < 0:
@@ -121,10 +126,14 @@ class FederatedStepper(train_lib.Stepper):
                 f"error_feedback = {error_feedback} but the state {'has' if state.feedback else 'has no'} error "
                 "feedback (moe.rounds.init_sites' error_feedback)."
             )
-        local_fn, sync_fn = rounds_lib.make_round_parts(
+        self.round = streaming.StreamingRound(
             graphdef,
             optimizer,
             mesh,
+            state.train.params,
+            fragments_count=fragments,
+            delay=delay,
+            mixing=mixing,
             method=method,
             outer=outer,
             loss_fn=loss_fn,
@@ -144,11 +153,7 @@ class FederatedStepper(train_lib.Stepper):
         if jax.process_index() == 0:
             print(f"compiling the round ({k} local steps and their synchronisation; can take a minute) ...", flush=True)
         t0 = time.perf_counter()
-        self.method, self.wire = method, wire  # what the synchronisation needs of the round's start (rounds_lib)
-        others = state.train._replace(params=None)
-        self.local_exec = local_fn.lower(state.train.params, others, tokens).compile()
-        start = rounds_lib.start_of(state.train, method, wire)
-        self.sync_exec = sync_fn.lower(start, state.outer, state.feedback, state.train).compile()
+        sync_texts = self.round.compile(state, tokens)
         if jax.process_index() == 0:
             print(f"compiled the round in {time.perf_counter() - t0:.1f} s", flush=True)
         self.migrate_exec, self.plan_sharding = None, NamedSharding(mesh, PartitionSpec(federation.SITE_AXES))
@@ -158,22 +163,27 @@ class FederatedStepper(train_lib.Stepper):
                 functools.partial(reshuffle.migrate, mesh=mesh, optimizer=optimizer, outer=outer), donate_argnums=0
             )
             self.migrate_exec = migrate.lower(state, [plan] * 4).compile()
-        round_hlo = self.sync_exec.as_text()  # the local steps' program moves nothing across sites (tests/test_rounds)
-        assert round_hlo is not None  # None only where a backend has no text form; CPU, GPU and TPU all have one
+        # the local steps' program moves nothing across sites (tests/test_rounds); each fragment's synchronisation
+        # its own bytes (F = 1: all of them), a round's mean over the fragments it cycles through
         migrate_hlo = None if self.migrate_exec is None else self.migrate_exec.as_text()
-        self.bytes_info = round_bytes(
-            round_hlo,
-            migrate_hlo,
-            optimizer,
-            state.train,
-            mesh,
-            sites=sites,
-            overlap=placement.overlap,
-            method=method,
-            reshuffle_every=reshuffle_every,
-            wire=wire,
-            second_moments=second_moments,
-        )
+        per_fragment = [
+            round_bytes(
+                text,
+                migrate_hlo,
+                optimizer,
+                state.train,
+                mesh,
+                sites=sites,
+                overlap=placement.overlap,
+                method=method,
+                reshuffle_every=reshuffle_every,
+                wire=wire,
+                second_moments=second_moments,
+                fragment=mask,
+            )
+            for text, mask in zip(sync_texts, self.round.masks)
+        ]
+        self.bytes_info = {key: float(np.mean([b[key] for b in per_fragment])) for key in per_fragment[0]}
         tokens_per_step = batches.global_batch * batches.seq_len
         self.bytes_info["bytes_per_token"] = system_model.bytes_per_token(
             self.bytes_info["measured"], sites, k, tokens_per_step
@@ -212,17 +222,10 @@ class FederatedStepper(train_lib.Stepper):
         local = rounds_lib.site_batches(local, self.sites // jax.process_count())
         tokens = jax.make_array_from_process_local_data(self.token_sharding, local, self.batch_shape)
         t0 = time.perf_counter()
-        start = rounds_lib.start_of(state.train, self.method, self.wire)
-        train, metrics = self.local_exec(state.train.params, state.train._replace(params=None), tokens)
-        jax.block_until_ready(train)
-        t1 = time.perf_counter()
-        before = self._probe_loss(train)  # the sites' own models on the probe batch, before synchronisation
-        t1_sync = time.perf_counter()
-        state = self.sync_exec(start, state.outer, state.feedback, train)
-        jax.block_until_ready(state)
-        t2 = time.perf_counter()
+        # the sites' own models on the probe batch before and after the synchronisation (neither compute nor sync)
+        state, metrics, before, seconds_of = self.round(state, call, tokens, self._probe_loss)
         jump = float(np.mean(self._probe_loss(state.train) - before))
-        seconds = np.array([[t1 - t0, t2 - t1_sync]])  # (the probe is neither compute nor synchronisation)
+        seconds = np.array([[seconds_of["local_steps"], seconds_of["sync"]]])
         gathered = _host({"metrics": metrics, "seconds": seconds})  # [processes, 2]
         means = {name: float(np.mean(v)) for name, v in gathered["metrics"].items()}
         local_seconds, sync_seconds = np.mean(gathered["seconds"], axis=0)
@@ -339,6 +342,7 @@ def round_bytes(
     reshuffle_every: int = 0,
     wire: WireFormat | None = None,
     second_moments: str = "sent",
+    fragment: Any = None,
 ) -> dict[str, float]:
     """Bytes per site per round, read from the compiled programs' collectives ("measured") and by the spec's
     formulas ("formula"; their inputs: the bytes of the parameters and of the optimizer state LocalAdamW averages,
@@ -346,11 +350,11 @@ def round_bytes(
     migration) a reshuffle's bytes count 1 / reshuffle_every per round: measured, what the migration's all-gather moves
     ("migration_per_reshuffle"); by formula, the expected arrivals (P with gamma = 1 / reshuffle_every,
     "migration_per_reshuffle_formula"). A low-bit `wire` counts values (4 bytes each in the formula's terms: what
-    moe.lowbit_sync quantises is float32)."""
+    moe.lowbit_sync quantises is float32). `fragment` (moe.streaming): the parameters that synchronisation averages."""
     measured = federation.sync_bytes_per_site(round_hlo, mesh)["cross_site"]  # summed over a site's devices
-    params_flags = federation.expert_flags(train.params)
+    params_flags = rounds_lib.masked_flags(federation.expert_flags(train.params), train.params, fragment)
     first, second = rounds_lib.split_second_moments(
-        rounds_lib.moment_flags(optimizer, train.opt_state, train.params), train.opt_state
+        rounds_lib.moment_flags(optimizer, train.opt_state, train.params, fragment), train.opt_state
     )
     nu_wire = rounds_lib.second_moment_wire(wire, second_moments) if method == "local_adamw" else None
     gamma = 1.0 / reshuffle_every if migrate_hlo is not None else 0.0

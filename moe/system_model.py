@@ -350,18 +350,29 @@ def project(
     wire: WireFormat | None = None,
     second_moments: str = "sent",
     hidden: bool = False,
+    fragments: int = 1,
 ) -> list[Projection]:
     """Training time and traffic of FoMoE at each overlap, and of DDP, at each bandwidth (module decisions); FoMoE's
-    synchronisation in `wire` (low-bit: `sync_bytes`) and, with `hidden`, behind the next round's compute
-    (`round_seconds`). DDP stays float32 and blocking."""
+    synchronisation in `wire` (low-bit: `sync_bytes`), in `fragments` synchronised in turn (a round moves 1/F of the
+    bytes; moe.streaming) and, with `hidden`, behind the next round's compute (`round_seconds`). DDP stays float32
+    and blocking."""
     total_tokens = tokens_per_active_param * active_params(shape)
     steps = total_tokens / global_batch_tokens
     rows = []
     for gbps in bandwidths_gbps:
         for o in overlaps:
-            b = bytes_per_round(
-                shape, sites, o, optimizer=optimizer, skip_token=skip_token, wire=wire, second_moments=second_moments
-            )["total"]
+            b = (
+                bytes_per_round(
+                    shape,
+                    sites,
+                    o,
+                    optimizer=optimizer,
+                    skip_token=skip_token,
+                    wire=wire,
+                    second_moments=second_moments,
+                )["total"]
+                / fragments
+            )
             f = flops_per_token(shape, sites, o, skip_token=skip_token)["total"]
             t = round_seconds(
                 flops_per_token=f,

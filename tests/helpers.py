@@ -64,14 +64,14 @@ def sharder(data: int, expert: int) -> mesh_lib.Sharder:
     return mesh_lib.Sharder(mesh_lib.make_mesh(c), tuple(tuple(r) for r in c.mesh.rules))
 
 
-def tiny_moe_transformer(resident=None, routing_mode="partitioned", precision=None):
-    """A one-block transformer whose FFN is a MoE layer of 8 experts (top-2), hosting `resident` of them (the
-    federation's properties hold per leaf: one block shows them); `precision`: the matmul-precision slot of every
-    projection and expert (default: plain products)."""
+def tiny_moe_transformer(resident=None, routing_mode="partitioned", precision=None, num_layers=1):
+    """A one-block transformer (`num_layers` blocks) whose FFN is a MoE layer of 8 experts (top-2), hosting
+    `resident` of them (the federation's properties hold per leaf: one block shows them); `precision`: the
+    matmul-precision slot of every projection and expert (default: plain products)."""
     from core.model import Transformer, TransformerConfig
     from moe import MoE
 
-    cfg = TransformerConfig(vocab_size=264, d_model=16, num_layers=1, num_heads=2, num_kv_heads=2, d_ff=32)
+    cfg = TransformerConfig(vocab_size=264, d_model=16, num_layers=num_layers, num_heads=2, num_kv_heads=2, d_ff=32)
     m = MoEConfig(num_experts=8, top_k=2, expert_size=8)
 
     def ffn(layer, path, rngs):

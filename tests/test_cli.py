@@ -387,6 +387,39 @@ def test_low_bit_synchronisation_with_error_feedback_resumes_exactly(tmp_path):
         assert 0 < row["routing/utilisation_entropy"] <= 1
 
 
+def test_streaming_fragments_behind_compute_resume_exactly(tmp_path):
+    """4 sites (O_e = 2, K = 3, 2 blocks) synchronising F = 2 fragments in turn, each behind the next round's local
+    steps (delay 1, mixing 0.5, second moments local): a round moves its fragment's formula bytes (their sum over
+    the fragments is a whole synchronisation's: test_streaming) and the first one nothing; a crash after round 2 and
+    a rerun give the uninterrupted run's metrics and result."""
+    streaming_run = [
+        *FEDERATED[:-3],
+        "--config.model.num_layers=2",
+        "--config.train.steps=9",
+        "--config.train.eval_every=9",
+        "--config.sample.num_tokens=0",
+        "--config.checkpoint.every=3",
+        "--config.fomoe.fragments=2",
+        "--config.fomoe.delay=1",
+        "--config.fomoe.mixing=0.5",
+        "--config.fomoe.second_moments=local",
+    ]
+    with _cache_programs_over(0.1):
+        summary = _run(tmp_path / "full", *streaming_run)
+    assert summary["bytes_per_site_per_round"] == summary["bytes_per_site_per_round_formula"] > 0
+    with open(tmp_path / "full" / "metrics.jsonl") as f:
+        syncs = [r["seconds/sync"] for r in map(json.loads, f) if "train_loss" in r]
+    assert syncs[0] == 0.0 and all(s > 0 for s in syncs[1:])  # round 1 has nothing to average yet
+    crashed = tmp_path / "crashed"
+    with pytest.raises(Crash):
+        _run(crashed, *streaming_run, hooks=[_crash_at(6)])
+    resumed = _run(crashed, *streaming_run)
+    assert resumed["resumed_from"] == 6
+    for key in ("train_loss", "val_loss", "val_bits_per_byte"):
+        assert resumed[key] == summary[key], key
+    assert metric_rows(crashed) == metric_rows(tmp_path / "full")
+
+
 def test_a_federation_that_lost_a_site_is_regrouped_and_finishes_on_the_survivors(tmp_path, capsys):
     """4 sites (O_e = 2, K = 3) stop after round 1; `experiments.elastic` regroups the checkpoint onto the 3 left (site
     2 lost; O_e 2 -> 3: every expert kept), and the run, rerun with the flags it prints, resumes from step 3 and
@@ -470,6 +503,8 @@ def test_the_composed_config_trains_sites_with_mgup_on_ufp4_and_serves_through_f
         ),
         (["--config.fomoe.placement=rand"], ["fomoe.placement", "'rand'", "random"]),
         (["--config.fomoe.error_feedback=True"], ["fomoe.error_feedback", "fomoe.sync_format", "'float32'"]),
+        (["--config.fomoe.fragments=2"], ["fomoe.fragments", "2", "model.num_layers", "1"]),
+        (["--config.fomoe.delay=1"], ["fomoe.delay", "fomoe.second_moments", "'local'"]),
         (["--config.fomoe.sync_format=fp8"], ["fomoe.sync_format", "'fp8'", "'int4'"]),
         (["--config.fomoe.sync_format=fp4", "--config.fomoe.sync_block=15"], ["fomoe.sync_block", "15", "even"]),
         (

@@ -48,15 +48,16 @@ def parameter_table() -> list[dict]:
     return rows
 
 
-# label: (outer method, wire format or None for float32, LocalAdamW's second moments)
+# label: (outer method, wire format or None for float32, LocalAdamW's second moments, fragments)
 SYNC_VARIANTS = {
-    "LocalAdamW, float32": ("local_adamw", None, "sent"),
-    "LocalAdamW, bf16": ("local_adamw", WireFormat("bf16"), "sent"),
-    "LocalAdamW, int8 (second moments bf16)": ("local_adamw", WireFormat("int8"), "sent"),
-    "LocalAdamW, fp4 (second moments bf16)": ("local_adamw", WireFormat("fp4"), "sent"),
-    "LocalAdamW, fp4, second moments local": ("local_adamw", WireFormat("fp4"), "local"),
-    "DiLoCo, float32": ("diloco", None, "sent"),
-    "DiLoCo, fp4": ("diloco", WireFormat("fp4"), "sent"),
+    "LocalAdamW, float32": ("local_adamw", None, "sent", 1),
+    "LocalAdamW, bf16": ("local_adamw", WireFormat("bf16"), "sent", 1),
+    "LocalAdamW, int8 (second moments bf16)": ("local_adamw", WireFormat("int8"), "sent", 1),
+    "LocalAdamW, fp4 (second moments bf16)": ("local_adamw", WireFormat("fp4"), "sent", 1),
+    "LocalAdamW, fp4, second moments local": ("local_adamw", WireFormat("fp4"), "local", 1),
+    "LocalAdamW, float32, 4 fragments (second moments local)": ("local_adamw", None, "local", 4),
+    "DiLoCo, float32": ("diloco", None, "sent", 1),
+    "DiLoCo, fp4": ("diloco", WireFormat("fp4"), "sent", 1),
 }
 SYNC_OVERLAPS = (4, SITES)
 
@@ -65,13 +66,13 @@ def sync_projection(shape: sm.ModelShape) -> list[dict]:
     """The 104B projection per synchronisation variant (SYNC_VARIANTS: UE8M0 scales per 32 values), at O_e in
     SYNC_OVERLAPS and each bandwidth, blocking and hidden behind the next round's compute."""
     rows = []
-    for label, (outer, wire, second) in SYNC_VARIANTS.items():
+    for label, (outer, wire, second, count) in SYNC_VARIANTS.items():
         for o in SYNC_OVERLAPS:
             row: dict = {"variant": label, "overlap": o}
             for hidden in (False, True):
                 projection = sm.project(
                     shape, sites=SITES, overlaps=(o,), bandwidths_gbps=BANDWIDTHS, optimizer=outer, wire=wire,
-                    second_moments=second, hidden=hidden,
+                    second_moments=second, hidden=hidden, fragments=count,
                 )  # fmt: skip
                 fomoe = [r for r in projection if r.method != "DDP"]
                 row["bytes_per_site_per_round"] = fomoe[0].bytes_per_site_per_round
@@ -86,8 +87,9 @@ def sync_markdown(rows: list[dict]) -> list[str]:
     lines = [
         "",
         f"What low-bit synchronisation and overlap change at 104B (M = {SITES}, K = 32; wire formats with UE8M0 "
-        "scales per 32 values, moe.lowbit_sync; 'hidden': each round's synchronisation runs behind the next round's "
-        "local steps, so a round takes max(compute, transfer) instead of their sum):",
+        "scales per 32 values, moe.lowbit_sync; F fragments: a round moves 1/F of the bytes, each fragment every F "
+        "rounds; 'hidden': each round's synchronisation runs behind the next round's local steps, so a round takes "
+        "max(compute, transfer) instead of their sum; moe.streaming):",
         "",
         "| synchronisation | O_e | GB per site per round | x fewer than DDP over K steps | "
         + " | ".join(f"hours at {g} Gbps" for g in BANDWIDTHS)

@@ -67,20 +67,33 @@ MODEL = {
     "train.eval_batches": 4,
     "sample.num_tokens": 0,
 }
-METHODS = {  # name: (label, mesh.site, fomoe.overlap (None: M), fomoe.outer)
-    "ddp": ("DDP", 1, None, None),
-    "full_local_adamw": ("full replica, LocalAdamW", None, None, "local_adamw"),
-    "full_diloco": ("full replica, DiLoCo", None, None, "diloco"),
-    "fomoe_o1": ("FoMoE O_e = 1, LocalAdamW", None, 1, "local_adamw"),
-    "fomoe_o2": ("FoMoE O_e = 2, LocalAdamW", None, 2, "local_adamw"),
-}
+_LOCAL_NU = {"second_moments": "local"}
+METHODS = {  # name: (label, mesh.site, fomoe.overlap (None: M), fomoe.outer, other fomoe keys)
+    "ddp": ("DDP", 1, None, None, {}),
+    "full_local_adamw": ("full replica, LocalAdamW", None, None, "local_adamw", {}),
+    "full_diloco": ("full replica, DiLoCo", None, None, "diloco", {}),
+    "fomoe_o1": ("FoMoE O_e = 1, LocalAdamW", None, 1, "local_adamw", {}),
+    "fomoe_o2": ("FoMoE O_e = 2, LocalAdamW", None, 2, "local_adamw", {}),
+    "fomoe_o2_int8_ef": ("FoMoE O_e = 2, int8 + EF", None, 2, "local_adamw", {"sync_format": "int8",
+                                                                              "error_feedback": True}),
+    "fomoe_o2_fp4": ("FoMoE O_e = 2, fp4", None, 2, "local_adamw", {"sync_format": "fp4"}),
+    "fomoe_o2_fp4_ef": ("FoMoE O_e = 2, fp4 + EF", None, 2, "local_adamw", {"sync_format": "fp4",
+                                                                            "error_feedback": True}),
+    "fomoe_o2_fp4_ef_local": ("FoMoE O_e = 2, fp4 + EF, nu local", None, 2, "local_adamw",
+                              {"sync_format": "fp4", "error_feedback": True, **_LOCAL_NU}),
+    "fomoe_o2_overlap": ("FoMoE O_e = 2, behind compute", None, 2, "local_adamw", {"delay": 1, **_LOCAL_NU}),
+    "fomoe_o2_stream": ("FoMoE O_e = 2, 2 fragments behind compute", None, 2, "local_adamw",
+                        {"delay": 1, "fragments": 2, **_LOCAL_NU}),
+}  # fmt: skip
+"""Low-bit synchronisation: UE8M0 scales per 32 values, nearest rounding (LocalAdamW's second moments as bf16
+unless "nu local"); "behind compute": fomoe.delay = 1 (moe.streaming)."""
 TOLERANCE = 0.20  # the bound on the system model's relative error that the table checks
 ATTEMPTS = 2  # a failed run is set aside and run again once; the table says which runs were retried
 
 
 def flags(method: str, sites: int, steps: int, eval_every: int) -> list[str]:
     """The experiments.run flags of `method` at M = `sites`."""
-    _, site, overlap, outer = METHODS[method]
+    _, site, overlap, outer, extra = METHODS[method]
     out = [f"--config.{key}={value}" for key, value in MODEL.items()]
     out += [f"--config.train.eval_every={eval_every}", f"--config.checkpoint.every={steps}"]
     if site == 1:
@@ -93,6 +106,7 @@ def flags(method: str, sites: int, steps: int, eval_every: int) -> list[str]:
         f"--config.fomoe.outer={outer}",
         "--config.fomoe.placement=fixed",
         f"--config.train.log_every={K}",
+        *(f"--config.fomoe.{key}={value}" for key, value in extra.items()),
     ]
 
 
@@ -276,6 +290,7 @@ def predict(rows: list[dict], sites: int) -> list[dict]:
                 latency_seconds=overhead,
                 peak_flops=effective_flops,
                 mfu=1.0,
+                hidden=bool(METHODS[r["method"]][4].get("delay")),
             )
             r[f"seconds_{key}"] = t["total"] / scale
             r[f"error_{key}"] = r["seconds_round"] / r[f"seconds_{key}"] - 1
@@ -428,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--methods", type=common.names(METHODS), default=",".join(METHODS), help="the methods to run")
     p.add_argument("--eval-every", type=common.integer(K, multiple_of=K), default=16, help="steps between evaluations")
     args = p.parse_args(argv)
-    for _, _, overlap, _ in (METHODS[m] for m in args.methods):
+    for _, _, overlap, _, _ in (METHODS[m] for m in args.methods):
         if overlap is not None and args.sites % overlap:
             p.error(f"--sites {args.sites}: O_e = {overlap} must divide it")
     reason = links.unavailable()

@@ -1,0 +1,202 @@
+"""Streaming synchronisation: the parameters in F fragments synchronised in turn, each one's synchronisation running
+behind the next round's local steps (Streaming DiLoCo, arXiv 2501.18512, on FoMoE's LocalAdamW rounds; docs/fomoe.md,
+"Synchronisation behind compute").
+
+Fragments (as Streaming DiLoCo's, strided by layer): fragment f holds the blocks l with l mod F = f, and fragment 0
+also what lies outside the blocks (the embedding, the final norm); each holds its parameters' optimizer state. With
+F = 1 it is every parameter.
+
+Schedule, round r = 0, 1, ... (K local steps each), delay tau:
+  tau = 0   after round r's local steps, fragment r mod F is averaged (blocking; F = 1 is plain LocalAdamW).
+  tau = 1   round r's local steps start from the state S_r that round r - 1 ended with, and meanwhile (r >= 1)
+            fragment (r - 1) mod F of S_r is averaged: A = mean over the group of S_r's fragment. Once both are
+            done, the fragment's leaves (parameters and first moments) become
+                theta <- theta + alpha (A - S_r)        (every other leaf: theta, round r's local result)
+            so each site keeps its own progress of round r and takes the group's correction of what it had at the
+            round's start (delayed averaging; alpha = `mixing`, 1 = the whole correction). Second moments stay with
+            each site (fomoe.second_moments = 'local'): a delayed correction could make one negative. Nothing is
+            in flight between rounds, so a checkpoint after any round resumes exactly.
+Each round therefore moves one fragment's bytes (about 1/F of all), and with tau = 1 a round takes about
+max(compute, synchronisation) where the runtime runs a collective while compute runs: on XLA:CPU with gloo it does
+when the two programs are dispatched from two threads (experiments.bench.overlap measures it), which is how
+`overlapped` runs them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+
+from moe import federation
+from moe import rounds as rounds_lib
+
+__all__ = ["StreamingRound", "fragments", "make_merge", "overlapped", "synced_fragment"]
+
+
+def _block_index(path) -> int | None:
+    """The l of a parameter under blocks/l/..., else None."""
+    names = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path]
+    for a, b in itertools.pairwise(names):
+        if a == "blocks" and isinstance(b, int):
+            return b
+    return None
+
+
+def fragments(params: Any, count: int) -> list[Any]:
+    """`count` trees of bools shaped like `params` (nnx.State or any tree whose block parameters sit under
+    "blocks"/l): fragment f marks the blocks l with l mod count = f, fragment 0 also every parameter outside the
+    blocks. Raises ValueError for a count that leaves a fragment empty."""
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    blocks = [_block_index(p) for p in paths]
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"fragments = {count!r}: a positive integer.")
+    out = []
+    for f in range(count):
+        marks = [(b % count == f) if b is not None else f == 0 for b in blocks]
+        if not any(marks):
+            layers = len({b for b in blocks if b is not None})
+            raise ValueError(f"fragments = {count} with {layers} blocks: fragment {f} would hold no parameter.")
+        out.append(jax.tree.unflatten(jax.tree.structure(params), marks))
+    return out
+
+
+def synced_fragment(call: int, count: int, delay: int) -> int | None:
+    """The fragment a round averages: round `call`'s own (call mod F) with delay 0; with delay 1 the previous
+    round's ((call - 1) mod F), none in round 0."""
+    if delay == 0:
+        return call % count
+    return None if call == 0 else (call - 1) % count
+
+
+def make_merge(mesh, optimizer: optax.GradientTransformation, fragment: Any, mixing: float) -> Callable:
+    """A jitted `(train, synced, start) -> train` (stacked TrainStates, no collectives): the fragment's parameters
+    and the optimizer leaves mirroring them (moe.rounds.moment_flags) become train + mixing (synced - start); every
+    other leaf is train's."""
+
+    def one_site(train, synced, start):
+        def mix(flags, now, avg, before):
+            leaves = federation.leaf_flags(flags, now)
+            return jax.tree.unflatten(
+                jax.tree.structure(now),
+                [
+                    x if f is None else x + mixing * (a - b)
+                    for f, x, a, b in zip(leaves, jax.tree.leaves(now), jax.tree.leaves(avg), jax.tree.leaves(before))
+                ],
+            )
+
+        flags = rounds_lib.masked_flags(federation.expert_flags(train.params), train.params, fragment)
+        moments = rounds_lib.moment_flags(optimizer, train.opt_state, train.params, fragment)
+        first, _ = rounds_lib.split_second_moments(moments, train.opt_state)
+        params = mix(flags, train.params, synced.params, start.params)
+        opt_state = mix(first, train.opt_state, synced.opt_state, start.opt_state)
+        return train._replace(params=params, opt_state=opt_state)
+
+    return jax.jit(federation.per_site(one_site, mesh, (0, 0, 0), 0))
+
+
+def overlapped(sync: Callable[[], Any], local: Callable[[], Any]) -> tuple[Any, Any, float, float]:
+    """Runs `sync()` in a second thread while `local()` runs in this one, each waited for (jax.block_until_ready):
+    (sync's result, local's result, sync's seconds, local's seconds). An exception in either is raised here."""
+    box: dict[str, Any] = {}
+
+    def run_sync():
+        t0 = time.perf_counter()
+        try:
+            box["out"] = jax.block_until_ready(sync())
+        except BaseException as e:  # raised in the caller's thread below
+            box["error"] = e
+        box["seconds"] = time.perf_counter() - t0
+
+    thread = threading.Thread(target=run_sync, name="fomoe-sync", daemon=True)
+    thread.start()
+    t0 = time.perf_counter()
+    try:
+        out = jax.block_until_ready(local())
+    finally:
+        local_seconds = time.perf_counter() - t0
+        thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["out"], out, box["seconds"], local_seconds
+
+
+class StreamingRound:
+    """A federated round under the streaming schedule (module docstring), compiled once: `compile(state, tokens)`
+    (ahead of time, for the state's shapes and shardings; returns each fragment's synchronisation program text),
+    then `state, metrics, probed, seconds = round(state, call, tokens, probe)`: `probed` is `probe(train)` of the
+    sites' state after their local steps and before any averaging (the loss jump; taken between the two timed
+    programs, None without a probe), `seconds` {"local_steps", "sync"}.
+
+    With fragments = 1 and delay = 0 it is moe.rounds.make_round_parts' round, for every method and wire format;
+    otherwise the method is "local_adamw" with float32 synchronisation and, with delay 1, second moments kept on
+    each site (ValueError otherwise, naming the argument). `kwargs`: make_round_parts' (method, outer, loss_fn,
+    state_metrics, wire, error_feedback, second_moments)."""
+
+    def __init__(self, graphdef, optimizer, mesh, params, *, fragments_count: int = 1, delay: int = 0,
+                 mixing: float = 1.0, **kwargs):  # fmt: skip
+        if delay not in (0, 1):
+            raise ValueError(f"delay = {delay!r}: allowed 0 (blocking) or 1 (one round late, behind compute).")
+        if not 0.0 < mixing <= 1.0:
+            raise ValueError(f"mixing = {mixing!r}: allowed (0, 1].")
+        streaming = fragments_count > 1 or delay > 0
+        wire = kwargs.get("wire")
+        if streaming and (kwargs.get("method") != "local_adamw" or (wire is not None and not wire.exact)):
+            raise ValueError(
+                f"fragments = {fragments_count}, delay = {delay}: streaming synchronisation runs LocalAdamW rounds "
+                f"in float32 (got method {kwargs.get('method')!r}, wire {wire.name if wire else 'float32'!r})."
+            )
+        if delay and kwargs.get("second_moments", "sent") != "local":
+            raise ValueError("delay = 1 keeps second moments on each site: second_moments must be 'local'.")
+        self.masks = fragments(params, fragments_count) if streaming else [None]
+        self.delay, self.method, self.wire = delay, str(kwargs.get("method")), wire
+        parts = [
+            rounds_lib.make_round_parts(graphdef, optimizer, mesh, fragment=m, donate=not delay, **kwargs)
+            for m in self.masks
+        ]
+        self.local: Any = parts[0][0]  # jitted, then (`compile`) compiled
+        self.syncs: list[Any] = [p[1] for p in parts]
+        self.merges: list[Any] = [make_merge(mesh, optimizer, m, mixing) for m in self.masks] if delay else []
+
+    def compile(self, state, tokens) -> list[str]:
+        others = state.train._replace(params=None)
+        self.local = self.local.lower(state.train.params, others, tokens).compile()
+        start = rounds_lib.start_of(state.train, self.method, self.wire)
+        self.syncs = [s.lower(start, state.outer, state.feedback, state.train).compile() for s in self.syncs]
+        self.merges = [m.lower(state.train, state.train, state.train).compile() for m in self.merges]
+        texts = [s.as_text() for s in self.syncs]
+        assert all(t is not None for t in texts)  # None only where a backend has no text form
+        return texts
+
+    def __call__(self, state, call: int, tokens, probe: Callable[[Any], Any] | None = None):
+        start = rounds_lib.start_of(state.train, self.method, self.wire)
+        fragment = synced_fragment(call, len(self.masks), self.delay)
+
+        def local():
+            return self.local(state.train.params, state.train._replace(params=None), tokens)
+
+        if not self.delay:
+            assert fragment is not None  # (delay 0 averages a fragment every round)
+            t0 = time.perf_counter()
+            train, metrics = jax.block_until_ready(local())
+            local_s = time.perf_counter() - t0
+            probed = probe(train) if probe else None  # (before the synchronisation, which donates `train`)
+            t1 = time.perf_counter()
+            out = jax.block_until_ready(self.syncs[fragment](start, state.outer, state.feedback, train))
+            return out, metrics, probed, {"local_steps": local_s, "sync": time.perf_counter() - t1}
+        if fragment is None:  # round 0: nothing to average yet
+            t0 = time.perf_counter()
+            train, metrics = jax.block_until_ready(local())
+            seconds = {"local_steps": time.perf_counter() - t0, "sync": 0.0}
+            return state._replace(train=train), metrics, probe(train) if probe else None, seconds
+        synced, (train, metrics), sync_s, local_s = overlapped(
+            lambda: self.syncs[fragment](start, state.outer, state.feedback, state.train), local
+        )
+        probed = probe(train) if probe else None
+        merged = self.merges[fragment](train, synced.train, state.train)
+        return state._replace(train=merged), metrics, probed, {"local_steps": local_s, "sync": sync_s}
