@@ -134,9 +134,11 @@ def _elastic(processes, run_args, workdir, reinitialise, module, netns, host) ->
             return code
         result = json.loads(out.stdout.strip().splitlines()[-1])
         for line in result["description"].splitlines():
-            print(f"launch: --elastic: {line}", flush=True)
+            if not line.startswith("rerun with:"):  # (this launcher reruns it)
+                print(f"launch: --elastic: {line}", flush=True)
         run_args += result["flags"]
         processes -= 1
+        print(f"launch: --elastic: starting the {processes} sites again with {' '.join(result['flags'])}", flush=True)
 
 
 if __name__ == "__main__":
