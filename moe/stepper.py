@@ -202,7 +202,9 @@ class FederatedStepper(train_lib.Stepper):
         if jax.process_index() == 0:
             print(
                 f"federation: {sites} sites, O_e = {placement.overlap}, {placement.local_experts} of "
-                f"{placement.num_experts} experts per site, K = {k}, {method}, {routing} routing; "
+                f"{placement.num_experts} experts per site, K = {k}, {method}"
+                + _sync_words(wire, error_feedback, second_moments, fragments, delay)
+                + f", {routing} routing; "
                 f"{self.bytes_info['measured']:,.0f} bytes per site per round (formula "
                 f"{self.bytes_info['formula']:,.0f})" + _migration_line(self.bytes_info, reshuffle_every),
                 flush=True,
@@ -307,6 +309,20 @@ def _check(**given: Any) -> None:
 def _host(tree):
     """The full values of (possibly multi-process) arrays on every process."""
     return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def _sync_words(wire, error_feedback: bool, second_moments: str, fragments: int, delay: int) -> str:
+    """How the round synchronises, for the federation line (nothing for today's float32 blocking round)."""
+    words = []
+    if wire is not None and not wire.exact:
+        words.append(f"{wire.name} synchronisation" + (" with error feedback" if error_feedback else ""))
+    if second_moments == "local":
+        words.append("second moments local")
+    if fragments > 1:
+        words.append(f"{fragments} fragments in turn")
+    if delay:
+        words.append("behind the next round's local steps")
+    return "".join(f", {w}" for w in words)
 
 
 def _migration_line(bytes_info: dict, reshuffle_every: int) -> str:
