@@ -91,8 +91,8 @@ class WireFormat:
 
     def encode(self, x: jax.Array, key: jax.Array | None = None) -> tuple[jax.Array, ...]:
         """float32 [n, C] (C a multiple of `unit`) -> the arrays that travel, each with leading dimension n:
-        float32: (values,); bf16: (its bits, uint16,); scaled formats: (codes, scales) with codes int8 [n, C] or uint8 [n, C / 2]
-        (two 4-bit codes a byte, the first in the low nibble) and scales float32 or uint8 [n, C / G].
+        float32: (values,); bf16: (its bits, uint16,); scaled formats: (codes, scales) with codes int8 [n, C] or
+        uint8 [n, C / 2] (two 4-bit codes a byte, the first in the low nibble) and scales float32 or uint8 [n, C / G].
         `key` (a PRNG key) is required by stochastic rounding and ignored by nearest."""
         x = jnp.asarray(x, jnp.float32)
         n, c = x.shape
