@@ -26,7 +26,16 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["EventLog", "MetricsLog", "WorkdirError", "append_history", "lock", "prepare", "tensorboard_writer"]
+__all__ = [
+    "EventLog",
+    "MetricsLog",
+    "WorkdirError",
+    "append_history",
+    "free_name",
+    "lock",
+    "prepare",
+    "tensorboard_writer",
+]
 
 
 class WorkdirError(RuntimeError):
@@ -299,6 +308,15 @@ def write_json(path: str, obj: Any) -> None:
             os.remove(tmp)
         raise
     os.replace(tmp, path)
+
+
+def free_name(path: str) -> str:
+    """`path`, or `path.1`, `path.2`, ... : the first that does not exist (what is there already is kept)."""
+    candidate, n = path, 0
+    while os.path.exists(candidate):
+        n += 1
+        candidate = f"{path}.{n}"
+    return candidate
 
 
 def append_history(workdir: str, record: dict[str, Any]) -> None:

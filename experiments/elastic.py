@@ -80,7 +80,7 @@ def regroup_workdir(workdir: str, sites: int, *, lost=(), reinitialise_lost: boo
     )
     with open(os.path.join(workdir, "data.json")) as fh:
         fingerprint = json.load(fh)["fingerprint"]
-    aside = _free(os.path.join(workdir, f"checkpoints.sites-{m}"))
+    aside = workdir_lib.free_name(os.path.join(workdir, f"checkpoints.sites-{m}"))
     os.replace(directory, aside)
     writer = checkpoint.Checkpointer(directory)
     writer.save(
@@ -113,14 +113,6 @@ def regroup_workdir(workdir: str, sites: int, *, lost=(), reinitialise_lost: boo
     }
     workdir_lib.append_history(workdir, {"regrouped": {k: v for k, v in out.items() if k != "flags"}})
     return out
-
-
-def _free(path: str) -> str:
-    candidate, n = path, 0
-    while os.path.exists(candidate):
-        n += 1
-        candidate = f"{path}.{n}"
-    return candidate
 
 
 def describe(out: dict[str, Any]) -> str:

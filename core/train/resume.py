@@ -75,7 +75,7 @@ def open_checkpoints(
                     "(the damaged one is moved to checkpoints.damaged/), or use a new --workdir."
                 ) from e
             checkpointer.close()
-            aside = _free_name(os.path.join(workdir, "checkpoints.damaged", str(latest)))
+            aside = workdir_lib.free_name(os.path.join(workdir, "checkpoints.damaged", str(latest)))
             if jax.process_index() == 0:
                 os.makedirs(os.path.dirname(aside), exist_ok=True)
                 os.replace(os.path.join(directory, str(latest)), aside)
@@ -117,15 +117,6 @@ def record_accepted(workdir: str, accepted: Mapping[str, Any]) -> None:
     (process 0): called with the first checkpoint trained under them."""
     if jax.process_index() == 0:
         workdir_lib.append_history(workdir, dict(accepted))
-
-
-def _free_name(path: str) -> str:
-    """`path`, or `path.1`, `path.2`, ... : the first that does not exist (an earlier fallback's folder is kept)."""
-    candidate, n = path, 0
-    while os.path.exists(candidate):
-        n += 1
-        candidate = f"{path}.{n}"
-    return candidate
 
 
 def _sync(name: str) -> None:
