@@ -68,8 +68,9 @@ def regroup_workdir(workdir: str, sites: int, *, lost=(), reinitialise_lost: boo
     new = config.copy_and_resolve_references()
     new.mesh.site, new.fomoe.overlap = sites, overlap
     new.data.batch_size = config.data.batch_size // m * sites
-    if config.mesh.num_processes > 1:  # (a launcher's run: one process per site, set again by the launcher)
-        new.mesh.num_processes, new.mesh.process_id = sites // max(m // config.mesh.num_processes, 1), 0
+    if config.mesh.num_processes > 1:  # a multi-process run keeps its sites per process (the launcher: one)
+        sites_per_process = m // config.mesh.num_processes
+        new.mesh.num_processes, new.mesh.process_id = sites // sites_per_process, 0
     schema.validate(new)
     _, optimizer, outer, like = federated.initial_state(new)
     like = jax.tree.map(np.asarray, like)

@@ -75,15 +75,15 @@ def _marks(like, optimizer: optax.GradientTransformation, outer: optax.GradientT
     def mirrored(tx, tree):
         return jax.tree.leaves(train_lib.optimizer_state_like(tx, tree, train.params, dims_tree, -1))
 
-    rest = jax.tree.map(
-        lambda v: ["fresh"] * len(jax.tree.leaves(v)) if isinstance(v, Residency) else [-1] * len(jax.tree.leaves(v)),
-        train.rest,
-        is_leaf=lambda v: isinstance(v, nnx.Variable),
-    )
+    rest = [
+        "fresh" if isinstance(v, Residency) else -1
+        for v in jax.tree.leaves(train.rest, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        for _ in jax.tree.leaves(v)
+    ]
     marks = (
         [-1] * len(jax.tree.leaves(train.step))
         + jax.tree.leaves(dims)
-        + [m for group in jax.tree.leaves(rest, is_leaf=lambda x: isinstance(x, list)) for m in group]
+        + rest
         + mirrored(optimizer, train.opt_state)
         + ["key"] * len(jax.tree.leaves(train.key))
         + (mirrored(outer, like.outer) if outer is not None else [-1] * len(jax.tree.leaves(like.outer)))
@@ -125,8 +125,8 @@ def regroup(
     """
     if before.num_experts != after.num_experts:
         raise ValueError(f"placements of {before.num_experts} and {after.num_experts} experts: regrouping keeps them.")
-    bad = [s for s in survivors if not 0 <= s < before.sites] or len(set(survivors)) != len(survivors)
-    if bad or not survivors or len(survivors) > after.sites:
+    outside = any(not 0 <= s < before.sites for s in survivors)
+    if outside or len(set(survivors)) != len(survivors) or not survivors or len(survivors) > after.sites:
         raise ValueError(
             f"survivors {list(survivors)}: distinct sites of the old {before.sites}, at least one and at most the "
             f"new {after.sites}."
@@ -142,13 +142,12 @@ def regroup(
         )
     sources = [survivors[s] if s < len(survivors) else survivors[0] for s in range(after.sites)]
     resident = before.resident()
-    alive = list(survivors)
 
     def host(site: int, expert: int) -> int | None:
         """The old site a new site copies `expert` from: its source if that hosted it, else the first survivor."""
         if resident[sources[site], expert]:
             return sources[site]
-        return next((s for s in alive if resident[s, expert]), None)
+        return next((s for s in survivors if resident[s, expert]), None)
 
     copied: dict[int, dict[int, int]] = {}
     for s in range(after.sites):
@@ -163,7 +162,7 @@ def regroup(
     out = []
     for (key, value), mark in zip(fresh_flat.items(), _marks(like, optimizer, outer)):
         fresh = np.asarray(value)
-        if mark == "fresh" or (key not in old and mark == "key"):
+        if mark == "fresh":
             out.append(fresh)
             continue
         source = np.asarray(old[key])

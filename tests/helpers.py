@@ -80,6 +80,30 @@ def tiny_moe_transformer(resident=None, routing_mode="partitioned", precision=No
     return Transformer(cfg, rngs=nnx.Rngs(0), ffn_factory=ffn, precision=precision)
 
 
+def tiny_federation(
+    sites, overlap, optimizer, *, outer=None, layers=1, precision=None, on_mesh=True, seed=0, error_feedback=False
+):
+    """`sites` sites of `tiny_moe_transformer` (8 experts, fixed placement at `overlap`), as moe.rounds.init_sites
+    builds them: (placement, site mesh or None, site graphdef, FederatedState on the mesh, or on the default device
+    when not `on_mesh`)."""
+    from moe import federation, rounds
+    from moe.placement import fixed_placement
+
+    placement = fixed_placement(8, sites, overlap)
+    mesh = federation.site_mesh(sites, overlap) if on_mesh else None
+    graphdef, state = rounds.init_sites(
+        tiny_moe_transformer(precision=precision, num_layers=layers),
+        tiny_moe_transformer(placement.experts[0], precision=precision, num_layers=layers),
+        placement,
+        optimizer,
+        outer,
+        mesh,
+        seed=seed,
+        error_feedback=error_feedback,
+    )
+    return placement, mesh, graphdef, state
+
+
 # A model's forward, a module's call: one compiled program each (op-by-op dispatch compiles every primitive, tens
 # of milliseconds each on the CPU: seconds per test).
 forward = nnx.jit(lambda model, tokens, cache=None: model(tokens, cache=cache))

@@ -315,6 +315,18 @@ FEDERATED = [
 ]
 
 
+def _rounds_checkpointed(steps, *extra):
+    """FEDERATED's 4 sites (O_e = 2, K = 3) for `steps` steps, one evaluation at the end, a checkpoint every round."""
+    return [
+        *FEDERATED[:4],
+        f"--config.train.steps={steps}",
+        f"--config.train.eval_every={steps}",
+        "--config.sample.num_tokens=0",
+        "--config.checkpoint.every=3",
+        *extra,
+    ]
+
+
 def test_federated_run_measures_its_bytes_and_resumes_after_a_crashed_round(tmp_path):
     """4 sites (O_e = 2, K = 3) with a random placement: the bytes read from the compiled round equal the formula
     plus what its reshuffles move, every 2 rounds; a crash right after round 2 and its reshuffle, and a rerun, give
@@ -357,16 +369,12 @@ def test_low_bit_synchronisation_with_error_feedback_resumes_exactly(tmp_path):
     checkpoint, so a crash after round 1 and a rerun give the uninterrupted run's metrics and result."""
     from core import checkpoint
 
-    lowbit = [
-        *FEDERATED[:-3],
-        "--config.train.steps=6",
-        "--config.train.eval_every=6",
-        "--config.sample.num_tokens=0",
-        "--config.checkpoint.every=3",
+    lowbit = _rounds_checkpointed(
+        6,
         "--config.fomoe.sync_format=fp4",
         "--config.fomoe.sync_rounding=stochastic",
         "--config.fomoe.error_feedback=True",
-    ]
+    )
     with _cache_programs_over(0.1):
         summary = _run(tmp_path / "full", *lowbit)
     assert summary["bytes_per_site_per_round"] == summary["bytes_per_site_per_round_formula"] > 0
@@ -392,18 +400,14 @@ def test_streaming_fragments_behind_compute_resume_exactly(tmp_path):
     steps (delay 1, mixing 0.5, second moments local): a round moves its fragment's formula bytes (their sum over
     the fragments is a whole synchronisation's: test_streaming) and the first one nothing; a crash after round 2 and
     a rerun give the uninterrupted run's metrics and result."""
-    streaming_run = [
-        *FEDERATED[:-3],
+    streaming_run = _rounds_checkpointed(
+        9,
         "--config.model.num_layers=2",
-        "--config.train.steps=9",
-        "--config.train.eval_every=9",
-        "--config.sample.num_tokens=0",
-        "--config.checkpoint.every=3",
         "--config.fomoe.fragments=2",
         "--config.fomoe.delay=1",
         "--config.fomoe.mixing=0.5",
         "--config.fomoe.second_moments=local",
-    ]
+    )
     with _cache_programs_over(0.1):
         summary = _run(tmp_path / "full", *streaming_run)
     assert summary["bytes_per_site_per_round"] == summary["bytes_per_site_per_round_formula"] > 0
@@ -427,8 +431,7 @@ def test_a_federation_that_lost_a_site_is_regrouped_and_finishes_on_the_survivor
     site outside the run's, and a run without a checkpoint (each named)."""
     from experiments import elastic
 
-    args = [*FEDERATED[:-3], "--config.train.steps=6", "--config.train.eval_every=6", "--config.sample.num_tokens=0"]
-    args.append("--config.checkpoint.every=3")
+    args = _rounds_checkpointed(6)
     work = tmp_path / "fed"
     with pytest.raises(Crash):
         _run(work, *args, hooks=[_crash_at(3)])
@@ -520,27 +523,13 @@ def test_bad_federated_flags_are_rejected(capsys, tmp_path, args, needles):
         assert needle in err, (needle, err)
 
 
-def _parent(pid) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
-
-
 def _child_running(root, *needle):
-    """The pid of a descendant of `root` whose command line holds every string of `needle` (Linux /proc)."""
-    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
-        try:
-            with open(f"/proc/{pid}/cmdline") as f:
-                cmdline = f.read().split("\0")
-            if not all(n in cmdline for n in needle):
-                continue
-            up = _parent(pid)
-            while up not in (root, 0, 1):
-                up = _parent(up)
-        except OSError:  # exited meanwhile
-            continue
-        if up == root:
-            return pid
-    raise AssertionError(f"no descendant of {root} runs {needle}")
+    """The pid of a descendant of `root` running `needle` (experiments.cluster.process.descendant), asserted."""
+    from experiments.cluster import process
+
+    pid = process.descendant(root, *needle)
+    assert pid is not None, f"no descendant of {root} runs {needle}"
+    return pid
 
 
 def test_sites_as_processes_train_like_virtual_devices_and_survive_a_lost_site(tmp_path):

@@ -11,24 +11,15 @@ import pytest
 
 from core import checkpoint
 from moe import elastic, federation, rounds
-from moe.placement import fixed_placement
 
-from helpers import tiny_moe_transformer
+from helpers import tiny_federation
 
 EXPERTS = 8
 
 
 def _federation(sites, overlap, optimizer, mesh=True):
-    placement = fixed_placement(EXPERTS, sites, overlap)
-    graphdef, state = rounds.init_sites(
-        tiny_moe_transformer(),
-        tiny_moe_transformer(placement.experts[0]),
-        placement,
-        optimizer,
-        None,
-        federation.site_mesh(sites, overlap) if mesh else None,
-        seed=sites,
-    )
+    """(placement, graphdef, state) of `sites` tiny MoE sites, on their mesh or on the default device."""
+    placement, _, graphdef, state = tiny_federation(sites, overlap, optimizer, on_mesh=mesh, seed=sites)
     return placement, graphdef, state
 
 

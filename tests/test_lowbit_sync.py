@@ -11,13 +11,13 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from core.codec import FORMATS, WireFormat
+from core.codec import WireFormat
 from moe import federation, lowbit_sync, rounds
 from moe.placement import fixed_placement
 from moe.stepper import round_bytes
 from optim import diloco_outer
 
-from helpers import tiny_moe_transformer
+from helpers import tiny_federation
 
 SITES = 4
 QMAX = {"int8": 127.0, "fp4": 6.0, "int4": 7.0}
@@ -132,7 +132,6 @@ def test_wire_format_refuses_bad_fields_by_name():
     ):
         with pytest.raises(ValueError, match=needle):
             WireFormat(**kwargs)
-    assert set(FORMATS) == {"float32", "bf16", "int8", "fp4", "int4"}
 
 
 def _plain_quantised_mean(values, start, feedback, flags, placement, fmt):
@@ -213,17 +212,7 @@ def test_a_low_bit_rounds_cross_site_bytes_are_exactly_the_formula(method, name,
     after one round; the second moments stay non-negative (a block format would round small ones below zero)."""
     optimizer = optax.adamw(1e-2)
     outer = diloco_outer() if method == "diloco" else None
-    placement, mesh = fixed_placement(8, SITES, 2), federation.site_mesh(SITES, 2)
-    graphdef, state = rounds.init_sites(
-        tiny_moe_transformer(),
-        tiny_moe_transformer(placement.experts[0]),
-        placement,
-        optimizer,
-        outer,
-        mesh,
-        seed=0,
-        error_feedback=True,
-    )
+    _, mesh, graphdef, state = tiny_federation(SITES, 2, optimizer, outer=outer, error_feedback=True)
     wire = WireFormat(name, 32, "ue8m0", "stochastic")
     round_fn = rounds.make_round(
         graphdef, optimizer, mesh, method=method, outer=outer, wire=wire, error_feedback=True,

@@ -16,7 +16,7 @@ from moe import federation, rounds
 from moe.placement import fixed_placement
 from optim import diloco_outer
 
-from helpers import forward, tiny_moe_transformer
+from helpers import forward, tiny_federation, tiny_moe_transformer
 
 SITES = 4
 OPTIMIZER_NAMES = (
@@ -33,18 +33,7 @@ OPTIMIZER_NAMES = (
 
 def _setup(overlap, optimizer, outer=None, precision=None):
     """4 sites of a one-block MoE transformer (8 experts, O_e = `overlap`) on the site mesh."""
-    placement = fixed_placement(8, SITES, overlap)
-    mesh = federation.site_mesh(SITES, overlap)
-    graphdef, state = rounds.init_sites(
-        tiny_moe_transformer(precision=precision),
-        tiny_moe_transformer(placement.experts[0], precision=precision),
-        placement,
-        optimizer,
-        outer,
-        mesh,
-        seed=0,
-    )
-    return placement, mesh, graphdef, state
+    return tiny_federation(SITES, overlap, optimizer, outer=outer, precision=precision)
 
 
 def _tokens(k, seed=0):

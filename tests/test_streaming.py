@@ -9,27 +9,15 @@ import optax
 import pytest
 
 from core import train as train_lib
-from moe import federation, rounds, streaming
-from moe.placement import fixed_placement
+from moe import federation, streaming
 
-from helpers import tiny_moe_transformer
+from helpers import tiny_federation
 
 SITES = 4
 
 
 def _setup(optimizer, layers=3):
-    placement = fixed_placement(8, SITES, 2)
-    mesh = federation.site_mesh(SITES, 2)
-    graphdef, state = rounds.init_sites(
-        tiny_moe_transformer(num_layers=layers),
-        tiny_moe_transformer(placement.experts[0], num_layers=layers),
-        placement,
-        optimizer,
-        None,
-        mesh,
-        seed=0,
-    )
-    return placement, mesh, graphdef, state
+    return tiny_federation(SITES, 2, optimizer, layers=layers)
 
 
 def test_fragments_are_strided_by_layer():

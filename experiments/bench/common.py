@@ -23,6 +23,7 @@ from experiments.args import HelpFormatter, integer, integers, names, number
 
 __all__ = [
     "add_parts",
+    "add_seeds",
     "add_steps",
     "command",
     "compiling",
@@ -183,6 +184,22 @@ def add_steps(p: argparse.ArgumentParser, *, default: int, multiple_of: int, why
         type=integer(multiple_of, multiple_of=multiple_of),
         default=default,
         help=f"training steps of every run: a multiple of {multiple_of} ({why.replace('%', '%%')}), >= {multiple_of}",
+    )
+
+
+def add_seeds(p: argparse.ArgumentParser, *, default: str, what: str, at_least: int = 1) -> None:
+    """`--seeds` of a reproduction: comma-separated distinct integers >= 0, at least `at_least` of them (refused
+    by argparse otherwise, naming the flag); `what` says what a seed sets."""
+
+    def parse(text: str) -> list[int]:
+        seeds = integers(0, distinct=True)(text)
+        if len(seeds) < at_least:
+            raise argparse.ArgumentTypeError(f"{text!r}: at least {at_least} seeds")
+        return seeds
+
+    more = f", at least {at_least}" if at_least > 1 else ""
+    p.add_argument(
+        "--seeds", type=parse, default=default, help=f"seeds ({what}): comma-separated distinct integers >= 0{more}"
     )
 
 

@@ -18,6 +18,7 @@ hidden, 0 = serialised. Writes overlap.json and overlap.md.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -94,8 +95,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rate-mbit", type=float, default=10.0, help="each link's rate (Mbit/s)")
     parser.add_argument("--megabytes", type=float, default=1.0, help="the all-reduce's payload (MB of float32)")
     parser.add_argument("--matmuls", type=int, default=600, help="384 x 384 matmuls in compute's chain")
-    parser.add_argument("--worker", type=int, default=None, help=argparse_hidden())
-    parser.add_argument("--coordinator", default=None, help=argparse_hidden())
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
         result = _worker(args.worker, args.coordinator, args.megabytes, args.repeats, args.matmuls)
@@ -106,10 +107,12 @@ def main(argv=None) -> None:
 
     command = common.command(parser, args)
     load = os.getloadavg()
-    worker = lambda i, coordinator: [  # noqa: E731
-        sys.executable, "-m", "experiments.bench.overlap", f"--worker={i}", f"--coordinator={coordinator}",
-        f"--megabytes={args.megabytes}", f"--repeats={args.repeats}", f"--matmuls={args.matmuls}",
-    ]  # fmt: skip
+    own = ["-m", "experiments.bench.overlap", f"--megabytes={args.megabytes}", f"--repeats={args.repeats}"]
+    own.append(f"--matmuls={args.matmuls}")
+
+    def worker(i: int, coordinator: str) -> list[str]:
+        return [sys.executable, *own, f"--worker={i}", f"--coordinator={coordinator}"]
+
     reason = links.unavailable()
     if reason is None:
         with links.Network(2, args.rate_mbit) as net:
@@ -127,11 +130,11 @@ def main(argv=None) -> None:
         raise SystemExit("error: a worker failed:\n" + "\n".join(outs))
     median = {name: statistics.median(results[0]["times"][name]) for name in CASES}
     c, a = median["compute"], median["collective"]
+    both = [name for name in CASES if name not in ("compute", "collective")]
     rows = [
-        {"case": name, "seconds": median[name], "overlap": (c + a - median[name]) / min(c, a) if name not in
-         ("compute", "collective") else None}
+        {"case": name, "seconds": median[name], "overlap": (c + a - median[name]) / min(c, a) if name in both else None}
         for name in CASES
-    ]  # fmt: skip
+    ]
     result = {
         "command": command,
         "where": where,
@@ -162,12 +165,6 @@ def main(argv=None) -> None:
         return "\n".join(lines) + "\n"
 
     common.write_results(args.out, "overlap", result, markdown)
-
-
-def argparse_hidden() -> str:
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ __all__ = [
     "HAS_PDEATHSIG",
     "STOP_SIGNALS",
     "alive",
+    "descendant",
     "die_with_parent",
     "exit_status",
     "signal_name",
@@ -45,6 +46,29 @@ def alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def descendant(root: int, *needle: str) -> int | None:
+    """The pid of a descendant of `root` whose command line holds every string of `needle` as an argument, or None
+    (Linux /proc; a process that exits meanwhile is skipped)."""
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        try:
+            with open(f"/proc/{pid}/cmdline") as f:
+                if not all(n in f.read().split("\0") for n in needle):
+                    continue
+            up = _parent(pid)
+            while up not in (root, 0, 1):
+                up = _parent(up)
+        except OSError:
+            continue
+        if up == root:
+            return pid
+    return None
 
 
 def zombie(pid: int) -> bool:

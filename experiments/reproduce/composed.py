@@ -135,12 +135,7 @@ def main(argv=None) -> None:
     """The command line: see the module docstring, or --help."""
     parser = common.parser(__doc__, module="experiments.reproduce.composed", topic="composed")
     common.add_steps(parser, default=700, multiple_of=10, why="whole rounds of fomoe.local_steps = 10")
-    parser.add_argument(
-        "--seeds",
-        type=common.integers(0, distinct=True),
-        default="0,1,2",
-        help="seeds (initialisation and data order): comma-separated distinct integers >= 0",
-    )
+    common.add_seeds(parser, default="0,1,2", what="initialisation and data order")
     args = parser.parse_args(argv)
     seeds = args.seeds
     runs: dict[str, dict[int, dict]] = {name: {} for name in VARIANTS}

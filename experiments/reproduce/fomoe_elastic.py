@@ -23,6 +23,7 @@ import sys
 import time
 
 from experiments.bench import common
+from experiments.cluster import process
 from experiments.reproduce import runs
 
 CONFIG = runs.config_path("fomoe")
@@ -39,24 +40,6 @@ def _flags(steps: int) -> list[str]:
         f"--config.fomoe.local_steps={K}",
         f"--config.checkpoint.every={K}",
     ]
-
-
-def _child(root: int, needle: str) -> int | None:
-    """The pid of a descendant of `root` whose command line holds `needle` (Linux /proc)."""
-    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
-        try:
-            with open(f"/proc/{pid}/cmdline") as f:
-                if needle not in f.read().split("\0"):
-                    continue
-            up = pid
-            while up not in (root, 0, 1):
-                with open(f"/proc/{up}/stat") as f:
-                    up = int(f.read().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            continue
-        if up == root:
-            return pid
-    return None
 
 
 def elastic_run(workdir: str, steps: int, lose_after: int) -> dict:
@@ -80,7 +63,7 @@ def elastic_run(workdir: str, steps: int, lose_after: int) -> dict:
         lines.append(line)
         print(f"[elastic] {line}", end="", flush=True)
         if not killed and os.path.isdir(checkpoint):
-            pid = _child(proc.pid, f"--config.mesh.process_id={LOST}")
+            pid = process.descendant(proc.pid, f"--config.mesh.process_id={LOST}")
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
                 killed = True

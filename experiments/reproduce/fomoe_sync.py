@@ -162,15 +162,8 @@ def main(argv=None) -> None:
     """The command line: see the module docstring, or --help."""
     parser = common.parser(__doc__, module="experiments.reproduce.fomoe_sync", topic="fomoe")
     common.add_steps(parser, default=256, multiple_of=K, why=f"whole rounds at K = {K}")
-    parser.add_argument(
-        "--seeds",
-        type=common.integers(0, distinct=True),
-        default="0,1",
-        help="seeds (initialisation and rounding draws): comma-separated distinct integers >= 0, at least 2",
-    )
+    common.add_seeds(parser, default="0,1", what="initialisation and rounding draws; the float32 spread", at_least=2)
     args = parser.parse_args(argv)
-    if len(args.seeds) < 2:
-        parser.error(f"--seeds {','.join(map(str, args.seeds))}: at least 2 seeds (the float32 spread needs them).")
     command = common.command(parser, args)
     total = len(METHODS) * len(args.seeds) + 1
     summaries: dict[str, dict[int, dict]] = {m: {} for m in METHODS}

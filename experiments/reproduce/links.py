@@ -68,7 +68,7 @@ MODEL = {
     "sample.num_tokens": 0,
 }
 _LOCAL_NU = {"second_moments": "local"}
-Method = tuple[str, "int | None", "int | None", "str | None", dict[str, object]]
+Method = tuple[str, int | None, int | None, str | None, dict[str, object]]
 METHODS: dict[str, Method] = {  # name: (label, mesh.site, fomoe.overlap (None: M), fomoe.outer, other fomoe keys)
     "ddp": ("DDP", 1, None, None, {}),
     "full_local_adamw": ("full replica, LocalAdamW", None, None, "local_adamw", {}),
