@@ -8,12 +8,13 @@ The command's arguments are parsed and checked here; the processes are started a
 experiments.cluster.supervisor (what every process runs, how a failure, a stop signal or the launcher's death reaches
 the others, and the exit code: its docstring, printed by --help). Exit code 2 for bad arguments.
 
-`--elastic` (a federated run, one site per process): when a site's process dies (killed by a signal) and the others
-stop, the run goes on without it by itself: its last checkpoint is regrouped onto the surviving sites
-(`python -m experiments.elastic`: every expert kept; with fomoe.overlap = 1 the lost site's experts are refused by name
-unless --reinitialise-lost-experts) and the survivors are started again with the new mesh.site, fomoe.overlap and
-data.batch_size, resuming from that checkpoint; this repeats while two sites are left. A process that exits with an
-error (a diverged loss, a bad config) stops the run as without --elastic.
+`--elastic` (a federated run, one site per process): when a site is lost (its process killed by a signal, or with
+--links its link cut: `lost_sites`) and the others stop, the run goes on without it by itself: its last checkpoint
+is regrouped onto the surviving sites (`python -m experiments.elastic`: every expert kept; with fomoe.overlap = 1 the
+lost site's experts are refused by name unless --reinitialise-lost-experts) and the survivors are started again
+(each in its own site's namespace with --links) with the new mesh.site, fomoe.overlap and data.batch_size, resuming
+from that checkpoint; this repeats while two sites are left. A process that exits with an error (a diverged loss, a
+bad config) stops the run as without --elastic.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import json
 import subprocess
 import sys
 
-from experiments.cluster import supervisor
+from experiments.cluster import process, supervisor
 
-__all__ = ["main"]
+__all__ = ["lost_sites", "main"]
 
 
 def main(argv: list[str] | None = None, *, module: str = "experiments.run") -> int:
@@ -107,26 +108,25 @@ def _flag(run_args: list[str], name: str) -> str | None:
 
 
 def _elastic(processes, run_args, workdir, reinitialise, module, netns, host) -> int:
-    """`supervisor.launch`, started again on the survivors after each site death (module docstring)."""
-    run_args = list(run_args)
+    """`supervisor.launch`, started again on the survivors after each lost site (module docstring)."""
+    run_args, netns = list(run_args), list(netns)
     while True:
         report: dict = {}
-        code = supervisor.launch(
-            processes, 1, run_args, module=module, netns=netns[:processes], host=host, report=report
-        )
-        lost = report.get("first_failed")
-        if code == 0 or report.get("stopped_by") is not None or lost is None:
+        code = supervisor.launch(processes, 1, run_args, module=module, netns=netns, host=host, report=report)
+        if code == 0 or report.get("stopped_by") is not None or report.get("first_failed") is None:
             return code
-        if report["codes"][lost] >= 0:  # exited with an error: not a lost site
-            print(f"launch: --elastic: process {lost} exited with status {report['codes'][lost]}, not a lost "
-                  "site; stopping", flush=True)  # fmt: skip
+        lost, why = lost_sites(report, netns, host)
+        if not lost:
+            print(f"launch: --elastic: {why}; stopping", flush=True)
             return code
-        if processes - 1 < 2:
-            print("launch: --elastic: one site left; a federation needs two, stopping", flush=True)
+        if processes - len(lost) < 2:
+            print(f"launch: --elastic: {why}; fewer than two sites left (a federation needs two), stopping", flush=True)
             return code
-        cmd = [sys.executable, "-m", "experiments.elastic", "--workdir", workdir, "--sites", str(processes - 1)]
-        cmd += ["--lost", str(lost), "--json"] + (["--reinitialise-lost-experts"] if reinitialise else [])
-        print(f"launch: --elastic: site {lost} was lost; regrouping {workdir} onto {processes - 1} sites", flush=True)
+        survivors = processes - len(lost)
+        cmd = [sys.executable, "-m", "experiments.elastic", "--workdir", workdir, "--sites", str(survivors)]
+        cmd += ["--lost", ",".join(map(str, lost)), "--json"]
+        cmd += ["--reinitialise-lost-experts"] if reinitialise else []
+        print(f"launch: --elastic: {why}; regrouping {workdir} onto {survivors} sites", flush=True)
         out = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if out.returncode:
             errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
@@ -137,8 +137,32 @@ def _elastic(processes, run_args, workdir, reinitialise, module, netns, host) ->
             if not line.startswith("rerun with:"):  # (this launcher reruns it)
                 print(f"launch: --elastic: {line}", flush=True)
         run_args += result["flags"]
-        processes -= 1
+        processes = survivors
+        netns = [ns for i, ns in enumerate(netns) if i not in lost]  # new site i: the i-th survivor's namespace
         print(f"launch: --elastic: starting the {processes} sites again with {' '.join(result['flags'])}", flush=True)
+
+
+def lost_sites(report: dict, netns: list[str], host: str) -> tuple[list[int], str]:
+    """Which sites a failed attempt lost (`supervisor.launch`'s `report`), and why, in words; ([], why not) when it
+    lost none it can name. Over the links (`netns`), the sites no TCP connection from the hub reaches are cut off
+    (`supervisor.unreachable`): when a link is cut, the coordination service misses that site's heartbeats and
+    jaxlib aborts every process alike (SIGABRT), so the exit codes do not tell. Otherwise the one process killed by
+    a signal that the launcher did not send is the lost site, when the others exited by themselves; a process that
+    exited with an error (a diverged loss, a bad config) is not a lost site, and several processes killed at once
+    name none."""
+    if netns:
+        cut = supervisor.unreachable(netns, host)
+        if cut:
+            names = ", ".join(map(str, cut))
+            return cut, f"site {names} was lost: no TCP connection from the hub reaches it (its link is cut)"
+    codes, first = report["codes"], report["first_failed"]
+    killed = [i for i, c in enumerate(codes) if c < 0 and i not in report.get("terminated", ())]
+    if len(killed) == 1:
+        return killed, f"site {killed[0]} was lost: its process was killed by {process.signal_name(-codes[killed[0]])}"
+    if not killed:
+        return [], f"process {first} exited with status {codes[first]}, not a lost site"
+    shown = ", ".join(f"{i} ({process.signal_name(-codes[i])})" for i in killed)
+    return [], f"processes {shown} were killed at once: cannot tell which site was lost"
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ Decisions where the paper is silent (ours, used by the projections; every one is
   * FLOPs per token follow PaLM's accounting (forward 2 x matmul parameters met + 4 L d T for attention
     scores; training = 3 x forward);
   * the 100B projection trains 20 tokens per active parameter (Chinchilla), global batch 4M tokens, K = 32, MFU
-    0.4, 50 ms latency per synchronisation, no overlap of communication with compute, and a site is a cluster
+    0.4, 50 ms latency per synchronisation, no overlap of communication with compute (unless `hidden`: one round
+    late; no synchronisation work on the processors, `sync_cpu_seconds` = 0), and a site is a cluster
     of 64 H100-class accelerators (989 dense bf16 TFLOP/s each): enough memory (64 x 80 GB) for the 104B
     model's full training state (1.75 TiB at O_e = M).
 """
@@ -45,6 +46,7 @@ __all__ = [
     "bytes_per_token",
     "ddp_bytes_per_step",
     "flops_per_token",
+    "link_bytes",
     "local_experts",
     "memory_per_site",
     "param_count",
@@ -59,6 +61,7 @@ BYTES_PER_PARAM = 4
 SITE_PEAK_FLOPS = 64 * 989e12
 TOKENS_PER_ACTIVE_PARAM = 20.0
 TRAIN_STATE_BYTES_PER_PARAM = 18  # bf16 weights 2 + fp32 master 4 + two fp32 moments 8 + fp32 gradients 4
+FRAME_BYTES, TCP_PAYLOAD_BYTES = 1514, 1448  # a full Ethernet frame and its TCP payload (MTU 1500, timestamps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,15 +308,30 @@ def round_seconds(
     mfu: float = 0.4,
     overlap_fraction: float = 0.0,
     hidden: bool = False,
+    sync_cpu_seconds: float = 0.0,
 ) -> dict[str, float]:
-    """t_comp = F_token * tokens_per_step / (MFU * peak) per local step; t_comm = bytes / bandwidth + latency;
-    a round takes K t_comp + (1 - overlap) t_comm, or with the synchronisation `hidden` behind the next round's
-    local steps (one round late, Streaming DiLoCo's overlap) max(K t_comp, t_comm): a round is never shorter than its
-    transfer. `tokens_per_step` is one site's tokens per step."""
-    t_comp = flops_per_token * tokens_per_step / (mfu * peak_flops)
+    """t_comp = F_token * tokens_per_step / (MFU * peak) per local step; t_comm = bytes / bandwidth + latency (the
+    time a site waits on its link); c = `sync_cpu_seconds`, the synchronisation's own work on the processors that
+    also compute (quantisation, the reduction's arithmetic, the collective library's copies: what the unlimited-link
+    runs measure, experiments.reproduce.links). A round takes K t_comp + c + (1 - overlap) t_comm, or with the
+    synchronisation `hidden` behind the next round's local steps (one round late, Streaming DiLoCo's overlap)
+    K t_comp + c + max(0, t_comm - K t_comp): only the wait hides, never the work, and a round is never shorter
+    than its transfer. `tokens_per_step` is one site's tokens per step. Returns {"compute": K t_comp,
+    "communication": t_comm, "sync_cpu": c, "total"}."""
+    compute = local_steps * flops_per_token * tokens_per_step / (mfu * peak_flops)
     t_comm = 8.0 * round_bytes / bandwidth_bits_per_second + latency_seconds
-    total = max(local_steps * t_comp, t_comm) if hidden else local_steps * t_comp + (1.0 - overlap_fraction) * t_comm
-    return {"compute": local_steps * t_comp, "communication": t_comm, "total": total}
+    waited = max(0.0, t_comm - compute) if hidden else (1.0 - overlap_fraction) * t_comm
+    return {"compute": compute, "communication": t_comm, "sync_cpu": sync_cpu_seconds,
+            "total": compute + sync_cpu_seconds + waited}  # fmt: skip
+
+
+def link_bytes(payload_bytes: float, *, framing: float = FRAME_BYTES / TCP_PAYLOAD_BYTES, fixed_bytes: float = 0.0):
+    """What a link carries for `payload_bytes` of collectives: framing x payload + fixed_bytes. The default framing
+    is a full Ethernet frame per TCP segment (1514 bytes for 1448 of payload: Ethernet, IP and TCP headers with
+    timestamps), a floor; `fixed_bytes`, what a round sends besides its collectives (metrics, coordination).
+    experiments.reproduce.links fits both on its unlimited-link runs (a framing of about 1.09 there: the frames,
+    the acknowledgements and gloo's own headers)."""
+    return framing * payload_bytes + fixed_bytes
 
 
 def training_hours(rounds: float, seconds_per_round: float) -> float:
@@ -331,6 +349,10 @@ class Projection:
     rounds: float
     hours: float
     memory_gib_per_site: float
+    sync_period_steps: int = 1
+    """Local steps between two synchronisations of the same parameter (K F; DDP: 1)."""
+    staleness_steps: int = 0
+    """Local steps a synchronisation's result is applied late (hidden: K, the one round it runs behind; else 0)."""
 
 
 def project(
@@ -354,7 +376,8 @@ def project(
 ) -> list[Projection]:
     """Training time and traffic of FoMoE at each overlap, and of DDP, at each bandwidth (module decisions); FoMoE's
     synchronisation in `wire` (low-bit: `sync_bytes`), in `fragments` synchronised in turn (a round moves 1/F of the
-    bytes; moe.streaming) and, with `hidden`, behind the next round's compute (`round_seconds`). DDP stays float32
+    bytes; moe.streaming) and, with `hidden`, behind the next round's compute (`round_seconds`), applied K steps late
+    (each row's staleness_steps; a fragment is synchronised every K F steps, sync_period_steps). DDP stays float32
     and blocking."""
     total_tokens = tokens_per_active_param * active_params(shape)
     steps = total_tokens / global_batch_tokens
@@ -395,6 +418,8 @@ def project(
                     rounds,
                     training_hours(rounds, t["total"]),
                     memory_per_site(shape, sites, o) / 2**30,
+                    sync_period_steps=local_steps * fragments,
+                    staleness_steps=local_steps if hidden else 0,
                 )
             )
         f = flops_per_token(shape, sites, sites)["total"]

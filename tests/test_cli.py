@@ -614,7 +614,7 @@ def test_an_elastic_launch_goes_on_without_a_killed_site(tmp_path):
     os.kill(_child_running(first.pid, "--config.mesh.process_id=1"), signal.SIGKILL)
     out = first.communicate(timeout=400)[0]
     assert first.returncode == 0, out
-    assert "launch: --elastic: site 1 was lost; regrouping" in out, out
+    assert "launch: --elastic: site 1 was lost: its process was killed by SIGKILL; regrouping" in out, out
     assert "3 -> 2 sites, O_e 3 -> 2; lost site 1" in out and "every expert kept" in out, out
     assert out.rstrip().endswith("launch: exit codes [0, 0]"), out[-2000:]
     summary = json.loads((work / "summary.json").read_text())

@@ -81,7 +81,7 @@ class _Launcher:
     session (as a shell runs a foreground job), its output collected line by line. `settings` override the
     supervisor module's constants (e.g. STOP_GRACE_SECONDS)."""
 
-    def __init__(self, then, processes=2, **settings):
+    def __init__(self, then, processes=2, own=(), run=(), **settings):
         code = "; ".join(
             ["import sys", "from experiments import launch", "from experiments.cluster import supervisor"]
             + [f"supervisor.{k} = {v!r}" for k, v in settings.items()]
@@ -89,7 +89,7 @@ class _Launcher:
         )
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT, os.environ.get("PYTHONPATH", "")]))
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", code, "--processes", str(processes), "--", f"--then={then}"],
+            [sys.executable, "-c", code, "--processes", str(processes), *own, "--", f"--then={then}", *run],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -188,6 +188,26 @@ def test_exit_codes_follow_the_shell_convention_for_signals(cleanup, then, code,
     got, out = launcher.finish()
     assert got == code and f"launch: exit codes {summary}\n" in out, out
     assert ("launch: process 1 was killed by signal SIGKILL" in out) == ("SIGKILL" in summary), out
+
+
+@pytest.mark.parametrize(
+    "then, said",
+    [
+        ("kill:SIGABRT,kill:SIGABRT,kill:SIGABRT", "processes 0 (SIGABRT), 1 (SIGABRT), 2 (SIGABRT) were killed at "
+         "once: cannot tell which site was lost; stopping"),
+        ("exit:1,sleep,kill:SIGKILL", "site 2 was lost: its process was killed by SIGKILL; regrouping"),
+    ],
+    ids=["aborted-alike", "one-killed"],
+)  # fmt: skip
+def test_an_elastic_launch_names_the_lost_site_only_when_it_can(cleanup, tmp_path, then, said):
+    """--elastic: every process aborted alike (as jaxlib aborts them all when the coordination service misses one
+    site's heartbeats) names no lost site (it once regrouped without site 0); one process killed by a signal names
+    it, not the one the launcher terminated itself after the grace (SIGTERM)."""
+    launcher = _Launcher(then, 3, own=("--elastic",), run=(f"--workdir={tmp_path}",), GRACE_SECONDS=1)
+    cleanup.append(launcher)
+    code, out = launcher.finish()
+    assert f"launch: --elastic: {said}" in out, out
+    assert "site 0 was lost" not in out and code != 0, out
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

@@ -326,3 +326,19 @@ def test_placing_a_state_every_process_holds_sends_nothing_between_sites():
             for p in procs:
                 p.kill()
     assert max(sent) < 20_000, sent  # heartbeats and acknowledgements at most; the array is 5.6 MB
+
+
+@needs_root
+def test_the_launcher_finds_a_site_whose_link_is_cut():
+    """supervisor.unreachable (what `experiments.launch --elastic --links` asks after a failed attempt): from the
+    hub's namespace, the site whose veth is down at the hub's end is the one no TCP connection reaches; before the
+    cut, none."""
+    probe = "import json, sys; from experiments.cluster import supervisor; print(json.dumps(supervisor.unreachable("
+    probe += "sys.argv[1].split(','), sys.argv[2], timeout=2)))"
+    with links.Network(sites=3, rate_mbit=100) as net:
+        ask = ["ip", "netns", "exec", net.hub.netns, sys.executable, "-c", probe]
+        ask += [",".join(s.netns for s in net.sites), net.hub.address]
+        before = subprocess.run(ask, cwd=ROOT, capture_output=True, text=True, check=True, timeout=60).stdout
+        _sh("ip", "-n", net.hub.netns, "link", "set", net.sites[1].hub_device, "down")
+        after = subprocess.run(ask, cwd=ROOT, capture_output=True, text=True, check=True, timeout=60).stdout
+    assert (json.loads(before), json.loads(after)) == ([], [1])

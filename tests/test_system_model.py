@@ -188,7 +188,7 @@ def test_low_bit_synchronisation_and_hidden_rounds_by_hand():
     """wire_bytes pads to whole chunks of n x G values: 1000 values over 4 sites in fp4 with UE8M0 scales per 32 are
     1024 padded values, 2 x 3/4 x 1024 x (0.5 + 1/32) bytes; LocalAdamW's state (Adam: two moments) sends its first
     half in the wire format and its second (the second moments) as bf16, or nothing with second_moments = "local";
-    a hidden round takes max(compute, transfer)."""
+    a hidden round takes max(compute, transfer) plus the synchronisation's own processor work, which never hides."""
     from core.codec import WireFormat
 
     fp4 = WireFormat("fp4", 32, "ue8m0")
@@ -202,11 +202,13 @@ def test_low_bit_synchronisation_and_hidden_rounds_by_hand():
     assert local["total"] == 2 * sm.wire_bytes(1000, 4, fp4) + 2 * sm.wire_bytes(500, 2, fp4)
     diloco = sm.sync_bytes(4000, 2000, 4, 2, optimizer="diloco", wire=fp4)
     assert diloco["total"] == sm.wire_bytes(1000, 4, fp4) + sm.wire_bytes(500, 2, fp4)
-    slow, hidden = (
+    slow, hidden, short = (
         sm.round_seconds(
-            flops_per_token=1e9, tokens_per_step=1e3, local_steps=4, round_bytes=1e6, latency_seconds=0.0,
-            bandwidth_bits_per_second=1e6, peak_flops=1e12, mfu=1.0, hidden=h,
+            flops_per_token=1e9, tokens_per_step=1e3, local_steps=4, round_bytes=size, latency_seconds=0.0,
+            bandwidth_bits_per_second=1e6, peak_flops=1e12, mfu=1.0, hidden=h, sync_cpu_seconds=0.5,
         )
-        for h in (False, True)
+        for h, size in ((False, 1e6), (True, 1e6), (True, 1e5))
     )  # fmt: skip
-    assert slow["total"] == 4 * 1.0 + 8.0 and hidden["total"] == 8.0
+    assert slow["total"] == 4.0 + 0.5 + 8.0 and hidden["total"] == 4.0 + 0.5 + (8.0 - 4.0)
+    assert short["total"] == 4.0 + 0.5  # a transfer (0.8 s) shorter than the compute hides whole
+    assert sm.link_bytes(1448.0) == 1514.0 and sm.link_bytes(100.0, framing=1.25, fixed_bytes=7.0) == 132.0

@@ -61,6 +61,7 @@ __all__ = [
     "free_port",
     "launch",
     "site_network",
+    "unreachable",
 ]
 
 from core import jax_compat
@@ -82,6 +83,9 @@ EXTERNAL_SERVICE_ENV = "MESH_EXTERNAL_COORDINATION_SERVICE"
 """core.mesh.EXTERNAL_SERVICE_ENV (same reason)."""
 PEER_LOST_NOTICE_ENV = "MESH_PEER_LOST_NOTICE_FD"
 """core.mesh.PEER_LOST_NOTICE_ENV (same reason)."""
+PROBE_SECONDS = 3.0
+"""`unreachable`: a site whose TCP connection to the hub is not made within this long is cut off."""
+_PROBE = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), float(sys.argv[3])).close()"
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 _HAS_PDEATHSIG = process.HAS_PDEATHSIG  # (tests force the fallback)
@@ -119,6 +123,25 @@ def site_network(processes: int) -> tuple[list[str], str]:
     if len(netns) != processes:
         raise ValueError(f"--links: the network has {len(netns)} sites but --processes={processes}; they must match")
     return netns, hub
+
+
+def unreachable(netns: Sequence[str], host: str, *, timeout: float = PROBE_SECONDS) -> list[int]:
+    """The indices of the network namespaces (`site_network()`'s) from which no TCP connection reaches `host` (an
+    address of this process's namespace: the hub's) within `timeout` seconds: the sites whose link is cut. The
+    probes run at once, each a short Python process inside its namespace (`ip netns exec`); this process listens
+    on a free port of `host` meanwhile (the kernel completes the connections; nothing is sent)."""
+    with socket.create_server((host, 0), backlog=max(len(netns), 1)) as server:
+        port = str(server.getsockname()[1])
+        probes = [
+            subprocess.Popen(
+                ["ip", "netns", "exec", ns, sys.executable, "-c", _PROBE, host, port, str(timeout)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for ns in netns
+        ]
+        codes = [p.wait() for p in probes]  # (each gives up after `timeout`)
+    return [i for i, code in enumerate(codes) if code != 0]
 
 
 def _child_env(devices: int, external_service: bool, notice_fd: int) -> dict[str, str]:
@@ -198,7 +221,8 @@ def launch(
     CPU devices each, supervises them and returns the launcher's exit code (module docstring). `netns`: each
     process's network namespace and `host` the coordinator's (`site_network()`; none: this namespace, 127.0.0.1).
     `report`, if given, receives "first_failed" (the index of the first process seen failing, or None),
-    "stopped_by" (the signal that stopped the launcher, or None) and "codes" (every process's Popen return code).
+    "stopped_by" (the signal that stopped the launcher, or None), "codes" (every process's Popen return code) and
+    "terminated" (the indices of the processes the launcher itself stopped, GRACE_SECONDS after a failure).
     `module` is the program every process runs; tests point it at a cheap stand-in. Call it from the main thread:
     it installs handlers for SIGTERM, SIGINT and SIGHUP (restored on return)."""
     port = free_port(host)
@@ -248,7 +272,7 @@ def launch(
         forwarders = [threading.Thread(target=_forward, args=(i, p.stdout), daemon=True) for i, p in enumerate(procs)]
         for t in forwarders:
             t.start()
-        stopped_by, first_failed = _supervise(procs, codes, received, notices)
+        stopped_by, first_failed, terminated = _supervise(procs, codes, received, notices)
         for t in forwarders:  # the children's last lines before the summary
             t.join(timeout=5)
     finally:  # on the way out of an error here (say, a process that could not start), none is left running
@@ -263,7 +287,8 @@ def launch(
             signal.signal(s, handler)
     print(f"launch: exit codes [{', '.join(_shown(p.returncode) for p in procs)}]", flush=True)
     if report is not None:
-        report.update(first_failed=first_failed, stopped_by=stopped_by, codes=[p.returncode for p in procs])
+        final = [p.returncode for p in procs]
+        report.update(first_failed=first_failed, stopped_by=stopped_by, codes=final, terminated=terminated)
     if stopped_by is not None:
         return 128 + stopped_by
     return 0 if first_failed is None else process.exit_status(procs[first_failed].returncode)
@@ -271,17 +296,19 @@ def launch(
 
 def _supervise(
     procs: Sequence[subprocess.Popen], codes: list[int | None], received: list[int], notices: Sequence[int]
-) -> tuple[int | None, int | None]:
+) -> tuple[int | None, int | None, list[int]]:
     """Waits for every child to exit, filling `codes` (Popen return codes) and reporting signal deaths as they
     happen. `NOTICE_SECONDS` after the first failure, tells the children still running which process failed and how
     (a line on their `notices` pipe). Stops the children on a stop signal (in `received`, appended by the handlers)
     or `GRACE_SECONDS` after the first failure: SIGTERM, then SIGKILL after `STOP_GRACE_SECONDS` or at a second stop
-    signal. Returns the stop signal that stopped the launcher (or None) and the index of the first process seen
-    failing (or None; of several seen at once, one killed by a signal: the others failed because it died)."""
+    signal. Returns the stop signal that stopped the launcher (or None), the index of the first process seen
+    failing (or None; of several seen at once, one killed by a signal: the others failed because it died) and the
+    indices of the processes still running when it terminated them after a failure."""
     stopped_by: int | None = None
     failure: tuple[int, float] | None = None  # the first process seen failing, and when
     term_sent_at: float | None = None
     killed = noticed = False
+    terminated: list[int] = []
     while True:
         now = time.monotonic()
         failed_now = []
@@ -295,7 +322,7 @@ def _supervise(
         if failed_now and failure is None:  # seen together: one killed by a signal is what made the others fail
             failure = min(failed_now, key=lambda i: (codes[i] >= 0, i)), now  # type: ignore[operator]
         if all(c is not None for c in codes):
-            return stopped_by, None if failure is None else failure[0]
+            return stopped_by, None if failure is None else failure[0], terminated
         if stopped_by is None and failure is not None and not noticed and now - failure[1] > NOTICE_SECONDS:
             first_failed = failure[0]
             code = procs[first_failed].returncode
@@ -318,6 +345,7 @@ def _supervise(
             for i, code in enumerate(codes):
                 if code is None:
                     print(f"launch: terminating process {i} ({GRACE_SECONDS} s after a failure)", flush=True)
+                    terminated.append(i)
             _send(procs, codes, signal.SIGTERM)
             term_sent_at = now
         if not killed and term_sent_at is not None and (now - term_sent_at > STOP_GRACE_SECONDS or len(received) > 1):

@@ -42,42 +42,67 @@ def _flags(steps: int) -> list[str]:
     ]
 
 
-def elastic_run(workdir: str, steps: int, lose_after: int) -> dict:
-    """The launcher's run with site LOST killed after round `lose_after`'s checkpoint; its output and summary."""
-    if os.path.exists(os.path.join(workdir, "summary.json")) and os.path.exists(os.path.join(workdir, "launch.log")):
-        with open(os.path.join(workdir, "launch.log")) as f:
-            log = f.read()
+def elastic_run(workdir: str, command: list[str], when: str, lose, *, env=None, tag: str = "elastic") -> dict:
+    """Runs the launcher's `command` (or reuses its finished run in `workdir`), calling `lose(launcher pid)` once the
+    directory `when` exists (a checkpoint); `lose` makes a site lost and returns what it did, in words. Returns
+    {"output" (its lines, each stamped with the seconds since the start), "summary", "seconds" (None when reused),
+    "lost_at" (seconds since the start), "lost" (the words)}. RuntimeError with the output's end when the run
+    fails or finishes before the loss."""
+    record = os.path.join(workdir, "launch.json")  # the finished run's output and loss, for a reuse
+    if os.path.exists(os.path.join(workdir, "summary.json")) and os.path.exists(record):
+        with open(record) as f:
+            kept = json.load(f)
         with open(os.path.join(workdir, "summary.json")) as f:
-            return {"output": log, "summary": json.load(f), "seconds": None}
+            return {**kept, "summary": json.load(f), "seconds": None}
     if os.path.exists(workdir):
         runs.set_aside(workdir, ["an unfinished elastic run"])
-    command = [sys.executable, "-m", "experiments.launch", "--processes", str(SITES), "--elastic", "--"]
-    command += [f"--config={CONFIG}", f"--workdir={workdir}", f"--config.train.steps={steps}", *_flags(steps)]
     t0 = time.time()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
-    checkpoint = os.path.join(workdir, "checkpoints", str(lose_after * K))
-    killed = False
+    lost, lost_at = None, None
     assert proc.stdout is not None
     for line in proc.stdout:
-        lines.append(line)
-        print(f"[elastic] {line}", end="", flush=True)
-        if not killed and os.path.isdir(checkpoint):
-            pid = process.descendant(proc.pid, f"--config.mesh.process_id={LOST}")
-            if pid is not None:
-                os.kill(pid, signal.SIGKILL)
-                killed = True
-                print(
-                    f"[elastic] killed site {LOST} (pid {pid}) after the checkpoint of round {lose_after}", flush=True
-                )
+        lines.append(f"{time.time() - t0:8.1f} {line}")
+        print(f"[{tag}] {line}", end="", flush=True)
+        if lost is None and os.path.isdir(when):
+            lost = lose(proc.pid)
+            if lost is not None:
+                lost_at = time.time() - t0
+                lines.append(f"{lost_at:8.1f} ({lost})\n")
+                print(f"[{tag}] {lost}", flush=True)
     proc.wait()
     output = "".join(lines)
-    if proc.returncode or not killed:
-        raise RuntimeError(f"the elastic run failed (exit {proc.returncode}, killed: {killed}):\n{output[-3000:]}")
-    with open(os.path.join(workdir, "launch.log"), "w") as f:
-        f.write(output)
+    if proc.returncode or lost is None:
+        raise RuntimeError(f"the elastic run failed (exit {proc.returncode}, lost: {lost}):\n{output[-3000:]}")
+    with open(record, "w") as f:
+        json.dump({"output": output, "lost_at": lost_at, "lost": lost}, f)
     with open(os.path.join(workdir, "summary.json")) as f:
-        return {"output": output, "summary": json.load(f), "seconds": time.time() - t0}
+        summary = json.load(f)
+    return {"output": output, "summary": summary, "seconds": time.time() - t0, "lost_at": lost_at, "lost": lost}
+
+
+def kill(site: int):
+    """A `lose` for `elastic_run`: SIGKILL to site `site`'s process (None while it has not started)."""
+
+    def lose(launcher: int) -> str | None:
+        pid = process.descendant(launcher, f"--config.mesh.process_id={site}")
+        if pid is None:
+            return None
+        os.kill(pid, signal.SIGKILL)
+        return f"killed site {site} (pid {pid}, SIGKILL)"
+
+    return lose
+
+
+def launcher_lines(output: str) -> list[str]:
+    """The launcher's own lines of an `elastic_run` output, without the seconds each line is stamped with."""
+    out = []
+    for line in output.splitlines():
+        stamp, _, text = line.strip().partition(" ")
+        text = text.strip() if stamp.replace(".", "", 1).isdigit() else line.strip()
+        if text.startswith("launch:"):
+            out.append(text)
+    return out
 
 
 def markdown(r: dict) -> str:
@@ -116,8 +141,12 @@ def main(argv=None) -> None:
     base = runs.run_or_reuse(
         CONFIG, os.path.join(args.out, "runs", "elastic_uninterrupted"), _flags(args.steps), args.steps, devices=SITES
     )
-    run = elastic_run(os.path.abspath(os.path.join(args.out, "runs", "elastic_lost_site")), args.steps, args.lose_after)
-    launcher = [line.strip() for line in run["output"].splitlines() if line.startswith("launch:")]
+    workdir = os.path.abspath(os.path.join(args.out, "runs", "elastic_lost_site"))
+    launch = [sys.executable, "-m", "experiments.launch", "--processes", str(SITES), "--elastic", "--"]
+    launch += [f"--config={CONFIG}", f"--workdir={workdir}", f"--config.train.steps={args.steps}", *_flags(args.steps)]
+    when = os.path.join(workdir, "checkpoints", str(args.lose_after * K))
+    run = elastic_run(workdir, launch, when, kill(LOST))
+    launcher = launcher_lines(run["output"])
     result = {
         "command": command,
         "steps": args.steps,

@@ -76,6 +76,8 @@ def sync_projection(shape: sm.ModelShape) -> list[dict]:
                 )  # fmt: skip
                 fomoe = [r for r in projection if r.method != "DDP"]
                 row["bytes_per_site_per_round"] = fomoe[0].bytes_per_site_per_round
+                row["sync_period_steps"] = fomoe[0].sync_period_steps
+                row["staleness_steps" if hidden else "staleness_steps_blocking"] = fomoe[0].staleness_steps
                 row["hours_hidden" if hidden else "hours"] = {r.bandwidth_gbps: r.hours for r in fomoe}
                 row["ddp_bytes_per_step"] = next(r for r in projection if r.method == "DDP").bytes_per_site_per_round
             rows.append(row)
@@ -88,20 +90,22 @@ def sync_markdown(rows: list[dict]) -> list[str]:
         "",
         f"What low-bit synchronisation and overlap change at 104B (M = {SITES}, K = 32; wire formats with UE8M0 "
         "scales per 32 values, moe.lowbit_sync; F fragments: a round moves 1/F of the bytes, each fragment every F "
-        "rounds; 'hidden': each round's synchronisation runs behind the next round's local steps, so a round takes "
-        "max(compute, transfer) instead of their sum; moe.streaming):",
+        "rounds; 'hidden': each round's synchronisation runs behind the next round's local steps and is applied one "
+        "round (K steps) late, so a round takes max(compute, transfer) instead of their sum; moe.streaming):",
         "",
-        "| synchronisation | O_e | GB per site per round | x fewer than DDP over K steps | "
+        "| synchronisation | O_e | GB per site per round | x fewer than DDP over K steps | a parameter synced "
+        "every (steps) | hidden: applied (steps) late | "
         + " | ".join(f"hours at {g} Gbps" for g in BANDWIDTHS)
         + " | "
         + " | ".join(f"hidden, {g} Gbps" for g in BANDWIDTHS)
         + " |",
-        "|---|---|---|---|" + "---|" * (2 * len(BANDWIDTHS)),
+        "|---|---|---|---|---|---|" + "---|" * (2 * len(BANDWIDTHS)),
     ]
     for r in rows:
         ratio = 32 * r["ddp_bytes_per_step"] / r["bytes_per_site_per_round"]
         lines.append(
             f"| {r['variant']} | {r['overlap']} | {r['bytes_per_site_per_round'] / 1e9:,.0f} | {ratio:,.0f}x | "
+            f"{r['sync_period_steps']} | {r['staleness_steps']} | "
             + " | ".join(f"{r['hours'][g]:,.0f}" for g in BANDWIDTHS)
             + " | "
             + " | ".join(f"{r['hours_hidden'][g]:,.0f}" for g in BANDWIDTHS)

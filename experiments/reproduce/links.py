@@ -11,12 +11,12 @@ tokens for the same steps, one process per site (`experiments.launch --links`, j
     ddp               gradients all-reduced every step (mesh.data = M)
     full_local_adamw  the full replica (O_e = M), LocalAdamW rounds of K local steps (parameters and both moments)
     full_diloco       the full replica, DiLoCo rounds (parameters; an outer Nesterov step)
-    fomoe_o1          FoMoE, every expert on one site (O_e = 1), LocalAdamW
-    fomoe_o2          FoMoE, every expert on two sites (O_e = 2), LocalAdamW
+    fomoe_o1, _o2     FoMoE, every expert on one (two) sites, LocalAdamW
+    fomoe_o2_...      O_e = 2 with low-bit synchronisation (int8, fp4; error feedback; second moments kept local),
+                      and behind compute (one round late; in 2 fragments) next to the same synchronisation blocking
 
-The model is experiments/configs/fomoe.py made smaller (`MODEL`: d_model 64, 2 layers, 8 experts of 128, top-2,
-sequences of 128 bytes) so that at 10 Mbit/s the link dominates a round and at 1000 Mbit/s it does not (there, on
-2 shared cores, gloo's own CPU work does).
+(experiments.reproduce.links_methods: every method's flags and the model, experiments/configs/fomoe.py made smaller
+so that at 10 Mbit/s the link dominates a round.)
 Each run is in `<out>/runs/<rate>/<method>` (reused when finished with its link record, as the other reproductions).
 
 Reported (links.md, links.json, links_loss.png, links_round.png):
@@ -30,89 +30,45 @@ Reported (links.md, links.json, links_loss.png, links_round.png):
     excluded), and the time each method needs to reach the loss every method reaches (the highest final loss);
   * the bytes each site put on its link during the run (its veth's shaper: every frame with its headers) per round,
     against the compiled program's count (core.hlo: what the round's collectives move per site), as a ratio;
-  * moe.system_model.round_seconds at the link's rate with the round's compiled bytes, its compute time (the
-    effective FLOP rate) and fixed per-round overhead (the latency term) calibrated on the unlimited run of the same
-    method, against the measured round: the relative error, and the same model with the measured wire bytes in
-    place of the compiled ones.
+  * moe.system_model.round_seconds at the link's rate, calibrated on the unlimited run of the same method (its
+    local steps' time, and the rest of its round: processor work, which a round behind compute does not hide),
+    with the round's compiled bytes as moe.system_model.link_bytes puts them on the wire (framing and fixed bytes
+    per round fitted on the unlimited runs), against the measured round: the relative error, and the same model
+    with the measured wire bytes in place of those;
+  * for each method behind compute, its round against max(compute, sync) of the same synchronisation blocking.
+`--keep-others` reruns only the --methods given and takes the other rows from the existing links.json (the table
+says which rows were measured when).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import sys
 import threading
+import time
 from collections.abc import Sequence
 
-from experiments import links, plotting
+from experiments import links
 from experiments.bench import common
-from experiments.reproduce import runs
+from experiments.reproduce import links_report, runs
+from experiments.reproduce.links_methods import (
+    CONFIG,
+    METHODS,
+    MODEL,
+    UNLIMITED_MBIT,
+    K,
+    flags,
+    model_shape,
+    rate_name,
+)
 from moe import system_model as sm
 
-CONFIG = runs.config_path("fomoe")
-UNLIMITED_MBIT = 10_000.0
-K = 8  # local steps per round (and DDP steps per reported "round")
-MODEL = {
-    "model.d_model": 64,
-    "model.num_layers": 2,
-    "model.num_heads": 1,
-    "model.num_kv_heads": 1,
-    "moe.num_experts": 8,
-    "moe.top_k": 2,
-    "moe.expert_size": 128,
-    "data.seq_len": 128,
-    "data.batch_size": 16,
-    "optim.warmup_steps": 16,
-    "train.eval_batches": 4,
-    "sample.num_tokens": 0,
-}
-_LOCAL_NU = {"second_moments": "local"}
-Method = tuple[str, int | None, int | None, str | None, dict[str, object]]
-METHODS: dict[str, Method] = {  # name: (label, mesh.site, fomoe.overlap (None: M), fomoe.outer, other fomoe keys)
-    "ddp": ("DDP", 1, None, None, {}),
-    "full_local_adamw": ("full replica, LocalAdamW", None, None, "local_adamw", {}),
-    "full_diloco": ("full replica, DiLoCo", None, None, "diloco", {}),
-    "fomoe_o1": ("FoMoE O_e = 1, LocalAdamW", None, 1, "local_adamw", {}),
-    "fomoe_o2": ("FoMoE O_e = 2, LocalAdamW", None, 2, "local_adamw", {}),
-    "fomoe_o2_int8_ef": ("FoMoE O_e = 2, int8 + EF", None, 2, "local_adamw", {"sync_format": "int8",
-                                                                              "error_feedback": True}),
-    "fomoe_o2_fp4": ("FoMoE O_e = 2, fp4", None, 2, "local_adamw", {"sync_format": "fp4"}),
-    "fomoe_o2_fp4_ef": ("FoMoE O_e = 2, fp4 + EF", None, 2, "local_adamw", {"sync_format": "fp4",
-                                                                            "error_feedback": True}),
-    "fomoe_o2_fp4_ef_local": ("FoMoE O_e = 2, fp4 + EF, nu local", None, 2, "local_adamw",
-                              {"sync_format": "fp4", "error_feedback": True, **_LOCAL_NU}),
-    "fomoe_o2_overlap": ("FoMoE O_e = 2, behind compute", None, 2, "local_adamw", {"delay": 1, **_LOCAL_NU}),
-    "fomoe_o2_stream": ("FoMoE O_e = 2, 2 fragments behind compute", None, 2, "local_adamw",
-                        {"delay": 1, "fragments": 2, **_LOCAL_NU}),
-}  # fmt: skip
-"""Low-bit synchronisation: UE8M0 scales per 32 values, nearest rounding (LocalAdamW's second moments as bf16
-unless "nu local"); "behind compute": fomoe.delay = 1 (moe.streaming)."""
-TOLERANCE = 0.20  # the bound on the system model's relative error that the table checks
+__all__ = ["CONFIG", "METHODS", "MODEL", "UNLIMITED_MBIT", "K", "flags", "main", "measure", "predict", "train"]
+
 ATTEMPTS = 2  # a failed run is set aside and run again once; the table says which runs were retried
-
-
-def flags(method: str, sites: int, steps: int, eval_every: int) -> list[str]:
-    """The experiments.run flags of `method` at M = `sites`."""
-    _, site, overlap, outer, extra = METHODS[method]
-    out = [f"--config.{key}={value}" for key, value in MODEL.items()]
-    out += [f"--config.train.eval_every={eval_every}", f"--config.checkpoint.every={steps}"]
-    if site == 1:
-        return out + ["--config.mesh.site=1", f"--config.mesh.data={sites}", "--config.train.log_every=1"]
-    return out + [
-        f"--config.mesh.site={sites}",
-        "--config.mesh.data=1",
-        f"--config.fomoe.overlap={overlap or sites}",
-        f"--config.fomoe.local_steps={K}",
-        f"--config.fomoe.outer={outer}",
-        "--config.fomoe.placement=fixed",
-        f"--config.train.log_every={K}",
-        *(f"--config.fomoe.{key}={value}" for key, value in extra.items()),
-    ]
-
-
-def rate_name(rate_mbit: float) -> str:
-    return "unlimited" if rate_mbit == UNLIMITED_MBIT else f"{rate_mbit:g}mbit"
 
 
 def train(method: str, sites: int, rate_mbit: float, steps: int, eval_every: int, out: str, net) -> dict:
@@ -249,25 +205,30 @@ def measure(method: str, sites: int, steps: int, run: dict) -> dict:
     }
 
 
-def model_shape(sites: int) -> sm.ModelShape:
-    return sm.ModelShape(
-        d_model=MODEL["model.d_model"],
-        num_layers=MODEL["model.num_layers"],
-        num_experts=MODEL["moe.num_experts"],
-        top_k=MODEL["moe.top_k"],
-        expert_size=MODEL["moe.expert_size"],
-        vocab_size=256,
-        seq_len=MODEL["data.seq_len"],
-    )
+def fit_link_bytes(rows: list[dict]) -> tuple[float, float]:
+    """(framing, fixed bytes) of moe.system_model.link_bytes fitted to the unlimited runs' wire bytes against their
+    compiled bytes per round (least squares on the relative residual: every method counts alike)."""
+    cal = [r for r in rows if r["rate_mbit"] == UNLIMITED_MBIT]
+    # minimise sum ((a c + b - w) / w)^2: the normal equations of x = c / w, y = 1 / w against 1
+    xx = sum((r["compiled_bytes"] / r["wire_bytes"]) ** 2 for r in cal)
+    xy = sum(r["compiled_bytes"] / r["wire_bytes"] ** 2 for r in cal)
+    yy = sum(1 / r["wire_bytes"] ** 2 for r in cal)
+    x1 = sum(r["compiled_bytes"] / r["wire_bytes"] for r in cal)
+    y1 = sum(1 / r["wire_bytes"] for r in cal)
+    det = xx * yy - xy * xy
+    return (x1 * yy - y1 * xy) / det, (y1 * xx - x1 * xy) / det
 
 
-def predict(rows: list[dict], sites: int) -> list[dict]:
-    """Adds to every row the system model's round time at its rate and its relative error, once with the compiled
-    bytes and once with the wire's: calibrated on the unlimited row of its method, whose round less the time its
-    bytes take at UNLIMITED_MBIT is the compute (the local steps' measured time; DDP: all of it, its all-reduce's
-    arithmetic included) plus a fixed per-round overhead (the model's latency term). Then DDP's derived split."""
+def predict(rows: list[dict], sites: int) -> tuple[list[dict], dict[str, float]]:
+    """Adds to every row the system model's round time at its rate and its relative error, once from the compiled
+    bytes (through moe.system_model.link_bytes, fitted on the unlimited runs: `fit_link_bytes`) and once from the
+    bytes measured on the wire. Each method is calibrated on its own unlimited run: its local steps' measured time
+    is the compute (the effective FLOP rate) and the rest of its round, less what its bytes take there, is the
+    synchronisation's processor work (`sync_cpu_seconds`, which a hidden round does not hide); DDP's all-reduce is
+    inside its step: all of its round counts as compute. Then DDP's derived split. Returns the rows and the fit."""
+    framing, fixed = fit_link_bytes(rows)
     calibration = {r["method"]: r for r in rows if r["rate_mbit"] == UNLIMITED_MBIT}
-    tokens_per_site_step = MODEL["data.batch_size"] * MODEL["data.seq_len"] / sites
+    tokens = MODEL["data.batch_size"] * MODEL["data.seq_len"] / sites  # one site's per step
     for r in rows:
         cal = calibration[r["method"]]
         ddp = METHODS[r["method"]][1] == 1
@@ -275,35 +236,47 @@ def predict(rows: list[dict], sites: int) -> list[dict]:
         flops = sm.flops_per_token(model_shape(sites), 1 if ddp else sites, 1 if ddp else overlap)["total"]
         period = 1 if ddp else K  # steps between two synchronisations
         scale = period / K  # a round's quantity -> per synchronisation
-        for key, count in (("model", "compiled_bytes"), ("model_wire", "wire_bytes")):
-            # what the calibration's round takes besides moving its bytes, split into compute and a fixed overhead
-            # (DDP's all-reduce is inside its step: all of it counts as compute)
-            untransferred = scale * cal["seconds_round"] - 8 * scale * cal[count] / (UNLIMITED_MBIT * 1e6)
-            compute = untransferred if ddp else scale * cal["seconds_compute"]
-            overhead = untransferred - compute
-            effective_flops = flops * tokens_per_site_step * period / compute
-            t = sm.round_seconds(
-                flops_per_token=flops,
-                tokens_per_step=tokens_per_site_step,
-                local_steps=period,
-                round_bytes=scale * r[count],
-                bandwidth_bits_per_second=r["rate_mbit"] * 1e6,
-                latency_seconds=overhead,
-                peak_flops=effective_flops,
-                mfu=1.0,
-                hidden=bool(METHODS[r["method"]][4].get("delay")),
-            )
-            r[f"seconds_{key}"] = t["total"] / scale
+        hidden = bool(METHODS[r["method"]][4].get("delay"))
+        at = functools.partial(_round_seconds, flops=flops, tokens=tokens, period=period, hidden=hidden)
+        for key, bytes_of in (
+            ("model", lambda q: sm.link_bytes(q["compiled_bytes"], framing=framing, fixed_bytes=fixed)),
+            ("model_wire", lambda q: q["wire_bytes"]),
+        ):
+            calibrated, measured = scale * bytes_of(cal), scale * bytes_of(r)
+            if ddp:  # its collectives are inside its step: all but the bytes' time is compute
+                compute = scale * cal["seconds_round"] - 8 * calibrated / (UNLIMITED_MBIT * 1e6)
+                cpu = 0.0
+            else:
+                compute = scale * cal["seconds_compute"]
+                cpu = scale * cal["seconds_round"] - at(calibrated, UNLIMITED_MBIT, compute, 0.0)
+            r[f"seconds_{key}"] = at(measured, r["rate_mbit"], compute, cpu) / scale
             r[f"error_{key}"] = r["seconds_round"] / r[f"seconds_{key}"] - 1
             if key == "model":
-                r["effective_gflops_per_site"] = effective_flops / 1e9
-                r["calibrated_overhead_seconds"] = overhead / scale
+                r["effective_gflops_per_site"] = flops * tokens * period / compute / 1e9
+                r["calibrated_sync_cpu_seconds"] = cpu / scale
     for r in rows:  # DDP's split, derived: its per-device step computes what a full replica's local step does
         if METHODS[r["method"]][1] == 1:
             same = [q for q in rows if q["method"] == "full_local_adamw" and q["rate_mbit"] == r["rate_mbit"]]
             r["seconds_compute"] = same[0]["seconds_compute"] if same else None
             r["seconds_sync"] = r["seconds_round"] - same[0]["seconds_compute"] if same else None
-    return rows
+    return rows, {"framing": framing, "fixed_bytes": fixed}
+
+
+def _round_seconds(nbytes, rate_mbit, compute, cpu, *, flops, tokens, period, hidden) -> float:
+    """moe.system_model.round_seconds of a synchronisation moving `nbytes` at `rate_mbit`, whose `period` local
+    steps take `compute` seconds and whose other processor work `cpu`."""
+    return sm.round_seconds(
+        flops_per_token=flops,
+        tokens_per_step=tokens,
+        local_steps=period,
+        round_bytes=nbytes,
+        bandwidth_bits_per_second=rate_mbit * 1e6,
+        latency_seconds=0.0,
+        peak_flops=flops * tokens * period / compute,
+        mfu=1.0,
+        hidden=hidden,
+        sync_cpu_seconds=cpu,
+    )["total"]
 
 
 def time_to_loss(curve: Sequence[tuple[int, float]], seconds_per_step: float, target: float) -> float | None:
@@ -333,106 +306,30 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
 
 
-def markdown(result: dict) -> str:
-    rows, rates = result["rows"], result["rates"]
-    lines = [
-        "# FoMoE over real links",
-        "",
-        f"`{result['command']}` (root; the runs took {result['run_minutes']:.0f} min). M = {result['sites']} "
-        f"sites, one process each, each in its own network namespace behind a tbf-limited veth link (each way); "
-        f"the same model ({result['num_params']:,} parameters), tokens and {result['steps']} steps for every run, "
-        f"K = {K}. "
-        f"Machine: {result['machine'].rstrip('.')}; load average during the runs "
-        f"{result['load_min']:.1f}-{result['load_max']:.1f}"
-        " (the runs themselves load both cores). Latency is not emulated (no netem here): only bandwidth.",
-        "",
-        "Per round of K steps (means over rounds 2..): measured wall-clock, its compute (local steps) and "
-        "synchronisation (DDP: compute = the full replica's local steps, sync = the rest; marked *), the system "
-        "model's round time "
-        "(moe.system_model.round_seconds: compute and per-round overhead calibrated on the unlimited-link run, "
-        "the compiled bytes at the link's rate) and its error; the same with the bytes measured on the wire. "
-        f"Unlimited = links of {UNLIMITED_MBIT:,.0f} Mbit/s (the calibration).",
-        "",
-        "| rate | method | round s | compute s | sync s | model s | error | model (wire bytes) s | error | "
-        "compiled MB/round | wire MB/round | wire / compiled | held-out loss | s to target |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+def _kept(args, rates: list[float]) -> list[dict]:
+    """--keep-others: the rows of <out>/links.json whose methods are not rerun (their measurement, with the command
+    that made it and when: the model's columns are derived again). ValueError when it does not match."""
+    path = os.path.join(args.out, "links.json")
+    if not os.path.exists(path):
+        raise ValueError(f"--keep-others: {path} does not exist (run every method once without it)")
+    with open(path) as f:
+        before = json.load(f)
+    for name, now in (("sites", args.sites), ("steps", args.steps), ("rates", rates)):
+        if before[name] != now:
+            raise ValueError(f"--keep-others: {path} has {name} {before[name]}, this run {now}; they must match")
+    derived = ("seconds_model", "error_model", "effective_gflops", "calibrated", "seconds_to_target")
+    rows = [
+        {k: v for k, v in r.items() if not k.startswith(derived)}
+        for r in before["rows"]
+        if r["method"] not in args.methods and r["method"] in METHODS
     ]
-    for rate in rates:
-        for r in (r for r in rows if r["rate_mbit"] == rate):
-            mark = "*" if METHODS[r["method"]][1] == 1 else ""
-            split = [f"{v:.3f}{mark}" if v is not None else "-" for v in (r["seconds_compute"], r["seconds_sync"])]
-            reach = "-" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.1f}"
-            lines.append(
-                f"| {rate_name(rate)} | {METHODS[r['method']][0]} | {r['seconds_round']:.3f} | "
-                f"{split[0]} | {split[1]} | {r['seconds_model']:.3f} | "
-                f"{100 * r['error_model']:+.0f}% | {r['seconds_model_wire']:.3f} | "
-                f"{100 * r['error_model_wire']:+.0f}% | "
-                f"{r['compiled_bytes'] / 1e6:.3f} | {r['wire_bytes'] / 1e6:.3f} | {r['wire_over_compiled']:.3f} | "
-                f"{r['val_loss']:.3f} | {reach} |"
-            )
-    limited = [r for r in rows if r["rate_mbit"] != UNLIMITED_MBIT]
-    worst = max(limited, key=lambda r: abs(r["error_model"]))
-    worst_wire = max(limited, key=lambda r: abs(r["error_model_wire"]))
-    whole = [r["wire_bytes_whole_run_per_round"] / r["compiled_bytes"] for r in rows]
-    retried = [f"{METHODS[r['method']][0]} at {rate_name(r['rate_mbit'])}" for r in rows if r["attempts"] > 1]
-    if retried:
-        lines += ["", f"Run again after a failed first attempt (set aside as `.stale-1`): {'; '.join(retried)}."]
-    lines += [
-        "",
-        f"Wire / compiled is per round, between the first and the last round's metric rows; over whole runs (their "
-        f"start and end, evaluations and the checkpoint included) it is {min(whole):.3f}-{max(whole):.3f}.",
-        "",
-        f"Target loss {result['target']:.3f} (the highest final held-out loss: every run reaches it); 's to target' is "
-        "the training wall-clock until a run's held-out loss first reaches it.",
-        "",
-        f"System model: the largest error with compiled bytes is {100 * worst['error_model']:+.0f}% "
-        f"({METHODS[worst['method']][0]} at {rate_name(worst['rate_mbit'])}); with the wire's bytes "
-        f"{100 * worst_wire['error_model_wire']:+.0f}% ({METHODS[worst_wire['method']][0]} at "
-        f"{rate_name(worst_wire['rate_mbit'])}); the bound is {100 * TOLERANCE:.0f}%.",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def loss_plot(rows: list[dict], rates: Sequence[float], path: str, command: str) -> None:
-    """links_loss.png: held-out loss against training wall-clock, one panel per link rate, a line per method."""
-    from matplotlib import ticker
-
-    colors = plotting.colors(list(METHODS))
-    with plotting.figure(path, size=(4.2 * len(rates), 4.2), ncols=len(rates), squeeze=False, legend_below=True,
-                         legend_columns=3, title=command) as axes:  # fmt: skip
-        for ax, rate in zip(axes, rates):
-            for r in (r for r in rows if r["rate_mbit"] == rate):
-                per_step = r["seconds_round"] / K
-                ax.plot([s * per_step for s, _ in r["curve"]], [v for _, v in r["curve"]], "o-", ms=3,
-                        color=colors[r["method"]], label=METHODS[r["method"]][0])  # fmt: skip
-            ax.set_xscale("log")
-            ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-            ax.xaxis.set_minor_formatter(ticker.NullFormatter())
-            ax.set_xlabel("training wall-clock (s, log scale)")
-            ax.set_ylabel("held-out loss")
-            ax.set_title(f"{rate_name(rate)} links", fontsize=9)
-
-
-def round_plot(rows: list[dict], rates: Sequence[float], path: str, command: str) -> None:
-    """links_round.png: seconds per round split into compute, synchronisation and host work, per method and rate,
-    with the system model's prediction as a marker."""
-    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
-    with plotting.figure(path, size=(4.2 * len(rates), 4.4), ncols=len(rates), squeeze=False, legend_below=True,
-                         legend_columns=4, title=command) as axes:  # fmt: skip
-        for ax, rate in zip(axes, rates):
-            by = {r["method"]: r for r in rows if r["rate_mbit"] == rate}
-            xs = range(len(methods))
-            split = [by[m]["seconds_compute"] is not None for m in methods]
-            compute = [by[m]["seconds_compute"] if ok else 0.0 for m, ok in zip(methods, split)]
-            sync = [by[m]["seconds_sync"] if ok else by[m]["seconds_round"] for m, ok in zip(methods, split)]
-            host = [by[m]["seconds_host"] or 0.0 for m in methods]
-            ax.bar(xs, compute, color="tab:blue", label="compute (local steps)")
-            ax.bar(xs, sync, bottom=compute, color="tab:orange", label="synchronisation")
-            ax.bar(xs, host, bottom=[c + s for c, s in zip(compute, sync)], color="tab:gray", label="host")
-            ax.plot(xs, [by[m]["seconds_model"] for m in methods], "k_", ms=22, mew=2, label="system model")
-            ax.set_xticks(list(xs), [m.replace("_", "\n", 1) for m in methods], fontsize=7)
-            ax.set_ylabel("seconds per round of K steps")
-            ax.set_title(f"{rate_name(rate)} links", fontsize=9)
+    for r in rows:
+        r.setdefault("measured_on", "earlier")
+        if METHODS[r["method"]][1] == 1:  # DDP's split is derived again
+            r["seconds_compute"] = r["seconds_sync"] = None
+    for r in rows:
+        r.setdefault("measured_by", before.get("commands", [before["command"]])[0])
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -443,6 +340,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     common.add_steps(p, default=128, multiple_of=K, why=f"whole rounds of K = {K}")
     p.add_argument("--methods", type=common.names(METHODS), default=",".join(METHODS), help="the methods to run")
     p.add_argument("--eval-every", type=common.integer(K, multiple_of=K), default=16, help="steps between evaluations")
+    p.add_argument("--keep-others", action="store_true",
+                   help="the table's rows of the methods not given to --methods come from <out>/links.json (of the "
+                   "same sites, steps and rates), as they were measured then")  # fmt: skip
     args = p.parse_args(argv)
     for _, _, overlap, _, _ in (METHODS[m] for m in args.methods):
         if overlap is not None and args.sites % overlap:
@@ -453,6 +353,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     command = common.command(p, args, always=("steps", "sites", "rates"))
     rates = [UNLIMITED_MBIT, *sorted(float(r) for r in args.rates)]
+    try:
+        kept = _kept(args, rates) if args.keep_others else []
+    except ValueError as e:
+        p.error(str(e))
     measured = []
     for rate in rates:
         print(f"links of {rate_name(rate)} ({rate:g} Mbit/s each way), {args.sites} sites", flush=True)
@@ -460,13 +364,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             for method in args.methods:
                 run = train(method, args.sites, rate, args.steps, args.eval_every, args.out, net)
                 measured.append(measure(method, args.sites, args.steps, run))
-    rows = predict(measured, args.sites)
+    today = time.strftime("%Y-%m-%d")
+    rows, fit = predict([*kept, *({**r, "measured_on": today, "measured_by": command} for r in measured)], args.sites)
+    rows.sort(key=lambda r: (rates.index(r["rate_mbit"]), list(METHODS).index(r["method"])))
     target = add_time_to_loss(rows)
     with open(os.path.join(args.out, "runs", "unlimited", args.methods[0], "summary.json")) as f:
         num_params = json.load(f)["num_params"]
     loads = [r["load_average"] for r in rows]
     result = {
         "command": command,
+        "commands": list(dict.fromkeys(r["measured_by"] for r in [*kept, *rows])),
+        "link_bytes_fit": fit,
         "sites": args.sites,
         "steps": args.steps,
         "k": K,
@@ -480,9 +388,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "target": target,
         "rows": rows,
     }
-    common.write_results(args.out, "links", result, markdown)
-    loss_plot(rows, rates, os.path.join(args.out, "links_loss.png"), command)
-    round_plot(rows, rates, os.path.join(args.out, "links_round.png"), command)
+    common.write_results(args.out, "links", result, links_report.markdown)
+    links_report.loss_plot(rows, rates, os.path.join(args.out, "links_loss.png"), command)
+    links_report.round_plot(rows, rates, os.path.join(args.out, "links_round.png"), command)
     return 0
 
 
