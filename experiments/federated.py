@@ -26,7 +26,7 @@ from core.data import Batches
 from experiments import build
 from experiments.hf import load as hf_load
 from moe import config as moe_config
-from moe import federation, reshuffle, rounds
+from moe import federation, reshuffle, rounds, streaming
 from moe.placement import Placement, fixed_placement, random_placement
 from moe.stepper import FederatedStepper
 from optim import diloco_outer
@@ -103,9 +103,11 @@ def initial_state(config: ml_collections.ConfigDict, mesh=None, *, pretrained: b
         global_model = hf_load.pretrained_model(config, model_fn())
     else:
         global_model = make()
+    anchor = streaming.anchor_kind(f.outer, moe_config.wire_format(f), f.fragments, f.delay)
     graphdef, state = rounds.init_sites(
-        global_model, site_model, placement, optimizer, outer, mesh, config.train.seed, error_feedback=f.error_feedback
-    )
+        global_model, site_model, placement, optimizer, outer, mesh, config.train.seed,
+        error_feedback=f.error_feedback, anchor=anchor,
+    )  # fmt: skip
     return graphdef, optimizer, outer, state
 
 

@@ -331,21 +331,16 @@ def _check_streaming(config: ml_collections.ConfigDict) -> None:
         )
     if f.fragments == 1 and f.delay == 0:
         return
-    what = f"'fomoe.fragments' = {f.fragments}, 'fomoe.delay' = {f.delay}"
-    for key, value, allowed in (
-        ("fomoe.outer", f.outer, "local_adamw"),
-        ("fomoe.sync_format", f.sync_format, "float32"),
-        ("fomoe.placement", f.placement, "fixed"),
-    ):
-        if value != allowed:
-            raise ConfigError(
-                f"config key {key!r} = {value!r} with {what}: streaming synchronisation runs with {key} = "
-                f"{allowed!r}; set it so, or fomoe.fragments = 1 and fomoe.delay = 0."
-            )
-    if f.delay == 1 and f.second_moments != "local":
+    if f.placement != "fixed":
         raise ConfigError(
-            f"config key 'fomoe.delay' = 1 needs 'fomoe.second_moments' = 'local' (got {f.second_moments!r}): a "
-            "second moment corrected a round late could turn negative."
+            f"config key 'fomoe.placement' = {f.placement!r} with 'fomoe.fragments' = {f.fragments}, 'fomoe.delay' "
+            f"= {f.delay}: streaming synchronisation runs with a fixed placement; set fomoe.placement to 'fixed', or "
+            "fomoe.fragments = 1 and fomoe.delay = 0."
+        )
+    if f.delay == 1 and f.outer == "local_adamw" and f.second_moments != "local":
+        raise ConfigError(
+            f"config key 'fomoe.delay' = 1 with 'fomoe.outer' = 'local_adamw' needs 'fomoe.second_moments' = "
+            f"'local' (got {f.second_moments!r}): a second moment corrected a round late could turn negative."
         )
 
 

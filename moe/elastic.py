@@ -14,7 +14,8 @@ same O_e when M' allows it (O_e divides M' and O_e N_e / M' is whole), else the 
 never fewer), else the nearest smaller one. With O_e = 1 a lost site takes its experts with it: `lost_experts` names
 them, and `regroup` refuses unless told to re-initialise them (their fresh weights and state then come from the
 M'-site state it is given). Low-bit synchronisation's error feedback starts again at zero (its chunks are laid out
-for the old groups); the sites' PRNG keys are kept, a joining site's is its own fresh one.
+for the old groups); streaming synchronisation's anchors are copied like the values they anchor; the sites' PRNG
+keys are kept, a joining site's is its own fresh one.
 """
 
 from __future__ import annotations
@@ -88,9 +89,22 @@ def _marks(like, optimizer: optax.GradientTransformation, outer: optax.GradientT
         + ["key"] * len(jax.tree.leaves(train.key))
         + (mirrored(outer, like.outer) if outer is not None else [-1] * len(jax.tree.leaves(like.outer)))
         + ["fresh"] * len(jax.tree.leaves(like.feedback))
+        + _anchor_marks(like.anchor, optimizer, train.params, dims)
     )
     assert len(marks) == len(jax.tree.leaves(like)), (len(marks), len(jax.tree.leaves(like)))
     return marks
+
+
+def _anchor_marks(anchor, optimizer: optax.GradientTransformation, params, dims) -> list:
+    """FederatedState.anchor's marks: its parameters' like the parameters, its moments' like the optimizer's."""
+    if not jax.tree.leaves(anchor):
+        return []
+    if isinstance(anchor, tuple):  # (parameters, optimizer state): low-bit LocalAdamW
+        dims_tree = jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(dims))
+        return jax.tree.leaves(dims) + jax.tree.leaves(
+            train_lib.optimizer_state_like(optimizer, anchor[1], params, dims_tree, -1)
+        )
+    return jax.tree.leaves(dims)
 
 
 def regroup(

@@ -52,11 +52,16 @@ class FederatedState(NamedTuple):
     """train: the stacked per-site TrainState (its parameters are the synchronised ones a round starts from, its
     step counts the local steps done, K per round); outer: the outer optimizer's stacked state (DiLoCo momentum;
     empty for LocalAdamW); feedback: low-bit synchronisation's error feedback, {"params": ..., "opt_state": ...}
-    float32 per site (moe.lowbit_sync.init_feedback; "opt_state" for LocalAdamW only), or () without it."""
+    float32 per site (moe.lowbit_sync.init_feedback; "opt_state" for LocalAdamW only), or () without it; anchor:
+    under streaming synchronisation (moe.streaming) of a method that needs the state a synchronisation starts from
+    (`round_start`: DiLoCo, low-bit), every parameter's (and moment's) value after its fragment's last
+    synchronisation, shaped like `start_of`'s result and equal within each group; () otherwise (the round's start
+    is that value)."""
 
     train: train_lib.TrainState
     outer: Any
     feedback: Any = ()
+    anchor: Any = ()
 
 
 def init_sites(
@@ -69,6 +74,7 @@ def init_sites(
     seed: int,
     *,
     error_feedback: bool = False,
+    anchor: str | None = None,
 ) -> tuple[Any, FederatedState]:
     """Every site's initial state from one model holding all experts, so replicas of an expert start equal.
 
@@ -79,6 +85,8 @@ def init_sites(
       outer: the outer optimizer for DiLoCo, or None.
       mesh: the site mesh, or None to leave the state on the default device (e.g. to restore a checkpoint into).
       error_feedback: start low-bit synchronisation's error feedback (zeros; `make_round`'s wire and error_feedback).
+      anchor: keep FederatedState.anchor, `round_start`'s "params" or "params_and_opt_state" (moe.streaming's
+        `anchor_kind`), starting as copies of the initial values; None: none.
     Returns:
       (site graphdef, FederatedState with every leaf's leading axis M sharded over the site mesh).
     """
@@ -93,6 +101,11 @@ def init_sites(
     state = FederatedState(train, outer_state, _init_feedback(optimizer, train, outer is None, placement.overlap))
     if not error_feedback:
         state = state._replace(feedback=())
+    if anchor not in (None, "params", "params_and_opt_state"):
+        raise ValueError(f"anchor = {anchor!r}; allowed: None, 'params', 'params_and_opt_state' (round_start's).")
+    if anchor is not None:
+        kept = train.params if anchor == "params" else (train.params, train.opt_state)
+        state = state._replace(anchor=jax.tree.map(jnp.copy, kept))
     if mesh is None:
         return graphdef, state
     # each process places only its sites' slices: jax.device_put would send each process's whole copy to the others
@@ -143,6 +156,7 @@ def make_round_parts(
     error_feedback: bool = False,
     second_moments: str = "sent",
     fragment: Any = None,
+    anchored: bool = False,
     donate: bool = True,
 ) -> tuple[jax.stages.Wrapped, jax.stages.Wrapped]:
     """`make_round`'s round as two jitted programs, so that a driver can time its compute and its synchronisation
@@ -155,10 +169,12 @@ def make_round_parts(
     Both donate what the round no longer needs (`start` is kept through the local steps), unless `donate` is False
     (moe.streaming's overlapped rounds read the state a round started from after both). `fragment`: a tree of bools
     like the parameters, True for those this synchronisation averages (with their optimizer state; moe.streaming);
-    None: all of them."""
+    None: all of them. DiLoCo's outer step then moves the fragment's parameters and outer momentum only; the
+    others keep the sites' own values. `anchored`: `start` is FederatedState.anchor (streaming), and the returned
+    state's anchor is it with the fragment's synchronised values."""
     local_steps, sync = _round_parts(
         graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics, wire, error_feedback, second_moments,
-        fragment,
+        fragment, anchored,
     )  # fmt: skip
     kept = round_start(method, wire)
     donated = (0, 1) if kept is None else (1,) if kept == "params" else ()
@@ -227,7 +243,18 @@ def second_moment_wire(wire: WireFormat | None, second_moments: str) -> WireForm
 
 
 def _round_parts(
-    graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics, wire, error_feedback, second_moments, fragment
+    graphdef,
+    optimizer,
+    mesh,
+    method,
+    outer,
+    loss_fn,
+    state_metrics,
+    wire,
+    error_feedback,
+    second_moments,
+    fragment,
+    anchored=False,
 ) -> tuple[Callable, Callable]:
     """(local_steps(train, tokens) -> (train, metrics), sync(start, outer_state, feedback, train) -> FederatedState)."""
     if method not in OUTER_METHODS:
@@ -271,16 +298,33 @@ def _round_parts(
             averaged, new_feedback = federation.average(train.params, flags, mesh), feedback
             if method == "local_adamw":
                 opt_state = federation.average(train.opt_state, first if nu_wire is None else moments, mesh)
+        in_fragment = [f is not None for f in federation.leaf_flags(flags, train.params)]
         if method == "local_adamw":
             params = averaged
         else:
             assert outer is not None  # checked above: diloco has its outer optimizer
             delta = jax.tree.map(lambda s, a: s - a, start, averaged)
-            updates, outer_state = jax.vmap(outer.update)(delta, outer_state, start)
-            params, opt_state = optax.apply_updates(start, updates), train.opt_state
-        return FederatedState(train._replace(params=params, opt_state=opt_state), outer_state, new_feedback)
+            updates, stepped = jax.vmap(outer.update)(delta, outer_state, start)
+            params, opt_state = _where(in_fragment, optax.apply_updates(start, updates), train.params), train.opt_state
+            in_tree = jax.tree.unflatten(jax.tree.structure(start), in_fragment)  # (a step count steps every time)
+            momentum = train_lib.optimizer_state_like(outer, outer_state, start, in_tree, True)
+            outer_state = _where(jax.tree.leaves(momentum), stepped, outer_state)
+        anchor: Any = ()
+        if anchored:  # the fragment's synchronised values become its anchor
+            if method == "diloco":
+                anchor = _where(in_fragment, params, start)
+            else:
+                synced = [f is not None for f in federation.leaf_flags(moments, train.opt_state)]
+                anchor = (_where(in_fragment, params, start[0]), _where(synced, opt_state, start[1]))
+        return FederatedState(train._replace(params=params, opt_state=opt_state), outer_state, new_feedback, anchor)
 
     return local_steps, sync
+
+
+def _where(keep: list[bool], chosen: Any, other: Any) -> Any:
+    """`chosen`'s leaves where `keep` (one bool per leaf) holds, `other`'s elsewhere."""
+    leaves = [c if k else o for k, c, o in zip(keep, jax.tree.leaves(chosen), jax.tree.leaves(other), strict=True)]
+    return jax.tree.unflatten(jax.tree.structure(chosen), leaves)
 
 
 def masked_flags(flags: Any, params: Any, fragment: Any) -> Any:

@@ -16,6 +16,12 @@ Schedule, round r = 0, 1, ... (K local steps each), delay tau:
             round's start (delayed averaging; alpha = `mixing`, 1 = the whole correction). Second moments stay with
             each site (fomoe.second_moments = 'local'): a delayed correction could make one negative. Nothing is
             in flight between rounds, so a checkpoint after any round resumes exactly.
+DiLoCo and low-bit synchronisation (Streaming DiLoCo's own setting, its outer gradients in 4 bits) need the value a
+fragment's synchronisation starts from, equal within each group: the fragment's anchor A (FederatedState.anchor,
+checkpointed), its value after its last synchronisation. Its synchronisation averages in A's terms, A + mean(S - A)
+(low-bit: each site's S - A quantised, with error feedback when asked), and DiLoCo takes Delta = A - mean(S) and an
+outer Nesterov step on the fragment's parameters and momentum only, A <- A - lr (Delta + mu v); then A becomes the
+synchronised value, which replaces the fragment (tau = 0) or corrects it as above (tau = 1, A the mean).
 Each round therefore moves one fragment's bytes (about 1/F of all), and with tau = 1 a round takes about
 max(compute, synchronisation) where the runtime runs a collective while compute runs: on XLA:CPU with gloo it does
 when the two programs are dispatched from two threads (experiments.bench.overlap measures it), which is how
@@ -36,7 +42,7 @@ import optax
 from moe import federation
 from moe import rounds as rounds_lib
 
-__all__ = ["StreamingRound", "fragments", "make_merge", "overlapped", "synced_fragment"]
+__all__ = ["StreamingRound", "anchor_kind", "fragments", "make_merge", "overlapped", "synced_fragment"]
 
 
 def _block_index(path) -> int | None:
@@ -64,6 +70,14 @@ def fragments(params: Any, count: int) -> list[Any]:
             raise ValueError(f"fragments = {count} with {layers} blocks: fragment {f} would hold no parameter.")
         out.append(jax.tree.unflatten(jax.tree.structure(params), marks))
     return out
+
+
+def anchor_kind(method: str, wire, fragments_count: int, delay: int) -> str | None:
+    """What FederatedState.anchor holds for these rounds (moe.rounds.init_sites' `anchor`): under streaming
+    synchronisation (F > 1 or delay 1) what the synchronisation needs of its start (moe.rounds.round_start), else
+    None."""
+    streaming = fragments_count > 1 or delay > 0
+    return rounds_lib.round_start(method, wire) if streaming else None
 
 
 def synced_fragment(call: int, count: int, delay: int) -> int | None:
@@ -133,10 +147,10 @@ class StreamingRound:
     sites' state after their local steps and before any averaging (the loss jump; taken between the two timed
     programs, None without a probe), `seconds` {"local_steps", "sync"}.
 
-    With fragments = 1 and delay = 0 it is moe.rounds.make_round_parts' round, for every method and wire format;
-    otherwise the method is "local_adamw" with float32 synchronisation and, with delay 1, second moments kept on
-    each site (ValueError otherwise, naming the argument). `kwargs`: make_round_parts' (method, outer, loss_fn,
-    state_metrics, wire, error_feedback, second_moments)."""
+    With fragments = 1 and delay = 0 it is moe.rounds.make_round_parts' round; otherwise, for DiLoCo or a low-bit
+    wire, the state holds its anchor (moe.rounds.init_sites with `anchor_kind`), and LocalAdamW with delay 1 keeps
+    second moments on each site (ValueError otherwise, naming the argument). `kwargs`: make_round_parts' (method,
+    outer, loss_fn, state_metrics, wire, error_feedback, second_moments)."""
 
     def __init__(self, graphdef, optimizer, mesh, params, *, fragments_count: int = 1, delay: int = 0,
                  mixing: float = 1.0, **kwargs):  # fmt: skip
@@ -145,18 +159,15 @@ class StreamingRound:
         if not 0.0 < mixing <= 1.0:
             raise ValueError(f"mixing = {mixing!r}: allowed (0, 1].")
         streaming = fragments_count > 1 or delay > 0
-        wire = kwargs.get("wire")
-        if streaming and (kwargs.get("method") != "local_adamw" or (wire is not None and not wire.exact)):
-            raise ValueError(
-                f"fragments = {fragments_count}, delay = {delay}: streaming synchronisation runs LocalAdamW rounds "
-                f"in float32 (got method {kwargs.get('method')!r}, wire {wire.name if wire else 'float32'!r})."
-            )
-        if delay and kwargs.get("second_moments", "sent") != "local":
+        self.method, self.wire, self.delay = str(kwargs.get("method")), kwargs.get("wire"), delay
+        if delay and self.method == "local_adamw" and kwargs.get("second_moments", "sent") != "local":
             raise ValueError("delay = 1 keeps second moments on each site: second_moments must be 'local'.")
+        self.anchored = anchor_kind(self.method, self.wire, fragments_count, delay) is not None
         self.masks = fragments(params, fragments_count) if streaming else [None]
-        self.delay, self.method, self.wire = delay, str(kwargs.get("method")), wire
         parts = [
-            rounds_lib.make_round_parts(graphdef, optimizer, mesh, fragment=m, donate=not delay, **kwargs)
+            rounds_lib.make_round_parts(
+                graphdef, optimizer, mesh, fragment=m, anchored=self.anchored, donate=not delay, **kwargs
+            )
             for m in self.masks
         ]
         self.local: Any = parts[0][0]  # jitted, then (`compile`) compiled
@@ -164,17 +175,25 @@ class StreamingRound:
         self.merges: list[Any] = [make_merge(mesh, optimizer, m, mixing) for m in self.masks] if delay else []
 
     def compile(self, state, tokens) -> list[str]:
+        if self.anchored != bool(jax.tree.leaves(state.anchor)):
+            raise ValueError(
+                f"the state {'has no' if self.anchored else 'has an'} anchor; these rounds "
+                f"{'need' if self.anchored else 'take none'} (moe.rounds.init_sites' anchor, `anchor_kind`)."
+            )
         others = state.train._replace(params=None)
         self.local = self.local.lower(state.train.params, others, tokens).compile()
-        start = rounds_lib.start_of(state.train, self.method, self.wire)
+        start = self._start(state)
         self.syncs = [s.lower(start, state.outer, state.feedback, state.train).compile() for s in self.syncs]
         self.merges = [m.lower(state.train, state.train, state.train).compile() for m in self.merges]
         texts = [s.as_text() for s in self.syncs]
         assert all(t is not None for t in texts)  # None only where a backend has no text form
         return texts
 
+    def _start(self, state):
+        return state.anchor if self.anchored else rounds_lib.start_of(state.train, self.method, self.wire)
+
     def __call__(self, state, call: int, tokens, probe: Callable[[Any], Any] | None = None):
-        start = rounds_lib.start_of(state.train, self.method, self.wire)
+        start = self._start(state)
         fragment = synced_fragment(call, len(self.masks), self.delay)
 
         def local():
@@ -199,4 +218,4 @@ class StreamingRound:
         )
         probed = probe(train) if probe else None
         merged = self.merges[fragment](train, synced.train, state.train)
-        return state._replace(train=merged), metrics, probed, {"local_steps": local_s, "sync": sync_s}
+        return synced._replace(train=merged), metrics, probed, {"local_steps": local_s, "sync": sync_s}

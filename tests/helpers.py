@@ -81,8 +81,9 @@ def tiny_moe_transformer(resident=None, routing_mode="partitioned", precision=No
 
 
 def tiny_federation(
-    sites, overlap, optimizer, *, outer=None, layers=1, precision=None, on_mesh=True, seed=0, error_feedback=False
-):
+    sites, overlap, optimizer, *, outer=None, layers=1, precision=None, on_mesh=True, seed=0, error_feedback=False,
+    anchor=None,
+):  # fmt: skip
     """`sites` sites of `tiny_moe_transformer` (8 experts, fixed placement at `overlap`), as moe.rounds.init_sites
     builds them: (placement, site mesh or None, site graphdef, FederatedState on the mesh, or on the default device
     when not `on_mesh`)."""
@@ -100,6 +101,7 @@ def tiny_federation(
         mesh,
         seed=seed,
         error_feedback=error_feedback,
+        anchor=anchor,
     )
     return placement, mesh, graphdef, state
 

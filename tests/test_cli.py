@@ -396,10 +396,11 @@ def test_low_bit_synchronisation_with_error_feedback_resumes_exactly(tmp_path):
 
 
 def test_streaming_fragments_behind_compute_resume_exactly(tmp_path):
-    """4 sites (O_e = 2, K = 3, 2 blocks) synchronising F = 2 fragments in turn, each behind the next round's local
-    steps (delay 1, mixing 0.5, second moments local): a round moves its fragment's formula bytes (their sum over
-    the fragments is a whole synchronisation's: test_streaming) and the first one nothing; a crash after round 2 and
-    a rerun give the uninterrupted run's metrics and result."""
+    """4 sites (O_e = 2, K = 3, 2 blocks) synchronising F = 2 fragments in turn in fp4 with error feedback, each
+    behind the next round's local steps (delay 1, mixing 0.5, second moments local): a round moves its fragment's
+    formula bytes (their sum over the fragments is a whole synchronisation's: test_streaming) and the first one
+    nothing; a crash after round 2 and a rerun (the fragments' anchors and error feedback restored) give the
+    uninterrupted run's metrics and result."""
     streaming_run = _rounds_checkpointed(
         9,
         "--config.model.num_layers=2",
@@ -407,6 +408,8 @@ def test_streaming_fragments_behind_compute_resume_exactly(tmp_path):
         "--config.fomoe.delay=1",
         "--config.fomoe.mixing=0.5",
         "--config.fomoe.second_moments=local",
+        "--config.fomoe.sync_format=fp4",
+        "--config.fomoe.error_feedback=True",
     )
     with _cache_programs_over(0.1):
         summary = _run(tmp_path / "full", *streaming_run)

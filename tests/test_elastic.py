@@ -1,5 +1,5 @@
 """An elastic federation (moe.elastic): the state of 4 sites after a round, regrouped onto 3 (a site lost) and 5 (one
-joining): every expert's parameters and moments equal its old replicas', the dense ones the old sites', the new
+joining): every expert's parameters, moments and anchors equal its old replicas', the dense ones the old sites', the new
 placement keeps every expert, and the regrouped state trains on its own site mesh; with O_e = 1 the experts of the
 lost site are named and refused unless re-initialised."""
 
@@ -15,11 +15,12 @@ from moe import elastic, federation, rounds
 from helpers import tiny_federation
 
 EXPERTS = 8
+ANCHOR = "params_and_opt_state"
 
 
-def _federation(sites, overlap, optimizer, mesh=True):
+def _federation(sites, overlap, optimizer, mesh=True, anchor=None):
     """(placement, graphdef, state) of `sites` tiny MoE sites, on their mesh or on the default device."""
-    placement, _, graphdef, state = tiny_federation(sites, overlap, optimizer, on_mesh=mesh, seed=sites)
+    placement, _, graphdef, state = tiny_federation(sites, overlap, optimizer, on_mesh=mesh, seed=sites, anchor=anchor)
     return placement, graphdef, state
 
 
@@ -29,12 +30,14 @@ def _tokens(sites, seed):
 
 @pytest.fixture(scope="module")
 def trained():
-    """4 sites, O_e = 2, after one LocalAdamW round: synchronised parameters and moments, differing per block."""
+    """4 sites, O_e = 2, after one LocalAdamW round: synchronised parameters and moments, differing per block, and
+    the anchors of streaming low-bit synchronisation (as it holds them after a synchronisation of everything)."""
     optimizer = optax.adamw(1e-2)
-    placement, graphdef, state = _federation(4, 2, optimizer)
+    placement, graphdef, state = _federation(4, 2, optimizer, anchor=ANCHOR)
     state, _ = rounds.make_round(graphdef, optimizer, federation.site_mesh(4, 2), method="local_adamw")(
         state, _tokens(4, 0)
     )
+    state = state._replace(anchor=(state.train.params, state.train.opt_state))
     return placement, optimizer, {k: np.asarray(v) for k, v in checkpoint.flatten(state).items()}
 
 
@@ -54,7 +57,7 @@ def test_a_regrouped_federation_holds_every_expert_as_it_was(trained, sites, sur
     before, optimizer, old = trained
     overlap = elastic.regrouped_overlap(EXPERTS, sites, before.overlap)
     assert overlap == sites  # 8 experts on 3 or 5 sites: only the full replica places them evenly
-    after, graphdef, like = _federation(sites, overlap, optimizer, mesh=False)
+    after, graphdef, like = _federation(sites, overlap, optimizer, mesh=False, anchor=ANCHOR)
     state, report = elastic.regroup(old, like, before, after, survivors, optimizer)
     assert report["lost_experts"] == [] and report["joined"] == list(range(len(survivors), sites))
     new = {k: np.asarray(v) for k, v in checkpoint.flatten(state).items()}
@@ -62,7 +65,14 @@ def test_a_regrouped_federation_holds_every_expert_as_it_was(trained, sites, sur
     moment = "train/opt_state/0/mu/blocks/0/ffn/up/value"
     assert up in new and moment in new, sorted(new)[:5]
     router = "train/params/blocks/0/ffn/router/value"  # [d_model, N_le]: the expert axis second
-    for key, axis in ((up, 0), (moment, 0), ("train/opt_state/0/nu/blocks/0/ffn/up/value", 0), (router, 1)):
+    for key, axis in (
+        (up, 0),
+        (moment, 0),
+        ("train/opt_state/0/nu/blocks/0/ffn/up/value", 0),
+        (router, 1),
+        ("anchor/0/blocks/0/ffn/up/value", 0),
+        ("anchor/1/0/mu/blocks/0/ffn/router/value", 1),
+    ):
         want = _expert_arrays(old, before, key, axis)
         for s in range(sites):
             for j, e in enumerate(after.experts[s]):

@@ -4,12 +4,15 @@ written plainly: plain per-site steps, NumPy group means of the round-start stat
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
 
 from core import train as train_lib
+from core.codec import WireFormat
 from moe import federation, streaming
+from optim import diloco_outer
 
 from helpers import tiny_federation
 
@@ -101,6 +104,89 @@ def test_delayed_fragments_follow_the_schedule_written_plainly():
     assert not np.allclose(emb[0], emb[1])
 
 
+def _bf16(x):
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+@pytest.mark.parametrize("case", ["diloco_blocking", "bf16_feedback_delayed"])
+def test_anchored_fragments_follow_the_schedule_written_plainly(case):
+    """Fragments F = 2 that synchronise in their anchor's terms (the fragment's value after its last
+    synchronisation), three rounds against the schedule written plainly: DiLoCo, blocking (round r's fragment
+    r mod 2 takes the outer Nesterov step from its anchor, the other keeps each site's values and momentum), and
+    LocalAdamW in bf16 with error feedback, one round late (fragment (r - 1) mod 2 of S_r sent as bf16(S_r - A + e),
+    the mean re-rounded to bf16, the round ending with theta + 0.5 (A' - S_r))."""
+    optimizer, lr, mu, mixing = optax.adamw(1e-2), 0.7, 0.9, 0.5
+    diloco = case == "diloco_blocking"
+    outer = diloco_outer(lr, momentum=mu) if diloco else None
+    method, wire = ("diloco", None) if diloco else ("local_adamw", WireFormat("bf16"))
+    delay = 0 if diloco else 1
+    kind = streaming.anchor_kind(method, wire, 2, delay)
+    placement, mesh, graphdef, state = tiny_federation(
+        SITES, 2, optimizer, outer=outer, layers=3, error_feedback=not diloco, anchor=kind
+    )
+    runner = streaming.StreamingRound(
+        graphdef, optimizer, mesh, state.train.params, fragments_count=2, delay=delay, mixing=mixing, method=method,
+        outer=outer, wire=wire, error_feedback=not diloco, second_moments="local",
+    )  # fmt: skip
+    tokens = [
+        jnp.asarray(np.random.default_rng(r).integers(0, 256, size=(2, SITES, 2, 9)), jnp.int32) for r in range(3)
+    ]
+    runner.compile(state, tokens[0])
+    step = jax.jit(train_lib.train_step_fn(graphdef, optimizer))
+    masks = [jax.tree.leaves(m) for m in streaming.fragments(state.train.params, 2)]
+    flags = jax.tree.leaves(federation.expert_flags(state.train.params))
+    as_np = lambda tree: [np.asarray(x, np.float32) for x in jax.tree.leaves(tree)]  # noqa: E731
+    reference = jax.tree.map(np.asarray, state.train)
+    # the plain schedule's own state, leaf by leaf: anchors, DiLoCo momentum, error feedback (params, mu)
+    anchor = {"params": as_np(state.train.params), "mu": as_np(state.train.opt_state[0].mu)}
+    momentum = [np.zeros_like(x) for x in anchor["params"]]
+    feedback = {name: [np.zeros_like(x) for x in leaves] for name, leaves in anchor.items()}
+    for r in range(3):
+        state, metrics, _, _ = runner(state, r, tokens[r])
+        assert np.isfinite(metrics["loss"]).all()
+        sites = []
+        for s in range(SITES):
+            site = jax.tree.map(lambda x, s=s: jnp.asarray(x[s]), reference)
+            for t in tokens[r]:
+                site, _ = step(site, t[s])
+            sites.append(site)
+        local = jax.tree.map(lambda *x: np.stack([np.asarray(v) for v in x]), *sites)
+        params, moments = as_np(local.params), as_np(local.opt_state[0].mu)
+        fragment = r % 2 if delay == 0 else None if r == 0 else (r - 1) % 2
+        if fragment is not None:
+            sent = {"params": as_np(reference.params), "mu": as_np(reference.opt_state[0].mu)}
+            for i, (keep, expert) in enumerate(zip(masks[fragment], flags)):
+                if not keep:
+                    continue
+                if diloco:
+                    delta = anchor["params"][i] - _group_mean(params[i], placement, expert)
+                    momentum[i] = mu * momentum[i] + delta
+                    anchor["params"][i] = params[i] = (anchor["params"][i] - lr * (delta + mu * momentum[i])).astype(
+                        np.float32
+                    )
+                    continue
+                for name, now in (("params", params), ("mu", moments)):
+                    x = sent[name][i] - anchor[name][i] + feedback[name][i]
+                    q = _bf16(x)
+                    feedback[name][i] = x - q
+                    anchor[name][i] = anchor[name][i] + _bf16(_group_mean(q, placement, expert))
+                    now[i] = now[i] + mixing * (anchor[name][i] - sent[name][i])
+        for name, want, got, atol in (
+            ("params", params, state.train.params, 1e-4),
+            ("mu", moments, state.train.opt_state[0].mu, 1e-5),
+            ("anchor", anchor["params"], state.anchor if diloco else state.anchor[0], 1e-4),
+        ):
+            for w, g in zip(want, jax.tree.leaves(got), strict=True):
+                np.testing.assert_allclose(g, w, rtol=1e-4, atol=atol, err_msg=f"round {r} {name}")
+        if diloco:  # the outer momentum of both fragments: the stepped one's new, the other's kept
+            for w, g in zip(momentum, jax.tree.leaves(state.outer), strict=True):
+                np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=f"round {r} momentum")
+        else:
+            for w, g in zip(feedback["params"], jax.tree.leaves(state.feedback["params"]), strict=True):
+                np.testing.assert_allclose(g, w, atol=1e-6, err_msg=f"round {r} feedback")
+        reference = jax.tree.map(np.asarray, state.train)
+
+
 def test_the_fragments_bytes_are_their_formula_and_add_up_to_a_whole_synchronisation():
     """Each fragment's compiled synchronisation (F = 2, blocking) moves exactly round_bytes' formula for its
     parameters and moments, and the two add up to the bytes of synchronising everything at once (F = 1)."""
@@ -133,10 +219,14 @@ def test_streaming_refuses_what_it_does_not_run():
         )  # fmt: skip
 
     for kwargs, needle in (
-        ({"fragments": 2, "method": "diloco"}, "LocalAdamW rounds in float32"),
         ({"delay": 1}, "second_moments must be 'local'"),
         ({"delay": 2}, "delay = 2"),
         ({"mixing": 0.0}, "mixing = 0.0"),
     ):
         with pytest.raises(ValueError, match=needle):
             build(**kwargs)
+    runner = streaming.StreamingRound(
+        graphdef, optimizer, mesh, state.train.params, fragments_count=2, method="local_adamw", wire=WireFormat("int8")
+    )
+    with pytest.raises(ValueError, match="the state has no anchor; these rounds need"):
+        runner.compile(state, jnp.zeros((2, SITES, 2, 9), jnp.int32))

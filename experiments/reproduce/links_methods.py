@@ -47,11 +47,23 @@ METHODS: dict[str, Method] = {  # name: (label, mesh.site, fomoe.overlap (None: 
     "fomoe_o2_frag2": ("FoMoE O_e = 2, 2 fragments", None, 2, "local_adamw", {"fragments": 2, **_LOCAL_NU}),
     "fomoe_o2_stream": ("FoMoE O_e = 2, 2 fragments behind compute", None, 2, "local_adamw",
                         {"delay": 1, "fragments": 2, **_LOCAL_NU}),
+    "fomoe_o2_fp4_ef_overlap": ("FoMoE O_e = 2, fp4 + EF, nu local, behind compute", None, 2, "local_adamw",
+                                {"sync_format": "fp4", "error_feedback": True, "delay": 1, **_LOCAL_NU}),
+    "fomoe_o2_fp4_ef_frag2": ("FoMoE O_e = 2, fp4 + EF, nu local, 2 fragments", None, 2, "local_adamw",
+                              {"sync_format": "fp4", "error_feedback": True, "fragments": 2, **_LOCAL_NU}),
+    "fomoe_o2_fp4_ef_stream": ("FoMoE O_e = 2, fp4 + EF, nu local, 2 fragments behind compute", None, 2,
+                               "local_adamw", {"sync_format": "fp4", "error_feedback": True, "delay": 1,
+                                               "fragments": 2, **_LOCAL_NU}),
 }  # fmt: skip
 """Low-bit synchronisation: UE8M0 scales per 32 values, nearest rounding (LocalAdamW's second moments as bf16
 unless "nu local"); "behind compute": fomoe.delay = 1 (moe.streaming)."""
 TOLERANCE = 0.20  # the bound on the system model's relative error that the table checks
-BLOCKING = {"fomoe_o2_overlap": "fomoe_o2_local", "fomoe_o2_stream": "fomoe_o2_frag2"}
+BLOCKING = {
+    "fomoe_o2_overlap": "fomoe_o2_local",
+    "fomoe_o2_stream": "fomoe_o2_frag2",
+    "fomoe_o2_fp4_ef_overlap": "fomoe_o2_fp4_ef_local",
+    "fomoe_o2_fp4_ef_stream": "fomoe_o2_fp4_ef_frag2",
+}
 """Each method behind compute: the same synchronisation, blocking (what its overlap is measured against)."""
 
 
