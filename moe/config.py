@@ -220,7 +220,8 @@ class FoMoEConfig:
     delay: int = field(
         0,
         "streaming synchronisation: 0 = a round's fragment is averaged after its local steps (blocking); 1 = behind "
-        "the next round's local steps, its correction applied one round late (needs second_moments = 'local')",
+        "the next round's local steps, its correction applied one round late (LocalAdamW: needs second_moments = "
+        "'local')",
         choices=(0, 1),
         since_checkpoints=True,
     )
