@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from core import hlo
@@ -145,6 +144,7 @@ class FederatedStepper(train_lib.Stepper):
         eval_step = train_lib.make_eval_step(graphdef, byte_lengths=tok.byte_lengths, pad_id=tok.pad_id)
         self.eval_fn = jax.jit(federation.per_site(eval_step, mesh, (0, 0, None)))
         self.token_sharding = NamedSharding(mesh, PartitionSpec(None, federation.SITE_AXES))
+        self.replicated = NamedSharding(mesh, PartitionSpec())
         k = local_steps
         self.batch_shape = (k, sites, batches.global_batch // sites, batches.seq_len + 1)
         # Compiled once, in two programs (the K local steps, then the synchronisation) so that each round's compute
@@ -156,9 +156,9 @@ class FederatedStepper(train_lib.Stepper):
         sync_texts = self.round.compile(state, tokens)
         if jax.process_index() == 0:
             print(f"compiled the round in {time.perf_counter() - t0:.1f} s", flush=True)
-        self.migrate_exec, self.plan_sharding = None, NamedSharding(mesh, PartitionSpec(federation.SITE_AXES))
+        self.migrate_exec, self.site_sharding = None, NamedSharding(mesh, PartitionSpec(federation.SITE_AXES))
         if reshuffle_every:  # compiled once too: the plan is data
-            plan = jax.ShapeDtypeStruct(placement.experts.shape, jnp.int32, sharding=self.plan_sharding)
+            plan = jax.ShapeDtypeStruct(placement.experts.shape, jnp.int32, sharding=self.site_sharding)
             migrate = jax.jit(
                 functools.partial(reshuffle.migrate, mesh=mesh, optimizer=optimizer, outer=outer), donate_argnums=0
             )
@@ -211,29 +211,35 @@ class FederatedStepper(train_lib.Stepper):
             )
 
     def completed_steps(self, state: rounds_lib.FederatedState) -> int:
-        return int(_host(state.train.step)[0])
+        return int(self._host(state.train.step)[0])
 
     def tags(self, call: int) -> dict[str, Any]:
         return {"round": call + 1}
 
     def step(self, state: rounds_lib.FederatedState, call: int) -> tuple[rounds_lib.FederatedState, dict[str, float]]:
         if self.routes is None and self.probe_fn is not None:  # the routes of the state this round starts from
-            self.routes = self._probe(state)
+            self.routes = self._host(self._routes(state))
         k = self.steps_per_call
         local = np.stack([self.batches.train_batch(step) for step in range(call * k, (call + 1) * k)])
         local = rounds_lib.site_batches(local, self.sites // jax.process_count())
         tokens = jax.make_array_from_process_local_data(self.token_sharding, local, self.batch_shape)
         t0 = time.perf_counter()
-        # the sites' own models on the probe batch before and after the synchronisation (neither compute nor sync)
-        state, metrics, before, seconds_of = self.round(state, call, tokens, self._probe_loss)
-        jump = float(np.mean(self._probe_loss(state.train) - before))
-        seconds = np.array([[seconds_of["local_steps"], seconds_of["sync"]]])
-        gathered = _host({"metrics": metrics, "seconds": seconds})  # [processes, 2]
-        means = {name: float(np.mean(v)) for name, v in gathered["metrics"].items()}
-        local_seconds, sync_seconds = np.mean(gathered["seconds"], axis=0)
+        # the sites' own models on the probe batch before and after the synchronisation (neither compute nor sync),
+        # dispatched as they become possible and brought to the host with the round's metrics in one gather
+        state, metrics, before, seconds_of = self.round(state, call, tokens, self._probe_sums)
+        after = self._probe_sums(state.train)
+        routes = self._routes(state) if self.probe_fn is not None else None
+        seconds = np.array([seconds_of["local_steps"], seconds_of["sync"]])
+        seconds = jax.make_array_from_process_local_data(  # one row per site: the means are over processes
+            self.site_sharding, np.tile(seconds, (self.sites // jax.process_count(), 1)), (self.sites, 2)
+        )
+        got = self._host({"metrics": metrics, "seconds": seconds, "before": before, "after": after, "routes": routes})
+        means = {name: float(np.mean(v)) for name, v in got["metrics"].items()}
+        local_seconds, sync_seconds = np.mean(got["seconds"], axis=0)
+        jump = float(np.mean(_mean_loss(got["after"]) - _mean_loss(got["before"])))
         routing = {}
         if self.probe_fn is not None:
-            previous, self.routes = self.routes, self._probe(state)
+            previous, self.routes = self.routes, got["routes"]
             assert previous is not None  # probed before the round
             routing["routing/topk_agreement"] = rounds_lib.topk_agreement(previous, self.routes)
             shares = rounds_lib.routing_histograms(self.routes, self.num_experts)
@@ -253,7 +259,7 @@ class FederatedStepper(train_lib.Stepper):
         }
 
     def evaluate(self, state: rounds_lib.FederatedState) -> dict[str, float]:
-        ev = train_lib.evaluate(self.eval_fn, state.train, self.val, fetch=_host)
+        ev = train_lib.evaluate(self.eval_fn, state.train, self.val, fetch=self._host)
         return {
             "val_loss": float(np.mean(ev["val_loss"])),
             "val_bits_per_byte": float(np.mean(ev["val_bits_per_byte"])),
@@ -269,7 +275,7 @@ class FederatedStepper(train_lib.Stepper):
         if self.migrate_exec is None or (call + 1) % every or call + 1 == self.total_rounds:
             return state, {}
         plan = reshuffle.plan_migration(self.placement_at(call), self.placement_at(call + 1))
-        arrays = [jax.make_array_from_callback(a.shape, self.plan_sharding, a.__getitem__) for a in plan.arrays()]
+        arrays = [jax.make_array_from_callback(a.shape, self.site_sharding, a.__getitem__) for a in plan.arrays()]
         arrived = float(plan.arrivals.sum(axis=1).mean())
         self.routes = None  # the next round starts from the migrated state: probe it then
         return self.migrate_exec(state, arrays), {"reshuffle/arrived_experts_per_site": arrived}
@@ -287,14 +293,16 @@ class FederatedStepper(train_lib.Stepper):
             "final_state": jax.tree.map(lambda x: x[0], state.train) if jax.process_count() == 1 else None,
         }
 
-    def _probe_loss(self, train: train_lib.TrainState) -> np.ndarray:
-        """[M] every site's mean loss on the probe batch (the first held-out batch)."""
-        sums = _host(self.eval_fn(train.params, train.rest, self.val[0]))
-        return np.asarray(sums["nll_sum"], np.float64) / np.asarray(sums["tokens"])
+    def _host(self, tree):
+        return _host(tree, self.replicated)
 
-    def _probe(self, state: rounds_lib.FederatedState) -> np.ndarray:
+    def _probe_sums(self, train: train_lib.TrainState) -> dict[str, jax.Array]:
+        """Every site's loss sums on the probe batch (the first held-out batch), dispatched, not fetched."""
+        return self.eval_fn(train.params, train.rest, self.val[0])
+
+    def _routes(self, state: rounds_lib.FederatedState) -> jax.Array:
         assert self.probe_fn is not None  # a model with MoE layers
-        return _host(self.probe_fn(state.train.params, state.train.rest, self.probe_tokens))
+        return self.probe_fn(state.train.params, state.train.rest, self.probe_tokens)
 
 
 def _check(**given: Any) -> None:
@@ -306,9 +314,24 @@ def _check(**given: Any) -> None:
             raise ValueError(f"{name} = {value!r}: allowed a positive integer")
 
 
-def _host(tree):
-    """The full values of (possibly multi-process) arrays on every process."""
-    return multihost_utils.process_allgather(tree, tiled=True)
+def _host(tree, replicated: NamedSharding):
+    """The full values of a tree of (possibly multi-process) jax.Arrays on every process, as NumPy arrays, in one
+    program that replicates them all (`replicated`: over the site mesh; multihost_utils.process_allgather runs one
+    program per leaf, each a wait for the slowest process)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if jax.process_count() > 1:
+        leaves = [x.addressable_data(0) for x in _replicate(replicated, len(leaves))(tuple(leaves))]
+    return jax.tree.unflatten(treedef, [np.asarray(x) for x in jax.device_get(leaves)])
+
+
+@functools.lru_cache(maxsize=16)
+def _replicate(replicated: NamedSharding, count: int):
+    return jax.jit(lambda xs: xs, out_shardings=(replicated,) * count)
+
+
+def _mean_loss(sums: dict[str, np.ndarray]) -> np.ndarray:
+    """[M] every site's mean loss from its eval sums."""
+    return np.asarray(sums["nll_sum"], np.float64) / np.asarray(sums["tokens"])
 
 
 def _sync_words(wire, error_feedback: bool, second_moments: str, fragments: int, delay: int) -> str:

@@ -114,9 +114,15 @@ def make_merge(mesh, optimizer: optax.GradientTransformation, fragment: Any, mix
     return jax.jit(federation.per_site(one_site, mesh, (0, 0, 0), 0))
 
 
-def overlapped(sync: Callable[[], Any], local: Callable[[], Any]) -> tuple[Any, Any, float, float]:
+def overlapped(
+    sync: Callable[[], Any], local: Callable[[], Any], then: Callable[[Any], Any] | None = None
+) -> tuple[Any, Any, float, float, Any]:
     """Runs `sync()` in a second thread while `local()` runs in this one, each waited for (jax.block_until_ready):
-    (sync's result, local's result, sync's seconds, local's seconds). An exception in either is raised here."""
+    (sync's result, local's result, sync's seconds, local's seconds, `then(local's result)`). `then` is called in
+    this thread once local's result is ready and before waiting for sync: work dispatched there (not waited for)
+    runs while the synchronisation still does. It must start no collective across processes: XLA:CPU's gloo
+    collectives all use one tag, so two in flight at once could take each other's messages. An exception in either
+    thread is raised here."""
     box: dict[str, Any] = {}
 
     def run_sync():
@@ -132,20 +138,23 @@ def overlapped(sync: Callable[[], Any], local: Callable[[], Any]) -> tuple[Any, 
     t0 = time.perf_counter()
     try:
         out = jax.block_until_ready(local())
-    finally:
         local_seconds = time.perf_counter() - t0
+        extra = then(out) if then is not None else None
+    finally:
         thread.join()
     if "error" in box:
         raise box["error"]
-    return box["out"], out, box["seconds"], local_seconds
+    return box["out"], out, box["seconds"], local_seconds, extra
 
 
 class StreamingRound:
     """A federated round under the streaming schedule (module docstring), compiled once: `compile(state, tokens)`
     (ahead of time, for the state's shapes and shardings; returns each fragment's synchronisation program text),
     then `state, metrics, probed, seconds = round(state, call, tokens, probe)`: `probed` is `probe(train)` of the
-    sites' state after their local steps and before any averaging (the loss jump; taken between the two timed
-    programs, None without a probe), `seconds` {"local_steps", "sync"}.
+    sites' state after their local steps and before any averaging (the loss jump; None without a probe), called
+    once the local steps are done (blocking: waited for before the synchronisation, which donates `train`; behind
+    compute: dispatched while the synchronisation still runs, not waited for, so it must start no collective across
+    processes: `overlapped`); `seconds` {"local_steps", "sync"}.
 
     With fragments = 1 and delay = 0 it is moe.rounds.make_round_parts' round; otherwise, for DiLoCo or a low-bit
     wire, the state holds its anchor (moe.rounds.init_sites with `anchor_kind`), and LocalAdamW with delay 1 keeps
@@ -204,7 +213,8 @@ class StreamingRound:
             t0 = time.perf_counter()
             train, metrics = jax.block_until_ready(local())
             local_s = time.perf_counter() - t0
-            probed = probe(train) if probe else None  # (before the synchronisation, which donates `train`)
+            # waited for here, or the synchronisation (which donates `train`) would wait for it inside its timing
+            probed = jax.block_until_ready(probe(train)) if probe else None
             t1 = time.perf_counter()
             out = jax.block_until_ready(self.syncs[fragment](start, state.outer, state.feedback, train))
             return out, metrics, probed, {"local_steps": local_s, "sync": time.perf_counter() - t1}
@@ -213,9 +223,10 @@ class StreamingRound:
             train, metrics = jax.block_until_ready(local())
             seconds = {"local_steps": time.perf_counter() - t0, "sync": 0.0}
             return state._replace(train=train), metrics, probe(train) if probe else None, seconds
-        synced, (train, metrics), sync_s, local_s = overlapped(
-            lambda: self.syncs[fragment](start, state.outer, state.feedback, state.train), local
+        synced, (train, metrics), sync_s, local_s, probed = overlapped(
+            lambda: self.syncs[fragment](start, state.outer, state.feedback, state.train),
+            local,
+            (lambda out: probe(out[0])) if probe else None,
         )
-        probed = probe(train) if probe else None
         merged = self.merges[fragment](train, synced.train, state.train)
         return synced._replace(train=merged), metrics, probed, {"local_steps": local_s, "sync": sync_s}

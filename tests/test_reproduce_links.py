@@ -114,6 +114,16 @@ def test_the_calibrated_model_predicts_rounds_that_follow_it():
     assert ddp["seconds_compute"] == 0.4 and ddp["seconds_sync"] == pytest.approx(ddp["seconds_round"] - 0.4)
 
 
+def test_runs_of_one_compiled_size_fit_the_framing_alone():
+    """Two methods that compile the same bytes (a method and its twin behind compute, rerun alone) leave the fixed
+    bytes undetermined: the fit takes the framing alone, the least-squares ratio of wire to compiled bytes."""
+    rows = [r for r in _rows() if r["method"] == "fomoe_o2_overlap"]
+    rows += [{**r, "method": "fomoe_o2_local", "wire_bytes": r["wire_bytes"] * 1.1} for r in rows]
+    framing, fixed = repro.fit_link_bytes(rows)
+    x = [r["compiled_bytes"] / r["wire_bytes"] for r in rows if r["rate_mbit"] == repro.UNLIMITED_MBIT]
+    assert fixed == 0.0 and framing == pytest.approx(sum(x) / sum(v * v for v in x), rel=1e-12)
+
+
 def test_time_to_loss_interpolates_between_evaluations():
     curve = [(16, 4.0), (32, 3.0), (48, 2.5)]
     assert repro.time_to_loss(curve, 0.5, 3.5) == pytest.approx(24 * 0.5)

@@ -114,7 +114,8 @@ def test_anchored_fragments_follow_the_schedule_written_plainly(case):
     synchronisation), three rounds against the schedule written plainly: DiLoCo, blocking (round r's fragment
     r mod 2 takes the outer Nesterov step from its anchor, the other keeps each site's values and momentum), and
     LocalAdamW in bf16 with error feedback, one round late (fragment (r - 1) mod 2 of S_r sent as bf16(S_r - A + e),
-    the mean re-rounded to bf16, the round ending with theta + 0.5 (A' - S_r))."""
+    the mean re-rounded to bf16, the round ending with theta + 0.5 (A' - S_r)). The probe sees each site's state
+    after its local steps and before any averaging (behind compute, dispatched while the synchronisation runs)."""
     optimizer, lr, mu, mixing = optax.adamw(1e-2), 0.7, 0.9, 0.5
     diloco = case == "diloco_blocking"
     outer = diloco_outer(lr, momentum=mu) if diloco else None
@@ -142,7 +143,7 @@ def test_anchored_fragments_follow_the_schedule_written_plainly(case):
     momentum = [np.zeros_like(x) for x in anchor["params"]]
     feedback = {name: [np.zeros_like(x) for x in leaves] for name, leaves in anchor.items()}
     for r in range(3):
-        state, metrics, _, _ = runner(state, r, tokens[r])
+        state, metrics, probed, _ = runner(state, r, tokens[r], lambda train: jax.tree.map(jnp.copy, train.params))
         assert np.isfinite(metrics["loss"]).all()
         sites = []
         for s in range(SITES):
@@ -152,6 +153,8 @@ def test_anchored_fragments_follow_the_schedule_written_plainly(case):
             sites.append(site)
         local = jax.tree.map(lambda *x: np.stack([np.asarray(v) for v in x]), *sites)
         params, moments = as_np(local.params), as_np(local.opt_state[0].mu)
+        for w, g in zip(params, jax.tree.leaves(probed), strict=True):  # each site's own, before any averaging
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4, err_msg=f"round {r} probe")
         fragment = r % 2 if delay == 0 else None if r == 0 else (r - 1) % 2
         if fragment is not None:
             sent = {"params": as_np(reference.params), "mu": as_np(reference.opt_state[0].mu)}

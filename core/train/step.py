@@ -173,11 +173,12 @@ def evaluate(eval_step, state: TrainState, batches: Sequence[jax.Array], *, fetc
     """Held-out loss (nats per token) and bits per byte = total NLL / (ln 2 x byte targets), summed in float64.
 
     `eval_step(params, rest, tokens)` returns the sums of `make_eval_step`; when it returns one value per site (a
-    vmapped step over stacked site states) the results are arrays [M]. `fetch` brings outputs to the host.
+    vmapped step over stacked site states) the results are arrays [M]. `fetch` brings the outputs of all batches to
+    the host at once.
     """
     totals: dict[str, np.ndarray] = {}
-    for tokens in batches:
-        out = {k: np.asarray(v, np.float64) for k, v in fetch(eval_step(state.params, state.rest, tokens)).items()}
+    for sums in fetch([eval_step(state.params, state.rest, tokens) for tokens in batches]):  # one fetch
+        out = {k: np.asarray(v, np.float64) for k, v in sums.items()}
         totals = {k: totals[k] + out[k] for k in out} if totals else out
     loss = totals["nll_sum"] / np.maximum(totals["tokens"], 1)
     bits = totals["nll_sum"] / (LN2 * np.maximum(totals["bytes"], 1))

@@ -207,7 +207,8 @@ def measure(method: str, sites: int, steps: int, run: dict) -> dict:
 
 def fit_link_bytes(rows: list[dict]) -> tuple[float, float]:
     """(framing, fixed bytes) of moe.system_model.link_bytes fitted to the unlimited runs' wire bytes against their
-    compiled bytes per round (least squares on the relative residual: every method counts alike)."""
+    compiled bytes per round (least squares on the relative residual: every method counts alike). Runs of one
+    compiled size cannot tell the two apart: then the framing alone (fixed bytes 0)."""
     cal = [r for r in rows if r["rate_mbit"] == UNLIMITED_MBIT]
     # minimise sum ((a c + b - w) / w)^2: the normal equations of x = c / w, y = 1 / w against 1
     xx = sum((r["compiled_bytes"] / r["wire_bytes"]) ** 2 for r in cal)
@@ -216,6 +217,8 @@ def fit_link_bytes(rows: list[dict]) -> tuple[float, float]:
     x1 = sum(r["compiled_bytes"] / r["wire_bytes"] for r in cal)
     y1 = sum(1 / r["wire_bytes"] for r in cal)
     det = xx * yy - xy * xy
+    if len({r["compiled_bytes"] for r in cal}) < 2 or det <= 1e-9 * xx * yy:
+        return x1 / xx, 0.0
     return (x1 * yy - y1 * xy) / det, (y1 * xx - x1 * xy) / det
 
 
