@@ -201,8 +201,16 @@ def _place(ax, xs, ys, labels, fontsize, marker_radius) -> None:
 
 def colors(names: Sequence[str]) -> dict[str, str]:
     """name -> matplotlib colour "C<i>", i = the name's index in `names` (a script's fixed list of methods), so a
-    method keeps its colour in every plot of the script whatever subset a run draws."""
-    return {name: f"C{i}" for i, name in enumerate(names)}
+    method keeps its colour in every plot of the script whatever subset a run draws. More than the ten "C<i>" (which
+    repeat after C9): the 20 colours of the tab20 map; more than 20 is refused."""
+    if len(names) <= 10:
+        return {name: f"C{i}" for i, name in enumerate(names)}
+    if len(names) > 20:
+        raise ValueError(f"colors: {len(names)} names, at most 20 distinct colours")
+    from matplotlib import colormaps, colors as mcolors
+
+    tab20 = colormaps["tab20"]
+    return {name: mcolors.to_hex(tab20(i)) for i, name in enumerate(names)}
 
 
 def mean_curve(curves: Sequence[Sequence[tuple[int, float]]]) -> tuple[list[int], np.ndarray]:

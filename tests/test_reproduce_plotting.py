@@ -42,6 +42,10 @@ def test_mean_curve_refuses_curves_logged_at_other_steps():
 def test_colors_are_fixed_by_the_method_list():
     c = plotting.colors(["bf16", "fp8", "fp4"])
     assert c == {"bf16": "C0", "fp8": "C1", "fp4": "C2"}
+    many = plotting.colors([f"m{i}" for i in range(16)])  # past C9 the "C<i>" colours repeat: all 16 distinct
+    assert len(set(many.values())) == 16
+    with pytest.raises(ValueError, match="21 names"):
+        plotting.colors([f"m{i}" for i in range(21)])
 
 
 def test_figure_writes_a_png_of_the_requested_size_and_closes(tmp_path):

@@ -127,7 +127,7 @@ def round_plot(rows: list[dict], rates: Sequence[float], path: str, command: str
     """links_round.png: seconds per round split into compute, synchronisation and host work, per method and rate,
     with the system model's prediction as a marker."""
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
-    with plotting.figure(path, size=(4.2 * len(rates), 4.4), ncols=len(rates), squeeze=False, legend_below=True,
+    with plotting.figure(path, size=(5.2 * len(rates), 5.6), ncols=len(rates), squeeze=False, legend_below=True,
                          legend_columns=4, title=command) as axes:  # fmt: skip
         for ax, rate in zip(axes, rates):
             by = {r["method"]: r for r in rows if r["rate_mbit"] == rate}
@@ -140,6 +140,6 @@ def round_plot(rows: list[dict], rates: Sequence[float], path: str, command: str
             ax.bar(xs, sync, bottom=compute, color="tab:orange", label="synchronisation")
             ax.bar(xs, host, bottom=[c + s for c, s in zip(compute, sync)], color="tab:gray", label="host")
             ax.plot(xs, [by[m]["seconds_model"] for m in methods], "k_", ms=22, mew=2, label="system model")
-            ax.set_xticks(list(xs), [m.replace("_", "\n", 1) for m in methods], fontsize=7)
+            ax.set_xticks(list(xs), methods, fontsize=7, rotation=60, ha="right", rotation_mode="anchor")
             ax.set_ylabel("seconds per round of K steps")
             ax.set_title(f"{rate_name(rate)} links", fontsize=9)
