@@ -207,7 +207,8 @@ def colors(names: Sequence[str]) -> dict[str, str]:
         return {name: f"C{i}" for i, name in enumerate(names)}
     if len(names) > 20:
         raise ValueError(f"colors: {len(names)} names, at most 20 distinct colours")
-    from matplotlib import colormaps, colors as mcolors
+    from matplotlib import colormaps
+    from matplotlib import colors as mcolors
 
     tab20 = colormaps["tab20"]
     return {name: mcolors.to_hex(tab20(i)) for i, name in enumerate(names)}
