@@ -124,6 +124,16 @@ def test_runs_of_one_compiled_size_fit_the_framing_alone():
     assert fixed == 0.0 and framing == pytest.approx(sum(x) / sum(v * v for v in x), rel=1e-12)
 
 
+def test_the_calibration_is_the_median_of_repeated_runs():
+    """--calibration-runs: of repeated unlimited-link runs of a method, the row is the run of the median round (the
+    lower middle one of an even count), carrying every run's round."""
+    runs = [{"method": "fomoe_o1", "rate_mbit": repro.UNLIMITED_MBIT, "seconds_round": v, "run": i}
+            for i, v in enumerate([1.18, 0.65, 0.82])]  # fmt: skip
+    row = repro.median_run(runs)
+    assert row["run"] == 2 and row["calibration_rounds"] == [0.65, 0.82, 1.18]
+    assert repro.median_run(runs[:2])["run"] == 1  # even: the lower of the two
+
+
 def test_time_to_loss_interpolates_between_evaluations():
     curve = [(16, 4.0), (32, 3.0), (48, 2.5)]
     assert repro.time_to_loss(curve, 0.5, 3.5) == pytest.approx(24 * 0.5)

@@ -2,6 +2,7 @@
 the full replica, and against the system model's predicted round time.
 
     python -m experiments.reproduce.links [--out runs/fomoe_links] [--sites 4] [--rates 10,100,1000] [--steps 128]
+        [--calibration-runs 1]
 
 Needs root (Linux network namespaces: experiments.links). For every link rate, and once on links of
 `UNLIMITED_MBIT` (the calibration: at these sizes the link is not what limits a round), M sites are made, each its
@@ -36,8 +37,9 @@ Reported (links.md, links.json, links_loss.png, links_round.png):
     per round fitted on the unlimited runs), against the measured round: the relative error, and the same model
     with the measured wire bytes in place of those;
   * for each method behind compute, its round against max(compute, sync) of the same synchronisation blocking.
-`--keep-others` reruns only the --methods given and takes the other rows from the existing links.json (the table
-says which rows were measured when).
+`--calibration-runs N` runs every method N times on the unlimited links and calibrates on the median run (the
+table lists every run's round). `--keep-others` reruns only the --methods given and takes the other rows from the
+existing links.json (the table says which rows were measured when).
 """
 
 from __future__ import annotations
@@ -71,9 +73,13 @@ __all__ = ["CONFIG", "METHODS", "MODEL", "UNLIMITED_MBIT", "K", "flags", "main",
 ATTEMPTS = 2  # a failed run is set aside and run again once; the table says which runs were retried
 
 
-def train(method: str, sites: int, rate_mbit: float, steps: int, eval_every: int, out: str, net) -> dict:
-    """Runs (or reuses) one method over `net`'s links; returns {"summary", "rows", "links"} of the run."""
-    workdir = os.path.abspath(os.path.join(out, "runs", rate_name(rate_mbit), method))
+def train(
+    method: str, sites: int, rate_mbit: float, steps: int, eval_every: int, out: str, net, repeat: int = 1
+) -> dict:
+    """Runs (or reuses) one method over `net`'s links; returns {"summary", "rows", "links"} of the run. Repeat
+    i >= 2 of the same method and rate is a run of its own, in `<method>.<i>`."""
+    name = method if repeat == 1 else f"{method}.{repeat}"
+    workdir = os.path.abspath(os.path.join(out, "runs", rate_name(rate_mbit), name))
     record_path = os.path.join(workdir, "links.json")
     if os.path.exists(os.path.join(workdir, "summary.json")) and not os.path.exists(record_path):
         runs.set_aside(workdir, ["links.json: <absent> (a run not made over this script's links)"])
@@ -205,6 +211,15 @@ def measure(method: str, sites: int, steps: int, run: dict) -> dict:
     }
 
 
+def median_run(measured: Sequence[dict]) -> dict:
+    """Of repeated runs of one method at one rate (measure's rows), the one whose mean round is the median (the
+    lower of the two middle ones for an even count), with every run's round in "calibration_rounds": the repeats
+    of the unlimited-link calibration (--calibration-runs), whose one run's round on a loaded machine can be 40%
+    off another's."""
+    ordered = sorted(measured, key=lambda r: r["seconds_round"])
+    return {**ordered[(len(ordered) - 1) // 2], "calibration_rounds": [r["seconds_round"] for r in ordered]}
+
+
 def fit_link_bytes(rows: list[dict]) -> tuple[float, float]:
     """(framing, fixed bytes) of moe.system_model.link_bytes fitted to the unlimited runs' wire bytes against their
     compiled bytes per round (least squares on the relative residual: every method counts alike). Runs of one
@@ -317,7 +332,9 @@ def _kept(args, rates: list[float]) -> list[dict]:
         raise ValueError(f"--keep-others: {path} does not exist (run every method once without it)")
     with open(path) as f:
         before = json.load(f)
-    for name, now in (("sites", args.sites), ("steps", args.steps), ("rates", rates)):
+    before.setdefault("calibration_runs", 1)  # (a table made before the flag)
+    given = (("sites", args.sites), ("steps", args.steps), ("rates", rates))
+    for name, now in (*given, ("calibration_runs", args.calibration_runs)):
         if before[name] != now:
             raise ValueError(f"--keep-others: {path} has {name} {before[name]}, this run {now}; they must match")
     derived = ("seconds_model", "error_model", "effective_gflops", "calibrated", "seconds_to_target")
@@ -343,6 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     common.add_steps(p, default=128, multiple_of=K, why=f"whole rounds of K = {K}")
     p.add_argument("--methods", type=common.names(METHODS), default=",".join(METHODS), help="the methods to run")
     p.add_argument("--eval-every", type=common.integer(K, multiple_of=K), default=16, help="steps between evaluations")
+    p.add_argument("--calibration-runs", type=common.integer(1, maximum=5), default=1,
+                   help="runs of each method on the unlimited links, 1..5: the system model is calibrated on the "
+                   "median one")  # fmt: skip
     p.add_argument("--keep-others", action="store_true",
                    help="the table's rows of the methods not given to --methods come from <out>/links.json (of the "
                    "same sites, steps and rates), as they were measured then")  # fmt: skip
@@ -365,8 +385,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"links of {rate_name(rate)} ({rate:g} Mbit/s each way), {args.sites} sites", flush=True)
         with links.Network(sites=args.sites, rate_mbit=rate) as net:
             for method in args.methods:
-                run = train(method, args.sites, rate, args.steps, args.eval_every, args.out, net)
-                measured.append(measure(method, args.sites, args.steps, run))
+                repeats = args.calibration_runs if rate == UNLIMITED_MBIT else 1
+                runs_of = [
+                    measure(method, args.sites, args.steps,
+                            train(method, args.sites, rate, args.steps, args.eval_every, args.out, net, i))
+                    for i in range(1, repeats + 1)
+                ]  # fmt: skip
+                measured.append(median_run(runs_of) if repeats > 1 else runs_of[0])
     today = time.strftime("%Y-%m-%d")
     rows, fit = predict([*kept, *({**r, "measured_on": today, "measured_by": command} for r in measured)], args.sites)
     rows.sort(key=lambda r: (rates.index(r["rate_mbit"]), list(METHODS).index(r["method"])))
@@ -380,6 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "link_bytes_fit": fit,
         "sites": args.sites,
         "steps": args.steps,
+        "calibration_runs": args.calibration_runs,
         "k": K,
         "rates": rates,
         "model": MODEL,

@@ -33,7 +33,13 @@ def markdown(result: dict) -> str:
         "compiled bytes on the wire by moe.system_model.link_bytes, fitted on the unlimited runs: "
         f"{result['link_bytes_fit']['framing']:.3f} x compiled + "
         f"{result['link_bytes_fit']['fixed_bytes'] / 1e3:,.0f} kB per round) and its error; the same with the "
-        f"bytes measured on the wire. Unlimited = links of {UNLIMITED_MBIT:,.0f} Mbit/s (the calibration).",
+        f"bytes measured on the wire. Unlimited = links of {UNLIMITED_MBIT:,.0f} Mbit/s (the calibration"
+        + (
+            f": the median of {result['calibration_runs']} runs of each method"
+            if result.get("calibration_runs", 1) > 1
+            else ""
+        )
+        + ").",
         "",
         "| rate | method | round s | compute s | sync s | model s | error | model (wire bytes) s | error | "
         "compiled MB/round | wire MB/round | wire / compiled | held-out loss | s to target |",
@@ -67,6 +73,12 @@ def markdown(result: dict) -> str:
             when = sorted({r.get("measured_on", "earlier") for r in made})
             lines.append(f"- measured by `{c}` ({', '.join(when)}): {'; '.join(names)}")
     lines += overlap_lines(rows, rates)
+    repeated = [r for r in rows if len(r.get("calibration_rounds", ())) > 1]
+    if repeated:
+        lines += ["", "Calibration runs on the unlimited links, each one's round (s; the median one is the row):", ""]
+        lines += [
+            f"- {METHODS[r['method']][0]}: {', '.join(f'{v:.3f}' for v in r['calibration_rounds'])}" for r in repeated
+        ]
     lines += [
         "",
         f"Wire / compiled is per round, between the first and the last round's metric rows; over whole runs (their "
