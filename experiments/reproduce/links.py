@@ -333,8 +333,8 @@ def _kept(args, rates: list[float]) -> list[dict]:
     with open(path) as f:
         before = json.load(f)
     before.setdefault("calibration_runs", 1)  # (a table made before the flag)
-    given = (("sites", args.sites), ("steps", args.steps), ("rates", rates))
-    for name, now in (*given, ("calibration_runs", args.calibration_runs)):
+    for name in ("sites", "steps", "rates", "calibration_runs"):
+        now = rates if name == "rates" else getattr(args, name)
         if before[name] != now:
             raise ValueError(f"--keep-others: {path} has {name} {before[name]}, this run {now}; they must match")
     derived = ("seconds_model", "error_model", "effective_gflops", "calibrated", "seconds_to_target")

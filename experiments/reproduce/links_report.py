@@ -15,6 +15,8 @@ def markdown(result: dict) -> str:
     rows, rates = result["rows"], result["rates"]
     commands = result.get("commands", [result["command"]])
     shown = " then ".join(f"`{c}`" for c in commands)
+    runs = result.get("calibration_runs", 1)
+    median = f": the median of {runs} runs of each method" if runs > 1 else ""
     lines = [
         "# FoMoE over real links",
         "",
@@ -33,13 +35,7 @@ def markdown(result: dict) -> str:
         "compiled bytes on the wire by moe.system_model.link_bytes, fitted on the unlimited runs: "
         f"{result['link_bytes_fit']['framing']:.3f} x compiled + "
         f"{result['link_bytes_fit']['fixed_bytes'] / 1e3:,.0f} kB per round) and its error; the same with the "
-        f"bytes measured on the wire. Unlimited = links of {UNLIMITED_MBIT:,.0f} Mbit/s (the calibration"
-        + (
-            f": the median of {result['calibration_runs']} runs of each method"
-            if result.get("calibration_runs", 1) > 1
-            else ""
-        )
-        + ").",
+        f"bytes measured on the wire. Unlimited = links of {UNLIMITED_MBIT:,.0f} Mbit/s (the calibration{median}).",
         "",
         "| rate | method | round s | compute s | sync s | model s | error | model (wire bytes) s | error | "
         "compiled MB/round | wire MB/round | wire / compiled | held-out loss | s to target |",
