@@ -360,7 +360,8 @@ def site_batches(tokens: np.ndarray, sites: int) -> np.ndarray:
 
 def make_probe(graphdef, mesh) -> jax.stages.Wrapped:
     """A jitted `(params, rest, tokens [B, T]) -> routes [M, L_moe, B T, k]`: every site's chosen global expert ids
-    in every MoE layer on a fixed probe batch (for the routing agreement between rounds)."""
+    in every MoE layer on a fixed probe batch (for the routing agreement between rounds and the routing health
+    across sites). The routes stay on the sites' devices: `make_routing_stats` reduces them there."""
 
     def one_site(params, rest, tokens):
         _, aux, _ = nnx.merge(graphdef, params, rest)(tokens, intermediates=True)
@@ -369,21 +370,36 @@ def make_probe(graphdef, mesh) -> jax.stages.Wrapped:
     return jax.jit(federation.per_site(one_site, mesh, (0, 0, None)))
 
 
-def topk_agreement(previous: np.ndarray, current: np.ndarray) -> float:
-    """Mean over sites, layers and tokens of |chosen now ∩ chosen before| / k (1 = the same experts)."""
-    previous, current = np.asarray(previous), np.asarray(current)
+def make_routing_stats(mesh, num_experts: int) -> jax.stages.Wrapped:
+    """A jitted `(previous, current) -> {"agreement": [M], "counts": [M, L, N_e]}` of two `make_probe` outputs, each
+    site on its own device: its `topk_agreement` and its `routing_counts`. What a round brings to the host is these
+    M (1 + L N_e) numbers instead of every site's routes (M L B T k ids, which outweighed a 4-bit synchronisation
+    on a 10 Mbit/s link)."""
+
+    def one_site(previous, current):
+        return {"agreement": topk_agreement(previous, current), "counts": routing_counts(current, num_experts)}
+
+    return jax.jit(federation.per_site(one_site, mesh, (0, 0)))
+
+
+def topk_agreement(previous: jax.Array, current: jax.Array) -> jax.Array:
+    """Of routes [..., L, T, k]: the mean over layers, tokens and choices of |chosen now ∩ chosen before| / k
+    (1 = the same experts), per leading index (a site)."""
     same = (previous[..., :, None] == current[..., None, :]).any(-1)
-    return float(same.mean())
+    return same.mean((-3, -2, -1))
 
 
-def routing_histograms(routes: np.ndarray, num_experts: int) -> np.ndarray:
+def routing_counts(routes: jax.Array, num_experts: int) -> jax.Array:
+    """[..., L, N_e] int32: each layer's expert choices counted per expert, from routes [..., L, T, k] (global
+    expert ids)."""
+    return jax.nn.one_hot(routes, num_experts, dtype=jnp.int32).sum((-3, -2))
+
+
+def routing_shares(counts: np.ndarray) -> np.ndarray:
     """[M, L, N_e] float64: each site's and layer's share of the probe batch's expert choices per expert, from
-    `make_probe`'s routes [M, L, T, k] (global expert ids)."""
-    routes = np.asarray(routes)
-    m, layers = routes.shape[:2]
-    flat = routes.reshape(m * layers, -1)
-    counts = np.stack([np.bincount(row, minlength=num_experts) for row in flat]).astype(np.float64)
-    return (counts / counts.sum(-1, keepdims=True)).reshape(m, layers, num_experts)
+    `routing_counts`."""
+    counts = np.asarray(counts, np.float64)
+    return counts / counts.sum(-1, keepdims=True)
 
 
 def _entropy(p: np.ndarray) -> np.ndarray:

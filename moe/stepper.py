@@ -192,11 +192,11 @@ class FederatedStepper(train_lib.Stepper):
         # a model without MoE layers (moe.every = 0: the federation of a dense model) has no routing to probe
         routed = any(jax.tree.leaves(federation.expert_flags(state.train.params)))
         self.probe_fn = rounds_lib.make_probe(graphdef, mesh) if routed else None
+        self.routing_stats = rounds_lib.make_routing_stats(mesh, placement.num_experts) if routed else None
         self.probe_tokens = self.val[0][:, :-1]
-        self.routes: np.ndarray | None = None  # every site's routes on the probe batch in the current state
+        self.routes: jax.Array | None = None  # every site's routes on the probe batch in the current state, on device
         self.ghosts = {"moe/ideal_ghost_fraction": placement.ideal_ghost_fraction} if routing == "skip_token" else {}
         # routing health across sites: sites that route over the same experts (skip-token: all of them)
-        self.num_experts = placement.num_experts
         self.routing_groups = [np.arange(sites)] if routing == "skip_token" else placement.replica_groups()
         self.routed_over = placement.num_experts if routing == "skip_token" else placement.local_experts
         if jax.process_index() == 0:
@@ -218,7 +218,7 @@ class FederatedStepper(train_lib.Stepper):
 
     def step(self, state: rounds_lib.FederatedState, call: int) -> tuple[rounds_lib.FederatedState, dict[str, float]]:
         if self.routes is None and self.probe_fn is not None:  # the routes of the state this round starts from
-            self.routes = self._host(self._routes(state))
+            self.routes = self._routes(state)
         k = self.steps_per_call
         local = np.stack([self.batches.train_batch(step) for step in range(call * k, (call + 1) * k)])
         local = rounds_lib.site_batches(local, self.sites // jax.process_count())
@@ -229,20 +229,20 @@ class FederatedStepper(train_lib.Stepper):
         state, metrics, before, seconds_of = self.round(state, call, tokens, self._probe_sums)
         after = self._probe_sums(state.train)
         routes = self._routes(state) if self.probe_fn is not None else None
+        stats = None if self.routing_stats is None else self.routing_stats(self.routes, routes)
         seconds = np.array([seconds_of["local_steps"], seconds_of["sync"]])
         seconds = jax.make_array_from_process_local_data(  # one row per site: the means are over processes
             self.site_sharding, np.tile(seconds, (self.sites // jax.process_count(), 1)), (self.sites, 2)
         )
-        got = self._host({"metrics": metrics, "seconds": seconds, "before": before, "after": after, "routes": routes})
+        got = self._host({"metrics": metrics, "seconds": seconds, "before": before, "after": after, "routing": stats})
         means = {name: float(np.mean(v)) for name, v in got["metrics"].items()}
         local_seconds, sync_seconds = np.mean(got["seconds"], axis=0)
         jump = float(np.mean(_mean_loss(got["after"]) - _mean_loss(got["before"])))
         routing = {}
-        if self.probe_fn is not None:
-            previous, self.routes = self.routes, got["routes"]
-            assert previous is not None  # probed before the round
-            routing["routing/topk_agreement"] = rounds_lib.topk_agreement(previous, self.routes)
-            shares = rounds_lib.routing_histograms(self.routes, self.num_experts)
+        if routes is not None:
+            self.routes = routes
+            routing["routing/topk_agreement"] = float(np.mean(got["routing"]["agreement"]))
+            shares = rounds_lib.routing_shares(got["routing"]["counts"])
             routing["routing/js_divergence"] = rounds_lib.routing_divergence(shares, self.routing_groups)
             routing["routing/utilisation_entropy"] = rounds_lib.utilisation_entropy(shares, self.routed_over)
         return state, {

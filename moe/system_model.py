@@ -309,20 +309,24 @@ def round_seconds(
     overlap_fraction: float = 0.0,
     hidden: bool = False,
     sync_cpu_seconds: float = 0.0,
+    host_bytes: float = 0.0,
 ) -> dict[str, float]:
     """t_comp = F_token * tokens_per_step / (MFU * peak) per local step; t_comm = bytes / bandwidth + latency (the
     time a site waits on its link); c = `sync_cpu_seconds`, the synchronisation's own work on the processors that
     also compute (quantisation, the reduction's arithmetic, the collective library's copies: what the unlimited-link
-    runs measure, experiments.reproduce.links). A round takes K t_comp + c + (1 - overlap) t_comm, or with the
-    synchronisation `hidden` behind the next round's local steps (one round late, Streaming DiLoCo's overlap)
-    K t_comp + c + max(0, t_comm - K t_comp): only the wait hides, never the work, and a round is never shorter
-    than its transfer. `tokens_per_step` is one site's tokens per step. Returns {"compute": K t_comp,
-    "communication": t_comm, "sync_cpu": c, "total"}."""
+    runs measure, experiments.reproduce.links); t_host = `host_bytes` / bandwidth, what the round moves besides its
+    synchronisation (the host's gathers of metrics and probes between the programs). A round takes
+    K t_comp + c + (1 - overlap) t_comm + t_host, or with the synchronisation `hidden` behind the next round's local
+    steps (one round late, Streaming DiLoCo's overlap) K t_comp + c + max(0, t_comm - K t_comp) + t_host: only the
+    synchronisation's wait hides, never its work nor the host's gathers, and a round is never shorter than its
+    transfer. `tokens_per_step` is one site's tokens per step. Returns {"compute": K t_comp, "communication":
+    t_comm, "host_communication": t_host, "sync_cpu": c, "total"}."""
     compute = local_steps * flops_per_token * tokens_per_step / (mfu * peak_flops)
     t_comm = 8.0 * round_bytes / bandwidth_bits_per_second + latency_seconds
+    t_host = 8.0 * host_bytes / bandwidth_bits_per_second
     waited = max(0.0, t_comm - compute) if hidden else (1.0 - overlap_fraction) * t_comm
-    return {"compute": compute, "communication": t_comm, "sync_cpu": sync_cpu_seconds,
-            "total": compute + sync_cpu_seconds + waited}  # fmt: skip
+    return {"compute": compute, "communication": t_comm, "host_communication": t_host, "sync_cpu": sync_cpu_seconds,
+            "total": compute + sync_cpu_seconds + waited + t_host}  # fmt: skip
 
 
 def link_bytes(payload_bytes: float, *, framing: float = FRAME_BYTES / TCP_PAYLOAD_BYTES, fixed_bytes: float = 0.0):

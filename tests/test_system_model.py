@@ -188,7 +188,8 @@ def test_low_bit_synchronisation_and_hidden_rounds_by_hand():
     """wire_bytes pads to whole chunks of n x G values: 1000 values over 4 sites in fp4 with UE8M0 scales per 32 are
     1024 padded values, 2 x 3/4 x 1024 x (0.5 + 1/32) bytes; LocalAdamW's state (Adam: two moments) sends its first
     half in the wire format and its second (the second moments) as bf16, or nothing with second_moments = "local";
-    a hidden round takes max(compute, transfer) plus the synchronisation's own processor work, which never hides."""
+    a hidden round takes max(compute, transfer) plus the synchronisation's own processor work and the host's
+    gathers, which never hide."""
     from core.codec import WireFormat
 
     fp4 = WireFormat("fp4", 32, "ue8m0")
@@ -206,9 +207,11 @@ def test_low_bit_synchronisation_and_hidden_rounds_by_hand():
         sm.round_seconds(
             flops_per_token=1e9, tokens_per_step=1e3, local_steps=4, round_bytes=size, latency_seconds=0.0,
             bandwidth_bits_per_second=1e6, peak_flops=1e12, mfu=1.0, hidden=h, sync_cpu_seconds=0.5,
+            host_bytes=host,
         )
-        for h, size in ((False, 1e6), (True, 1e6), (True, 1e5))
+        for h, size, host in ((False, 1e6, 0.0), (True, 1e6, 0.0), (True, 1e5, 2.5e4))
     )  # fmt: skip
     assert slow["total"] == 4.0 + 0.5 + 8.0 and hidden["total"] == 4.0 + 0.5 + (8.0 - 4.0)
-    assert short["total"] == 4.0 + 0.5  # a transfer (0.8 s) shorter than the compute hides whole
+    # a transfer (0.8 s) shorter than the compute hides whole; the host's gathers (0.2 s) do not
+    assert short["total"] == pytest.approx(4.0 + 0.5 + 0.2) and short["host_communication"] == pytest.approx(0.2)
     assert sm.link_bytes(1448.0) == 1514.0 and sm.link_bytes(100.0, framing=1.25, fixed_bytes=7.0) == 132.0

@@ -34,8 +34,9 @@ Reported (links.md, links.json, links_loss.png, links_round.png):
   * moe.system_model.round_seconds at the link's rate, calibrated on the unlimited run of the same method (its
     local steps' time, and the rest of its round: processor work, which a round behind compute does not hide),
     with the round's compiled bytes as moe.system_model.link_bytes puts them on the wire (framing and fixed bytes
-    per round fitted on the unlimited runs), against the measured round: the relative error, and the same model
-    with the measured wire bytes in place of those;
+    per round fitted on the unlimited runs; the fixed bytes are the host's gathers between the programs, which a
+    round behind compute does not hide), against the measured round: the relative error, and the same model with
+    the measured wire bytes in place of those;
   * for each method behind compute, its round against max(compute, sync) of the same synchronisation blocking.
 `--calibration-runs N` runs every method N times on the unlimited links and calibrates on the median run (the
 table lists every run's round). `--keep-others` reruns only the --methods given and takes the other rows from the
@@ -242,8 +243,9 @@ def predict(rows: list[dict], sites: int) -> tuple[list[dict], dict[str, float]]
     bytes (through moe.system_model.link_bytes, fitted on the unlimited runs: `fit_link_bytes`) and once from the
     bytes measured on the wire. Each method is calibrated on its own unlimited run: its local steps' measured time
     is the compute (the effective FLOP rate) and the rest of its round, less what its bytes take there, is the
-    synchronisation's processor work (`sync_cpu_seconds`, which a hidden round does not hide); DDP's all-reduce is
-    inside its step: all of its round counts as compute. Then DDP's derived split. Returns the rows and the fit."""
+    synchronisation's processor work (`sync_cpu_seconds`, which a hidden round does not hide, nor the fixed bytes:
+    `host_bytes`); DDP's all-reduce is inside its step: all of its round counts as compute. Then DDP's derived
+    split. Returns the rows and the fit."""
     framing, fixed = fit_link_bytes(rows)
     calibration = {r["method"]: r for r in rows if r["rate_mbit"] == UNLIMITED_MBIT}
     tokens = MODEL["data.batch_size"] * MODEL["data.seq_len"] / sites  # one site's per step
@@ -256,18 +258,19 @@ def predict(rows: list[dict], sites: int) -> tuple[list[dict], dict[str, float]]
         scale = period / K  # a round's quantity -> per synchronisation
         hidden = bool(METHODS[r["method"]][4].get("delay"))
         at = functools.partial(_round_seconds, flops=flops, tokens=tokens, period=period, hidden=hidden)
+        # (the synchronisation's bytes, the host's: the fixed bytes, its gathers between the programs)
         for key, bytes_of in (
-            ("model", lambda q: sm.link_bytes(q["compiled_bytes"], framing=framing, fixed_bytes=fixed)),
-            ("model_wire", lambda q: q["wire_bytes"]),
+            ("model", lambda q: (sm.link_bytes(q["compiled_bytes"], framing=framing), fixed)),
+            ("model_wire", lambda q: (q["wire_bytes"] - fixed, fixed)),
         ):
-            calibrated, measured = scale * bytes_of(cal), scale * bytes_of(r)
+            (sync_c, host_c), (sync_m, host_m) = ([scale * b for b in bytes_of(q)] for q in (cal, r))
             if ddp:  # its collectives are inside its step: all but the bytes' time is compute
-                compute = scale * cal["seconds_round"] - 8 * calibrated / (UNLIMITED_MBIT * 1e6)
+                compute = scale * cal["seconds_round"] - 8 * (sync_c + host_c) / (UNLIMITED_MBIT * 1e6)
                 cpu = 0.0
             else:
                 compute = scale * cal["seconds_compute"]
-                cpu = scale * cal["seconds_round"] - at(calibrated, UNLIMITED_MBIT, compute, 0.0)
-            r[f"seconds_{key}"] = at(measured, r["rate_mbit"], compute, cpu) / scale
+                cpu = scale * cal["seconds_round"] - at(sync_c, host_c, UNLIMITED_MBIT, compute, 0.0)
+            r[f"seconds_{key}"] = at(sync_m, host_m, r["rate_mbit"], compute, cpu) / scale
             r[f"error_{key}"] = r["seconds_round"] / r[f"seconds_{key}"] - 1
             if key == "model":
                 r["effective_gflops_per_site"] = flops * tokens * period / compute / 1e9
@@ -280,9 +283,9 @@ def predict(rows: list[dict], sites: int) -> tuple[list[dict], dict[str, float]]
     return rows, {"framing": framing, "fixed_bytes": fixed}
 
 
-def _round_seconds(nbytes, rate_mbit, compute, cpu, *, flops, tokens, period, hidden) -> float:
-    """moe.system_model.round_seconds of a synchronisation moving `nbytes` at `rate_mbit`, whose `period` local
-    steps take `compute` seconds and whose other processor work `cpu`."""
+def _round_seconds(nbytes, host_bytes, rate_mbit, compute, cpu, *, flops, tokens, period, hidden) -> float:
+    """moe.system_model.round_seconds of a synchronisation moving `nbytes` (and the host `host_bytes`) at
+    `rate_mbit`, whose `period` local steps take `compute` seconds and whose other processor work `cpu`."""
     return sm.round_seconds(
         flops_per_token=flops,
         tokens_per_step=tokens,
@@ -294,6 +297,7 @@ def _round_seconds(nbytes, rate_mbit, compute, cpu, *, flops, tokens, period, hi
         mfu=1.0,
         hidden=hidden,
         sync_cpu_seconds=cpu,
+        host_bytes=host_bytes,
     )["total"]
 
 

@@ -34,7 +34,8 @@ def markdown(result: dict) -> str:
         "local steps' time and the rest of its round, the processor work a hidden round cannot hide; the round's "
         "compiled bytes on the wire by moe.system_model.link_bytes, fitted on the unlimited runs: "
         f"{result['link_bytes_fit']['framing']:.3f} x compiled + "
-        f"{result['link_bytes_fit']['fixed_bytes'] / 1e3:,.0f} kB per round) and its error; the same with the "
+        f"{result['link_bytes_fit']['fixed_bytes'] / 1e3:,.0f} kB per round, the fixed bytes the host's gathers "
+        "between the programs, which a hidden round does not hide) and its error; the same with the "
         f"bytes measured on the wire. Unlimited = links of {UNLIMITED_MBIT:,.0f} Mbit/s (the calibration{median}).",
         "",
         "| rate | method | round s | compute s | sync s | model s | error | model (wire bytes) s | error | "
