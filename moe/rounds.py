@@ -382,20 +382,24 @@ def make_routing_stats(mesh, num_experts: int) -> jax.stages.Wrapped:
     return jax.jit(federation.per_site(one_site, mesh, (0, 0)))
 
 
-def topk_agreement(previous: jax.Array, current: jax.Array) -> jax.Array:
+def topk_agreement(previous: jax.typing.ArrayLike, current: jax.typing.ArrayLike) -> jax.Array:
     """Of routes [..., L, T, k]: the mean over layers, tokens and choices of |chosen now ∩ chosen before| / k
     (1 = the same experts), per leading index (a site)."""
+    previous, current = jnp.asarray(previous), jnp.asarray(current)
     same = (previous[..., :, None] == current[..., None, :]).any(-1)
     return same.mean((-3, -2, -1))
 
 
-def routing_counts(routes: jax.Array, num_experts: int) -> jax.Array:
+def routing_counts(routes: jax.typing.ArrayLike, num_experts: int) -> jax.Array:
     """[..., L, N_e] int32: each layer's expert choices counted per expert, from routes [..., L, T, k] (global
     expert ids)."""
-    return jax.nn.one_hot(routes, num_experts, dtype=jnp.int32).sum((-3, -2))
+    routes = jnp.asarray(routes)
+    rows = routes.reshape(-1, routes.shape[-2] * routes.shape[-1])  # one row per (leading index, layer)
+    counts = jax.vmap(lambda ids: jnp.bincount(ids, length=num_experts))(rows)
+    return counts.astype(jnp.int32).reshape(*routes.shape[:-2], num_experts)
 
 
-def routing_shares(counts: np.ndarray) -> np.ndarray:
+def routing_shares(counts: jax.typing.ArrayLike) -> np.ndarray:
     """[M, L, N_e] float64: each site's and layer's share of the probe batch's expert choices per expert, from
     `routing_counts`."""
     counts = np.asarray(counts, np.float64)

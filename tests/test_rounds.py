@@ -270,7 +270,7 @@ def test_topk_agreement_and_probe_routes():
     prev = np.array([[[[0, 1], [2, 3]]], [[[5, 5], [5, 5]]]])  # [sites, layers, tokens, k]
     cur = np.array([[[[1, 0], [2, 4]]], [[[5, 5], [5, 5]]]])
     # site 0, token 0: both kept; token 1: one of two
-    np.testing.assert_allclose(rounds.topk_agreement(prev, cur), [3 / 4, 1.0])
+    np.testing.assert_allclose(rounds.topk_agreement(prev, cur), np.array([3 / 4, 1.0]))
     placement, mesh, graphdef, state = _setup(2, optax.adamw(1e-2))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(2, 8)), jnp.int32)
     probe = rounds.make_probe(graphdef, mesh)
