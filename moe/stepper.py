@@ -228,8 +228,7 @@ class FederatedStepper(train_lib.Stepper):
         # dispatched as they become possible and brought to the host with the round's metrics in one gather
         state, metrics, before, seconds_of = self.round(state, call, tokens, self._probe_sums)
         after = self._probe_sums(state.train)
-        routes = self._routes(state) if self.probe_fn is not None else None
-        stats = None if self.routing_stats is None else self.routing_stats(self.routes, routes)
+        routes, stats = self._probe_routing(state) if self.probe_fn is not None else (None, None)
         seconds = np.array([seconds_of["local_steps"], seconds_of["sync"]])
         seconds = jax.make_array_from_process_local_data(  # one row per site: the means are over processes
             self.site_sharding, np.tile(seconds, (self.sites // jax.process_count(), 1)), (self.sites, 2)
@@ -303,6 +302,12 @@ class FederatedStepper(train_lib.Stepper):
     def _routes(self, state: rounds_lib.FederatedState) -> jax.Array:
         assert self.probe_fn is not None  # a model with MoE layers
         return self.probe_fn(state.train.params, state.train.rest, self.probe_tokens)
+
+    def _probe_routing(self, state: rounds_lib.FederatedState) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The routes of `state` and their statistics against the round's starting routes, both on the devices."""
+        assert self.routing_stats is not None and self.routes is not None  # probed before the round
+        routes = self._routes(state)
+        return routes, self.routing_stats(self.routes, routes)
 
 
 def _check(**given: Any) -> None:
