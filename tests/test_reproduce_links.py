@@ -138,6 +138,21 @@ def test_the_calibration_is_the_median_of_repeated_runs():
     assert repro.median_run(runs[:2])["run"] == 1  # even: the lower of the two
 
 
+def test_the_schedule_takes_each_calibration_run_in_turn_with_the_limited_rates():
+    """Every (method, rate, repeat) once; method after method; a method's calibration runs (unlimited) alternate
+    with its limited-rate runs: each of its first (calibration runs) rates comes right after a calibration run."""
+    u = repro.UNLIMITED_MBIT
+    order = repro.schedule(["ddp", "fomoe_o2"], [10.0, 100.0], 3)
+    assert order[:5] == [("ddp", u, 1), ("ddp", 10.0, 1), ("ddp", u, 2), ("ddp", 100.0, 1), ("ddp", u, 3)]
+    assert order[5:] == [("fomoe_o2", r, i) for _, r, i in order[:5]]
+    for calibrations, rates in ((1, [10.0, 100.0, 1000.0]), (4, [10.0]), (2, [10.0, 100.0])):
+        order = repro.schedule(["fomoe_o1"], rates, calibrations)
+        expected = {("fomoe_o1", u, i) for i in range(1, calibrations + 1)} | {("fomoe_o1", r, 1) for r in rates}
+        assert len(order) == len(expected) and set(order) == expected
+        limited = [i for i, (_, rate, _) in enumerate(order) if rate != u]
+        assert all(order[i - 1][1] == u for i in limited[:calibrations])
+
+
 def test_time_to_loss_interpolates_between_evaluations():
     curve = [(16, 4.0), (32, 3.0), (48, 2.5)]
     assert repro.time_to_loss(curve, 0.5, 3.5) == pytest.approx(24 * 0.5)

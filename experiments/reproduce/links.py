@@ -39,8 +39,9 @@ Reported (links.md, links.json, links_loss.png, links_round.png):
     the measured wire bytes in place of those;
   * for each method behind compute, its round against max(compute, sync) of the same synchronisation blocking.
 `--calibration-runs N` runs every method N times on the unlimited links and calibrates on the median run (the
-table lists every run's round). `--keep-others` reruns only the --methods given and takes the other rows from the
-existing links.json (the table says which rows were measured when).
+table lists every run's round). The runs go method by method, each method's calibration runs in turn with its
+limited-rate runs (`schedule`), each run over a network made for it. `--keep-others` reruns only the --methods
+given and takes the other rows from the existing links.json (the table says which rows were measured when).
 """
 
 from __future__ import annotations
@@ -69,9 +70,25 @@ from experiments.reproduce.links_methods import (
 )
 from moe import system_model as sm
 
-__all__ = ["CONFIG", "METHODS", "MODEL", "UNLIMITED_MBIT", "K", "flags", "main", "measure", "predict", "train"]
+__all__ = ["CONFIG", "METHODS", "MODEL", "UNLIMITED_MBIT", "K"]
+__all__ += ["flags", "main", "measure", "predict", "schedule", "train"]
 
 ATTEMPTS = 2  # a failed run is set aside and run again once; the table says which runs were retried
+
+
+def schedule(methods: Sequence[str], rates: Sequence[float], calibration_runs: int) -> list[tuple[str, float, int]]:
+    """The order of the runs, as (method, rate in Mbit/s, repeat): method after method, each method's calibration
+    runs on the unlimited links taken in turn with its limited-rate runs (unlimited, the first rate, unlimited, the
+    second, ...), so that a row and its calibration are measured minutes apart, not an hour: this machine's speed
+    drifts over an hour (local steps of 0.28 s in one phase, 0.19 s in another), more than the model's margin."""
+    order = []
+    for method in methods:
+        for j in range(max(calibration_runs, len(rates))):
+            if j < calibration_runs:
+                order.append((method, UNLIMITED_MBIT, j + 1))
+            if j < len(rates):
+                order.append((method, float(rates[j]), 1))
+    return order
 
 
 def train(
@@ -384,20 +401,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         kept = _kept(args, rates) if args.keep_others else []
     except ValueError as e:
         p.error(str(e))
-    measured = []
-    for rate in rates:
-        print(f"links of {rate_name(rate)} ({rate:g} Mbit/s each way), {args.sites} sites", flush=True)
+    measured: dict[tuple[str, float], list[dict]] = {}
+    for method, rate, repeat in schedule(args.methods, rates[1:], args.calibration_runs):
+        print(f"{method} over links of {rate_name(rate)} ({rate:g} Mbit/s each way), {args.sites} sites"
+              + (f", calibration run {repeat}" if rate == UNLIMITED_MBIT else ""), flush=True)  # fmt: skip
         with links.Network(sites=args.sites, rate_mbit=rate) as net:
-            for method in args.methods:
-                repeats = args.calibration_runs if rate == UNLIMITED_MBIT else 1
-                runs_of = [
-                    measure(method, args.sites, args.steps,
-                            train(method, args.sites, rate, args.steps, args.eval_every, args.out, net, i))
-                    for i in range(1, repeats + 1)
-                ]  # fmt: skip
-                measured.append(median_run(runs_of) if repeats > 1 else runs_of[0])
+            run = train(method, args.sites, rate, args.steps, args.eval_every, args.out, net, repeat)
+        measured.setdefault((method, rate), []).append(measure(method, args.sites, args.steps, run))
     today = time.strftime("%Y-%m-%d")
-    rows, fit = predict([*kept, *({**r, "measured_on": today, "measured_by": command} for r in measured)], args.sites)
+    new = [{**(median_run(m) if len(m) > 1 else m[0]), "measured_on": today, "measured_by": command}
+           for m in measured.values()]  # fmt: skip
+    rows, fit = predict([*kept, *new], args.sites)
     rows.sort(key=lambda r: (rates.index(r["rate_mbit"]), list(METHODS).index(r["method"])))
     target = add_time_to_loss(rows)
     with open(os.path.join(args.out, "runs", "unlimited", args.methods[0], "summary.json")) as f:
