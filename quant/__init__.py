@@ -1,12 +1,13 @@
 """UFP4 (arXiv 2606.20381): 4-bit training with uniform grids, RHT and stochastic rounding; NVFP4/MXFP4 baselines.
 
-quantize (block-scaled fake quantisation to e2m1, e1m2, int4, mxfp4, nvfp4), rht (blockwise random Hadamard
-transform; run_signs: the run's fixed signs from its seed), recipes (NONE, BF16, UFP4, UFP4_INT4, E2M1_BASELINE,
-NVFP4, MXFP4), dot_general / grouped_matmul (the three training GEMMs of a recipe behind jax.lax.dot_general's /
-ragged_dot's signature; with rngs= a FreshKeys nnx.Module drawing a fresh key per call), QuantPrecision (the
-model's precision slot), the grid analysis (shrinkage_bias, sqnr, alpha, bucket_entropy). The exact low-bit
-numerics underneath (grids, rounding, powers of two, E4M3 / UE8M0 scales, Hadamard) are core.lowbit's. Paper and
-recipes: docs/ufp4.md.
+quantize (block-scaled fake quantisation to e2m1, e1m2, int4, mxfp4, nvfp4; any grid with fp32, e4m3 or ue8m0
+scales, "4 over 6" selection), rht (blockwise random Hadamard transform; run_signs: the run's fixed signs from its
+seed), recipes (per-GEMM knobs, `recipes.Gemm`; presets NONE, BF16, UFP4, UFP4_INT4, E2M1_BASELINE, NVFP4,
+NVFP4_4OVER6, MXFP4, MXFP4_AMD), dot_general / grouped_matmul (the three training GEMMs of a recipe behind
+jax.lax.dot_general's / ragged_dot's signature; with rngs= a FreshKeys nnx.Module drawing a fresh key per call),
+QuantPrecision (the model's precision slot), the grid analysis (shrinkage_bias, sqnr, alpha, bucket_entropy). The
+exact low-bit numerics underneath (grids, rounding, powers of two, E4M3 / UE8M0 scales, Hadamard) are
+core.lowbit's. Paper and recipes: docs/ufp4.md.
 """
 
 from quant import analysis, recipes

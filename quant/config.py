@@ -23,7 +23,7 @@ class PrecisionConfig:
         "none",
         "matmul recipe of every projection and expert (quant/recipes.py): none = unquantised, the GEMMs in the "
         "model's dtype; bf16 = operands rounded to bfloat16, float32 accumulation; ufp4 / ufp4_int4 (uniform grid, "
-        "RHT on all GEMMs), e2m1_baseline, nvfp4, mxfp4",
+        "RHT on all GEMMs), e2m1_baseline, nvfp4 (NVIDIA's), nvfp4_4over6, mxfp4 (OCP), mxfp4_amd (AMD's)",
         choices=tuple(RECIPES),
     )
     last_blocks_high_precision: int = field(0, "keep the last n transformer blocks unquantised", low=0)
@@ -39,16 +39,27 @@ class PrecisionConfig:
 
 
 def apply(recipe: Recipe, precision: PrecisionConfig) -> Recipe:
-    """The recipe with the `precision` section's overrides applied."""
+    """The recipe with the `precision` section's overrides applied to its 4-bit GEMMs. ValueError naming the field
+    when an override has nothing to act on (a recipe without 4-bit GEMMs) or makes a GEMM the recipes refuse."""
     gemms = {name: getattr(recipe, name) for name in ("fprop", "dgrad", "wgrad")}
-    if precision.rht != "recipe":
-        scope = {"none": (), "all": tuple(gemms)}.get(precision.rht, tuple(precision.rht.split("+")))
-        gemms = {name: dataclasses.replace(g, rht=name in scope) for name, g in gemms.items()}
-    if precision.stochastic_dy != "recipe":
-        gemms = {
-            name: dataclasses.replace(g, stochastic_dy=name != "fprop" and precision.stochastic_dy == "on")
-            for name, g in gemms.items()
-        }
+    overrides = {
+        name: getattr(precision, name) for name in ("rht", "stochastic_dy") if getattr(precision, name) != "recipe"
+    }
+    if overrides and all(g.fmt is None for g in gemms.values()):
+        raise ValueError(
+            f"precision.{next(iter(overrides))} = {next(iter(overrides.values()))!r} with precision.recipe = "
+            f"{recipe.name!r}: that recipe has no 4-bit GEMM to change; use a 4-bit recipe or 'recipe'."
+        )
+    for field_name, value in overrides.items():
+        if field_name == "rht":
+            scope = {"none": (), "all": tuple(gemms)}.get(value, tuple(value.split("+")))
+            change = {name: {"rht": name in scope} for name in gemms}
+        else:
+            change = {name: {"stochastic_dy": name != "fprop" and value == "on"} for name in gemms}
+        try:
+            gemms = {n: g if g.fmt is None else dataclasses.replace(g, **change[n]) for n, g in gemms.items()}
+        except ValueError as e:
+            raise ValueError(f"precision.{field_name} = {value!r} with recipe {recipe.name!r}: {e}") from None
     return dataclasses.replace(
         recipe,
         **gemms,

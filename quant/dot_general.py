@@ -86,15 +86,19 @@ def prepare_operands(
     stochastic: tuple[bool, bool],
     weight: int | None = None,
 ):
-    """Both operands of one GEMM, rotated and quantised along their contraction axes (padded to whole blocks).
-    `weight`: which operand (0 / 1) is the weight, for NVFP4's 2-D tiles (quantised once, along both axes)."""
+    """Both operands of one GEMM, rotated and quantised along their contraction axes (padded to whole blocks), as
+    `gemm` says. `weight`: which operand (0 / 1) is the weight, for 2-D tiles (`gemm.weight_2d`: quantised once,
+    along both axes). The quantiser is called as cfg.quantizer(x, fmt, axis=, block_size=, rounding=, key=, scale=,
+    select=)."""
     if gemm.fmt is None:
         return _cast(a, b, dtype=cfg.recipe.gemm_dtype)
     block = gemm.block_size or DEFAULT_BLOCK[gemm.fmt]
     multiple = math.lcm(block, gemm.rht_block) if gemm.rht else block
     a, b = _pad(a, axis_a, multiple), _pad(b, axis_b, multiple)
     if gemm.rht:
-        if not cfg.recipe.fresh_signs:
+        if gemm.rht_signs == "none":
+            signs = jnp.ones(gemm.rht_block, jnp.float32)
+        elif not cfg.recipe.fresh_signs:
             signs = run_signs(cfg.seed, gemm.rht_block)
         elif key is None:
             raise ValueError(f"recipe {cfg.recipe.name}: fresh RHT signs need a PRNG key.")
@@ -112,8 +116,8 @@ def prepare_operands(
                     "step passes one through the precision slot (a key of None is for inference)."
                 )
             sub = jax.random.fold_in(key, SALT_OPERANDS[i])
-        if i == weight and cfg.recipe.weight_2d_blocks and not gemm.rht:
-            out.append(quantize_tiles(x, gemm.fmt, tile=block))
+        if i == weight and gemm.weight_2d:
+            out.append(quantize_tiles(x, gemm.fmt, tile=block, scale=gemm.scale, select=gemm.select))
         else:
             out.append(
                 cfg.quantizer(
@@ -123,6 +127,8 @@ def prepare_operands(
                     block_size=block,
                     rounding="stochastic" if stochastic[i] else "nearest",
                     key=sub,
+                    scale=gemm.scale,
+                    select=gemm.select,
                 )
             )
     return _cast(*out, dtype=cfg.recipe.gemm_dtype)

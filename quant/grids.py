@@ -6,6 +6,14 @@ Each grid is symmetric; its non-negative levels are listed in code order (code i
   int4: 0, 1, ..., 7                    (uniform, -8 unused; max 7)
 With a per-block FP32 amax scale, e1m2 and int4 are the same grid up to the scale.
 
+Block scales (`SCALES`; a format's own is `FORMAT_SCALES[fmt]`, and any grid takes any of them: `scale_of`):
+  fp32   amax(block) / grid max, exact in float32 (e2m1, e1m2, int4)
+  e4m3   an FP8 E4M3 scale per block under an FP32 scale of the tensor (NVIDIA's NVFP4; nvfp4)
+  ue8m0  a power of two per block, 2^(floor(log2 amax) - floor(log2 grid max)) (OCP MX; mxfp4)
+Scale selection (`SELECTIONS`): "max" maps each block's amax to the grid's max; "4over6" ("Four Over Six",
+arXiv 2512.02010) tries mapping it to 6 and to 4 and keeps, per block, the one with the smaller squared error (the
+e2m1 grid with fp32 or e4m3 scales only: on a uniform grid the smaller target only drops levels).
+
 `round_to_grid(y, fmt)` rounds values already divided by their block scale: round-to-nearest with ties to the
 level of even code (the mantissa's last bit 0: for e2m1 0, 1, 2, 4; for the uniform grids even integers of
 steps), or unbiased stochastic rounding between the two neighbouring levels. Values beyond the grid saturate.
@@ -21,18 +29,25 @@ from core.lowbit import GRIDS, uniform
 
 __all__ = [
     "FORMATS",
+    "FORMAT_SCALES",
     "GRIDS",
     "ROUNDINGS",
+    "SCALES",
+    "SELECTIONS",
     "grid_max",
     "grid_name",
     "levels",
     "round_quotient",
     "round_to_grid",
+    "scale_of",
     "uniform",
 ]
 
 FORMATS = ("e2m1", "e1m2", "int4", "mxfp4", "nvfp4")  # mxfp4 and nvfp4 use the e2m1 grid
 ROUNDINGS = ("nearest", "stochastic")
+SCALES = ("fp32", "e4m3", "ue8m0")
+FORMAT_SCALES = {"e2m1": "fp32", "e1m2": "fp32", "int4": "fp32", "mxfp4": "ue8m0", "nvfp4": "e4m3"}
+SELECTIONS = ("max", "4over6")
 
 
 def grid_name(fmt: str) -> str:
@@ -40,6 +55,24 @@ def grid_name(fmt: str) -> str:
     if fmt not in FORMATS:
         raise ValueError(f"fmt = {fmt!r}; allowed: {list(FORMATS)}.")
     return "e2m1" if fmt in ("mxfp4", "nvfp4") else fmt
+
+
+def scale_of(fmt: str, scale: str | None = None, select: str = "max") -> str:
+    """The block-scale encoding (one of SCALES) that `fmt` quantises with: `scale` when given, else the format's
+    own (FORMAT_SCALES). ValueError naming the argument and what is allowed for an unknown fmt, scale or select,
+    and for "4over6" on a grid other than e2m1 or with ue8m0 scales."""
+    grid = grid_name(fmt)
+    if scale is not None and scale not in SCALES:
+        raise ValueError(f"scale = {scale!r}; allowed: None (the format's own) or one of {list(SCALES)}.")
+    if select not in SELECTIONS:
+        raise ValueError(f"select = {select!r}; allowed: {list(SELECTIONS)}.")
+    scale = FORMAT_SCALES[fmt] if scale is None else scale
+    if select == "4over6" and (grid != "e2m1" or scale == "ue8m0"):
+        raise ValueError(
+            f"select = '4over6' with fmt = {fmt!r} (grid {grid}) and scale = {scale!r}: it needs the e2m1 grid "
+            "(e2m1, mxfp4, nvfp4) with fp32 or e4m3 scales."
+        )
+    return scale
 
 
 def levels(fmt: str) -> np.ndarray:

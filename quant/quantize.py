@@ -1,40 +1,50 @@
 """Block-scaled fake quantisation: x -> the dequantised values of its 4-bit encoding (docs/ufp4.md).
 
-  e2m1 / e1m2 / int4  blocks of `block_size` (default 16) along `axis`, FP32 scale s = amax(block) / grid max;
-                      x_hat = s * round(x / s), x / s in float32 (XLA may multiply by the rounded 1 / s instead)
-  mxfp4 (OCP MX)      E2M1, blocks of 32, UE8M0 scale s = 2^e, e = clip(floor(log2 amax) - 2, -127, 127);
-                      x_hat = s * round(x / s), x / s saturating at +-6. e is read from amax's exponent bits and
-                      x / s = x 2^-e is exact, so s is exactly the UE8M0 power of two for every block exponent
-                      (values below 2^-129 round to zero: UE8M0 cannot scale lower; results below 2^-126 are
-                      flushed to zero where the platform flushes float32 subnormals, as XLA:CPU does).
-  nvfp4 (NVIDIA)      E2M1, blocks of 16, E4M3 block scales under an FP32 tensor scale (t = amax of the tensor):
-                      s_enc = 6 * 448 / t, s_b = e4m3(min(amax(block) / 6 * s_enc, 448)), d_b = s_b / s_enc,
-                      x_hat = d_b round(x / d_b)
-A block whose amax is 0 (or, for nvfp4, whose E4M3 scale underflows to 0) encodes zeros; a zero tensor gives zeros.
+Each format is an element grid (G its max: 6 for e2m1, 1.75 for e1m2, 7 for int4) and a block scale
+(quant.grids.SCALES; a format's own unless `scale=` says otherwise), in blocks of `block_size` along `axis`:
+  fp32   e2m1 / e1m2 / int4 (default block 16): s = amax(block) / G; x_hat = s * round(x / s), x / s in float32
+         (XLA may multiply by the rounded 1 / s instead)
+  ue8m0  mxfp4 (OCP MX: E2M1, default block 32): s = 2^e, e = clip(floor(log2 amax) - floor(log2 G), -127, 127)
+         (for E2M1 the OCP rule floor(log2 amax) - 2); x_hat = s * round(x / s), x / s saturating at +-G. e is read
+         from amax's exponent bits and x / s = x 2^-e is exact, so s is exactly the UE8M0 power of two for every
+         block exponent (values below 2^-129 round to zero: UE8M0 cannot scale lower; results below 2^-126 are
+         flushed to zero where the platform flushes float32 subnormals, as XLA:CPU does).
+  e4m3   nvfp4 (NVIDIA: E2M1, default block 16): E4M3 block scales under an FP32 tensor scale (t = amax of the
+         tensor): s_enc = G M / t with M = 448, s_b = e4m3(min(amax(block) / G * s_enc, 448)), d_b = s_b / s_enc,
+         x_hat = d_b round(x / d_b)
+"4over6" selection (e2m1 grid; arXiv 2512.02010) rounds every block twice and keeps the candidate with the smaller
+squared error: fp32 scales amax / 6 and amax / 4; e4m3 scales with M = 256 and s_b computed for amax / 6 and
+(1.5 times larger) amax / 4 (so that 1.5 M = 384 stays below 448).
+A block whose amax is 0 (or whose E4M3 scale underflows to 0) encodes zeros; a zero tensor gives zeros.
 Rounding: nearest with ties to the even code, or unbiased stochastic (quant.grids.round_to_grid). Arithmetic in
-float32; the result has x's dtype and shape. A block holding inf or nan dequantises to nan (for nvfp4, the tensor).
+float32; the result has x's dtype and shape. A block holding inf or nan dequantises to nan (for e4m3 scales, the
+tensor).
 
-NVFP4's arithmetic, without ever forming s_enc (which overflows float32 for t below 2688 / FLT_MAX ~ 7.9e-36)
-and without dividing: with t = 2^E t' (E = floor(log2 t) from exponent bits, t' in [1, 2)) and
+The e4m3 arithmetic, without ever forming s_enc (which overflows float32 for t below G M / FLT_MAX, ~7.9e-36 for
+NVFP4) and without dividing: with t = 2^E t' (E = floor(log2 t) from exponent bits, t' in [1, 2)) and
 a'_b = amax(block) 2^-E,
-  s_b = e4m3(448 a'_b / t'),   x / d_b = 2688 x / (s_b t) = num / den,   num = 2688 2^-E x,   den = s_b t'
+  s_b = e4m3(M a'_b / t'),   x / d_b = G M x / (s_b t) = num / den,   num = G M 2^-E x,   den = s_b t'
 Both roundings are decided by comparing products, not quotients: the code by |num| against m den for the grid's
-midpoints m (quant.grids.round_quotient), s_b by 448 a'_b against E4M3 midpoints times t'
-(core.lowbit.round_e4m3_ratio). The products are exact when x has at most 19 and t at most 17 significant bits
-(bf16 data), so exact midpoints go to the even code and s_b is the exact E4M3 rounding of 448 amax(block) / t;
-for float32 data with longer mantissas each product is correctly rounded. (Dividing is not exact: XLA:CPU turns a
-division by a per-block or per-tensor value into a multiplication by its rounded reciprocal.) x_hat = level d_b
-with d_b = den / 2688 2^E, rounded to float32 and applied in two normal factors, so tiny tensors keep their scale.
+midpoints m (quant.grids.round_quotient), s_b by M a'_b against E4M3 midpoints times t'
+(core.lowbit.round_e4m3_ratio). For NVFP4 (G M = 2688 = 21 2^7) the products are exact when x has at most 19 and
+t at most 17 significant bits (bf16 data; G M = 784 or 3136 = 49 2^k for e1m2 and int4 take one bit more), so
+exact midpoints go to the even code and s_b is the exact E4M3 rounding of M amax(block) / t; for float32 data with
+longer mantissas each product is correctly rounded. (Dividing is not exact: XLA:CPU turns a division by a
+per-block or per-tensor value into a multiplication by its rounded reciprocal.) x_hat = level d_b with
+d_b = den / G M 2^E, rounded to float32 and applied in two normal factors, so tiny tensors keep their scale.
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
 from core import lowbit
 from core.lowbit import E4M3_MAX, UE8M0_MAX_EXPONENT, UE8M0_MIN_EXPONENT
-from quant.grids import FORMATS, grid_max, round_quotient, round_to_grid
+from quant.grids import FORMATS, grid_max, grid_name, round_quotient, round_to_grid, scale_of
 
 __all__ = [
     "DEFAULT_BLOCK",
@@ -48,8 +58,9 @@ __all__ = [
 ]
 
 DEFAULT_BLOCK = {"e2m1": 16, "e1m2": 16, "int4": 16, "mxfp4": 32, "nvfp4": 16}
-_NV_SCALE = 6.0 * E4M3_MAX  # 2688 = s_enc t
-_NV_SPLIT = 100  # nvfp4: tensors with t < 2^-100 scale by 2^-E in two factors, each a normal float32
+_NV_SPLIT = 100  # e4m3 scales: tensors with t < 2^-100 scale by 2^-E in two factors, each a normal float32
+_E4M3_4OVER6 = 256.0  # M under 4 over 6: the "4" candidate's scale, 1.5 M = 384, stays below E4M3_MAX
+_EMAX = {grid: math.floor(math.log2(levels[-1])) for grid, levels in lowbit.GRIDS.items()}  # e2m1 2, e1m2 0, int4 2
 
 
 def check_format(fmt: str) -> None:
@@ -74,8 +85,9 @@ def split_blocks(x: jax.Array, axis: int, block: int) -> tuple[jax.Array, int]:
     return x.reshape(*x.shape[:axis], n // block, block, *x.shape[axis + 1 :]), axis + 1
 
 
-def _mxfp4(blocks, amax, rounding, key):
-    e = jnp.clip(lowbit.mx_exponent(amax), UE8M0_MIN_EXPONENT, UE8M0_MAX_EXPONENT)
+def _power_of_two(blocks, amax, grid, rounding, key):
+    """UE8M0 scales 2^e, e = clip(floor(log2 amax) - floor(log2 grid max), -127, 127) (OCP MX for e2m1)."""
+    e = jnp.clip(lowbit.floor_log2(amax) - _EMAX[grid], UE8M0_MIN_EXPONENT, UE8M0_MAX_EXPONENT)
     finite = jnp.isfinite(amax)
     # the per-block factors 2^-e and 2^e = 2^h 2^(e - h) (h = floor(e / 2): both normal, also for e = -127), each
     # divided by 1 (nan for a block holding inf or nan): the division makes XLA compute them once per block rather
@@ -83,12 +95,15 @@ def _mxfp4(blocks, amax, rounding, key):
     one = jnp.where(finite, 1.0, jnp.nan)
     half = e >> 1
     inverse, s_hi, s_lo = lowbit.pow2(-e) / one, lowbit.pow2(half) / one, lowbit.pow2(e - half) / one
-    q = round_to_grid(blocks * inverse, "mxfp4", rounding=rounding, key=key)  # x 2^-e, -e in [-125, 127]: exact
+    q = round_to_grid(blocks * inverse, grid, rounding=rounding, key=key)  # x 2^-e, -e in [-125, 127]: exact
     scale = jnp.where(finite, jnp.where(amax > 0, lowbit.pow2(e), 0.0), jnp.nan)
     return q, q * s_hi * s_lo, scale  # ldexp(q, e): exact
 
 
-def _nvfp4(blocks, amax, rounding, key):
+def _tensor_scaled(blocks, amax, grid, rounding, key, *, target=E4M3_MAX, expand=1.0):
+    """E4M3 block scales under the tensor's FP32 scale (the module docstring; M = `target`, and the block's E4M3
+    scale taken `expand` times larger, which maps its amax to grid max / expand: 4 over 6's candidate)."""
+    nv_scale = grid_max(grid) * target  # G M = s_enc t
     t = jnp.max(amax)
     finite = jnp.isfinite(t)
     exponent = jnp.where((t > 0) & finite, lowbit.floor_log2(t), 0)  # E; t reads 0 if flushed as subnormal
@@ -99,42 +114,71 @@ def _nvfp4(blocks, amax, rounding, key):
         return v * lowbit.pow2(n_lo) * lowbit.pow2(n_hi)
 
     t1, a1 = normalise(t), normalise(amax)  # t' in [1, 2), a'_b
-    s_b = lowbit.round_e4m3_ratio(E4M3_MAX * a1, jnp.where(t1 > 0, t1, 1.0))  # e4m3(448 a'_b / t'), exact ties
-    d1 = s_b * t1  # 2688 d_b 2^-E
+    s_b = lowbit.round_e4m3_ratio(target * expand * a1, jnp.where(t1 > 0, t1, 1.0))  # e4m3(M a'_b / t'), exact ties
+    d1 = s_b * t1  # G M d_b 2^-E
     # den = d1 2^-n_hi (>= 2^-58, normal), +inf for a block that encodes zeros (every level test fails: level 0).
     # A division (exact: by a power of two, or 1 / 0) ends the per-block computation: XLA computes it once per
     # block, where it would fuse cheaper operations into the per-element loop and redo them for every element.
     den = jnp.where(d1 > 0, d1, 1.0) / jnp.where(d1 > 0, lowbit.pow2(n_hi), 0.0)
-    q = round_quotient(blocks * (_NV_SCALE * lowbit.pow2(n_lo)), den, "nvfp4", rounding=rounding, key=key)
-    e2 = jnp.minimum(exponent + _NV_SPLIT, 0)  # d_b = den 2^(n_hi + E - e2) / 2688 2^e2, both factors normal
-    d = jnp.where(den < jnp.inf, den * (lowbit.pow2(n_hi + exponent - e2) / _NV_SCALE), 0.0)
+    q = round_quotient(blocks * (nv_scale * lowbit.pow2(n_lo)), den, grid, rounding=rounding, key=key)
+    e2 = jnp.minimum(exponent + _NV_SPLIT, 0)  # d_b = den 2^(n_hi + E - e2) / G M 2^e2, both factors normal
+    d = jnp.where(den < jnp.inf, den * (lowbit.pow2(n_hi + exponent - e2) / nv_scale), 0.0)
     tail = jnp.where(finite, lowbit.pow2(e2), jnp.nan)
     return q, q * d * tail, d * tail
 
 
-def encode_blocks(
-    blocks: jax.Array, fmt: str, axis: int, rounding: str = "nearest", key: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(the grid level of each element, the dequantised values x_hat, the per-block decode scales) of float32
-    `blocks` whose within-block axis is `axis`."""
-    amax = jnp.max(jnp.abs(blocks), axis=axis, keepdims=True)
-    if fmt == "mxfp4":
-        return _mxfp4(blocks, amax, rounding, key)
-    if fmt == "nvfp4":
-        return _nvfp4(blocks, amax, rounding, key)
-    scale = amax / grid_max(fmt)
-    q = round_to_grid(blocks / jnp.where(scale > 0, scale, 1.0), fmt, rounding=rounding, key=key)
+def _amax_scaled(blocks, amax, grid, rounding, key, *, top=None):
+    """FP32 scales amax / top (top: the grid's max unless given; 4 over 6's candidate maps amax to 4)."""
+    scale = amax / (grid_max(grid) if top is None else top)
+    q = round_to_grid(blocks / jnp.where(scale > 0, scale, 1.0), grid, rounding=rounding, key=key)
     return q, q * scale, scale
 
 
-def block_scales(blocks: jax.Array, fmt: str, axis: int = -1) -> jax.Array:
+def _smaller_error(blocks, axis, first, second):
+    """Per block, the (levels, x_hat, scales) of the candidate whose squared error is smaller (`first` on ties)."""
+    errors = [jnp.sum(jnp.square(c[1] - blocks), axis=axis, keepdims=True) for c in (first, second)]
+    take = errors[1] < errors[0]
+    return tuple(jnp.where(take, b, a) for a, b in zip(first, second))
+
+
+def encode_blocks(
+    blocks: jax.Array,
+    fmt: str,
+    axis: int,
+    rounding: str = "nearest",
+    key: jax.Array | None = None,
+    *,
+    scale: str | None = None,
+    select: str = "max",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(the grid level of each element, the dequantised values x_hat, the per-block decode scales) of float32
+    `blocks` whose within-block axis is `axis`, on fmt's grid with the block scales `scale` (None: the format's
+    own; quant.grids.scale_of) chosen as `select` says. Under "4over6" both candidates round with the same draws."""
+    grid, scale = grid_name(fmt), scale_of(fmt, scale, select)
+    amax = jnp.max(jnp.abs(blocks), axis=axis, keepdims=True)
+    if scale == "ue8m0":
+        return _power_of_two(blocks, amax, grid, rounding, key)
+    if scale == "e4m3":
+        if select == "4over6":
+            at = functools.partial(_tensor_scaled, blocks, amax, grid, rounding, key, target=_E4M3_4OVER6)
+            return _smaller_error(blocks, axis, at(), at(expand=1.5))
+        return _tensor_scaled(blocks, amax, grid, rounding, key)
+    if select == "4over6":
+        at = functools.partial(_amax_scaled, blocks, amax, grid, rounding, key)
+        return _smaller_error(blocks, axis, at(top=6.0), at(top=4.0))
+    return _amax_scaled(blocks, amax, grid, rounding, key)
+
+
+def block_scales(
+    blocks: jax.Array, fmt: str, axis: int = -1, *, scale: str | None = None, select: str = "max"
+) -> jax.Array:
     """Per-block decode scales s (float32, `blocks`' shape with `axis`, the within-block axis, of size 1): x_hat =
-    s * level. e2m1 / e1m2 / int4: amax / grid max; mxfp4: the UE8M0 power of two 2^e (2^-127 is a subnormal
-    float32); nvfp4: d_b = s_b / s_enc. 0 for a block that encodes zeros (amax 0, or an NVFP4 block scale that
-    underflows E4M3); nan for an mxfp4 block (nvfp4 tensor) holding inf or nan. For inspection: `quantize` does not
-    divide by these (see the module docstring)."""
+    s * level. fp32 scales: amax / grid max (/ 4 for a block that 4 over 6 maps to 4); ue8m0: the power of two
+    2^e (2^-127 is a subnormal float32); e4m3: d_b = s_b / s_enc. 0 for a block that encodes zeros (amax 0, or an
+    E4M3 block scale that underflows); nan for a ue8m0 block (e4m3 tensor) holding inf or nan. For inspection:
+    `quantize` does not divide by these (see the module docstring)."""
     check_format(fmt)
-    return encode_blocks(blocks.astype(jnp.float32), fmt, axis)[2]
+    return encode_blocks(blocks.astype(jnp.float32), fmt, axis, scale=scale, select=select)[2]
 
 
 def quantize(
@@ -145,28 +189,37 @@ def quantize(
     block_size: int | None = None,
     rounding: str = "nearest",
     key: jax.Array | None = None,
+    scale: str | None = None,
+    select: str = "max",
 ) -> jax.Array:
     """Fake-quantises x (any float dtype and shape) in blocks along `axis`; returns x's shape and dtype.
 
     fmt in FORMATS; block_size defaults to DEFAULT_BLOCK[fmt]; rounding "nearest" (ties to even) or "stochastic"
-    (unbiased; needs key). x_hat = d * round(x / d) per block (the module docstring gives d for each format).
-    Raises ValueError on an unknown fmt / rounding, a non-float x, an axis out of range, or an axis the block does
-    not divide.
+    (unbiased; needs key); scale: the block scales' encoding, one of quant.grids.SCALES (None: the format's own:
+    "e1m2" with scale "ue8m0" is a uniform-grid MX format); select: "max" or "4over6" (quant.grids). x_hat = d *
+    round(x / d) per block (the module docstring gives d for each scale). Under "4over6" stochastic rounding is no
+    longer unbiased: the choice between the two candidates depends on the draws. Raises ValueError on an unknown
+    fmt / rounding / scale / select or a combination quant.grids.scale_of refuses, a non-float x, an axis out of
+    range, or an axis the block does not divide.
     """
     check_format(fmt)
+    scale_of(fmt, scale, select)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"quantize: x has dtype {x.dtype}; a floating dtype is required.")
     block = DEFAULT_BLOCK[fmt] if block_size is None else block_size
     blocks, inner = split_blocks(x.astype(jnp.float32), axis, block)
-    x_hat = encode_blocks(blocks, fmt, inner, rounding, key)[1]
+    x_hat = encode_blocks(blocks, fmt, inner, rounding, key, scale=scale, select=select)[1]
     return x_hat.reshape(x.shape).astype(x.dtype)
 
 
-def quantize_tiles(w: jax.Array, fmt: str, *, tile: int = 16) -> jax.Array:
+def quantize_tiles(
+    w: jax.Array, fmt: str, *, tile: int = 16, scale: str | None = None, select: str = "max"
+) -> jax.Array:
     """Fake-quantises the last two axes of w ([..., K, N]) in tile x tile blocks (one scale per tile: NVFP4's 2-D
     weight scaling, so that w^T is quantised identically); the last two axes are zero-padded to whole tiles for
-    the scales and cropped back. Nearest rounding; w's shape and dtype."""
+    the scales and cropped back. Nearest rounding; `scale` and `select` as in `quantize`; w's shape and dtype."""
     check_format(fmt)
+    scale_of(fmt, scale, select)
     if w.ndim < 2:
         raise ValueError(f"quantize_tiles: w has shape {w.shape}; at least two axes [..., K, N] are required.")
     if tile < 1:
@@ -177,6 +230,6 @@ def quantize_tiles(w: jax.Array, fmt: str, *, tile: int = 16) -> jax.Array:
     lead = x.shape[:-2]
     kt, nt = x.shape[-2] // tile, x.shape[-1] // tile
     blocks = jnp.swapaxes(x.reshape(*lead, kt, tile, nt, tile), -3, -2).reshape(*lead, kt, nt, tile * tile)
-    q = encode_blocks(blocks, fmt, -1)[1]
+    q = encode_blocks(blocks, fmt, -1, scale=scale, select=select)[1]
     q = jnp.swapaxes(q.reshape(*lead, kt, nt, tile, tile), -3, -2).reshape(x.shape)
     return q[..., :k, :n].astype(w.dtype)

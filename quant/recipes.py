@@ -1,5 +1,5 @@
-"""Named 4-bit training recipes: per GEMM (fprop, dgrad, wgrad) the grid, block, RHT and rounding; which layers stay
-in high precision (docs/ufp4.md, "The recipe" and "Baselines").
+"""Named 4-bit training recipes: per GEMM (fprop, dgrad, wgrad) the grid, block, scale and its selection, Hadamard
+transform and rounding (`Gemm`); which layers stay in high precision (docs/ufp4.md, "The recipe" and "Baselines").
 
 The three GEMMs of a layer y = x w (x: [tokens, K], w: [K, N]) and their contraction axes:
   fprop  y  = x w        contract K       operands x (nearest), w (nearest)
@@ -14,9 +14,13 @@ that GEMM's `rht` is on.
   E2M1_BASELINE  e2m1, 1x16 blocks, FP32 amax scale, RHT on wgrad only, SR on dy (the paper's E2M1 reference)
   UFP4           e1m2 (uniform), 1x16, FP32 amax scale, RHT16 on all three GEMMs, SR on dy (the paper's recipe)
   UFP4_INT4      the same with int4 levels (-7..7): with an FP32 amax scale the same grid as e1m2
-  NVFP4          nvfp4 (E2M1, E4M3 16-blocks under an FP32 tensor scale), 16x16 2-D blocks for weights, RHT16 on
-                 wgrad only, SR on dy
-  MXFP4          mxfp4 (E2M1, 32-blocks, UE8M0 scale), no RHT, SR on dy
+  NVFP4          NVIDIA's recipe (arXiv 2509.25149): nvfp4 (E2M1, E4M3 16-blocks under an FP32 tensor scale),
+                 16x16 2-D blocks for weights (fprop, dgrad), RHT16 on wgrad only, SR on dy; its last blocks in BF16
+                 are `last_blocks_high_precision` (off here, as in every preset)
+  NVFP4_4OVER6   the same with "4 over 6" scale selection on every operand (arXiv 2512.02010)
+  MXFP4          mxfp4 (E2M1, 32-blocks, UE8M0 scale), no RHT, SR on dy (the OCP baseline)
+  MXFP4_AMD      AMD's recipe (arXiv 2605.09825): mxfp4 on all three GEMMs, a deterministic 16-point Hadamard
+                 (no random signs) on wgrad only, nearest rounding everywhere (SR and random rotations failed there)
 Layers kept in high precision by default (regex on the module path, NVFP4's choice where the paper is silent):
 the LM head, MoE routers, embeddings; attention's score and value products never pass through the slot.
 """
@@ -26,15 +30,18 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from quant.grids import FORMATS
+from quant.grids import FORMATS, scale_of
 
 __all__ = [
     "BF16",
     "E2M1_BASELINE",
     "MXFP4",
+    "MXFP4_AMD",
     "NONE",
     "NVFP4",
+    "NVFP4_4OVER6",
     "RECIPES",
+    "RHT_SIGNS",
     "UFP4",
     "UFP4_INT4",
     "Gemm",
@@ -46,26 +53,61 @@ HIGH_PRECISION = (r"(^|\.)head$", r"\.router$", r"embed")
 GEMM_DTYPES = (None, "bfloat16", "float16", "float32")
 
 
+RHT_SIGNS = ("random", "none")
+
+
 @dataclasses.dataclass(frozen=True)
 class Gemm:
-    """How one GEMM quantises its operands. fmt None: not quantised."""
+    """How one GEMM quantises its operands (fmt None: not quantised, and no other field may be set).
+
+    fmt: the element grid and its default scale and block (quant.grids.FORMATS); block_size: elements per block
+    along the contraction axis (None: the format's default, 16; 32 for mxfp4); scale: the block scales' encoding
+    (None: the format's own; "fp32", "e4m3" under an FP32 tensor scale, "ue8m0"); select: "max" or "4over6"
+    (quant.grids); rht: rotate both operands along the contraction axis by a blockwise Hadamard transform of
+    `rht_block` (a power of 2) with random signs (`rht_signs` "random": the run's or fresh ones, see Recipe) or none
+    ("none": the deterministic H / sqrt(b)); stochastic_dy: stochastic rounding of the dy operand (dgrad, wgrad);
+    weight_2d: the weight operand (fprop, dgrad) in block x block tiles, one scale per tile, so that w and w^T
+    quantise alike (NVFP4). ValueError naming the field, the value and what is allowed."""
 
     fmt: str | None = None
-    block_size: int | None = None  # None: the format's default (16; 32 for mxfp4)
+    block_size: int | None = None
+    scale: str | None = None
+    select: str = "max"
     rht: bool = False
     rht_block: int = 16
-    stochastic_dy: bool = False  # dgrad / wgrad: stochastic rounding of the dy operand
+    rht_signs: str = "random"
+    stochastic_dy: bool = False
+    weight_2d: bool = False
 
     def __post_init__(self):
-        if self.fmt is not None and self.fmt not in FORMATS:
+        if self.fmt is None:
+            set_ = [f.name for f in dataclasses.fields(self) if f.name != "fmt" and getattr(self, f.name) != f.default]
+            if set_:
+                raise ValueError(f"Gemm.fmt = None (not quantised) with {set_} set; give a fmt or leave them unset.")
+            return
+        if self.fmt not in FORMATS:
             raise ValueError(f"Gemm.fmt = {self.fmt!r}; allowed: None or one of {list(FORMATS)}.")
+        try:
+            scale_of(self.fmt, self.scale, self.select)
+        except ValueError as e:
+            raise ValueError(f"Gemm (fmt {self.fmt!r}): {e}") from None
+        if self.block_size is not None and (isinstance(self.block_size, bool) or self.block_size < 1):
+            raise ValueError(f"Gemm.block_size = {self.block_size!r}; allowed: None or a positive integer.")
         if self.rht_block < 2 or self.rht_block & (self.rht_block - 1):
             raise ValueError(f"Gemm.rht_block = {self.rht_block} must be a power of 2 >= 2.")
+        if self.rht_signs not in RHT_SIGNS:
+            raise ValueError(f"Gemm.rht_signs = {self.rht_signs!r}; allowed: {list(RHT_SIGNS)}.")
+        if self.weight_2d and self.rht:
+            raise ValueError(
+                "Gemm.weight_2d = True with rht = True: the rotation runs along the contraction axis only, so w and "
+                "w^T would no longer quantise alike; choose one."
+            )
 
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """A training recipe: the three GEMMs, NVFP4's 2-D weight blocks, the dtype the GEMMs multiply in
+    """A training recipe: the three GEMMs (wgrad has no weight operand: its weight_2d must stay False), the dtype
+    the GEMMs multiply in
     (`gemm_dtype`: both operands of every GEMM cast to it after any 4-bit quantisation, products accumulated in
     float32; None: the operands' own dtype), and which module paths stay in high precision (`high_precision`
     regexes, searched in the path; `last_blocks_high_precision` keeps the last n transformer blocks too)."""
@@ -74,7 +116,6 @@ class Recipe:
     fprop: Gemm = Gemm()
     dgrad: Gemm = Gemm()
     wgrad: Gemm = Gemm()
-    weight_2d_blocks: bool = False
     high_precision: tuple[str, ...] = HIGH_PRECISION
     last_blocks_high_precision: int = 0
     fresh_signs: bool = False  # RHT signs drawn per call from the layer's key (default: fixed for the run, drawn
@@ -84,6 +125,8 @@ class Recipe:
     def __post_init__(self):
         if self.gemm_dtype not in GEMM_DTYPES:
             raise ValueError(f"Recipe.gemm_dtype = {self.gemm_dtype!r}; allowed: {list(GEMM_DTYPES)}.")
+        if self.wgrad.weight_2d:
+            raise ValueError(f"recipe {self.name}: wgrad.weight_2d = True, but wgrad (x^T dy) has no weight operand.")
 
     @property
     def quantised(self) -> bool:
@@ -96,7 +139,7 @@ class Recipe:
         """True if differentiating a GEMM of this recipe draws randomness (stochastic rounding of dy, fresh RHT
         signs), so that the custom dot_general / grouped matmul need a PRNG key to be trained."""
         gemms = (self.fprop, self.dgrad, self.wgrad)
-        return any(g.fmt is not None and (g.stochastic_dy or (g.rht and self.fresh_signs)) for g in gemms)
+        return any(g.fmt is not None and (g.stochastic_dy or (self.fresh_signs and _random_rht(g))) for g in gemms)
 
     def keeps(self, path: str, num_layers: int | None = None) -> bool:
         """True if the module at `path` ("blocks.3.attn.q") stays in high precision."""
@@ -111,6 +154,10 @@ class Recipe:
         return False
 
 
+def _random_rht(gemm: Gemm) -> bool:
+    return gemm.rht and gemm.rht_signs == "random"
+
+
 def _all(fmt: str, *, rht: tuple[bool, bool, bool]) -> tuple[Gemm, Gemm, Gemm]:
     """(fprop, dgrad, wgrad) on the grid `fmt` with the given RHT per GEMM and stochastic rounding of dy."""
     return Gemm(fmt, rht=rht[0]), Gemm(fmt, rht=rht[1], stochastic_dy=True), Gemm(fmt, rht=rht[2], stochastic_dy=True)
@@ -121,9 +168,21 @@ BF16 = Recipe("bf16", gemm_dtype="bfloat16")
 E2M1_BASELINE = Recipe("e2m1_baseline", *_all("e2m1", rht=(False, False, True)))
 UFP4 = Recipe("ufp4", *_all("e1m2", rht=(True, True, True)))
 UFP4_INT4 = Recipe("ufp4_int4", *_all("int4", rht=(True, True, True)))
-NVFP4 = Recipe("nvfp4", *_all("nvfp4", rht=(False, False, True)), weight_2d_blocks=True)
+NVFP4 = Recipe(
+    "nvfp4",
+    Gemm("nvfp4", weight_2d=True),
+    Gemm("nvfp4", stochastic_dy=True, weight_2d=True),
+    Gemm("nvfp4", rht=True, stochastic_dy=True),
+)
+NVFP4_4OVER6 = Recipe(
+    "nvfp4_4over6",
+    fprop=dataclasses.replace(NVFP4.fprop, select="4over6"),
+    dgrad=dataclasses.replace(NVFP4.dgrad, select="4over6"),
+    wgrad=dataclasses.replace(NVFP4.wgrad, select="4over6"),
+)
 MXFP4 = Recipe("mxfp4", *_all("mxfp4", rht=(False, False, False)))
-RECIPES = {r.name: r for r in (NONE, BF16, E2M1_BASELINE, UFP4, UFP4_INT4, NVFP4, MXFP4)}
+MXFP4_AMD = Recipe("mxfp4_amd", Gemm("mxfp4"), Gemm("mxfp4"), Gemm("mxfp4", rht=True, rht_signs="none"))
+RECIPES = {r.name: r for r in (NONE, BF16, E2M1_BASELINE, UFP4, UFP4_INT4, NVFP4, NVFP4_4OVER6, MXFP4, MXFP4_AMD)}
 
 
 def get(name: str) -> Recipe:

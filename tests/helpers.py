@@ -111,7 +111,7 @@ def tiny_federation(
 forward = nnx.jit(lambda model, tokens, cache=None: model(tokens, cache=cache))
 call = nnx.jit(lambda module, *args: module(*args))
 # quant.quantize as training runs it: jitted (XLA fuses it), one program per format, axis and shape
-jit_quantize = jax.jit(quantize, static_argnames=("fmt", "axis"))
+jit_quantize = jax.jit(quantize, static_argnames=("fmt", "axis", "block_size", "rounding", "scale", "select"))
 
 
 def by_key_path(tree, params, values, default):

@@ -10,6 +10,7 @@ import pytest
 import scipy.linalg
 
 from core import lowbit
+from quant import quantize
 
 from helpers import jit_quantize
 
@@ -225,35 +226,37 @@ def test_bad_grid_is_named():
 # ------------------------------------------------------------------------- MXFP4 / NVFP4 block scaling
 
 
-def _np_mxfp4(x: np.ndarray) -> np.ndarray:
-    """Exact OCP MXFP4 of float32 x [..., 32 k] in float64: e = clip(floor(log2 amax) - 2, -127, 127) (frexp),
-    levels of x / 2^e (exact), x_hat = level 2^e; subnormal inputs and results flushed where the platform does."""
-    b = _flush(x.astype(np.float64)).reshape(*x.shape[:-1], -1, 32)
+def _np_mxfp4(x: np.ndarray, grid: str = "e2m1", block: int = 32) -> np.ndarray:
+    """Exact UE8M0 block scaling of float32 x [..., block k] in float64 (OCP MXFP4 for e2m1): e = clip(floor(log2
+    amax) - floor(log2 G), -127, 127) (frexp; G the grid's max: 6, 1.75, 7), levels of x / 2^e (exact), x_hat =
+    level 2^e; subnormal inputs and results flushed where the platform does."""
+    b = _flush(x.astype(np.float64)).reshape(*x.shape[:-1], -1, block)
     amax = np.abs(b).max(-1, keepdims=True)
-    e = np.clip(np.frexp(amax)[1] - 1 - 2, -127, 127)
+    e = np.clip(np.frexp(amax)[1] - 1 - (np.frexp(lowbit.GRIDS[grid][-1])[1] - 1), -127, 127)
     e = np.where(amax > 0, e, -127)
-    return _flush(_np_nearest(np.ldexp(b, -e), "e2m1") * np.ldexp(1.0, e)).reshape(x.shape)
+    return _flush(_np_nearest(np.ldexp(b, -e), grid) * np.ldexp(1.0, e)).reshape(x.shape)
 
 
-def _np_nvfp4(x: np.ndarray) -> tuple[np.ndarray, int]:
-    """Exact NVFP4 of x [..., 16 k] (float64 arithmetic on exact products): t = amax(tensor), s_b = e4m3(448
-    amax(block) / t) (ml_dtypes), code = nearest level of 2688 x / (s_b t) found by exact comparisons of 2688 |x|
-    with midpoint * s_b * t (ties to the even code); x_hat = level s_b t / 2688. Returns (x_hat, number of exact
-    ties)."""
+def _np_nvfp4(x: np.ndarray, grid: str = "e2m1", m: float = 448.0, expand: float = 1.0) -> tuple[np.ndarray, int]:
+    """Exact E4M3-under-FP32 block scaling of x [..., 16 k] (NVFP4 for e2m1 and the defaults; float64 arithmetic
+    on exact products): t = amax(tensor), s_b = e4m3(expand M amax(block) / t) (ml_dtypes), code = nearest level of
+    G M x / (s_b t) (G the grid's max) found by exact comparisons of G M |x| with midpoint * s_b * t (ties to the
+    even code); x_hat = level s_b t / G M. Returns (x_hat, number of exact ties)."""
     b = _flush(x.astype(np.float64)).reshape(*x.shape[:-1], -1, 16)
     t = np.abs(b).max()
     if not t > 0:
         return np.zeros(x.shape), 0
     amax = np.abs(b).max(-1, keepdims=True)
-    s_b = np.minimum(448.0 * amax / t, 448.0).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    num, den = 2688.0 * np.abs(b), s_b * t  # exact in float64: <= 29 and <= 28 significant bits
-    levels = np.asarray(lowbit.E2M1_LEVELS)
+    s_b = np.minimum(expand * m * amax / t, 448.0).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    levels = np.asarray(lowbit.GRIDS[grid])
+    gm = levels[-1] * m
+    num, den = gm * np.abs(b), s_b * t  # exact in float64: <= 30 and <= 28 significant bits
     index, ties = np.zeros(b.shape, int), 0
     for j in range(7):
-        rhs = (levels[j] + levels[j + 1]) / 2 * den  # <= 31 significant bits: exact
+        rhs = (levels[j] + levels[j + 1]) / 2 * den  # <= 32 significant bits: exact
         ties += int(np.sum((num == rhs) & (den > 0)))
         index += ((num >= rhs) if (j + 1) % 2 == 0 else (num > rhs)) & (den > 0)
-    x_hat = np.sign(b) * levels[index] * s_b * t / 2688.0
+    x_hat = np.sign(b) * levels[index] * s_b * t / gm
     return _flush(x_hat).reshape(x.shape), ties
 
 
@@ -346,17 +349,22 @@ def test_nvfp4_near_the_subnormal_range():
         _assert_codes_equal(got, want, 2.0**-22)
 
 
-@pytest.mark.parametrize("fmt", ["e2m1", "e1m2", "int4", "mxfp4", "nvfp4"])
-def test_zero_subnormal_and_nonfinite_tensors(fmt):
+@pytest.mark.parametrize(
+    "fmt, knobs",
+    [(f, {}) for f in ("e2m1", "e1m2", "int4", "mxfp4", "nvfp4")]
+    + [("e1m2", {"scale": "ue8m0"}), ("int4", {"scale": "e4m3"}), ("nvfp4", {"select": "4over6"})]
+    + [("e2m1", {"select": "4over6"})],
+)
+def test_zero_subnormal_and_nonfinite_tensors(fmt, knobs):
     """A zero tensor quantises to zeros (no nan); a subnormal-valued tensor to its exact quantisation, which is zero
     where the platform reads subnormals as zero; inf or nan in a block gives nan."""
     z = jnp.zeros((2, 64), jnp.float32)
-    np.testing.assert_array_equal(jit_quantize(z, fmt), z)
-    np.testing.assert_array_equal(jit_quantize(z.astype(jnp.bfloat16), fmt), z)
+    np.testing.assert_array_equal(jit_quantize(z, fmt, **knobs), z)
+    np.testing.assert_array_equal(jit_quantize(z.astype(jnp.bfloat16), fmt, **knobs), z)
     sub = jnp.asarray(np.random.default_rng(10).uniform(-1, 1, (2, 64)) * 2.0**-130, jnp.float32)
-    out = np.asarray(jit_quantize(sub, fmt))
+    out = np.asarray(jit_quantize(sub, fmt, **knobs))
     assert np.all(np.isfinite(out)) and (not FLUSHES or np.all(out == 0))
-    assert np.all(np.isnan(np.asarray(jit_quantize(z.at[0, 3].set(jnp.nan), fmt))[0, :16]))
+    assert np.all(np.isnan(np.asarray(jit_quantize(z.at[0, 3].set(jnp.nan), fmt, **knobs))[0, :16]))
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -375,6 +383,74 @@ def test_mx_and_nv_formats_match_exact_numpy(fmt, shape, axis):
         np.testing.assert_array_equal(got, _np_mxfp4(x))
     else:
         _assert_codes_equal(got, _np_nvfp4(x)[0], 2.0**-22)
+
+
+@pytest.mark.parametrize("grid", ["e1m2", "int4"])
+@pytest.mark.parametrize("scale", ["ue8m0", "e4m3"])
+def test_uniform_grids_take_mx_and_nv_scales_exactly(grid, scale):
+    """The uniform grids with UE8M0 (32-blocks) and E4M3-under-FP32 (16-blocks) scales against the exact references
+    above: heavy-tailed data over block exponents -100..100, one block per exponent whose max is exactly +-2^k
+    (a level times its own power-of-two scale: it comes back exactly under UE8M0), an all-zero block; blocks along
+    axis 0 of a ragged [96, 7] tensor too."""
+    rng = np.random.default_rng({"e1m2": 20, "int4": 21}[grid] + (scale == "e4m3"))
+    k = np.arange(-100, 101)
+    x = rng.standard_t(3, size=(k.size, 64)) * np.ldexp(1.0, k)[:, None]
+    x = np.clip(x, -np.ldexp(0.99, k)[:, None], np.ldexp(0.99, k)[:, None])
+    x[:, 5] = np.ldexp(1.0, k) * rng.choice([-1, 1], k.size)
+    x[3, :32] = 0.0
+    if scale == "e4m3":  # one tensor scale: keep the exponents within E4M3's reach of the tensor's max
+        x = x[-20:]
+    x = x.astype(np.float32)
+    block = 32 if scale == "ue8m0" else 16
+    got = np.asarray(jit_quantize(jnp.asarray(x), grid, scale=scale, block_size=block), np.float64)
+    if scale == "ue8m0":
+        np.testing.assert_array_equal(got, _np_mxfp4(x, grid))
+        np.testing.assert_array_equal(got[:, 5], x[:, 5])
+    else:
+        _assert_codes_equal(got, _np_nvfp4(x, grid)[0], 2.0**-22)
+    y = (rng.standard_t(3, size=(96, 7)) * np.exp(rng.normal(size=(1, 7)))).astype(np.float32)
+    got = np.asarray(jit_quantize(jnp.asarray(y), grid, scale=scale, block_size=block, axis=0), np.float64)
+    want = (_np_mxfp4(y.T, grid) if scale == "ue8m0" else _np_nvfp4(y.T, grid)[0]).T
+    _assert_codes_equal(got, want, 0 if scale == "ue8m0" else 2.0**-22)
+
+
+@pytest.mark.parametrize("fmt", ["e2m1", "nvfp4"])
+def test_four_over_six_keeps_the_better_of_two_scales_per_block(fmt):
+    """select="4over6" (arXiv 2512.02010) against its definition built from the exact references: per 16-block the
+    candidate (amax mapped to 6, or to 4) with the smaller squared error; fp32 scales amax / 6 and amax / 4, E4M3
+    scales with M = 256 and the "4" block scale 1.5 times larger. Blocks whose two candidates' errors are within
+    float32 rounding of each other may take either. On fp32 scales the choice never does worse than plain e2m1
+    (its "6" candidate), and does better on some blocks."""
+    rng = np.random.default_rng(30)
+    x = (rng.standard_t(4, size=(64, 64)) * np.exp(rng.normal(size=(64, 1)))).astype(np.float32)
+    got = np.asarray(jit_quantize(jnp.asarray(x), fmt, select="4over6"), np.float64).reshape(64, 4, 16)
+    b = x.astype(np.float64).reshape(64, 4, 16)
+    if fmt == "e2m1":
+        amax = np.abs(b).max(-1, keepdims=True)
+        six, four = (_np_nearest(b / (amax / top), "e2m1") * (amax / top) for top in (6.0, 4.0))
+    else:
+        six, four = (_np_nvfp4(x, m=256.0, expand=e)[0].reshape(b.shape) for e in (1.0, 1.5))
+    err6, err4, err = (np.sum((c - b) ** 2, -1) for c in (six, four, got))
+    clear = np.abs(err4 - err6) > 1e-5 * np.maximum(err4, err6)
+    want = np.where((err4 < err6)[..., None], four, six)
+    _assert_codes_equal(got[clear], want[clear], 2.0**-21)
+    np.testing.assert_allclose(err, np.minimum(err4, err6), rtol=1e-5)
+    assert 0.05 < np.mean(err4 < err6) < 0.95  # both candidates are taken
+    if fmt == "e2m1":
+        plain = np.sum((np.asarray(jit_quantize(jnp.asarray(x), "e2m1"), np.float64).reshape(b.shape) - b) ** 2, -1)
+        assert np.all(err <= plain * (1 + 1e-6)) and np.sum(err) < 0.97 * np.sum(plain)
+
+
+def test_bad_scales_and_selections_are_named_before_tracing():
+    x = jnp.ones((4, 32))
+    for kwargs, error in [
+        (dict(fmt="e1m2", scale="e5m2"), "scale = 'e5m2'; allowed: None"),
+        (dict(fmt="nvfp4", select="best"), "select = 'best'; allowed"),
+        (dict(fmt="e1m2", select="4over6"), "needs the e2m1 grid"),
+        (dict(fmt="mxfp4", select="4over6"), "with fp32 or e4m3 scales"),
+    ]:
+        with pytest.raises(ValueError, match=error):
+            jax.eval_shape(lambda kw=kwargs: quantize(x, **kw))
 
 
 def _bf16_tensors(rng, n):

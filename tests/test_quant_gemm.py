@@ -4,6 +4,7 @@ the right axes in each of the three GEMMs, every 4-bit recipe's three GEMMs agai
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -69,7 +70,7 @@ def test_grouped_off_or_identity_quantiser_equals_ragged_dot():
 def _recorded(make, *args):
     calls = []
 
-    def record(x, fmt, *, axis, block_size, rounding, key):
+    def record(x, fmt, *, axis, block_size, rounding, key, scale, select):
         calls.append((tuple(x.shape), axis % x.ndim, rounding))
         return x
 
@@ -115,19 +116,23 @@ def test_each_gemm_quantises_the_right_operands_along_the_right_axes():
 
 def _reference_operand(a, axis, gemm, recipe, *, key=None, weight=False, seed=0):
     """One GEMM operand as the recipe prescribes, built independently of prepare_operands: zero-padded along the
-    contraction axis to whole blocks (and RHT blocks), rotated by the run's RHT signs, quantised with `quantize`
-    (stochastic with `key` if given) or, for NVFP4's weights, in 2-D tiles; float64 NumPy."""
+    contraction axis to whole blocks (and RHT blocks), rotated by the run's RHT signs (or by the plain Hadamard),
+    quantised with `quantize` (stochastic with `key` if given; the GEMM's scale and selection) or, for weights in
+    2-D tiles, with `quantize_tiles`; float64 NumPy."""
     block = gemm.block_size or DEFAULT_BLOCK[gemm.fmt]
     multiple = math.lcm(block, gemm.rht_block) if gemm.rht else block
     widths = [(0, 0)] * a.ndim
     widths[axis] = (0, -a.shape[axis] % multiple)
     a = jnp.pad(a, widths)
     if gemm.rht:
-        a = rht(a, axis=axis, block_size=gemm.rht_block, signs=random_signs(jax.random.key(seed), gemm.rht_block))
-    if weight and recipe.weight_2d_blocks and not gemm.rht:
-        return quantize_tiles(a, gemm.fmt, tile=block)
+        signs = random_signs(jax.random.key(seed), gemm.rht_block)
+        signs = signs if gemm.rht_signs == "random" else jnp.ones_like(signs)  # the deterministic Hadamard
+        a = rht(a, axis=axis, block_size=gemm.rht_block, signs=signs)
+    knobs = {"scale": gemm.scale, "select": gemm.select}
+    if weight and gemm.weight_2d:
+        return quantize_tiles(a, gemm.fmt, tile=block, **knobs)
     rounding = "nearest" if key is None else "stochastic"
-    return quantize(a, gemm.fmt, axis=axis, block_size=block, rounding=rounding, key=key)
+    return quantize(a, gemm.fmt, axis=axis, block_size=block, rounding=rounding, key=key, **knobs)
 
 
 def _reference_gemms(recipe, x, w, dy, key, seed=0):
@@ -155,6 +160,14 @@ def _reference_gemms(recipe, x, w, dy, key, seed=0):
     return (qx_f @ qw_f)[:, :n], (qdy_d @ qw_d.T)[:, :k], (qx_w.T @ qdy_w)[:k, :n]
 
 
+UNIFORM_MX = Recipe(
+    "uniform_mx",
+    Gemm("e1m2", block_size=32, scale="ue8m0"),
+    Gemm("int4", scale="e4m3", stochastic_dy=True, weight_2d=True),
+    Gemm("e1m2", rht=True, rht_block=32, stochastic_dy=True),
+)
+
+
 def _gemms(f, x, w, dy):
     """(y, dx, dw) of y = f(x, w) (a dot_general contracting x's axis 1 with w's axis 0) and its VJP at dy, jitted."""
     dims = (((1,), (0,)), ((), ()))
@@ -175,14 +188,19 @@ def _gemms(f, x, w, dy):
         ("nvfp4", 32, 64, 48),
         ("ufp4_int4", 37, 40, 24),
         ("e2m1_baseline", 32, 64, 48),
+        ("nvfp4_4over6", 37, 40, 24),
+        ("mxfp4_amd", 37, 72, 24),
+        ("uniform_mx", 32, 64, 48),
     ],
 )
 def test_every_4bit_recipe_through_a_gemm_against_a_float64_reference(name, m, k, n):
     """The forward product and both backward GEMMs of each 4-bit recipe (MXFP4's 32-blocks, NVFP4's tensor scale,
-    2-D weight tiles and wgrad RHT, UFP4_INT4's RHT on all GEMMs, the E2M1 baseline), with ragged M, K, N padded to
-    whole blocks, equal the products of independently quantised operands computed in float64 (stochastic dy with
-    the keys the salts name), up to float32 accumulation."""
-    recipe = recipes.get(name)
+    2-D weight tiles and wgrad RHT, UFP4_INT4's RHT on all GEMMs, the E2M1 baseline, 4 over 6, AMD's deterministic
+    Hadamard on wgrad; and per-GEMM knobs no preset has: a uniform grid with UE8M0 32-blocks in fprop, E4M3 scales
+    in dgrad and an RHT of 32 in wgrad), with ragged M, K, N padded to whole blocks, equal the products of
+    independently quantised operands computed in float64 (stochastic dy with the keys the salts name), up to float32
+    accumulation."""
+    recipe = UNIFORM_MX if name == "uniform_mx" else recipes.get(name)
     rng = np.random.default_rng(m + k + n)
     x = jnp.asarray(rng.standard_t(4, size=(m, k)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(k, n)) * 0.1, jnp.float32)
@@ -217,6 +235,13 @@ def test_rht_signs_come_from_the_run_seed():
     for a, b in zip(outs[0], outs[3]):
         assert not np.allclose(a, b)
     np.testing.assert_array_equal(_gemms(dot_general(recipes.UFP4, key=KEY), x, w, dy)[0], outs[0][0])
+    # AMD's deterministic Hadamard (rht_signs "none") draws nothing from the seed, and is not the random one
+    amd = [_gemms(dot_general(recipes.MXFP4_AMD, seed=s), x, w, dy)[2] for s in (0, 3)]
+    random = dataclasses.replace(
+        recipes.MXFP4_AMD, wgrad=dataclasses.replace(recipes.MXFP4_AMD.wgrad, rht_signs="random")
+    )
+    np.testing.assert_array_equal(amd[0], amd[1])
+    assert not np.allclose(amd[0], _gemms(dot_general(random), x, w, dy)[2])
     with pytest.raises(ValueError, match="QuantPrecision.seed = -1"):
         QuantPrecision(recipes.UFP4, seed=-1)
 
@@ -487,6 +512,30 @@ def test_config_overrides_for_the_ablation():
     assert not any(g.rht for g in (r.fprop, r.dgrad, r.wgrad)) and r.dgrad.stochastic_dy and not r.fprop.stochastic_dy
     p.update(rht="recipe", stochastic_dy="recipe")
     assert quant_config.apply(recipes.NVFP4, p).wgrad == recipes.NVFP4.wgrad
+    for recipe, rht_scope, error in [
+        (recipes.NVFP4, "all", "precision.rht = 'all' with recipe 'nvfp4': .*weight_2d = True with rht = True"),
+        (recipes.NONE, "all", "precision.rht = 'all' with precision.recipe = 'none': .* no 4-bit GEMM"),
+    ]:
+        p.update(rht=rht_scope)
+        with pytest.raises(ValueError, match=error):
+            quant_config.apply(recipe, p)
+
+
+def test_gemm_knobs_are_checked_when_made():
+    """Every refused Gemm / Recipe names the field, the value and what is allowed."""
+    cases: list[tuple[dict[str, Any], str]] = [
+        (dict(scale="e4m3"), r"Gemm.fmt = None \(not quantised\) with \['scale'\] set"),
+        (dict(fmt="e1m2", select="4over6"), "Gemm \\(fmt 'e1m2'\\): select = '4over6' .* needs the e2m1 grid"),
+        (dict(fmt="int4", scale="fp8"), "scale = 'fp8'; allowed"),
+        (dict(fmt="mxfp4", rht=True, rht_signs="fixed"), "Gemm.rht_signs = 'fixed'; allowed"),
+        (dict(fmt="nvfp4", rht=True, weight_2d=True), "weight_2d = True with rht = True"),
+        (dict(fmt="nvfp4", block_size=0), "Gemm.block_size = 0"),
+    ]
+    for kwargs, error in cases:
+        with pytest.raises(ValueError, match=error):
+            Gemm(**kwargs)
+    with pytest.raises(ValueError, match="wgrad.weight_2d = True, but wgrad"):
+        Recipe("r", wgrad=Gemm("nvfp4", weight_2d=True))
 
 
 def test_drop_in_for_flax_and_lax_signatures():
