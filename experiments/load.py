@@ -41,15 +41,15 @@ transformers computes."""
 
 
 def trained_model(
-    workdir: str, *, site: int = 0, precision: str = "trained"
+    workdir: str, *, site: int = 0, precision: str = "trained", step: int | None = None
 ) -> tuple[ml_collections.ConfigDict, Transformer]:
-    """(config, model with the latest checkpoint's parameters) of the run in `workdir`; for a federated run, site
-    `site`'s model and the config describing it as a model of its own (`experiments.federated.site_config`). The
-    model computes its GEMMs as the returned config's `precision.recipe` says: the run's own (`precision` =
-    "trained") or "none" (`precision` = "float"; one of PRECISIONS).
+    """(config, model with the parameters of the checkpoint at `step`, default the latest) of the run in `workdir`;
+    for a federated run, site `site`'s model and the config describing it as a model of its own
+    (`experiments.federated.site_config`). The model computes its GEMMs as the returned config's `precision.recipe`
+    says: the run's own (`precision` = "trained") or "none" (`precision` = "float"; one of PRECISIONS).
 
-    Raises FileNotFoundError naming what is missing, or ValueError for a site the run does not have or a precision
-    not in PRECISIONS.
+    Raises FileNotFoundError naming what is missing (a step the run has no checkpoint of, with the steps it has),
+    or ValueError for a site the run does not have or a precision not in PRECISIONS.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision = {precision!r}; allowed: {', '.join(PRECISIONS)}")
@@ -61,9 +61,14 @@ def trained_model(
     with open(paths["data.json"]) as f:
         fingerprint = json.load(f)["fingerprint"]
     checkpointer = checkpoint_lib.Checkpointer(paths["checkpoints"])
-    step = checkpointer.latest_step()
-    if step is None:
+    steps = checkpointer.all_steps()
+    if not steps:
         raise FileNotFoundError(f"{paths['checkpoints']} holds no checkpoint")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        checkpointer.close()
+        raise FileNotFoundError(f"step = {step}: {paths['checkpoints']} holds checkpoints of steps {steps} only")
     compat = schema.checkpoint_compat(config, fingerprint)  # (the run's: before a float model replaces its recipe)
     if precision == "float":
         config.precision.recipe = "none"

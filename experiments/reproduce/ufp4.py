@@ -18,6 +18,9 @@ training loss over the last 20% of steps (logged every 10 steps, same seed's BF1
 end -> table.md, table.json (with the loss curves), loss_error.png. Each run is `python -m experiments.run` in
 `<out>/runs/<name>`, its progress shown prefixed by that name; finished runs are reused. Everything goes into
 `--out` (`--out results/ufp4` for the tables and plots docs/ufp4.md quotes).
+
+fidelity: every 4-bit recipe's three training GEMMs on the operands of a trained quickstart model, against float64
+(SQNR, relative bias, wgrad cosine, with 95% intervals and paired rankings): experiments.reproduce.ufp4_fidelity.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from experiments.bench import common
 from experiments.reproduce import runs
 
 CONFIG = runs.config_path("quickstart")
-PARTS = ("grid", "train")
+PARTS = ("grid", "train", "fidelity")
 RECIPES = ("none", "bf16", "e2m1_baseline", "ufp4", "ufp4_int4", "nvfp4", "mxfp4")
 REFERENCE = "bf16"  # the loss errors are relative to true bf16 GEMMs (as the paper's); "none" = float32 GEMMs
 SEEDS = (0, 1)
@@ -370,6 +373,13 @@ def main(argv=None) -> None:
     if "train" in parts:
         train_all(args.out, args.steps, args.jobs, common.command(parser, args, parts=["train"], jobs=1))
         print(f"wrote {args.out}/table.md, table.json, loss_error.png")
+    if "fidelity" in parts:
+        from experiments.reproduce import ufp4_fidelity
+
+        ufp4_fidelity.fidelity_all(
+            args.out, args.steps, common.command(parser, args, parts=["fidelity"], jobs=1), CONFIG
+        )
+        print(f"wrote {args.out}/fidelity.md, fidelity.json, fidelity.png")
 
 
 if __name__ == "__main__":

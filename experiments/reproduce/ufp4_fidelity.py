@@ -1,0 +1,360 @@
+"""UFP4's GEMM fidelity on the model's own tensors: every 4-bit recipe's three training GEMMs against float64.
+
+    python -m experiments.reproduce.ufp4 --parts fidelity [--steps 400] [--out runs/ufp4]
+
+The quickstart MoE (one site) is trained with the `bf16` recipe for `--steps` steps, checkpointed at a quarter,
+half, three quarters and the end. At each checkpoint one training batch (the next step's) goes through the model
+with every projection and expert GEMM computed in float32 and a zero "tap" added to its output: the gradient of
+the loss with respect to a tap is that GEMM's dY. So every GEMM the recipes quantise (attention q, k, v, o; each
+expert's up, gate and down, one GEMM per expert over its routed tokens; not the head, routers or embeddings, which
+every recipe keeps in high precision) gives its real operands x [M, K], W [K, N] and dY [M, N].
+
+For each recipe, each GEMM kind and each captured GEMM, the library's own quantisation of both operands
+(quant.dot_general.prepare_operands: padding, RHT, block scales, stochastic rounding of dY) and the product of the
+quantised operands in float64, against the float64 product of the unquantised ones, E:
+  fprop  x W      dgrad  dY W^T      wgrad  x^T dY
+over `DRAWS` draws (each a new stochastic-rounding key and new random RHT signs; recipes without either are
+evaluated once): SQNR = 10 log10(|E|^2 / |Q - E|^2) (mean over draws), the gain <mean(Q), E> / |E|^2 - 1 (the
+relative bias along the exact result over the draws' mean: negative is shrinkage, which stochastic rounding cannot
+average away), and for wgrad the cosine of Q with E. Tokens are zero-padded to a multiple of `BUCKET` (exact: zero
+rows add zero blocks and zero products) so that a few programs serve every GEMM.
+
+Reported (fidelity.md, fidelity.json, fidelity.png): per recipe and GEMM kind the mean over captured GEMMs with a
+95% bootstrap interval (GEMMs resampled, the same resample for every recipe), and the ranking: recipes in order of
+their mean, each adjacent pair with the 95% interval of their paired difference (resolved when it excludes 0).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from experiments import plotting
+from experiments.bench import common
+from experiments.reproduce import runs
+
+RECIPES = ("bf16", "e2m1_baseline", "ufp4", "ufp4_int4", "nvfp4", "nvfp4_4over6", "mxfp4", "mxfp4_amd")
+GEMMS = ("fprop", "dgrad", "wgrad")
+DRAWS = 8
+BUCKET = 256
+BOOTSTRAP = 2000
+SOURCE = "fidelity_source"  # the run whose checkpoints are captured, in <out>/runs
+
+
+def source_run(out: str, steps: int, config: str) -> str:
+    """Trains (or reuses) the bf16 quickstart MoE on one site, checkpointed at steps / 4, / 2, 3 / 4 and `steps`;
+    returns its workdir."""
+    workdir = os.path.join(out, "runs", SOURCE)
+    flags = [
+        "--config.mesh.site=1",
+        "--config.mesh.data=1",
+        "--config.precision.recipe=bf16",
+        f"--config.train.eval_every={steps}",
+        "--config.train.eval_batches=16",
+        f"--config.checkpoint.every={steps // 4}",
+        "--config.checkpoint.keep=4",
+    ]
+    runs.run_or_reuse(config, workdir, flags, steps)
+    return workdir
+
+
+class Taps:
+    """A precision slot (core.model.Precision) that computes every GEMM in float32 and records its operands; with
+    `taps` set ({path: zeros of the output's shape}) it adds each path's tap to its output, so the gradient with
+    respect to the taps is every GEMM's dY. Paths `keeps` says are high precision are computed but not recorded."""
+
+    def __init__(self, grouped, keeps):
+        self.grouped, self.keeps = grouped, keeps
+        self.taps: dict[str, Any] | None = None
+        self.shapes: dict[str, Any] = {}
+        self.seen: dict[str, tuple] = {}
+
+    def _out(self, path: str, y, operands: tuple):
+        if self.keeps(path):
+            return y
+        self.shapes[path], self.seen[path] = y, operands
+        return y if self.taps is None else y + self.taps[path]
+
+    def dot_general(self, path: str, key):
+        import jax
+
+        def call(lhs, rhs, dims, precision=None, preferred_element_type=None, *, out_sharding=None):
+            (lc, rc), (lb, rb) = dims
+            if lb or rb or len(lc) != 1:
+                raise ValueError(f"{path}: batched or multi-axis contractions are not captured ({dims})")
+            y = jax.lax.dot_general(
+                lhs, rhs, dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=preferred_element_type
+            )
+            return self._out(path, y, ("dense", lhs, rhs, lc[0], rc[0]))
+
+        return call
+
+    def grouped_matmul(self, path: str, key):
+        def call(lhs, rhs, group_sizes, preferred_element_type=None):
+            y = self.grouped(lhs, rhs, group_sizes, preferred_element_type)
+            return self._out(path, y, ("grouped", lhs, rhs, group_sizes))
+
+        return call
+
+
+def capture(workdir: str, step: int) -> list[dict]:
+    """The GEMMs of one training batch through the model at checkpoint `step`: [{"name", "x", "w", "dy"}] of float32
+    NumPy arrays [M, K], [K, N], [M, N] (one entry per expert for grouped GEMMs, experts without tokens left out)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from core.train.step import lm_loss
+    from experiments import build, load
+    from quant import recipes
+
+    config, model = load.trained_model(workdir, precision="float", step=step)
+    slot = Taps(model.precision.grouped_matmul("", None), lambda p: recipes.UFP4.keeps(p, config.model.num_layers))
+    for _, module in nnx.iter_modules(model):
+        if hasattr(module, "precision"):
+            module.precision = slot
+    _, batches = build.build_data(config)
+    tokens = jnp.asarray(batches.train_batch(step))
+
+    def loss(taps):
+        slot.taps, slot.seen = taps, {}
+        value, _ = lm_loss(model, tokens)
+        return value, {p: tuple(v for v in s[1:] if not isinstance(v, int)) for p, s in slot.seen.items()}
+
+    jax.eval_shape(loss, None)  # the outputs' shapes, for the taps
+    kinds = {p: (s[0], *(v for v in s[1:] if isinstance(v, int))) for p, s in slot.seen.items()}
+    taps = {p: jnp.zeros(y.shape, y.dtype) for p, y in slot.shapes.items()}
+    dys, operands = jax.jit(jax.grad(loss, has_aux=True))(taps)
+    out = []
+    for path, arrays in operands.items():
+        dy = np.asarray(dys[path], np.float32)
+        if kinds[path][0] == "dense":
+            _, lc, rc = kinds[path]
+            lhs, rhs = (np.asarray(a, np.float32) for a in arrays)
+            x = np.moveaxis(lhs, lc, -1).reshape(-1, lhs.shape[lc])
+            w = np.moveaxis(rhs, rc, 0).reshape(rhs.shape[rc], -1)
+            out.append({"name": f"{step}:{path}", "x": x, "w": w, "dy": dy.reshape(x.shape[0], w.shape[1])})
+            continue
+        lhs, rhs, sizes = (np.asarray(a) for a in arrays)
+        start = 0
+        for g, n in enumerate(sizes.tolist()):
+            if n:
+                x, w = lhs[start : start + n].astype(np.float32), rhs[g].astype(np.float32)
+                out.append({"name": f"{step}:{path}[{g}]", "x": x, "w": w, "dy": dy[start : start + n]})
+            start += n
+    return out
+
+
+def _operands(kind: str):
+    """(a, b, axis_a, axis_b, weight, einsum) of one GEMM kind in prepare_operands' [1, M, K] / [1, K, N] layout."""
+    return {
+        "fprop": ("x", "w", 2, 1, 1, "bmk,bkn->bmn"),
+        "dgrad": ("dy", "w", 2, 2, 1, "bmn,bkn->bmk"),
+        "wgrad": ("x", "dy", 1, 1, None, "bmk,bmn->bkn"),
+    }[kind]
+
+
+@functools.cache
+def _quantiser(recipe_name: str, kind: str):
+    """A jitted (a, b, keys [D], seeds [D]) -> both quantised operands of GEMM `kind` under the recipe, one per draw
+    (key: stochastic rounding; seed: the random RHT signs), [D, ...] each: the library's own path."""
+    import jax
+
+    from quant import recipes
+    from quant.dot_general import GemmConfig, prepare_operands
+    from quant.quantize import quantize
+
+    recipe = recipes.get(recipe_name)
+    gemm = getattr(recipe, kind)
+    _, _, axis_a, axis_b, weight, _ = _operands(kind)
+    stochastic = (gemm.stochastic_dy and kind == "dgrad", gemm.stochastic_dy and kind == "wgrad")
+
+    def one(a, b, key, seed):
+        cfg = GemmConfig(recipe, quantize, seed)
+        return prepare_operands(a, b, axis_a, axis_b, gemm, cfg, key=key, stochastic=stochastic, weight=weight)
+
+    return jax.jit(jax.vmap(one, in_axes=(None, None, 0, 0)))
+
+
+def random_draws(recipe_name: str) -> bool:
+    """True if the recipe's GEMMs draw randomness (stochastic rounding, random RHT signs): evaluated DRAWS times."""
+    from quant import recipes
+
+    r = recipes.get(recipe_name)
+    return r.needs_key or any(g.rht and g.rht_signs == "random" for g in (r.fprop, r.dgrad, r.wgrad))
+
+
+def _padded(t: dict) -> dict:
+    m = t["x"].shape[0]
+    pad = ((0, -m % BUCKET), (0, 0))
+    return {**t, "x": np.pad(t["x"], pad), "dy": np.pad(t["dy"], pad)}
+
+
+def gemm_metrics(t: dict, recipe_name: str, kind: str, draws: int, index: int) -> dict[str, float]:
+    """SQNR (dB, mean over draws), gain and (wgrad) cosine of one captured GEMM under one recipe."""
+    import jax
+
+    a_name, b_name, _, _, _, spec = _operands(kind)
+    t = _padded(t)
+    a64, b64 = (t[n].astype(np.float64)[None] for n in (a_name, b_name))
+    exact = np.einsum(spec, a64, b64)
+    norm2 = float(np.sum(exact**2))
+    n = draws if random_draws(recipe_name) else 1
+    keys = jax.random.split(jax.random.key(index), n)
+    qa, qb = _quantiser(recipe_name, kind)(a64.astype(np.float32), b64.astype(np.float32), keys, np.arange(n))
+    qa, qb = np.asarray(qa, np.float64), np.asarray(qb, np.float64)
+    results = [np.einsum(spec, qa[d], qb[d]) for d in range(n)]
+    sqnr = [10 * np.log10(norm2 / max(float(np.sum((q - exact) ** 2)), 1e-300)) for q in results]
+    mean = np.mean(results, axis=0)
+    out = {"sqnr_db": float(np.mean(sqnr)), "gain": float(np.sum(mean * exact) / norm2 - 1)}
+    if kind == "wgrad":
+        out["cosine"] = float(np.mean([np.sum(q * exact) / np.sqrt(np.sum(q**2) * norm2) for q in results]))
+    return out
+
+
+def bootstrap(values: np.ndarray, seed: int = 0) -> np.ndarray:
+    """Means of `values` [recipes, gemms] over BOOTSTRAP resamples of the GEMMs (axis 1), the same resample for
+    every recipe: [BOOTSTRAP, recipes]."""
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, values.shape[1], (BOOTSTRAP, values.shape[1]))
+    return values[:, picks].mean(-1).T
+
+
+def summarise(table: dict[str, list[float]]) -> dict[str, Any]:
+    """For one GEMM kind and metric, {recipe: [value per captured GEMM]} -> per recipe mean and 95% interval, and the
+    ranking (descending mean) with each adjacent pair's paired 95% interval and whether it resolves."""
+    names = list(table)
+    values = np.asarray([table[n] for n in names], np.float64)
+    boot = bootstrap(values)
+    means = values.mean(1)
+    low, high = np.percentile(boot, [2.5, 97.5], axis=0)
+    order = list(np.argsort(-means))
+    pairs = []
+    for i, j in itertools.pairwise(order):
+        diff = boot[:, i] - boot[:, j]
+        lo, hi = np.percentile(diff, [2.5, 97.5])
+        pairs.append({"above": names[i], "below": names[j], "difference": float(means[i] - means[j]),
+                      "interval": [float(lo), float(hi)], "resolved": bool(lo > 0 or hi < 0)})  # fmt: skip
+    return {
+        "recipes": {
+            n: {"mean": float(means[k]), "interval": [float(low[k]), float(high[k])]} for k, n in enumerate(names)
+        },
+        "ranking": [names[k] for k in order],
+        "pairs": pairs,
+    }
+
+
+METRICS = ("sqnr_db", "gain", "cosine")
+
+
+def fidelity_all(out: str, steps: int, command: str, config: str) -> dict:
+    """Trains (or reuses) the source run, captures its GEMMs at its checkpoints and measures every recipe on them;
+    writes fidelity.md, fidelity.json and fidelity.png into `out`; returns the result."""
+    from core import checkpoint as checkpoint_lib
+
+    workdir = source_run(out, steps, config)
+    checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
+    points = checkpointer.all_steps()
+    checkpointer.close()
+    per_gemm: dict[str, dict[str, dict[str, list[float]]]] = {k: {r: {} for r in RECIPES} for k in GEMMS}
+    names, started = [], time.time()
+    for step in points:
+        tensors = capture(workdir, step)
+        names += [t["name"] for t in tensors]
+        for r in RECIPES:
+            for kind in GEMMS:
+                for t in tensors:
+                    values = gemm_metrics(t, r, kind, DRAWS, len(names))
+                    for metric, v in values.items():
+                        per_gemm[kind][r].setdefault(metric, []).append(v)
+            print(f"fidelity: step {step}, {len(tensors)} GEMMs, {r} done ({time.time() - started:.0f} s)", flush=True)
+    summary = {
+        kind: {
+            m: summarise({r: per_gemm[kind][r][m] for r in RECIPES}) for m in METRICS if m in per_gemm[kind][RECIPES[0]]
+        }
+        for kind in GEMMS
+    }
+    result = {
+        "command": command,
+        "machine": common.describe(common.machine()),
+        "source": {"workdir": os.path.relpath(workdir, out), "steps": steps, "checkpoints": points},
+        "draws": DRAWS,
+        "bucket": BUCKET,
+        "bootstrap": BOOTSTRAP,
+        "gemms": names,
+        "per_gemm": per_gemm,
+        "summary": summary,
+    }
+    common.write_results(out, "fidelity", result, markdown)
+    plot(result, os.path.join(out, "fidelity.png"))
+    return result
+
+
+def _cell(s: dict, scale: float, digits: int) -> str:
+    lo, hi = s["interval"]
+    return f"{s['mean'] * scale:.{digits}f} [{lo * scale:.{digits}f}, {hi * scale:.{digits}f}]"
+
+
+def markdown(result: dict) -> str:
+    """fidelity.md: per GEMM kind, each recipe's SQNR, gain and (wgrad) cosine with 95% intervals; the rankings."""
+    s = result["summary"]
+    src = result["source"]
+    lines = [
+        "# UFP4: GEMM fidelity on the quickstart model's own tensors",
+        "",
+        f"`{result['command']}`",
+        "",
+        f"{len(result['gemms'])} GEMMs (attention q, k, v, o and each expert's up, gate, down) captured at steps "
+        f"{src['checkpoints']} of the bf16 quickstart MoE; each recipe's quantised product in float64 against the "
+        f"float64 product, {result['draws']} draws for recipes with randomness. Mean over the GEMMs [95% bootstrap "
+        "interval]. Gain: <mean Q, E> / |E|^2 - 1 in %, negative = shrinkage. Machine: " + result["machine"],
+        "",
+        "| recipe | " + " | ".join(f"{k} SQNR dB | {k} gain %" for k in GEMMS) + " | wgrad cosine |",
+        "|---|" + "---|" * (2 * len(GEMMS) + 1),
+    ]
+    for r in RECIPES:
+        cells = [
+            f"{_cell(s[k]['sqnr_db']['recipes'][r], 1, 2)} | {_cell(s[k]['gain']['recipes'][r], 100, 3)}" for k in GEMMS
+        ]
+        lines.append(f"| {r} | " + " | ".join(cells) + f" | {_cell(s['wgrad']['cosine']['recipes'][r], 1, 5)} |")
+    lines += ["", "Rankings (descending mean; each adjacent pair's paired difference and its 95% interval):", ""]
+    for kind in GEMMS:
+        for metric in ("sqnr_db", "gain"):
+            pairs = s[kind][metric]["pairs"]
+            scale = 100 if metric == "gain" else 1
+            text = " ".join(
+                f"{p['above']} {'>' if p['resolved'] else '~'} ({p['difference'] * scale:+.3f} "
+                f"[{p['interval'][0] * scale:+.3f}, {p['interval'][1] * scale:+.3f}])"
+                for p in pairs
+            )
+            lines.append(f"- {kind} {metric}: {text} {pairs[-1]['below']}")
+    lines += ["", "`>`: the interval excludes 0 (resolved); `~`: it does not."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+    """fidelity.png: SQNR and gain per recipe (with 95% intervals), one column per GEMM kind."""
+    plt = plotting.pyplot()
+    fig, axes = plt.subplots(2, len(GEMMS), figsize=(13, 6.5))
+    for col, kind in enumerate(GEMMS):
+        for row, (metric, scale, label) in enumerate((("sqnr_db", 1, "SQNR (dB)"), ("gain", 100, "gain (%)"))):
+            ax = axes[row][col]
+            stats = result["summary"][kind][metric]["recipes"]
+            means = [stats[r]["mean"] * scale for r in RECIPES]
+            errors = [[(stats[r]["mean"] - stats[r]["interval"][0]) * scale for r in RECIPES],
+                      [(stats[r]["interval"][1] - stats[r]["mean"]) * scale for r in RECIPES]]  # fmt: skip
+            ax.errorbar(range(len(RECIPES)), means, yerr=errors, fmt="o", color="#4c72b0", capsize=3)
+            ax.set_xticks(range(len(RECIPES)), RECIPES, rotation=45, ha="right", fontsize=7)
+            ax.set_title(f"{kind}: {label}", fontsize=9)
+            if metric == "gain":
+                ax.axhline(0, color="black", lw=0.6)
+            ax.grid(alpha=0.3)
+    fig.suptitle(result["command"], fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
