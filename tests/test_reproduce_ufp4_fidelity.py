@@ -67,6 +67,8 @@ def test_summary_ranks_by_paired_differences():
     first, second = s["pairs"]
     assert first["above"] == "a" and first["resolved"] and first["difference"] == pytest.approx(0.05)
     assert not second["resolved"] and second["difference"] == 0.0
+    low = fid.summarise({"a": list(base + 0.05), "b": list(base)}, lower_is_better=True)
+    assert low["ranking"] == ["b", "a"] and low["pairs"][0]["difference"] == pytest.approx(-0.05)
     ia, ib = s["recipes"]["a"]["interval"], s["recipes"]["b"]["interval"]
     assert ia[0] < ib[1]  # overlapping per-recipe intervals
     for r in s["recipes"].values():
@@ -76,14 +78,16 @@ def test_summary_ranks_by_paired_differences():
 def test_the_report_has_a_row_per_recipe_and_a_ranking_per_metric(tmp_path):
     rng = np.random.default_rng(4)
     summary = {
-        k: {m: fid.summarise({r: list(rng.normal(size=8)) for r in fid.RECIPES}) for m in fid.METRICS}
+        k: fid.summaries(
+            {r: {m: list(rng.normal(size=8)) for m in fid.METRICS[: 2 + (k == "wgrad")]} for r in fid.RECIPES}
+        )
         for k in fid.GEMMS
     }
     result = {"command": "cmd", "machine": "m", "source": {"checkpoints": [1, 2]}, "draws": 8,
               "gemms": ["g"] * 8, "summary": summary}  # fmt: skip
     text = fid.markdown(result)
     assert all(f"| {r} |" in text for r in fid.RECIPES)
-    assert text.count("- fprop ") == 2 and text.count("- wgrad ") == 2
+    assert text.count("- fprop ") == 2 and text.count("- wgrad ") == 3  # SQNR, |gain|; wgrad's cosine too
     fid.plot(result, str(tmp_path / "f.png"))
     assert (tmp_path / "f.png").stat().st_size > 10_000
 

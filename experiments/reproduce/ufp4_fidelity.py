@@ -225,15 +225,16 @@ def bootstrap(values: np.ndarray, seed: int = 0) -> np.ndarray:
     return values[:, picks].mean(-1).T
 
 
-def summarise(table: dict[str, list[float]]) -> dict[str, Any]:
+def summarise(table: dict[str, list[float]], *, lower_is_better: bool = False) -> dict[str, Any]:
     """For one GEMM kind and metric, {recipe: [value per captured GEMM]} -> per recipe mean and 95% interval, and the
-    ranking (descending mean) with each adjacent pair's paired 95% interval and whether it resolves."""
+    ranking (best first: descending mean, or ascending with `lower_is_better`) with each adjacent pair's paired
+    difference (better minus worse), its 95% interval and whether it resolves (the interval excludes 0)."""
     names = list(table)
     values = np.asarray([table[n] for n in names], np.float64)
     boot = bootstrap(values)
     means = values.mean(1)
     low, high = np.percentile(boot, [2.5, 97.5], axis=0)
-    order = list(np.argsort(-means))
+    order = list(np.argsort(means if lower_is_better else -means, kind="stable"))
     pairs = []
     for i, j in itertools.pairwise(order):
         diff = boot[:, i] - boot[:, j]
@@ -250,6 +251,7 @@ def summarise(table: dict[str, list[float]]) -> dict[str, Any]:
 
 
 METRICS = ("sqnr_db", "gain", "cosine")
+RANKED = ("sqnr_db", "abs_gain", "cosine")  # abs_gain: |gain| per GEMM, lower is better (the bias's size)
 
 
 def fidelity_all(out: str, steps: int, command: str, config: str) -> dict:
@@ -273,12 +275,7 @@ def fidelity_all(out: str, steps: int, command: str, config: str) -> dict:
                     for metric, v in values.items():
                         per_gemm[kind][r].setdefault(metric, []).append(v)
             print(f"fidelity: step {step}, {len(tensors)} GEMMs, {r} done ({time.time() - started:.0f} s)", flush=True)
-    summary = {
-        kind: {
-            m: summarise({r: per_gemm[kind][r][m] for r in RECIPES}) for m in METRICS if m in per_gemm[kind][RECIPES[0]]
-        }
-        for kind in GEMMS
-    }
+    summary = {kind: summaries(per_gemm[kind]) for kind in GEMMS}
     result = {
         "command": command,
         "machine": common.describe(common.machine()),
@@ -293,6 +290,15 @@ def fidelity_all(out: str, steps: int, command: str, config: str) -> dict:
     common.write_results(out, "fidelity", result, markdown)
     plot(result, os.path.join(out, "fidelity.png"))
     return result
+
+
+def summaries(per_recipe: dict[str, dict[str, list[float]]]) -> dict[str, dict]:
+    """One GEMM kind's {recipe: {metric: [value per GEMM]}} -> {metric: summarise(...)} for the measured METRICS and
+    abs_gain (|gain| ranked lower first)."""
+    measured = [m for m in METRICS if m in per_recipe[RECIPES[0]]]
+    out = {m: summarise({r: per_recipe[r][m] for r in RECIPES}) for m in measured}
+    out["abs_gain"] = summarise({r: list(np.abs(per_recipe[r]["gain"])) for r in RECIPES}, lower_is_better=True)
+    return out
 
 
 def _cell(s: dict, scale: float, digits: int) -> str:
@@ -322,11 +328,12 @@ def markdown(result: dict) -> str:
             f"{_cell(s[k]['sqnr_db']['recipes'][r], 1, 2)} | {_cell(s[k]['gain']['recipes'][r], 100, 3)}" for k in GEMMS
         ]
         lines.append(f"| {r} | " + " | ".join(cells) + f" | {_cell(s['wgrad']['cosine']['recipes'][r], 1, 5)} |")
-    lines += ["", "Rankings (descending mean; each adjacent pair's paired difference and its 95% interval):", ""]
+    lines += ["", "Rankings, best first (SQNR and cosine: higher; |gain| in %: lower), each adjacent pair's paired "
+              "difference (better minus worse) and its 95% interval:", ""]  # fmt: skip
     for kind in GEMMS:
-        for metric in ("sqnr_db", "gain"):
+        for metric in (m for m in RANKED if m in s[kind]):
             pairs = s[kind][metric]["pairs"]
-            scale = 100 if metric == "gain" else 1
+            scale = 100 if metric == "abs_gain" else 1
             text = " ".join(
                 f"{p['above']} {'>' if p['resolved'] else '~'} ({p['difference'] * scale:+.3f} "
                 f"[{p['interval'][0] * scale:+.3f}, {p['interval'][1] * scale:+.3f}])"
