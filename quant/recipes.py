@@ -103,6 +103,11 @@ class Gemm:
                 "w^T would no longer quantise alike; choose one."
             )
 
+    @property
+    def random_rotation(self) -> bool:
+        """True if this GEMM rotates its operands with random signs (its RHT's draw: the run's seed or a key)."""
+        return self.fmt is not None and self.rht and self.rht_signs == "random"
+
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
@@ -139,7 +144,7 @@ class Recipe:
         """True if differentiating a GEMM of this recipe draws randomness (stochastic rounding of dy, fresh RHT
         signs), so that the custom dot_general / grouped matmul need a PRNG key to be trained."""
         gemms = (self.fprop, self.dgrad, self.wgrad)
-        return any(g.fmt is not None and (g.stochastic_dy or (self.fresh_signs and _random_rht(g))) for g in gemms)
+        return any(g.fmt is not None and (g.stochastic_dy or (self.fresh_signs and g.random_rotation)) for g in gemms)
 
     def keeps(self, path: str, num_layers: int | None = None) -> bool:
         """True if the module at `path` ("blocks.3.attn.q") stays in high precision."""
@@ -152,10 +157,6 @@ class Recipe:
             match = re.match(r"blocks\.(\d+)\.", path)
             return match is not None and int(match.group(1)) >= num_layers - n
         return False
-
-
-def _random_rht(gemm: Gemm) -> bool:
-    return gemm.rht and gemm.rht_signs == "random"
 
 
 def _all(fmt: str, *, rht: tuple[bool, bool, bool]) -> tuple[Gemm, Gemm, Gemm]:

@@ -27,7 +27,7 @@ def test_the_gain_is_the_grids_shrinkage_on_gaussians():
         ("ufp4", "fprop", 0.14),
         ("ufp4", "wgrad", 0.07),
     ]:
-        got = fid.gemm_metrics(t, recipe, kind, 4, 0)
+        got = fid.gemm_metrics(t, kind, [recipe], 4, 0)[recipe]
         assert got["gain"] * 100 == pytest.approx(want, abs=0.1), (recipe, kind, got)
         assert 14 < got["sqnr_db"] < 20
 
@@ -45,7 +45,7 @@ def test_bf16_rows_equal_products_of_ml_dtypes_bfloat16_operands(kind, m):
     exact = np.einsum(spec, t[a].astype(np.float64), t[b].astype(np.float64))
     rounded = [t[n].astype(ml_dtypes.bfloat16).astype(np.float64) for n in (a, b)]
     q = np.einsum(spec, *rounded)
-    got = fid.gemm_metrics(t, "bf16", kind, 4, 0)
+    got = fid.gemm_metrics(t, kind, ["bf16"], 4, 0)["bf16"]
     assert got["sqnr_db"] == pytest.approx(10 * np.log10(np.sum(exact**2) / np.sum((q - exact) ** 2)), abs=1e-9)
     assert got["gain"] == pytest.approx(np.sum(q * exact) / np.sum(exact**2) - 1, abs=1e-12)
     if kind == "wgrad":

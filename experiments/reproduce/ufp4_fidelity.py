@@ -30,6 +30,7 @@ import functools
 import itertools
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -71,13 +72,16 @@ class Taps:
     def __init__(self, grouped, keeps):
         self.grouped, self.keeps = grouped, keeps
         self.taps: dict[str, Any] | None = None
-        self.shapes: dict[str, Any] = {}
-        self.seen: dict[str, tuple] = {}
+        self.outputs: dict[str, Any] = {}  # path -> its GEMM's output (for the taps' shapes)
+        self.kinds: dict[
+            str, tuple
+        ] = {}  # path -> ("dense", lhs contraction axis, rhs contraction axis) / ("grouped",)
+        self.operands: dict[str, tuple] = {}  # path -> (lhs, rhs) / (lhs, rhs, group sizes)
 
-    def _out(self, path: str, y, operands: tuple):
+    def _out(self, path: str, y, kind: tuple, operands: tuple):
         if self.keeps(path):
             return y
-        self.shapes[path], self.seen[path] = y, operands
+        self.outputs[path], self.kinds[path], self.operands[path] = y, kind, operands
         return y if self.taps is None else y + self.taps[path]
 
     def dot_general(self, path: str, key):
@@ -90,14 +94,14 @@ class Taps:
             y = jax.lax.dot_general(
                 lhs, rhs, dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=preferred_element_type
             )
-            return self._out(path, y, ("dense", lhs, rhs, lc[0], rc[0]))
+            return self._out(path, y, ("dense", lc[0], rc[0]), (lhs, rhs))
 
         return call
 
     def grouped_matmul(self, path: str, key):
         def call(lhs, rhs, group_sizes, preferred_element_type=None):
             y = self.grouped(lhs, rhs, group_sizes, preferred_element_type)
-            return self._out(path, y, ("grouped", lhs, rhs, group_sizes))
+            return self._out(path, y, ("grouped",), (lhs, rhs, group_sizes))
 
         return call
 
@@ -122,19 +126,18 @@ def capture(workdir: str, step: int) -> list[dict]:
     tokens = jnp.asarray(batches.train_batch(step))
 
     def loss(taps):
-        slot.taps, slot.seen = taps, {}
+        slot.taps = taps
         value, _ = lm_loss(model, tokens)
-        return value, {p: tuple(v for v in s[1:] if not isinstance(v, int)) for p, s in slot.seen.items()}
+        return value, dict(slot.operands)
 
     jax.eval_shape(loss, None)  # the outputs' shapes, for the taps
-    kinds = {p: (s[0], *(v for v in s[1:] if isinstance(v, int))) for p, s in slot.seen.items()}
-    taps = {p: jnp.zeros(y.shape, y.dtype) for p, y in slot.shapes.items()}
+    taps = {p: jnp.zeros(y.shape, y.dtype) for p, y in slot.outputs.items()}
     dys, operands = jax.jit(jax.grad(loss, has_aux=True))(taps)
     out = []
     for path, arrays in operands.items():
         dy = np.asarray(dys[path], np.float32)
-        if kinds[path][0] == "dense":
-            _, lc, rc = kinds[path]
+        if slot.kinds[path][0] == "dense":
+            _, lc, rc = slot.kinds[path]
             lhs, rhs = (np.asarray(a, np.float32) for a in arrays)
             x = np.moveaxis(lhs, lc, -1).reshape(-1, lhs.shape[lc])
             w = np.moveaxis(rhs, rc, 0).reshape(rhs.shape[rc], -1)
@@ -186,7 +189,7 @@ def random_draws(recipe_name: str) -> bool:
     from quant import recipes
 
     r = recipes.get(recipe_name)
-    return r.needs_key or any(g.rht and g.rht_signs == "random" for g in (r.fprop, r.dgrad, r.wgrad))
+    return r.needs_key or any(g.random_rotation for g in (r.fprop, r.dgrad, r.wgrad))
 
 
 def _padded(t: dict) -> dict:
@@ -195,8 +198,9 @@ def _padded(t: dict) -> dict:
     return {**t, "x": np.pad(t["x"], pad), "dy": np.pad(t["dy"], pad)}
 
 
-def gemm_metrics(t: dict, recipe_name: str, kind: str, draws: int, index: int) -> dict[str, float]:
-    """SQNR (dB, mean over draws), gain and (wgrad) cosine of one captured GEMM under one recipe."""
+def gemm_metrics(t: dict, kind: str, recipes: Sequence[str], draws: int, index: int) -> dict[str, dict[str, float]]:
+    """{recipe: SQNR (dB, mean over draws), gain and (wgrad) cosine} of one captured GEMM of kind `kind`, each
+    recipe against the same float64 product; the draws' keys come from `index` (the GEMM's own)."""
     import jax
 
     a_name, b_name, _, _, _, spec = _operands(kind)
@@ -204,16 +208,19 @@ def gemm_metrics(t: dict, recipe_name: str, kind: str, draws: int, index: int) -
     a64, b64 = (t[n].astype(np.float64)[None] for n in (a_name, b_name))
     exact = np.einsum(spec, a64, b64)
     norm2 = float(np.sum(exact**2))
-    n = draws if random_draws(recipe_name) else 1
-    keys = jax.random.split(jax.random.key(index), n)
-    qa, qb = _quantiser(recipe_name, kind)(a64.astype(np.float32), b64.astype(np.float32), keys, np.arange(n))
-    qa, qb = np.asarray(qa, np.float64), np.asarray(qb, np.float64)
-    results = [np.einsum(spec, qa[d], qb[d]) for d in range(n)]
-    sqnr = [10 * np.log10(norm2 / max(float(np.sum((q - exact) ** 2)), 1e-300)) for q in results]
-    mean = np.mean(results, axis=0)
-    out = {"sqnr_db": float(np.mean(sqnr)), "gain": float(np.sum(mean * exact) / norm2 - 1)}
-    if kind == "wgrad":
-        out["cosine"] = float(np.mean([np.sum(q * exact) / np.sqrt(np.sum(q**2) * norm2) for q in results]))
+    out = {}
+    for recipe_name in recipes:
+        n = draws if random_draws(recipe_name) else 1
+        keys = jax.random.split(jax.random.key(index), n)
+        qa, qb = _quantiser(recipe_name, kind)(a64.astype(np.float32), b64.astype(np.float32), keys, np.arange(n))
+        qa, qb = np.asarray(qa, np.float64), np.asarray(qb, np.float64)
+        results = [np.einsum(spec, qa[d], qb[d]) for d in range(n)]
+        sqnr = [10 * np.log10(norm2 / max(float(np.sum((q - exact) ** 2)), 1e-300)) for q in results]
+        mean = np.mean(results, axis=0)
+        out[recipe_name] = {"sqnr_db": float(np.mean(sqnr)), "gain": float(np.sum(mean * exact) / norm2 - 1)}
+        if kind == "wgrad":
+            cosines = [np.sum(q * exact) / np.sqrt(np.sum(q**2) * norm2) for q in results]
+            out[recipe_name]["cosine"] = float(np.mean(cosines))
     return out
 
 
@@ -264,17 +271,17 @@ def fidelity_all(out: str, steps: int, command: str, config: str) -> dict:
     points = checkpointer.all_steps()
     checkpointer.close()
     per_gemm: dict[str, dict[str, dict[str, list[float]]]] = {k: {r: {} for r in RECIPES} for k in GEMMS}
-    names, started = [], time.time()
+    names: list[str] = []
+    started = time.time()
     for step in points:
         tensors = capture(workdir, step)
-        names += [t["name"] for t in tensors]
-        for r in RECIPES:
+        for t in tensors:
             for kind in GEMMS:
-                for t in tensors:
-                    values = gemm_metrics(t, r, kind, DRAWS, len(names))
+                for r, values in gemm_metrics(t, kind, RECIPES, DRAWS, len(names)).items():
                     for metric, v in values.items():
                         per_gemm[kind][r].setdefault(metric, []).append(v)
-            print(f"fidelity: step {step}, {len(tensors)} GEMMs, {r} done ({time.time() - started:.0f} s)", flush=True)
+            names.append(t["name"])
+        print(f"fidelity: step {step}, {len(tensors)} GEMMs done ({time.time() - started:.0f} s)", flush=True)
     summary = {kind: summaries(per_gemm[kind]) for kind in GEMMS}
     result = {
         "command": command,
