@@ -9,7 +9,8 @@ the paper's numbers -> grid.md, grid.json, grid.png.
 
 train: the quickstart MoE (experiments/configs/quickstart.py on one device, mesh.site = 1; AdamW lr 5e-3, batch 8 x
 256) for `--steps` steps with each recipe (none = float32 GEMMs, bf16 = bfloat16 GEMM operands with float32
-accumulation, e2m1_baseline, ufp4, ufp4_int4, nvfp4, mxfp4) and seeds 0 and 1
+accumulation, e2m1_baseline, ufp4, ufp4_int4, NVIDIA's nvfp4 and its 4-over-6 variant, mxfp4 and AMD's mxfp4_amd)
+and seeds 0 and 1
 (initialisation and data order; the same tokens for every recipe of a seed), seeds 2 and 3 as well for bf16,
 e2m1_baseline and ufp4 (their difference is the paper's claim and lies inside two seeds' noise), plus the paper's
 ablation on the E1M2 grid (seed 0): no RHT, RHT on wgrad, on dgrad + wgrad, on fprop + wgrad (all without stochastic
@@ -38,7 +39,7 @@ from experiments.reproduce import runs
 
 CONFIG = runs.config_path("quickstart")
 PARTS = ("grid", "train", "fidelity")
-RECIPES = ("none", "bf16", "e2m1_baseline", "ufp4", "ufp4_int4", "nvfp4", "mxfp4")
+RECIPES = ("none", "bf16", "e2m1_baseline", "ufp4", "ufp4_int4", "nvfp4", "nvfp4_4over6", "mxfp4", "mxfp4_amd")
 REFERENCE = "bf16"  # the loss errors are relative to true bf16 GEMMs (as the paper's); "none" = float32 GEMMs
 SEEDS = (0, 1)
 HEADLINE = ("bf16", "e2m1_baseline", "ufp4")  # the paper's comparison gets two more seeds: it is inside 2 seeds' noise
