@@ -131,10 +131,7 @@ class WireFormat:
         levels = jnp.where(finite, levels, 0.0).reshape(n, c)
         if self.name == "int8":
             return levels.astype(jnp.int8), scales
-        if self.name == "fp4":
-            codes = lowbit.encode_e2m1(levels)
-        else:  # int4: magnitude index = |level|, sign in bit 3
-            codes = jnp.abs(levels).astype(jnp.int32) | jnp.where(levels < 0, 8, 0)
+        codes = lowbit.encode_code(levels, _GRID[self.name])
         pairs = codes.reshape(n, c // 2, 2)
         return (pairs[..., 0] | (pairs[..., 1] << 4)).astype(jnp.uint8), scales
 
@@ -151,10 +148,7 @@ class WireFormat:
         else:
             packed = codes.astype(jnp.int32)
             nibbles = jnp.stack([packed & 15, packed >> 4], axis=-1).reshape(n, -1)
-            if self.name == "fp4":
-                levels = lowbit.decode_e2m1(nibbles)
-            else:
-                levels = jnp.where(nibbles & 8, -1.0, 1.0) * (nibbles & 7).astype(jnp.float32)
+            levels = lowbit.decode_code(nibbles, _GRID[self.name])
         blocks = levels.reshape(n, -1, self.block)
         if self.scale == "fp32":
             out = blocks * scales[..., None]

@@ -44,7 +44,9 @@ __all__ = [
     "UE8M0_MAX_EXPONENT",
     "UE8M0_MIN_EXPONENT",
     "cast_e4m3",
+    "decode_code",
     "decode_e2m1",
+    "encode_code",
     "encode_e2m1",
     "floor_log2",
     "hadamard",
@@ -321,9 +323,30 @@ def uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 def encode_e2m1(x: jax.Array) -> jax.Array:
     """Nearest E2M1 code (int32 0..15) of x (float, any shape, already divided by its scale): magnitude index
     `nearest_index(|x|, "e2m1")` (ties to even, saturating at +-6) with the sign in bit 3 (so -0 encodes as 8,
-    which decodes to 0); nan encodes as 0 or 8."""
+    which decodes to 0); nan encodes as 0 or 8. `encode_code(x, "e2m1")`."""
+    return encode_code(x, "e2m1")
+
+
+def encode_code(x: jax.Array, grid: str) -> jax.Array:
+    """Nearest 4-bit code (int32 0..15) of x (float, any shape, already divided by its scale) on `grid`: the
+    magnitude index `nearest_index(|x|, grid)` (ties to even, saturating at the grid's max) with the sign in bit 3
+    (-0 encodes as 8, which decodes to 0). For "e2m1" this is `encode_e2m1`."""
     x = jnp.asarray(x).astype(jnp.float32)
-    return nearest_index(jnp.abs(x), "e2m1") | jnp.where(_bits(x) < 0, 8, 0)
+    return nearest_index(jnp.abs(x), grid) | jnp.where(_bits(x) < 0, 8, 0)
+
+
+def decode_code(code: jax.Array, grid: str) -> jax.Array:
+    """The level (float32, code's shape) of 4-bit codes 0..15 (any integer dtype) on `grid`, by arithmetic (no table):
+    `decode_e2m1` for "e2m1"; sign times magnitude index times the step for a uniform grid (0.25 for e1m2, 1 for
+    int4: exact)."""
+    levels = _grid(grid)
+    if grid == "e2m1":
+        return decode_e2m1(code)
+    code = jnp.asarray(code).astype(jnp.int32)
+    step = _uniform_step(levels)
+    if step is None:
+        raise ValueError(f"grid = {grid!r}: decode_code takes e2m1 or a uniform grid with a power-of-two step")
+    return jnp.where(code & 8, -step, step) * (code & 7).astype(jnp.float32)
 
 
 def decode_e2m1(code: jax.Array) -> jax.Array:

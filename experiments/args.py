@@ -211,7 +211,7 @@ def add_kv_flags(parser: argparse.ArgumentParser) -> None:
         "--scale-rule",
         default=argparse.SUPPRESS,
         choices=formats.SCALE_RULES,
-        help="fp4 scale rule, with the fp4 format only (default: the run's kvcache.scale_rule)",
+        help="UE8M0 scale rule of the fp4 and k8v4 formats (default: the run's kvcache.scale_rule)",
     )
     parser.add_argument(
         "--kv-memory-mib",
@@ -226,8 +226,9 @@ def add_kv_flags(parser: argparse.ArgumentParser) -> None:
 
 def kv_format(args: argparse.Namespace, run: ml_collections.ConfigDict) -> tuple[Format, str]:
     """(the KV format serving uses, a line saying which and why): the run's `kvcache` section (format, and for a
-    format with options, fp4's, its scale rule, K rotation and FP8 query), with `--kv-format` / `--scale-rule`
-    replacing its format / scale rule when given. Raises FlagError for --scale-rule with a format that has no scale
+    format with options, its options: kvcache.config.make_format), with `--kv-format` / `--scale-rule` replacing
+    its format / scale rule when given (a replaced format keeps the run's options it takes, the others at their
+    defaults: kvcache.config.with_format). Raises FlagError for --scale-rule with a format that has no scale
     rule (kvcache.formats.options), or a format that cannot hold the model's heads."""
     given_format, given_rule = getattr(args, "kv_format", None), getattr(args, "scale_rule", None)
     kv = config_lib.from_config(kv_config.KVCacheConfig, run.kvcache)
@@ -240,9 +241,10 @@ def kv_format(args: argparse.Namespace, run: ml_collections.ConfigDict) -> tuple
             f"({why}); allowed: --scale-rule with --kv-format in {ruled} (or a run whose kvcache.format is one), "
             "or no --scale-rule"
         )
-    kv = dataclasses.replace(kv, format=name, scale_rule=given_rule or kv.scale_rule)
+    kv = kv_config.with_format(kv, name)
+    kv = dataclasses.replace(kv, scale_rule=given_rule or kv.scale_rule)
     head_dim = schema.model_config(run).head_dim
-    fits = [n for n in formats.NAMES if _holds(kv_config.make_format(dataclasses.replace(kv, format=n)), head_dim)]
+    fits = [n for n in formats.NAMES if _holds(kv_config.make_format(kv_config.with_format(kv, n)), head_dim)]
     fmt = kv_config.make_format(kv)
     try:
         fmt.check_head_dim(head_dim)

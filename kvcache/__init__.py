@@ -2,7 +2,8 @@
 (the KV library), and a serving runtime with prefix caching (`kvcache.serving`). docs/kvcache.md.
 
     from kvcache import formats, PagedPool, decode_attention, unified_attention
-    fmt = formats.get("fp4")                       # or "bf16", "fp8"; fp4 takes scale_rule="mse" | "mx"
+    fmt = formats.get("fp4")                       # or "bf16", "fp8", "nvfp4", "k8v4" (formats.get documents
+                                                   # each one's options: grid=, scale_rule=, select=, ...)
     pool = PagedPool.create(fmt, num_layers=L, num_kv_heads=K, head_dim=D, memory_bytes=2**30)
 """
 

@@ -10,8 +10,9 @@ of lengths 1, bs - 1, bs, bs + 1 and 5 bs + 3 mixing decode tokens, a 3-token ch
 20-token chunk. Every call goes through a module-level `jax.jit`, so tests that share a shape share its compilation.
 
 The full matrix is marked `slow` (`pytest -m slow tests/test_kvcache_attention.py` runs it; experiments/bench/gpu.sh
-runs every case, compiled on a GPU): every format at head dims 64, 128 and 256 with GQA 1, 4 and 8, each at 1 and 3
-partitions; split-KV decode of up to 19 blocks at 1, 2, 7 and the automatic partition count (the kernel and the XLA
+runs every case, compiled on a GPU): bf16, fp8 and fp4 at head dims 64, 128 and 256 with GQA 1, 4 and 8, the other
+formats at one more head dim each, each at 1 and 3 partitions; split-KV decode of up to 19 blocks at 1, 2, 7 and the
+automatic partition count (the kernel and the XLA
 loop); every format through the decode kernel.
 """
 
@@ -29,6 +30,10 @@ FORMATS = {
     "fp4": formats.get("fp4"),
     "fp4-mx-norot": formats.get("fp4", scale_rule="mx", rotate_k=False),
     "fp4-symmetric": formats.get("fp4", rotate_v=True),
+    "fp4-e1m2": formats.get("fp4", grid="e1m2"),
+    "nvfp4": formats.get("nvfp4"),
+    "nvfp4-4over6": formats.get("nvfp4", select="4over6"),
+    "k8v4": formats.get("k8v4"),
 }
 BS = 16
 # Sequence lengths 1, bs - 1, bs, bs + 1 and many blocks in one batch; query chunks of decode (1) and prefill
@@ -43,16 +48,28 @@ CASES = {
     "fp4": (128, 2, 2, 2),  # two packed 32-byte chunks per row (groups c and c + 2), two partitions
     "fp4-mx-norot": (64, 8, 1, 1),  # the mx scale rule, K unrotated, GQA 8
     "fp4-symmetric": (64, 2, 2, 3),  # V rotated: the output is rotated back after the partition merge
+    "fp4-e1m2": (64, 1, 2, 2),  # the uniform grid's arithmetic decode
+    "nvfp4": (64, 4, 1, 1),  # E4M3 scales per 16 applied to the values
+    "nvfp4-4over6": (128, 2, 2, 2),  # "4 over 6" selection, two packed chunks per row
+    "k8v4": (64, 2, 2, 3),  # per-token K scales, per-group V scales
 }
-# The decode kernel (tile 1) for the kernel's three decoders; the fp4 variants differ from "fp4" only in the bytes
-# written and in the query / output rotations outside the kernel.
-DECODE_FORMATS = ["bf16", "fp8", "fp4"]
+# The decode kernel (tile 1) for each way its K and V are decoded (plain, per-token scales, UE8M0 group scales,
+# E4M3 block scales, mixed); the other fp4 variants differ from "fp4" only in the bytes written, the grid's decode
+# arithmetic and the query / output rotations outside the kernel.
+DECODE_FORMATS = ["bf16", "fp8", "fp4", "nvfp4-4over6", "k8v4"]
 # The full matrix: every format at every head dim, GQA 1, 4 and 8 spread over them, at 1 and 3 partitions.
 _FULL_CASES = [
     (n, d, g)
     for i, (n, d) in enumerate((n, d) for n in ("bf16", "fp8", "fp4") for d in (64, 128, 256))
     for g in [(1, 4, 8)[i % 3]]
-] + [("fp4-mx-norot", 64, 4), ("fp4-symmetric", 128, 2)]
+] + [
+    ("fp4-mx-norot", 64, 4),
+    ("fp4-symmetric", 128, 2),
+    ("fp4-e1m2", 256, 4),
+    ("nvfp4", 256, 8),
+    ("nvfp4-4over6", 64, 1),
+    ("k8v4", 128, 8),
+]
 _CASE_ROWS = [(n, *c) for n, c in CASES.items()]
 UNIFIED_CASES = _CASE_ROWS + [
     pytest.param(*case, marks=pytest.mark.slow)

@@ -18,6 +18,8 @@ def _per_head_per_layer(name, d):
         "bf16": 2 * 2 * d,  # K and V, 2 bytes each
         "fp8": 2 * (d + 4),  # K and V: one byte per element and one float32 scale
         "fp4": 2 * (d // 2 + d // 32),  # K and V: two codes per byte, one scale byte per 32 elements
+        "nvfp4": 2 * (d // 2 + d // 16),  # K and V: two codes per byte, one E4M3 scale byte per 16 elements
+        "k8v4": (d + 4) + (d // 2 + d // 32),  # K as fp8's, V as fp4's
     }[name]
 
 

@@ -12,7 +12,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 from core import lowbit
-from kvcache import PagedPool, capacity, decode_attention, formats
+from kvcache import PagedPool, capacity, codecs, decode_attention, formats
 from kvcache import write as kv_write
 
 LEVELS = np.array(formats.E2M1_LEVELS)
@@ -214,26 +214,30 @@ def test_bad_input_is_named():
 
 
 def test_a_new_format_is_one_definition_and_its_registration():
-    """A format defined and registered here (float32 K and V, no scales) is served by name with nothing else changed:
-    `get`, the capacity planner, the paged pool, quantise-on-write and decode attention, through the XLA reference
-    and through the Pallas kernels (which read its `kernel_groups` default and its `kernel_write`)."""
+    """A format defined and registered here (a float32 codec for K and V, no scales) is served by name with nothing
+    else changed: `get`, the capacity planner, the paged pool, quantise-on-write and decode attention, through the XLA
+    reference and through the Pallas kernels (which read the codec's `kernel_groups` default and its
+    `kernel_write`)."""
+
+    class Float32(codecs.Codec):
+        def fields(self, prefix, num_kv_heads, head_dim):
+            return {prefix: ((num_kv_heads, head_dim), jnp.float32)}
+
+        def encode(self, prefix, x):
+            return {prefix: x.astype(jnp.float32)}
+
+        def decode(self, fields, prefix):
+            return fields[prefix]
+
+        def kernel_write(self, outs, prefix, row, blk, h, off, head_dim):
+            outs[prefix][blk, h, pl.ds(off, 1), :] = row()
 
     @dataclasses.dataclass(frozen=True)
     class F32(formats.Format):
         name: ClassVar[str] = "f32-test"
-        key_field: ClassVar[str] = "k"
 
-        def fields(self, num_kv_heads, head_dim):
-            return {"k": ((num_kv_heads, head_dim), jnp.float32), "v": ((num_kv_heads, head_dim), jnp.float32)}
-
-        def _encode(self, k, v):
-            return {"k": k.astype(jnp.float32), "v": v.astype(jnp.float32)}
-
-        def dequantize(self, fields, *, rotated=False):
-            return fields["k"], fields["v"]
-
-        def kernel_write(self, outs, prefix, row, blk, h, off, head_dim):
-            outs[prefix][blk, h, pl.ds(off, 1), :] = row()
+        def codecs(self):
+            return Float32(), Float32()
 
     formats.register(F32)
     try:

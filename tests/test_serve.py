@@ -197,7 +197,11 @@ MIN_MIB = BF16_BLOCK_BYTES / 2**20  # 0.0078125: one bf16 block of CFG, 16 token
         ({"sites": 2}, ["--site=2"], ["--site=2", "mesh.site = 2", "allowed --site in 0..1"]),
         # a format the model's heads do not fit, the scale rule without fp4 (given, or the run's format)
         ({"model": NARROW}, ["--kv-format=fp4"], ["--kv-format=fp4", "head_dim = 8", "['bf16', 'fp8']"]),
-        ({}, ["--scale-rule=mx", "--kv-format=fp8"], ["--scale-rule=mx", "fp4 KV format only", "fp8 (--kv-format"]),
+        (
+            {},
+            ["--scale-rule=mx", "--kv-format=fp8"],
+            ["--scale-rule=mx", "fp4/k8v4 KV format only", "fp8 (--kv-format"],
+        ),
         ({"kvcache": {"format": "fp8"}}, ["--scale-rule=mse"], ["--scale-rule=mse", "the run's kvcache.format"]),
     ],
 )
@@ -335,6 +339,14 @@ def test_the_smallest_pool_serves_a_request_that_fills_it(capsys, scripted, monk
             "--scale-rule overrides)",
         ),
         ({}, ["--kv-format=fp4", "--scale-rule=mx"], "fp4 (mx)", "fp4 (--kv-format), scale rule mx (--scale-rule)"),
+        # the run's fp4 options do not apply to the format a flag picks
+        ({"format": "fp4", "grid": "int4", "rotate_k": False}, ["--kv-format=fp8"], "fp8", "fp8 (--kv-format)"),
+        (
+            {"format": "nvfp4", "select": "4over6"},
+            [],
+            "nvfp4 (4over6)",
+            "nvfp4 (the run's kvcache.format; --kv-format overrides)",
+        ),
     ],
 )
 def test_the_kv_format_is_the_runs_unless_a_flag_says_otherwise(capsys, scripted, kvcache, args, label, line):
@@ -507,7 +519,7 @@ def test_a_tensor_parallel_run_loads_and_serves_on_one_device(tmp_path, capsys, 
         (["--kv-memory-mib=0.0001"], ["--kv-memory-mib=0.0001 holds no KV block"]),
         (["--chat-template=missing.jinja"], ["--chat-template='missing.jinja' cannot be read"]),
         (["--chat-template=bad.jinja"], ["the chat template from bad.jinja does not compile"]),
-        (["--scale-rule=mx"], ["--scale-rule=mx applies to the fp4 KV format only"]),
+        (["--scale-rule=mx"], ["--scale-rule=mx applies to the fp4/k8v4 KV format only"]),
     ],
 )
 def test_http_flags_are_refused_before_anything_loads(capsys, a_run, nothing_loads, args, needles):

@@ -1,15 +1,16 @@
-"""Long-context decode: time per step against context length for bf16, fp8 and fp4 KV caches, and the bytes each
-step reads against the copy bandwidth measured in the same run.
+"""Long-context decode: time per step against context length per KV format (bf16, fp8 and fp4 by default;
+`--formats` adds nvfp4, k8v4), and the bytes each step reads against the copy bandwidth measured in the same run.
 
-    python -m experiments.bench.decode [--contexts 1024,4096,...] [--repeats 5] [--out runs/bench]
+    python -m experiments.bench.decode [--contexts 1024,4096,...] [--formats bf16,fp8,fp4] [--repeats 5]
+        [--out runs/bench]
 
 One attention layer of the spec's model (kvcache.md: 2 KV heads, head dim 256; 16 query heads, so GQA 8), batch 1,
 one new token per step over a paged cache (block size 16, blocks in shuffled order) holding `context` tokens,
 `kvcache.decode_attention` per format, without split-KV (`implementation="xla"`: gather the sequence's blocks,
 dequantise, one softmax) and with it (`"xla_split"`: partitions of 64 blocks visited in turn, merged by log-sum-exp).
-Reported per step: median milliseconds; KV bytes read (the stored bytes of
-`context` tokens: 4 D B per token and head for bf16, 2 D + 8 for fp8, D + D / 16 for fp4); effective bandwidth =
-KV bytes / time, against a jitted copy of a 256 MiB buffer (read + write bytes / time).
+Reported per step: median milliseconds; KV bytes read (the stored bytes of `context` tokens: 4 D B per token and
+head for bf16, 2 D + 8 for fp8, D + D / 16 for fp4, D + D / 8 for nvfp4); effective bandwidth = KV bytes / time,
+against a jitted copy of a 256 MiB buffer (read + write bytes / time).
 
 On a GPU the Pallas split-KV kernel (`implementation="pallas"`) is timed too, against the decode goal at 128K
 (docs/kvcache.md: fp4 at least 2.5x faster than bf16 and at least 60% of the copy bandwidth). On a CPU Pallas
@@ -61,7 +62,7 @@ def implementations() -> tuple[str, ...]:
     return IMPLEMENTATIONS + (("pallas",) if jax.default_backend() == "gpu" else ())
 
 
-def run(contexts: list[int], repeats: int) -> dict:
+def run(contexts: list[int], repeats: int, names: tuple[str, ...] = FORMATS) -> dict:
     """Per context: every (format, implementation) and a 256 MiB copy, timed in interleaved rounds (one call of
     each per round), so a drift of the machine's speed hits all of them and the copy bandwidth they are compared
     with is measured at the same time."""
@@ -75,7 +76,7 @@ def run(contexts: list[int], repeats: int) -> dict:
         seq_lens = jnp.asarray([context], jnp.int32)
         calls: dict[tuple[str, str], Callable[[], object]] = {copy_key: functools.partial(copy, buffer)}
         kv_bytes = {}
-        for name in FORMATS:
+        for name in names:
             fmt = formats.get(name)
             fields, table = filled_pool(fmt, context)
             kv_bytes[name] = context * fmt.bytes_per_token(NUM_KV_HEADS, HEAD_DIM)
@@ -113,6 +114,7 @@ def run(contexts: list[int], repeats: int) -> dict:
             "batch": 1,
         },
         "copy_gb_per_s": {str(c): b / 1e9 for c, b in copies.items()},
+        "formats": list(names),
         "rows": rows,
     }
 
@@ -122,6 +124,7 @@ def markdown(result: dict) -> str:
     GPU the Pallas section."""
     rows, contexts = result["rows"], sorted({r["context"] for r in result["rows"]})
     by = {(r["context"], r["format"], r["implementation"]): r for r in rows}
+    names = tuple(result.get("formats", FORMATS))
     timed_pallas = any(r["implementation"] == "pallas" for r in rows)
     lines = [
         "# Long-context decode, one attention layer",
@@ -137,15 +140,15 @@ def markdown(result: dict) -> str:
         ),
         "",
         "| context | "
-        + " | ".join(f"{f} ms (no split / split) | {f} GB/s (of copy)" for f in FORMATS)
+        + " | ".join(f"{f} ms (no split / split) | {f} GB/s (of copy)" for f in names)
         + " | fp4 / bf16 time (split) | copy GB/s |",
-        "|---|" + "---|---|" * len(FORMATS) + "---|---|",
+        "|---|" + "---|---|" * len(names) + "---|---|",
     ]
     for c in contexts:
         cells = [
             f"{by[c, f, 'xla']['ms']:.2f} / {by[c, f, 'xla_split']['ms']:.2f} | "
             f"{by[c, f, 'xla_split']['gb_per_s']:.2f} ({100 * by[c, f, 'xla_split']['of_copy']:.0f}%)"
-            for f in FORMATS
+            for f in names
         ]
         ratio = by[c, "fp4", "xla_split"]["ms"] / by[c, "bf16", "xla_split"]["ms"]
         lines.append(f"| {c:,} | " + " | ".join(cells) + f" | {ratio:.2f}x | {result['copy_gb_per_s'][str(c)]:.2f} |")
@@ -157,27 +160,27 @@ def markdown(result: dict) -> str:
             "> 1 = a cliff):",
         ]
         for impl in IMPLEMENTATIONS:
-            growth = {f: (by[last, f, impl]["ms"] / by[first, f, impl]["ms"]) / (last / first) for f in FORMATS}
+            growth = {f: (by[last, f, impl]["ms"] / by[first, f, impl]["ms"]) / (last / first) for f in names}
             lines.append(f"- {impl}: " + ", ".join(f"{f} {g:.2f}" for f, g in growth.items()))
     if timed_pallas:
-        lines += pallas_markdown(by, contexts)
+        lines += pallas_markdown(by, contexts, names)
     return "\n".join(lines) + "\n"
 
 
-def pallas_markdown(by: dict, contexts: list[int]) -> list[str]:
+def pallas_markdown(by: dict, contexts: list[int], names: tuple[str, ...] = FORMATS) -> list[str]:
     """The Pallas split-KV decode kernel per format, and the GPU goals for fp4 (GPU_GOAL)."""
     lines = [
         "",
         "Pallas split-KV decode kernel (compiled, not interpreted):",
         "",
-        "| context | " + " | ".join(f"{f} ms (GB/s, of copy)" for f in FORMATS) + " | bf16 / fp4 time |",
-        "|---|" + "---|" * len(FORMATS) + "---|",
+        "| context | " + " | ".join(f"{f} ms (GB/s, of copy)" for f in names) + " | bf16 / fp4 time |",
+        "|---|" + "---|" * len(names) + "---|",
     ]
     for c in contexts:
         cells = [
             f"{by[c, f, 'pallas']['ms']:.3f} ({by[c, f, 'pallas']['gb_per_s']:.0f}, "
             f"{100 * by[c, f, 'pallas']['of_copy']:.0f}%)"
-            for f in FORMATS
+            for f in names
         ]
         ratio = by[c, "bf16", "pallas"]["ms"] / by[c, "fp4", "pallas"]["ms"]
         lines.append(f"| {c:,} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
@@ -198,14 +201,15 @@ def pallas_markdown(by: dict, contexts: list[int]) -> list[str]:
 def plot(result: dict, path: str) -> None:
     """decode.png: ms per step against context (log-log) and the split paths' bandwidth against the copy's; colour
     = KV format, line style = implementation, one legend under both panels; the command in the title."""
-    color = plotting.colors(FORMATS)
+    names = tuple(result.get("formats", FORMATS))
+    color = plotting.colors(names)
     styles = dict(zip(IMPLEMENTATIONS + ("pallas",), ("--", "-", ":")))
     m = result["machine"]
     title = f"{result['command']}  ({m['device']}, {m['cpu_count']} cores)"
     with plotting.figure(path, size=(11, 4.4), ncols=2, legend_below=True, legend_columns=8, title=title) as axes:
         ax1, ax2 = axes
         drawn = set()
-        for f in FORMATS:
+        for f in names:
             for impl, style in styles.items():
                 rs = [r for r in result["rows"] if r["format"] == f and r["implementation"] == impl]
                 if not rs:
@@ -215,7 +219,7 @@ def plot(result: dict, path: str) -> None:
                 ax1.loglog(xs, [r["ms"] for r in rs], "o" + style, color=color[f], ms=4)
                 if impl != "xla":
                     ax2.semilogx(xs, [r["gb_per_s"] for r in rs], "o" + style, color=color[f], ms=4)
-        for f in FORMATS:  # the legend: colour = format, line style = implementation
+        for f in names:  # the legend: colour = format, line style = implementation
             ax1.plot([], [], "o", color=color[f], label=f"{f} KV")
         for impl in (i for i in styles if i in drawn):
             ax1.plot([], [], styles[impl], color="gray", label=f"{impl} ({styles[impl]})")
@@ -230,6 +234,20 @@ def plot(result: dict, path: str) -> None:
         ax2.set_ylim(bottom=0)
 
 
+def _format_names(text: str) -> tuple[str, ...]:
+    """--formats: comma-separated names of kvcache.formats, bf16 and fp4 among them (the ratios compare them)."""
+    import argparse
+
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in formats.NAMES]
+    if unknown or not {"bf16", "fp4"} <= set(names):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: unknown {unknown} or without bf16 and fp4; allowed: names from {list(formats.NAMES)}, "
+            "bf16 and fp4 among them"
+        )
+    return names
+
+
 def main(argv=None) -> None:
     """The command line: see the module docstring, or --help."""
     parser = common.parser(__doc__, module="experiments.bench.decode", topic="bench", repeats=5)
@@ -239,8 +257,14 @@ def main(argv=None) -> None:
         default=",".join(map(str, CONTEXTS)),
         help="context lengths to time, in tokens: comma-separated integers >= 1",
     )
+    parser.add_argument(
+        "--formats",
+        type=_format_names,
+        default=",".join(FORMATS),
+        help=f"KV formats to time, comma-separated, with bf16 and fp4 among them; allowed: {','.join(formats.NAMES)}",
+    )
     args = parser.parse_args(argv)
-    result = {"command": common.command(parser, args), **run(args.contexts, args.repeats)}
+    result = {"command": common.command(parser, args), **run(args.contexts, args.repeats, args.formats)}
     write_results(args.out, "decode", result, markdown)
     plot(result, os.path.join(args.out, "decode.png"))
 

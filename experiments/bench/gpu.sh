@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything GPU-specific in one run, about 9 minutes in all (each part has its own time limit, so one that hangs
+# Everything GPU-specific in one run, about 10 minutes in all (each part has its own time limit, so one that hangs
 # or fails leaves the others' results):
 #   1. the Pallas kernel tests compiled for the GPU (JAX_PLATFORMS=cuda, so interpret=False) against their XLA
 #      references, the full matrix (the cases marked slow as well; the CPU suite interprets representative cases
@@ -7,8 +7,8 @@
 #      NaN/Inf-poisoned pools that must give bit-identical outputs. Their tolerances are float32's, so they run
 #      with JAX_DEFAULT_MATMUL_PRECISION=highest (IEEE products in the kernel and in XLA; by default both take
 #      TF32 on a GPU, about 1e-3 relative for the bf16 and fp8 formats' queries);
-#   2. `experiments.bench.decode`, 1K-262K tokens, with the Pallas split-KV kernel timed beside the XLA paths and
-#      the decode goal at 128K checked (fp4 >= 2.5x faster than bf16, >= 60% of the copy bandwidth; docs/kvcache.md);
+#   2. `experiments.bench.decode`, 1K-262K tokens, every KV format, with the Pallas split-KV kernel timed beside
+#      the XLA paths and the decode goal at 128K checked (fp4 >= 2.5x faster than bf16, >= 60% of the copy bandwidth; docs/kvcache.md);
 #   3. `experiments.bench.quant`: train step per 4-bit recipe against BF16.
 #
 # What it needs: a machine with a CUDA GPU (written for one H200) and Python 3.12 with jax[cuda] 0.11, flax, optax,
@@ -44,5 +44,5 @@ part environment 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_ver
   python3 -c "import jax; print(jax.__version__, jax.devices())"'
 part kernel-tests 200 env JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest \
   python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_kvcache_attention.py
-part decode-bench 180 python3 -m experiments.bench.decode --out "$out"
+part decode-bench 240 python3 -m experiments.bench.decode --out "$out" --formats bf16,fp8,fp4,nvfp4,k8v4
 part quant-bench 120 python3 -m experiments.bench.quant --out "$out"

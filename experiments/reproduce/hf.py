@@ -1,5 +1,5 @@
 """Real-model interoperability end to end: a BPE tokenizer and a Qwen3-MoE-shaped model trained here, exported as a
-Hugging Face checkpoint, reloaded from the exporter's own files, and served through bf16 / fp8 / fp4 KV caches.
+Hugging Face checkpoint, reloaded from the exporter's own files, and served through the KV formats (bf16, fp8, 4-bit).
 
     python -m experiments.reproduce.hf [--out runs/hf] [--steps 700] [--vocab-size 1024]
 
@@ -43,7 +43,17 @@ SHAPE = [  # the quickstart MoE as Qwen3-MoE writes it, trained on one device
     "--config.moe.expert_mlp=swiglu",
     "--config.model.qk_norm=True",
 ]
-KV_VARIANTS = ("bf16", "fp8", "fp4 (UltraQuant: mse, K rotated)", "fp4 mx, K rotated")
+KV_VARIANTS = (  # labels of experiments.reproduce.kvcache.VARIANTS
+    "bf16",
+    "fp8",
+    "fp4 (UltraQuant: mse, K rotated)",
+    "fp4 mx, K rotated",
+    "fp4 e1m2 (uniform grid), mse, K rotated",
+    "fp4 e1m2 (uniform grid), mx, K rotated",
+    "nvfp4 (E4M3 per 16, max)",
+    "nvfp4 (E4M3 per 16, 4 over 6)",
+    "k8v4 (fp8 K, fp4 mse V)",
+)
 EVAL_BATCHES = 4  # held-out batches of 8 x 256 tokens read through each KV format
 
 

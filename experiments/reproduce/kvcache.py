@@ -12,12 +12,16 @@ quality: attention-output relative error ||o_fmt - o|| / ||o|| against float32 a
 (all causal positions of 8 held-out sequences x 256 tokens, every layer; q, k, v recorded from the model's own
 forward), and on synthetic K with outlier channels (2 of 128 channels x 20, 4 x 1024 tokens, 2 KV heads, GQA 4).
 Formats: bf16; fp8; fp4 with both scale rules, with and without K rotation, symmetric (K and V rotated) against
-UltraQuant's asymmetric treatment (only K), and with the query in fp32 instead of FP8 -> quality.md/json/png.
+UltraQuant's asymmetric treatment (only K), and with the query in fp32 instead of FP8; fp4 on the uniform E1M2 grid
+(INT4 stores the same values: kvcache.codecs); NVFP4 (E4M3 scales per 16, "max" and "4 over 6"); K8V4 (fp8 keys,
+fp4 values). Beside the errors, the gains <a_fmt, a> / <a, a> of the scores (K side) and of the values (V side): a
+gain below 1 is the shrinkage UFP4 (arXiv 2606.20381) attributes to E2M1's nonuniform grid -> quality.md/json/png.
 
 perplexity: the model reads each held-out sequence through a KV cache the way a server would: a 32-token prefill,
 then one token per step (each token's K/V quantised on write; decode attention over the cache); cross-entropy of
-every next-token prediction -> held-out loss and perplexity per format, beside the uncached float32 forward
--> perplexity.md/json.
+every next-token prediction -> held-out loss and perplexity per format, beside the uncached float32 forward, with
+the standard error over sequences of each format's loss difference to the uncached forward and to fp4 UltraQuant
+(paired: the same sequences) -> perplexity.md/json.
 
 capacity: tokens a KV budget holds and the concurrency vLLM would report at 262K context for the spec's model (10
 full-attention layers, 2 KV heads, head dim 256) at the spec's 14.5 GiB budget -> capacity.md/json.
@@ -50,7 +54,15 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # label -> (format name, op
     "fp4 mx, no rotation": ("fp4", {"scale_rule": "mx", "rotate_k": False}),
     "fp4 mse, symmetric (K and V rotated)": ("fp4", {"rotate_v": True}),
     "fp4 mse, K rotated, fp32 query": ("fp4", {"fp8_query": False}),
+    "fp4 e1m2 (uniform grid), mse, K rotated": ("fp4", {"grid": "e1m2"}),
+    "fp4 e1m2 (uniform grid), mx, K rotated": ("fp4", {"grid": "e1m2", "scale_rule": "mx"}),
+    "fp4 e1m2 (uniform grid), mx, no rotation": ("fp4", {"grid": "e1m2", "scale_rule": "mx", "rotate_k": False}),
+    "nvfp4 (E4M3 per 16, max)": ("nvfp4", {}),
+    "nvfp4 (E4M3 per 16, 4 over 6)": ("nvfp4", {"select": "4over6"}),
+    "k8v4 (fp8 K, fp4 mse V)": ("k8v4", {}),
+    "k8v4 (fp8 K, fp4 mx V)": ("k8v4", {"scale_rule": "mx"}),
 }
+ULTRAQUANT = "fp4 (UltraQuant: mse, K rotated)"
 
 
 def trained_model(out: str):
@@ -82,9 +94,10 @@ def _fmt(label: str):
 # ----------------------------------------------------------------------------------------------------- quality
 
 
-def attention_error(q, k, v, fmt) -> tuple[float, float]:
-    """(||o_fmt - o|| / ||o|| of causal GQA attention, ||s_fmt - s|| / ||s|| of its scores q.k: the K side alone);
-    q [B, T, H, D], k, v [B, T, K, D] (float32)."""
+def attention_error(q, k, v, fmt) -> dict[str, float]:
+    """{"output": ||o_fmt - o|| / ||o|| of causal GQA attention, "scores": ||s_fmt - s|| / ||s|| of its scores q.k
+    (the K side alone), "score_gain": <s_fmt, s> / <s, s>, "value_gain": <v_fmt, v> / <v, v>}; q [B, T, H, D],
+    k, v [B, T, K, D] (float32)."""
     import jax
     import jax.numpy as jnp
 
@@ -95,12 +108,20 @@ def attention_error(q, k, v, fmt) -> tuple[float, float]:
         g = q.shape[2] // k.shape[2]
         return jnp.einsum("bthd,bshd->bhts", q, jnp.repeat(k, g, axis=2), precision=jax.lax.Precision.HIGHEST)
 
-    k_hat, v_hat = fmt.dequantize(fmt.quantize(k, v), rotated=True)
+    fields = fmt.quantize(k, v)
+    k_hat, v_hat = fmt.dequantize(fields, rotated=True)
     q_hat = fmt.prepare_query(q)
     exact, approx = attend(q, k, v), fmt.finish_output(attend(q_hat, k_hat, v_hat))
     s, s_hat = scores(q, k), scores(q_hat, k_hat)
     rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))  # noqa: E731
-    return rel(approx, exact), rel(s_hat, s)
+    gain = lambda a, b: float(jnp.vdot(a, b) / jnp.vdot(b, b))  # noqa: E731
+    v_back = fmt.dequantize(fields)[1]
+    return {
+        "output": rel(approx, exact),
+        "scores": rel(s_hat, s),
+        "score_gain": gain(s_hat, s),
+        "value_gain": gain(v_back, v),
+    }
 
 
 class RecordingCache:
@@ -165,26 +186,28 @@ def quality(out: str, command: str) -> None:
     """quality.md/json/png: attention-output error per format on the model's own and on synthetic q, k, v."""
     config, model = trained_model(out)
     layers = model_qkv(config, model)
-    synthetic = synthetic_qkv()
+    synthetic_inputs = synthetic_qkv()
     rows = []
     for label in VARIANTS:
         fmt = _fmt(label)
         per_layer = [attention_error(q, k, v, fmt) for q, k, v in layers]
-        synthetic_error, synthetic_score_error = attention_error(*synthetic, fmt)
+        synthetic = attention_error(*synthetic_inputs, fmt)
         rows.append(
             {
                 "format": label,
                 "bytes_per_token_head_d128": fmt.bytes_per_token(1, 128),
-                "model_error": float(np.mean([e for e, _ in per_layer])),
-                "model_error_per_layer": [e for e, _ in per_layer],
-                "model_score_error": float(np.mean([e for _, e in per_layer])),
-                "synthetic_error": synthetic_error,
-                "synthetic_score_error": synthetic_score_error,
+                "model_error": float(np.mean([e["output"] for e in per_layer])),
+                "model_error_per_layer": [e["output"] for e in per_layer],
+                "model_score_error": float(np.mean([e["scores"] for e in per_layer])),
+                "model_score_gain": float(np.mean([e["score_gain"] for e in per_layer])),
+                "model_value_gain": float(np.mean([e["value_gain"] for e in per_layer])),
+                "synthetic_error": synthetic["output"],
+                "synthetic_score_error": synthetic["scores"],
             }
         )
         print(
             f"{label}: model {rows[-1]['model_error']:.4f} (scores {rows[-1]['model_score_error']:.4f}), "
-            f"synthetic {synthetic_error:.4f} (scores {synthetic_score_error:.4f})",
+            f"synthetic {synthetic['output']:.4f} (scores {synthetic['scores']:.4f})",
             flush=True,
         )
     result = {"command": command, "rows": rows}
@@ -201,18 +224,19 @@ def quality_markdown(result: dict) -> str:
         "over every position: the trained quickstart model's own q, k, v (8 held-out sequences x 256 tokens; "
         "mean over its 4 layers; 1 KV head of dim 64, 2 query heads), and synthetic K with 2 of 128 channels "
         "x 20 (4 x 1024 tokens, 2 KV heads, GQA 4). In brackets: the relative error of the scores q.k alone "
-        "(the K side: rotation and the FP8 query act there; V's error adds to the output's).",
+        "(the K side: rotation and the FP8 query act there; V's error adds to the output's). Gains on the trained "
+        "model: <s_fmt, s> / <s, s> of the scores and <v_fmt, v> / <v, v> of the values (1 = no shrinkage).",
         "",
         "| format | bytes / token / head (D = 128) | trained model: output (scores) | per layer | "
-        "synthetic outliers: output (scores) |",
-        "|---|---|---|---|---|",
+        "score gain | value gain | synthetic outliers: output (scores) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         per = " / ".join(f"{e:.4f}" for e in r["model_error_per_layer"])
         lines.append(
             f"| {r['format']} | {r['bytes_per_token_head_d128']} | {r['model_error']:.4f} "
-            f"({r['model_score_error']:.4f}) | {per} | {r['synthetic_error']:.4f} "
-            f"({r['synthetic_score_error']:.4f}) |"
+            f"({r['model_score_error']:.4f}) | {per} | {r['model_score_gain']:.4f} | {r['model_value_gain']:.4f} | "
+            f"{r['synthetic_error']:.4f} ({r['synthetic_score_error']:.4f}) |"
         )
     return "\n".join(lines) + "\n"
 
@@ -234,9 +258,9 @@ def quality_plot(result: dict, path: str) -> None:
 # -------------------------------------------------------------------------------------------------- perplexity
 
 
-def served_loss(model, tokens, cache_factory) -> float:
-    """Mean next-token cross-entropy of `tokens` [B, T + 1] read through a cache: a PREFILL-token prefill, then one
-    token per step (one jitted program)."""
+def served_loss(model, tokens, cache_factory) -> np.ndarray:
+    """Each sequence's mean next-token cross-entropy (float64 [B]) of `tokens` [B, T + 1] read through a cache: a
+    PREFILL-token prefill, then one token per step (one jitted program)."""
     import functools
 
     import jax
@@ -258,9 +282,14 @@ def served_loss(model, tokens, cache_factory) -> float:
         _, rest = jax.lax.scan(step, cache, inputs[:, PREFILL:].T)
         logits = jnp.concatenate([logits, rest.transpose(1, 0, 2)], axis=1)
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], axis=1)
 
-    return float(run(graphdef, state, cache_factory(tokens.shape[0], tokens.shape[1] - 1)))
+    return np.asarray(run(graphdef, state, cache_factory(tokens.shape[0], tokens.shape[1] - 1)), np.float64)
+
+
+def _paired_se(a: np.ndarray, b: np.ndarray) -> float:
+    """Standard error of mean(a - b) over paired per-sequence values."""
+    return float(np.std(a - b, ddof=1) / np.sqrt(len(a)))
 
 
 def perplexity(out: str, command: str, num_batches: int = 4) -> None:
@@ -280,11 +309,10 @@ def perplexity(out: str, command: str, num_batches: int = 4) -> None:
     def uncached(tokens):
         logits = model(jnp.asarray(tokens[:, :-1]))[0]
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        return float(-jnp.mean(jnp.take_along_axis(logp, jnp.asarray(tokens[:, 1:])[..., None], axis=-1)))
+        nll = -jnp.take_along_axis(logp, jnp.asarray(tokens[:, 1:])[..., None], axis=-1)[..., 0]
+        return np.asarray(jnp.mean(nll, axis=1), np.float64)
 
-    rows: list[dict[str, Any]] = [
-        {"format": "no cache (float32 forward)", "loss": float(np.mean([uncached(t) for t in val]))}
-    ]
+    per_sequence = {"no cache (float32 forward)": np.concatenate([uncached(t) for t in val])}
     factories = {"dense float32 cache": generate.dense_cache_factory(model, jnp.float32)}
     for label in VARIANTS:
         factories[label] = paged_cache_factory(
@@ -296,12 +324,25 @@ def perplexity(out: str, command: str, num_batches: int = 4) -> None:
         )
     for label, factory in factories.items():
         common.compiling(f"decoding through the {label} KV cache")
-        rows.append({"format": label, "loss": float(np.mean([served_loss(model, t, factory) for t in val]))})
-        print(f"{label}: held-out loss {rows[-1]['loss']:.4f}", flush=True)
-    base = rows[0]["loss"]
-    for r in rows:
-        r["perplexity"], r["bits_per_byte"] = float(np.exp(r["loss"])), r["loss"] / np.log(2)
-        r["delta_loss"] = r["loss"] - base
+        per_sequence[label] = np.concatenate([served_loss(model, t, factory) for t in val])
+        print(f"{label}: held-out loss {per_sequence[label].mean():.4f}", flush=True)
+    base, ultra = per_sequence["no cache (float32 forward)"], per_sequence[ULTRAQUANT]
+    rows: list[dict[str, Any]] = []
+    for label, losses in per_sequence.items():
+        loss = float(losses.mean())
+        rows.append(
+            {
+                "format": label,
+                "loss": loss,
+                "perplexity": float(np.exp(loss)),
+                "bits_per_byte": loss / np.log(2),
+                "delta_loss": loss - float(base.mean()),
+                "delta_loss_se": _paired_se(losses, base),
+                "vs_ultraquant": loss - float(ultra.mean()),
+                "vs_ultraquant_se": _paired_se(losses, ultra),
+                "bytes_per_token_head_d128": _fmt(label).bytes_per_token(1, 128) if label in VARIANTS else None,
+            }
+        )
     result = {
         "command": command,
         "rows": rows,
@@ -320,15 +361,19 @@ def perplexity_markdown(result: dict) -> str:
         f"`{result['command']}`. {result['num_sequences']} held-out "
         f"sequences x {result['seq_len']} byte-tokens, each read as a server would: a {result['prefill']}-token "
         "prefill, then one token per step, every token's K/V quantised on write (paged cache, split-KV decode "
-        "in XLA). Loss = mean next-token cross-entropy (nats); perplexity per byte = exp(loss).",
+        "in XLA). Loss = mean next-token cross-entropy (nats); perplexity per byte = exp(loss). Differences "
+        f"+- their standard error over the sequences (paired); the last column against {ULTRAQUANT}.",
         "",
-        "| KV cache | held-out loss | perplexity | bits per byte | loss - uncached |",
-        "|---|---|---|---|---|",
+        "| KV cache | bytes / token / head (D = 128) | held-out loss | perplexity | bits per byte | loss - uncached | "
+        "loss - fp4 UltraQuant |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
+        size = "" if r.get("bytes_per_token_head_d128") is None else str(r["bytes_per_token_head_d128"])
         lines.append(
-            f"| {r['format']} | {r['loss']:.4f} | {r['perplexity']:.4f} | {r['bits_per_byte']:.4f} | "
-            f"{r['delta_loss']:+.4f} |"
+            f"| {r['format']} | {size} | {r['loss']:.4f} | {r['perplexity']:.4f} | {r['bits_per_byte']:.4f} | "
+            f"{r['delta_loss']:+.4f} +- {r['delta_loss_se']:.4f} | "
+            f"{r['vs_ultraquant']:+.4f} +- {r['vs_ultraquant_se']:.4f} |"
         )
     return "\n".join(lines) + "\n"
 

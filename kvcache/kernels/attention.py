@@ -17,14 +17,18 @@ Formats are decoded in the kernel, 32 head-dim columns at a time, by the format'
 (`Format.kernel_groups`, `Format.kernel_token_scale`); the built-in ones:
   bf16 / fp8: the columns' values (fp8's per-token scale multiplies the scores and the probabilities);
   fp4: a 32-byte chunk of split-half packed codes gives two 32-column groups (low and high nibbles), decoded
-       arithmetically; the UE8M0 group scale multiplies that group's partial scores (K) or values (V).
+       arithmetically (E2M1, E1M2 or INT4); the UE8M0 group scale multiplies that group's partial scores (K) or
+       values (V);
+  nvfp4: fp4's chunks with two E4M3 scales per group, applied to its values (no group scale);
+  k8v4: K as fp8's, V as fp4's.
 
 Masked positions are excluded by selection inside the tiles already loaded, never by a zero weight alone. A
 program reads only the blocks its queries can see, but the last of them may end in slots past the sequence's length
 (its unused tail), and those hold arbitrary bytes: NaN or Inf after decoding (an fp8 NaN code or scale, fp4's
-scale byte 0xFF = 2^128). A probability of 0 does not remove them (0 * NaN = 0 * Inf = NaN), so: scores of
-invisible positions become -inf (`jnp.where`); the tail's value rows become 0 (bf16 / fp8: `jnp.where` on the
-decoded [bs, 32] columns; fp4: on the [bs] group scale, since its E2M1 codes are always finite); fp8's V scale
+scale byte 0xFF). A probability of 0 does not remove them (0 * NaN = 0 * Inf = NaN), so: scores of
+invisible positions become -inf (`jnp.where`); the tail's value rows become 0 (values without a group scale:
+`jnp.where` on the decoded [bs, 32] columns; with one (UE8M0): on the [bs] group scale, since 4-bit codes are always
+finite); fp8's V scale
 is selected the same way before it multiplies the probabilities. No extra pass over the cache: one select per
 element of a tile that is already in registers.
 
@@ -118,7 +122,7 @@ def _kernel(
             probs = probs * jnp.where(owned, v_scale[None, :], 0.0)
         acc = list(acc)
         for g, values, scale in fmt.kernel_groups(fields, "v", blk, h, head_dim):
-            # Selection, not 0 x value: the tail's rows become 0 (for fp4 via its scale; E2M1 codes are finite).
+            # Selection, not 0 x value: the tail's rows become 0 (via a group scale: 4-bit codes are finite).
             if scale is None:
                 v = jnp.where(owned_rows, values, 0.0)
             else:

@@ -5,9 +5,10 @@ rows of head h, quantises them in the format's stored form and stores them at sl
 offset of the pool (updated in place: the pool fields are aliased to the outputs). Negative slots are skipped.
 What a token row becomes is the format's `Format.kernel_write`; the built-in ones:
 
-fp4 (per 32-column group: UE8M0 scale by the format's rule, then E2M1 codes, ties to the even code, split-half
-packing: chunk c's bytes hold group c in the low and group c + D/64 in the high nibble). K's Hadamard rotation (and
-V's, if the format rotates it) is one [T, D] x [D, D] product in XLA before the kernel. fp8: one float32 scale
+fp4 (per 32-column group: UE8M0 scale by the format's rule, then 4-bit codes on its grid, ties to the even code,
+split-half packing: chunk c's bytes hold group c in the low and group c + D/64 in the high nibble); nvfp4 (the same
+codes and packing, an E4M3 scale per 16 columns by "max" or "4 over 6"). K's Hadamard rotation (and V's, if the
+format rotates it) is one [T, D] x [D, D] product in XLA before the kernel. fp8 (and k8v4's K): one float32 scale
 absmax / 448 per token and head. The element numerics (E2M1 codes, exact powers of two, E4M3 casts) are core.lowbit's,
 the same functions the XLA reference uses.
 """
