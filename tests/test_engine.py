@@ -66,7 +66,7 @@ def prompts_with_shared_prefix(seed=0):
     return [shared + rng.integers(0, 256, n).tolist() for n in (3, 30, 11)] + [rng.integers(0, 256, 7).tolist()]
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp4"])
+@pytest.mark.parametrize("name", ["bf16", "fp4", "nvfp4", "k8v4"])
 def test_interleaved_requests_equal_isolated_generation(model, name):
     """Four requests (shared prefix, lengths 7..67) with a 32-token budget: chunked prefills interleave with
     decodes of other requests, and every output equals the request's isolated greedy generation."""
