@@ -119,13 +119,13 @@ class Dense(nnx.Module):
 
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
         dot_general = self.precision.dot_general(self.path, layer_key(key, self.path))
-        x = x.astype(self.dtype)
+        lead = x.shape[:-1]
+        x = x.astype(self.dtype).reshape(-1, x.shape[-1])  # [M, in]: the weight gradient contracts one axis
         w = self.kernel.get_value().astype(self.dtype)
-        dims = (((x.ndim - 1,), (0,)), ((), ()))
-        y = dot_general(x, w, dims, preferred_element_type=jnp.float32)
+        y = dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         if hasattr(self, "bias"):  # added in float32, outside the (possibly low-precision) product
             y = y + self.bias.get_value().astype(jnp.float32)
-        return y.astype(self.dtype)
+        return y.astype(self.dtype).reshape(*lead, w.shape[1])
 
 
 class Norm(nnx.Module):
