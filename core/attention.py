@@ -13,13 +13,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal, Protocol, cast
+from typing import Literal, NamedTuple, Protocol, cast
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-__all__ = ["DenseKVCache", "KVCache", "RopeScaling", "causal_attention", "rope", "rope_frequencies"]
+__all__ = [
+    "DenseKVCache",
+    "KVCache",
+    "RopeScaling",
+    "Rotary",
+    "apply_rotary",
+    "causal_attention",
+    "rope",
+    "rope_frequencies",
+    "rotary",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,22 +61,33 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
     return inv_freq if scaling is None else scaling(inv_freq)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
-    """Rotary position embedding (Su et al. 2021), rotate-half form.
+class Rotary(NamedTuple):
+    """The rotation of every position: cos and sin [B, T, 1, D / 2] float32 of the angles pos * f_i. Computed once
+    per forward (`rotary`) and applied to every layer's queries and keys (`apply_rotary`): XLA:CPU evaluates sin and
+    cos one element at a time, so a table per layer and per projection cost more than the projections."""
 
-    Args:
-      x: [B, T, N, D] queries or keys, D even.
-      positions: [B, T] integer positions.
-      theta: base frequency; pair i rotates by angle pos * theta^(-2i/D) (`rope_frequencies`).
-      scaling: optional frequency scaling (Llama 3.1's `RopeScaling`).
-    Returns:
-      [B, T, N, D] in x's dtype: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with x1, x2 the two halves.
-    """
-    inv_freq = rope_frequencies(x.shape[-1], theta, scaling)
-    angle = positions.astype(jnp.float32)[..., None, None] * inv_freq  # [B, T, 1, D/2]
-    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    cos: jax.Array
+    sin: jax.Array
+
+
+def rotary(positions: jax.Array, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> Rotary:
+    """The `Rotary` of integer positions [B, T]: pair i of a head rotates by pos * theta^(-2i / head_dim)
+    (`rope_frequencies`, scaled by `scaling` if given)."""
+    angle = positions.astype(jnp.float32)[..., None, None] * rope_frequencies(head_dim, theta, scaling)
+    return Rotary(jnp.cos(angle), jnp.sin(angle))
+
+
+def apply_rotary(x: jax.Array, rot: Rotary) -> jax.Array:
+    """Rotary position embedding (Su et al. 2021), rotate-half form, of x [B, T, N, D] (D even) by `rot`:
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with x1, x2 the two halves; in x's dtype."""
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    cos, sin = rot
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
+    """`apply_rotary(x, rotary(positions, D, theta, scaling))`: x [B, T, N, D] rotated by its positions [B, T]."""
+    return apply_rotary(x, rotary(positions, x.shape[-1], theta, scaling))
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str | None = "xla") -> jax.Array:

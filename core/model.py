@@ -210,24 +210,18 @@ class Attention(nnx.Module):
             self.q_norm = Norm(hd, cfg, kind="rmsnorm", axis=None)
             self.k_norm = Norm(hd, cfg, kind="rmsnorm", axis=None)
         self.layer, self.num_heads, self.num_kv_heads, self.head_dim = layer, h, kv, hd
-        self.rope_theta, self.impl, self.shard = cfg.rope_theta, cfg.attention_impl, shard
-        self.rope_scaling = (
-            attention_lib.RopeScaling(
-                cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len
-            )
-            if cfg.rope_scaling == "llama3"
-            else None
-        )
+        self.impl, self.shard = cfg.attention_impl, shard
 
     def __call__(
         self,
         x: jax.Array,
-        positions: jax.Array,
+        rot: attention_lib.Rotary,
         *,
         key: jax.Array | None = None,
         cache: attention_lib.KVCache | None = None,
     ):
-        """x: [B, T, d_model], positions: [B, T]. Returns (y [B, T, d_model], cache)."""
+        """x: [B, T, d_model], rot: the positions' rotation (`attention_lib.rotary`, [B, T, 1, head_dim / 2]).
+        Returns (y [B, T, d_model], cache)."""
         b, t, _ = x.shape
         q, k = self.q(x, key=key), self.k(x, key=key)
         if self.qk_norm == "projection":
@@ -237,8 +231,7 @@ class Attention(nnx.Module):
         v = self.v(x, key=key).reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = attention_lib.rope(q, positions, self.rope_theta, self.rope_scaling)
-        k = attention_lib.rope(k, positions, self.rope_theta, self.rope_scaling)
+        q, k = attention_lib.apply_rotary(q, rot), attention_lib.apply_rotary(k, rot)
         q = self.shard(q, ("batch", "seq", "heads", None))
         k = self.shard(k, ("batch", "seq", "kv_heads", None))
         v = self.shard(v, ("batch", "seq", "kv_heads", None))
@@ -277,8 +270,8 @@ class Block(nnx.Module):
             self.ffn_out_norm = Norm(cfg.d_model, cfg)
         self.peri_ln, self.shard = cfg.peri_ln, shard
 
-    def __call__(self, x, positions, *, key=None, cache=None):
-        h, cache = self.attn(self.attn_norm(x), positions, key=key, cache=cache)
+    def __call__(self, x, rot, *, key=None, cache=None):
+        h, cache = self.attn(self.attn_norm(x), rot, key=key, cache=cache)
         x = x + (self.attn_out_norm(h) if self.peri_ln else h)
         h, aux = self.ffn(self.ffn_norm(x), key=key)
         x = x + (self.ffn_out_norm(h) if self.peri_ln else h)
@@ -333,6 +326,13 @@ class Transformer(nnx.Module):
                 cfg=cfg,
                 rngs=rngs,
             )
+        self.rope_scaling = (
+            attention_lib.RopeScaling(
+                cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len
+            )
+            if cfg.rope_scaling == "llama3"
+            else None
+        )
         self.cfg, self.precision, self.shard = cfg, precision, shard
 
     def __call__(
@@ -353,8 +353,9 @@ class Transformer(nnx.Module):
         sums: dict[str, jax.Array] = {}
         counts: dict[str, int] = {}
         per_layer: dict[str, list[jax.Array]] = {}
+        rot = attention_lib.rotary(positions, self.cfg.head_dim, self.cfg.rope_theta, self.rope_scaling)
         for block in self.blocks:
-            x, block_aux, cache = block(x, positions, key=key, cache=cache)
+            x, block_aux, cache = block(x, rot, key=key, cache=cache)
             for name, value in block_aux.items():
                 if jnp.ndim(value):  # an intermediate (a MoE layer's routes): kept per layer, on request only
                     per_layer.setdefault(name, []).append(value)

@@ -1,6 +1,8 @@
 """MoE: the grouped matmul, routers, dropless and capacity dispatch against float64 references written from the
 formulas (a loop over experts), expert parallelism on 8 devices against one device, and bad configs."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,9 +14,10 @@ from core import hlo
 from core import mesh as mesh_lib
 from core import train as train_lib
 from core.config import ConfigError
-from core.model import TransformerConfig, split_params
+from core.model import DefaultPrecision, TransformerConfig, split_params
 from experiments import build, schema
 from moe import MoE, MoEConfig, dispatch, grouped_matmul, load_balance_loss, route, routing_stats, z_loss
+from moe.grouped_matmul import GroupedMatmulFn
 from moe.router import Routing
 
 from helpers import call, reference, set_params, sharder
@@ -192,26 +195,35 @@ MOE_CASES = {
 }
 
 
-def _layer_and_reference(m: MoEConfig, shape, seed=0):
+class _ProductPerPath(DefaultPrecision):
+    """A policy handing every path a product of its own (as quantised recipes do): SwiGLU experts then run their
+    gate and up products apart instead of as one product over [gate | up]."""
+
+    def grouped_matmul(self, path, key):
+        return functools.partial(self.grouped)
+
+
+def _layer_and_reference(m: MoEConfig, shape, seed=0, precision=None):
     cfg = TransformerConfig(d_model=shape[-1], num_layers=2)
-    layer = MoE(cfg, m, path="ffn", rngs=nnx.Rngs(seed))
+    layer = MoE(cfg, m, path="ffn", rngs=nnx.Rngs(seed), precision=precision)
     params = set_params(layer, seed)
     x = RNG.normal(size=shape)
     return layer, params, x
 
 
 @pytest.mark.parametrize(
-    "name, shape",
+    "name, shape, precision",
     [
-        ("sigmoid-k2", (3, 5, 16)),
-        ("softmax-k1", (2, 8, 12)),
-        ("softmax-normalized-k3-shared", (2, 8, 12)),
-        ("swiglu-softmax-k2-shared", (2, 5, 12)),
+        ("sigmoid-k2", (3, 5, 16), None),
+        ("softmax-k1", (2, 8, 12), None),
+        ("softmax-normalized-k3-shared", (2, 8, 12), None),
+        ("swiglu-softmax-k2-shared", (2, 5, 12), None),  # gate and up as one product
+        ("swiglu-softmax-k2-shared", (2, 5, 12), _ProductPerPath(GroupedMatmulFn())),  # apart
     ],
 )
-def test_dropless_layer_and_gradients_equal_float64_reference(name, shape):
+def test_dropless_layer_and_gradients_equal_float64_reference(name, shape, precision):
     m = MOE_CASES[name]
-    layer, p, x = _layer_and_reference(m, shape)
+    layer, p, x = _layer_and_reference(m, shape, precision=precision)
     flat_x = x.reshape(-1, shape[-1])
     chosen = np.argsort(-(flat_x @ p["router"]), axis=1, kind="stable")[:, : m.top_k]
     _assert_layer_and_gradients_equal_reference(layer, p, x, m, chosen)
