@@ -62,9 +62,9 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
 
 
 class Rotary(NamedTuple):
-    """The rotation of every position: cos and sin [B, T, 1, D / 2] float32 of the angles pos * f_i. Computed once
-    per forward (`rotary`) and applied to every layer's queries and keys (`apply_rotary`): XLA:CPU evaluates sin and
-    cos one element at a time, so a table per layer and per projection cost more than the projections."""
+    """The rotation of every position: cos and sin [B, T, 1, D / 2] float32 of the angles pos * f_i (B may be 1: one
+    row of positions for the whole batch). Computed once per forward (`rotary`) and applied to every layer's queries
+    and keys (`apply_rotary`)."""
 
     cos: jax.Array
     sin: jax.Array
@@ -74,7 +74,17 @@ def rotary(positions: jax.Array, head_dim: int, theta: float, scaling: RopeScali
     """The `Rotary` of integer positions [B, T]: pair i of a head rotates by pos * theta^(-2i / head_dim)
     (`rope_frequencies`, scaled by `scaling` if given)."""
     angle = positions.astype(jnp.float32)[..., None, None] * rope_frequencies(head_dim, theta, scaling)
-    return Rotary(jnp.cos(angle), jnp.sin(angle))
+    return Rotary(_materialised(jnp.cos(angle)), _materialised(jnp.sin(angle)))
+
+
+def _materialised(x: jax.Array) -> jax.Array:
+    """x, exactly (a product with the identity at full precision), as a value XLA computes once: it copies an
+    elementwise producer into every fusion that reads it, and the table's readers (every layer's queries and keys,
+    forward and backward: 24 of them in a 4-layer train step) would each evaluate sin and cos again, one libm call
+    per element on the CPU (5% of the step). A dot is a fusion boundary; the optimization barrier is not (XLA:CPU
+    removes it before fusing)."""
+    eye = jnp.eye(x.shape[-1], dtype=x.dtype)
+    return jax.lax.dot_general(x, eye, (((x.ndim - 1,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST)
 
 
 def apply_rotary(x: jax.Array, rot: Rotary) -> jax.Array:
@@ -90,19 +100,44 @@ def rope(x: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling 
     return apply_rotary(x, rotary(positions, x.shape[-1], theta, scaling))
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str | None = "xla") -> jax.Array:
+def causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str | None = "xla", blocks: int = 4
+) -> jax.Array:
     """softmax(q k^T / sqrt(D) + causal mask) v with grouped-query heads.
 
     Args:
       q: [B, T, H, D]; k, v: [B, T, K, D] with H % K == 0.
-      implementation: `jax.nn.dot_product_attention` backend ("xla", "cudnn", or None for automatic).
+      implementation: "xla": the queries in `blocks` row blocks of ceil(T / blocks), block i attending only to the
+        keys up to its last position (the products a causal mask would discard are not computed: 3/8 of them with
+        4 blocks), each KV head's G = H / K query heads stacked in one product; scores, softmax and mask in float32,
+        probabilities cast to v's dtype for the product with v (as `jax.nn.dot_product_attention` does).
+        "cudnn" or None: `jax.nn.dot_product_attention` with that backend (None: its automatic choice).
+      blocks: the "xla" row blocks (>= 1; more blocks skip more products but make more, smaller ones).
     Returns:
       [B, T, H, D] in q's dtype.
     """
     if implementation not in ("xla", "cudnn", None):
         raise ValueError(f"implementation = {implementation!r}; allowed: 'xla', 'cudnn' or None.")
-    impl = cast(Literal["xla", "cudnn"] | None, implementation)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    if implementation != "xla":
+        impl = cast(Literal["cudnn"] | None, implementation)
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    if blocks < 1:
+        raise ValueError(f"blocks = {blocks}; allowed: >= 1.")
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, d).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
+    keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
+    size = -(-t // blocks)
+    outs = []
+    for start in range(0, t, size):
+        end = min(t, start + size)
+        rows = qg[:, :, :, start:end]
+        s = jnp.einsum("bkgtd,bksd->bkgts", rows, keys[:, :, :end], preferred_element_type=jnp.float32)
+        causal = start + jnp.arange(end - start)[:, None] >= jnp.arange(end)[None, :]
+        p = jax.nn.softmax(jnp.where(causal, s * (1.0 / math.sqrt(d)), -jnp.inf), axis=-1)
+        outs.append(jnp.einsum("bkgts,bksd->bkgtd", p.astype(v.dtype), values[:, :, :end]))
+    out = jnp.concatenate(outs, axis=3) if len(outs) > 1 else outs[0]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
 
 
 class KVCache(Protocol):

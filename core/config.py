@@ -144,7 +144,11 @@ class TransformerConfig:
     )
     dtype: str = field("float32", "activation / matmul dtype", choices=_DTYPES)
     param_dtype: str = field("float32", "parameter storage dtype", choices=_DTYPES)
-    attention_impl: str = field("xla", "jax.nn.dot_product_attention backend for training", choices=("xla", "cudnn"))
+    attention_impl: str = field(
+        "xla",
+        "training attention: 'xla' (core.attention's, causal blocks skipped) or 'cudnn' (jax.nn's cuDNN kernel)",
+        choices=("xla", "cudnn"),
+    )
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:  # resolved once, so that code reads cfg.head_dim whether it was set or derived

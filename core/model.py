@@ -344,15 +344,16 @@ class Transformer(nnx.Module):
         positions: jax.Array | None = None,
         intermediates: bool = False,
     ):
-        b, t = tokens.shape
-        if positions is None:
-            start = jnp.zeros((b,), jnp.int32) if cache is None else cache.lengths
+        t = tokens.shape[1]
+        if positions is None:  # without a cache every sequence starts at 0: one row of positions [1, T] for all
+            start = jnp.zeros((1,), jnp.int32) if cache is None else cache.lengths
             positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         x = jnp.take(self.embedding.get_value(), tokens, axis=0).astype(self.cfg.compute_dtype)
         x = self.shard(x, ("batch", "seq", "embed"))
         sums: dict[str, jax.Array] = {}
         counts: dict[str, int] = {}
         per_layer: dict[str, list[jax.Array]] = {}
+        # One rotation table for every layer ([1, T, 1, D / 2] without a cache).
         rot = attention_lib.rotary(positions, self.cfg.head_dim, self.cfg.rope_theta, self.rope_scaling)
         for block in self.blocks:
             x, block_aux, cache = block(x, rot, key=key, cache=cache)

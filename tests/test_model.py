@@ -1,6 +1,7 @@
 """The transformer against an independent float64 NumPy implementation; causality; cache; the three slots."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from core import attention as attention_lib
 from core import generate as generate_lib
 from core.attention import DenseKVCache
 from core.model import DefaultPrecision, Transformer, TransformerConfig, count_params
@@ -133,6 +135,35 @@ def test_forward_matches_float64_numpy(name, shape):
     assert aux == {} and cache is None and logits.dtype == jnp.float32
     ref = numpy_forward(cfg, _params(model), tokens)
     np.testing.assert_allclose(np.asarray(logits), ref, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("t, heads, kv_heads, blocks", [(20, 4, 2, 4), (7, 3, 1, 3), (3, 2, 2, 4), (16, 2, 1, 1)])
+def test_causal_attention_and_its_gradients_equal_float64(t, heads, kv_heads, blocks):
+    """core.attention.causal_attention's row blocks (ragged: T not a multiple of the blocks, fewer rows than blocks,
+    one block) give the attention and the gradients of q, k, v of a float64 softmax over the causal mask."""
+    rng = np.random.default_rng(t)
+    q, k, v = (rng.normal(size=(2, t, n, 8)) for n in (heads, kv_heads, kv_heads))
+    ct = rng.normal(size=q.shape)
+
+    def reference(q, k, v):
+        rep = heads // kv_heads
+        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+        s = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(8.0)
+        s = jnp.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
+        return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v)
+
+    def loss(fn, *qkv):
+        return jnp.sum(fn(*qkv) * ct)
+
+    ours = functools.partial(attention_lib.causal_attention, blocks=blocks)
+    value, grads = jax.value_and_grad(functools.partial(loss, ours), argnums=(0, 1, 2))(
+        *(jnp.asarray(a, jnp.float32) for a in (q, k, v))
+    )
+    with jax.enable_x64(True):
+        ref, ref_grads = jax.value_and_grad(functools.partial(loss, reference), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(value, ref, rtol=1e-5, atol=1e-5)
+    for g, r in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
