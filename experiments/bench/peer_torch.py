@@ -1,0 +1,129 @@
+"""The transformers + torch side of `experiments.bench.peer`, run in an environment that has torch and transformers
+(this repository's own does not): it imports neither jax nor this repository, so it runs from any Python.
+
+    /path/to/torch-env/bin/python experiments/bench/peer_torch.py --checkpoint DIR --tokens FILE.npy \
+        [--threads 2] [--repeats 5] [--warmup 2] [--generate N]
+
+Loads the Hugging Face checkpoint in DIR (`AutoModelForCausalLM.from_pretrained`, float32, eager attention), reads
+the token batch [B, T + 1] (int32 .npy) and times, each as the median of `--repeats` calls after `--warmup`:
+  forward       the logits of tokens[:, :-1] and their mean cross-entropy against tokens[:, 1:], no autograd
+  forward_backward  the same with autograd and loss.backward()
+  step          forward_backward, torch.optim.AdamW.step() and zero_grad(set_to_none=True)
+with `torch.set_num_threads(--threads)`. Prints one JSON object: the medians in seconds, every call's seconds, the
+loss of the first forward (so the caller can check both sides compute the same model) and the versions.
+
+With `--generate N`, instead: greedy `model.generate` of exactly N new tokens (no end token) for the prompts in
+`--tokens` ([B, P], every row a prompt of P tokens, no padding), in eval mode under `torch.inference_mode()`, its
+default cache (float32 keys and values, the model's dtype); the JSON holds the median seconds of `--repeats` calls
+after `--warmup` and the generated ids [B, N].
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="a Hugging Face checkpoint directory")
+    parser.add_argument("--tokens", required=True, help="an int32 .npy of token ids [B, T + 1]")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (>= 1)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (>= 1)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls first (>= 0)")
+    parser.add_argument("--generate", type=int, default=0, help="new tokens of greedy generation (0: time training)")
+    args = parser.parse_args(argv)
+    for name in ("threads", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} = {getattr(args, name)}: must be >= 1")
+    for name in ("warmup", "generate"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name} = {getattr(args, name)}: must be >= 0")
+
+    import numpy as np
+    import torch
+    import transformers
+
+    torch.set_num_threads(args.threads)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        args.checkpoint, dtype=torch.float32, attn_implementation="eager"
+    )
+    tokens = torch.from_numpy(np.load(args.tokens).astype(np.int64))
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "python": sys.version}
+    if args.generate:
+        print(json.dumps({**generate(model, tokens, args), "versions": versions, "threads": torch.get_num_threads()}))
+        return
+    model.train()
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+    def loss():
+        logits = model(input_ids=inputs, use_cache=False).logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+    def forward():
+        with torch.no_grad():
+            return float(loss())
+
+    def forward_backward():
+        value = loss()
+        value.backward()
+        model.zero_grad(set_to_none=True)
+
+    def step():
+        value = loss()
+        value.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    first_loss = forward()
+    result: dict = {"loss": first_loss, "seconds": {}, "calls": {}}
+    for name, fn in (("forward", forward), ("forward_backward", forward_backward), ("step", step)):
+        for _ in range(args.warmup):
+            fn()
+        calls = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            fn()
+            calls.append(time.perf_counter() - start)
+        result["seconds"][name], result["calls"][name] = statistics.median(calls), calls
+    result["versions"] = versions
+    result["threads"] = torch.get_num_threads()
+    print(json.dumps(result))
+
+
+def generate(model, prompts, args) -> dict:
+    """Greedy generation of exactly `args.generate` tokens per prompt: {"seconds": median, "calls", "ids"}."""
+    import torch
+
+    model.eval()
+    mask = torch.ones_like(prompts)
+    n = args.generate
+
+    def call():
+        with torch.inference_mode():
+            return model.generate(
+                input_ids=prompts,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+
+    for _ in range(args.warmup):
+        call()
+    calls = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        out = call()
+        calls.append(time.perf_counter() - start)
+    return {"seconds": statistics.median(calls), "calls": calls, "ids": out[:, prompts.shape[1] :].tolist()}
+
+
+if __name__ == "__main__":
+    main()
