@@ -14,7 +14,8 @@ Implementations, chosen per backend by `grouped_matmul(..., implementation="auto
     its extra rows are overwritten by that group's windows, which run later. The trip count is dynamic, so only
     windows holding real rows are computed (at most M / W + G, usually far fewer), which also makes rows past
     sum(group_sizes) free: expert-parallel receive buffers sized for the worst case cost memory, not FLOPs.
-    A custom VJP runs the same loop for d(lhs) (with rhs transposed) and accumulates d(rhs) per window.
+    A custom VJP runs one loop over the same windows for both gradients: d(lhs) (rhs transposed) and d(rhs)
+    accumulated per window.
 """
 
 from __future__ import annotations
@@ -170,25 +171,35 @@ def _fwd(lhs, rhs, group_sizes, window, out_dtype):
 
 
 def _bwd(window, out_dtype, res, g):
+    """One loop over the windows for both gradients: window i's rows of d(lhs) = g[rows] @ rhs[group i]^T (written in
+    order, like the forward's rows) and d(rhs)[group i] += lhs[rows of the group]^T g[rows] (the window's rows of the
+    next group masked out of lhs), both from one slice of g."""
     lhs, rhs, group_sizes = res
-    windows = _windows(group_sizes, lhs.shape[0], window)
-    d_lhs = _loop_product(g, rhs, windows, window, jnp.float32, transpose_rhs=True).astype(lhs.dtype)
-    count, group, first_row, row_end = windows
+    count, group, first_row, row_end = _windows(group_sizes, lhs.shape[0], window)
+    m = lhs.shape[0]
     x_pad = jnp.concatenate([lhs, jnp.zeros((window, lhs.shape[1]), lhs.dtype)])
     g_pad = jnp.concatenate([g, jnp.zeros((window, g.shape[1]), g.dtype)])
 
-    def body(i, acc):
+    def body(i, carry):
+        d_lhs, d_rhs = carry
         start, gid = first_row[i], group[i]
+        dy = jax.lax.dynamic_slice_in_dim(g_pad, start, window)
+        w = jax.lax.dynamic_index_in_dim(rhs, gid, keepdims=False)
+        dx = jax.lax.dot_general(dy, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         mine = (start + jnp.arange(window) < row_end[gid])[:, None]
         x = jnp.where(mine, jax.lax.dynamic_slice_in_dim(x_pad, start, window), 0)
-        dy = jax.lax.dynamic_slice_in_dim(g_pad, start, window)
-        update = jax.lax.dynamic_index_in_dim(acc, gid, keepdims=False) + jax.lax.dot_general(
+        dw = jax.lax.dynamic_index_in_dim(d_rhs, gid, keepdims=False) + jax.lax.dot_general(
             x, dy, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
-        return jax.lax.dynamic_update_index_in_dim(acc, update, gid, 0)
+        return (
+            jax.lax.dynamic_update_slice_in_dim(d_lhs, dx, start, 0),
+            jax.lax.dynamic_update_index_in_dim(d_rhs, dw, gid, 0),
+        )
 
-    d_rhs = jax.lax.fori_loop(0, count, body, _zeros(rhs.shape, jnp.float32, lhs, g)).astype(rhs.dtype)
-    return d_lhs, d_rhs, None
+    zeros = (_zeros((m + window, lhs.shape[1]), jnp.float32, lhs, g), _zeros(rhs.shape, jnp.float32, lhs, g))
+    d_lhs, d_rhs = jax.lax.fori_loop(0, count, body, zeros)
+    d_lhs = jnp.where((jnp.arange(m) < row_end[-1])[:, None], d_lhs[:m], 0)
+    return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype), None
 
 
 windowed_grouped_matmul.defvjp(_fwd, _bwd)
