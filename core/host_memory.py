@@ -1,22 +1,28 @@
-"""The host allocator setting that keeps XLA:CPU's per-execution buffers in memory the process already holds.
+"""Keeping XLA:CPU's per-execution buffers in memory the process already holds.
 
-XLA:CPU allocates every execution's temporary buffer (all of a train step's activations: 181 MB for the quickstart
-model's forward and backward) with `malloc` and frees it when the execution ends. glibc serves an allocation that
+XLA:CPU allocates every execution's temporary buffer (all of a train step's activations: 150-180 MB for the
+quickstart-size models' steps) with `malloc` and frees it when the execution ends. glibc serves an allocation that
 large with a fresh `mmap` and returns it with `munmap`, so every step faults in and zeroes every page again: a
-quarter of a train step's time on the CPU was the kernel's (docs/performance.md has the evidence). Set before
-JAX's CPU client starts its threads, three glibc options (mallopt(3)) make the process keep and reuse the memory:
+quarter of a single-device train step's time on the CPU was the kernel's (docs/performance.md has the evidence).
+Two settings keep the memory instead:
 
-    M_ARENA_MAX = 1          every thread allocates from the main heap (a worker thread's own arena cannot hold
-                             such a block and would fall back to mmap whatever the other options say)
-    M_MMAP_MAX = 0           no allocation is served by mmap
-    M_TRIM_THRESHOLD = 2 GiB  freed memory at the heap's top is kept (up to the largest value mallopt takes),
-                             not given back to the system
+    jax_cpu_enable_async_dispatch = False   a single-device program runs on the thread that calls it (JAX's
+                                            documented switch; programs over several devices are unaffected), so
+                                            its buffers come from the main heap: a worker thread's own glibc
+                                            arena cannot hold such a block and maps it whatever the options say
+    mallopt M_MMAP_MAX = 0                  no allocation of the main heap is served by mmap
+    mallopt M_TRIM_THRESHOLD = 2 GiB        freed memory at the heap's top is kept (the largest value mallopt
+                                            takes), not given back to the system
 
-Numerics do not change; what changes is that the process's resident memory stays at its high-water mark, as it does
-under tcmalloc or jemalloc. `import core` (and so every package of this project) applies it on Linux with glibc
-when JAX computes on the CPU (no GPU or TPU plugin installed, or JAX_PLATFORMS naming "cpu" first), unless the
-environment sets LOWBIT_HOST_MALLOC=system. Imported after JAX has run a computation, it cannot move the threads
-that already allocate from their own arenas; import this project first.
+Numerics do not change. What changes: a single-device call on the CPU returns when its result is ready (the GIL is
+released meanwhile, so other threads run), and the process's resident memory stays at its high-water mark, as under
+tcmalloc or jemalloc. The alternative that would keep the worker threads (M_ARENA_MAX = 1: one heap for every
+thread) was measured and refused: it made the 2-device quickstart 20% slower (its threads contend for that heap).
+
+`import core` (and so every package of this project) applies it on Linux with glibc when JAX computes on the CPU
+(no GPU or TPU plugin installed, or JAX_PLATFORMS naming "cpu" first), unless the environment sets
+LOWBIT_HOST_MALLOC=system; an explicit JAX_CPU_ENABLE_ASYNC_DISPATCH in the environment is left as it is. JAX reads
+the dispatch switch when it starts its CPU client: import this project before the first computation.
 """
 
 from __future__ import annotations
@@ -29,10 +35,10 @@ import sys
 __all__ = ["ENV", "applies", "keep_freed_memory"]
 
 ENV = "LOWBIT_HOST_MALLOC"
-"""Set to "system" to leave glibc's allocator as it is."""
+"""Set to "system" to leave glibc's allocator and JAX's CPU dispatch as they are."""
 
-_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8  # glibc's malloc.h
-_KEEP = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1))
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's malloc.h
+_KEEP = ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1))
 _ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin", "libtpu")
 
 
@@ -52,10 +58,14 @@ def applies(environ=os.environ) -> bool:
 
 
 def keep_freed_memory(environ=os.environ) -> bool:
-    """Applies the three mallopt settings of the module docstring where `applies(environ)`; returns whether glibc
-    took all three (False: not applicable, not glibc, or an option refused)."""
+    """Applies the settings of the module docstring where `applies(environ)`: returns whether glibc took both
+    mallopt options (False: not applicable, or not glibc; the dispatch switch is set on the CPU all the same)."""
     if not applies(environ):
         return False
+    if "JAX_CPU_ENABLE_ASYNC_DISPATCH" not in environ:
+        import jax
+
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
     try:
         libc = ctypes.CDLL(None)
         mallopt = libc.mallopt
