@@ -281,7 +281,7 @@ def bench_generation(model: str, python: str, threads: int, repeats: int, new_to
             theirs = torch_side(python, checkpoint, prompts_path, threads, repeats, *extra)
         loads["torch"] = os.getloadavg()[0]
         reference = np.asarray(theirs["ids"])
-        row = {"model": model, "architecture": architecture, "batch": batch, "new_tokens": new_tokens}
+        row: dict[str, Any] = {"model": model, "architecture": architecture, "batch": batch, "new_tokens": new_tokens}
         row["tokens_per_second"] = {"torch": batch * new_tokens / theirs["seconds"]}
         row["equal_leading_tokens"] = {}
         for name, result in mine.items():
