@@ -123,5 +123,15 @@ def write(
         bs = x.shape[2]
         block, offset = slot_mapping // bs, slot_mapping % bs
         block = jnp.where(slot_mapping < 0, x.shape[0], block)  # out of range: dropped
-        out[name] = x.at[block, :, offset].set(new[name].astype(x.dtype), mode="drop")
+        out[name] = _set_bits(x, (block, slice(None), offset), new[name])
     return out
+
+
+def _set_bits(x: jax.Array, index, value: jax.Array) -> jax.Array:
+    """x.at[index].set(value in x's dtype, mode="drop"), scattered as x's bits (an unsigned integer of its width):
+    XLA:CPU runs a bfloat16 or float8 scatter in float32, converting the whole pool there and back per write."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x.at[index].set(value.astype(x.dtype), mode="drop")
+    bits = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
+    new = jax.lax.bitcast_convert_type(value.astype(x.dtype), bits)
+    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, bits).at[index].set(new, mode="drop"), x.dtype)

@@ -370,6 +370,32 @@ def test_write_kernel_matches_reference_bit_for_bit(name):
         )
 
 
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_write_stores_each_slot_as_numpy_assignment_does(name):
+    """The XLA write (a scatter of each field's bits) equals NumPy's assignment of the quantised values to each
+    non-negative slot, byte for byte, with a negative slot skipped and every other slot untouched."""
+    fmt = FORMATS[name]
+    rng = np.random.default_rng(2)
+    t, num_kv, d, blocks = 5, 2, 128, 3
+    k, v = (jnp.asarray(rng.normal(size=(t, num_kv, d)), jnp.float32) for _ in range(2))
+    pool = PagedPool.create(fmt, num_layers=1, num_kv_heads=num_kv, head_dim=d, block_size=BS, num_blocks=blocks)
+    before = {
+        n: jnp.asarray(rng.integers(0, 255, x.shape, np.uint8)).view(x.dtype)
+        if x.dtype.itemsize == 1
+        else jnp.asarray(rng.normal(size=x.shape)).astype(x.dtype)
+        for n, x in pool.layer(0).items()
+    }
+    slots = np.array([7, -1, 16, 40, 2], np.int32)
+    out = store(before, k, v, jnp.asarray(slots), fmt=fmt)
+    new = fmt.quantize(k, v)
+    for n, x in before.items():
+        want = np.array(x)
+        for i, slot in enumerate(slots):
+            if slot >= 0:
+                want[slot // BS, :, slot % BS] = np.asarray(new[n][i]).astype(x.dtype)
+        np.testing.assert_array_equal(np.asarray(out[n])[..., None].view(np.uint8), want[..., None].view(np.uint8))
+
+
 def test_pool_sized_in_bytes():
     """One byte budget holds 512 / 136 = 3.76x as many fp4 tokens as bf16 tokens (D = 128), in whole blocks."""
     budget = 40 * 1024 * 1024
