@@ -140,30 +140,32 @@ def _zeros(shape, dtype, *like: jax.Array) -> jax.Array:
     return out
 
 
-def _loop_product(lhs, rhs, windows, window, out_dtype, *, transpose_rhs: bool = False):
-    """out[rows of window i] = lhs[rows] @ rhs[group i] (or @ rhs[group i].T) for every window, in order; then
-    rows >= total zeroed. The transposed product contracts rhs's last axis in place (no transposed copy of rhs is
-    made, which XLA:CPU multiplies more slowly)."""
-    count, group, first_row, row_end = windows
-    m = lhs.shape[0]
-    padded = jnp.concatenate([lhs, jnp.zeros((window, lhs.shape[1]), lhs.dtype)])
-    dims = (((1,), (1 if transpose_rhs else 0,)), ((), ()))
+def _padded(x: jax.Array, window: int) -> jax.Array:
+    """x [M, n] with `window` zero rows appended, so that a window starting at any row < M can be sliced whole."""
+    return jnp.concatenate([x, jnp.zeros((window, x.shape[1]), x.dtype)])
 
-    def body(i, out):
-        rows = jax.lax.dynamic_slice_in_dim(padded, first_row[i], window)
-        w = jax.lax.dynamic_index_in_dim(rhs, group[i], keepdims=False)
-        y = jax.lax.dot_general(rows, w, dims, preferred_element_type=out_dtype)
-        return jax.lax.dynamic_update_slice_in_dim(out, y, first_row[i], 0)
 
-    n = rhs.shape[1 if transpose_rhs else 2]
-    out = jax.lax.fori_loop(0, count, body, _zeros((m + window, n), out_dtype, lhs, rhs))[:m]
-    return jnp.where((jnp.arange(m) < row_end[-1])[:, None], out, 0)
+def _real_rows(out: jax.Array, m: int, row_end: jax.Array) -> jax.Array:
+    """The first m rows of a loop's output [M + window, n], rows >= sum(group_sizes) (= row_end[-1]) zeroed."""
+    return jnp.where((jnp.arange(m) < row_end[-1])[:, None], out[:m], 0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def windowed_grouped_matmul(lhs, rhs, group_sizes, window: int, out_dtype):
-    """The "windowed" implementation (module docstring). `window` and `out_dtype` are static."""
-    return _loop_product(lhs, rhs, _windows(group_sizes, lhs.shape[0], window), window, out_dtype)
+    """The "windowed" implementation (module docstring): out[rows of window i] = lhs[rows] @ rhs[group i] for every
+    window, in order. `window` and `out_dtype` are static."""
+    m = lhs.shape[0]
+    count, group, first_row, row_end = _windows(group_sizes, m, window)
+    padded = _padded(lhs, window)
+
+    def body(i, out):
+        rows = jax.lax.dynamic_slice_in_dim(padded, first_row[i], window)
+        w = jax.lax.dynamic_index_in_dim(rhs, group[i], keepdims=False)
+        y = jax.lax.dot_general(rows, w, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
+        return jax.lax.dynamic_update_slice_in_dim(out, y, first_row[i], 0)
+
+    out = jax.lax.fori_loop(0, count, body, _zeros((m + window, rhs.shape[2]), out_dtype, lhs, rhs))
+    return _real_rows(out, m, row_end)
 
 
 def _fwd(lhs, rhs, group_sizes, window, out_dtype):
@@ -173,12 +175,12 @@ def _fwd(lhs, rhs, group_sizes, window, out_dtype):
 def _bwd(window, out_dtype, res, g):
     """One loop over the windows for both gradients: window i's rows of d(lhs) = g[rows] @ rhs[group i]^T (written in
     order, like the forward's rows) and d(rhs)[group i] += lhs[rows of the group]^T g[rows] (the window's rows of the
-    next group masked out of lhs), both from one slice of g."""
+    next group masked out of lhs), both from one slice of g. d(lhs)'s product contracts rhs's last axis in place (a
+    transposed copy of rhs would be multiplied more slowly on XLA:CPU)."""
     lhs, rhs, group_sizes = res
-    count, group, first_row, row_end = _windows(group_sizes, lhs.shape[0], window)
     m = lhs.shape[0]
-    x_pad = jnp.concatenate([lhs, jnp.zeros((window, lhs.shape[1]), lhs.dtype)])
-    g_pad = jnp.concatenate([g, jnp.zeros((window, g.shape[1]), g.dtype)])
+    count, group, first_row, row_end = _windows(group_sizes, m, window)
+    x_pad, g_pad = _padded(lhs, window), _padded(g, window)
 
     def body(i, carry):
         d_lhs, d_rhs = carry
@@ -198,8 +200,7 @@ def _bwd(window, out_dtype, res, g):
 
     zeros = (_zeros((m + window, lhs.shape[1]), jnp.float32, lhs, g), _zeros(rhs.shape, jnp.float32, lhs, g))
     d_lhs, d_rhs = jax.lax.fori_loop(0, count, body, zeros)
-    d_lhs = jnp.where((jnp.arange(m) < row_end[-1])[:, None], d_lhs[:m], 0)
-    return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype), None
+    return _real_rows(d_lhs, m, row_end).astype(lhs.dtype), d_rhs.astype(rhs.dtype), None
 
 
 windowed_grouped_matmul.defvjp(_fwd, _bwd)

@@ -36,6 +36,7 @@ __all__ = [
     "median_seconds",
     "names",
     "number",
+    "one_device_state",
     "parser",
     "write_results",
 ]
@@ -47,6 +48,19 @@ def compiling(what: str) -> None:
     """Prints "compiling <what> ..." (flushed): the line a script shows before a first call that compiles, so a
     long silence reads as work, not as a hang."""
     print(f"compiling {what} ...", flush=True)
+
+
+def one_device_state(config):
+    """(graphdef, train state, optimizer) of an experiment config's model and optimizer on this process's devices
+    (the config validated first; parameters from seed 0): what a benchmark of one model's step starts from."""
+    from core import train as train_lib
+    from experiments import build, schema
+
+    schema.validate(config, num_devices=jax.device_count())
+    _, sharder = build.build_mesh(config)
+    optimizer = build.build_optimizer(config)
+    graphdef, state = train_lib.init_state(build.build_model_fn(config, sharder), optimizer, 0, sharder)
+    return graphdef, state, optimizer
 
 
 def median_seconds(call: Callable[[], object], *, repeats: int, warmup: int = 1, what: str | None = None) -> float:

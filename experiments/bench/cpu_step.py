@@ -49,30 +49,26 @@ def built(model: str):
     import jax
 
     from core import train as train_lib
-    from experiments import build, schema
     from experiments.bench import peer
 
     config = peer.config_for(model, "quickstart")
-    schema.validate(config, num_devices=jax.device_count())
-    _, sharder = build.build_mesh(config)
-    optimizer = build.build_optimizer(config)
-    graphdef, state = train_lib.init_state(build.build_model_fn(config, sharder), optimizer, 0, sharder)
+    graphdef, state, optimizer = common.one_device_state(config)
     tokens = np.random.default_rng(0).integers(0, 256, (config.data.batch_size, config.data.seq_len + 1))
     return jax.jit(train_lib.train_step_fn(graphdef, optimizer)), state, tokens.astype(np.int32)
 
 
-def options(model: str, repeats: int) -> dict:
-    """{option set: {"seconds", "loss"}} of the step compiled under each of OPTIONS, timed interleaved."""
-    step, state, tokens = built(model)
+def options(step, state, tokens, repeats: int) -> tuple[dict, object]:
+    """({option set: {"seconds", "loss"}} of the step compiled under each of OPTIONS, timed interleaved; the step
+    compiled with XLA's defaults)."""
     lowered = step.lower(state, tokens)
-    common.compiling(f"the {model} step under {len(OPTIONS)} option sets")
+    common.compiling(f"the step under {len(OPTIONS)} option sets")
     compiled = {
         name: lowered.compile(compiler_options=opts) if opts else lowered.compile() for name, opts in OPTIONS.items()
     }
     losses = {name: float(fn(state, tokens)[1]["loss"]) for name, fn in compiled.items()}
     calls = {name: (lambda fn=fn: fn(state, tokens)[1]) for name, fn in compiled.items()}
     seconds = common.interleaved_medians(calls, repeats=repeats, warmup=1)
-    return {name: {"seconds": seconds[name], "loss": losses[name]} for name in OPTIONS}
+    return {name: {"seconds": seconds[name], "loss": losses[name]} for name in OPTIONS}, compiled["default"]
 
 
 _ALLOCATOR_PROBE = """
@@ -111,12 +107,10 @@ def allocator(model: str, repeats: int) -> dict:
     }
 
 
-def profile(model: str, top: int = 12, steps: int = 5) -> dict:
-    """The step's operations from one jax.profiler trace: ms per step summed by op_name, loops apart."""
+def profile(compiled, state, tokens, top: int = 12, steps: int = 5) -> dict:
+    """The compiled step's operations from one jax.profiler trace: ms per step summed by op_name, loops apart."""
     import jax
 
-    step, state, tokens = built(model)
-    compiled = step.lower(state, tokens).compile()
     op_names = {}
     for line in compiled.as_text().splitlines():
         found = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = .*?op_name=\"([^\"]*)\"", line)
@@ -189,10 +183,13 @@ def main(argv=None) -> None:
     models = {}
     load = [os.getloadavg()[0]]
     for model in args.models:
-        models[model] = {"options": options(model, args.repeats)}
+        step, state, tokens = built(model)
+        print(f"{model}: XLA:CPU options ...", flush=True)
+        table, compiled = options(step, state, tokens, args.repeats)
+        models[model] = {"options": table}
         print(f"{model}: allocator ...", flush=True)
         models[model]["allocator"] = allocator(model, args.repeats)
-        models[model]["profile"] = profile(model)
+        models[model]["profile"] = profile(compiled, state, tokens)
         load.append(os.getloadavg()[0])
     result = {
         "command": common.command(parser, args),

@@ -21,15 +21,16 @@ was.
   step_with_extras  ours only: the training loop's step (core.train.make_train_step with the config's optimizer:
                     gradient clipping, the warm-up + cosine schedule, weight-decay mask, and its metrics: the MoE's
                     auxiliary losses and routing statistics, the gradient norm)
-Our side is timed before and after torch's (the median of both passes). The first forward's loss of both sides is
-reported: they must agree (the same model).
+Our side is timed before and after torch's, the same programs (the median of both passes). The first forward's
+loss of both sides is reported: they must agree (the same model).
 
 `generate` (the quickstart size): greedy continuation of random 32-token prompts by exactly 256 tokens (no end
 token, every id allowed), batch 1 and 16; tokens per second = batch x 256 / the median seconds of `--repeats`
-calls after one warm-up (which compiles ours). Ours: `core.generate.generate` (one program: prefill and a scan of
-decode steps, bf16 `DenseKVCache`) and the serving engine (`kvcache.serving.Engine`, bf16 paged pool, the requests
-submitted at once, `Engine.run`); theirs: `model.generate` (its float32 cache). How many leading tokens of each row
-equal transformers' is reported (bf16 keys and values against float32 ones may flip a near tie).
+calls after one warm-up (which compiles ours; our two are timed in interleaved rounds). Ours:
+`core.generate.generate` (one program: prefill and a scan of decode steps, bf16 `DenseKVCache`) and the serving
+engine (`kvcache.serving.Engine`, bf16 paged pool, the requests submitted at once, `Engine.run`); theirs:
+`model.generate` (its float32 cache). How many leading tokens of each row equal transformers' is reported (bf16
+keys and values against float32 ones may flip a near tie).
 
 Writes peer.json and peer.md into `--out` (`--out results/bench` for the table docs/performance.md quotes).
 """
@@ -41,11 +42,12 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from core.model import count_params
 from experiments.bench import common
 
 MODELS = {
@@ -78,20 +80,17 @@ def config_for(model: str, size: str):
     return c
 
 
-def ours(config, tokens: np.ndarray, repeats: int) -> tuple[dict[str, float], float, Any]:
-    """({phase: median seconds} of our four phases, the first forward's loss, the model to export)."""
+def ours(config, tokens: np.ndarray) -> tuple[dict[str, Callable[[], object]], float, Any]:
+    """({phase: a call running it} for our four phases, the first forward's loss, the model to export). The step
+    calls carry their state from call to call."""
     import jax
     import jax.numpy as jnp
     import optax
     from flax import nnx
 
     from core import train as train_lib
-    from experiments import build, schema
 
-    schema.validate(config, num_devices=jax.device_count())
-    _, sharder = build.build_mesh(config)
-    optimizer = build.build_optimizer(config)
-    graphdef, state = train_lib.init_state(build.build_model_fn(config, sharder), optimizer, 0, sharder)
+    graphdef, state, optimizer = common.one_device_state(config)
     model = nnx.merge(graphdef, state.params, state.rest)
     batch = jnp.asarray(tokens)
 
@@ -128,8 +127,7 @@ def ours(config, tokens: np.ndarray, repeats: int) -> tuple[dict[str, float], fl
         "step": run_bare,
         "step_with_extras": run_full,
     }
-    seconds = common.interleaved_medians(calls, repeats=repeats, warmup=2, what="our four phases")
-    return seconds, first_loss, model
+    return calls, first_loss, model
 
 
 def torch_side(python: str, checkpoint: str, tokens_path: str, threads: int, repeats: int, *extra: str) -> dict:
@@ -162,21 +160,22 @@ def bench(model: str, size: str, python: str, threads: int, repeats: int) -> dic
     tokens = np.random.default_rng(0).integers(0, 256, (config.data.batch_size, config.data.seq_len + 1))
     tokens = tokens.astype(np.int32)
     loads = {"before": os.getloadavg()[0]}
-    first, our_loss, built = ours(config, tokens, repeats)
+    calls, our_loss, built = ours(config, tokens)
+    first = common.interleaved_medians(calls, repeats=repeats, warmup=2, what="our four phases")
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint, tokens_path, architecture = exported(config, built, tokens, tmp)
         loads["ours, first pass"] = os.getloadavg()[0]
         print(f"{model} {size}: transformers + torch ({architecture}) ...", flush=True)
         theirs = torch_side(python, checkpoint, tokens_path, threads, repeats, "--warmup", "2")
     loads["torch"] = os.getloadavg()[0]
-    second, _, _ = ours(config, tokens, repeats)
+    second = common.interleaved_medians(calls, repeats=repeats, warmup=1)
     loads["ours, second pass"] = os.getloadavg()[0]
     our_seconds = {k: float(np.median([first[k], second[k]])) for k in first}
     row = {
         "model": model,
         "size": size,
         "architecture": architecture,
-        "params": int(sum(np.size(x) for x in _leaves(built))),
+        "params": count_params(built),
         "batch": int(tokens.shape[0]),
         "seq_len": int(tokens.shape[1] - 1),
         "ours_seconds": our_seconds,
@@ -239,34 +238,19 @@ def our_generation(config, model, prompts: np.ndarray, new_tokens: int, repeats:
         engine.run()
         return np.asarray([r.output for r in requests])
 
-    out = {}
-    for name, call in (("generate", generate), ("engine", serve)):
-        print(f"ours, {name}, batch {batch} ...", flush=True)
-        call()  # compiles (generate) or warms the caches (engine)
-        times, ids = [], None
-        for _ in range(repeats):
-            start = time.perf_counter()
-            ids = call()
-            times.append(time.perf_counter() - start)
-        out[name] = {"seconds": float(np.median(times)), "calls": times, "ids": np.asarray(ids).tolist()}
-    return out
+    calls = {"generate": generate, "engine": serve}
+    print(f"ours, batch {batch}: the first calls (generate compiles) ...", flush=True)
+    ids = {name: np.asarray(call()).tolist() for name, call in calls.items()}
+    seconds = common.interleaved_medians(calls, repeats=repeats, warmup=0)
+    return {name: {"seconds": seconds[name], "ids": ids[name]} for name in calls}
 
 
 def bench_generation(model: str, python: str, threads: int, repeats: int, new_tokens: int = 256) -> list[dict]:
     """Rows of greedy generation at batch 1 and 16 (the quickstart size): ours (generate, engine) and torch's."""
-    import jax
-
-    from core import train as train_lib
-    from experiments import build, schema
-
-    config = config_for(model, "quickstart")
-    schema.validate(config, num_devices=jax.device_count())
-    _, sharder = build.build_mesh(config)
-    graphdef, state = train_lib.init_state(
-        build.build_model_fn(config, sharder), build.build_optimizer(config), 0, sharder
-    )
     from flax import nnx
 
+    config = config_for(model, "quickstart")
+    graphdef, state, _ = common.one_device_state(config)
     built = nnx.merge(graphdef, state.params, state.rest)
     rows = []
     for batch in (1, 16):
@@ -299,13 +283,6 @@ def bench_generation(model: str, python: str, threads: int, repeats: int, new_to
         )
         rows.append(row)
     return rows
-
-
-def _leaves(model) -> list:
-    import jax
-    from flax import nnx
-
-    return jax.tree.leaves(nnx.state(model, nnx.Param))
 
 
 def markdown(result: dict) -> str:

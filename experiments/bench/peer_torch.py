@@ -25,6 +25,7 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,13 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     first_loss = forward()
     result: dict = {"loss": first_loss, "seconds": {}, "calls": {}}
     for name, fn in (("forward", forward), ("forward_backward", forward_backward), ("step", step)):
-        for _ in range(args.warmup):
-            fn()
-        calls = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            fn()
-            calls.append(time.perf_counter() - start)
+        calls, _ = timed(fn, args)
         result["seconds"][name], result["calls"][name] = statistics.median(calls), calls
     result["versions"] = versions
     result["threads"] = torch.get_num_threads()
@@ -115,14 +110,20 @@ def generate(model, prompts, args) -> dict:
                 pad_token_id=0,
             )
 
+    calls, out = timed(call, args)
+    return {"seconds": statistics.median(calls), "calls": calls, "ids": out[:, prompts.shape[1] :].tolist()}
+
+
+def timed(fn, args) -> tuple[list[float], Any]:
+    """(the seconds of `args.repeats` calls of fn after `args.warmup` untimed ones, the last call's result)."""
     for _ in range(args.warmup):
-        call()
-    calls = []
+        fn()
+    calls, out = [], None
     for _ in range(args.repeats):
         start = time.perf_counter()
-        out = call()
+        out = fn()
         calls.append(time.perf_counter() - start)
-    return {"seconds": statistics.median(calls), "calls": calls, "ids": out[:, prompts.shape[1] :].tolist()}
+    return calls, out
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 
 from core import train as train_lib
-from experiments import build, schema
 from experiments.bench import common
 from experiments.bench.common import describe, interleaved_medians, machine, write_results
 from experiments.configs import quickstart
@@ -38,10 +37,7 @@ def train_steps(repeats: int) -> dict[str, float]:
         c = quickstart.get_config()
         c.mesh.update(site=1, data=1)
         c.precision.recipe = name
-        schema.validate(c, num_devices=jax.device_count())
-        _, sharder = build.build_mesh(c)
-        optimizer = build.build_optimizer(c)
-        graphdef, state = train_lib.init_state(build.build_model_fn(c, sharder), optimizer, 0, sharder)
+        graphdef, state, optimizer = common.one_device_state(c)
         step = train_lib.make_train_step(graphdef, optimizer)
         tokens = jax.random.randint(jax.random.key(0), (c.data.batch_size, c.data.seq_len + 1), 0, 256)
         box = {"state": state}

@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 
 from core import train as train_lib
-from experiments import build, schema
 from experiments.bench import common
 from experiments.bench.common import machine, median_seconds, write_results
 from experiments.configs import quickstart
@@ -50,10 +49,7 @@ def bench_size(name: str, steps: int) -> dict:
     c.mesh.update(site=1, data=1)  # one train step of one model (the federation's sites run the same step)
     m = c.model
     d, layers, seq, batch = m.d_model, m.num_layers, c.data.seq_len, c.data.batch_size
-    schema.validate(c, num_devices=jax.device_count())
-    _, sharder = build.build_mesh(c)
-    optimizer = build.build_optimizer(c)
-    graphdef, state = train_lib.init_state(build.build_model_fn(c, sharder), optimizer, 0, sharder)
+    graphdef, state, optimizer = common.one_device_state(c)
     step = train_lib.make_train_step(graphdef, optimizer)
     tokens = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, 256)
     common.compiling(f"the {name} train step")
