@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -129,7 +130,20 @@ def put_global(tree, shardings):
 
 HEARTBEAT_TIMEOUT_SECONDS = 20
 """A process that stops answering the coordination service's heartbeats for this long (it died, or its host did)
-brings the others down with an error instead of leaving them blocked in a collective."""
+brings the others down with an error instead of leaving them blocked in a collective. Under experiments.launch the
+launcher gives another value (`HEARTBEAT_TIMEOUT_ENV`)."""
+
+HEARTBEAT_TIMEOUT_ENV = "MESH_HEARTBEAT_TIMEOUT_SECONDS"
+"""Whole seconds (set by `experiments.launch`) replacing HEARTBEAT_TIMEOUT_SECONDS: the launcher waits for a paused
+process up to its `--site-timeout`, so jax.distributed must not give up on it first."""
+
+ALIVE_ENV = "MESH_ALIVE_FD"
+"""A pipe's write end (set by `experiments.launch`) on which this process shows that it runs: one byte every
+`ALIVE_BEAT_SECONDS` from a daemon thread, from the start of `initialize_distributed`. The launcher ends the run when
+a process stays silent (and uses no CPU time) for longer than its `--site-timeout`; see `_beat`."""
+
+ALIVE_BEAT_SECONDS = 1.0
+"""How often a process writes on the `ALIVE_ENV` pipe."""
 
 EXTERNAL_SERVICE_ENV = "MESH_EXTERNAL_COORDINATION_SERVICE"
 """Set to 1 (by `experiments.launch`) when jax.distributed's coordination service runs outside the processes, at
@@ -250,6 +264,12 @@ def initialize_distributed(config: ml_collections.ConfigDict) -> None:
     like a lost coordinator (below). Under experiments.launch, which sees a process die at once, such a process is
     told by the launcher instead (`PEER_LOST_NOTICE_ENV`) and exits with an `error:` line and status 1.
 
+    A process that stops answering without dying (stopped by SIGSTOP, a suspended VM) is, for jax.distributed, lost
+    once it misses `HEARTBEAT_TIMEOUT_SECONDS` of heartbeats: jaxlib then aborts every process. Under
+    experiments.launch the timeout is the launcher's (`HEARTBEAT_TIMEOUT_ENV`, above its `--site-timeout`) and this
+    process shows the launcher that it runs (`ALIVE_ENV`): a paused process is waited for up to `--site-timeout` and
+    the run goes on; beyond it the launcher ends the run with one line naming it (experiments.cluster.supervisor).
+
     The coordination service runs in process 0, unless `EXTERNAL_SERVICE_ENV` says another process serves it (see
     `_service_elsewhere`). Where it runs matters when process 0 dies: the others' coordination clients then lose the
     service and jaxlib aborts them at once (LOG(FATAL): SIGABRT and a C++ stack trace; jaxlib's
@@ -277,6 +297,11 @@ def initialize_distributed(config: ml_collections.ConfigDict) -> None:
     notice_fd = os.environ.get(PEER_LOST_NOTICE_ENV, "")
     if notice_fd.isdigit() and _is_open(int(notice_fd)):  # (not one inherited from a launcher's process)
         _exit_on_peer_lost_notice(int(notice_fd), mesh.process_id)
+    alive_fd = os.environ.get(ALIVE_ENV, "")
+    if alive_fd.isdigit() and _is_open(int(alive_fd)):
+        _beat(int(alive_fd))
+    heartbeat = os.environ.get(HEARTBEAT_TIMEOUT_ENV, "")
+    heartbeat_seconds = int(heartbeat) if heartbeat.isdigit() and int(heartbeat) > 0 else HEARTBEAT_TIMEOUT_SECONDS
     external = os.environ.get(EXTERNAL_SERVICE_ENV) == "1"
     logging.info(
         "jax.distributed: process %d of %d, coordinator %s%s",
@@ -290,7 +315,7 @@ def initialize_distributed(config: ml_collections.ConfigDict) -> None:
             coordinator_address=mesh.coordinator_address,
             num_processes=mesh.num_processes,
             process_id=mesh.process_id,
-            heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS,
+            heartbeat_timeout_seconds=heartbeat_seconds,
         )
     started = (jax.process_count(), jax.process_index())
     if started != (mesh.num_processes, mesh.process_id):
@@ -327,6 +352,25 @@ def _exit_on_peer_lost_notice(fd: int, process_id: int) -> None:
             os._exit(1)
 
     threading.Thread(target=wait, name="peer-lost-notice", daemon=True).start()
+
+
+def _beat(fd: int) -> None:
+    """Starts a daemon thread that writes one byte on `fd` every ALIVE_BEAT_SECONDS (never blocking: a full pipe
+    skips a beat) and ends quietly when nobody reads it any more (the launcher is gone). A stopped process (SIGSTOP, a
+    suspended VM) writes nothing; so does one whose interpreter is held (the launcher then also sees its CPU time)."""
+    os.set_blocking(fd, False)
+
+    def beat() -> None:
+        while True:
+            try:
+                os.write(fd, b".")
+            except BlockingIOError:
+                pass
+            except OSError:  # EPIPE, EBADF: nobody listens
+                return
+            time.sleep(ALIVE_BEAT_SECONDS)
+
+    threading.Thread(target=beat, name="alive-beat", daemon=True).start()
 
 
 @contextlib.contextmanager

@@ -8,13 +8,18 @@ The command's arguments are parsed and checked here; the processes are started a
 experiments.cluster.supervisor (what every process runs, how a failure, a stop signal or the launcher's death reaches
 the others, and the exit code: its docstring, printed by --help). Exit code 2 for bad arguments.
 
+`--site-timeout S` (default 50, at most 50): a process that stops answering, e.g. stopped by SIGSTOP or in a
+suspended VM, is waited for up to S seconds, and the run goes on as if nothing happened when it continues in time;
+beyond that the launcher kills it and ends the run with one line naming it and exit status 75; rerunning the same
+command resumes from the last checkpoint (the supervisor's docstring, "A paused process").
+
 `--elastic` (a federated run, one site per process): when a site is lost (its process killed by a signal, or with
 --links its link cut: `lost_sites`) and the others stop, the run goes on without it by itself: its last checkpoint
 is regrouped onto the surviving sites (`python -m experiments.elastic`: every expert kept; with fomoe.overlap = 1 the
 lost site's experts are refused by name unless --reinitialise-lost-experts) and the survivors are started again
 (each in its own site's namespace with --links) with the new mesh.site, fomoe.overlap and data.batch_size, resuming
-from that checkpoint; this repeats while two sites are left. A process that exits with an error (a diverged loss, a
-bad config) stops the run as without --elastic.
+from that checkpoint; this repeats while two sites are left. A site silent for longer than --site-timeout is lost
+too. A process that exits with an error (a diverged loss, a bad config) stops the run as without --elastic.
 """
 
 from __future__ import annotations
@@ -43,12 +48,22 @@ def main(argv: list[str] | None = None, *, module: str = "experiments.run") -> i
     doc = supervisor.__doc__ or ""
     parser = argparse.ArgumentParser(
         description=(__doc__ or "").split("\n")[0],
-        epilog=doc[doc.find("Stopping:") :],
+        epilog=doc[doc.find("A paused process") :],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="python -m experiments.launch --processes N [--devices-per-process D] -- <experiments.run arguments>",
+        usage="python -m experiments.launch --processes N [--devices-per-process D] [--site-timeout S] -- "
+        "<experiments.run arguments>",
     )
     parser.add_argument("--processes", type=int, required=True, help="number of local processes")
     parser.add_argument("--devices-per-process", type=int, default=1, help="CPU devices in each process")
+    parser.add_argument(
+        "--site-timeout",
+        type=int,
+        default=supervisor.SITE_TIMEOUT_SECONDS,
+        metavar="S",
+        help=f"seconds a process that stops answering (stopped by SIGSTOP, a suspended VM) is waited for before the "
+        f"run ends with exit status {supervisor.SITE_TIMEOUT_EXIT_CODE} (1..{supervisor.MAX_SITE_TIMEOUT_SECONDS}; "
+        "default %(default)s)",
+    )
     parser.add_argument(
         "--links",
         action="store_true",
@@ -72,6 +87,8 @@ def main(argv: list[str] | None = None, *, module: str = "experiments.run") -> i
         parser.error(f"--processes={args.processes}: must be >= 1")
     if args.devices_per_process < 1:
         parser.error(f"--devices-per-process={args.devices_per_process}: must be >= 1")
+    if not 1 <= args.site_timeout <= supervisor.MAX_SITE_TIMEOUT_SECONDS:
+        parser.error(supervisor.site_timeout_error(args.site_timeout))
     if not run_args:
         parser.error("give the experiments.run arguments after '--', e.g. -- --config <file> --workdir <dir>")
     for flag in ("num_processes", "process_id", "coordinator_address"):
@@ -86,14 +103,22 @@ def main(argv: list[str] | None = None, *, module: str = "experiments.run") -> i
             parser.error(str(e))
     if not args.elastic:
         return supervisor.launch(
-            args.processes, args.devices_per_process, run_args, module=module, netns=netns, host=host
+            args.processes,
+            args.devices_per_process,
+            run_args,
+            module=module,
+            netns=netns,
+            host=host,
+            site_timeout=args.site_timeout,
         )
     workdir = _flag(run_args, "--workdir")
     if workdir is None:
         parser.error("--elastic regroups the run's checkpoints: give its --workdir in the run arguments")
     if args.devices_per_process != 1:
         parser.error(f"--elastic: --devices-per-process={args.devices_per_process}; one site per process (1)")
-    return _elastic(args.processes, run_args, workdir, args.reinitialise_lost_experts, module, netns, host)
+    return _elastic(
+        args.processes, run_args, workdir, args.reinitialise_lost_experts, module, netns, host, args.site_timeout
+    )
 
 
 def _flag(run_args: list[str], name: str) -> str | None:
@@ -107,12 +132,14 @@ def _flag(run_args: list[str], name: str) -> str | None:
     return value
 
 
-def _elastic(processes, run_args, workdir, reinitialise, module, netns, host) -> int:
+def _elastic(processes, run_args, workdir, reinitialise, module, netns, host, site_timeout) -> int:
     """`supervisor.launch`, started again on the survivors after each lost site (module docstring)."""
     run_args, netns = list(run_args), list(netns)
     while True:
         report: dict = {}
-        code = supervisor.launch(processes, 1, run_args, module=module, netns=netns, host=host, report=report)
+        code = supervisor.launch(
+            processes, 1, run_args, module=module, netns=netns, host=host, site_timeout=site_timeout, report=report
+        )
         if code == 0 or report.get("stopped_by") is not None or report.get("first_failed") is None:
             return code
         lost, why = lost_sites(report, netns, host)
@@ -149,7 +176,11 @@ def lost_sites(report: dict, netns: list[str], host: str) -> tuple[list[int], st
     jaxlib aborts every process alike (SIGABRT), so the exit codes do not tell. Otherwise the one process killed by
     a signal that the launcher did not send is the lost site, when the others exited by themselves; a process that
     exited with an error (a diverged loss, a bad config) is not a lost site, and several processes killed at once
-    name none."""
+    name none. A site the launcher killed for giving no sign of life for its --site-timeout is lost."""
+    silent = list(report.get("unresponsive", ()))
+    if silent:
+        names = ", ".join(map(str, silent))
+        return silent, f"site {names} was lost: it gave no sign of life for longer than --site-timeout"
     if netns:
         cut = supervisor.unreachable(netns, host)
         if cut:

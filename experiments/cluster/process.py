@@ -19,7 +19,9 @@ from typing import Any
 __all__ = [
     "HAS_PDEATHSIG",
     "STOP_SIGNALS",
+    "Silence",
     "alive",
+    "cpu_seconds",
     "descendant",
     "die_with_parent",
     "exit_status",
@@ -27,6 +29,7 @@ __all__ = [
     "signals_deferred",
     "stop",
     "stop_signals_exit",
+    "stopped",
     "zombie",
 ]
 
@@ -71,13 +74,35 @@ def descendant(root: int, *needle: str) -> int | None:
     return None
 
 
-def zombie(pid: int) -> bool:
-    """Whether process `pid` has exited and waits to be reaped (Linux /proc; False where it cannot tell)."""
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (the state first), or None (not Linux, or gone)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return False
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def zombie(pid: int) -> bool:
+    """Whether process `pid` has exited and waits to be reaped (Linux /proc; False where it cannot tell)."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] == "Z"
+
+
+def stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped: by SIGSTOP, SIGTSTP (Ctrl-Z) or a debugger (Linux /proc state T or t;
+    False where it cannot tell)."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] in ("T", "t")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU time process `pid` has used so far, all its threads, user and system (Linux /proc), or None where it
+    cannot tell (not Linux, or the process is gone)."""
+    fields = _stat(pid)
+    if fields is None:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14 and 15
 
 
 def stop(pids: Sequence[int], grace: float) -> None:
@@ -93,6 +118,38 @@ def stop(pids: Sequence[int], grace: float) -> None:
         pids = [p for p in pids if alive(p) and not zombie(p)]
         if not pids:
             return
+
+
+class Silence:
+    """Which of the processes `pids` have given no sign of life for longer than `timeout` seconds. A sign of life is
+    a beat on the process's pipe (`beats`: the read ends, set non-blocking by the caller; any bytes count) or CPU time
+    used (Linux /proc: a process whose beating thread is held up by a long call into a library still computes, a
+    stopped or deadlocked one does not); a process is judged only after its first beat, and only while it runs."""
+
+    def __init__(self, pids: Sequence[int], beats: Sequence[int], timeout: float):
+        self.pids, self.beats, self.timeout = list(pids), list(beats), timeout
+        self.last: list[float | None] = [None] * len(self.pids)  # the last sign of life (None: no beat yet)
+        self.cpu: list[float | None] = [None] * len(self.pids)
+        self.found: set[int] = set()
+
+    def silent(self, now: float, codes: Sequence[int | None]) -> list[int]:
+        """Reads what the processes wrote and returns the indices of those still running (`codes[i] is None`) that
+        have been silent for longer than the timeout at time `now` (time.monotonic()); each is returned once and then
+        no longer watched."""
+        found = []
+        for i, fd in enumerate(self.beats):
+            beat = False
+            with contextlib.suppress(OSError):  # (BlockingIOError: nothing written since)
+                beat = bool(os.read(fd, 4096))  # (b"": the process closed it, i.e. exited)
+            cpu = cpu_seconds(self.pids[i])
+            if beat or (self.last[i] is not None and cpu is not None and cpu != self.cpu[i]):
+                self.last[i] = now
+            self.cpu[i] = cpu
+            last = self.last[i]
+            if codes[i] is None and i not in self.found and last is not None and now - last > self.timeout:
+                self.found.add(i)
+                found.append(i)
+        return found
 
 
 @contextlib.contextmanager
