@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from core import orbax_compat
+
 __all__ = [
     "CheckpointError",
     "Checkpointer",
@@ -101,6 +103,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._failed = False  # a write failed (close then stays quiet)
+        self._closed = False
 
     def latest_step(self) -> int | None:
         """The newest fully written checkpoint's step (partial writes of a crashed run are ignored)."""
@@ -180,11 +183,10 @@ class Checkpointer:
         Raises DamagedCheckpointError if it cannot be read or was changed since it was written."""
         where = self._where(step)
         try:
-            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            with orbax_compat.draining_event_loops():
+                meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # orbax raises many types for missing/corrupt files
-            raise DamagedCheckpointError(
-                f"the {where} cannot be read ({type(e).__name__}: {_short(e)}). {_AFTER}"
-            ) from e
+            raise DamagedCheckpointError(f"the {where} cannot be read ({_short(e)}). {_AFTER}") from e
         if not isinstance(meta, dict) or not {"manifest", "loop", "compat"} <= set(meta):
             raise DamagedCheckpointError(
                 f"the {where} has no valid metadata record; it was not written by this program or is damaged. {_AFTER}"
@@ -241,13 +243,12 @@ class Checkpointer:
             for k, v in flat_like.items()
         }
         try:
-            restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))[
-                "state"
-            ]
+            with orbax_compat.draining_event_loops():  # a failed read leaves no other read calling a closed loop
+                restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))[
+                    "state"
+                ]
         except Exception as e:
-            raise DamagedCheckpointError(
-                f"the arrays of the {where} cannot be read ({type(e).__name__}: {_short(e)}). {_AFTER}"
-            ) from e
+            raise DamagedCheckpointError(f"the arrays of the {where} cannot be read ({_short(e)}). {_AFTER}") from e
         recorded = {k: entry[2] for k, entry in saved.items() if len(entry) > 2}
         if len(recorded) < len(saved):  # a record without a checksum for every array
             print(f"warning: the {where} records no checksums; it is restored unverified", file=sys.stderr)
@@ -270,7 +271,11 @@ class Checkpointer:
             self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for background writes and closes; after a failed write (already raised) nothing more is raised."""
+        """Waits for background writes and closes (once: a second call does nothing); after a failed write (already
+        raised) nothing more is raised."""
+        if self._closed:
+            return
+        self._closed = True
         if self._failed:
             with contextlib.suppress(Exception), self._silenced():
                 self._manager.close()
@@ -304,7 +309,7 @@ def _cause(e: Exception) -> str:
     RESOURCE_EXHAUSTED quotes the OS error), else the exception, shortened."""
     if "No space left on device" in str(e) or getattr(e, "errno", None) == errno.ENOSPC:
         return "No space left on device"
-    return f"{type(e).__name__}: {_short(e)}"
+    return _short(e)
 
 
 def load_numpy(directory: str | os.PathLike, step: int | None = None, *, verify: bool = True) -> dict[str, np.ndarray]:
@@ -341,9 +346,10 @@ def load_numpy(directory: str | os.PathLike, step: int | None = None, *, verify:
         checkpointer.close()
     path = os.path.join(directory, str(step), "state")
     try:
-        arrays = _restore_numpy(path)
+        with orbax_compat.draining_event_loops():
+            arrays = _restore_numpy(path)
     except Exception as e:
-        raise DamagedCheckpointError(f"the arrays of {path} cannot be read ({type(e).__name__}: {_short(e)})") from e
+        raise DamagedCheckpointError(f"the arrays of {path} cannot be read ({_short(e)})") from e
     if record is not None:
         recorded = {k: entry[2] for k, entry in record["manifest"].items() if len(entry) > 2}
         found = digest(arrays).checksums
@@ -364,13 +370,24 @@ def _restore_numpy(path: str) -> dict[str, np.ndarray]:
     return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
 
 
-def _short(error: Exception, limit: int = 300) -> str:
-    """An exception's message cut to `limit` characters (orbax's errors can quote a whole TensorStore spec)."""
-    text = " ".join(_SPEC.sub("", str(error)).split())  # one line, without TensorStore's spec of the array
+def _short(error: BaseException, limit: int = 400) -> str:
+    """What went wrong, in one line of at most `limit` characters: "<type>: <message>" of the most telling exception
+    of `error`'s chain (TensorStore's status, e.g. "OUT_OF_RANGE: Error reading <array> in OCDBT database at <path>:
+    ...", which orbax wraps in a message quoting the array's whole TensorStore spec), without any spec."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = error
+    while seen is not None and seen not in chain:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    status = [e for e in chain if _STATUS.match(str(e))]
+    chosen = status[-1] if status else error
+    text = " ".join(_SPEC.sub("", str(chosen)).split())
+    text = f"{type(chosen).__name__}: {text}"
     return text if len(text) <= limit else text[:limit] + " ..."
 
 
-_SPEC = re.compile(r"\s*\[tensorstore_spec=.*?(?:'\]|$)", re.DOTALL)
+_STATUS = re.compile(r"^[A-Z][A-Z_]+: ")  # a TensorStore / absl status: "NOT_FOUND: ...", "OUT_OF_RANGE: ..."
+_SPEC = re.compile(r"\s*(?:\[tensorstore_spec.*|See full TensorStore details:.*)$", re.DOTALL)
 
 
 def _jsonable(value):

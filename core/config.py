@@ -52,6 +52,7 @@ from core.schema import (
 __all__ = [
     "DEFAULT_RULES",
     "FROM_CLUSTER",
+    "MAX_WIDTH",
     "MESH_AXES",
     "SECTIONS",
     "CheckpointConfig",
@@ -85,6 +86,12 @@ __all__ = [
 
 _DTYPES = ("float32", "bfloat16")
 
+MAX_WIDTH = 2**20
+"""The largest value of a model's size keys (vocabulary, widths, heads, layers, experts): 1,048,576, above any published
+model's (their widths and vocabularies are at most a few 100,000). It keeps every weight's element count far inside
+the 64 bits XLA counts it in (past them XLA aborts the process instead of raising), and a config.json edited to a
+huge width is refused by name instead of failing later as something else."""
+
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
@@ -97,12 +104,17 @@ class TransformerConfig:
         "embedding rows; >= the tokenizer's vocab_size (data.tokenizer; bytes: 259 = 256 bytes + PAD/BOS/EOS), a "
         "multiple of 8 keeps matmuls aligned",
         low=1,
+        high=MAX_WIDTH,
     )
-    d_model: int = field(256, "residual stream width", low=1)
-    num_layers: int = field(4, "transformer blocks", low=1)
-    num_heads: int = field(8, "query heads; must divide d_model unless head_dim is set", low=1)
-    num_kv_heads: int = field(8, "key/value heads (grouped-query attention); must divide num_heads", low=1)
-    head_dim: int = field(0, "width of each query/key/value head (even); 0 = d_model / num_heads", low=0)
+    d_model: int = field(256, "residual stream width", low=1, high=MAX_WIDTH)
+    num_layers: int = field(4, "transformer blocks", low=1, high=MAX_WIDTH)
+    num_heads: int = field(8, "query heads; must divide d_model unless head_dim is set", low=1, high=MAX_WIDTH)
+    num_kv_heads: int = field(
+        8, "key/value heads (grouped-query attention); must divide num_heads", low=1, high=MAX_WIDTH
+    )
+    head_dim: int = field(
+        0, "width of each query/key/value head (even); 0 = d_model / num_heads", low=0, high=MAX_WIDTH
+    )
     qkv_bias: bool = field(False, "biases on the query, key and value projections (Qwen2)")
     out_bias: bool = field(False, "a bias on the attention output projection")
     qk_norm: bool = field(False, "RMSNorm over each query and key head before RoPE, a learned scale per dim (Qwen3)")
@@ -113,7 +125,7 @@ class TransformerConfig:
         choices=("head", "projection"),
         since_checkpoints=True,
     )
-    d_ff: int = field(1024, "hidden width of the dense MLP", low=1)
+    d_ff: int = field(1024, "hidden width of the dense MLP", low=1, high=MAX_WIDTH)
     mlp: str = field(
         "swiglu",
         "dense MLP form: 'swiglu' (SiLU-gated, 3 matrices) or 'silu' (2 matrices)",
@@ -205,7 +217,7 @@ class OptimConfig:
     provenance: ClassVar[Compat] = True
 
     name: str = field("adamw", "optimizer", choices=("adamw",))
-    learning_rate: float = field(3e-3, "peak learning rate", low=0.0)
+    learning_rate: float = field(3e-3, "peak learning rate (0 would train nothing)", low=0.0, low_open=True)
     warmup_steps: int = field(
         100,
         "linear warm-up steps from 0 to the peak; the command line lowers a warm-up longer than train.steps to "

@@ -84,6 +84,11 @@ class Field:
         if self.choices is not None and value not in self.choices:
             raise ConfigError(f"config key '{key}' = {value!r} is not one of the allowed values {list(self.choices)}.")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, int) and not -(2**63) <= value < 2**63:
+                raise ConfigError(
+                    f"config key '{key}' = {value!r} does not fit a 64-bit integer (array shapes and sizes are 64-bit):"
+                    f" allowed {self.describe()}."
+                )
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"config key '{key}' = {value!r} must be a finite number.")
             if isinstance(value, float) and abs(value) > _FLOAT32_MAX:  # inf once training casts it
@@ -97,8 +102,8 @@ class Field:
                 raise ConfigError(f"config key '{key}' = {value!r} is outside the allowed range {self._range()}.")
 
     def _range(self) -> str:
-        lo = "(-inf" if self.low is None else ("(" if self.low_open else "[") + f"{self.low:g}"
-        hi = "inf)" if self.high is None else f"{self.high:g}]"
+        lo = "(-inf" if self.low is None else ("(" if self.low_open else "[") + _number(self.low)
+        hi = "inf)" if self.high is None else f"{_number(self.high)}]"
         return f"{lo}, {hi}"
 
     def describe(self) -> str:
@@ -112,6 +117,11 @@ class Field:
 
 
 _FLOAT32_MAX = 3.4028234663852886e38  # float(numpy.finfo(numpy.float32).max): the largest finite float32
+
+
+def _number(x: float) -> str:
+    """A bound as docs show it: a whole number in full with thousands separators (1,048,576), else `:g` (0.5, 1e-08)."""
+    return f"{int(x):,}" if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
 
 
 def _names(accepted: tuple[type, ...]) -> str:

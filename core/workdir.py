@@ -31,6 +31,7 @@ __all__ = [
     "MetricsLog",
     "WorkdirError",
     "append_history",
+    "check_files",
     "free_name",
     "lock",
     "prepare",
@@ -79,14 +80,16 @@ def lock(path: str) -> Iterator[None]:
     """Holds the exclusive lock of the workdir `path` (created if needed) for the body. Raises WorkdirError if
     another process holds it (naming its pid, host and start time) or if the lock file cannot be written.
 
-    A body that raises having written nothing into the workdir (a refused run) leaves it as it found it: a workdir
-    or lock file this call created is removed, and an earlier lock record is written back."""
+    A body that raises (a refused run, or one stopped) leaves the lock file as it found it: one this call created is
+    removed (and the workdir too if this call created it and nothing else was written into it), and an earlier lock
+    record is written back with its times, so a refusal that says "Nothing was changed" changed nothing."""
     existed = os.path.isdir(path)
     path = prepare(path)
     key, lock_path = os.path.realpath(path), os.path.join(path, ".lock")
     outer = key not in _held
     if outer:
         before = _read(lock_path)
+        times = _times(lock_path)
         _held[key] = (_acquire(lock_path), 1)
     else:
         fd, depth = _held[key]
@@ -94,14 +97,8 @@ def lock(path: str) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        if outer and os.listdir(path) == [".lock"]:  # refused before anything was written: undo the lock
-            if before is None:
-                os.remove(lock_path)
-                if not existed:
-                    os.rmdir(path)
-            else:
-                with open(lock_path, "wb") as f:
-                    f.write(before)
+        if outer:  # (still holding the flock: no other run can be reading or taking it)
+            _undo_lock(path, lock_path, before, times, created_dir=not existed)
         raise
     finally:
         fd, depth = _held[key]
@@ -110,6 +107,34 @@ def lock(path: str) -> Iterator[None]:
         else:
             del _held[key]
             os.close(fd)  # releases the flock
+
+
+def _times(path: str) -> tuple[int, int] | None:
+    """(atime, mtime) of `path` in nanoseconds, or None if there is no such file."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_atime_ns, st.st_mtime_ns
+
+
+def _undo_lock(
+    path: str, lock_path: str, before: bytes | None, times: tuple[int, int] | None, *, created_dir: bool
+) -> None:
+    """Puts the lock file back as `lock` found it: removed if there was none (the workdir too, if `created_dir` and it
+    is empty then), else its earlier bytes and times. A failure to do so (the disk became read-only) is left: the
+    body's own exception is the one to report."""
+    with contextlib.suppress(OSError):
+        if before is None:
+            os.remove(lock_path)
+            if created_dir and not os.listdir(path):
+                os.rmdir(path)
+            return
+        with open(lock_path, "r+b") as f:
+            f.write(before)
+            f.truncate(len(before))
+        if times is not None:
+            os.utime(lock_path, ns=times)
 
 
 def _read(path: str) -> bytes | None:
@@ -122,21 +147,32 @@ def _read(path: str) -> bytes | None:
 
 
 def _acquire(lock_path: str) -> int:
-    try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise WorkdirError(f"cannot write the lock file {lock_path}: {e.strerror or e}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "{}"
-        os.close(fd)
-        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise WorkdirError(f"cannot lock {lock_path}: {e.strerror or e}") from None
-        raise WorkdirError(
-            f"{os.path.dirname(lock_path)} is in use by another run ({_describe(holder)}); wait for it to finish, "
-            "stop it, or use another --workdir"
-        ) from None
+    """The file descriptor of `lock_path` locked by this process (which writes its record there). A lock file that
+    its holder removed (a refused run undoes the lock file it created) between our open and our lock is opened again,
+    so that two runs never hold two different files of the same name."""
+    while True:
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise WorkdirError(f"cannot write the lock file {lock_path}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "{}"
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise WorkdirError(f"cannot lock {lock_path}: {e.strerror or e}") from None
+            raise WorkdirError(
+                f"{os.path.dirname(lock_path)} is in use by another run ({_describe(holder)}); wait for it to "
+                "finish, stop it, or use another --workdir"
+            ) from None
+        try:
+            current = os.stat(lock_path).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(fd).st_ino:
+            break
+        os.close(fd)  # (we locked a file its holder had just removed: take the one there now)
     record = json.dumps(
         {
             "pid": os.getpid(),
@@ -301,13 +337,33 @@ def write_json(path: str, obj: Any) -> None:
     naming the file if it cannot be written (the old file, if any, is kept; the temporary one removed)."""
     tmp = path + ".tmp"
     try:
-        with _writing(path, "its earlier version, if any, is kept"), open(tmp, "w") as f:
-            json.dump(obj, f, indent=2, default=str)
+        with _writing(path, "its earlier version, if any, is kept"):
+            with open(tmp, "w") as f:
+                json.dump(obj, f, indent=2, default=str)
+            os.replace(tmp, path)  # (a directory in its place: refused here, the temporary file removed)
     except WriteError:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
-    os.replace(tmp, path)
+
+
+def check_files(path: str, files: tuple[str, ...], folders: tuple[str, ...] = ()) -> None:
+    """Raises WorkdirError if one of `files` in the workdir `path` exists as something other than a regular file (a
+    directory in place of config.json, a FIFO), or one of `folders` as something other than a directory: what a run
+    reads and rewrites there, checked before it starts rather than when it first writes."""
+    for name in files:
+        where = os.path.join(path, name)
+        if os.path.lexists(where) and not os.path.isfile(where):
+            what = "a directory" if os.path.isdir(where) else "not a regular file"
+            raise WorkdirError(
+                f"{where} is {what}; a run writes its {name} there: move it away or use another --workdir"
+            )
+    for name in folders:
+        where = os.path.join(path, name)
+        if os.path.lexists(where) and not os.path.isdir(where):
+            raise WorkdirError(
+                f"{where} is not a directory; a run keeps its {name} there: move it away or use another --workdir"
+            )
 
 
 def free_name(path: str) -> str:

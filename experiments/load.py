@@ -79,7 +79,7 @@ def trained_model(
         config = _on_one_device(federated.site_config(config))  # the site's model as a model of its own
     else:
         config = _on_one_device(config)  # the arrays are restored onto one device, whatever mesh wrote them
-        schema.validate(config, num_devices=1)
+        schema.validate(config, num_devices=1, source=False)  # (an imported run loads without its source)
         graphdef, like = _restore_target(config)
         train, _ = checkpointer.restore(step, like, compat=compat)
     checkpointer.close()
@@ -134,7 +134,8 @@ class RunConfigError(ValueError):
 def run_config(workdir: str) -> ml_collections.ConfigDict:
     """The resolved config a run in `workdir` trained with (its config.json over today's defaults: sections and keys
     added since the run was trained keep their defaults). Raises RunConfigError naming the file and the key for a
-    file that is no JSON object of sections, an unknown section or key, or a value of the wrong type or range."""
+    file that is no JSON object of sections (a directory, not JSON), an unknown section or key, a value of the wrong
+    type or range, or a missing `model` section or key (`_check_model_keys`)."""
     path = os.path.join(workdir, "config.json")
     config = schema.default_config()
     try:
@@ -142,6 +143,9 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
             saved = json.load(f)
     except ValueError as e:
         raise RunConfigError(f"{path} is not JSON ({e}): a run's config.json is what experiments.run wrote") from None
+    except OSError as e:  # a directory in its place, unreadable, ...
+        what = "is a directory, not a file" if os.path.isdir(path) else f"cannot be read ({e.strerror or e})"
+        raise RunConfigError(f"{path} {what}: a run's config.json is the JSON file experiments.run wrote") from None
     if not isinstance(saved, dict):
         raise RunConfigError(f"{path} holds a JSON {type(saved).__name__}, not an object of config sections")
     for section, values in saved.items():
@@ -160,7 +164,27 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
         config_lib.validate(config, schema.schema())
     except config_lib.ConfigError as e:
         raise RunConfigError(f"{path}: {e}") from None
+    _check_model_keys(path, saved)
     return config
+
+
+def _check_model_keys(path: str, saved: dict) -> None:
+    """Raises RunConfigError if config.json has no `model` section or lacks one of its keys (those added since
+    checkpoints were written, `since_checkpoints`, may be absent): the section says what the checkpoint's weights
+    are, and a default in its place would describe another model than the checkpoint's."""
+    fields = config_lib.section_fields(config_lib.TransformerConfig)
+    needed = [k for k, f in fields.items() if not f.since_checkpoints]
+    if "model" not in saved:
+        raise RunConfigError(
+            f"{path} has no 'model' section, which says what the checkpoint's weights are ({', '.join(needed[:4])}, "
+            "...): a run's config.json is what experiments.run wrote; restore it"
+        )
+    missing = [k for k in needed if k not in saved["model"]]
+    if missing:
+        raise RunConfigError(
+            f"{path}: section 'model' lacks {', '.join(repr(f'model.{k}') for k in missing[:4])}, which say what the "
+            "checkpoint's weights are: a run's config.json is what experiments.run wrote; restore it"
+        )
 
 
 def _tuples(value):

@@ -52,6 +52,19 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 DOCS = os.path.join(os.path.dirname(os.path.dirname(CONFIG_DIR)), "docs", "configuration.md")
 
 
+RUN_FILES = (
+    "config.json",
+    "data.json",
+    "summary.json",
+    "metrics.jsonl",
+    "metrics.superseded.jsonl",
+    "history.jsonl",
+    "loss_curve.png",
+    "sample.txt",
+)
+"""The files a run writes into its workdir (each must be a file if it is there: core.workdir.check_files)."""
+
+
 class UsageError(ValueError):
     """A bad command line (flags, the config file, an override): the message says what is wrong and what is
     allowed; `main` prints it as one `error:` line (exit code 2)."""
@@ -287,10 +300,15 @@ def run(config, workdir: str, *, hooks: Sequence[Callable[[int, dict[str, float]
     schema.resolve(config)
     mesh_lib.resolve_processes(config)  # mesh.num_processes = -1: this process's index and count from srun, mpirun...
     schema.validate(config)  # with what init_from and the cluster imply
-    if config.mesh.process_id != 0:
-        return _run(config, workdir, hooks)
-    with workdir_lib.lock(workdir):
-        return _run(config, workdir, hooks)
+    try:
+        if config.mesh.process_id != 0:
+            return _run(config, workdir, hooks)
+        with workdir_lib.lock(workdir):  # (a refusal leaves through it: the lock file is left as it was found)
+            workdir_lib.check_files(workdir, RUN_FILES, ("checkpoints",))
+            return _run(config, workdir, hooks)
+    except (train_lib.NonFiniteLossError, checkpoint_lib.CheckpointError) as e:  # (a WriteError: main's, exit 1 too)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 def write_records(workdir: str, config: ml_collections.ConfigDict, corpus) -> None:
@@ -352,9 +370,6 @@ def _run(config, workdir: str, hooks: Sequence[Callable[[int, dict[str, float]],
                 init_params=build.init_params(config),
                 **common,
             )
-    except (train_lib.NonFiniteLossError, checkpoint_lib.CheckpointError) as e:  # (a WriteError: main's, exit 1 too)
-        print(f"error: {e}", file=sys.stderr)
-        return 1
     except train_lib.PeerLostError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()

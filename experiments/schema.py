@@ -65,12 +65,15 @@ def model_config(config: ml_collections.ConfigDict) -> config_lib.TransformerCon
     return config_lib.from_config(config_lib.TransformerConfig, config.model)
 
 
-def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None) -> None:
+def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None, source: bool = True) -> None:
     """Raises core.config.ConfigError naming the first bad key, its value and what is allowed. Call once without
-    devices (static checks) and once with `num_devices` (the mesh's sizes, the experts per device)."""
+    devices (static checks) and once with `num_devices` (the mesh's sizes, the experts per device). `source`: also
+    check that checkpoint.init_from's DIR is a Hugging Face checkpoint (False for a run's own config read back to
+    load its checkpoint, which no longer reads DIR: the run serves and exports after DIR is gone)."""
     config_lib.validate(config, schema(), num_devices=num_devices)
-    hf_load.hf_dir(config)  # checkpoint.init_from's form; what it implies is `resolve`'s
-    optim_registry.hyperparameters(config.optim)  # a family key the chosen optimizer does not use
+    if source:
+        hf_load.hf_dir(config)  # checkpoint.init_from's form; what it implies is `resolve`'s
+    optim_registry.check(config.optim)  # the family keys (unused, out of range, b1^2 >= b2) and lr x weight decay
     sizes = None if num_devices is None else config_lib.mesh_shape(config, num_devices)
     moe_config.check(config, sizes)
     moe_config.check_fomoe(config, sizes)

@@ -10,7 +10,7 @@ from typing import ClassVar
 import ml_collections
 
 from core.codec import FORMATS, ROUNDINGS, SCALES, WireFormat
-from core.config import Compat, ConfigError, field, rule_mesh_axes
+from core.config import MAX_WIDTH, Compat, ConfigError, field, rule_mesh_axes
 from moe.grouped_matmul import IMPLEMENTATIONS
 from moe.router import ROUTERS
 
@@ -46,12 +46,12 @@ class MoEConfig:
     dense_layers: tuple[int, ...] = field(
         (), "layers kept dense although `every` selects them (Qwen3-MoE's mlp_only_layers), 0-based"
     )
-    num_experts: int = field(8, "experts per MoE layer", low=1)
+    num_experts: int = field(8, "experts per MoE layer", low=1, high=MAX_WIDTH)
     top_k: int = field(2, "experts chosen per token", low=1)
     expert_size: int = field(
-        128, "hidden width h of each expert (d_model -> h -> d_model; its form: expert_mlp)", low=1
+        128, "hidden width h of each expert (d_model -> h -> d_model; its form: expert_mlp)", low=1, high=MAX_WIDTH
     )
-    shared_expert_size: int = field(0, "hidden width of an always-on shared expert (0 = none)", low=0)
+    shared_expert_size: int = field(0, "hidden width of an always-on shared expert (0 = none)", low=0, high=MAX_WIDTH)
     shared_expert_gate: bool = field(
         False,
         "scale the shared expert's output by sigmoid(x @ w), w [d_model, 1] (Qwen2-MoE's shared_expert_gate)",

@@ -26,7 +26,9 @@ def _family_key_doc(key: str) -> str:
     """What a family key means in each family that reads it, who does not read it, and its defaults."""
     users = [f for f in registry.FAMILIES if key in f.defaults]
     others = [f.label for f in registry.FAMILIES if key not in f.defaults]
-    doc = "; ".join(f"{f.label}: {f.meanings[key]}" for f in users)
+    doc = "; ".join(f"{f.label}: {f.meanings[key]} in {f.bounds[key]}" for f in users)
+    if key in ("b1", "b2") and any(f.moments for f in users):
+        doc += f" ({', '.join(f.label for f in users if f.moments)}: b1^2 < b2, which bounds Adam's step)"
     doc += f"; not used by {', '.join(others)}" if others else ""
     defaults = ", ".join(f"{f.name} {_number(f.defaults[key])}" for f in users)
     return f"{doc}. None: the family's default ({defaults})"

@@ -106,6 +106,49 @@ def test_a_refused_run_creates_nothing_and_leaves_an_earlier_lock_record_as_it_w
         assert (old / ".lock").read_text() == '{"pid": 1, "host": "elsewhere", "started": "2026-01-01"}\n'
 
 
+@pytest.mark.parametrize("damage", ["a directory", "no model section", "d_model 10^30"])
+def test_a_run_config_json_that_cannot_be_read_back_is_one_line_naming_it(tmp_path, capsys, damage):
+    """A workdir whose config.json is a directory, lacks the `model` section, or gives d_model = 10^30: serve,
+    serve --http and hf export exit 2 with one `error:` line naming config.json and what is wrong (not a traceback, not
+    a checkpoint mismatch, not a KV pool too small), before any model is loaded; a run resumed there (config.json a
+    directory) is refused the same way before it trains."""
+    from experiments import schema
+    from experiments.hf import __main__ as hf_cli
+
+    workdir = tmp_path / "run"
+    (workdir / "checkpoints").mkdir(parents=True)
+    (workdir / "data.json").write_text('{"fingerprint": "x"}')
+    saved = schema.default_config().to_dict()
+    if damage == "a directory":
+        (workdir / "config.json").mkdir()
+        needles = ["config.json is a directory"]
+    elif damage == "no model section":
+        del saved["model"]
+        needles = ["config.json has no 'model' section"]
+    else:
+        saved["model"]["d_model"] = 10**30
+        needles = ["config.json", "'model.d_model' = " + str(10**30), "[1, 1,048,576]"]
+    if damage != "a directory":
+        (workdir / "config.json").write_text(json.dumps(saved))
+    commands = [
+        lambda: serve.main([f"--workdir={workdir}", "--prompt=x"]),
+        lambda: serve.main(["--http", f"--workdir={workdir}", "--port=0"]),
+        lambda: hf_cli.main(["export", f"--workdir={workdir}", f"--out={tmp_path / 'hf'}"]),
+    ]
+    if damage == "a directory":
+        commands.append(lambda: run.main(["run", f"--config={CONFIG}", f"--workdir={workdir}", *TINY]))
+    for command in commands:
+        assert command() == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), err
+        assert all(needle in err[0] for needle in needles), (needles, err)
+    assert not (tmp_path / "hf").exists() and sorted(p.name for p in workdir.iterdir()) == [
+        "checkpoints",
+        "config.json",
+        "data.json",
+    ]
+
+
 class Crash(Exception):
     """Raised by a step hook: stops a run as a crash would, right after the step (and its checkpoint)."""
 
@@ -165,11 +208,17 @@ def test_a_finished_run_leaves_its_outputs_loads_serves_and_refuses_another_mode
     assert (workdir / "sample.txt").read_text().startswith("def ")
     _loaded_model_reproduces_the_held_out_loss(workdir, summary["val_loss"])
     _serve_streams_the_greedy_continuation(workdir, capsys)
+    _sigterm_while_the_server_loads_exits_0(workdir)
     _exports_as_a_hugging_face_checkpoint(workdir, tmp_path / "hf", capsys)
 
     before = _files(workdir)
     code, err = _main(capsys, f"--config={CONFIG}", f"--workdir={workdir}", *TINY, *args, "--config.model.d_model=64")
     assert code == 1 and "d_model: checkpoint 32, now 64" in err and "new --workdir" in err, err
+    assert _files(workdir) == before
+    # fewer steps than the other model's checkpoint: still named as another model, not as train.steps to raise
+    fewer = [*args, "--config.model.d_model=64", "--config.train.steps=4", "--config.train.eval_every=2"]
+    code, err = _main(capsys, f"--config={CONFIG}", f"--workdir={workdir}", *TINY, *fewer)
+    assert code == 1 and "d_model: checkpoint 32, now 64" in err and "train.steps" not in err, err
     assert _files(workdir) == before
 
     # 16 damaged bytes in the latest checkpoint's largest file: serve refuses it and nothing changes (a training
@@ -184,9 +233,65 @@ def test_a_finished_run_leaves_its_outputs_loads_serves_and_refuses_another_mode
     assert _files(workdir) == before
 
 
+def test_a_truncated_checkpoint_is_one_line_and_fallback_resumes_without_a_traceback(tmp_path, capsys, monkeypatch):
+    """The latest checkpoint's array files cut short: the rerun is refused with exit 1 and one `error:` line naming
+    the array TensorStore could not read (no TensorStore spec); with checkpoint.fallback it resumes from the one
+    before and finishes (exit 0) printing no traceback: no "Event loop is closed" from the failed restore's other
+    reads (core.orbax_compat), on stderr or as an unraisable exception."""
+    import sys
+
+    unraisable: list[str] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(f"{u.exc_type.__name__}: {u.exc_value}"))
+    workdir = tmp_path / "run"
+    args = ["--config.train.steps=4", "--config.train.eval_every=4", "--config.checkpoint.every=2"]
+    _run(workdir, *args)
+    capsys.readouterr()
+    for data in (p for p in (workdir / "checkpoints" / "4" / "state").rglob("*") if p.is_file() and "/d/" in str(p)):
+        with open(data, "r+b") as f:
+            f.truncate(data.stat().st_size // 3)
+    code, err = _main(capsys, f"--config={CONFIG}", f"--workdir={workdir}", *TINY, *args)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and "checkpoint of step 4" in lines[0] and "fallback=True" in lines[0], err
+    assert "TensorStore" not in err and "spec" not in err, err
+    code = run.main(
+        ["run", f"--config={CONFIG}", f"--workdir={workdir}", *TINY, *args, "--config.checkpoint.fallback=True"]
+    )
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "checkpoint.fallback: " in out and "resuming from the checkpoint of step 2" in out, out
+    assert "Traceback" not in out + err and "Event loop is closed" not in out + err, err[-3000:]
+    assert "TensorStore" not in out, out
+    assert not unraisable, unraisable[:3]
+    assert json.loads((workdir / "summary.json").read_text())["steps"] == 4
+
+
+def _sigterm_while_the_server_loads_exits_0(workdir):
+    """`serve --http` sent SIGTERM once it has checked its flags, while the model loads and compiles (before it
+    listens): exit 0, as docs/serving.md says of a SIGTERM, with a line saying it stopped before serving."""
+    command = [sys.executable, "-m", "experiments.serve", "--http", f"--workdir={workdir}", "--port=0"]
+    server = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stderr is not None
+        said: list[str] = []
+        while not said or not said[-1].startswith("GEMMs:"):  # the last line before the model loads
+            said.append(server.stderr.readline())
+            assert said[-1], said
+        server.send_signal(signal.SIGTERM)
+        rest = server.stderr.read()
+        assert server.wait(timeout=120) == 0, rest
+        assert "stopped before serving" in rest and "serving `" not in rest and "Traceback" not in rest, rest
+    finally:
+        server.kill()
+        server.wait()
+
+
 def _files(root):
-    """Every file's bytes under `root`, except the workdir lock's record (who holds it now)."""
-    return {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and p.name != ".lock"}
+    """Every file's bytes under `root` and the time the workdir lock's record last changed: a refused run (which says
+    "Nothing was changed") changes none of them."""
+    files: dict = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    if (root / ".lock").exists():
+        files["lock modified"] = (root / ".lock").stat().st_mtime_ns
+    return files
 
 
 def _loaded_model_reproduces_the_held_out_loss(workdir, val_loss, sites=1):

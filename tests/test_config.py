@@ -154,6 +154,23 @@ DELETE = object()
         ({"mesh.num_processes": 2}, ["mesh.coordinator_address", "host:port"]),
         ({"optim.name": "sgd"}, ["optim.name", "'sgd'", "adamw"]),
         ({"model.d_ff": DELETE}, ["model.d_ff", "missing"]),
+        # optimizer hyper-parameters that pass each key's own range but train nothing or diverge silently
+        ({"optim.b2": 0.0}, ["'optim.b2' = 0.0", "second-moment decay", "allowed: (0, 1)"]),
+        ({"optim.b2": 0.5}, ["'optim.b1' = 0.9", "'optim.b2' = 0.5", "b1^2 = 0.81", "b2 > b1^2"]),
+        ({"optim.b1": 1.0}, ["'optim.b1' = 1.0", "allowed: [0, 1)"]),
+        ({"optim.eps": 0.0}, ["'optim.eps' = 0.0", "allowed: (0, inf)"]),
+        ({"optim.name": "lion", "optim.b2": 1.0}, ["'optim.b2' = 1.0", "Lion", "allowed: [0, 1)"]),
+        ({"optim.name": "muon", "optim.momentum": 1.0}, ["'optim.momentum' = 1.0", "allowed: [0, 1)"]),
+        ({"optim.name": "mgup_muon", "optim.b2": 0.9}, ["'optim.b1' = 0.95", "'optim.b2' = 0.9", "b1^2 < b2"]),
+        ({"optim.learning_rate": 0.0}, ["optim.learning_rate", "0.0", "(0, inf)"]),
+        (
+            {"optim.learning_rate": 2.0, "optim.weight_decay": 0.5},
+            ["learning_rate", "weight_decay", "x weight_decay < 1"],
+        ),
+        # sizes past what an array can hold: refused by name, not an abort inside XLA
+        ({"model.d_model": 10**30}, ["'model.d_model' = " + str(10**30), "64-bit", "[1, 1,048,576]"]),
+        ({"model.d_ff": 2**30}, ["'model.d_ff' = 1073741824", "[1, 1,048,576]"]),
+        ({"moe.expert_size": 2**30}, ["'moe.expert_size' = 1073741824", "[1, 1,048,576]"]),
     ],
 )
 def test_bad_config_is_rejected_with_a_clear_message(changes, needles):

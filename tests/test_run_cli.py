@@ -61,7 +61,7 @@ def _listed_configs() -> list[str]:
         (["--config.modle.d_model=1"], ["section 'modle'", "model.d_model", "kvcache"]),
         (["--config.optim=3"], ["'optim' is a section", "--config.optim.<key>=<value>", "learning_rate"]),
         # a value of the wrong type: the flag, the value and what the key takes
-        (["--config.optim.learning_rate=abc"], ["--config.optim.learning_rate=abc", "'abc'", "float in [0, inf)"]),
+        (["--config.optim.learning_rate=abc"], ["--config.optim.learning_rate=abc", "'abc'", "float in (0, inf)"]),
         (["--config.train.steps=1.5"], ["--config.train.steps=1.5", "'1.5'", "int in [1, inf)"]),
         (["--config.model.qk_norm=maybe"], ["model.qk_norm", "'maybe'", "bool"]),
         (["--config.train.steps"], ["--config.train.steps needs a value", "int"]),

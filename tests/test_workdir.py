@@ -74,7 +74,11 @@ def _run(config, workdir, *, stepper=None, crash_at=None, on_start=None, model="
 
 
 def _files(root):
-    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".lock"}
+    """Every file's bytes under `root`, and the lock record's time of change: a refused run changes none of them."""
+    files: dict = {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    if (root / ".lock").exists():
+        files["lock modified"] = (root / ".lock").stat().st_mtime_ns
+    return files
 
 
 @pytest.fixture(scope="module")
@@ -150,14 +154,18 @@ def _damage(checkpoint):
     biggest.write_bytes(bytes(data))
 
 
-def test_another_programs_checkpoint_is_named_as_such_before_any_changed_hyperparameter(tmp_path):
-    """A workdir holding another model's checkpoint, resumed with a config whose train.steps also differs: the
-    refusal names the program difference (compat), not the steps as a change one could accept."""
+@pytest.mark.parametrize("steps", [6, 2])
+def test_another_programs_checkpoint_is_named_as_such_before_any_changed_hyperparameter(tmp_path, steps):
+    """A workdir holding another model's checkpoint, resumed with a config whose train.steps also differs (more, or
+    fewer than the checkpoint's step): the refusal names the program difference (compat), not the steps as a change
+    one could accept or raise, and changes nothing (the lock record included)."""
     _run(_config(steps=4), tmp_path)
+    before = _files(tmp_path)
     with pytest.raises(checkpoint_lib.CheckpointError) as e:
-        _run(_config(steps=6), tmp_path, model="another")
+        _run(_config(steps=steps), tmp_path, model="another")
     assert "was written with a different model (checkpoint 'counter', now 'another')" in str(e.value)
     assert "train.steps" not in str(e.value)
+    assert _files(tmp_path) == before
 
 
 def test_a_damaged_checkpoint_is_refused_and_fallen_back_from_only_when_told(uninterrupted, tmp_path):

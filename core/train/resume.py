@@ -35,9 +35,10 @@ def open_checkpoints(
     checkpoint has been trained under them, never before.
     Raises CheckpointError for a damaged checkpoint (unless `checkpoint.fallback`: then it is moved to
     `checkpoints.damaged/<step>` (`<step>.1`, ... if an earlier one is there) and the next newest is tried; when every
-    one is damaged they are all put back and the run is refused rather than started over), one beyond train.steps, one
-    from another program, one trained with other hyper-parameters (unless `checkpoint.accept_changes`), or checkpoints
-    present while checkpoint.resume is False; WorkdirError for a malformed metrics.jsonl. Nothing on disk changes before
+    one is damaged they are all put back and the run is refused rather than started over), one from another program
+    (said first: its record is read before its step is compared with train.steps), one beyond train.steps, one
+    trained with other hyper-parameters (unless `checkpoint.accept_changes`), or checkpoints present while
+    checkpoint.resume is False; WorkdirError for a malformed metrics.jsonl. Nothing on disk changes before
     a restore succeeds.
     """
     cc, steps = config.checkpoint, config.train.steps
@@ -50,54 +51,53 @@ def open_checkpoints(
             f"{checkpointer.directory} already holds checkpoints and checkpoint.resume is False; use a new "
             "--workdir so they are not overwritten."
         )
-    if latest is not None and latest > steps:
-        raise checkpoint_lib.CheckpointError(
-            f"the latest checkpoint in {checkpointer.directory} is at step {latest}, beyond train.steps = "
-            f"{steps}; raise train.steps (with checkpoint.accept_changes) or use a new --workdir. Nothing was "
-            "changed."
-        )
     changes: dict[str, list] = {}
     loop: dict[str, Any] = {}
     moved: list[tuple[str, str]] = []  # (checkpoint, where fallback moved it) of the damaged ones
-    while latest is not None:
-        try:
-            record = checkpointer.read_record(latest)
-            checkpointer.check_compat(latest, compat, record)  # another program's checkpoint: said before any change
-            changes = _changes(record, provenance)
-            if changes and not cc.accept_changes:
-                raise checkpoint_lib.CheckpointError(_changes_message(checkpointer, latest, changes))
-            state, loop = checkpointer.restore(latest, state, compat=compat, record=record)
-            break
-        except checkpoint_lib.DamagedCheckpointError as e:
-            if not cc.fallback:
-                raise checkpoint_lib.DamagedCheckpointError(
-                    f"{e} Rerun with --config.checkpoint.fallback=True to resume from the newest intact checkpoint "
-                    "(the damaged one is moved to checkpoints.damaged/), or use a new --workdir."
-                ) from e
-            checkpointer.close()
-            aside = workdir_lib.free_name(os.path.join(workdir, "checkpoints.damaged", str(latest)))
-            if jax.process_index() == 0:
-                os.makedirs(os.path.dirname(aside), exist_ok=True)
-                os.replace(os.path.join(directory, str(latest)), aside)
-                print(f"checkpoint.fallback: {e}\nmoved it to {aside}; trying the next newest", flush=True)
-            moved.append((os.path.join(directory, str(latest)), aside))
-            _sync("checkpoint fallback")
-            checkpointer = checkpoint_lib.Checkpointer(directory, keep=cc.keep, async_save=cc.async_save)
-            latest = checkpointer.latest_step()
-    if latest is None and moved:  # every checkpoint was damaged: put them back, refuse to start over silently
+    try:
+        while latest is not None:
+            try:
+                record = checkpointer.read_record(latest)
+                checkpointer.check_compat(latest, compat, record)  # another program's checkpoint: said first
+                if latest > steps:  # (only now: raising train.steps cannot make another program's checkpoint resume)
+                    raise checkpoint_lib.CheckpointError(
+                        f"the latest checkpoint in {checkpointer.directory} is at step {latest}, beyond train.steps "
+                        f"= {steps}; raise train.steps (with checkpoint.accept_changes) or use a new --workdir. "
+                        "Nothing was changed."
+                    )
+                changes = _changes(record, provenance)
+                if changes and not cc.accept_changes:
+                    raise checkpoint_lib.CheckpointError(_changes_message(checkpointer, latest, changes))
+                state, loop = checkpointer.restore(latest, state, compat=compat, record=record)
+                break
+            except checkpoint_lib.DamagedCheckpointError as e:
+                if not cc.fallback:
+                    raise checkpoint_lib.DamagedCheckpointError(
+                        f"{e} Rerun with --config.checkpoint.fallback=True to resume from the newest intact "
+                        "checkpoint (the damaged one is moved to checkpoints.damaged/), or use a new --workdir."
+                    ) from e
+                checkpointer.close()
+                aside = workdir_lib.free_name(os.path.join(workdir, "checkpoints.damaged", str(latest)))
+                if jax.process_index() == 0:
+                    os.makedirs(os.path.dirname(aside), exist_ok=True)
+                    os.replace(os.path.join(directory, str(latest)), aside)
+                    why = str(e).removesuffix(" Nothing was changed.")  # (it is moved aside now)
+                    print(f"checkpoint.fallback: {why}\nmoved it to {aside}; trying the next newest", flush=True)
+                moved.append((os.path.join(directory, str(latest)), aside))
+                _sync("checkpoint fallback")
+                checkpointer = checkpoint_lib.Checkpointer(directory, keep=cc.keep, async_save=cc.async_save)
+                latest = checkpointer.latest_step()
+        if latest is None and moved:  # every checkpoint was damaged: refuse to start over silently
+            steps_seen = ", ".join(os.path.basename(original) for original, _ in moved)
+            raise checkpoint_lib.DamagedCheckpointError(
+                f"checkpoint.fallback: every checkpoint in {directory} is damaged (steps {steps_seen}); none was "
+                "moved and nothing was changed. To start over from step 0, move the checkpoints folder aside or use "
+                "a new --workdir."
+            )
+    except BaseException:  # refused: the checkpointer closed, the damaged checkpoints moved aside put back
         checkpointer.close()
-        if jax.process_index() == 0:
-            for original, aside in reversed(moved):
-                os.replace(aside, original)
-            with contextlib.suppress(OSError):  # the folder fallback made, if nothing else is in it
-                os.rmdir(os.path.join(workdir, "checkpoints.damaged"))
-        _sync("checkpoint fallback undone")
-        steps_seen = ", ".join(os.path.basename(original) for original, _ in moved)
-        raise checkpoint_lib.DamagedCheckpointError(
-            f"checkpoint.fallback: every checkpoint in {directory} is damaged (steps {steps_seen}); none was moved "
-            "and nothing was changed. To start over from step 0, move the checkpoints folder aside or use a new "
-            "--workdir."
-        )
+        _put_back(workdir, moved)
+        raise
     log.truncate_after(-1 if latest is None else latest)  # a fresh start keeps no row, a step-0 one included
     if latest is None:
         return checkpointer, state, {}, None, None
@@ -117,6 +117,18 @@ def record_accepted(workdir: str, accepted: Mapping[str, Any]) -> None:
     (process 0): called with the first checkpoint trained under them."""
     if jax.process_index() == 0:
         workdir_lib.append_history(workdir, dict(accepted))
+
+
+def _put_back(workdir: str, moved: list[tuple[str, str]]) -> None:
+    """Moves the checkpoints fallback set aside back where they were (process 0), and removes the folder it made if
+    nothing else is in it: a refused resume leaves the workdir as it found it."""
+    if moved and jax.process_index() == 0:
+        for original, aside in reversed(moved):
+            os.replace(aside, original)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.join(workdir, "checkpoints.damaged"))
+    if moved:
+        _sync("checkpoint fallback undone")
 
 
 def _sync(name: str) -> None:

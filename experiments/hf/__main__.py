@@ -7,14 +7,17 @@
 Qwen3MoeForCausalLM) into a new workdir as a run at step 0, with its held-out loss and bits per byte on the corpus
 (experiments.pretrained): serve, sample or export it as any run. `export` writes a trained run's model (a federated
 run: site `--site`'s model, its own experts) as a Hugging Face checkpoint (config.json, safetensors and the tokenizer
-files) of the architecture it fits (experiments.hf.export). Exit codes: 0 written;
-2 bad input (a config.json field or a tensor we cannot honour, a workdir that is not a finished run or already holds
-one, a model no supported architecture expresses: nothing written); 1 an unusable checkpoint.
+files) of the architecture it fits (experiments.hf.export); a killed export leaves --out as it was or complete, and
+rerunning it finishes (or finds the same export there: exit 0). Exit codes: 0 written; 2 bad input (a config.json
+field or a tensor we cannot honour, a workdir that is not a finished run or already holds one, a model no supported
+architecture expresses, an --out that is not empty or cannot be written: nothing written); 1 an unusable checkpoint,
+or a write that failed (a full disk: nothing written to --out, the partial files removed).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from core.checkpoint import CheckpointError
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return _import(args) if args.command == "import" else _export(args)
-    except CheckpointError as e:
+    except (CheckpointError, export.ExportWriteError) as e:  # an unusable checkpoint; a write that failed (full disk)
         print(f"error: {e}", file=sys.stderr)
         return 1
     except (FileNotFoundError, ValueError, WorkdirError) as e:  # the HF, config and data errors are ValueErrors
@@ -125,6 +128,9 @@ def _import(args) -> int:
 
 
 def _export(args) -> int:
+    export.recover(args.out)  # (what a killed export left; then --out's refusals, before the model is loaded)
+    export.check_out(args.out, replace=args.replace)
+    rerun = not args.replace and bool(export.model_files(args.out))  # (check_out: only a model is there)
     config, model = load.trained_model(args.workdir, site=args.site)
     files = export.save(
         config,
@@ -134,7 +140,11 @@ def _export(args) -> int:
         replace=args.replace,
         dtype=args.dtype,
     )
-    print(f"wrote {len(files)} files to {args.out}: {', '.join(f.rsplit('/', 1)[-1] for f in files)}")
+    names = ", ".join(os.path.basename(f) for f in files)
+    if rerun:  # (save refuses a folder holding another model)
+        print(f"{args.out} already holds this export ({len(files)} files, the same bytes): nothing written; {names}")
+    else:
+        print(f"wrote {len(files)} files to {args.out}: {names}")
     return 0
 
 

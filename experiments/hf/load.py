@@ -55,6 +55,9 @@ def problem(directory: str) -> str | None:
     listed = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
     if "config.json" not in names:
         return f"it holds no config.json (it holds {listed})"
+    config = os.path.join(directory, "config.json")
+    if not os.path.isfile(config):
+        return f"its config.json is {'a directory' if os.path.isdir(config) else 'not a regular file'}, not a JSON file"
     if not any(n.endswith(".safetensors") or n == "model.safetensors.index.json" for n in names):
         torch = [n for n in names if n.endswith((".bin", ".pt", ".pth"))]
         if torch:
@@ -124,11 +127,13 @@ def _sections(directory: str) -> dict[str, dict[str, Any]]:
     path = os.path.join(directory, "config.json")
     if not os.path.exists(path):
         raise config_map.HFConfigError(f"{path} does not exist: a Hugging Face checkpoint directory holds config.json")
-    with open(path) as f:
-        try:
+    try:
+        with open(path) as f:
             hf = json.load(f)
-        except json.JSONDecodeError as e:
-            raise config_map.HFConfigError(f"{path} is not JSON: {e}") from None
+    except json.JSONDecodeError as e:
+        raise config_map.HFConfigError(f"{path} is not JSON: {e}") from None
+    except OSError as e:  # a directory in its place, unreadable
+        raise config_map.HFConfigError(f"{path} cannot be read ({e.strerror or e}): it must be the JSON file") from None
     return config_map.from_hf(hf, source=path)
 
 
