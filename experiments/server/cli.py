@@ -3,15 +3,20 @@
     python -m experiments.serve --http --workdir runs/quickstart [--host 127.0.0.1] [--port 8000]
         [--kv-format bf16|fp8|fp4] [--scale-rule mse|mx] [--kv-memory-mib 64] [--max-num-seqs 16]
         [--max-num-batched-tokens 256] [--max-model-len N] [--max-waiting 256] [--max-body-mib 16]
-        [--served-model-name NAME] [--chat-template FILE] [--site 0] [--seed 0]
+        [--served-model-name NAME] [--chat-template FILE] [--generation-config auto|vllm|FOLDER]
+        [--return-tokens-as-token-ids] [--site 0] [--seed 0]
 
 The model loads on one device as in `experiments.serve` (any mesh it trained on; `--site` picks a federated run's
 site), its KV pool is `--kv-memory-mib` in the run's KV format unless `--kv-format` says otherwise, and the engine's
 step is compiled for every batch shape before the server listens ("compiled in X s"). Then `experiments.server.app`
 answers until Ctrl-C or SIGTERM, which end every open request first (streams with an error event and `[DONE]`, waiting
-requests with a 503). A client must send each request's head within 10 s of connecting or of its last response
-(`Connection`); an idle kept-alive connection is closed after uvicorn's 5 s. The chat template is the tokenizer's
-(`experiments.server.chat`) or `--chat-template FILE`.
+requests with a 503). A client must send each request's head within 10 s of connecting or of its last response, and
+its body within 30 s of its head (else 408) (`Connection`); an idle kept-alive connection is closed after uvicorn's
+5 s. What one request may cost is stated in experiments.server.routes. The chat template is the tokenizer's
+(`experiments.server.chat`) or `--chat-template FILE`. `--generation-config` (auto, vllm or a folder, as vLLM names
+it: experiments.hf.generation) gives the model's end ids (generation_config.json's eos_token_id list, beside the
+tokenizer's EOS) and the sampling defaults of requests that set none; prompts are framed as the model was trained
+(experiments.hf.generation.run_tokenizer: an imported checkpoint's tokenizer post-processor, our runs' BOS).
 
 Exit status: 0 after Ctrl-C or SIGTERM (once every open request was answered); 2 a bad flag (an `error:` line naming
 the flag, the value and what is allowed, before the model is loaded), 1 a damaged checkpoint.
@@ -22,14 +27,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
+import h11
 import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -37,10 +45,12 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from core.model import Transformer
 from core.tokenizer import Tokenizer
 from experiments import args as args_lib
+from experiments.hf import generation
 from experiments.hf import load as hf_load
 from experiments.server import chat as chat_lib
 from experiments.server.app import MAX_BODY_BYTES, create_app
 from experiments.server.metrics import ServerMetrics
+from experiments.server.protocol import error_body
 from experiments.server.runner import EngineRunner
 from kvcache import serving as kv_serving
 from kvcache.formats import Format
@@ -85,6 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: workdir's)")
     parser.add_argument("--chat-template", default=None, help="a Jinja2 chat template file (default: tokenizer's)")
     parser.add_argument(
+        "--generation-config",
+        default="auto",
+        help="the generation config (experiments.hf.generation): auto (the model's generation_config.json: its end "
+        "ids and sampling defaults), vllm (its end ids, no sampling defaults) or a FOLDER holding one",
+    )
+    parser.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprobs name tokens 'token_id:N' (a request's return_tokens_as_token_ids overrides)",
+    )
+    parser.add_argument(
         "--seed",
         type=args_lib.integer(0, maximum=args_lib.MAX_SEED),
         default=0,
@@ -94,17 +115,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m experiments.serve --http` (module docstring); returns the exit status."""
+    """`python -m experiments.serve --http` (module docstring); returns the exit status. SIGTERM or Ctrl-C while the
+    model loads or compiles (before the server listens) stops it too, with exit status 0 once the step under way
+    returns: nothing was being served."""
+    previous = signal.signal(signal.SIGTERM, _stopped)
+    try:
+        return _main(argv)
+    except (KeyboardInterrupt, Stopped):
+        print("stopped before serving (SIGTERM or Ctrl-C while the model loaded or compiled)", file=sys.stderr)
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         run, tok = args_lib.load_run(args.workdir)
         fmt, source = args_lib.kv_format(args, run)
-        config = args_lib.engine_config(args, run, fmt, tok)
+        gen = generation.for_run(run, args.generation_config)
+        config = args_lib.engine_config(args, run, fmt, tok, eos_ids=gen.eos_ids)
         chat = chat_lib.load_template(args.chat_template, run.data.tokenizer, tok)
-    except (args_lib.FlagError, chat_lib.TemplateError) as e:
+    except (args_lib.FlagError, chat_lib.TemplateError, generation.GenerationConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"kv format: {source}", file=sys.stderr)
+    print(
+        f"generation config: {gen.source} (--generation-config {args.generation_config}): end ids "
+        f"{list(config.end_ids)}, sampling defaults {gen.defaults or 'none'}",
+        file=sys.stderr,
+    )
     length = "--max-model-len" if args.max_model_len else hf_load.context_length(run)[1]
     print(f"max_model_len: {config.max_model_len} tokens ({length})", file=sys.stderr)
     print(f"chat template: {chat.source if chat else 'none (chat completions answer 400)'}", file=sys.stderr)
@@ -128,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         chat=chat,
         max_waiting=args.max_waiting,
         max_body_bytes=int(args.max_body_mib * 2**20),
+        defaults=gen.defaults,
+        tokens_as_ids=args.return_tokens_as_token_ids,
     )
     host, port = sock.getsockname()[:2]
     print(
@@ -153,18 +195,28 @@ HEAD_TIMEOUT = 10.0
 """Seconds a connection may take to send a whole request head (request line and headers), counted from when it opens
 or its last response ended: idle or slow clients cannot hold the server's sockets."""
 
+BODY_TIMEOUT = 30.0
+"""Seconds a request's body may take to arrive whole, counted from the end of its head (16 MiB, the default body limit,
+needs 4.5 Mbit/s): a client that declares a body and withholds or trickles it is answered 408 and disconnected."""
+
 
 class Connection(H11Protocol):
-    """uvicorn's h11 connection with a deadline on each request head (`head_timeout`, HEAD_TIMEOUT by default): a
-    client that connects and sends nothing, or sends its headers slowly, is disconnected when it passes. (uvicorn
-    itself times out only a kept-alive connection idle after a response, and not one trickling bytes.)"""
+    """uvicorn's h11 connection with a deadline on each request head (`head_timeout`, HEAD_TIMEOUT by default) and on
+    each request body (`body_timeout`, BODY_TIMEOUT by default, from the end of its head): a client that connects and
+    sends nothing, or sends its headers slowly, is disconnected when the first passes; one whose body has not arrived
+    whole when the second passes is answered 408 in OpenAI's error format (unless a response has begun) and
+    disconnected, and the request's app sees the client gone. (uvicorn itself times out only a kept-alive connection
+    idle after a response, and neither a head nor a body trickling bytes.)"""
 
     head_timeout = HEAD_TIMEOUT
+    body_timeout = BODY_TIMEOUT
     _deadline: asyncio.TimerHandle | None = None
+    _body_deadline: asyncio.TimerHandle | None = None
 
     @classmethod
-    def with_timeout(cls, seconds: float) -> type[Connection]:
-        return type(cls.__name__, (cls,), {"head_timeout": seconds})
+    def with_timeout(cls, seconds: float, body: float = BODY_TIMEOUT) -> type[Connection]:
+        """This connection class with a head deadline of `seconds` and a body deadline of `body` seconds."""
+        return type(cls.__name__, (cls,), {"head_timeout": seconds, "body_timeout": body})
 
     def _arm(self) -> None:
         self._disarm()
@@ -175,9 +227,41 @@ class Connection(H11Protocol):
             self._deadline.cancel()
             self._deadline = None
 
+    def _disarm_body(self) -> None:
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
+
     def _expired(self) -> None:
         if not self.transport.is_closing():
             self.transport.close()
+
+    def _body_expired(self, cycle) -> None:
+        """The body of `cycle`'s request is late: 408 (if no response has begun), then the connection is closed; the
+        app's `receive` answers `http.disconnect` and its sends are dropped."""
+        self._body_deadline = None
+        if cycle is not self.cycle or not cycle.more_body or cycle.response_complete or self.transport.is_closing():
+            return
+        if not cycle.response_started:
+            limit = f"{self.body_timeout:g} s"
+            declared = dict(self.headers).get(b"content-length", b"").decode("latin-1")
+            body = json.dumps(
+                error_body(
+                    f"the request body did not arrive within {limit} of its head"
+                    + (f" (Content-Length: {declared})" if declared else "")
+                    + f"; a body must arrive whole within {limit}",
+                    code="request_timeout",
+                ),
+                separators=(",", ":"),
+            ).encode()
+            length = str(len(body)).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", length), (b"connection", b"close")]
+            with contextlib.suppress(h11.LocalProtocolError):
+                for event in (h11.Response(status_code=408, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+                    self.transport.write(self.conn.send(event))
+        cycle.disconnected = True
+        cycle.message_event.set()
+        self.transport.close()
 
     def connection_made(self, transport):
         super().connection_made(transport)
@@ -185,14 +269,21 @@ class Connection(H11Protocol):
 
     def connection_lost(self, exc):
         self._disarm()
+        self._disarm_body()
         super().connection_lost(exc)
 
     def handle_events(self):
         super().handle_events()
-        if self.cycle is not None and not self.cycle.response_complete:  # a whole head arrived: its request runs
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:  # a whole head arrived: its request runs
             self._disarm()
+            if not cycle.more_body:
+                self._disarm_body()
+            elif self._body_deadline is None:
+                self._body_deadline = self.loop.call_later(self.body_timeout, self._body_expired, cycle)
 
     def on_response_complete(self):
+        self._disarm_body()
         self._arm()  # (before: a pipelined request's head may already be here, handled within)
         super().on_response_complete()
 
@@ -240,15 +331,29 @@ def build_server(
     chat: chat_lib.ChatTemplate | None = None,
     max_waiting: int = 256,
     max_body_bytes: int = MAX_BODY_BYTES,
+    defaults: Mapping[str, Any] | None = None,
+    tokens_as_ids: bool = False,
+    warmup: bool = True,
 ) -> tuple[FastAPI, EngineRunner]:
     """(app, started runner) serving `model` with a KV pool in `fmt` (experiments.server.app.create_app's
-    `max_body_bytes`): the engine is warmed up (every batch shape compiled) before the runner starts. Stop the runner
-    (`runner.stop()`) when done."""
+    `max_body_bytes`, `defaults` and `tokens_as_ids`): the engine is warmed up (every batch shape compiled; with a
+    default repetition penalty, the penalised variants too) before the runner starts, unless `warmup` is False (the
+    first requests then compile). Stop the runner (`runner.stop()`) when done."""
     engine = kv_serving.Engine(model, fmt, config)
-    engine.warmup()
+    if warmup:
+        engine.warmup(masked=(defaults or {}).get("repetition_penalty", 1.0) != 1.0)
     runner = EngineRunner(engine, tokenizer, max_waiting=max_waiting, metrics=ServerMetrics(model_name))
     runner.start()
-    return create_app(runner, tokenizer, model_name=model_name, chat=chat, max_body_bytes=max_body_bytes), runner
+    app = create_app(
+        runner,
+        tokenizer,
+        model_name=model_name,
+        chat=chat,
+        max_body_bytes=max_body_bytes,
+        defaults=defaults,
+        tokens_as_ids=tokens_as_ids,
+    )
+    return app, runner
 
 
 @contextlib.contextmanager
@@ -259,15 +364,16 @@ def serve_in_thread(
     timeout: float = 60.0,
     runner: EngineRunner | None = None,
     head_timeout: float = HEAD_TIMEOUT,
+    body_timeout: float = BODY_TIMEOUT,
 ) -> Iterator[str]:
     """Runs `app` with uvicorn on a thread, on a free port of `host`, as the command does (`Connection` with
-    `head_timeout`); yields its base URL ("http://host:port") once it accepts connections, and shuts it down on exit
-    (open connections get 5 s); with `runner` (app's), shuts down as the command does on a signal (`Server`: the
-    runner is closed first)."""
+    `head_timeout` and `body_timeout`); yields its base URL ("http://host:port") once it accepts connections, and
+    shuts it down on exit (open connections get 5 s); with `runner` (app's), shuts down as the command does on a
+    signal (`Server`: the runner is closed first)."""
     sock = _bind(host, 0)
     config = uvicorn.Config(
         app,
-        http=Connection.with_timeout(head_timeout),
+        http=Connection.with_timeout(head_timeout, body_timeout),
         log_level="warning",
         lifespan="off",
         timeout_graceful_shutdown=5,
