@@ -1,13 +1,15 @@
 """The byte tokenizer (the default, ``data.tokenizer = "bytes"``) and what every tokenizer shares: the special
-tokens' ids and names, GPT-2's byte-level alphabet, the error type, the checks of ids and bytes, and the
-``tokenizer.json`` + ``tokenizer_config.json`` files both write (core.tokenizer is the interface)."""
+tokens' ids and names, GPT-2's byte-level alphabet, the error type, the checks of ids and bytes, the split of a
+text at special tokens' names, and the ``tokenizer.json`` + ``tokenizer_config.json`` files both write
+(core.tokenizer is the interface)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -77,7 +79,9 @@ def check_bytes(raw: Any, where: str) -> bytes:
 
 
 class ByteTokenizer:
-    """Stateless byte-level tokenizer: id ``i < NUM_BYTES`` (256) is byte ``i``; PAD, BOS, EOS follow."""
+    """Stateless byte-level tokenizer: id ``i < NUM_BYTES`` (256) is byte ``i``; PAD, BOS, EOS follow. A prompt is
+    framed with BOS (``framing``): every document of a byte corpus begins with it, and the files :meth:`save` writes
+    say so to transformers (a ``TemplateProcessing`` post-processor ``<|bos|> $A``)."""
 
     vocab_size: ClassVar[int] = VOCAB_SIZE
     pad_id: ClassVar[int] = PAD_ID
@@ -99,10 +103,16 @@ class ByteTokenizer:
         return lengths
 
     @property
+    def framing(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``((BOS_ID,), ())``: a prompt starts with BOS, as every document of a byte corpus does."""
+        return (BOS_ID,), ()
+
+    @property
     def digest(self) -> str:
-        """SHA-256 hex of the ``tokenizer.json`` :meth:`save` writes and the special ids (a corpus fingerprint
-        leaves it out)."""
-        return definition_digest(self._definition(), bos=BOS_ID, eos=EOS_ID, pad=PAD_ID)
+        """SHA-256 hex of the byte tokenizer's ``tokenizer.json`` as :meth:`save` wrote it before it carried the BOS
+        post-processor, and the special ids: a fixed value, so corpora fingerprinted before keep their fingerprint
+        (a corpus fingerprint leaves it out anyway)."""
+        return definition_digest(self._definition(framed=False), bos=BOS_ID, eos=EOS_ID, pad=PAD_ID)
 
     def encode(self, text: str, *, bos: bool = True, eos: bool = False) -> np.ndarray:
         """UTF-8 bytes of ``text`` as ``int32[len(text.encode()) + bos + eos]``, optionally framed by BOS/EOS."""
@@ -122,31 +132,51 @@ class ByteTokenizer:
         """``[encode_bytes(raw, bos=bos, eos=eos) for raw in raws]``."""
         return [self.encode_bytes(raw, bos=bos, eos=eos) for raw in raws]
 
-    def decode_bytes(self, ids: Sequence[int] | np.ndarray) -> bytes:
-        """Bytes of a 1-D integer sequence in ``[0, VOCAB_SIZE)``: byte tokens as themselves, specials dropped.
+    def encode_prompt(self, text: str, *, add_special_tokens: bool = True) -> np.ndarray:
+        """``int32[N]``: ``text`` as a model's input, the ids transformers' ``tokenizer(text, add_special_tokens=
+        ...).input_ids`` gives on the files :meth:`save` writes: a special token's name in the text (``<|eos|>``)
+        is that token, the rest its UTF-8 bytes, after BOS when ``add_special_tokens``."""
+        if not isinstance(text, str):
+            raise TypeError(f"ByteTokenizer.encode_prompt expects str, got {type(text).__name__}")
+        specials = self.special_tokens
+        ids = [BOS_ID] if add_special_tokens else []
+        for piece in split_specials(text, specials):
+            ids += [specials[piece]] if piece in specials else list(piece.encode("utf-8"))
+        return np.array(ids, np.int32)
+
+    def decode_bytes(self, ids: Sequence[int] | np.ndarray, *, skip_special_tokens: bool = True) -> bytes:
+        """Bytes of a 1-D integer sequence in ``[0, VOCAB_SIZE)``: byte tokens as themselves, specials dropped (or,
+        with ``skip_special_tokens=False``, written as their names, as transformers' ``decode`` writes them).
 
         Concatenative: ``decode_bytes(a + b) == decode_bytes(a) + decode_bytes(b)`` (the :class:`BytesDecoder`
         contract that :class:`StreamDecoder` relies on). Raises TokenizerError for another shape, dtype or id.
         """
         ids = ids_array(ids, VOCAB_SIZE)
-        return ids[ids < NUM_BYTES].astype(np.uint8).tobytes()
+        if skip_special_tokens:
+            return ids[ids < NUM_BYTES].astype(np.uint8).tobytes()
+        names = {i: name.encode() for name, i in self.special_tokens.items()}
+        return b"".join(bytes([i]) if i < NUM_BYTES else names[i] for i in ids.tolist())
 
-    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-        """Text of a 1-D integer sequence in ``[0, VOCAB_SIZE)``; specials are dropped, invalid UTF-8 is replaced
-        (U+FFFD per maximal invalid subsequence, as ``bytes.decode(errors="replace")``). To decode a stream piece by
-        piece, use :class:`StreamDecoder`: decoding each piece on its own breaks characters split between pieces."""
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+    def decode(self, ids: Sequence[int] | np.ndarray, *, skip_special_tokens: bool = True) -> str:
+        """Text of a 1-D integer sequence in ``[0, VOCAB_SIZE)``; specials are dropped (``skip_special_tokens``) or
+        written as their names, invalid UTF-8 is replaced (U+FFFD per maximal invalid subsequence, as
+        ``bytes.decode(errors="replace")``). To decode a stream piece by piece, use :class:`StreamDecoder`: decoding
+        each piece on its own breaks characters split between pieces."""
+        return self.decode_bytes(ids, skip_special_tokens=skip_special_tokens).decode("utf-8", errors="replace")
 
     def save(self, directory: str | os.PathLike[str]) -> None:
         """Writes ``tokenizer.json`` (a byte-level BPE without merges: byte ``b`` is id ``b``, written as GPT-2's
-        character for it; ``<|pad|>``, ``<|bos|>``, ``<|eos|>`` are the special ids 256, 257, 258) and
-        ``tokenizer_config.json`` into ``directory``: transformers' ``PreTrainedTokenizerFast`` loads them and gives
-        the ids of :meth:`encode` with ``bos=False``."""
-        write_files(directory, self._definition(), specials_config(PAD_TOKEN, BOS_TOKEN, EOS_TOKEN))
+        character for it; ``<|pad|>``, ``<|bos|>``, ``<|eos|>`` are the special ids 256, 257, 258; a
+        ``TemplateProcessing`` post-processor putting ``<|bos|>`` first) and ``tokenizer_config.json``
+        (``add_bos_token: true``) into ``directory``: transformers' ``AutoTokenizer`` loads them and gives the ids of
+        :meth:`encode_prompt` (and, with ``add_special_tokens=False``, of :meth:`encode` with ``bos=False``)."""
+        config = specials_config(PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, add_bos=True)
+        write_files(directory, self._definition(framed=True), config)
 
     @staticmethod
-    def _definition() -> str:
-        """The byte tokenizer as a Hugging Face ``tokenizer.json`` text (the ``tokenizers`` library's layout)."""
+    def _definition(*, framed: bool) -> str:
+        """The byte tokenizer as a Hugging Face ``tokenizer.json`` text (the ``tokenizers`` library's layout), with
+        the BOS post-processor (``framed``) or without it (as :meth:`save` wrote it before: what ``digest`` hashes)."""
         added = [
             {
                 "id": i,
@@ -179,25 +209,58 @@ class ByteTokenizer:
             "added_tokens": added,
             "normalizer": None,
             "pre_tokenizer": byte_level,
-            "post_processor": None,
+            "post_processor": template_processing([(BOS_TOKEN, BOS_ID)], []) if framed else None,
             "decoder": byte_level,
             "model": model,
         }
         return json.dumps(definition, indent=2, ensure_ascii=False)
 
 
-def specials_config(pad: str | None, bos: str | None, eos: str) -> dict[str, Any]:
+def specials_config(
+    pad: str | None, bos: str | None, eos: str, *, add_bos: bool = False, add_eos: bool = False
+) -> dict[str, Any]:
     """The ``tokenizer_config.json`` we write: transformers' fast tokenizer over ``tokenizer.json`` with these
-    specials, no post-processing of the decoded text and no BOS / EOS added by transformers itself."""
+    specials and no post-processing of the decoded text. ``add_bos_token`` / ``add_eos_token`` repeat what the
+    tokenizer.json's post-processor does (transformers 5 reads only the post-processor beside a tokenizer.json;
+    transformers 4's Llama-style tokenizer classes rebuild the post-processor from these two keys)."""
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": bos,
         "eos_token": eos,
         "pad_token": pad,
-        "add_bos_token": False,
-        "add_eos_token": False,
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
         "clean_up_tokenization_spaces": False,
     }
+
+
+def template_processing(prefix: Sequence[tuple[str, int]], suffix: Sequence[tuple[str, int]]) -> dict[str, Any]:
+    """A ``tokenizer.json`` ``post_processor`` entry (the ``tokenizers`` library's ``TemplateProcessing``) putting the
+    special tokens ``prefix`` ((name, id) pairs) before a text's ids and ``suffix`` after them: what transformers
+    adds to ``tokenizer(text)`` (for a pair of texts, the same around each)."""
+
+    def specials(pairs: Sequence[tuple[str, int]], type_id: int) -> list[dict[str, Any]]:
+        return [{"SpecialToken": {"id": name, "type_id": type_id}} for name, _ in pairs]
+
+    def sequence(name: str, type_id: int) -> list[dict[str, Any]]:
+        return [*specials(prefix, type_id), {"Sequence": {"id": name, "type_id": type_id}}, *specials(suffix, type_id)]
+
+    tokens = {name: {"id": name, "ids": [i], "tokens": [name]} for name, i in [*prefix, *suffix]}
+    return {
+        "type": "TemplateProcessing",
+        "single": sequence("A", 0),
+        "pair": [*sequence("A", 0), *sequence("B", 1)],
+        "special_tokens": tokens,
+    }
+
+
+def split_specials(text: str, names: Iterable[str]) -> list[str]:
+    """``text`` cut at every occurrence of the special tokens' ``names`` (the longest name first where two start at
+    one place): the names and the non-empty texts between them, in order."""
+    ordered = sorted(names, key=len, reverse=True)
+    if not ordered:
+        return [text] if text else []
+    return [piece for piece in re.split("(" + "|".join(map(re.escape, ordered)) + ")", text) if piece]
 
 
 def definition_digest(definition: str, *, bos: int | None, eos: int, pad: int | None) -> str:

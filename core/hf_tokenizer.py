@@ -1,10 +1,21 @@
 """A Hugging Face byte-level BPE tokenizer (``tokenizer.json``), run by the ``tokenizers`` library: an optional
 dependency (the [experiments] extra), imported only when such a tokenizer is loaded. Other models (SentencePiece /
 Metaspace, WordPiece, Unigram, BPE with byte fallback) are refused: their pieces are not bytes, so neither exact
-streaming detokenisation nor bits per byte would hold (core.tokenizer states the interface)."""
+streaming detokenisation nor bits per byte would hold (core.tokenizer states the interface).
+
+Framing (what a prompt gets around its text, ``HFTokenizer.framing``): the ids the tokenizer.json's
+``post_processor`` adds (a ``TemplateProcessing`` ``"<|begin_of_text|> $A"``: Llama 3's BOS; ``ByteLevel`` or null:
+none, as Qwen2 / Qwen3), found by running it: what transformers' ``tokenizer(text)`` adds. transformers 5 reads
+nothing else beside a tokenizer.json (``tokenizer_config.json``'s ``add_bos_token`` / ``add_eos_token`` are
+dropped when a tokenizer.json exists: checked with transformers 5.25 for eight tokenizer classes), so neither does
+this. A tokenizer.json without post-processor and without a tokenizer_config.json is our trainer's
+(``experiments.tokenizer``): it frames with its BOS, as the corpora it tokenizes do, and :meth:`HFTokenizer.save`
+writes that as a post-processor. ``with_framing`` gives a copy with other framing (a run trained here frames as its
+corpus did: ``experiments.hf.generation.run_tokenizer``)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -24,6 +35,7 @@ from core.byte_tokenizer import (
     definition_digest,
     ids_array,
     specials_config,
+    template_processing,
     write_files,
 )
 
@@ -101,7 +113,8 @@ class HFTokenizer:
 
     Ids: ``vocab_size`` is the library's vocabulary size with added tokens (and past the largest id). Id ``i``'s
     bytes are GPT-2's byte-to-unicode map inverted over its token string; an added non-special token's bytes are
-    its UTF-8 content; a special's are ``b""``. A pad token that is also BOS or EOS gives ``pad_id`` None.
+    its UTF-8 content; a special's are ``b""`` (its name with ``skip_special_tokens=False``). A pad token that is
+    also BOS or EOS gives ``pad_id`` None. ``framing``: the module docstring's.
 
     Raises:
       TokenizerError: not a byte-level BPE (naming ``model.type`` / ``decoder`` / ``pre_tokenizer``), a token
@@ -130,7 +143,12 @@ class HFTokenizer:
         except Exception as e:  # the library raises a bare Exception for a malformed definition
             raise TokenizerError(f"{source} cannot be read by the tokenizers library: {e}") from None
         self._tok.encode_special_tokens = True  # text is text: a special's name in it is not the special
+        self._prompts = _Library.from_str(definition)  # prompts: a special's name in them is the special
+        for library in (self._tok, self._prompts):  # a definition's truncation / padding never cuts or pads our ids
+            library.no_truncation()
+            library.no_padding()
         self._definition, self._config, self.source = definition, None if config is None else dict(config), source
+        self._processed = parsed.get("post_processor") is not None
         added = self._tok.get_added_tokens_decoder()
         vocab = parsed["model"].get("vocab") or {}
         size = max([self._tok.get_vocab_size(with_added_tokens=True), *(i + 1 for i in vocab.values()), *added])
@@ -154,9 +172,34 @@ class HFTokenizer:
         self._pieces: list[bytes] = [b"" if piece is None else piece for piece in table]
         self._holes = tuple(i for i, piece in enumerate(table) if piece is None)
         self._special_ids = tuple(sorted(specials))
+        self._special_set = frozenset(specials)
         self._lengths = np.array([len(p) for p in self._pieces], np.int32)
         self._lengths.flags.writeable = False
+        self._names_of = {i: token.content for i, token in added.items()}  # added tokens' text (specials' names)
         self._bos_id, self._eos_id, self._pad_id, self._names = self._resolve_specials(config, source)
+        self._own = self._post_processed() if self._processed or config is not None else self._bos_framing()
+        self._framing = self._own
+
+    def _post_processed(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(prefix, suffix): the ids the tokenizer.json's post-processor puts around a text's own ids (none without
+        one), found by encoding a one-character text with and without it."""
+        bare = self._prompts.encode("a", add_special_tokens=False).ids
+        framed = self._prompts.encode("a", add_special_tokens=True).ids
+        for start in range(len(framed) - len(bare) + 1):
+            if framed[start : start + len(bare)] == bare:
+                return tuple(framed[:start]), tuple(framed[start + len(bare) :])
+        raise TokenizerError(f"{self.source}: post_processor changes a text's own ids ({bare} -> {framed})")
+
+    def _bos_framing(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return ((self._bos_id,) if self._bos_id is not None else ()), ()
+
+    def with_framing(self, prefix: Sequence[int], suffix: Sequence[int] = ()) -> HFTokenizer:
+        """A copy framing prompts with ``prefix`` / ``suffix`` (ids in the vocabulary); everything else shared."""
+        for i in [*prefix, *suffix]:
+            ids_array([i], self.vocab_size)
+        out = copy.copy(self)
+        out._framing = (tuple(int(i) for i in prefix), tuple(int(i) for i in suffix))
+        return out
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> HFTokenizer:
@@ -234,7 +277,15 @@ class HFTokenizer:
 
     @property
     def never_sampled(self) -> tuple[int, ...]:
-        return tuple(sorted({*self._special_ids, *self._holes} - {self._eos_id}))
+        """PAD, BOS and the ids no token uses: other specials (a chat model's end of turn, tool or reasoning
+        markers) are sampled, as transformers and vLLM sample them."""
+        specials = {i for i in (self._pad_id, self._bos_id) if i is not None and i != self._eos_id}
+        return tuple(sorted({*specials, *self._holes}))
+
+    @property
+    def framing(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(prefix ids, suffix ids) ``encode_prompt`` puts around a prompt's text (the module docstring)."""
+        return self._framing
 
     @property
     def byte_lengths(self) -> np.ndarray:
@@ -268,21 +319,59 @@ class HFTokenizer:
         tail = [self._eos_id] if eos else []
         return np.array([*head, *ids, *tail], np.int32)
 
-    def decode_bytes(self, ids: Sequence[int] | np.ndarray) -> bytes:
-        """Concatenation of each id's bytes (specials ``b""``); TokenizerError for another shape, dtype or id."""
-        pieces = self._pieces
-        return b"".join([pieces[i] for i in ids_array(ids, len(pieces)).tolist()])
+    def encode_prompt(self, text: str, *, add_special_tokens: bool = True) -> np.ndarray:
+        """``int32[N]``: ``text`` as a model's input, the ids of transformers' ``tokenizer(text, add_special_tokens=
+        ...).input_ids``: the library's added tokens matched in the text (a special's name is the special), then
+        ``framing`` around them when ``add_special_tokens``."""
+        if not isinstance(text, str):
+            raise TypeError(f"HFTokenizer.encode_prompt expects str, got {type(text).__name__}")
+        ids = self._prompts.encode(text, add_special_tokens=False).ids
+        if not add_special_tokens:
+            return np.array(ids, np.int32)
+        prefix, suffix = self._framing
+        return np.array([*prefix, *ids, *suffix], np.int32)
 
-    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-        """``decode_bytes(ids).decode("utf-8", errors="replace")``."""
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+    def decode_bytes(self, ids: Sequence[int] | np.ndarray, *, skip_special_tokens: bool = True) -> bytes:
+        """Concatenation of each id's bytes (specials ``b""``, or their names' UTF-8 with ``skip_special_tokens=
+        False``, as transformers' ``decode`` writes them); TokenizerError for another shape, dtype or id."""
+        pieces, checked = self._pieces, ids_array(ids, len(self._pieces)).tolist()
+        if skip_special_tokens:
+            return b"".join([pieces[i] for i in checked])
+        names, specials = self._names_of, self._special_set
+        return b"".join([names[i].encode() if i in specials else pieces[i] for i in checked])
+
+    def decode(self, ids: Sequence[int] | np.ndarray, *, skip_special_tokens: bool = True) -> str:
+        """``decode_bytes(ids, skip_special_tokens=...).decode("utf-8", errors="replace")``."""
+        return self.decode_bytes(ids, skip_special_tokens=skip_special_tokens).decode("utf-8", errors="replace")
 
     def save(self, directory: str | os.PathLike[str]) -> None:
-        """Writes the ``tokenizer.json`` text as loaded and ``tokenizer_config.json``: the one it was loaded with,
-        else ours (``PreTrainedTokenizerFast`` with these specials), into ``directory``."""
-        names = self._names
-        config = self._config or specials_config(names["pad"], names["bos"], names["eos"] or EOS_TOKEN)
-        write_files(directory, self._definition, config)
+        """Writes ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory``: the files as loaded when they
+        already frame prompts as this tokenizer does (transformers then gives ``encode_prompt``'s ids); else the
+        tokenizer.json with a ``TemplateProcessing`` post-processor of ``framing`` in place of its own and the
+        config (the one loaded, else ours: ``PreTrainedTokenizerFast`` with these specials) saying
+        ``add_bos_token`` / ``add_eos_token`` to match."""
+        names, (prefix, suffix) = self._names, self._framing
+        keep = self._framing == self._own and (self._processed or self._framing == ((), ()))
+        if keep and self._config is not None:
+            write_files(directory, self._definition, self._config)
+            return
+        definition = self._definition
+        if not keep:
+            parsed = json.loads(definition)
+            parsed["post_processor"] = template_processing(
+                [(self._token(i), i) for i in prefix], [(self._token(i), i) for i in suffix]
+            )
+            definition = json.dumps(parsed, indent=2, ensure_ascii=False)
+        flags = {"add_bos_token": prefix == (self._bos_id,), "add_eos_token": suffix == (self._eos_id,)}
+        ours = specials_config(names["pad"], names["bos"], names["eos"] or EOS_TOKEN)
+        write_files(directory, definition, {**(self._config or ours), **flags})
+
+    def _token(self, i: int) -> str:
+        """Id ``i``'s token string (an added token's content); TokenizerError for an id no token uses."""
+        name = self._names_of.get(i) or self._tok.id_to_token(i)
+        if name is None:
+            raise TokenizerError(f"{self.source}: id {i} is no token; a framing id must be one")
+        return name
 
 
 def _read_text(file: str) -> str:

@@ -24,9 +24,16 @@ What both guarantee:
   worth of tokens), never the special id; specials come only from ``bos`` / ``eos``. So
   ``decode(encode(t)) == t`` for the byte tokenizer and for an ``HFTokenizer`` without a normalizer (one with a
   normalizer, e.g. Qwen2's NFC, round-trips text the normalizer leaves unchanged).
+* ``encode_prompt`` is how a prompt is read, the ids of transformers' ``tokenizer(text).input_ids`` for the files
+  ``save`` writes: a special token's name in the text is that token (as transformers and vLLM read a prompt), and
+  ``framing`` (the BOS / EOS ids around a prompt) is what the tokenizer's own post-processor adds (Llama 3:
+  ``<|begin_of_text|>``; Qwen: nothing; the byte tokenizer and our trainer's BPEs: BOS, as every document of their
+  corpora begins). ``encode_prompt(text, add_special_tokens=False)`` leaves the framing out (a chat template writes
+  its own, as transformers' ``apply_chat_template`` tokenizes).
 * ``save(directory)`` writes ``tokenizer.json`` + ``tokenizer_config.json`` that transformers'
-  ``PreTrainedTokenizerFast`` / ``AutoTokenizer`` loads and that give the same ids (the byte tokenizer's is a BPE
-  with no merges over the 256 byte-level characters, the specials at 256 .. 258).
+  ``PreTrainedTokenizerFast`` / ``AutoTokenizer`` loads and that give ``encode_prompt``'s ids (the byte tokenizer's
+  is a BPE with no merges over the 256 byte-level characters, the specials at 256 .. 258, BOS put first by a
+  ``TemplateProcessing`` post-processor).
 
 Errors in user input raise :class:`TokenizerError` naming ``data.tokenizer`` or the file and field at fault, the
 value and what is supported.
@@ -91,7 +98,9 @@ class Tokenizer(Protocol):
       eos_id: the id ending every document, and generation.
       special_ids: ``int`` ids of the special tokens, ascending (they decode to ``b""``).
       special_tokens: the special tokens' names -> their ids (the strings a chat template writes for them).
-      never_sampled: ids generation must never produce: the specials but EOS, and ids no token uses.
+      never_sampled: ids generation must never produce: PAD, BOS and ids no token uses (a generation config's end
+        ids are sampled even so: the engine and core.generate take them out).
+      framing: (prefix ids, suffix ids) ``encode_prompt`` puts around a prompt's text.
       byte_lengths: ``int32[vocab_size]``: how many bytes of text each id stands for (specials 0).
       digest: SHA-256 hex of the tokenizer's definition (part of a corpus fingerprint).
     """
@@ -114,6 +123,8 @@ class Tokenizer(Protocol):
     def byte_lengths(self) -> np.ndarray: ...
     @property
     def digest(self) -> str: ...
+    @property
+    def framing(self) -> tuple[tuple[int, ...], tuple[int, ...]]: ...
 
     def encode(self, text: str, *, bos: bool = True, eos: bool = False) -> np.ndarray:
         """``int32[N]``: ``text``'s ids, after BOS (when ``bos`` and the tokenizer has one), then EOS if ``eos``."""
@@ -127,12 +138,18 @@ class Tokenizer(Protocol):
         """``[encode_bytes(raw) for raw in raws]``, computed in one batch (in parallel for an HFTokenizer)."""
         ...
 
-    def decode_bytes(self, ids: Sequence[int] | np.ndarray) -> bytes:
-        """Concatenative bytes of 1-D integer ids in ``[0, vocab_size)``; specials give ``b""``."""
+    def encode_prompt(self, text: str, *, add_special_tokens: bool = True) -> np.ndarray:
+        """``int32[N]``: transformers' ``tokenizer(text, add_special_tokens=...).input_ids`` for the files ``save``
+        writes: special tokens' names in ``text`` are those tokens; ``framing`` around it if ``add_special_tokens``."""
         ...
 
-    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-        """``decode_bytes(ids).decode("utf-8", errors="replace")``."""
+    def decode_bytes(self, ids: Sequence[int] | np.ndarray, *, skip_special_tokens: bool = True) -> bytes:
+        """Concatenative bytes of 1-D integer ids in ``[0, vocab_size)``; specials give ``b""`` (their names with
+        ``skip_special_tokens=False``)."""
+        ...
+
+    def decode(self, ids: Sequence[int] | np.ndarray, *, skip_special_tokens: bool = True) -> str:
+        """``decode_bytes(ids, skip_special_tokens=...).decode("utf-8", errors="replace")``."""
         ...
 
     def save(self, directory: str | os.PathLike[str]) -> None:
@@ -198,15 +215,19 @@ class StreamDecoder:
 
     Args:
       tokenizer: any :class:`BytesDecoder` (``ByteTokenizer``, ``HFTokenizer``, an adapter of another vocabulary).
+      skip_special_tokens: False: special tokens are written as their names (the tokenizer's ``decode_bytes`` must
+        then take ``skip_special_tokens``, as ``ByteTokenizer`` and ``HFTokenizer`` do); True: they are dropped.
     """
 
-    def __init__(self, tokenizer: BytesDecoder):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: BytesDecoder, *, skip_special_tokens: bool = True):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, ids: Sequence[int] | np.ndarray) -> str:
         """The text completed by ``ids`` (1-D integer ids, possibly empty; errors as ``tokenizer.decode_bytes``)."""
-        return self._utf8.decode(self.tokenizer.decode_bytes(ids))
+        if self.skip_special_tokens:
+            return self._utf8.decode(self.tokenizer.decode_bytes(ids))
+        return self._utf8.decode(self.tokenizer.decode_bytes(ids, skip_special_tokens=False))  # type: ignore[call-arg]
 
     def flush(self) -> str:
         """The held-back end of the stream (``""``, or U+FFFD for a truncated character); the decoder is reset."""

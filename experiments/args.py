@@ -29,7 +29,8 @@ from core import config as config_lib
 from core.checkpoint import CheckpointError
 from core.model import Transformer
 from core.tokenizer import Tokenizer, TokenizerError
-from experiments import build, load, schema
+from experiments import load, schema
+from experiments.hf import generation
 from experiments.hf import load as hf_load
 from kvcache import capacity, formats
 from kvcache import config as kv_config
@@ -276,10 +277,11 @@ def engine_config(
     tok: Tokenizer,
     *,
     prompts: list[list[int]] | None = None,
+    eos_ids: tuple[int, ...] = (),
 ) -> EngineConfig:
     """The engine's config for these flags (--site, --kv-memory-mib, --seed), the run's model, the KV format and the
-    tokenizer (its EOS ends a request; its PAD / BOS and the ids past its vocabulary are never sampled), from the
-    run's config alone (nothing is loaded).
+    tokenizer (its EOS and `eos_ids`, the generation config's end ids, end a request; its PAD / BOS and the ids past
+    its vocabulary are never sampled), from the run's config alone (nothing is loaded).
 
     The pool holds floor(memory / block bytes) blocks of `EngineConfig.block_size` tokens (kvcache.paged); a request
     needs ceil((prompt + new tokens) / block size) of them. Two kinds of caller:
@@ -291,8 +293,15 @@ def engine_config(
         --max-num-batched-tokens; every request brings its own sampling parameters.
 
     Raises FlagError for a --site the run lacks, a --kv-memory-mib that holds no block of the model's KV, a prompt
-    that (with --max-new-tokens) the pool cannot hold, or a --max-model-len below 2 x --max-num-batched-tokens.
+    that (with --max-new-tokens) the pool cannot hold, a --max-model-len below 2 x --max-num-batched-tokens, or an
+    end id in `eos_ids` outside the tokenizer's ids.
     """
+    outside = [i for i in eos_ids if not 0 <= i < tok.vocab_size]
+    if outside:
+        raise FlagError(
+            f"the generation config's eos_token_id holds {outside[0]}, outside the tokenizer's ids [0, "
+            f"{tok.vocab_size}); allowed: ids of the tokenizer (or --generation-config FOLDER with other ids)"
+        )
     sites = run.mesh.site
     if args.site >= sites:
         raise FlagError(
@@ -324,6 +333,7 @@ def engine_config(
         temperature = args.temperature
     return EngineConfig.for_tokenizer(
         tok,
+        eos_ids=eos_ids,
         memory_bytes=memory,
         block_size=bs,
         max_num_seqs=seqs,
@@ -379,13 +389,13 @@ def _check_prompts_fit(
 
 
 def load_run(workdir: str) -> tuple[ml_collections.ConfigDict, Tokenizer]:
-    """(the run's config, its tokenizer) from `workdir`, without loading the model (experiments.load). Raises
-    FlagError (its message the loader's) for a workdir that is not a finished run or a tokenizer that cannot be
-    read."""
+    """(the run's config, its tokenizer framing prompts as the run's model was trained: experiments.hf.generation.
+    run_tokenizer) from `workdir`, without loading the model (experiments.load). Raises FlagError (its message the
+    loader's) for a workdir that is not a finished run or a tokenizer that cannot be read."""
     try:
         load.check_workdir(workdir)
         run = load.run_config(workdir)
-        return run, build.build_tokenizer(run)
+        return run, generation.run_tokenizer(run)
     except (FileNotFoundError, TokenizerError, load.RunConfigError) as e:
         raise FlagError(str(e)) from e
 

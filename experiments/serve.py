@@ -16,11 +16,14 @@ done (with several prompts, each under a `--- request N:` line), followed on std
 first token and time per output token.
 
 Prompts are encoded, and the output decoded, by the run's tokenizer (its `data.tokenizer`: bytes, or a
-Hugging Face tokenizer.json, core.tokenizer); a request ends at that tokenizer's EOS. A prompt is served as the bytes
-given on the command line (an argument that is not valid UTF-8 reaches Python as surrogate escapes, which are turned
-back into its bytes; the byte tokenizer takes them as they are, a BPE tokenizer reads invalid bytes as U+FFFD); text
-is shown as UTF-8, invalid bytes as U+FFFD, and a character whose bytes arrive over several engine steps (or
-tokens) is shown once it is complete (core.tokenizer.StreamDecoder).
+Hugging Face tokenizer.json, core.tokenizer), framed as the run's model was trained (experiments.hf.generation.
+run_tokenizer: a run trained here, BOS first; an imported checkpoint, its tokenizer's post-processor's framing); a
+request ends at that tokenizer's EOS or at an end id of the model's generation config (an imported checkpoint's
+generation_config.json `eos_token_id`, experiments.hf.generation). A prompt is served as the bytes given on the
+command line, special tokens' names in it read as text (an argument that is not valid UTF-8 reaches Python as
+surrogate escapes, which are turned back into its bytes; the byte tokenizer takes them as they are, a BPE tokenizer
+reads invalid bytes as U+FFFD); text is shown as UTF-8, invalid bytes as U+FFFD, and a character whose bytes arrive
+over several engine steps (or tokens) is shown once it is complete (core.tokenizer.StreamDecoder).
 
 Exit status: 0 served; 2 a bad flag, alone or for this run (a --site it lacks, a KV format that cannot hold its heads,
 a pool too small for one block or for a prompt and its new tokens), or a workdir that is not a finished run: an
@@ -36,6 +39,7 @@ import time
 
 from core.tokenizer import StreamDecoder
 from experiments import args as args_lib
+from experiments.hf import generation
 from kvcache import serving as kv_serving
 
 
@@ -104,10 +108,12 @@ def main(argv=None) -> int:
             )
     try:
         run, tok = args_lib.load_run(args.workdir)
-        prompts = [tok.encode_bytes(raw).tolist() for raw in raw_prompts]
+        prefix, suffix = tok.framing
+        prompts = [[*prefix, *tok.encode_bytes(raw, bos=False).tolist(), *suffix] for raw in raw_prompts]
         fmt, source = args_lib.kv_format(args, run)
-        config = args_lib.engine_config(args, run, fmt, tok, prompts=prompts)
-    except args_lib.FlagError as e:
+        eos_ids = generation.for_run(run, "auto").eos_ids
+        config = args_lib.engine_config(args, run, fmt, tok, prompts=prompts, eos_ids=eos_ids)
+    except (args_lib.FlagError, generation.GenerationConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"kv format: {source}", file=sys.stderr)

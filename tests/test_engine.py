@@ -39,7 +39,9 @@ def isolated(model, fmt, prompt, n):
     assert len(prompt) <= WIDTH and n <= NEW, (len(prompt), n)
     factory = paged_cache_factory(fmt, num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads, head_dim=CFG.head_dim)
     batch = [np.asarray(prompt), np.ones(WIDTH, np.int32)]
-    out = generate_lib.generate(model, batch, max_new_tokens=NEW, key=jax.random.key(0), cache_factory=factory)
+    out = generate_lib.generate(
+        model, batch, max_new_tokens=NEW, key=jax.random.key(0), cache_factory=factory, tokenizer=ByteTokenizer()
+    )
     out = out[0, :n].tolist()
     return out[: out.index(256)] if 256 in out else out  # PAD after EOS
 
@@ -212,13 +214,16 @@ def test_engine_records_consistent_times(model):
         assert r.ttft > 0 and r.tpot == pytest.approx((r.finish_time - r.first_token_time) / (len(r.output) - 1))
 
 
-def test_no_request_compiles_after_warmup(model):
+@pytest.mark.parametrize("masked", [False, True])
+def test_no_request_compiles_after_warmup(model, masked):
     """`Engine.warmup` compiles the very programs the steps run (the pool as a step returns it, the same argument
-    kinds): the requests after it, prefills and decodes of every bucket the budget allows, compile nothing."""
+    kinds): the requests after it, prefills and decodes of every bucket the budget allows, compile nothing; with
+    `masked`, requests with a repetition penalty and min_tokens neither."""
     graphdef, state = nnx.split(model)
     model = nnx.merge(graphdef, jax.device_put(state, jax.devices()[0]))  # committed, as a loaded checkpoint is
     eng = engine(model, formats.get("bf16"), blocks=32)
-    eng.warmup()
+    eng.warmup(masked=masked)
+    params = SamplingParams(repetition_penalty=1.2, min_tokens=2) if masked else None
     compiled = []
 
     class Compiles(logging.Handler):
@@ -230,7 +235,7 @@ def test_no_request_compiles_after_warmup(model):
     try:
         with jax.log_compiles(True):
             for p in prompts_with_shared_prefix()[:3]:
-                eng.submit(p, 4)
+                eng.submit(p, 4, sampling=params)
             eng.run()
     finally:
         logging.getLogger("jax").removeHandler(handler)
@@ -238,10 +243,13 @@ def test_no_request_compiles_after_warmup(model):
     assert not [m for m in compiled if m.startswith("Compiling")], compiled
 
 
-def _reference_probs(logits, allowed, temperature, top_k, top_p):
-    """float64, as HF / vLLM: softmax(logits / T) over the allowed ids, cut to the top_k most likely and
-    renormalised, then cut to the smallest set of the most likely whose mass reaches top_p, renormalised."""
+def _reference_probs(logits, allowed, temperature, top_k, top_p, min_p=0.0):
+    """float64, as HF / vLLM: softmax(logits / T) over the allowed ids, less the ids below min_p x the most likely's
+    probability, cut to the top_k most likely and renormalised, then cut to the smallest set of the most likely
+    whose mass reaches top_p, renormalised."""
     z = np.where(allowed, logits.astype(np.float64), -np.inf) / temperature
+    p = np.exp(z - z.max())
+    z[p < min_p] = -np.inf  # (p / max p = p here)
     order = np.argsort(-z, kind="stable")
     z[order[top_k:]] = -np.inf
     p = np.exp(z - z.max())
@@ -255,8 +263,8 @@ def _reference_probs(logits, allowed, temperature, top_k, top_p):
     return q / q.sum()
 
 
-@pytest.mark.parametrize("top_k, top_p", [(0, 0.8), (5, 1.0), (6, 0.7)])
-def test_sampling_follows_temperature_top_k_and_top_p(model, top_k, top_p):
+@pytest.mark.parametrize("top_k, top_p, min_p", [(0, 0.8, 0.0), (5, 1.0, 0.0), (6, 0.7, 0.0), (0, 1.0, 0.05)])
+def test_sampling_follows_temperature_min_p_top_k_and_top_p(model, top_k, top_p, min_p):
     """4000 draws of `_sample` (the engine's on-device sampler, as a step draws: the seeded request's keys for its
     tokens 0..3999) on fixed logits: the ids drawn lie in the float64 reference's support and their frequencies
     are within 4 standard errors of its probabilities; the recorded log-probabilities are the float64 log-softmax
@@ -265,13 +273,16 @@ def test_sampling_follows_temperature_top_k_and_top_p(model, top_k, top_p):
     rng = np.random.default_rng(3)
     logits = rng.normal(0, 2, CFG.vocab_size).astype(np.float32)
     logits[[256, 257]] += 20  # never sampled (PAD, BOS) however likely
-    params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p, seed=9, logprobs=True, top_logprobs=3)
+    params = SamplingParams(
+        temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p, seed=9, logprobs=True, top_logprobs=3
+    )
     request = Request(0, [1], 4000, 0.0, sampling=params)
     draws = np.array(eng._sample(logits, request, 4000))  # tokens 0..3999: each the next key of its stream
     assert request.output == list(draws)
     allowed = np.arange(CFG.vocab_size) < 259
     allowed[[256, 257]] = False
-    want = _reference_probs(logits, allowed, 0.7, top_k or CFG.vocab_size, top_p)
+    want = _reference_probs(logits, allowed, 0.7, top_k or CFG.vocab_size, top_p, min_p)
+    assert min_p == 0 or 3 < np.count_nonzero(want) < 259 - 3  # the min_p cut keeps some and cuts some
     assert set(draws) <= set(np.flatnonzero(want))
     freq = np.bincount(draws, minlength=len(want)) / len(draws)
     np.testing.assert_array_less(np.abs(freq - want), 4 * np.sqrt(want * (1 - want) / len(draws)) + 1e-9)
@@ -343,3 +354,67 @@ def test_finish_and_abort_free_blocks_at_once_and_leave_others_exact(model):
     assert kept.output == isolated(model, fmt, prompts[1], 10)
     assert kept.finish_reason == "length" and running.output == running.output[:1]
     assert eng.blocks.num_available == eng.pool.num_blocks
+
+
+def generated(model, prompt, n, **ids):
+    """Greedy generation of `prompt` by `core.generate` through the bf16 paged cache, batched as `isolated` batches
+    it, with the special ids (or repetition penalty) `ids` given: its first n tokens."""
+    fmt = formats.get("bf16")
+    factory = paged_cache_factory(fmt, num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads, head_dim=CFG.head_dim)
+    batch = [np.asarray(prompt), np.ones(WIDTH, np.int32)]
+    kw = {"tokenizer": ByteTokenizer(), "cache_factory": factory, **ids}
+    return generate_lib.generate(model, batch, max_new_tokens=NEW, key=jax.random.key(0), **kw)[0, :n].tolist()
+
+
+def test_end_ids_stop_token_ids_ignore_eos_and_min_tokens(model):
+    """vLLM's stopping rules, with an end id E that the free greedy answer first emits at step k: a config whose
+    eos_ids hold E stops there ("stop", end_id E); ignore_eos runs on past it to the length, unless E is among the
+    request's own stop_token_ids, which end it all the same; with min_tokens = k + 2 no end id (EOS, E) is sampled
+    before token k + 2: those tokens are core.generate's greedy choice over the other ids."""
+    fmt = formats.get("bf16")
+    prompt = prompts_with_shared_prefix()[3]
+    free = engine(model, fmt, blocks=16)
+    base = free.submit(prompt, 12, ignore_eos=True)
+    free.run()
+    answer = base.output
+    k = next(i for i in range(2, 12) if answer[i] not in answer[:i] and answer[i] < 256)
+    end = answer[k]
+    eng = engine(model, fmt, blocks=32, eos_ids=(end,))
+    assert eng.config.end_ids == (258, end)
+    greedy = SamplingParams(temperature=0.0)
+    stop = eng.submit(prompt, 12, sampling=greedy)
+    ignored = eng.submit(prompt, 12, ignore_eos=True, sampling=greedy)
+    own = eng.submit(prompt, 12, ignore_eos=True, sampling=SamplingParams(temperature=0.0, stop_token_ids=(end,)))
+    held = eng.submit(prompt, 12, sampling=SamplingParams(temperature=0.0, min_tokens=k + 2))
+    eng.run()
+    assert (stop.output, stop.finish_reason, stop.end_id) == (answer[: k + 1], "stop", end)
+    assert (ignored.output, ignored.finish_reason, ignored.end_id) == (answer, "length", None)
+    assert (own.output, own.finish_reason, own.end_id) == (answer[: k + 1], "stop", end)
+    assert held.output[: k + 2] == generated(model, prompt, k + 2, eos_id=None, never=(256, 257, 258, end))
+    with pytest.raises(ValueError, match="min_tokens = 13 exceeds max_new_tokens = 12"):
+        eng.submit(prompt, 12, sampling=SamplingParams(min_tokens=13))
+    with pytest.raises(ValueError, match="stop_token_ids token at position 0 is 264, outside"):
+        eng.submit(prompt, 12, sampling=SamplingParams(stop_token_ids=(264,)))
+
+
+def test_the_repetition_penalty_is_one_rule_in_generation_and_the_engine(model):
+    """`core.sampling.penalize` is transformers' and vLLM's rule (each seen id's logit divided by the penalty if
+    positive, multiplied if not); greedy answers with penalties above and below 1 are the same from the engine (its
+    requests' ids sent as bits, beside an unpenalised request in the same batches) as from core.generate (the ids
+    tracked on the device), and differ from the unpenalised one."""
+    rng = np.random.default_rng(0)
+    logits, seen = rng.normal(0, 2, (3, 40)).astype(np.float32), rng.random((3, 40)) < 0.4
+    penalty = np.array([1.3, 0.8, 1.0], np.float32)
+    want = np.where(seen, np.where(logits > 0, logits / penalty[:, None], logits * penalty[:, None]), logits)
+    np.testing.assert_allclose(sampling.penalize(jnp.asarray(logits), jnp.asarray(seen), penalty), want, rtol=1e-6)
+    prompt = prompts_with_shared_prefix()[3] * 3  # repeats: the penalty has ids to act on
+    eng = engine(model, formats.get("bf16"), blocks=32)
+    plain = eng.submit(prompt, 10, ignore_eos=True, sampling=SamplingParams(temperature=0.0))
+    penalised = {
+        p: eng.submit(prompt, 10, ignore_eos=True, sampling=SamplingParams(temperature=0.0, repetition_penalty=p))
+        for p in (1.8, 0.6)
+    }
+    eng.run()
+    for p, request in penalised.items():
+        assert request.output == generated(model, prompt, 10, eos_id=None, repetition_penalty=p), p
+        assert request.output != plain.output, p

@@ -4,6 +4,7 @@ heads, Llama 3.1 RoPE scaling, untied), Qwen2 (q/k/v biases, tied), Qwen3 (q/k n
 softmax top-2 SwiGLU experts) and Qwen3-MoE (a dense first layer) checkpoints, imported logits on a ragged batch,
 every MoE layer's top-k experts, and 32 greedy tokens; and clear refusals of what the importer cannot honour."""
 
+import collections
 import dataclasses
 import inspect
 import json
@@ -425,7 +426,8 @@ def test_export_carries_what_it_imported(tmp_path):
     """A bfloat16 checkpoint with a chat template, a generation_config.json and max_position_embeddings 64,
     imported and exported: the export holds the same template, generation config and max_position_embeddings, its
     tensors are bfloat16 as imported (float32 when asked), its files are readable by others as transformers'
-    are (0644 under umask 022), and re-imported it is the model."""
+    are (0644 under umask 022), and re-imported it is the model. With the source's config.json turned into a
+    directory, the export is refused naming it (it would silently lose the dtype and max_position_embeddings)."""
     from safetensors.numpy import save_file
 
     directory = _copy(tmp_path, "qwen2")
@@ -452,11 +454,20 @@ def test_export_carries_what_it_imported(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bf16 values survive a bf16 round trip
     export.save(config, model, str(out), replace=True, dtype="float32")
     assert {x.dtype for x in weights.read(str(out)).values()} == {np.dtype(np.float32)}
+    (directory / "config.json").unlink()  # the source's config.json a directory: refused, not exported as float32
+    (directory / "config.json").mkdir()
+    before = sorted(os.listdir(out))
+    with pytest.raises(
+        export.HFExportError, match=f"{directory}/config.json, the config of the checkpoint .* is a dir"
+    ):
+        export.save(config, model, str(out), replace=True)
+    assert sorted(os.listdir(out)) == before
 
 
 def test_a_folder_that_is_no_checkpoint_is_named_as_what_it_is(tmp_path, capsys):
     """`experiments.hf import --hf-dir` names a missing folder, an empty one, one without config.json (naming what
-    it holds) and a PyTorch-only one (saying how to convert) by the flag; a fine-tuning config names the config key
+    it holds), one whose config.json is a directory and a PyTorch-only one (saying how to convert) by the flag, in
+    one line (no traceback); a fine-tuning config names the config key
     with the same reason; `serve --workdir` on a checkpoint folder points to `experiments.hf import`."""
     (tmp_path / "empty").mkdir()
     (tmp_path / "other").mkdir()
@@ -464,18 +475,22 @@ def test_a_folder_that_is_no_checkpoint_is_named_as_what_it_is(tmp_path, capsys)
     (tmp_path / "torch").mkdir()
     (tmp_path / "torch" / "config.json").write_text("{}")
     (tmp_path / "torch" / "pytorch_model.bin").write_bytes(b"x")
+    shutil.copytree(os.path.join(FIXTURES, "qwen2"), tmp_path / "folder_config")
+    (tmp_path / "folder_config" / "config.json").unlink()
+    (tmp_path / "folder_config" / "config.json").mkdir()
     cases = {
         "missing": "does not exist",
         "empty": "is empty",
         "other": "holds no config.json (it holds notes.txt)",
         "torch": "holds PyTorch weights (pytorch_model.bin) but no safetensors",
+        "folder_config": "its config.json is a directory, not a JSON file",
     }
     for name, reason in cases.items():
         directory = tmp_path / name
         argv = ["import", "--hf-dir", str(directory), "--workdir", str(tmp_path / "w"), "--eval-batches", "0"]
         assert hf_cli.main(argv) == 2
         err = capsys.readouterr().err
-        assert f"--hf-dir={directory}: " in err and reason in err, err
+        assert f"--hf-dir={directory}: " in err and reason in err and len(err.strip().splitlines()) == 1, err
         with pytest.raises(ConfigError, match=f"'checkpoint.init_from' = 'hf:{directory}': .*{re.escape(reason)}"):
             load.hf_dir(finetune.get_config(str(directory)))
     assert serve.main([f"--workdir={os.path.join(FIXTURES, 'qwen2')}", "--prompt=x"]) == 2
@@ -648,3 +663,130 @@ def test_a_mistral_checkpoint_with_a_sliding_window_is_refused_by_name(tmp_path)
     _edit_config(directory, sliding_window=16)
     with pytest.raises(config_map.HFConfigError, match="sliding_window = 16: no sliding window"):
         pretrained.model_from_hf(str(directory))
+
+
+def _imported(tmp_path, capsys):
+    """A workdir imported from the Qwen2 fixture (no evaluation): a run that exports."""
+    workdir = tmp_path / "w"
+    args = ["import", "--hf-dir", os.path.join(FIXTURES, "qwen2"), "--workdir", str(workdir), "--eval-batches", "0"]
+    assert hf_cli.main(args) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    return workdir
+
+
+EXPORTED = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+
+
+def test_an_export_killed_at_any_instant_leaves_the_old_state_or_the_whole_export_and_a_rerun_succeeds(
+    tmp_path, capsys, monkeypatch
+):
+    """A kill (here: an interruption raised inside os.replace) just before, or just after, the rename that makes
+    `<out>.exporting` the export: --out is absent or complete, nothing else is left, and the same command rerun
+    exits 0 with the whole export (finding the same bytes there: nothing written). With --replace into a folder
+    holding a model and a file of the user's, a kill after the first file moved in is finished by the rerun: the new
+    model, no stale file, the user's file kept, no `<out>.exported` left."""
+    workdir, out = _imported(tmp_path, capsys), tmp_path / "out"
+    argv = ["export", f"--workdir={workdir}", f"--out={out}"]
+    real = os.replace
+
+    def killed(after: bool, target):
+        def replace(src, dst):
+            hit = os.path.abspath(dst) == os.path.abspath(target) or os.path.dirname(os.path.abspath(dst)) == str(out)
+            if hit and after:
+                real(src, dst)
+            if hit:
+                raise KeyboardInterrupt  # (as a kill would, at this instant)
+            real(src, dst)
+
+        return replace
+
+    for after in (False, True):
+        shutil.rmtree(out, ignore_errors=True)
+        monkeypatch.setattr(os, "replace", killed(after, out))
+        with pytest.raises(KeyboardInterrupt):
+            hf_cli.main(argv)
+        monkeypatch.setattr(os, "replace", real)
+        left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("out"))
+        assert left == (["out"] if after else ["out.exporting"]), left
+        if after:
+            assert sorted(os.listdir(out)) == EXPORTED
+        assert hf_cli.main(argv) == 0, capsys.readouterr().err
+        said = capsys.readouterr().out
+        assert ("already holds this export" in said) == after, said
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("out")) == ["out"]
+        assert sorted(os.listdir(out)) == EXPORTED
+    first = (out / "model.safetensors").read_bytes()
+
+    (out / "NOTES.txt").write_text("mine")
+    (out / "model-00002-of-00002.safetensors").write_bytes(b"stale")
+    monkeypatch.setattr(os, "replace", killed(True, out / "model.safetensors"))
+    with pytest.raises(KeyboardInterrupt):
+        hf_cli.main([*argv, "--replace", "--dtype=bfloat16"])
+    monkeypatch.setattr(os, "replace", real)
+    assert (tmp_path / "out.exported").is_dir()
+    assert hf_cli.main([*argv, "--replace", "--dtype=bfloat16"]) == 0, capsys.readouterr().err
+    assert sorted(os.listdir(out)) == sorted([*EXPORTED, "NOTES.txt"])
+    assert (out / "NOTES.txt").read_text() == "mine" and (out / "model.safetensors").read_bytes() != first
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("out")) == ["out"]
+
+
+def test_an_export_to_a_read_only_folder_or_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    """--out on a read-only file system (its folder cannot be created: OSError EROFS, as root meets it whatever the
+    mode bits) exits 2; a disk found too small before writing, and one that fills while the safetensors are written
+    (safetensors' SafetensorError, os error 28), exit 1. Each says so in one `error:` line naming --out (no
+    traceback), and leaves neither --out nor `<out>.exporting`."""
+    import errno
+
+    import safetensors
+    import safetensors.numpy
+
+    workdir, out = _imported(tmp_path, capsys), tmp_path / "out"
+    argv = ["export", f"--workdir={workdir}", f"--out={out}"]
+
+    real_mkdir = os.mkdir
+
+    def read_only(path, *args, **kwargs):  # a folder in --out's parent: a read-only file system
+        if os.path.dirname(os.path.abspath(path)) == str(tmp_path):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    def full(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 100)
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    Usage = collections.namedtuple("Usage", "total used free")
+    cases = [
+        (os, "mkdir", read_only, 2, ["cannot be written", "Read-only file system"]),
+        (shutil, "disk_usage", lambda path: Usage(2**20, 2**20 - 4096, 4096), 1, ["needs about", "No space left"]),
+        (safetensors.numpy, "save_file", full, 1, ["could not be written", "No space left on device", "removed"]),
+    ]
+    for module, name, fake, code, words in cases:
+        with monkeypatch.context() as patch:
+            patch.setattr(module, name, fake)
+            assert hf_cli.main(argv) == code, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and str(out) in err[0], err
+        assert all(w in err[0] for w in words), (words, err)
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("out")) == [], name
+
+
+def test_an_export_of_a_run_trained_here_frames_prompts_as_the_run_and_our_server_do(tmp_path):
+    """A run trained here with a BPE saved before tokenizers carried a framing rule (tokenizer_legacy/: no
+    post-processor) frames its prompts with BOS, as its corpus did; its export writes that rule into the exported
+    tokenizer, so the export (read by transformers through its post-processor) gives the prompt ids the run does."""
+    from core.tokenizer import HFTokenizer
+    from experiments.hf import generation
+
+    config, model = pretrained.model_from_hf(os.path.join(FIXTURES, "qwen2"))
+    with config.unlocked():
+        config.checkpoint.init_from = ""  # trained here
+        config.data.tokenizer = os.path.join(FIXTURES, "tokenizer_legacy")
+    legacy = HFTokenizer.from_file(config.data.tokenizer)
+    assert legacy.framing == ((), ()) and legacy.bos_id is not None
+    export.save(config, model, str(tmp_path / "out"))
+    exported = HFTokenizer.from_file(tmp_path / "out")
+    text = "def f(x):\n    return x  # <|eos|>"
+    ours = generation.run_tokenizer(config).encode_prompt(text).tolist()
+    assert ours[0] == legacy.bos_id and ours[1:] == legacy.encode_prompt(text).tolist()
+    assert exported.encode_prompt(text).tolist() == ours

@@ -9,6 +9,7 @@ from flax import nnx
 from core import generate as generate_lib
 from core.config import ConfigError
 from core.model import Transformer, TransformerConfig
+from core.tokenizer import ByteTokenizer
 from experiments import build, schema
 from kvcache import PagedKVCache, formats, paged_cache_factory
 
@@ -66,6 +67,7 @@ def test_pallas_and_xla_generate_the_same_tokens():
             max_new_tokens=4,
             key=jax.random.key(0),
             cache_factory=_factory(formats.get("fp4"), implementation=impl),
+            tokenizer=ByteTokenizer(),
         )
         for impl in ("xla", "pallas")
     }

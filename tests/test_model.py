@@ -13,6 +13,7 @@ from core import attention as attention_lib
 from core import generate as generate_lib
 from core.attention import DenseKVCache
 from core.model import DefaultPrecision, Transformer, TransformerConfig, count_params
+from core.tokenizer import ByteTokenizer
 
 from helpers import forward
 
@@ -221,6 +222,7 @@ def test_generate_greedy_matches_recompute():
         max_new_tokens=6,
         key=jax.random.key(0),
         cache_factory=generate_lib.dense_cache_factory(model, jnp.float32),
+        tokenizer=ByteTokenizer(),
     )
     ids = np.arange(cfg.vocab_size)
     forward = jax.jit(lambda t: model(t)[0])  # causal: positions after the last real token do not matter
@@ -239,10 +241,13 @@ def test_generate_greedy_matches_recompute():
 
 def test_generate_validates_input():
     model = Transformer(CONFIGS["mha-rms"], rngs=nnx.Rngs(0))
+    tok = ByteTokenizer()
+    with pytest.raises(ValueError, match=r"missing \['eos_id', 'never', 'num_ids'\]"):  # no byte-tokenizer defaults
+        generate_lib.generate(model, [np.array([1])], max_new_tokens=2, key=jax.random.key(0))
     with pytest.raises(ValueError, match="at least one token"):
-        generate_lib.generate(model, [np.array([], np.int32)], max_new_tokens=2, key=jax.random.key(0))
+        generate_lib.generate(model, [np.array([], np.int32)], max_new_tokens=2, key=jax.random.key(0), tokenizer=tok)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        generate_lib.generate(model, [np.array([1])], max_new_tokens=0, key=jax.random.key(0))
+        generate_lib.generate(model, [np.array([1])], max_new_tokens=0, key=jax.random.key(0), tokenizer=tok)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -520,11 +520,18 @@ def test_a_tensor_parallel_run_loads_and_serves_on_one_device(tmp_path, capsys, 
         (["--chat-template=missing.jinja"], ["--chat-template='missing.jinja' cannot be read"]),
         (["--chat-template=bad.jinja"], ["the chat template from bad.jinja does not compile"]),
         (["--scale-rule=mx"], ["--scale-rule=mx applies to the fp4/k8v4 KV format only"]),
+        (["--generation-config=nowhere"], ["--generation-config='nowhere' does not exist; allowed: auto"]),
+        (["--generation-config=run"], ["--generation-config='run' holds no generation_config.json"]),
+        (["--generation-config=gen"], ["eos_token_id holds 999, outside the tokenizer's ids [0, 259)"]),
+        (["--generation-config=badgen"], ["badgen/generation_config.json: top_p = 2; allowed: a number in (0, 1]"]),
     ],
 )
 def test_http_flags_are_refused_before_anything_loads(capsys, a_run, nothing_loads, args, needles):
     """`serve --http`: each bad flag is one `error:` line (exit 2) naming it, before the model loads."""
     pathlib.Path("bad.jinja").write_text("{% for m in messages %}{{ m.content }")
+    for folder, fields in (("gen", {"eos_token_id": [258, 999]}), ("badgen", {"top_p": 2})):
+        pathlib.Path(folder).mkdir()
+        (pathlib.Path(folder) / "generation_config.json").write_text(json.dumps(fields))
     code, _, err = serve_main(capsys, "--http", *args)
     assert code == 2 and "error" in err and "Traceback" not in err, err
     for needle in needles:

@@ -362,7 +362,12 @@ BAD: list[tuple[bytes | dict, int, str | None, str]] = [  # (body, status, param
     ({"prompt": "a", "echo": True}, 400, "echo", "not implemented"),
     ({"prompt": "a", "functions": [{"name": "f"}]}, 400, "functions", "would change the answer"),
     ({"prompt": "a", "response_format": {"type": "json_object"}}, 400, "response_format", 'allowed: null or {"type"'),
-    ({"prompt": "a", "min_tokens": 5}, 400, "min_tokens", "min_tokens = 5 would change the answer"),
+    ({"prompt": "a", "bad_words": ["x"]}, 400, "bad_words", 'bad_words = ["x"] would change the answer'),
+    ({"prompt": "a", "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens", "min_tokens = 5 exceeds max_new_tokens = 2"),
+    ({"prompt": "a", "stop_token_ids": [7, 300]}, 400, "stop_token_ids", "position 1 is 300, outside [0, 264)"),
+    ({"prompt": "a", "stop_token_ids": [-1]}, 400, "stop_token_ids.0", "greater than or equal to 0"),
+    ({"prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty", "greater than 0"),
+    ({"prompt": "a", "min_p": 1.5}, 400, "min_p", "less than or equal to 1"),
     ({"prompt": []}, 400, "prompt", "must not be empty"),
     ({"prompt": [5, 300]}, 400, "prompt", "position 1 is 300, outside [0, 264)"),
     ({"prompt": "a" * 300}, 400, "prompt", "limit is 256 tokens"),
@@ -381,7 +386,7 @@ BAD: list[tuple[bytes | dict, int, str | None, str]] = [  # (body, status, param
     ({"prompt": [1, 2.0]}, 400, "prompt", "token 1 = 2.0 is not a token id"),
     # text that is no Unicode (valid JSON)
     (b'{"prompt": "a\\ud800b"}', 400, "prompt", "lone surrogate (U+D800)"),
-    (b'{"prompt": "a", "stop": ["\\udfff"]}', 400, "stop", "lone surrogate"),
+    (b'{"prompt": "a", "stop": ["\\udfff"]}', 400, "stop.0", "lone surrogate"),
 ]
 
 

@@ -27,11 +27,13 @@ from core.tokenizer import ByteTokenizer, HFTokenizer, StreamDecoder, TokenizerE
 from core.train import count_target_bytes
 from experiments import build
 from experiments import tokenizer as tokenizer_cli
+from experiments.hf import generation
 from kvcache.serving import EngineConfig
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
 BPE_DIR = FIXTURES / "tokenizer"
 REFERENCE = json.loads((FIXTURES / "tokenizer_reference.json").read_text(encoding="utf-8"))
+BYTE_DIGEST = "20ddaed2700d5a2462d26cd231f5340aa2d8245c4acd1e62fe94a49f4c7fb619"  # before save() wrote a post-processor
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +222,9 @@ def test_the_eval_byte_count_is_the_bytes_of_the_decoded_targets(bpe, name):
 @pytest.mark.parametrize("name", ["bpe", "bytes"])
 def test_transformers_gives_our_ids(bpe, name):
     """The fixture: transformers (PreTrainedTokenizerFast and AutoTokenizer) on the files our save() wrote gave
-    these ids, decodes and special ids; ours give the same (encode without BOS: transformers adds none)."""
+    these ids, decodes and special ids; ours give the same: `encode` without BOS is its add_special_tokens=False,
+    and `encode_prompt` is its `tokenizer(text)`: BOS first (the post-processor save() writes), a special's name in
+    the text that special. The byte tokenizer's digest is what it was before its files carried the BOS rule."""
     tok = bpe if name == "bpe" else ByteTokenizer()
     ref = REFERENCE[name]
     assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (
@@ -232,9 +236,36 @@ def test_transformers_gives_our_ids(bpe, name):
     assert len(ref["cases"]) >= 10 and any(ord(c) > 0xFFFF for case in ref["cases"] for c in case["text"])
     for case in ref["cases"]:
         assert tok.encode(case["text"], bos=False).tolist() == case["ids"], case["text"]
+        assert tok.encode_prompt(case["text"]).tolist() == case["prompt_ids"] == [tok.bos_id, *case["ids"]]
         assert tok.decode(case["ids"]) == case["decoded"] == case["text"]
+    for case in ref["prompts"]:  # special names inside the text
+        assert tok.encode_prompt(case["text"]).tolist() == case["prompt_ids"], case["text"]
+        assert tok.encode_prompt(case["text"], add_special_tokens=False).tolist() == case["prompt_ids"][1:]
     if name == "bytes":
-        assert tok.digest == ref["digest"]  # the files transformers read are the ones save() writes today
+        assert tok.digest == ref["digest"] == BYTE_DIGEST  # corpora fingerprinted before keep their fingerprint
+
+
+def test_old_tokenizer_files_keep_their_digest_and_frame_as_transformers_reads_them(tmp_path):
+    """tokenizer_legacy/ is the fixture BPE as save() wrote it before (no post-processor, add_bos_token false): it
+    loads with the digest it had (so its corpora keep their fingerprints) and frames prompts as transformers reads
+    those files (no BOS); a run trained here with it frames with BOS, as its corpus did
+    (experiments.hf.generation.run_tokenizer), and its save() writes that for transformers."""
+    old = HFTokenizer.from_file(FIXTURES / "tokenizer_legacy")
+    assert old.digest == "23c5a3f99ec99f863794e7bc845bcb7987081f4f4f2de8d8d5299940aa56d2f0" and old.framing == ((), ())
+    for case in REFERENCE["legacy_bpe"]["prompts"]:
+        assert old.encode_prompt(case["text"]).tolist() == case["prompt_ids"], case["text"]
+    config = ml_collections.ConfigDict({"data": {"tokenizer": str(FIXTURES / "tokenizer_legacy")}})
+    config.checkpoint = {"init_from": ""}
+    ours = generation.run_tokenizer(config)
+    assert ours.framing == ((1,), ()) and ours.digest == old.digest
+    for case in REFERENCE["bpe"]["prompts"]:  # the same ids transformers gives on the files save() writes now
+        assert ours.encode_prompt(case["text"]).tolist() == case["prompt_ids"], case["text"]
+    ours.save(tmp_path)
+    assert HFTokenizer.from_file(tmp_path).framing == ((1,), ())
+    config.checkpoint.init_from = "hf:somewhere"  # an imported checkpoint frames as its own files say
+    assert generation.run_tokenizer(config).framing == ((), ())
+    for case in REFERENCE["legacy_bytes"]["prompts"]:  # the byte tokenizer's old files: transformers added no BOS
+        assert ByteTokenizer().encode_prompt(case["text"], add_special_tokens=False).tolist() == case["prompt_ids"]
 
 
 def test_saved_files_load_back_as_the_same_tokenizer(tmp_path, bpe):
@@ -247,9 +278,12 @@ def test_saved_files_load_back_as_the_same_tokenizer(tmp_path, bpe):
     np.testing.assert_array_equal(as_bpe.byte_lengths, ByteTokenizer().byte_lengths)
     text = random_text(np.random.default_rng(1), 100)
     np.testing.assert_array_equal(as_bpe.encode(text, eos=True), ByteTokenizer().encode(text, eos=True))
+    np.testing.assert_array_equal(
+        as_bpe.encode_prompt(text + "<|eos|>"), ByteTokenizer().encode_prompt(text + "<|eos|>")
+    )
     bpe.save(tmp_path / "again")
     again = tokenizer_lib.load(str(tmp_path / "again" / "tokenizer.json"))
-    assert again.digest == bpe.digest
+    assert again.digest == bpe.digest and again.framing == bpe.framing == ((1,), ())
     np.testing.assert_array_equal(again.encode(text), bpe.encode(text))
 
 
@@ -455,7 +489,7 @@ def test_transformers_recomputes_the_fixture(tmp_path, bpe, name):
         transformers.AutoTokenizer.from_pretrained(str(tmp_path)),
     ):
         assert (loaded.bos_token_id, loaded.eos_token_id, loaded.pad_token_id) == (tok.bos_id, tok.eos_id, tok.pad_id)
-        for case in REFERENCE[name]["cases"]:
+        for case in REFERENCE[name]["cases"] + REFERENCE[name]["prompts"]:
             ids = loaded(case["text"])["input_ids"]
-            assert ids == tok.encode(case["text"], bos=False).tolist(), case["text"]
-            assert loaded.decode(ids) == tok.decode(ids)
+            assert ids == tok.encode_prompt(case["text"]).tolist(), case["text"]
+            assert loaded.decode(ids, skip_special_tokens=True) == tok.decode(ids)

@@ -12,9 +12,14 @@ raises `HFExportError` naming the config key and its value, before anything is w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import filecmp
+import json
 import os
 import shutil
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,11 +33,11 @@ from core import tokenizer as tokenizer_lib
 from core import workdir as workdir_lib
 from experiments import schema
 from experiments.hf import arch as arch_lib
+from experiments.hf import generation, weights
 from experiments.hf import load as hf_load
-from experiments.hf import weights
 from moe.config import MoEConfig
 
-__all__ = ["DTYPES", "HFExportError", "hf_config", "model_files", "save"]
+__all__ = ["DTYPES", "ExportWriteError", "HFExportError", "check_out", "hf_config", "model_files", "recover", "save"]
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 """The tensor dtypes an export writes (`save(..., dtype=)`, `export --dtype`)."""
@@ -118,27 +123,33 @@ def save(
     its generation_config.json, its chat template (chat_template.jinja, or tokenizer_config.json's
     `chat_template`), its max_position_embeddings (else the run's data.seq_len), and its tensors' dtype: `dtype`
     (a key of DTYPES) if given, else the imported checkpoint's config.json `dtype` / `torch_dtype`, else float32.
-    Files are written readable by others, as transformers writes them (0666 less the umask), first into
-    `<out_dir>.exporting` (a killed export leaves nothing in `out_dir`; the next export removes that folder) and
-    moved into `out_dir` once all are written.
-    Returns the files written. `out_dir` must be new or empty; with `replace`, the model files already there
-    (`model_files`: stale shards and their index included) are removed first and other files are kept. Raises
-    HFExportError first if `out_dir` is not empty (without `replace`) or the model maps to no supported
-    architecture, and core.tokenizer.TokenizerError if the run's tokenizer cannot be loaded (all before anything is
-    written or removed)."""
+    Files are written readable by others, as transformers writes them (0666 less the umask).
+
+    Crash safety: every file is first written into `<out_dir>.exporting`. Into a new or empty `out_dir` that folder
+    then becomes `out_dir` in one rename, so a kill at any instant leaves either `out_dir` as it was or the whole
+    export, and the next export removes what a killed one left. With `replace` (a folder holding other files) the
+    complete folder is first renamed `<out_dir>.exported` with the list of its files, then its files replace the
+    folder's model files; an export killed in between is finished by the next export into the same `out_dir`
+    before it starts (`recover`). An export into a folder that already holds exactly this export (a rerun after a
+    kill at the last instant) writes nothing there and returns its files.
+
+    Returns the files of the export in `out_dir`. `out_dir` must be new or empty, or hold only the model files of
+    this same export; with `replace`, the model files already there (`model_files`: stale shards and their index
+    included) are removed and other files are kept. Raises HFExportError, before anything is written into or
+    removed from `out_dir`, if it is not empty (without `replace`), cannot be written (`check_out`), the imported
+    checkpoint's config.json cannot be read or the model maps to no supported architecture;
+    core.tokenizer.TokenizerError if the run's tokenizer cannot be loaded; ExportWriteError if writing fails (a full
+    disk: checked first from the tensors' size, or met while writing), with `out_dir` left as it was and the partial
+    files removed."""
     from safetensors.numpy import save_file  # an optional dependency ([experiments]): imported where it is used
 
     if dtype is not None and dtype not in DTYPES:
         raise HFExportError(f"dtype = {dtype!r}; allowed: {list(DTYPES)}")
-    if not replace and os.path.isdir(out_dir) and os.listdir(out_dir):
-        held = model_files(out_dir) or sorted(os.listdir(out_dir))
-        raise HFExportError(
-            f"--out {out_dir} is not empty (it holds {', '.join(held[:5])}{', ...' if len(held) > 5 else ''}): "
-            "allowed: a new or empty folder, or --replace to remove the model files there first"
-        )
-    tok = tokenizer_lib.load(config.data.tokenizer)
+    recover(out_dir)
+    check_out(out_dir, replace=replace)
+    tok = generation.run_tokenizer(config)  # saved with the framing our server applies (BOS for a run trained here)
     hf = {**hf_config(config), "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
-    source, imported = hf_load.source_config(config)
+    source, imported = _source(config)
     dtype = dtype or next((imported[k] for k in ("dtype", "torch_dtype") if imported.get(k) in DTYPES), "float32")
     hf |= {"dtype": dtype, "max_position_embeddings": imported.get("max_position_embeddings", config.data.seq_len)}
     params = {
@@ -149,7 +160,102 @@ def save(
     tensors = weights.from_ours(params, schema.model_config(config), moe, experts=experts)
     tensors = {name: x.astype(DTYPES[dtype]) for name, x in tensors.items()}
     stage = _staging(out_dir)
-    shutil.rmtree(stage, ignore_errors=True)  # what a killed export left
+    _check_space(out_dir, sum(x.nbytes for x in tensors.values()))
+    try:
+        written = _write(stage, tensors, hf, tok, source, max_shard_bytes, save_file)
+    except Exception as e:  # a full disk (safetensors' SafetensorError, an OSError), a folder made read-only
+        shutil.rmtree(stage, ignore_errors=True)
+        raise ExportWriteError(
+            f"the export could not be written to {stage}: {_cause(e)}; nothing was written to --out {out_dir} "
+            "(the partial files were removed)"
+        ) from None
+    names = [os.path.basename(path) for path in written]
+    if not replace and model_files(out_dir):  # (check_out: nothing else is there) a rerun of a finished export?
+        if _same_files(stage, out_dir, names):
+            shutil.rmtree(stage, ignore_errors=True)
+            return [os.path.join(out_dir, n) for n in names]
+        shutil.rmtree(stage, ignore_errors=True)
+        raise _not_empty(out_dir)
+    if not (os.path.isdir(out_dir) and os.listdir(out_dir)):  # new or empty: one rename is the whole export
+        with contextlib.suppress(OSError):  # (an empty folder that cannot be replaced, a mount point: as below)
+            os.replace(stage, out_dir)
+            return [os.path.join(out_dir, n) for n in names]
+    workdir_lib.write_json(os.path.join(stage, _FILES), names)
+    os.replace(stage, _finished(out_dir))  # complete: from here the next export finishes it if this one is killed
+    recover(out_dir)
+    return [os.path.join(out_dir, n) for n in names]
+
+
+class ExportWriteError(RuntimeError):
+    """An export could not be written (a full disk, ...): the message names the folder and the cause; nothing was
+    written to --out and the partial files were removed."""
+
+
+def check_out(out_dir: str, *, replace: bool) -> None:
+    """Raises HFExportError if `out_dir` cannot take an export, before anything is loaded or written: it is not a
+    folder, it holds files other than a model's (without `replace`), a model file there is not a regular file (with
+    `replace`), or its folder cannot be written (tried by creating and removing an empty folder beside it, which
+    also finds a read-only file system whatever the user's rights)."""
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise HFExportError(f"--out {out_dir} is a file, not a folder; allowed: a new or empty folder")
+    held = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    model = model_files(out_dir)
+    if held and not replace and set(held) != set(model):
+        raise _not_empty(out_dir)
+    odd = [n for n in model if not os.path.isfile(os.path.join(out_dir, n))]
+    if odd:
+        what = "a folder" if os.path.isdir(os.path.join(out_dir, odd[0])) else "no regular file"
+        raise HFExportError(
+            f"--out {out_dir} holds {odd[0]} as {what}, where an export writes a file: move it away; allowed: a new "
+            "or empty folder"
+        )
+    parent = os.path.dirname(_staging(out_dir))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".export-check-", dir=parent))
+        if os.path.isdir(out_dir) and replace and held:
+            os.rmdir(tempfile.mkdtemp(prefix=".export-check-", dir=out_dir))
+    except OSError as e:
+        raise HFExportError(
+            f"--out {out_dir} cannot be written ({e.strerror or e}); allowed: a folder this user can write"
+        ) from None
+
+
+def recover(out_dir: str) -> None:
+    """Clears what an export into `out_dir` killed earlier left: `<out_dir>.exporting` (files not yet complete) is
+    removed; `<out_dir>.exported` (complete, killed while its files replaced the folder's model files) is finished:
+    the model files not in it are removed from `out_dir` and its files moved in. Raises HFExportError naming the
+    folder if that cannot be done."""
+    shutil.rmtree(_staging(out_dir), ignore_errors=True)
+    done = _finished(out_dir)
+    if not os.path.isdir(done):
+        return
+    try:
+        names = _names(done)
+        for name in model_files(out_dir):
+            if name not in names:
+                os.remove(os.path.join(out_dir, name))
+        for name in names:
+            if os.path.exists(os.path.join(done, name)):
+                os.replace(os.path.join(done, name), os.path.join(out_dir, name))
+        shutil.rmtree(done)
+    except (OSError, ValueError) as e:
+        raise HFExportError(
+            f"{done} holds an earlier export into --out {out_dir} that was stopped while its files moved in, and it "
+            f"cannot be finished ({_cause(e)}); move its files into {out_dir} or remove it"
+        ) from None
+
+
+_FILES = ".files.json"  # in `<out>.exported`: the names of the export's files
+
+
+def _names(done: str) -> list[str]:
+    with open(os.path.join(done, _FILES)) as f:
+        return list(json.load(f))
+
+
+def _write(stage, tensors, hf, tok, source, max_shard_bytes, save_file) -> list[str]:
+    """Writes the whole export into the new folder `stage`; returns its files."""
     os.makedirs(stage)
     shards = _shards(tensors, max_shard_bytes)
     names = (
@@ -175,21 +281,73 @@ def save(
     mode = 0o666 & ~_umask()
     for path in written:
         os.chmod(path, mode)
-    for name in model_files(out_dir) if replace else ():  # (only now: a failed export leaves the folder as it was)
-        os.remove(os.path.join(out_dir, name))
-    os.makedirs(out_dir, exist_ok=True)
-    moved = []
-    for path in written:
-        moved.append(os.path.join(out_dir, os.path.basename(path)))
-        os.replace(path, moved[-1])
-    shutil.rmtree(stage, ignore_errors=True)
-    return moved
+    os.chmod(stage, 0o777 & ~_umask())
+    return written
+
+
+def _source(config: ml_collections.ConfigDict) -> tuple[str | None, dict[str, Any]]:
+    """(DIR, its config.json) of the checkpoint the run was imported from (hf_load.source_config). Raises
+    HFExportError if DIR is there but its config.json cannot be read as a JSON object: the export would silently
+    lose the dtype and max_position_embeddings it carries."""
+    source, imported = hf_load.source_config(config)
+    if source is not None and not imported:
+        path = os.path.join(source, "config.json")
+        what = "a directory" if os.path.isdir(path) else "missing" if not os.path.exists(path) else "no JSON object"
+        raise HFExportError(
+            f"{path}, the config of the checkpoint this run was imported from (checkpoint.init_from), is {what}: an "
+            "export carries its dtype and max_position_embeddings. Restore it, or move that folder away to export "
+            "with the run's own (float32 unless --dtype; max_position_embeddings = data.seq_len)"
+        )
+    return source, imported
+
+
+def _check_space(out_dir: str, tensor_bytes: int) -> None:
+    """Raises ExportWriteError, before anything is written, if the disk of `out_dir` has less free space than the
+    tensors and 16 MiB for the tokenizer and configs."""
+    need = tensor_bytes + 16 * 2**20
+    free = shutil.disk_usage(os.path.dirname(_staging(out_dir))).free
+    if need > free:
+        raise ExportWriteError(
+            f"the export to --out {out_dir} needs about {need / 2**20:,.1f} MiB and its disk has {free / 2**20:,.1f} "
+            "MiB free (No space left on device): nothing was written"
+        )
+
+
+def _cause(e: BaseException) -> str:
+    """What stopped a write, in one line ("No space left on device" for a full disk, whatever raised it)."""
+    text = " ".join(str(e).split())
+    if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in text or "StorageFull" in text:
+        return "No space left on device"
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return f"{type(e).__name__}: {text[:200]}"
+
+
+def _same_files(stage: str, out_dir: str, names: list[str]) -> bool:
+    """Whether `out_dir`'s model files are exactly `names`, each with the bytes of the one in `stage`."""
+    if sorted(model_files(out_dir)) != sorted(names):
+        return False
+    return all(filecmp.cmp(os.path.join(stage, n), os.path.join(out_dir, n), shallow=False) for n in names)
+
+
+def _not_empty(out_dir: str) -> HFExportError:
+    held = model_files(out_dir) or sorted(os.listdir(out_dir))
+    return HFExportError(
+        f"--out {out_dir} is not empty (it holds {', '.join(held[:5])}{', ...' if len(held) > 5 else ''}): "
+        "allowed: a new or empty folder, or --replace to remove the model files there first"
+    )
 
 
 def _staging(out_dir: str) -> str:
-    """The folder beside `out_dir` an export writes into before moving its files in (`<out>.exporting`): a killed
-    export leaves its partial files there, never in `out_dir`, and the next export removes them."""
+    """The folder beside `out_dir` an export writes into before it becomes (or its files move into) `out_dir`
+    (`<out>.exporting`): a killed export leaves its partial files there, never in `out_dir`, and the next export
+    removes them."""
     return os.path.abspath(out_dir).rstrip(os.sep) + ".exporting"
+
+
+def _finished(out_dir: str) -> str:
+    """`<out>.exported`: a complete export whose files are replacing the model files of `out_dir` (with --replace)."""
+    return os.path.abspath(out_dir).rstrip(os.sep) + ".exported"
 
 
 def _carry(source: str, out_dir: str) -> list[str]:

@@ -4,8 +4,11 @@ The template is a Jinja2 string: `--chat-template FILE` if given, else the token
 tokenizer_config.json beside its tokenizer.json: a string, or a list of named templates of which "default" is used;
 or a chat_template.jinja file there). It is rendered as transformers renders it: a sandboxed environment with
 trim_blocks and lstrip_blocks, the variables `messages`, `add_generation_prompt=True`, `bos_token` and `eos_token`,
-and `raise_exception(message)`. The text is then tokenized with the special tokens' names read as the specials (a
-template writes `<|im_start|>` for that token), and no BOS is added: templates write their own.
+and `raise_exception(message)`. The text is then tokenized as transformers' `apply_chat_template(tokenize=True)`
+tokenizes it (`Tokenizer.encode_prompt(text, add_special_tokens=False)`): special tokens' names are those tokens
+(a template writes `<|im_start|>` for that token; a name inside a message's content is that token too, as in
+transformers and vLLM), and no BOS is added: a template writes its own (Llama 3's `{{ bos_token }}`), so a prompt
+never gets two. `add_special_tokens=True` (vLLM's request field) adds the tokenizer's framing all the same.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import re
 from typing import Any
 
 import jinja2
@@ -95,8 +97,6 @@ class ChatTemplate:
         names = {v: k for k, v in tokenizer.special_tokens.items()}
         bos = "" if tokenizer.bos_id is None else names.get(tokenizer.bos_id, "")
         self._names = {"bos_token": bos, "eos_token": names.get(tokenizer.eos_id, "")}
-        specials = sorted(tokenizer.special_tokens, key=len, reverse=True)  # longest first: no name eats another
-        self._split = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
 
     def render(self, messages: list[dict[str, Any]]) -> str:
         """The prompt's text for `messages` (dicts with role and content), ending with the assistant's turn."""
@@ -107,14 +107,7 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise TemplateError(f"the chat template from {self.source} failed on these messages: {e}") from None
 
-    def encode(self, messages: list[dict[str, Any]]) -> list[int]:
-        """`render(messages)` as token ids: special tokens' names become their ids, the rest is text (no BOS added)."""
-        text, ids = self.render(messages), []
-        specials = self.tokenizer.special_tokens
-        pieces = self._split.split(text) if self._split is not None else [text]
-        for piece in pieces:
-            if piece in specials:
-                ids.append(specials[piece])
-            elif piece:
-                ids += self.tokenizer.encode(piece, bos=False).tolist()
-        return ids
+    def encode(self, messages: list[dict[str, Any]], *, add_special_tokens: bool = False) -> list[int]:
+        """`render(messages)` as token ids (module docstring): special tokens' names become their ids, the rest is
+        text; the tokenizer's framing only with `add_special_tokens`."""
+        return self.tokenizer.encode_prompt(self.render(messages), add_special_tokens=add_special_tokens).tolist()

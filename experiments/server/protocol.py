@@ -3,11 +3,22 @@
 A field that would change the answer is never silently ignored: fields the server knows but implements only in their
 neutral value (n > 1 is implemented; echo, suffix, best_of > 1, logit_bias, non-zero presence / frequency penalties
 are not) fail with a message saying so, and so do the unknown fields of ANSWER_CHANGING (tools, response_format,
-vLLM's sampling extensions, ...) unless null or neutral. Other unknown top-level fields (`metadata`, `store`,
+vLLM's other extensions, ...) unless null or neutral. Other unknown top-level fields (`metadata`, `store`,
 `service_tier`, ...) are ignored with a logged warning, as vLLM does; inside a message or `stream_options` they
-are refused. Extensions vLLM users
-know: `top_k` (0 or -1 = all), `ignore_eos` (generate exactly max_tokens; benchmarks) and `return_token_ids` (each
-choice also carries `token_ids`, and a non-streamed one `prompt_token_ids`).
+are refused.
+
+vLLM's extensions, as vLLM defines them: `top_k` (0 or -1 = all), `min_p`, `repetition_penalty` (> 0; ids of the
+prompt and the output so far: positive logits divided by it, negative multiplied), `stop_token_ids` (end the answer,
+finish_reason "stop", `stop_reason` the id, whether or not EOS is ignored), `ignore_eos` (the model's end ids,
+tokenizer's EOS and generation config's, do not end it), `min_tokens` (no end id is sampled and no stop string ends
+the answer before that many tokens), `skip_special_tokens` (false: special tokens' names are in the text),
+`include_stop_str_in_output` (the stop string, or the end id's text, stays in the text), `add_special_tokens` (the
+tokenizer's BOS / EOS framing around a text prompt: completions default true, chat default false: the chat
+template writes its own), `return_token_ids` (each choice also carries `token_ids`, and a non-streamed one
+`prompt_token_ids`) and `return_tokens_as_token_ids` (logprobs name every token "token_id:N"; default the server's
+--return-tokens-as-token-ids). Sampling fields a request leaves out (temperature, top_p, top_k, min_p,
+repetition_penalty) take the model's generation config's values (`--generation-config`), else 1, 1, all, 0, 1; its
+max_new_tokens caps max_tokens.
 
 Errors are OpenAI's shape: {"error": {"message", "type", "param", "code"}}; `param` names the field at fault.
 """
@@ -16,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -27,6 +39,14 @@ __all__ = ["ChatCompletionRequest", "CompletionRequest", "error_body"]
 
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_N = 16  # completions per prompt
+NEUTRAL_SAMPLING: dict[str, float | int] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
+"""The value of a sampling field neither the request nor the generation config sets (vLLM's)."""
 
 
 NEUTRAL: dict[
@@ -48,14 +68,8 @@ ANSWER_CHANGING: dict[str, tuple[Any, ...]] = {  # unknown fields that change th
     "functions": ([],),
     "function_call": ("none",),
     "logits_processors": ([],),
-    "min_tokens": (0,),
-    "min_p": (0,),
-    "repetition_penalty": (1,),
-    "stop_token_ids": ([],),
     "bad_words": ([],),
     "allowed_token_ids": ([],),
-    "include_stop_str_in_output": (False,),
-    "skip_special_tokens": (True,),
     "truncate_prompt_tokens": (),
     "prompt_logprobs": (),
     "use_beam_search": (False,),
@@ -129,9 +143,16 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)  # no coercion: "10", 2.0, true are not 10
 
     model: str | None = None  # None: the served model
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = 1.0
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # vLLM's extension: -1 / 0 / None = all
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None  # None: the generation config's, else 1
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None  # None: the generation config's, else 1
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # vLLM's extension: -1 / 0 = all; None: the generation config's
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None  # vLLM's; None: the generation config's, else 0
+    repetition_penalty: Annotated[float, Field(gt=0, le=100)] | None = None  # vLLM's; None: generation config's, else 1
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] | None = None  # vLLM's
+    min_tokens: Annotated[int, Field(ge=0)] = 0  # vLLM's
+    skip_special_tokens: bool = True  # vLLM's
+    include_stop_str_in_output: bool = False  # vLLM's
+    return_tokens_as_token_ids: bool | None = None  # vLLM's; None: the server's --return-tokens-as-token-ids
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -179,16 +200,32 @@ class _Sampling(BaseModel):
             raise ValueError("stream_options is only allowed with stream: true")
         return value
 
-    def sampling(self, *, seed_offset: int = 0, logprobs: int | None = None) -> SamplingParams:
+    def sampling(
+        self, *, seed_offset: int = 0, logprobs: int | None = None, defaults: Mapping[str, Any] | None = None
+    ) -> SamplingParams:
         """The engine's SamplingParams for completion `seed_offset` of a prompt (seed + offset: n completions of
-        one seeded request differ and repeat); `logprobs`: alternatives per token to report (None: no logprobs)."""
+        one seeded request differ and repeat); `logprobs`: alternatives per token to report (None: no logprobs);
+        `defaults`: the values of the sampling fields the request leaves out (the model's generation config:
+        experiments.hf.generation), else vLLM's neutral ones."""
+        given = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        value = {k: v if v is not None else (defaults or {}).get(k, NEUTRAL_SAMPLING[k]) for k, v in given.items()}
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=max(self.top_k or 0, 0),
+            temperature=float(value["temperature"]),
+            top_p=float(value["top_p"]),
+            top_k=max(int(value["top_k"]), 0),
+            min_p=float(value["min_p"]),
+            repetition_penalty=float(value["repetition_penalty"]),
             seed=None if self.seed is None else (self.seed + seed_offset) % 2**63,
             logprobs=logprobs is not None,
             top_logprobs=logprobs or 0,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            min_tokens=self.min_tokens,
         )
 
 
@@ -197,6 +234,7 @@ class CompletionRequest(_Sampling):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's framing (BOS) around a text prompt
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool = False
     suffix: str | None = None
@@ -273,6 +311,7 @@ class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_special_tokens: bool = False  # vLLM's: framing around the rendered template too (it writes its own BOS)
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # OpenAI's newer name; None: up to the limit
     logprobs: bool = False

@@ -6,7 +6,14 @@ assistant's role, logprobs as content entries with each token's bytes).
 A renderer is made per HTTP request (its id and creation time are the response's). `usage` counts a prompt's
 tokens once however many completions (n) it has, and reports the prompt tokens the prefix cache supplied as
 `prompt_tokens_details.cached_tokens`. With `return_token_ids` (vLLM's extension), a choice also carries its
-`token_ids`, and a non-streamed one its `prompt_token_ids`.
+`token_ids`, and a non-streamed one its `prompt_token_ids`. Every choice carries vLLM's `stop_reason` (the stop
+string or end id it stopped at; null for EOS, a length or an abort).
+
+A token in logprobs is its text (a special token's name; a token holding part of a UTF-8 character alone: U+FFFD),
+or "token_id:N" with `return_tokens_as_token_ids` (vLLM's extension; default the server's flag). The completions
+endpoint's `top_logprobs` are OpenAI's {token: logprob} objects: where two of the best tokens have the same text,
+each after the first (most likely) is keyed "token_id:N", so every one of the `logprobs` alternatives is there
+(vLLM would keep one of them).
 """
 
 from __future__ import annotations
@@ -30,13 +37,16 @@ class Render:
     chunk_object = ""
     prefix = ""
 
-    def __init__(self, tokenizer: Tokenizer, model: str, body):
+    def __init__(self, tokenizer: Tokenizer, model: str, body, *, tokens_as_ids: bool = False):
         self.tokenizer, self.model, self.logprobs, self.ids = tokenizer, model, body.logprobs, body.return_token_ids
+        as_ids = body.return_tokens_as_token_ids
+        self.as_ids = tokens_as_ids if as_ids is None else as_ids
+        self.skip = body.skip_special_tokens  # the text's rule (text_offset counts in it)
         self.id, self.created = f"{self.prefix}-{uuid.uuid4().hex}", int(time.time())
 
     def choice(self, index: int, event: Event, stream: Stream | None = None, **fields) -> dict[str, Any]:
         """A choice of a chunk (stream None) or of a response, with the token ids when asked for."""
-        out = {"index": index, **fields, "finish_reason": event.finish_reason}
+        out = {"index": index, **fields, "finish_reason": event.finish_reason, "stop_reason": event.stop_reason}
         if self.ids:
             out["token_ids"] = event.token_ids
             if stream is not None:
@@ -48,8 +58,10 @@ class Render:
         return {"id": self.id, "object": object, "created": self.created, "model": self.model}
 
     def token(self, token_id: int) -> str:
-        """One token's text (a token that is part of a character alone decodes to U+FFFD)."""
-        return self.tokenizer.decode([token_id])
+        """One token in logprobs (module docstring): its text, a special's name, or "token_id:N"."""
+        if self.as_ids:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def usage(self, finals: list[Event], streams: list[Stream]) -> dict[str, Any]:
         """Prompt tokens once per prompt (n completions of one prompt share it), completion tokens of every choice."""
@@ -89,8 +101,8 @@ class CompletionRender(Render):
 
     object, chunk_object, prefix = "text_completion", "text_completion", "cmpl"
 
-    def __init__(self, tokenizer, model, body):
-        super().__init__(tokenizer, model, body)
+    def __init__(self, tokenizer, model, body, *, tokens_as_ids: bool = False):
+        super().__init__(tokenizer, model, body, tokens_as_ids=tokens_as_ids)
         self._offsets: dict[int, tuple[StreamDecoder, int]] = {}  # choice -> (its decoder, characters so far)
 
     def _logprobs(self, index: int, event: Event) -> dict[str, Any] | None:
@@ -99,14 +111,23 @@ class CompletionRender(Render):
         if self.logprobs is None:
             return None
         tokens = [self.token(t) for t in event.token_ids]
-        decoder, at = self._offsets.get(index) or (StreamDecoder(self.tokenizer), 0)
+        decoder, at = self._offsets.get(index) or (StreamDecoder(self.tokenizer, skip_special_tokens=self.skip), 0)
         offsets = []
         for t in event.token_ids:
             offsets.append(at)
             at += len(decoder.feed([t]))
         self._offsets[index] = decoder, at
-        top = [{self.token(t): lp for t, lp in alts} for alts in event.top_logprobs] if self.logprobs else None
+        top = [self._top(alts) for alts in event.top_logprobs] if self.logprobs else None
         return {"tokens": tokens, "token_logprobs": event.logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def _top(self, alternatives: list[tuple[int, float]]) -> dict[str, float]:
+        """{token: logprob} of the alternatives (best first): a token whose text is already a key is keyed
+        "token_id:N" (module docstring), so none is lost."""
+        out: dict[str, float] = {}
+        for t, lp in alternatives:
+            key = self.token(t)
+            out[f"token_id:{t}" if key in out else key] = lp
+        return out
 
     def chunk(self, index, event):
         choice = self.choice(index, event, text=event.text, logprobs=self._logprobs(index, event))
@@ -127,11 +148,11 @@ class ChatRender(Render):
     object, chunk_object, prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        return {
-            "token": self.token(token_id),
-            "logprob": logprob,
-            "bytes": list(self.tokenizer.decode_bytes([token_id])),
-        }
+        """A logprobs content entry: the token, its logprob and its bytes (the token's own bytes: a special's name;
+        with return_tokens_as_token_ids, those of "token_id:N", as vLLM gives them)."""
+        token = self.token(token_id)
+        raw = token.encode() if self.as_ids else self.tokenizer.decode_bytes([token_id], skip_special_tokens=False)
+        return {"token": token, "logprob": logprob, "bytes": list(raw)}
 
     def _logprobs(self, event: Event) -> dict[str, Any] | None:
         if not self.logprobs:

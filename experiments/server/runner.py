@@ -14,10 +14,14 @@ length (`QueueFull` when `max_waiting` requests are already queued and not yet r
 
 After every step the thread publishes each request's new tokens as an `Event` to its stream's asyncio queue
 (`loop.call_soon_threadsafe`): the text they complete (core.tokenizer.StreamDecoder: a character split over tokens
-comes out whole), their ids and log-probabilities, and on the last event the finish reason and token counts.
-Stop strings end a request at their first occurrence in its text: the text is cut before it, the request is
-finished in the engine ("stop") and its blocks freed; while it runs, the last `len(longest stop) - 1` characters
-are held back, so no event ever carries text that a stop string then cuts away.
+comes out whole; special tokens dropped, or written as their names without `skip_special_tokens`), their ids and
+log-probabilities, and on the last event the finish reason, vLLM's `stop_reason` and the token counts. As vLLM:
+a request that ends at one of its end ids (`kvcache.serving.Request.end_id`) has that token in its ids but not its
+text in the text (unless `include_stop_str_in_output`); stop strings end a request at their first occurrence in
+its text that ends after the text of its first `min_tokens` tokens: the text is cut before it (after it with
+`include_stop_str_in_output`), the request is finished in the engine ("stop") and its blocks freed; while it runs,
+the last `len(longest stop) - 1` characters are held back, so no event ever carries text that a stop string then
+cuts away.
 
 If a step raises (a bug, not a client's input: that is refused before it reaches the engine), every open stream
 receives an Event with `error` set, the runner stops accepting requests and `healthy` turns False. `close(reason)`
@@ -59,13 +63,16 @@ class QueueFull(Exception):
 class Event:
     """New output of one request. `text` extends what came before (after stop-string cutting); `token_ids`,
     `logprobs` and `top_logprobs` are its new tokens' (the last two with SamplingParams.logprobs). The last event of
-    a request has `finish_reason` ("stop", "length" or "abort") and the counts; `error` ends a stream abnormally."""
+    a request has `finish_reason` ("stop", "length" or "abort"), `stop_reason` (vLLM's: the stop string or end id it
+    stopped at; None for the tokenizer's EOS, a length or an abort) and the counts; `error` ends a stream
+    abnormally."""
 
     text: str = ""
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -84,9 +91,12 @@ class Stream:
         stop: Sequence[str],
         decoder: StreamDecoder,
         ignore_eos: bool = False,
+        include_stop: bool = False,
     ):
         self.prompt, self.max_new_tokens, self.sampling, self.stop = prompt, max_new_tokens, sampling, tuple(stop)
-        self.ignore_eos = ignore_eos
+        self.ignore_eos, self.include_stop = ignore_eos, include_stop
+        self.stop_from = 0  # (engine thread) a stop string counts if it ends after this much text (min_tokens')
+        self.stop_hit: str | None = None  # the stop string that ended it
         self.arrival = time.perf_counter()
         self.request: Request | None = None  # set by the engine thread when it submits it
         self._loop = asyncio.get_running_loop()
@@ -165,11 +175,13 @@ class EngineRunner:
         *,
         stop: Sequence[str] = (),
         ignore_eos: bool = False,
+        skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
     ) -> Stream:
         """Queues a request (call it on the event loop that reads the stream). Raises ValueError naming the limit
         if it can never be served (a token outside the vocabulary, longer than max_model_len or the pool), QueueFull
         if the queue is full, RuntimeError if the engine has stopped; nothing is queued then."""
-        self.engine.check(prompt, max_new_tokens)
+        self.engine.check(prompt, max_new_tokens, sampling)
         if not self.healthy:
             raise RuntimeError(self.closing or f"the engine has stopped: {self.error or 'not running'}")
         with self._lock:
@@ -178,7 +190,8 @@ class EngineRunner:
             if self._queued >= self.max_waiting:
                 raise QueueFull(self._queued, retry_after=1)
             self._queued += 1
-            stream = Stream(prompt, max_new_tokens, sampling, stop, StreamDecoder(self.tokenizer), ignore_eos)
+            decoder = StreamDecoder(self.tokenizer, skip_special_tokens=skip_special_tokens)
+            stream = Stream(prompt, max_new_tokens, sampling, stop, decoder, ignore_eos, include_stop_str_in_output)
             self._inbox.put(("submit", stream))
         return stream
 
@@ -237,6 +250,27 @@ class EngineRunner:
         if stream.request is not None and not stream.done:
             self.engine.finish(stream.request, reason)
 
+    @staticmethod
+    def _cut(stream: Stream) -> bool:
+        """Cuts `stream.text` at the first stop string that counts (after it with include_stop_str_in_output) and
+        records it; whether one did."""
+        if stream.stop_hit is not None:
+            return False
+        found = _first_stop(stream.text, stream.stop, start=max(stream.sent_text, stream.stop_from))
+        if found is None:
+            return False
+        at, stream.stop_hit = found
+        stream.text = stream.text[: at + len(stream.stop_hit) if stream.include_stop else at]
+        return True
+
+    def _stop_reason(self, stream: Stream) -> int | None:
+        """vLLM's stop_reason of a request that stopped at an end id: the id, but None for the tokenizer's EOS."""
+        request = stream.request
+        assert request is not None
+        if request.end_id is None or (request.end_id == self.engine.config.eos_id and not stream.ignore_eos):
+            return None
+        return request.end_id
+
     def _publish(self, step_seconds: float) -> None:
         waiting = {id(r) for r in self.engine.waiting}
         admitted = 0
@@ -255,23 +289,28 @@ class EngineRunner:
                 logprobs=request.logprobs[stream.sent_tokens :],
                 top_logprobs=request.top_logprobs[stream.sent_tokens :],
             )
-            stream.sent_tokens = len(request.output)
-            stream.text += stream.decoder.feed(new)
-            cut = _first_stop(stream.text, stream.stop, start=stream.sent_text)
-            if cut is not None:
-                stream.text = stream.text[:cut]
+            count, stream.sent_tokens = stream.sent_tokens, len(request.output)
+            shown = new[:-1] if request.end_id is not None and new and not stream.include_stop else new
+            for token in shown:  # one at a time: where the first min_tokens tokens' text ends
+                stream.text += stream.decoder.feed([token])
+                count += 1
+                if count <= request.sampling.min_tokens:
+                    stream.stop_from = len(stream.text)
+            cut = self._cut(stream)
+            if cut:
                 self._finish(stream, "stop")
             if request.finished:
-                if cut is None and request.finish_reason != "abort":
+                if not cut and request.finish_reason != "abort":
                     stream.text += stream.decoder.flush()
-                    cut = _first_stop(stream.text, stream.stop, start=stream.sent_text)  # in a held-back tail
-                    stream.text = stream.text if cut is None else stream.text[:cut]
+                    self._cut(stream)  # in a held-back tail
                 end = len(stream.text)
-                event.finish_reason = request.finish_reason
+                event.finish_reason = "stop" if stream.stop_hit else request.finish_reason  # (a stop string: vLLM's)
+                event.stop_reason = stream.stop_hit or self._stop_reason(stream)
                 event.prompt_tokens, event.completion_tokens = len(request.prompt), len(request.output)
                 event.cached_tokens = request.cached_tokens
             else:
-                end = len(stream.text) - max((len(s) - 1 for s in stream.stop), default=0)
+                held = 0 if stream.include_stop else max((len(s) - 1 for s in stream.stop), default=0)
+                end = len(stream.text) - held
             if end > stream.sent_text:
                 event.text, stream.sent_text = stream.text[stream.sent_text : end], end
             if event.text or event.token_ids or event.finish_reason:
@@ -287,8 +326,9 @@ class EngineRunner:
             self.metrics.observe_engine(self.engine, queued=self._queued, step_seconds=step_seconds)
 
 
-def _first_stop(text: str, stops: Sequence[str], *, start: int) -> int | None:
-    """Where the first occurrence in `text` of any of `stops` begins, or None. `text[:start]` was published, so it
-    holds no whole stop string: an occurrence begins at most len(stop) - 1 characters before `start`."""
-    found = [i for s in stops if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
+def _first_stop(text: str, stops: Sequence[str], *, start: int) -> tuple[int, str] | None:
+    """(where, which) of the first occurrence in `text` of any of `stops` that ends after `start`, or None.
+    `text[:start]` holds no whole stop string that counts (published, or the first min_tokens tokens' text): an
+    occurrence begins at most len(stop) - 1 characters before `start`."""
+    found = [(i, s) for s in stops if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
     return min(found) if found else None

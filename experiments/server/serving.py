@@ -10,11 +10,15 @@ a token outside the vocabulary, a chat request for a model without a chat templa
 `param`; 404 an unknown model; 429 the queue is full (with Retry-After); 500 an engine failure during the request;
 503 the engine has stopped, or the server is shutting down (a stream then ends with an error event and `[DONE]`).
 
-Prompts given as text are tokenized with BOS (as `experiments.serve` and training documents begin); token-id prompts
-are taken as they are. A response is streamed as server-sent events in the OpenAI API's chunk format ending with
-`data: [DONE]` when the request asks for `stream`; else it is one JSON object once every choice has finished. A
-client that disconnects, streaming or not, has its requests aborted and their KV blocks freed before the engine's
-next step.
+Prompts given as text are tokenized as transformers' `tokenizer(text).input_ids` and vLLM tokenize them
+(`OpenAIServing.prompt_ids`: special tokens' names are those tokens; the tokenizer's framing around the text, e.g.
+Llama 3's BOS and none for Qwen, unless `add_special_tokens` is false); chat messages as the chat template renders
+them, with no framing of the tokenizer's unless `add_special_tokens` (experiments.server.chat); token-id prompts are
+taken as they are. Sampling fields a request leaves out take `defaults` (the model's generation config:
+experiments.hf.generation; its max_tokens caps every request's). A response is streamed as server-sent events in
+the OpenAI API's chunk format ending with `data: [DONE]` when the request asks for `stream`; else it is one JSON
+object once every choice has finished. A client that disconnects, streaming or not, has its requests aborted and
+their KV blocks freed before the engine's next step.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from fastapi import Request as HTTPRequest
@@ -62,12 +66,22 @@ class ApiError(Exception):
 class OpenAIServing:
     """The endpoints' logic for `runner`'s engine served as `model_name` (module docstring). `chat`: the chat
     template, or None (chat completions are then refused with a 400 saying so). The runner is started and stopped by
-    the caller."""
+    the caller. `defaults`: the sampling fields' values for requests that leave them out (protocol's `sampling`), and
+    `max_tokens`, a cap on every request's; `tokens_as_ids`: logprobs name tokens "token_id:N" unless a request says
+    otherwise (vLLM's --return-tokens-as-token-ids)."""
 
     def __init__(
-        self, runner: EngineRunner, tokenizer: Tokenizer, *, model_name: str, chat: ChatTemplate | None = None
+        self,
+        runner: EngineRunner,
+        tokenizer: Tokenizer,
+        *,
+        model_name: str,
+        chat: ChatTemplate | None = None,
+        defaults: Mapping[str, Any] | None = None,
+        tokens_as_ids: bool = False,
     ):
         self.runner, self.tokenizer, self.model_name, self.chat = runner, tokenizer, model_name, chat
+        self.defaults, self.tokens_as_ids = dict(defaults or {}), tokens_as_ids
         engine = runner.engine
         self.limit = min(engine.config.max_model_len, engine.capacity_tokens)  # longest request (prompt + output)
         self.created = int(time.time())
@@ -109,9 +123,15 @@ class OpenAIServing:
         """POST /v1/completions: n completions of each prompt (text, with BOS, or ids), choices numbered prompt by
         prompt. Raises ApiError (module docstring)."""
         self.check_model(body.model)
-        prompts = [self.tokenizer.encode(p).tolist() if isinstance(p, str) else list(p) for p in body.prompts()]
+
+        def tokenize() -> list[list[int]]:  # on a worker thread: the event loop serves others meanwhile
+            framed = body.add_special_tokens
+            return [self.prompt_ids(p, framed) if isinstance(p, str) else list(p) for p in body.prompts()]
+
+        prompts = await asyncio.to_thread(tokenize)
         streams = self.submit(prompts, body, body.max_tokens, param="prompt", logprobs=body.logprobs)
-        return await self.respond(raw, streams, CompletionRender(self.tokenizer, self.model_name, body), body)
+        render = CompletionRender(self.tokenizer, self.model_name, body, tokens_as_ids=self.tokens_as_ids)
+        return await self.respond(raw, streams, render, body)
 
     async def chat_completions(self, body: ChatCompletionRequest, raw: HTTPRequest) -> Response:
         """POST /v1/chat/completions: n completions of the messages rendered by the chat template (as its token
@@ -125,14 +145,21 @@ class OpenAIServing:
                 param="messages",
             )
         try:
-            prompt = self.chat.encode([m.as_dict() for m in body.messages])
+            messages, framed = [m.as_dict() for m in body.messages], body.add_special_tokens
+            prompt = await asyncio.to_thread(self.chat.encode, messages, add_special_tokens=framed)  # off the loop
         except TemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         streams = self.submit([prompt], body, body.max_new_tokens, param="messages", logprobs=logprobs)
-        return await self.respond(raw, streams, ChatRender(self.tokenizer, self.model_name, body), body)
+        render = ChatRender(self.tokenizer, self.model_name, body, tokens_as_ids=self.tokens_as_ids)
+        return await self.respond(raw, streams, render, body)
 
     # ------------------------------------------------------------------------------------------- shared
+
+    def prompt_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A text prompt's ids (module docstring): `Tokenizer.encode_prompt`, the one rule every text prompt is read
+        by (thread-safe: the tokenization may run on a worker thread)."""
+        return self.tokenizer.encode_prompt(text, add_special_tokens=add_special_tokens).tolist()
 
     def check_model(self, name: str | None) -> None:
         """Raises ApiError 404 (param `model`) unless `name` is None or the served model's."""
@@ -178,12 +205,20 @@ class OpenAIServing:
                         f"{engine.capacity_tokens} tokens), so a prompt may have at most {self.limit - 1}"
                     )
                 want = max_new_tokens if max_new_tokens is not None else self.limit - len(prompt)
+                want = min(want, self.defaults.get("max_tokens", want))  # the generation config's cap (vLLM's)
                 field = "max_tokens" if max_new_tokens is not None else param
                 for j in range(body.n):
-                    sampling = body.sampling(seed_offset=j, logprobs=logprobs)
-                    streams.append(
-                        self.runner.submit(prompt, want, sampling, stop=body.stop or (), ignore_eos=body.ignore_eos)
+                    sampling = body.sampling(seed_offset=j, logprobs=logprobs, defaults=self.defaults)
+                    stream = self.runner.submit(
+                        prompt,
+                        want,
+                        sampling,
+                        stop=body.stop or (),
+                        ignore_eos=body.ignore_eos,
+                        skip_special_tokens=body.skip_special_tokens,
+                        include_stop_str_in_output=body.include_stop_str_in_output,
                     )
+                    streams.append(stream)
         except (ValueError, QueueFull, RuntimeError) as e:
             for stream in streams:
                 self.runner.abort(stream)
@@ -197,7 +232,11 @@ class OpenAIServing:
                 ) from None
             if isinstance(e, RuntimeError):
                 raise ApiError(503, str(e), type="server_error") from None
-            raise ApiError(400, str(e), param=param if str(e).startswith("prompt token") else field) from None
+            message = str(e)
+            named = next((f for f in ("stop_token_ids", "min_tokens") if message.startswith(f)), None)
+            raise ApiError(
+                400, message, param=named or (param if message.startswith("prompt token") else field)
+            ) from None
         return streams
 
     async def respond(
@@ -257,7 +296,7 @@ def _merge(events: list[Event]) -> Event:
         out.token_ids += e.token_ids
         out.logprobs += e.logprobs
         out.top_logprobs += e.top_logprobs
-        out.finish_reason, out.error = e.finish_reason, e.error or out.error
+        out.finish_reason, out.stop_reason, out.error = e.finish_reason, e.stop_reason, e.error or out.error
         out.prompt_tokens, out.completion_tokens, out.cached_tokens = (
             e.prompt_tokens,
             e.completion_tokens,

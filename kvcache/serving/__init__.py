@@ -3,7 +3,8 @@ on-device sampling (`core.sampling`), plus a cost-model twin for projections and
 
     from kvcache import formats
     from kvcache.serving import Engine, EngineConfig, SamplingParams
-    engine = Engine(model, formats.get("fp4"), EngineConfig.for_tokenizer(tok, memory_bytes=2**30))
+    config = EngineConfig.for_tokenizer(tok, eos_ids=(151645,), memory_bytes=2**30)   # + a generation config's ends
+    engine = Engine(model, formats.get("fp4"), config)
     request = engine.submit(prompt_ids, 64, sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=1))
     engine.run()                                   # request.output: the new token ids
 

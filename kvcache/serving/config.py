@@ -2,12 +2,14 @@
 
 Both refuse bad values at construction with a ValueError naming the field, the value and what is allowed. The
 special ids come from the tokenizer the model was trained with (`EngineConfig.for_tokenizer`): nothing defaults to
-a particular tokenizer's ids.
+a particular tokenizer's ids. A request ends, as vLLM ends it, at the tokenizer's EOS or at any end id of the model's
+generation config (`EngineConfig.eos_ids`) unless it ignores EOS, and at any of its own `stop_token_ids` always.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -39,7 +41,9 @@ class EngineConfig:
 
     The tokenizer's ids, required (`EngineConfig.for_tokenizer(tok, ...)` reads them): `eos_id` ends a request
     (None: only max_new_tokens does); the ids in `never` and those >= `num_ids` (None: no limit) are never sampled.
-    A config without them is refused.
+    A config without them is refused. `eos_ids`: the model's other end ids (generation_config.json's
+    `eos_token_id` list, e.g. `<|im_end|>`, `<|eot_id|>`), which end a request as `eos_id` does; none may be in
+    `never` or >= num_ids.
     """
 
     memory_bytes: int
@@ -53,13 +57,21 @@ class EngineConfig:
     eos_id: int | None = cast(int, _MISSING)
     never: tuple[int, ...] = cast(tuple, _MISSING)
     num_ids: int | None = cast(int, _MISSING)
+    eos_ids: tuple[int, ...] = ()
 
     @classmethod
-    def for_tokenizer(cls, tok: Tokenizer, **kwargs) -> EngineConfig:
-        """The config of `kwargs` with `tok`'s ids: eos_id = tok.eos_id, never = tok.never_sampled, num_ids =
-        tok.vocab_size (`core.tokenizer.Tokenizer`)."""
-        ids = dict(eos_id=tok.eos_id, never=tuple(tok.never_sampled), num_ids=tok.vocab_size)
-        return cls(**{**kwargs, **ids})
+    def for_tokenizer(cls, tok: Tokenizer, *, eos_ids: Sequence[int] = (), **kwargs) -> EngineConfig:
+        """The config of `kwargs` with `tok`'s ids: eos_id = tok.eos_id, never = tok.never_sampled less the end
+        ids, num_ids = tok.vocab_size (`core.tokenizer.Tokenizer`), and `eos_ids` (a generation config's end ids;
+        the tokenizer's EOS among them is left out: it is eos_id)."""
+        ends = tuple(dict.fromkeys(int(i) for i in eos_ids if i != tok.eos_id))
+        never = tuple(i for i in tok.never_sampled if i not in ends)
+        return cls(**{**kwargs, **dict(eos_id=tok.eos_id, never=never, num_ids=tok.vocab_size, eos_ids=ends)})
+
+    @property
+    def end_ids(self) -> tuple[int, ...]:
+        """Every id that ends a request that does not ignore EOS: eos_id (if any), then eos_ids."""
+        return tuple(dict.fromkeys([*(() if self.eos_id is None else (self.eos_id,)), *self.eos_ids]))
 
     def __post_init__(self):
         missing = [name for name in ("eos_id", "never", "num_ids") if getattr(self, name) is _MISSING]
@@ -91,6 +103,14 @@ class EngineConfig:
                 f"EngineConfig.eos_id = {self.eos_id} can never be sampled (it is in `never` or >= num_ids = "
                 f"{self.num_ids}); the end id must be sampleable"
             )
+        if not isinstance(self.eos_ids, tuple):
+            raise ValueError(f"EngineConfig.eos_ids = {self.eos_ids!r}; must be a tuple of ids")
+        for i in self.eos_ids:
+            if not _is_int(i) or i < 0 or i in self.never or (self.num_ids is not None and i >= self.num_ids):
+                raise ValueError(
+                    f"EngineConfig.eos_ids holds {i!r}; every end id must be an integer >= 0 that can be sampled (not "
+                    f"in `never`, below num_ids = {self.num_ids})"
+                )
         if self.max_model_len < 2 * self.max_num_batched_tokens:
             raise ValueError(
                 f"EngineConfig.max_model_len = {self.max_model_len} must be >= 2 x "
@@ -115,8 +135,14 @@ class SamplingParams:
     [0, 2^64): token i is drawn with the key of (seed, i) (`core.sampling.key_words`), so the same seed gives the
     same tokens whatever else the engine serves; None = the engine's stream. logprobs: record each chosen token's
     log-probability and the `top_logprobs` (<= MAX_TOP_LOGPROBS) most likely ids with theirs, all under the
-    model's distribution over the sampleable ids (log_softmax of the logits, before temperature, top_k and top_p,
-    as vLLM reports them).
+    model's distribution over the sampleable ids (log_softmax of the logits, before the penalty, temperature,
+    min_p, top_k and top_p, as vLLM reports them).
+
+    vLLM's extensions: min_p (keep the ids at least min_p x as likely as the most likely, after temperature; 0 =
+    all); repetition_penalty (> 0; 1 = none): each id of the prompt or the output so far has its logit divided by it
+    if positive, multiplied by it if not (transformers' and vLLM's rule; greedy requests too); stop_token_ids: ids
+    that end the request (finish_reason "stop") whether or not it ignores EOS; min_tokens: until the request has
+    that many tokens, none of its end ids (EOS, the config's eos_ids, its stop_token_ids) is sampled.
     """
 
     temperature: float | None = None
@@ -125,6 +151,10 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self):
         checks = {
@@ -133,6 +163,11 @@ class SamplingParams:
             "top_k": _is_int(self.top_k) and self.top_k >= 0,
             "seed": self.seed is None or (_is_int(self.seed) and 0 <= self.seed < _SEED_BOUND),
             "top_logprobs": _is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+            "min_p": 0 <= self.min_p <= 1,
+            "repetition_penalty": 0 < self.repetition_penalty < float("inf"),
+            "stop_token_ids": isinstance(self.stop_token_ids, tuple)
+            and all(_is_int(i) and i >= 0 for i in self.stop_token_ids),
+            "min_tokens": _is_int(self.min_tokens) and self.min_tokens >= 0,
         }
         allowed = {
             "temperature": ">= 0 or None",
@@ -140,6 +175,10 @@ class SamplingParams:
             "top_k": "an integer >= 0 (0 = all)",
             "seed": "an integer in [0, 2**64) or None",
             "top_logprobs": f"an integer in [0, {MAX_TOP_LOGPROBS}]",
+            "min_p": "in [0, 1]",
+            "repetition_penalty": "a finite number > 0 (1 = none)",
+            "stop_token_ids": "a tuple of integers >= 0",
+            "min_tokens": "an integer >= 0",
         }
         for name, ok in checks.items():
             if not ok:

@@ -4,10 +4,12 @@ quantised KV pool, sampling on the device.
 Every step runs one jitted program (`_forward`) over the scheduler's ragged batch, seen by the model as one row of
 tokens with explicit positions: their keys and values are quantised into the pool on write and each token attends
 its own sequence's cache with `kvcache.unified_attention` (causal inside a chunk). The program ends with
-`core.sampling` on the last token of each sequence: per row its request's temperature, top_k, top_p and key
+`core.sampling` on the last token of each sequence: per row its request's temperature, top_k, top_p, min_p and key
 (a seeded request's token i: the key of (seed, i), `core.sampling.key_words`; others: the engine's stream of
 `EngineConfig.seed`), and the log-probabilities (the chosen id's and the `MAX_TOP_LOGPROBS` best) over the ids the
-config lets it sample. Only those small arrays come back to the host.
+config lets it sample. Only those small arrays come back to the host. A batch in which some request has a
+repetition penalty, or may not end yet (min_tokens), also sends each row's ids as bits (`core.sampling.pack_ids`:
+the prompt's and output's, its end ids): another compiled program, which `Engine.warmup(masked=True)` compiles too.
 
 Memory: the pool is `memory_bytes` of blocks in the chosen format (`kvcache.capacity.num_blocks`), so fp4 holds
 about 3.76x the tokens of bf16 (docs/kvcache.md). Batches are padded to a power of two of at least 16 tokens, so the
@@ -102,6 +104,7 @@ def _forward(
     params,
     words,
     allowed,
+    masks,
     *,
     max_query_len,
     implementation,
@@ -113,22 +116,30 @@ def _forward(
     model = nnx.merge(model_graph, jax.tree.unflatten(treedef, state))
     cache = _FlatBatchCache(pool, slots, block_tables, seq_lens, query_start_loc, max_query_len, implementation)
     logits, _, cache = model(tokens[None], positions=positions[None], cache=cache)
-    return _draw(logits[0, last], params, words, allowed), cache.pool
+    return _draw(logits[0, last], params, words, allowed, masks), cache.pool
 
 
-def _draw(logits, params, words, allowed):
+def _draw(logits, params, words, allowed, masks=None):
     """Row s of logits [S, V]: its token drawn by `core.sampling.sample` with temperature params[s, 0], top_p
-    params[s, 1], top_k words[s, 0] and the key of `core.sampling.key_words` words[s, 1:] over the `allowed` ids
-    (bool [V]), and `core.sampling.logprobs` of it: (tokens [S], logprob [S], top ids [S, 20], top logprobs
-    [S, 20])."""
+    params[s, 1], min_p params[s, 2], top_k words[s, 0] and the key of `core.sampling.key_words` words[s, 1:] over
+    the `allowed` ids (bool [V]); with `masks` (uint32 [S, W] twice, `core.sampling.pack_ids`: the ids each row's
+    repetition penalty params[s, 3] applies to, the ids it may not sample now), those too. And
+    `core.sampling.logprobs` of it: (tokens [S], logprob [S], top ids [S, 20], top logprobs [S, 20])."""
     logits = logits.astype(jnp.float32)
+    seen = banned = None
+    if masks is not None:
+        seen, banned = (sampling.unpack_ids(m, logits.shape[-1]) for m in masks)
     drawn = sampling.sample(
         logits,
         sampling.keys_from_words(words[:, 1:]),
         temperature=params[:, 0],
         top_k=words[:, 0].astype(jnp.int32),
         top_p=params[:, 1],
+        min_p=params[:, 2],
         allowed=allowed,
+        banned=banned,
+        repetition_penalty=params[:, 3],
+        seen=seen,
     )
     return (drawn, *sampling.logprobs(logits, drawn, allowed=allowed))
 
@@ -160,19 +171,19 @@ class Engine(Scheduler):
         self._allowed = jnp.asarray(self.allowed)
         self._executed = 0  # batches run: the engine stream's draw index is (batch, row)
 
-    def _check_tokens(self, prompt: Sequence[int]) -> None:
-        """The model's vocabulary: `prompt` (a 1-D sequence of ids: Python or NumPy integers) must hold only
-        integers (not bool, not float, even a whole one) in [0, model vocab_size). Raises ValueError naming the
-        first bad position, its value and the range (`submit` and `check` then change nothing)."""
+    def _check_tokens(self, prompt: Sequence[int], what: str = "prompt") -> None:
+        """The model's vocabulary: `prompt` (a 1-D sequence of ids: Python or NumPy integers; `what` names it) must
+        hold only integers (not bool, not float, even a whole one) in [0, model vocab_size). Raises ValueError naming
+        the first bad position, its value and the range (`submit` and `check` then change nothing)."""
         for i, token in enumerate(prompt):
             if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
                 raise ValueError(
-                    f"prompt token at position {i} is {token!r} ({type(token).__name__}); token ids must be "
+                    f"{what} token at position {i} is {token!r} ({type(token).__name__}); token ids must be "
                     f"integers (not bool or float) in [0, {self.vocab_size}) (the model's vocab_size)"
                 )
             if not 0 <= token < self.vocab_size:
                 raise ValueError(
-                    f"prompt token at position {i} is {token!r}, outside [0, {self.vocab_size}) (the model's "
+                    f"{what} token at position {i} is {token!r}, outside [0, {self.vocab_size}) (the model's "
                     "vocab_size)"
                 )
 
@@ -202,7 +213,7 @@ class Engine(Scheduler):
         # A batch of decode tokens only attends one query per sequence (the padding row's queries past the first
         # read that one's output back: discarded all the same), else queries up to the padded batch size.
         max_query_len = 1 if all(n == 1 for _, n in batch) else n_pad
-        params, words = self._sampling_rows(batch, s_max)
+        params, words, masks = self._sampling_rows(batch, s_max)
         sampled, self.pool = _forward(
             self.graphdef,
             self.state,
@@ -217,6 +228,7 @@ class Engine(Scheduler):
             params,
             words,
             self._allowed,
+            masks,
             max_query_len=max_query_len,
             implementation=self.config.implementation,
         )
@@ -238,8 +250,8 @@ class Engine(Scheduler):
         unseeded one's follows the engine's step count, which this does not advance.)"""
         start = len(request.output)
         ahead = [dataclasses.replace(request, output=[0] * (start + t)) for t in range(count)]  # token start + t
-        params, words = self._sampling_rows([(r, 0) for r in ahead], count)
-        args = (jnp.broadcast_to(jnp.asarray(logits), (count, len(logits))), params, words, self._allowed)
+        params, words, masks = self._sampling_rows([(r, 0) for r in ahead], count)
+        args = (jnp.broadcast_to(jnp.asarray(logits), (count, len(logits))), params, words, self._allowed, masks)
         drawn, chosen, top_ids, top_logp = jax.device_get(_draw_jit(*args))
         for i in range(count):
             self._record(request, chosen[i], top_ids[i], top_logp[i])
@@ -254,32 +266,72 @@ class Engine(Scheduler):
             best = range(request.sampling.top_logprobs)
             request.top_logprobs.append([(int(top_ids[j]), float(top_logp[j])) for j in best])
 
-    def _sampling_rows(self, batch: list[tuple[Request, int]], rows: int) -> tuple[np.ndarray, np.ndarray]:
-        """(float32 [rows, 2]: temperature, top_p; uint32 [rows, 5]: top_k and the key's `core.sampling.key_words`)
-        of each batch entry's request; rows past the batch are greedy."""
-        params = np.zeros((rows, 2), np.float32)
-        params[:, 1] = 1.0
+    def _sampling_rows(
+        self, batch: list[tuple[Request, int]], rows: int
+    ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+        """(float32 [rows, 4]: temperature, top_p, min_p, repetition penalty; uint32 [rows, 5]: top_k and the key's
+        `core.sampling.key_words`; None, or when some entry has a repetition penalty or may not end yet (fewer
+        tokens than its min_tokens) uint32 [rows, W] twice: each row's prompt and output ids, its banned end ids,
+        as `core.sampling.pack_ids` bits) of each batch entry's request; rows past the batch are greedy."""
+        params = np.zeros((rows, 4), np.float32)
+        params[:, 1] = params[:, 3] = 1.0
         words = np.zeros((rows, 5), np.uint32)
         for i, (request, _) in enumerate(batch):
             p = request.sampling
-            params[i] = (self.config.temperature if p.temperature is None else p.temperature, p.top_p)
+            temperature = self.config.temperature if p.temperature is None else p.temperature
+            params[i] = (temperature, p.top_p, p.min_p, p.repetition_penalty)
             if p.seed is not None:
                 key = sampling.key_words(p.seed, len(request.output), _REQUEST_STREAM)
             else:
                 key = sampling.key_words(self.config.seed, (self._executed * rows + i) % 2**32, _ENGINE_STREAM)
             words[i] = (min(p.top_k, self.vocab_size), *key)
-        return params, words
+        if not any(r.sampling.repetition_penalty != 1 or self._banned(r) for r, _ in batch):
+            return params, words, None
+        width = -(-self.vocab_size // 32)
+        seen, banned = np.zeros((rows, width), np.uint32), np.zeros((rows, width), np.uint32)
+        for i, (request, _) in enumerate(batch):
+            if request.sampling.repetition_penalty != 1:
+                seen[i] = self._seen(request)
+            if self._banned(request):
+                banned[i] = sampling.pack_ids(sorted(self._ends(request)), self.vocab_size)
+        return params, words, (seen, banned)
 
-    def warmup(self) -> None:
+    def _ends(self, request: Request) -> set[int]:
+        """The ids min_tokens keeps `request` from sampling: every end id, EOS included even when it ignores EOS
+        (vLLM's rule)."""
+        return {*self.config.end_ids, *request.sampling.stop_token_ids}
+
+    def _banned(self, request: Request) -> bool:
+        return len(request.output) < request.sampling.min_tokens and bool(self._ends(request))
+
+    def _seen(self, request: Request) -> np.ndarray:
+        """`request`'s prompt and output ids as `core.sampling.pack_ids` bits, kept on the request and extended by
+        the tokens added since."""
+        tokens = request.prompt + request.output
+        if request.seen is None:
+            request.seen, request.seen_count = np.zeros(-(-self.vocab_size // 32), np.uint32), 0
+        if request.seen_count < len(tokens):
+            request.seen = request.seen | sampling.pack_ids(tokens[request.seen_count :], self.vocab_size)
+            request.seen_count = len(tokens)
+        return request.seen
+
+    def warmup(self, *, masked: bool = False) -> None:
         """Compiles the step for every batch-size bucket (slots all -1: the pool is not written), and for the
         buckets a batch of decode tokens fills its decode-only variant (one query per sequence), so that no
         request's time to first token pays for compilation. The first bucket runs twice: first given the pool as
         created, then the pool as a step returns it (placed as the step's output, which may differ from the new
-        pool's placement and is then another program: the one every later step of that size runs)."""
+        pool's placement and is then another program: the one every later step of that size runs). `masked`: the
+        variants of batches with a repetition penalty or min_tokens too (twice the programs; without it, the first
+        such batch of each shape compiles its own)."""
         s_max = self.config.max_num_seqs + 1
         sizes = sorted({_bucket(n) for n in range(1, self.config.max_num_batched_tokens + 1)})
         decode = [n for n in sizes if n <= _bucket(self.config.max_num_seqs)]
-        for n, max_query_len in [*((n, n) for n in sizes), (sizes[0], sizes[0]), *((n, 1) for n in decode)]:
+        shapes = [*((n, n) for n in sizes), (sizes[0], sizes[0]), *((n, 1) for n in decode)]
+        width = -(-self.vocab_size // 32)
+        empty = np.zeros((s_max, width), np.uint32)
+        for (n, max_query_len), masks in [(shape, None) for shape in shapes] + (
+            [(shape, (empty, empty)) for shape in shapes] if masked else []
+        ):
             qsl = np.zeros(s_max + 1, np.int32)
             qsl[-1] = n
             seq_lens = np.ones(s_max, np.int32)
@@ -295,8 +347,9 @@ class Engine(Scheduler):
                 seq_lens,
                 qsl,
                 np.zeros(s_max, np.int32),
-                *self._sampling_rows([], s_max),
+                *self._sampling_rows([], s_max)[:2],
                 self._allowed,
+                masks,
                 max_query_len=max_query_len,
                 implementation=self.config.implementation,
             )

@@ -30,6 +30,7 @@ import collections
 import dataclasses
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from kvcache.formats import Format
 from kvcache.serving.blocks import BlockManager, block_hashes
@@ -40,10 +41,11 @@ __all__ = ["Request", "Scheduler"]
 
 @dataclasses.dataclass(eq=False)
 class Request:
-    """One sequence's state. `finish_reason`: "stop" (it sampled EOS, or `Scheduler.finish` was told so: a stop
-    string), "length" (max_new_tokens reached), "abort" (`Scheduler.abort`); None while it runs. With
-    `sampling.logprobs`, `logprobs[i]` is output[i]'s log-probability and `top_logprobs[i]` the (id, logprob) pairs
-    of the most likely ids, best first."""
+    """One sequence's state. `finish_reason`: "stop" (it sampled one of its end ids, or `Scheduler.finish` was told
+    so: a stop string), "length" (max_new_tokens reached), "abort" (`Scheduler.abort`); None while it runs.
+    `end_id`: the end id it sampled and stopped at (one of `stops`, the ids that end it: `Scheduler.submit`), else
+    None. With `sampling.logprobs`, `logprobs[i]` is output[i]'s log-probability and `top_logprobs[i]` the (id,
+    logprob) pairs of the most likely ids, best first."""
 
     id: int
     prompt: list[int]
@@ -52,6 +54,8 @@ class Request:
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     finish_reason: str | None = None
+    end_id: int | None = None
+    stops: frozenset[int] = frozenset()
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     output: list[int] = dataclasses.field(default_factory=list)
@@ -64,6 +68,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)
+    seen: Any = None  # the engine's packed ids of `tokens[:seen_count]` (its repetition penalty's), or None
+    seen_count: int = 0
 
     def __post_init__(self):
         self.tokens = self.prompt + self.output
@@ -125,12 +131,13 @@ class Scheduler:
         ignore_eos: bool = False,
         sampling: SamplingParams | None = None,
     ) -> Request:
-        """Queues a request (prompt: token ids, at least one); it ends at EOS or after max_new_tokens tokens
-        (exactly that many with `ignore_eos`), sampled as `sampling` says (default: the engine's temperature).
-        Raises ValueError, changing nothing, if it cannot ever fit: longer than max_model_len or than the whole
-        pool (`check`)."""
+        """Queues a request (prompt: token ids, at least one); it ends at one of the config's end ids
+        (`EngineConfig.end_ids`; not with `ignore_eos`), at one of `sampling.stop_token_ids`, or after max_new_tokens
+        tokens, sampled as `sampling` says (default: the engine's temperature). Raises ValueError, changing nothing,
+        if it cannot ever be served (`check`)."""
         prompt = list(prompt)  # (a generator is read once)
-        self.check(prompt, max_new_tokens)
+        sampling = sampling or SamplingParams()
+        self.check(prompt, max_new_tokens, sampling)
         prompt = [int(t) for t in prompt]
         request = Request(
             self._next_id,
@@ -138,17 +145,18 @@ class Scheduler:
             max_new_tokens,
             self.clock() if arrival is None else arrival,
             ignore_eos,
-            sampling or SamplingParams(),
+            sampling,
+            stops=frozenset([*(() if ignore_eos else self.config.end_ids), *sampling.stop_token_ids]),
         )
         self._next_id += 1
         self.waiting.append(request)
         return request
 
-    def check(self, prompt: Sequence[int], max_new_tokens: int) -> None:
-        """Raises ValueError, naming the limit, if a request of `prompt` (token ids) and `max_new_tokens` can never
-        be served: its ids must be valid (`_check_tokens`), it needs a prompt and a new token, and must fit
-        max_model_len and the whole pool. It reads only the engine's fixed limits, so any thread may call it while
-        another steps the engine."""
+    def check(self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams | None = None) -> None:
+        """Raises ValueError, naming the limit, if a request of `prompt` (token ids), `max_new_tokens` and `sampling`
+        can never be served: its ids (and `sampling.stop_token_ids`) must be valid (`_check_tokens`), it needs a
+        prompt and a new token, at most max_new_tokens min_tokens, and must fit max_model_len and the whole pool. It
+        reads only the engine's fixed limits, so any thread may call it while another steps the engine."""
         self._check_tokens(prompt)
         prompt_len = len(prompt)
         need = prompt_len + max_new_tokens
@@ -156,6 +164,13 @@ class Scheduler:
             raise ValueError(
                 f"a request needs >= 1 prompt token and max_new_tokens >= 1 (got {prompt_len} and {max_new_tokens})"
             )
+        if sampling is not None:
+            if sampling.min_tokens > max_new_tokens:
+                raise ValueError(
+                    f"min_tokens = {sampling.min_tokens} exceeds max_new_tokens = {max_new_tokens}; allowed: "
+                    "min_tokens <= max_new_tokens"
+                )
+            self._check_tokens(sampling.stop_token_ids, what="stop_token_ids")
         if need > self.config.max_model_len:
             raise ValueError(
                 f"request of {prompt_len} prompt + {max_new_tokens} new tokens = {need} exceeds "
@@ -167,8 +182,9 @@ class Scheduler:
                 f"pool has {self.blocks.num_blocks} ({self.capacity_tokens} tokens in {self.fmt.label})"
             )
 
-    def _check_tokens(self, prompt: Sequence[int]) -> None:
-        """Raises ValueError for a prompt holding an id this scheduler cannot take (none here; see Engine)."""
+    def _check_tokens(self, prompt: Sequence[int], what: str = "prompt") -> None:
+        """Raises ValueError for a prompt (or, `what`, another list of ids) holding an id this scheduler cannot take
+        (none here; see Engine)."""
 
     def finish(self, request: Request, reason: str = "abort") -> None:
         """Ends `request` now, wherever it is (waiting or running; a finished one is left as it is): its blocks are
@@ -268,9 +284,10 @@ class Scheduler:
             request.token_times.append(now)
             if request.first_token_time is None:
                 request.first_token_time = now
-            ended = token == self.config.eos_id and not request.ignore_eos
+            ended = token in request.stops and len(request.output) >= request.sampling.min_tokens
             if ended or len(request.output) >= request.max_new_tokens:
                 request.finish_time, request.finish_reason = now, "stop" if ended else "length"
+                request.end_id = token if ended else None
                 self.running.remove(request)
                 self.blocks.release(request.blocks)
                 request.blocks = []
