@@ -21,7 +21,7 @@ from test_server import CFG, TOK, address, engine_config
 
 from core.model import Transformer
 from core.tokenizer import ByteTokenizer
-from experiments.server import cli, routes
+from experiments.server import body, cli
 from experiments.server.app import ErrorResponse, create_app
 from experiments.server.chat import ChatTemplate
 from experiments.server.protocol import CompletionRequest
@@ -268,7 +268,7 @@ def test_a_lone_surrogate_anywhere_is_a_400_naming_where(served, spies, path, bo
 
 
 def test_parsing_pauses_the_garbage_collector_and_restores_it(monkeypatch):
-    """routes.parse runs json.loads with the collector off; overlapping pauses share one, the collector back on
+    """body.parse runs json.loads with the collector off; overlapping pauses share one, the collector back on
     when the last ends, and left off if it was off before."""
     seen: list[bool] = []
     loads = json.loads
@@ -277,12 +277,12 @@ def test_parsing_pauses_the_garbage_collector_and_restores_it(monkeypatch):
         seen.append(gc.isenabled())
         return loads(data)
 
-    monkeypatch.setattr(routes.json, "loads", spy)
-    limits = routes.Limits(sequences=4, tokens=LIMIT, text_chars=1000, detail="test")
+    monkeypatch.setattr(body.json, "loads", spy)
+    limits = body.Limits(sequences=4, tokens=LIMIT, text_chars=1000, detail="test")
     assert gc.isenabled()
-    assert routes.parse(b'{"prompt": [1, 2]}', CompletionRequest, limits).prompt == [1, 2]
+    assert body.parse(b'{"prompt": [1, 2]}', CompletionRequest, limits).prompt == [1, 2]
     assert seen == [False] and gc.isenabled()
-    pause = routes._GCPause()
+    pause = body._GCPause()
     with pause:
         with pause:  # a second thread's parse, overlapping
             assert not gc.isenabled()
@@ -301,5 +301,5 @@ def test_limits_read_the_tokenizer_and_the_server(served):
     """Limits.of: --max-waiting as it is now, L, and the text bound 2 (L - 1) x the most characters one token reads
     (the byte tokenizer's: a special's name, 7)."""
     serving = create_app(served.runner, ByteTokenizer(), model_name="tiny").state.serving
-    limits = routes.Limits.of(serving)
+    limits = body.Limits.of(serving)
     assert (limits.sequences, limits.tokens, limits.text_chars) == (served.runner.max_waiting, LIMIT, 2 * 255 * 7)

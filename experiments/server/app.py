@@ -17,7 +17,7 @@ JSON; 429 the queue is full (with Retry-After); 500 an engine failure (or any un
 has stopped (GET /health too).
 
 What one request may cost (bytes, time, and the work done before it is refused or queued) is stated in
-experiments.server.routes: the body's size and deadline bound its parse, and its counts and sizes are checked before
+experiments.server.body: the body's size and deadline bound its parse, and its counts and sizes are checked before
 anything in it is validated, rendered or tokenised, all of which runs on worker threads, off the event loop.
 """
 
@@ -101,7 +101,7 @@ class _BodyLimit:
             nonlocal received
             message = await receive()
             received += len(message.get("body", b""))
-            if received > self.limit:  # raised out of the route's body read (routes.read_body): _http answers
+            if received > self.limit:  # raised out of the route's body read (body.read_body): _http answers
                 raise HTTPException(413, self.message())
             return message
 
@@ -122,7 +122,7 @@ async def _api_error(request: HTTPRequest, e: ApiError) -> JSONResponse:
 
 
 async def _invalid(request: HTTPRequest, e: RequestValidationError) -> JSONResponse:
-    """A body that fails the request's model (experiments.server.routes.parse has read it as JSON): 400 naming the
+    """A body that fails the request's model (experiments.server.body.parse has read it as JSON): 400 naming the
     first field at fault in `param` (None for the body as a whole) and its value."""
     first = e.errors()[0]
     if first.get("type") == "not_implemented":  # an unknown field that changes the answer (protocol.ANSWER_CHANGING)

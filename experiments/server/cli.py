@@ -12,7 +12,7 @@ step is compiled for every batch shape before the server listens ("compiled in X
 answers until Ctrl-C or SIGTERM, which end every open request first (streams with an error event and `[DONE]`, waiting
 requests with a 503). A client must send each request's head within 10 s of connecting or of its last response, and
 its body within 30 s of its head (else 408) (`Connection`); an idle kept-alive connection is closed after uvicorn's
-5 s. What one request may cost is stated in experiments.server.routes. The chat template is the tokenizer's
+5 s. What one request may cost is stated in experiments.server.body. The chat template is the tokenizer's
 (`experiments.server.chat`) or `--chat-template FILE`. `--generation-config` (auto, vllm or a folder, as vLLM names
 it: experiments.hf.generation) gives the model's end ids (generation_config.json's eos_token_id list, beside the
 tokenizer's EOS) and the sampling defaults of requests that set none; prompts are framed as the model was trained
