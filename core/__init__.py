@@ -1,8 +1,4 @@
 """What every experiment needs and nothing paper-specific: config, mesh, model, data, training, checkpoints.
 
-Importing it keeps XLA:CPU's per-execution buffers in memory the process holds (`core.host_memory`: single-device
-programs dispatched on the calling thread, two glibc malloc options)."""
-
-from core import host_memory as _host_memory
-
-_host_memory.keep_freed_memory()
+Importing it (or any package of this project) changes nothing process-wide. The CPU memory settings the project's
+commands apply (`core.host_memory.keep_freed_memory`) are a program's choice: call it before the first computation."""

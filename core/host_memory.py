@@ -19,10 +19,12 @@ released meanwhile, so other threads run), and the process's resident memory sta
 tcmalloc or jemalloc. The alternative that would keep the worker threads (M_ARENA_MAX = 1: one heap for every
 thread) was measured and refused: it made the 2-device quickstart 20% slower (its threads contend for that heap).
 
-`import core` (and so every package of this project) applies it on Linux with glibc when JAX computes on the CPU
-(no GPU or TPU plugin installed, or JAX_PLATFORMS naming "cpu" first), unless the environment sets
-LOWBIT_HOST_MALLOC=system; an explicit JAX_CPU_ENABLE_ASYNC_DISPATCH in the environment is left as it is. JAX reads
-the dispatch switch when it starts its CPU client: import this project before the first computation.
+`keep_freed_memory` acts on Linux with glibc when JAX computes on the CPU (no GPU or TPU plugin installed, or
+JAX_PLATFORMS naming "cpu" first), unless the environment sets LOWBIT_HOST_MALLOC=system; an explicit
+JAX_CPU_ENABLE_ASYNC_DISPATCH in the environment is left as it is. Importing this module (or any package of the
+project) changes nothing: the project's commands call it (experiments.command), and so does the test suite
+(tests/conftest.py); a user's own program calls it before its first computation, since JAX reads the dispatch switch
+when it starts its CPU client.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import numpy as np
 
 from core import checkpoint
 from core import workdir as workdir_lib
-from experiments import federated, load, schema
+from experiments import command, federated, load, schema
 from moe import elastic
 from moe.placement import fixed_placement
 
@@ -169,4 +169,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command.run(main)

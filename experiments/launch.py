@@ -29,6 +29,7 @@ import json
 import subprocess
 import sys
 
+from experiments import command
 from experiments.cluster import process, supervisor
 
 __all__ = ["lost_sites", "main"]
@@ -197,4 +198,4 @@ def lost_sites(report: dict, netns: list[str], host: str) -> tuple[list[int], st
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command.run(main)

@@ -16,6 +16,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from experiments import command
 from experiments.cluster import links, netns, process
 from experiments.cluster.links import (
     Counters,
@@ -131,4 +132,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command.run(main)

@@ -37,7 +37,7 @@ from core import mesh as mesh_lib
 from core import train as train_lib
 from core import workdir as workdir_lib
 from core.data import DataError
-from experiments import build, config_doc, report, schema
+from experiments import build, command, config_doc, report, schema
 from experiments import federated as federated_lib
 from experiments.hf.config_map import HFConfigError
 from experiments.hf.weights import HFWeightsError
@@ -427,4 +427,4 @@ def _virtual_sites(config) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command.run(main)

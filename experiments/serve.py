@@ -39,6 +39,7 @@ import time
 
 from core.tokenizer import StreamDecoder
 from experiments import args as args_lib
+from experiments import command
 from experiments.hf import generation
 from kvcache import serving as kv_serving
 
@@ -178,4 +179,4 @@ def _header(request: kv_serving.Request) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command.run(main)

@@ -25,6 +25,7 @@ import time
 from core import data as data_lib
 from core import tokenizer as tokenizer_lib
 from experiments import args as arg_types
+from experiments import command
 
 MIN_VOCAB = 259  # the 256 byte characters and the three specials
 
@@ -135,4 +136,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command.run(main)

@@ -44,6 +44,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the se
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="lowbit-moe-lab-jax-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
+from core import host_memory  # noqa: E402 (after XLA_FLAGS: applying it imports jax)
+
+host_memory.keep_freed_memory()  # the commands' CPU memory settings (experiments.command), applied as they apply them
+
 
 @pytest.fixture
 def tiny_config():

@@ -1,7 +1,7 @@
-"""core.host_memory: after `import core`, a single-device program whose temporary buffer is 64 MiB runs again
-without faulting that buffer in (the memory of its earlier runs is reused), where glibc's and JAX's defaults
-(LOWBIT_HOST_MALLOC=system) fault in every page on every call. Measured in fresh processes by the kernel's
-own count of minor page faults (getrusage), against the buffer's page count."""
+"""core.host_memory: after `keep_freed_memory()` (what the commands apply), a single-device program whose temporary
+buffer is 64 MiB runs again without faulting that buffer in (the memory of its earlier runs is reused), where glibc's
+and JAX's defaults (LOWBIT_HOST_MALLOC=system) fault in every page on every call. Measured in fresh processes by the
+kernel's own count of minor page faults (getrusage), against the buffer's page count."""
 
 import os
 import subprocess
@@ -13,7 +13,8 @@ from core import host_memory
 
 _PROBE = """
 import resource
-import core
+from core import host_memory
+host_memory.keep_freed_memory()
 import jax, jax.numpy as jnp
 x, w = jnp.ones((2048, 256)), jnp.full((256, 8192), 1e-3)
 f = jax.jit(lambda x, w: jnp.tanh(x @ w) @ w.T)  # the 2048 x 8192 product: a 64 MiB temporary

@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+from experiments import command
 from experiments.bench import common
 
 OPTIONS = {
@@ -74,6 +75,8 @@ def options(step, state, tokens, repeats: int) -> tuple[dict, object]:
 _ALLOCATOR_PROBE = """
 import sys, time, json
 import numpy as np
+from core import host_memory
+host_memory.keep_freed_memory()  # as the commands apply it (LOWBIT_HOST_MALLOC=system: nothing)
 import jax
 from experiments.bench import cpu_step
 step, state, tokens = cpu_step.built(sys.argv[1])
@@ -201,4 +204,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command.run(main)

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import plotting
+from experiments import command, plotting
 from experiments.bench import common
 from experiments.bench.common import describe, interleaved_medians, machine, write_results
 from kvcache import decode_attention, formats
@@ -270,4 +270,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command.run(main)

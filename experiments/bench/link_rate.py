@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 
+from experiments import command
 from experiments.bench import common
 from experiments.cluster import links
 
@@ -141,4 +142,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command.run(main)

@@ -24,6 +24,7 @@ from flax import nnx
 
 from core.mesh import Sharder
 from core.model import MLP, DefaultPrecision, TransformerConfig, split_params
+from experiments import command
 from experiments.bench import common
 from experiments.bench.common import interleaved_medians, machine, median_seconds, write_results
 from moe import MoE, MoEConfig
@@ -203,4 +204,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command.run(main)

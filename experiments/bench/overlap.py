@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 
+from experiments import command
 from experiments.bench import common
 
 CASES = ("compute", "collective", "sequential", "dispatched", "one program", "threads")
@@ -168,4 +169,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command.run(main)

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from core.model import count_params
+from experiments import command
 from experiments.bench import common
 
 MODELS = {
@@ -381,4 +382,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command.run(main)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from core import train as train_lib
+from experiments import command
 from experiments.bench import common
 from experiments.bench.common import describe, interleaved_medians, machine, write_results
 from experiments.configs import quickstart
@@ -112,4 +113,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command.run(main)

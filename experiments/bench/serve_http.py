@@ -42,7 +42,7 @@ import numpy as np
 from core.model import Transformer
 from core.tokenizer import Tokenizer
 from experiments import args as flags
-from experiments import plotting
+from experiments import command, plotting
 from experiments.bench import common
 from experiments.reproduce import kvcache as kv_repro
 from kvcache import formats
@@ -364,4 +364,4 @@ def plot(s: dict, path: str) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command.run(main)

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from core import train as train_lib
-from experiments import build, plotting, schema
+from experiments import build, command, plotting, schema
 from experiments.bench import common
 from experiments.bench.common import describe, interleaved_medians, machine, write_results
 
@@ -144,4 +144,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command.run(main)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from core import train as train_lib
+from experiments import command
 from experiments.bench import common
 from experiments.bench.common import machine, median_seconds, write_results
 from experiments.configs import quickstart
@@ -170,4 +171,4 @@ def markdown(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    command.run(main)

@@ -23,7 +23,7 @@ import sys
 from core.checkpoint import CheckpointError
 from core.workdir import WorkdirError
 from experiments import args as arg_types
-from experiments import load, pretrained, schema
+from experiments import command, load, pretrained, schema
 from experiments.hf import export
 from experiments.hf import load as hf_load
 
@@ -149,4 +149,4 @@ def _export(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command.run(main)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments import plotting
+from experiments import command, plotting
 from experiments.bench import common
 from experiments.reproduce import runs as runs_lib
 
@@ -154,4 +154,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command.run(main)

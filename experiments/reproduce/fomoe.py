@@ -24,7 +24,7 @@ import math
 import os
 import time
 
-from experiments import plotting
+from experiments import command, plotting
 from experiments.bench import common
 from experiments.reproduce import runs
 from moe import system_model as sm
@@ -313,4 +313,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command.run(main)

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 
+from experiments import command
 from experiments.bench import common
 from experiments.cluster import process
 from experiments.reproduce import runs
@@ -163,4 +164,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command.run(main)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import os
 
-from experiments import plotting
+from experiments import command, plotting
 from experiments.bench import common
 from experiments.reproduce import runs
 
@@ -188,4 +188,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command.run(main)

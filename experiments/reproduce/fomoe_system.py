@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 from core.codec import WireFormat
-from experiments import plotting
+from experiments import command, plotting
 from experiments.bench import common
 from moe import system_model as sm
 
@@ -220,4 +220,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command.run(main)

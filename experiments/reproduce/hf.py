@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments import plotting
+from experiments import command, plotting
 from experiments.bench import common
 from experiments.reproduce import runs
 
@@ -287,4 +287,4 @@ def held_out_bytes_per_token(config) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    command.run(main)

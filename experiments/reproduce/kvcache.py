@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from experiments import plotting
+from experiments import command, plotting
 from experiments.bench import common
 from experiments.reproduce import runs
 
@@ -421,4 +421,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command.run(main)

@@ -55,7 +55,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from experiments import links
+from experiments import command, links
 from experiments.bench import common
 from experiments.reproduce import links_report, runs
 from experiments.reproduce.links_methods import (
@@ -442,4 +442,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command.run(main)

@@ -27,7 +27,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from experiments import links
+from experiments import command, links
 from experiments.bench import common
 from experiments.reproduce import fomoe_elastic, links_methods
 from experiments.reproduce import links as reproduction
@@ -187,4 +187,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command.run(main)

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments import plotting
+from experiments import command, plotting
 from experiments.bench import common
 
 FORMATS = ("bf16", "fp8", "fp4")
@@ -457,4 +457,4 @@ def plot(summary: dict, path: str) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command.run(main)
