@@ -23,6 +23,7 @@ import ml_collections
 
 from core import schema as schema_lib
 from core import tokenizer as tokenizer_lib
+from core.byte_tokenizer import TokenizerError
 from core.mesh_config import (
     DEFAULT_RULES,
     FROM_CLUSTER,
@@ -424,7 +425,7 @@ def _check_core(config: ml_collections.ConfigDict, num_devices: int | None) -> N
         )
     try:
         tok = tokenizer_lib.load(config.data.tokenizer)
-    except tokenizer_lib.TokenizerError as e:
+    except TokenizerError as e:
         raise ConfigError(str(e)) from None
     if m.vocab_size < tok.vocab_size and not config.checkpoint.init_from:  # (else: the checkpoint's, apply_to's)
         what = "bytes + PAD, BOS, EOS" if config.data.tokenizer == "bytes" else config.data.tokenizer

@@ -38,7 +38,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from core.tokenizer import BOS_ID, EOS_ID, ByteTokenizer, Tokenizer
+from core.byte_tokenizer import BOS_ID, EOS_ID, ByteTokenizer
+from core.tokenizer import Tokenizer
 
 __all__ = [
     "ACCEPTED_SUFFIXES",

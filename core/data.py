@@ -1,5 +1,5 @@
 """Data: deterministic batches of a corpus's token streams (the corpus itself, its reading, split and
-tokenisation, is core.corpus; its names are importable from here too).
+tokenisation, and DataError are core.corpus's).
 
 Train batches are windows at uniformly random offsets of the train stream, drawn from a generator seeded by
 ``(seed, step)`` alone, so any step can be recomputed without replaying earlier ones (exact resumption) and every
@@ -17,30 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from core.corpus import (
-    ACCEPTED_SUFFIXES,
-    Corpus,
-    CorpusRecord,
-    DataError,
-    Documents,
-    describe_corpus,
-    load_corpus,
-    load_documents,
-    stdlib_files,
-)
+from core.corpus import Corpus, DataError
 
-__all__ = [
-    "ACCEPTED_SUFFIXES",
-    "Batches",
-    "Corpus",
-    "CorpusRecord",
-    "DataError",
-    "Documents",
-    "describe_corpus",
-    "load_corpus",
-    "load_documents",
-    "stdlib_files",
-]
+__all__ = ["Batches"]
 
 
 class Batches:

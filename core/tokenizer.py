@@ -1,6 +1,7 @@
 """Tokenizers: bytes (the default) or a Hugging Face ``tokenizer.json``, one interface for data and decoding.
 
-Two implementations of one interface (:class:`Tokenizer`), each in its own module and importable from here:
+Two implementations of one interface (:class:`Tokenizer`), each in its own module (their names are imported from
+there; this module holds the interface, :func:`load` and :class:`StreamDecoder`):
 
 * :class:`ByteTokenizer` (core.byte_tokenizer, ``data.tokenizer = "bytes"``): ids ``0 .. 255`` are the byte
   values, then PAD (256), BOS (257), EOS (258); ``vocab_size`` 259. Embedded, nothing to load.
@@ -48,43 +49,10 @@ from typing import Protocol
 
 import numpy as np
 
-from core.byte_tokenizer import (
-    BOS_ID,
-    BOS_TOKEN,
-    CONFIG_FILE,
-    EOS_ID,
-    EOS_TOKEN,
-    NUM_BYTES,
-    PAD_ID,
-    PAD_TOKEN,
-    TOKENIZER_FILE,
-    VOCAB_SIZE,
-    ByteTokenizer,
-    TokenizerError,
-    byte_to_char,
-)
+from core.byte_tokenizer import TOKENIZER_FILE, ByteTokenizer, TokenizerError
 from core.hf_tokenizer import HFTokenizer
 
-__all__ = [
-    "BOS_ID",
-    "BOS_TOKEN",
-    "CONFIG_FILE",
-    "EOS_ID",
-    "EOS_TOKEN",
-    "NUM_BYTES",
-    "PAD_ID",
-    "PAD_TOKEN",
-    "TOKENIZER_FILE",
-    "VOCAB_SIZE",
-    "ByteTokenizer",
-    "BytesDecoder",
-    "HFTokenizer",
-    "StreamDecoder",
-    "Tokenizer",
-    "TokenizerError",
-    "byte_to_char",
-    "load",
-]
+__all__ = ["BytesDecoder", "StreamDecoder", "Tokenizer", "load"]
 
 
 class Tokenizer(Protocol):

@@ -1,57 +1,54 @@
-"""Command-line pieces shared by the commands: argparse types, the flags of a run to serve and of its KV pool, the
-engine's config built from those flags, and loading a run for serving.
+"""The commands' flags, parsed and checked, and nothing more: argparse types, the flags of a run to serve and of its
+KV pool, and the training command's `--config` command line. What is built from parsed flags (an engine, a loaded
+model) is experiments.engine's.
 
     parser.add_argument("--steps", type=args.integer(1), default=100)     # refused by argparse, naming the rule
     args.add_run_flags(parser); args.add_kv_flags(parser)                  # --workdir --site; --kv-format ...
-    run, tok = args.load_run(ns.workdir)                                   # FlagError: not a finished run
-    fmt, why = args.kv_format(ns, run)                                     # the run's KV format unless a flag says
-    config = args.engine_config(ns, run, fmt, tok, prompts=[...] | None)   # FlagError naming the flag
-    model, status = args.load_model(ns.workdir, ns.site)                   # None, exit status after an error line
+    config, workdir = args.parse_run_args(sys.argv)                        # experiments.run's command line
 
-Both serve commands (`python -m experiments.serve`, `python -m experiments.serve --http`) read them; the benchmark
-and reproduction scripts take their flag types from here too (through experiments.bench.common).
+Both serve commands (`python -m experiments.serve`, `python -m experiments.serve --http`) read the run and KV flags;
+the benchmark and reproduction scripts take their flag types from here too (through experiments.bench.common), and
+the reproductions resolve a run's config as `python -m experiments.run` would (`parse_run_args`, UsageError).
 
-Every check is made on flags and the run's config.json alone, before a model is loaded or an engine built, and
-fails with a FlagError (or argparse's own error) naming the flag, the value and what is allowed.
+A bad flag fails with a FlagError, a UsageError (the run's command line) or argparse's own error, naming the flag,
+the value and what is allowed; nothing is loaded.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import difflib
 import math
-import sys
+import os
+import re
+import traceback
 from collections.abc import Callable, Iterable
 
 import ml_collections
+from absl import flags
+from ml_collections import config_flags
 
 from core import config as config_lib
-from core.checkpoint import CheckpointError
-from core.model import Transformer
-from core.tokenizer import Tokenizer, TokenizerError
-from experiments import load, schema
-from experiments.hf import generation
-from experiments.hf import load as hf_load
-from kvcache import capacity, formats
-from kvcache import config as kv_config
-from kvcache.formats import Format
+from experiments import config_doc, load, schema
+from kvcache import formats
 from kvcache.serving import EngineConfig
 
 __all__ = [
     "MAX_KV_MEMORY_MIB",
     "MAX_SEED",
+    "RUN_USAGE",
     "FlagError",
     "HelpFormatter",
+    "UsageError",
     "add_kv_flags",
     "add_run_flags",
-    "engine_config",
+    "config_files",
     "integer",
     "integers",
-    "kv_format",
-    "load_model",
-    "load_run",
     "names",
     "number",
+    "parse_run_args",
+    "run_help",
 ]
 
 MAX_KV_MEMORY_MIB = 2.0**40
@@ -59,15 +56,6 @@ MAX_KV_MEMORY_MIB = 2.0**40
 
 MAX_SEED = 2**64 - 1
 """The largest --seed: an engine's and a request's random streams are seeded in [0, 2^64) (kvcache.serving)."""
-
-IN_PROCESS_STEP_TOKENS = 256
-"""The in-process command's step budget at most (its requests are known: it is capped at what they can hold)."""
-
-SERVED_STEP_TOKENS = 256
-"""The HTTP server's step budget by default (or half its max_model_len, if less)."""
-
-IN_PROCESS_MODEL_LEN = 256
-"""The in-process command's max_model_len is a multiple of this, and at least twice it."""
 
 
 class FlagError(ValueError):
@@ -189,16 +177,6 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def precision_line(args: argparse.Namespace, run: ml_collections.ConfigDict) -> str:
-    """The console line saying what the served model's GEMMs compute in, and why (--precision, the run's recipe)."""
-    recipe = run.precision.recipe
-    if recipe == "none":
-        return "GEMMs: float (the run trained in float)"
-    if args.precision == "float":
-        return f"GEMMs: float (--precision float; the run trained with the {recipe} recipe, which its export drops too)"
-    return f"GEMMs: {recipe} (the run's training recipe; --precision float computes in float, as its export does)"
-
-
 def add_kv_flags(parser: argparse.ArgumentParser) -> None:
     """--kv-format, --scale-rule and --kv-memory-mib: the KV pool's flags. The first two are absent from the parsed
     namespace when not given (their default is the run's: `kv_format` reads them)."""
@@ -222,193 +200,220 @@ def add_kv_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-# ------------------------------------------------------------------------------------------------ from flags
+# ----------------------------------------------------------------------------------------- the run's command line
 
 
-def kv_format(args: argparse.Namespace, run: ml_collections.ConfigDict) -> tuple[Format, str]:
-    """(the KV format serving uses, a line saying which and why): the run's `kvcache` section (format, and for a
-    format with options, its options: kvcache.config.make_format), with `--kv-format` / `--scale-rule` replacing
-    its format / scale rule when given (a replaced format keeps the run's options it takes, the others at their
-    defaults: kvcache.config.with_format). Raises FlagError for --scale-rule with a format that has no scale
-    rule (kvcache.formats.options), or a format that cannot hold the model's heads."""
-    given_format, given_rule = getattr(args, "kv_format", None), getattr(args, "scale_rule", None)
-    kv = config_lib.from_config(kv_config.KVCacheConfig, run.kvcache)
-    name = given_format or kv.format
-    why = "--kv-format" if given_format else "the run's kvcache.format; --kv-format overrides"
-    ruled = [n for n in formats.NAMES if "scale_rule" in formats.options(n)]  # the formats with a scale rule
-    if given_rule is not None and name not in ruled:
-        raise FlagError(
-            f"--scale-rule={given_rule} applies to the {'/'.join(ruled)} KV format only, and the format is {name} "
-            f"({why}); allowed: --scale-rule with --kv-format in {ruled} (or a run whose kvcache.format is one), "
-            "or no --scale-rule"
-        )
-    kv = kv_config.with_format(kv, name)
-    kv = dataclasses.replace(kv, scale_rule=given_rule or kv.scale_rule)
-    head_dim = schema.model_config(run).head_dim
-    fits = [n for n in formats.NAMES if _holds(kv_config.make_format(kv_config.with_format(kv, n)), head_dim)]
-    fmt = kv_config.make_format(kv)
-    try:
-        fmt.check_head_dim(head_dim)
-    except ValueError as e:
-        flag = f"--kv-format={name}" if given_format else f"kv format {name} (the run's kvcache.format)"
-        raise FlagError(
-            f"{flag} cannot hold this model's keys and values: {e}; allowed for this model: --kv-format in {fits}"
-        ) from None
-    source = f"{name} ({why})"
-    if name in ruled:
-        rule = "--scale-rule" if given_rule else "the run's kvcache.scale_rule; --scale-rule overrides"
-        source += f", scale rule {kv.scale_rule} ({rule})"
-    return fmt, source
+RUN_USAGE = (
+    "usage: python -m experiments.run --config experiments/configs/<name>.py[:arg] --workdir <dir> "
+    "[--config.<section>.<key>=<value> ...]"
+)
 
 
-def _holds(fmt: Format, head_dim: int) -> bool:
-    """Whether `fmt` can store heads of `head_dim` (Format.check_head_dim)."""
-    try:
-        fmt.check_head_dim(head_dim)
-    except ValueError:
-        return False
-    return True
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+CONFIG_DOC = os.path.join(os.path.dirname(os.path.dirname(CONFIG_DIR)), "docs", "configuration.md")
 
 
-def engine_config(
-    args: argparse.Namespace,
-    run: ml_collections.ConfigDict,
-    fmt: Format,
-    tok: Tokenizer,
-    *,
-    prompts: list[list[int]] | None = None,
-    eos_ids: tuple[int, ...] = (),
-) -> EngineConfig:
-    """The engine's config for these flags (--site, --kv-memory-mib, --seed), the run's model, the KV format and the
-    tokenizer (its EOS and `eos_ids`, the generation config's end ids, end a request; its PAD / BOS and the ids past
-    its vocabulary are never sampled), from the run's config alone (nothing is loaded).
+class UsageError(ValueError):
+    """A bad command line (flags, the config file, an override): the message says what is wrong and what is
+    allowed; `main` prints it as one `error:` line (exit code 2)."""
 
-    The pool holds floor(memory / block bytes) blocks of `EngineConfig.block_size` tokens (kvcache.paged); a request
-    needs ceil((prompt + new tokens) / block size) of them. Two kinds of caller:
-      * `prompts` given (ids, BOS included; the in-process command, whose requests are all known before the engine
-        starts): each must fit the pool with --max-new-tokens; sampling is at --temperature; the step's token budget
-        is capped at the tokens all requests can ever hold and max_model_len at what the longest needs, so that
-        warm-up compiles only the batch shapes these requests take;
-      * `prompts` None (the HTTP server): the limits are --max-num-seqs and `served_lengths`' --max-model-len and
-        --max-num-batched-tokens; every request brings its own sampling parameters.
 
-    Raises FlagError for a --site the run lacks, a --kv-memory-mib that holds no block of the model's KV, a prompt
-    that (with --max-new-tokens) the pool cannot hold, a --max-model-len below 2 x --max-num-batched-tokens, or an
-    end id in `eos_ids` outside the tokenizer's ids.
-    """
-    outside = [i for i in eos_ids if not 0 <= i < tok.vocab_size]
-    if outside:
-        raise FlagError(
-            f"the generation config's eos_token_id holds {outside[0]}, outside the tokenizer's ids [0, "
-            f"{tok.vocab_size}); allowed: ids of the tokenizer (or --generation-config FOLDER with other ids)"
-        )
-    sites = run.mesh.site
-    if args.site >= sites:
-        raise FlagError(
-            f"--site={args.site}: the run in {args.workdir} has mesh.site = {sites} site(s); allowed "
-            f"--site in 0..{sites - 1}"
-        )
-    if prompts is None:
-        model_len, step = served_lengths(args, run)
-    cfg = schema.model_config(run)
-    mib, bs = args.kv_memory_mib, EngineConfig.block_size
-    memory = int(mib * 2**20)
-    per_block = bs * capacity.kv_bytes_per_token(
-        capacity.ModelShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), fmt
-    )
-    blocks = memory // per_block
-    if blocks < 1:
-        raise FlagError(
-            f"--kv-memory-mib={mib!r} holds no KV block; the minimum is {per_block / 2**20!r} MiB ({per_block} "
-            f"bytes: one block of {bs} tokens x {cfg.num_layers} layers in {fmt.label})"
-        )
-    if prompts is None:
-        seqs, temperature = args.max_num_seqs, 1.0  # (every request brings its own temperature)
-    else:
-        _check_prompts_fit(prompts, args.max_new_tokens, blocks * bs, per_block, mib, fmt)
-        longest = max(map(len, prompts)) + args.max_new_tokens
-        seqs = EngineConfig.max_num_seqs
-        step = min(IN_PROCESS_STEP_TOKENS, sum(len(p) + args.max_new_tokens for p in prompts))
-        model_len = max(2 * IN_PROCESS_MODEL_LEN, -(-longest // IN_PROCESS_MODEL_LEN) * IN_PROCESS_MODEL_LEN)
-        temperature = args.temperature
-    return EngineConfig.for_tokenizer(
-        tok,
-        eos_ids=eos_ids,
-        memory_bytes=memory,
-        block_size=bs,
-        max_num_seqs=seqs,
-        max_num_batched_tokens=step,
-        max_model_len=model_len,
-        temperature=temperature,
-        seed=args.seed,
+def _shown(path: str) -> str:
+    """`path` relative to the working directory when it lies below it, else absolute."""
+    rel = os.path.relpath(os.path.abspath(path))
+    return os.path.abspath(path) if rel.startswith("..") else rel
+
+
+def config_files() -> list[str]:
+    """The names of the config files in experiments/configs/, sorted."""
+    return sorted(n for n in os.listdir(CONFIG_DIR) if n.endswith(".py") and not n.startswith("_"))
+
+
+def _listing() -> str:
+    """'experiments/configs/: composed.py, fomoe.py, ...' (the directory as a user would type it from here)."""
+    return f"{_shown(CONFIG_DIR)}/: {', '.join(config_files())}"
+
+
+def run_help() -> str:
+    """What `python -m experiments.run --help` prints: usage, the flags, then every config key with its default,
+    what it allows and its one-line description (experiments.config_doc.text, from the schema)."""
+    return (
+        f"{RUN_USAGE}\n\n"
+        "Trains a model from a config file, then writes the summary, loss curve and a sample into the workdir;\n"
+        "rerunning the same command resumes from the workdir's latest checkpoint. Exit codes: 0 done, 1 training\n"
+        "stopped, 2 bad input.\n\n"
+        "flags:\n"
+        "  --config FILE[:ARG]          the experiment: a Python file whose get_config([ARG]) returns its config;\n"
+        f"                               in {_listing()}\n"
+        "  --workdir DIR                where the run writes (config.json, metrics.jsonl, checkpoints/, ...)\n"
+        "  --config.<section>.<key>=V   override one config key below, e.g. --config.train.steps=300\n"
+        "                               (a warm-up longer than train.steps is shortened to it, with a notice)\n"
+        "  -h, --help                   this help\n\n"
+        f"config keys: default [allowed values] and meaning (a config file changes some of them; full reference:\n"
+        f"{_shown(CONFIG_DOC)})\n\n" + config_doc.text()
     )
 
 
-def served_lengths(args: argparse.Namespace, run: ml_collections.ConfigDict) -> tuple[int, int]:
-    """(max_model_len, max_num_batched_tokens) of the HTTP server: --max-model-len, by default the model's context
-    (experiments.hf.load.context_length: an imported checkpoint's max_position_embeddings, else the run's
-    data.seq_len); --max-num-batched-tokens, by default 256 or half max_model_len if less. Raises FlagError if
-    max_model_len < 2 x max_num_batched_tokens (a step's padded batch is addressed like one sequence)."""
-    model_len, source = (args.max_model_len, "--max-model-len") if args.max_model_len else hf_load.context_length(run)
-    step = args.max_num_batched_tokens or max(1, min(SERVED_STEP_TOKENS, model_len // 2))
-    if model_len < 2 * step:
-        given = f"--max-model-len={model_len}" if args.max_model_len else f"max_model_len = {model_len} ({source})"
-        raise FlagError(
-            f"{given} must be >= 2 x --max-num-batched-tokens = {2 * step}: allowed a larger --max-model-len or a "
-            "smaller --max-num-batched-tokens"
-        )
-    return model_len, step
+def _config_value(argv: list[str]) -> str | None:
+    """The value of --config on the command line (`--config=X` or `--config X`; the last one wins), or None."""
+    value = None
+    for i, arg in enumerate(argv[1:], 1):
+        if arg == "--":
+            break
+        if arg in ("--config", "-config"):
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        elif arg.startswith(("--config=", "-config=")):
+            value = arg.split("=", 1)[1]
+    return value
 
 
-def _check_prompts_fit(
-    prompts: list[list[int]], max_new_tokens: int, capacity_tokens: int, per_block: int, mib: float, fmt: Format
-) -> None:
-    """Raises FlagError naming --prompt or --max-new-tokens, and the --kv-memory-mib that would do, for the first
-    prompt that with `max_new_tokens` new tokens does not fit a pool of `capacity_tokens` tokens."""
-    bs = EngineConfig.block_size
-    for i, prompt in enumerate(prompts):
-        need = len(prompt) + max_new_tokens
-        if need <= capacity_tokens:
-            continue
-        enough = -(-need // bs) * per_block / 2**20
-        if len(prompt) >= capacity_tokens:
-            raise FlagError(
-                f"--prompt: prompt {i + 1} ({len(prompt)} tokens, BOS included) is longer than "
-                f"--kv-memory-mib={mib!r} holds with a new token ({capacity_tokens} tokens in {fmt.label}); allowed: "
-                f"a prompt of at most {capacity_tokens - 1} tokens, or --kv-memory-mib >= {enough!r} for this one "
-                f"with --max-new-tokens={max_new_tokens}"
+def _check_config_file(value: str) -> None:
+    """Raises UsageError unless the path part of --config (before any ':arg') is a file."""
+    path = value.split(":", 1)[0]
+    if not path or path.startswith("-"):
+        raise UsageError(f"--config needs a config file, got {value!r}; the config files in {_listing()}.")
+    if os.path.isfile(path):
+        return
+    what = "is a directory, not a config file" if os.path.isdir(path) else "no such file"
+    close = difflib.get_close_matches(os.path.basename(path), config_files(), n=1)
+    hint = f" Did you mean {_shown(os.path.join(CONFIG_DIR, close[0]))}?" if close else ""
+    raise UsageError(f"--config={value}: {what}; the config files in {_listing()}.{hint}")
+
+
+def _unknown_override(arg: str, spec) -> str | None:
+    """The error for a `--config.<section>.<key>` override the schema does not declare (None if it does): the
+    closest keys, and the keys of its section (or the sections)."""
+    key = arg[len("--config.") :].split("=", 1)[0]
+    section, _, name = key.partition(".")
+    if section in spec and name in spec[section]:
+        return None
+    if section in spec:
+        if not name:
+            return f"{arg}: '{section}' is a section; set one of its keys: --config.{section}.<key>=<value>, " + (
+                f"<key> one of {', '.join(spec[section])}."
             )
-        raise FlagError(
-            f"prompt {i + 1} ({len(prompt)} tokens, BOS included) and --max-new-tokens={max_new_tokens} need "
-            f"{need} tokens and do not fit --kv-memory-mib={mib!r} ({capacity_tokens} tokens in {fmt.label}); "
-            f"allowed: --max-new-tokens <= {capacity_tokens - len(prompt)}, or --kv-memory-mib >= {enough!r}"
+        close = difflib.get_close_matches(name, list(spec[section]), n=3, cutoff=0.6)
+        hint = f" Did you mean {' or '.join(f'{section}.{c}' for c in close)}?" if close else ""
+        return f"{arg}: unknown config key '{key}'.{hint} The keys of '{section}': {', '.join(spec[section])}."
+    close = [f"{c}.{name}" if name in spec[c] else c for c in difflib.get_close_matches(section, list(spec), n=2)]
+    hint = f" Did you mean {' or '.join(close)}?" if close else ""
+    return f"{arg}: unknown config section '{section}'.{hint} Sections: {', '.join(spec)}."
+
+
+def _unknown_flag(name: str, spec) -> str:
+    """' Did you mean --config.train.steps?' for an unknown flag --steps (a key's name or a close match)."""
+    keys = [f"{s}.{k}" for s, fields in spec.items() for k in fields]
+    named = [k for k in keys if k.split(".", 1)[1] == name or k == name]
+    close = named or difflib.get_close_matches(name, ["config", "workdir", *keys], n=3, cutoff=0.6)
+    shown = [c if c in ("config", "workdir") else f"config.{c}" for c in close]
+    return f" Did you mean {' or '.join('--' + c for c in shown)}?" if shown else ""
+
+
+def _value_error(message: str, spec) -> str | None:
+    """A clean message for absl's error about an override's value ('flag --config.train.steps=abc: invalid
+    literal for int() ...'), naming the flag, the value and what the key takes; None for other errors."""
+    match = re.search(r"--config\.(\w+)\.(\w+)(?:=(.*?))?:", message) or re.search(
+        r"Missing value for flag --config\.(\w+)\.(\w+)()", message
+    )
+    if not match or match[1] not in spec or match[2] not in spec[match[1]]:
+        return None
+    key, field = f"{match[1]}.{match[2]}", spec[match[1]][match[2]]
+    if message.startswith("Missing value"):
+        return f"--config.{key} needs a value: --config.{key}=<{field.describe()}>."
+    value = match[3]
+    kind = next(t for t in field.types if t is not type(None)).__name__
+    if value == "None" and type(None) in field.types:
+        return f"--config.{key}=None: the command line cannot set None; leave the flag out to keep the default."
+    allowed = f"{field.describe()} (true or false)" if kind == "bool" else field.describe()
+    return f"--config.{key}={value}: {value!r} is not a valid {kind}; config key '{key}' takes {allowed}."
+
+
+def _load_error(value: str, error: BaseException) -> UsageError | None:
+    """The UsageError for a config file that failed to load (a syntax error, an exception in get_config, a
+    `:arg` that get_config does not take), or None when `error` did not come from the config file."""
+    path = os.path.abspath(value.split(":", 1)[0])
+    text = str(error)
+    if "Error whilst parsing config file" in text:  # config_flags wraps a TypeError / ValueError of get_config
+        last = [line for line in text.splitlines() if re.match(r"^\w+(Error|Exception)\b", line)]
+        reason = last[-1] if last else text.splitlines()[0]
+        if "get_config()" in reason and "positional argument" in reason:
+            wanted = reason.rsplit(": ", 1)[-1].strip("'")  # the missing argument's name
+            hint = (
+                " (this config file takes no ':arg')"
+                if "takes 0 positional" in reason
+                else f" (pass it after a colon: --config={value.split(':', 1)[0]}:<{wanted}>)"
+            )
+            reason += hint
+        return UsageError(f"--config={value}: cannot load the config file: {reason}")
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename) == path]
+    if isinstance(error, SyntaxError) and error.filename and os.path.abspath(error.filename) == path:
+        return UsageError(f"--config={value}: cannot load the config file: {error.msg} (line {error.lineno})")
+    if frames:
+        return UsageError(
+            f"--config={value}: cannot load the config file: {type(error).__name__}: {error} "
+            f"(line {frames[-1].lineno}: {frames[-1].line})"
         )
+    return None
 
 
-# ------------------------------------------------------------------------------------------------ loading
-
-
-def load_run(workdir: str) -> tuple[ml_collections.ConfigDict, Tokenizer]:
-    """(the run's config, its tokenizer framing prompts as the run's model was trained: experiments.hf.generation.
-    run_tokenizer) from `workdir`, without loading the model (experiments.load). Raises FlagError (its message the
-    loader's) for a workdir that is not a finished run or a tokenizer that cannot be read."""
+def parse_run_args(argv: list[str]):
+    """Parses the command line into (config, workdir); fits a warm-up longer than a short run to it
+    (core.config.fit_to_steps), printing a notice. Raises UsageError with a clear message."""
+    spec = schema.schema()
+    for arg in argv[1:]:
+        if arg.startswith("--config."):
+            unknown = _unknown_override(arg, spec)
+            if unknown:
+                raise UsageError(unknown)
+    config_value = _config_value(argv)
+    if config_value is not None:
+        _check_config_file(config_value)
+    fv = flags.FlagValues()
+    config_flag = config_flags.DEFINE_config_file(
+        "config", None, "experiment config file", flag_values=fv, lock_config=True, sys_argv=argv
+    )
+    workdir_flag = flags.DEFINE_string(
+        "workdir", None, "output directory (resumes if it holds checkpoints)", flag_values=fv
+    )
     try:
-        load.check_workdir(workdir)
-        run = load.run_config(workdir)
-        return run, generation.run_tokenizer(run)
-    except (FileNotFoundError, TokenizerError, load.RunConfigError) as e:
-        raise FlagError(str(e)) from e
-
-
-def load_model(workdir: str, site: int, precision: str = "trained") -> tuple[Transformer | None, int]:
-    """(the run's model on this process's first device, 0) by `experiments.load.trained_model`, or (None, exit
-    status) after an `error:` line on stderr: 1 a damaged checkpoint (core.checkpoint.CheckpointError), 2 a workdir
-    that is not a finished run or lacks the site."""
-    try:
-        return load.trained_model(workdir, site=site, precision=precision)[1], 0
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return None, 1
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return None, 2
+        rest = fv(argv)
+    except Exception as e:
+        loading = _load_error(config_value, e) if config_value else None
+        if loading is not None:
+            raise loading from None
+        if isinstance(e, flags.Error):
+            clean = _value_error(str(e), spec)
+            if clean is not None:
+                raise UsageError(clean) from None
+            flag = re.match(r"Unknown command line flag '([^']*)'", str(e))
+            hint = _unknown_flag(flag[1], spec) if flag else ""
+            raise UsageError(f"{e}.{hint}\n{RUN_USAGE}" if hint else f"{e}\n{RUN_USAGE}") from None
+        if isinstance(e, (AttributeError, KeyError, TypeError, ValueError)):
+            raise UsageError(f"cannot apply the command line to the config: {e}\n{RUN_USAGE}") from None
+        raise
+    if len(rest) > 1:
+        names = [os.path.splitext(f)[0] for f in config_files()]
+        hint = f" (a config: --config {_shown(os.path.join(CONFIG_DIR, rest[1] + '.py'))})" if rest[1] in names else ""
+        raise UsageError(
+            f"unexpected argument {rest[1]!r}{hint}; every argument is a flag (--name=value).\n{RUN_USAGE}"
+        )
+    if fv["config"].value is None:
+        raise UsageError(f"--config is required.\n{RUN_USAGE}")
+    if not workdir_flag.value:
+        raise UsageError(f"--workdir is required.\n{RUN_USAGE}")
+    config = config_flag.value
+    if not isinstance(config, ml_collections.ConfigDict):  # config_flags defers a load error to first access
+        filename = config_flags.get_config_filename(fv["config"])
+        if hasattr(config, "to_dict"):  # (config_flags' placeholder of a deferred load error raises it here)
+            try:
+                config.to_dict()
+            except Exception as e:
+                raise UsageError(f"cannot load --config={filename}: {e}") from None
+        raise UsageError(
+            f"--config={filename}: get_config() must return an ml_collections.ConfigDict, got {type(config).__name__}"
+        )
+    notices = config_lib.fit_to_steps(config)
+    if notices and config.mesh.get("process_id", 0) == 0:
+        for notice in notices:
+            print(f"note: {notice}", flush=True)
+    return config, workdir_flag.value

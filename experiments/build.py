@@ -7,7 +7,6 @@ experiments.schema and a builder here that picks it from a validated config. The
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import jax
@@ -17,32 +16,24 @@ from flax import nnx
 
 import optim
 from core import config as config_lib
+from core import corpus as corpus_lib
 from core import data as data_lib
 from core import generate as generate_lib
 from core import mesh as mesh_lib
 from core import model as model_lib
 from core import tokenizer as tokenizer_lib
 from core import train as train_lib
-from experiments.hf import load as hf_load
+from experiments import schema_moe
 from experiments.schema import model_config
 from kvcache import config as kv_config
 from kvcache import paged_cache_factory
-from moe import config as moe_config
+from moe import reshuffle
 from moe.grouped_matmul import GroupedMatmulFn
 from moe.layer import MoE
 from optim import registry as optim_registry
 from quant import config as quant_config
 from quant import recipes as quant_recipes
 from quant.precision import QuantPrecision
-
-
-def init_params(config: ml_collections.ConfigDict) -> Callable[..., nnx.State] | None:
-    """Where step 0's parameters come from (`core.train.init_state`'s `init_params`): None for a random start, or
-    `(abstract params, their shardings or None) -> the checkpoint of checkpoint.init_from's parameters`, each in its
-    sharding (None: on the default device)."""
-    if not config.checkpoint.init_from:
-        return None
-    return functools.partial(hf_load.initial_params, config)
 
 
 def optimizer_metrics(opt_state) -> dict:
@@ -61,15 +52,32 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def build_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-    """Gradient clipping (if enabled) followed by the optimizer `optim.name` names in optim.registry, on the warm-up
+def build_optimizer(config: ml_collections.ConfigDict, params: nnx.State | None = None) -> optax.GradientTransformation:
+    """The optimizer of every kind of run (a plain run's, and each site's inner optimizer of a federated one):
+    gradient clipping (if enabled) followed by the optimizer `optim.name` names in optim.registry, on the warm-up
     + decay schedule, with its family's b1 / b2 / eps / momentum unless the config sets them
     (optim.registry.hyperparameters; the table is in docs/configuration.md) and weight decay on `decay_mask`'s
-    leaves. Raises ConfigError for an unknown name or a family key the chosen optimizer does not use."""
+    leaves. A federated run with random placement (mesh.site > 1, fomoe.placement = "random") ends the chain with
+    moe.reshuffle.arrival_warmup over `fomoe.arrival_warmup` steps, placed by `params` (a site model's nnx.Param
+    state: where each expert axis lies). Raises ConfigError for an unknown name or a family key the chosen
+    optimizer does not use, ValueError for a random placement without `params`."""
     o = config.optim
     schedule = train_lib.learning_rate_schedule(o, config.train.steps)
     inner = optim_registry.lookup(o.name).build(schedule, o, optim_registry.hyperparameters(o), decay_mask)
-    return optax.chain(optax.clip_by_global_norm(o.grad_clip_norm), inner) if o.grad_clip_norm > 0 else inner
+    optimizer = optax.chain(optax.clip_by_global_norm(o.grad_clip_norm), inner) if o.grad_clip_norm > 0 else inner
+    if config.mesh.site > 1 and config.fomoe.placement == "random":  # arrived experts ramp their updates up
+        if params is None:
+            raise ValueError("build_optimizer: a random placement (fomoe.placement) needs a site model's params")
+        warmup = reshuffle.arrival_warmup(reshuffle.expert_dims(params), config.fomoe.arrival_warmup)
+        optimizer = optax.chain(optimizer, warmup)
+    return optimizer
+
+
+def build_outer_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation | None:
+    """A federated run's outer optimizer: optim.diloco_outer at `fomoe.outer_learning_rate` and
+    `fomoe.outer_momentum` for `fomoe.outer = "diloco"`; None for LocalAdamW (the sites' states are averaged)."""
+    f = config.fomoe
+    return optim.diloco_outer(f.outer_learning_rate, momentum=f.outer_momentum) if f.outer == "diloco" else None
 
 
 def build_model_fn(
@@ -78,12 +86,12 @@ def build_model_fn(
     """`rngs -> Transformer` with the precision and FFN slots chosen by the config. `resident` (global expert
     ids) and `routing_mode` build one FoMoE site's view (moe.layer.MoE); the default hosts every expert."""
     cfg = model_config(config)
-    moe = config_lib.from_config(moe_config.MoEConfig, config.moe)
+    moe = schema_moe.moe_config(config)
     precision = build_precision(config, GroupedMatmulFn(moe.grouped_matmul))
 
     def ffn_factory(layer: int, path: str, rngs: nnx.Rngs) -> nnx.Module:
         if moe.is_moe_layer(layer):
-            return MoE(
+            return MoE.in_transformer(
                 cfg,
                 moe,
                 path=path,
@@ -132,28 +140,28 @@ def build_mesh(config: ml_collections.ConfigDict) -> tuple[jax.sharding.Mesh, me
 
 def build_tokenizer(config: ml_collections.ConfigDict) -> tokenizer_lib.Tokenizer:
     """The tokenizer `data.tokenizer` names (core.tokenizer.load: 'bytes' or a tokenizer.json); raises
-    core.tokenizer.TokenizerError naming data.tokenizer."""
+    core.byte_tokenizer.TokenizerError naming data.tokenizer."""
     return tokenizer_lib.load(config.data.tokenizer)
 
 
-def describe_data(config: ml_collections.ConfigDict) -> data_lib.CorpusRecord:
+def describe_data(config: ml_collections.ConfigDict) -> corpus_lib.CorpusRecord:
     """The fingerprint and info `build_data`'s corpus would have, without tokenizing it (for a run that reads no
     batch, such as an import without evaluation)."""
-    return data_lib.describe_corpus(**_corpus_args(config))
+    return corpus_lib.describe_corpus(**_corpus_args(config))
 
 
 def _corpus_args(config: ml_collections.ConfigDict) -> dict:
-    """The corpus the `data` section names, as `core.data.load_corpus`'s (and `describe_corpus`') arguments."""
+    """The corpus the `data` section names, as `core.corpus.load_corpus`'s (and `describe_corpus`') arguments."""
     d = config.data
     tokenizer = build_tokenizer(config)
     return dict(path=d.path or None, val_fraction=d.val_fraction, jsonl_field=d.jsonl_field, tokenizer=tokenizer)
 
 
-def build_data(config: ml_collections.ConfigDict) -> tuple[data_lib.Corpus, data_lib.Batches]:
+def build_data(config: ml_collections.ConfigDict) -> tuple[corpus_lib.Corpus, data_lib.Batches]:
     """Loads the corpus, tokenized by `data.tokenizer`, and the per-process batch source (which carries the
     tokenizer: its padding id and bytes per id reach the loss and the evaluation, core.train)."""
     d = config.data
-    corpus = data_lib.load_corpus(**_corpus_args(config))
+    corpus = corpus_lib.load_corpus(**_corpus_args(config))
     batches = data_lib.Batches(
         corpus,
         seq_len=d.seq_len,

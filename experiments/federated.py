@@ -3,11 +3,11 @@
 
 Builds, from the `fomoe`, `mesh`, `moe` and `train` sections, what moe.stepper.FederatedStepper takes: the site
 mesh (moe.federation), the placements (moe.placement: fixed, or random and redrawn every `fomoe.reshuffle_every`
-rounds), the site model and its inner optimizer (experiments.build; with random placement, the arrival warm-up of
-moe.reshuffle), the outer optimizer (optim.diloco_outer for `fomoe.outer = "diloco"`) and the initial stacked state
-(moe.rounds.init_sites, from checkpoint.init_from's weights when it names a checkpoint). Checkpoints are written in
-whole rounds, every ceil(checkpoint.every / K) rounds and after the last (the driver's `Stepper.checkpoint_every`),
-so a rerun resumes from the last saved round and writes the same metrics.
+rounds), the site model, its inner and outer optimizers (experiments.build, which builds every run's optimizer:
+with random placement, the arrival warm-up of moe.reshuffle; optim.diloco_outer for `fomoe.outer = "diloco"`) and
+the initial stacked state (moe.rounds.init_sites, from checkpoint.init_from's weights when it names a checkpoint).
+Checkpoints are written in whole rounds, every ceil(checkpoint.every / K) rounds and after the last (the driver's
+`Stepper.checkpoint_every`), so a rerun resumes from the last saved round and writes the same metrics.
 """
 
 from __future__ import annotations
@@ -17,19 +17,16 @@ from typing import Any
 
 import jax
 import ml_collections
-import optax
 from flax import nnx
 
 from core import config as config_lib
 from core import train as train_lib
 from core.data import Batches
-from experiments import build
+from experiments import build, schema_moe
 from experiments.hf import load as hf_load
-from moe import config as moe_config
-from moe import federation, reshuffle, rounds, streaming
+from moe import federation, rounds, streaming
 from moe.placement import Placement, fixed_placement, random_placement
 from moe.stepper import FederatedStepper
-from optim import diloco_outer
 
 __all__ = ["initial_state", "site_config", "train_federated"]
 
@@ -70,7 +67,7 @@ def train_federated(
         routing=f.routing,
         eval_batches=config.train.eval_batches,
         state_metrics=state_metrics,
-        wire=moe_config.wire_format(f),
+        wire=schema_moe.wire_format(f),
         error_feedback=f.error_feedback,
         second_moments=f.second_moments,
         fragments=f.fragments,
@@ -90,20 +87,17 @@ def initial_state(config: ml_collections.ConfigDict, mesh=None, *, pretrained: b
     """
     f = config.fomoe
     placement = _placements(config)(0)
-    outer = diloco_outer(f.outer_learning_rate, momentum=f.outer_momentum) if f.outer == "diloco" else None
+    outer = build.build_outer_optimizer(config)
     sharder = federation.site_sharder(mesh, tuple(tuple(r) for r in config.mesh.rules))  # E > 1: the site's devices
     model_fn = lambda **kw: build.build_model_fn(config, sharder, routing_mode=f.routing, **kw)  # noqa: E731
     make = lambda **kw: model_fn(**kw)(nnx.Rngs(config.train.seed))  # noqa: E731
     site_model = make(resident=placement.experts[0])
-    optimizer = build.build_optimizer(config)
-    if f.placement == "random":  # arrived experts ramp their learning rate up (moe.reshuffle)
-        dims = reshuffle.expert_dims(nnx.state(site_model, nnx.Param))
-        optimizer = optax.chain(optimizer, reshuffle.arrival_warmup(dims, f.arrival_warmup))
+    optimizer = build.build_optimizer(config, nnx.state(site_model, nnx.Param))  # random placement: arrival warm-up
     if pretrained and config.checkpoint.init_from:  # built abstractly: no random parameters are computed
         global_model = hf_load.pretrained_model(config, model_fn())
     else:
         global_model = make()
-    anchor = streaming.anchor_kind(f.outer, moe_config.wire_format(f), f.fragments, f.delay)
+    anchor = streaming.anchor_kind(f.outer, schema_moe.wire_format(f), f.fragments, f.delay)
     graphdef, state = rounds.init_sites(
         global_model, site_model, placement, optimizer, outer, mesh, config.train.seed,
         error_feedback=f.error_feedback, anchor=anchor,

@@ -4,7 +4,7 @@
     python -m experiments.links up --sites 4 --rate-mbit 1000    # makes a network, prints it (JSON), leaves it up
     python -m experiments.links down [PREFIX]                    # removes it (no PREFIX: every leftover network)
 
-The library's names are importable from here too (`links.Network`, `links.unavailable`, ...).
+The library (`Network`, `unavailable`, ...) is experiments.cluster.links; this module is its command line only.
 """
 
 from __future__ import annotations
@@ -18,30 +18,8 @@ from collections.abc import Sequence
 
 from experiments import command
 from experiments.cluster import links, netns, process
-from experiments.cluster.links import (
-    Counters,
-    Hub,
-    LinksError,
-    LinksUnavailable,
-    Network,
-    Site,
-    down,
-    leftovers,
-    unavailable,
-)
 
-__all__ = [
-    "Counters",
-    "Hub",
-    "LinksError",
-    "LinksUnavailable",
-    "Network",
-    "Site",
-    "down",
-    "leftovers",
-    "main",
-    "unavailable",
-]
+__all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -23,12 +23,12 @@ from flax import nnx
 from core import checkpoint as checkpoint_lib
 from core import config as config_lib
 from core import train as train_lib
+from core import workdir as workdir_lib
 from core.model import Transformer
 from core.train import TrainState
 from experiments import build, federated, schema
-from experiments.hf import load as hf_load
 
-__all__ = ["RunConfigError", "check_workdir", "run_config", "trained_model"]
+__all__ = ["RunConfigError", "check_workdir", "run_config", "trained_model", "write_records"]
 
 RUN_FILES = ("config.json", "data.json", "checkpoints")
 """What a finished run's workdir holds (experiments.run writes them) and `trained_model` reads."""
@@ -98,12 +98,20 @@ def _restore_target(config: ml_collections.ConfigDict) -> tuple[nnx.GraphDef, Tr
     return graphdef, jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
+def write_records(workdir: str, config: ml_collections.ConfigDict, corpus) -> None:
+    """Writes the run's config.json (the resolved `config`) and data.json (`corpus`'s description and fingerprint:
+    a core.corpus Corpus or CorpusRecord) into `workdir`: what `run_config` and `trained_model` read back. A
+    training run writes them once a checkpoint is accepted; an import (experiments.pretrained) before its step 0."""
+    workdir_lib.write_json(os.path.join(workdir, "config.json"), config.to_dict())
+    workdir_lib.write_json(os.path.join(workdir, "data.json"), {"fingerprint": corpus.fingerprint, **corpus.info})
+
+
 def check_workdir(workdir: str) -> dict[str, str]:
     """{name: path} of RUN_FILES in `workdir`; raises FileNotFoundError naming those missing (cheap: nothing is
     read, so a caller such as experiments.serve can refuse a workdir before it loads anything)."""
     paths = {name: os.path.join(workdir, name) for name in RUN_FILES}
     missing = [p for p in paths.values() if not os.path.exists(p)]
-    if missing and hf_load.problem(workdir) is None:
+    if missing and schema.hf_checkpoint_problem(workdir) is None:
         raise FileNotFoundError(
             f"{workdir} is a Hugging Face checkpoint, not a run: import it first "
             f"(`python -m experiments.hf import --hf-dir {workdir} --workdir runs/NAME`), then pass that workdir"

@@ -25,12 +25,13 @@ import jax
 import ml_collections
 
 from core import checkpoint as checkpoint_lib
-from core import data as data_lib
+from core import corpus as corpus_lib
 from core import train as train_lib
 from core import workdir as workdir_lib
 from core.mesh import Sharder
 from core.model import Transformer
-from experiments import build, report, run, schema
+from experiments import build, report, schema
+from experiments import load as run_load
 from experiments.hf import load
 
 __all__ = ["config_from_hf", "import_to", "model_from_hf"]
@@ -40,7 +41,7 @@ def config_from_hf(directory: str) -> ml_collections.ConfigDict:
     """Our default config with the sections `directory/config.json` maps to, validated. Raises HFConfigError or
     ConfigError naming the field."""
     config = schema.default_config()
-    config.checkpoint.init_from = load.PREFIX + directory
+    config.checkpoint.init_from = schema.HF_PREFIX + directory
     load.apply_to(config)
     schema.validate(config)
     return config
@@ -82,10 +83,10 @@ def import_to(
         summary.json and only step 0, is started over, saying so).
     """
     config = schema.default_config() if config is None else config
-    config.checkpoint.init_from = load.PREFIX + directory
+    config.checkpoint.init_from = schema.HF_PREFIX + directory
     config.train.eval_batches = max(eval_batches, 1)
     schema.validate(config)
-    schema.resolve(config)  # the architecture, the tokenizer, and the checkpoint's headers checked
+    load.resolve(config)  # the architecture, the tokenizer, and the checkpoint's headers checked
     schema.validate(config, num_devices=jax.device_count())
     ckpt_dir = os.path.join(workdir, "checkpoints")
     if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
@@ -98,7 +99,7 @@ def import_to(
             flush=True,
         )
         shutil.rmtree(ckpt_dir)
-    corpus: data_lib.Corpus | data_lib.CorpusRecord  # what run.write_records reads: fingerprint and info
+    corpus: corpus_lib.Corpus | corpus_lib.CorpusRecord  # run_load.write_records records its fingerprint and info
     if eval_batches:
         corpus, batches = build.build_data(config)
         batches.val_batches(eval_batches)  # a held-out split too short for them is refused here, not half-way
@@ -109,14 +110,14 @@ def import_to(
     optimizer = build.build_optimizer(config)
     with workdir_lib.lock(workdir):
         graphdef, state = train_lib.init_state(
-            model_fn, optimizer, config.train.seed, sharder, init_params=build.init_params(config)
+            model_fn, optimizer, config.train.seed, sharder, init_params=load.init_params(config)
         )
         summary: dict[str, Any] = {"imported_from": os.path.abspath(directory), "steps": 0}
         if eval_batches:
             stepper = train_lib.PlainStepper(graphdef, optimizer, batches, sharder, eval_batches=eval_batches)
             summary.update(stepper.evaluate(state))
         summary["num_params"] = report.count_params(model_fn)
-        run.write_records(workdir, config, corpus)
+        run_load.write_records(workdir, config, corpus)
         checkpointer = checkpoint_lib.Checkpointer(ckpt_dir)
         checkpointer.save(
             0,

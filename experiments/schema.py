@@ -2,12 +2,13 @@
 
     config = schema.default_config()          # every section at its defaults; experiment files change some keys
     schema.validate(config)                   # static checks (no JAX backend touched)
-    schema.resolve(config)                    # fills in what other keys imply (checkpoint.init_from = "hf:DIR")
+    experiments.hf.load.resolve(config)       # fills in what other keys imply (checkpoint.init_from = "hf:DIR")
     schema.validate(config, num_devices=8)    # and with the devices the mesh is laid over
 
 A section is a frozen dataclass declared by the package that owns it (core.config's declarations, `optim`, `moe`,
-`fomoe`, `precision`, `kvcache`); this module merges them into one schema and fills the registered choices
-(`optim.name`). Building components from a config is experiments.build's.
+`precision`, `kvcache`; `fomoe`, and the `moe` checks that read other sections, are experiments.schema_moe's); this
+module merges them into one schema and fills the registered choices (`optim.name`). Building components from a
+config is experiments.build's.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import os
 import ml_collections
 
 from core import config as config_lib
-from experiments.hf import load as hf_load
+from experiments import schema_moe
 from kvcache import config as kv_config
 from moe import config as moe_config
 from optim import config as optim_config
@@ -26,12 +27,14 @@ from optim import registry as optim_registry
 from quant import config as quant_config
 
 __all__ = [
+    "HF_PREFIX",
     "SECTIONS",
     "checkpoint_compat",
     "default_config",
+    "hf_checkpoint_problem",
+    "hf_dir",
     "model_config",
     "provenance",
-    "resolve",
     "schema",
     "validate",
 ]
@@ -40,7 +43,7 @@ SECTIONS: dict[str, type] = {
     **config_lib.SECTIONS,
     "optim": optim_config.OptimizerConfig,
     "moe": moe_config.MoEConfig,
-    "fomoe": moe_config.FoMoEConfig,
+    "fomoe": schema_moe.FoMoEConfig,
     "precision": quant_config.PrecisionConfig,
     "kvcache": kv_config.KVCacheConfig,
 }
@@ -72,11 +75,11 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     load its checkpoint, which no longer reads DIR: the run serves and exports after DIR is gone)."""
     config_lib.validate(config, schema(), num_devices=num_devices)
     if source:
-        hf_load.hf_dir(config)  # checkpoint.init_from's form; what it implies is `resolve`'s
+        hf_dir(config)  # checkpoint.init_from's form; what it implies is experiments.hf.load.resolve's
     optim_registry.check(config.optim)  # the family keys (unused, out of range, b1^2 >= b2) and lr x weight decay
     sizes = None if num_devices is None else config_lib.mesh_shape(config, num_devices)
-    moe_config.check(config, sizes)
-    moe_config.check_fomoe(config, sizes)
+    schema_moe.check(config, sizes)
+    schema_moe.check_fomoe(config, sizes)
     if config.precision.last_blocks_high_precision > config.model.num_layers:
         raise config_lib.ConfigError(
             f"config key 'precision.last_blocks_high_precision' = {config.precision.last_blocks_high_precision} "
@@ -85,14 +88,53 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     kv_config.check(config_lib.from_config(kv_config.KVCacheConfig, config.kvcache), model_config(config).head_dim)
 
 
-def resolve(config: ml_collections.ConfigDict) -> None:
-    """Fills in, in place, what other keys imply before `validate`: `checkpoint.init_from = "hf:DIR"` sets the
-    architecture (model, moe) and tokenizer from the Hugging Face checkpoint in DIR (experiments.hf.load.apply_to).
-    Raises ConfigError naming a conflicting key. A tokenizer path becomes absolute, so that the run's config.json
-    (which serve, export and sampling read back) means the same file from any directory."""
-    if config.data.tokenizer != "bytes":
-        config.data.tokenizer = os.path.abspath(config.data.tokenizer)
-    hf_load.apply_to(config)
+HF_PREFIX = "hf:"
+"""`checkpoint.init_from = "hf:DIR"` starts a run from the Hugging Face checkpoint in DIR."""
+
+
+def hf_checkpoint_problem(directory: str) -> str | None:
+    """Why `directory` is not a Hugging Face checkpoint directory (config.json and safetensors weights), in words
+    that say what it is instead (missing, a file, empty, what it holds, PyTorch weights and how to convert them);
+    None if it is one."""
+    if not os.path.exists(directory):
+        return "it does not exist"
+    if not os.path.isdir(directory):
+        return "it is a file, not a directory"
+    names = sorted(os.listdir(directory))
+    if not names:
+        return "it is empty"
+    listed = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    if "config.json" not in names:
+        return f"it holds no config.json (it holds {listed})"
+    config = os.path.join(directory, "config.json")
+    if not os.path.isfile(config):
+        return f"its config.json is {'a directory' if os.path.isdir(config) else 'not a regular file'}, not a JSON file"
+    if not any(n.endswith(".safetensors") or n == "model.safetensors.index.json" for n in names):
+        torch = [n for n in names if n.endswith((".bin", ".pt", ".pth"))]
+        if torch:
+            return (
+                f"it holds PyTorch weights ({', '.join(torch[:3])}) but no safetensors: convert them, e.g. with "
+                "transformers: AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR) writes safetensors"
+            )
+        return f"it holds config.json but no model.safetensors or model.safetensors.index.json (it holds {listed})"
+    return None
+
+
+def hf_dir(config: ml_collections.ConfigDict) -> str | None:
+    """DIR of `checkpoint.init_from = "hf:DIR"`; None for a random start (''). Raises ConfigError otherwise, saying
+    what DIR is instead (`hf_checkpoint_problem`)."""
+    spec = config.checkpoint.init_from
+    if not spec:
+        return None
+    allowed = "allowed '' (random initialisation) or 'hf:DIR', DIR a Hugging Face checkpoint directory"
+    if not spec.startswith(HF_PREFIX):
+        raise config_lib.ConfigError(
+            f"config key 'checkpoint.init_from' = {spec!r}: {allowed} (the 'hf:' prefix is missing)"
+        )
+    why = hf_checkpoint_problem(spec[len(HF_PREFIX) :])
+    if why is not None:
+        raise config_lib.ConfigError(f"config key 'checkpoint.init_from' = {spec!r}: {why}; {allowed}")
+    return spec[len(HF_PREFIX) :]
 
 
 def checkpoint_compat(config: ml_collections.ConfigDict, data_fingerprint: str) -> dict:

@@ -40,6 +40,7 @@ import time
 from core.tokenizer import StreamDecoder
 from experiments import args as args_lib
 from experiments import command
+from experiments import engine as engine_lib
 from experiments.hf import generation
 from kvcache import serving as kv_serving
 
@@ -108,18 +109,18 @@ def main(argv=None) -> int:
                 "which is neither UTF-8 text nor an escaped byte; allowed: text or raw bytes"
             )
     try:
-        run, tok = args_lib.load_run(args.workdir)
+        run, tok = engine_lib.load_run(args.workdir)
         prefix, suffix = tok.framing
         prompts = [[*prefix, *tok.encode_bytes(raw, bos=False).tolist(), *suffix] for raw in raw_prompts]
-        fmt, source = args_lib.kv_format(args, run)
+        fmt, source = engine_lib.kv_format(args, run)
         eos_ids = generation.for_run(run, "auto").eos_ids
-        config = args_lib.engine_config(args, run, fmt, tok, prompts=prompts, eos_ids=eos_ids)
+        config = engine_lib.engine_config(args, run, fmt, tok, prompts=prompts, eos_ids=eos_ids)
     except (args_lib.FlagError, generation.GenerationConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"kv format: {source}", file=sys.stderr)
-    print(args_lib.precision_line(args, run), file=sys.stderr)
-    model, status = args_lib.load_model(args.workdir, args.site, args.precision)
+    print(engine_lib.precision_line(args, run), file=sys.stderr)
+    model, status = engine_lib.load_model(args.workdir, args.site, args.precision)
     if model is None:
         return status
     try:

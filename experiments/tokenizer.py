@@ -3,7 +3,7 @@
     python -m experiments.tokenizer train --vocab-size 4096 --out runs/tokenizer-4k
         [--data-path P] [--jsonl-field text] [--val-fraction 0.02]
 
-Reads the corpus exactly as the data section does (core.data.load_documents: the built-in Python standard library
+Reads the corpus exactly as the data section does (core.corpus.load_documents: the built-in Python standard library
 sources by default, else `--data-path`, a file, directory or glob) and trains on its TRAIN split only, so the
 held-out documents a run evaluates on stay unseen. The tokenizer is the `tokenizers` library's BPE with a ByteLevel
 pre-tokenizer and decoder (as GPT-2, Llama 3, Qwen use): all 256 byte characters are in the initial alphabet, so any
@@ -22,8 +22,9 @@ import argparse
 import sys
 import time
 
-from core import data as data_lib
-from core import tokenizer as tokenizer_lib
+from core import corpus as corpus_lib
+from core.byte_tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
+from core.hf_tokenizer import HFTokenizer
 from experiments import args as arg_types
 from experiments import command
 
@@ -32,7 +33,7 @@ MIN_VOCAB = 259  # the 256 byte characters and the three specials
 
 def train(
     documents: list[bytes], vocab_size: int, *, show_progress: bool = False, min_frequency: int = 2
-) -> tokenizer_lib.HFTokenizer:
+) -> HFTokenizer:
     """A byte-level BPE of at most `vocab_size` ids (>= 259) trained on `documents` (read as UTF-8, invalid bytes as
     U+FFFD): specials `<|pad|>`, `<|bos|>`, `<|eos|>` = ids 0, 1, 2, the 256 byte characters next, then merges of
     pairs seen at least `min_frequency` times, most frequent first (fewer ids when the corpus runs out of them)."""
@@ -46,13 +47,13 @@ def train(
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
-        special_tokens=[tokenizer_lib.PAD_TOKEN, tokenizer_lib.BOS_TOKEN, tokenizer_lib.EOS_TOKEN],
+        special_tokens=[PAD_TOKEN, BOS_TOKEN, EOS_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=show_progress,
     )
     texts = (doc.decode("utf-8", errors="replace") for doc in documents)
     tok.train_from_iterator(texts, trainer, length=len(documents))
-    return tokenizer_lib.HFTokenizer(tok.to_str(pretty=True), source="the trained tokenizer")
+    return HFTokenizer(tok.to_str(pretty=True), source="the trained tokenizer")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,10 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     t0 = time.perf_counter()
     try:
-        docs = data_lib.load_documents(
+        docs = corpus_lib.load_documents(
             args.data_path or None, val_fraction=args.val_fraction, jsonl_field=args.jsonl_field
         )
-    except data_lib.DataError as e:
+    except corpus_lib.DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     train_bytes = sum(map(len, docs.train))

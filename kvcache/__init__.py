@@ -1,5 +1,6 @@
 """UltraQuant (arXiv 2606.20474): FP4 KV cache, paged split-KV and unified attention kernels, capacity planning
-(the KV library), and a serving runtime with prefix caching (`kvcache.serving`). docs/kvcache.md.
+(the KV library), and a serving runtime with prefix caching (`kvcache.serving`, the one home of `Engine`,
+`EngineConfig`, ...). docs/kvcache.md.
 
     from kvcache import formats, PagedPool, decode_attention, unified_attention
     fmt = formats.get("fp4")                       # or "bf16", "fp8", "nvfp4", "k8v4" (formats.get documents
@@ -10,13 +11,9 @@
 from kvcache import capacity, formats, serving
 from kvcache.attention import IMPLEMENTATIONS, decode_attention, unified_attention, write
 from kvcache.paged import PagedKVCache, PagedPool, paged_cache_factory
-from kvcache.serving import BlockManager, Engine, EngineConfig
 
 __all__ = [
     "IMPLEMENTATIONS",
-    "BlockManager",
-    "Engine",
-    "EngineConfig",
     "PagedKVCache",
     "PagedPool",
     "capacity",

@@ -3,14 +3,13 @@
 from moe import MoE, MoEConfig, route, grouped_matmul
 """
 
-from moe.config import FoMoEConfig, MoEConfig
+from moe.config import MoEConfig
 from moe.dispatch import capacity, dropless, expert_parallel_dropless
 from moe.grouped_matmul import GroupedMatmulFn, grouped_matmul
 from moe.layer import MoE, expert_mesh_axis
 from moe.router import Routing, load_balance_loss, route, routing_stats, z_loss
 
 __all__ = [
-    "FoMoEConfig",
     "GroupedMatmulFn",
     "MoE",
     "MoEConfig",

@@ -1,29 +1,20 @@
-"""The config sections `moe` (the MoE layers) and `fomoe` (federated training): their declarations and the checks
-that involve other sections."""
+"""The MoE layer's own arguments (`MoEConfig`) and the names its choices allow. Plain typed values: nothing here
+reads an experiment config (experiments.schema_moe maps the config's `moe` section onto `MoEConfig` and re-raises
+its errors with the config keys).
+
+    MoEConfig(num_experts=8, top_k=2, expert_size=64)   # raises ValueError naming MoEConfig.<field> if invalid
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import ClassVar
 
-import ml_collections
-
-from core.codec import FORMATS, ROUNDINGS, SCALES, WireFormat
-from core.config import MAX_WIDTH, Compat, ConfigError, field, rule_mesh_axes
+from core.config import MAX_WIDTH, Compat, field
 from moe.grouped_matmul import IMPLEMENTATIONS
 from moe.router import ROUTERS
 
-__all__ = [
-    "DISPATCH",
-    "EXPERT_MLPS",
-    "ROUTING_MODES",
-    "FoMoEConfig",
-    "MoEConfig",
-    "check",
-    "check_fomoe",
-    "wire_format",
-]
+__all__ = ["DISPATCH", "EXPERT_MLPS", "ROUTING_MODES", "MoEConfig"]
 
 
 DISPATCH = ("dropless", "capacity")
@@ -33,7 +24,12 @@ ROUTING_MODES = ("partitioned", "skip_token")
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """The section `moe`: which blocks have a MoE FFN and how it routes and dispatches (moe.layer.MoE)."""
+    """What a MoE layer (moe.layer.MoE) computes: its experts, their width and form, the router and the dispatch;
+    and, for a transformer, which blocks are MoE (`every`, `dense_layers`). Every key's default, allowed values and
+    meaning are declared with `core.schema.field`; the experiment config's section `moe` has exactly these keys.
+
+    Construction checks each value (its allowed names, its lower bound) and `check` the keys that must agree; both
+    raise ValueError naming the argument ("MoEConfig.top_k = 3 exceeds MoEConfig.num_experts = 2; ...")."""
 
     compat: ClassVar[Compat] = True
 
@@ -90,292 +86,46 @@ class MoEConfig:
         choices=IMPLEMENTATIONS,
     )
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))  # a list (ConfigDict, JSON) as a tuple
+        for name, allowed in (
+            ("expert_mlp", EXPERT_MLPS),
+            ("router", ROUTERS),
+            ("dispatch", DISPATCH),
+            ("grouped_matmul", IMPLEMENTATIONS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"MoEConfig.{name} = {getattr(self, name)!r}; allowed: {list(allowed)}.")
+        for name, low in (
+            ("every", 0),
+            ("num_experts", 1),
+            ("top_k", 1),
+            ("expert_size", 1),
+            ("shared_expert_size", 0),
+        ):
+            if getattr(self, name) < low:
+                raise ValueError(f"MoEConfig.{name} = {getattr(self, name)!r} must be >= {low}.")
+        for name in ("load_balance_weight", "z_loss_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"MoEConfig.{name} = {getattr(self, name)!r} must be >= 0.")
+        if not self.capacity_factor > 0:
+            raise ValueError(f"MoEConfig.capacity_factor = {self.capacity_factor!r} must be > 0.")
+
+    def check(self) -> None:
+        """The keys that must agree with each other, for a layer that is built (moe.layer.MoE calls it; a dense
+        transformer's unused MoEConfig is not held to it). Raises ValueError naming the arguments."""
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"MoEConfig.top_k = {self.top_k} exceeds MoEConfig.num_experts = {self.num_experts}; "
+                "a token chooses at most every expert once."
+            )
+        if self.normalize_gates and self.router != "softmax":
+            raise ValueError(
+                f"MoEConfig.normalize_gates = True needs MoEConfig.router = 'softmax' (got {self.router!r}); "
+                "sigmoid gates are never renormalised."
+            )
+
     def is_moe_layer(self, layer: int) -> bool:
         """Layer i (0-based) is a MoE layer iff every > 0, (i + 1) % every == 0 (every=2: layers 1, 3, ...) and i is
         not one of `dense_layers`."""
         return self.every > 0 and (layer + 1) % self.every == 0 and layer not in self.dense_layers
-
-
-def check(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int] | None) -> None:
-    """Cross-field checks of `moe` against `model` and, when known, the mesh sizes. Raises ConfigError."""
-    m = config.moe
-    if m.every == 0:
-        return
-    bad = [i for i in m.dense_layers if not 0 <= i < config.model.num_layers]
-    if bad:
-        raise ConfigError(
-            f"config key 'moe.dense_layers' = {tuple(m.dense_layers)} names layers {bad} outside 0..."
-            f"{config.model.num_layers - 1} ('model.num_layers' = {config.model.num_layers})."
-        )
-    if m.every > config.model.num_layers:
-        raise ConfigError(
-            f"config key 'moe.every' = {m.every} exceeds 'model.num_layers' = "
-            f"{config.model.num_layers}: no block would be MoE. Use 0 for a dense model."
-        )
-    if m.top_k > m.num_experts:
-        raise ConfigError(
-            f"config key 'moe.top_k' = {m.top_k} exceeds 'moe.num_experts' = {m.num_experts}; "
-            "a token chooses at most every expert once."
-        )
-    if m.normalize_gates and m.router != "softmax":
-        raise ConfigError(
-            f"config key 'moe.normalize_gates' = True needs 'moe.router' = 'softmax' (got "
-            f"{m.router!r}); sigmoid gates are never renormalised."
-        )
-    if mesh_sizes is None:
-        return
-    targets = rule_mesh_axes(config.mesh.rules, "expert")
-    shards = math.prod(mesh_sizes[axis] for axis in targets)
-    if m.num_experts % shards:
-        raise ConfigError(
-            f"config key 'moe.num_experts' = {m.num_experts} is not divisible by the mesh axes "
-            f"{list(targets)} = {shards} devices that shard the experts (mesh.rules maps 'expert' "
-            "to them); use a multiple of that or change the mesh."
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class FoMoEConfig:
-    """The section `fomoe`: federated training across `mesh.site` sites (used when mesh.site > 1).
-
-    Each site runs on one device, or with mesh.expert = E > 1 on E devices of its own over which its resident
-    experts are sharded (expert parallelism inside the site; its collectives stay among the site's devices and the
-    synchronisation's bytes per site are unchanged, moe.federation). Then the resident experts per site,
-    overlap x moe.num_experts / mesh.site, must be divisible by E, with the 'dropless' dispatch and the fixed
-    placement; mesh.data and mesh.model stay 1."""
-
-    compat: ClassVar[Compat] = True
-
-    overlap: int = field(
-        1,
-        "O_e: sites hosting each expert (1 = disjoint experts, mesh.site = full replica); must divide mesh.site, "
-        "and O_e x moe.num_experts must be divisible by it",
-        low=1,
-    )
-    local_steps: int = field(32, "K: local optimizer steps per round; train.steps must be a multiple", low=1)
-    outer: str = field(
-        "local_adamw",
-        "synchronisation: 'local_adamw' (average parameters and both AdamW moments) or 'diloco' (outer Nesterov "
-        "step on the averaged change)",
-        choices=("local_adamw", "diloco"),
-    )
-    outer_learning_rate: float = field(0.7, "DiLoCo outer learning rate", low=0.0, low_open=True)
-    outer_momentum: float = field(0.9, "DiLoCo outer Nesterov momentum", low=0.0, high=0.999)
-    routing: str = field(
-        "partitioned",
-        "'partitioned' (a site routes over its resident experts, top min(k, N_le)) or 'skip_token' (global "
-        "router; non-resident choices are skipped)",
-        choices=ROUTING_MODES,
-    )
-    placement: str = field(
-        "fixed",
-        "'fixed' (the spec's strided blocks) or 'random' (experts regrouped into the blocks at random every "
-        "reshuffle_every rounds; arrived experts get fresh optimizer state and a learning-rate warm-up)",
-        choices=("fixed", "random"),
-    )
-    reshuffle_every: int = field(4, "random placement: rounds between reshuffles (T)", low=1)
-    arrival_warmup: int = field(
-        8,
-        "random placement: local steps over which an arrived expert's learning rate ramps linearly up to the "
-        "schedule's",
-        low=1,
-    )
-    sync_format: str = field(
-        "float32",
-        "what crosses the links at synchronisation: 'float32' (the exact mean), 'bf16', 'int8', 'fp4' (E2M1) or "
-        "'int4' (the uniform grid); low-bit formats send each site's change since the round's start, averaged in "
-        "float32 (moe.lowbit_sync)",
-        choices=FORMATS,
-        since_checkpoints=True,
-    )
-    sync_block: int = field(
-        32, "int8 / fp4 / int4 synchronisation: values per block scale (even for 4-bit)", low=1, since_checkpoints=True
-    )
-    sync_scale: str = field(
-        "ue8m0",
-        "int8 / fp4 / int4 synchronisation: block scale 'ue8m0' (a power of two, 1 byte) or 'fp32' (4 bytes)",
-        choices=SCALES,
-        since_checkpoints=True,
-    )
-    sync_rounding: str = field(
-        "nearest",
-        "low-bit synchronisation: 'nearest' (ties to even) or 'stochastic' (unbiased) rounding",
-        choices=ROUNDINGS,
-        since_checkpoints=True,
-    )
-    second_moments: str = field(
-        "sent",
-        "LocalAdamW's second moments: 'sent' (in sync_format when that is float32 or bf16; as bf16 under int8 / fp4 / "
-        "int4, whose block scales would round a small one to zero or below) or 'local' (each site keeps its own)",
-        choices=("sent", "local"),
-        since_checkpoints=True,
-    )
-    fragments: int = field(
-        1,
-        "streaming synchronisation: F fragments of the parameters (fragment f: the blocks l with l mod F = f, and "
-        "fragment 0 the rest), one averaged per round in turn (moe.streaming); 1 = all every round",
-        low=1,
-        since_checkpoints=True,
-    )
-    delay: int = field(
-        0,
-        "streaming synchronisation: 0 = a round's fragment is averaged after its local steps (blocking); 1 = behind "
-        "the next round's local steps, its correction applied one round late (LocalAdamW: needs second_moments = "
-        "'local')",
-        choices=(0, 1),
-        since_checkpoints=True,
-    )
-    mixing: float = field(
-        1.0,
-        "delay 1: the share alpha of the group's correction a site applies (theta + alpha (mean - own))",
-        low=0.0,
-        low_open=True,
-        high=1.0,
-        since_checkpoints=True,
-    )
-    error_feedback: bool = field(
-        False,
-        "low-bit synchronisation: each site keeps what quantisation dropped and adds it to its next send "
-        "(checkpointed)",
-        since_checkpoints=True,
-    )
-
-
-def check_fomoe(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int] | None) -> None:
-    """Cross-field checks of a federated run (mesh.site > 1). Raises ConfigError."""
-    sites = config.mesh.site
-    if sites == 1:
-        return
-    f = config.fomoe
-    if sites == -1:
-        raise ConfigError("config key 'mesh.site' = -1: a federated run needs an explicit number of sites.")
-    if mesh_sizes is not None:
-        inner = {a: mesh_sizes[a] for a in ("data", "model") if mesh_sizes[a] != 1}
-        if inner:
-            raise ConfigError(
-                f"a federated run (mesh.site = {sites}) splits a site over mesh.expert only; got "
-                f"{', '.join(f'mesh.{a} = {n}' for a, n in inner.items())}: set them to 1 (mesh.expert = E > 1 "
-                "gives each site E devices that run its experts expert-parallel)."
-            )
-    expert = mesh_sizes["expert"] if mesh_sizes is not None else config.mesh.expert
-    if expert > 1:
-        _check_site_experts(config, expert)
-    if f.overlap > sites or sites % f.overlap:
-        raise ConfigError(
-            f"config key 'fomoe.overlap' = {f.overlap} must divide 'mesh.site' = {sites} (the sites "
-            "form mesh.site / overlap replica groups)."
-        )
-    if config.moe.every and (f.overlap * config.moe.num_experts) % sites:
-        raise ConfigError(
-            f"config keys 'fomoe.overlap' x 'moe.num_experts' = {f.overlap} x "
-            f"{config.moe.num_experts} must be divisible by 'mesh.site' = {sites}: each site hosts "
-            "overlap x num_experts / site experts."
-        )
-    if f.placement == "random" and f.overlap == sites:
-        raise ConfigError(
-            f"config key 'fomoe.placement' = 'random' needs 'fomoe.overlap' < 'mesh.site' (got "
-            f"{f.overlap} = {sites}): with a full replica every site hosts every expert and there "
-            "is nothing to reshuffle. Use 'fixed'."
-        )
-    _check_wire(config, expert)
-    _check_streaming(config)
-    if config.train.steps % f.local_steps:
-        below = config.train.steps // f.local_steps * f.local_steps
-        fits = " or ".join(str(s) for s in (below, below + f.local_steps) if s > 0)
-        raise ConfigError(
-            f"config key 'train.steps' = {config.train.steps} must be a multiple of "
-            f"'fomoe.local_steps' = {f.local_steps} (whole rounds): e.g. --config.train.steps={fits}, "
-            f"or a fomoe.local_steps that divides {config.train.steps}."
-        )
-    if config.data.batch_size % sites:
-        raise ConfigError(
-            f"config key 'data.batch_size' = {config.data.batch_size} must be divisible by "
-            f"'mesh.site' = {sites} (each site trains on its share of the global batch)."
-        )
-
-
-def wire_format(fomoe: ml_collections.ConfigDict) -> WireFormat:
-    """The synchronisation's core.codec.WireFormat from the section `fomoe`."""
-    return WireFormat(fomoe.sync_format, fomoe.sync_block, fomoe.sync_scale, fomoe.sync_rounding)
-
-
-def _check_wire(config: ml_collections.ConfigDict, expert: int) -> None:
-    """Low-bit synchronisation's keys against each other and the rest of the federation. Raises ConfigError."""
-    f = config.fomoe
-    if f.sync_format == "float32":
-        if f.error_feedback:
-            raise ConfigError(
-                "config key 'fomoe.error_feedback' = True needs a low-bit 'fomoe.sync_format' (got 'float32', which "
-                "drops nothing): set sync_format to 'bf16', 'int8', 'fp4' or 'int4', or error_feedback to False."
-            )
-        return
-    if f.sync_format in ("fp4", "int4") and f.sync_block % 2:
-        raise ConfigError(
-            f"config key 'fomoe.sync_block' = {f.sync_block} with 'fomoe.sync_format' = {f.sync_format!r}: two "
-            "4-bit codes share a byte, so a block holds an even number of values."
-        )
-    for key, value, allowed in (("mesh.expert", expert, 1), ("fomoe.placement", f.placement, "fixed")):
-        if value != allowed:
-            raise ConfigError(
-                f"config key {key!r} = {value!r} with 'fomoe.sync_format' = {f.sync_format!r}: low-bit "
-                f"synchronisation runs with {key} = {allowed!r}; set it so, or sync_format to 'float32'."
-            )
-
-
-def _check_streaming(config: ml_collections.ConfigDict) -> None:
-    """Streaming synchronisation's keys (moe.streaming) against the rest of the federation. Raises ConfigError."""
-    f = config.fomoe
-    if f.fragments > config.model.num_layers:
-        raise ConfigError(
-            f"config key 'fomoe.fragments' = {f.fragments} exceeds 'model.num_layers' = {config.model.num_layers}: "
-            "fragments are strided by layer, so some would hold no parameter."
-        )
-    if f.fragments == 1 and f.delay == 0:
-        return
-    if f.placement != "fixed":
-        raise ConfigError(
-            f"config key 'fomoe.placement' = {f.placement!r} with 'fomoe.fragments' = {f.fragments}, 'fomoe.delay' "
-            f"= {f.delay}: streaming synchronisation runs with a fixed placement; set fomoe.placement to 'fixed', or "
-            "fomoe.fragments = 1 and fomoe.delay = 0."
-        )
-    if f.delay == 1 and f.outer == "local_adamw" and f.second_moments != "local":
-        raise ConfigError(
-            f"config key 'fomoe.delay' = 1 with 'fomoe.outer' = 'local_adamw' needs 'fomoe.second_moments' = "
-            f"'local' (got {f.second_moments!r}): a second moment corrected a round late could turn negative."
-        )
-
-
-def _check_site_experts(config: ml_collections.ConfigDict, expert: int) -> None:
-    """A federated run with mesh.expert = E > 1 devices per site (moe.federation): what expert parallelism inside
-    a site needs. Raises ConfigError."""
-    sites, f, m = config.mesh.site, config.fomoe, config.moe
-    if not m.every:
-        raise ConfigError(
-            f"config key 'mesh.expert' = {expert} with 'mesh.site' = {sites} shards each site's experts over "
-            "its devices, but 'moe.every' = 0 (a dense model has none): set mesh.expert to 1, or moe.every >= 1."
-        )
-    if rule_mesh_axes(config.mesh.rules, "expert") != ("expert",):
-        raise ConfigError(
-            f"config key 'mesh.rules' maps the logical axis 'expert' to "
-            f"{list(rule_mesh_axes(config.mesh.rules, 'expert'))}; a federated run with 'mesh.expert' = {expert} "
-            "shards each site's experts over the mesh axis 'expert': map 'expert' to 'expert'."
-        )
-    if m.dispatch != "dropless":
-        raise ConfigError(
-            f"config key 'moe.dispatch' = {m.dispatch!r} with 'mesh.expert' = {expert} and 'mesh.site' = {sites}: "
-            "expert parallelism inside a site uses the 'dropless' dispatch (its all-to-all); set moe.dispatch to "
-            "'dropless' or mesh.expert to 1."
-        )
-    if f.placement != "fixed":
-        raise ConfigError(
-            f"config key 'fomoe.placement' = {f.placement!r} with 'mesh.expert' = {expert}: reshuffles "
-            "(moe.reshuffle) run with one device per site; use 'fixed' placement or mesh.expert = 1."
-        )
-    if f.overlap <= sites and not sites % f.overlap and (f.overlap * m.num_experts) % sites == 0:
-        local = f.overlap * m.num_experts // sites
-        if local % expert:
-            raise ConfigError(
-                f"each site hosts 'fomoe.overlap' x 'moe.num_experts' / 'mesh.site' = {f.overlap} x "
-                f"{m.num_experts} / {sites} = {local} experts, which 'mesh.expert' = {expert} devices cannot share "
-                f"evenly: use a mesh.expert that divides {local} (or change those keys)."
-            )

@@ -47,10 +47,10 @@ from jax.sharding import PartitionSpec
 
 from core.config import mesh_axes
 from core.mesh import Sharder, logical_to_spec
-from core.model import DefaultPrecision, Dense, Precision, TransformerConfig, layer_key
+from core.model import DefaultPrecision, Precision, TransformerConfig, layer_key
 from moe import dispatch as dispatch_lib
 from moe import router as router_lib
-from moe.config import DISPATCH, EXPERT_MLPS, ROUTING_MODES, MoEConfig
+from moe.config import ROUTING_MODES, MoEConfig
 from moe.grouped_matmul import GroupedMatmulFn
 
 __all__ = ["MoE", "Residency", "expert_mesh_axis"]
@@ -72,19 +72,52 @@ def expert_mesh_axis(shard: Sharder, num_experts: int) -> str | None:
     if not isinstance(target, str):
         raise ValueError(
             f"the logical axis 'expert' maps to mesh axes {target}; expert parallelism supports "
-            "one mesh axis (set mesh.rules so that 'expert' maps to one axis, e.g. 'expert')."
+            "one mesh axis (give the Sharder rules that map 'expert' to one axis, e.g. 'expert')."
         )
     size = shard.mesh.shape[target]
     if num_experts % size:
         raise ValueError(
-            f"moe.num_experts = {num_experts} is not divisible by the mesh axis '{target}' = {size} "
-            "that shards the experts; use a multiple of it or change mesh.expert."
+            f"MoEConfig.num_experts = {num_experts} is not divisible by the mesh axis '{target}' = {size} "
+            "that shards the experts; use a multiple of it or a mesh whose axis size divides it."
         )
     return target
 
 
+class _Linear(nnx.Module):
+    """y = x @ W through the precision slot at `path` (core.model.Dense's product, sized by the layer's own
+    arguments): W [in, out] in `param_dtype` with logical axes `axes`, x and y in `dtype`, float32 accumulation."""
+
+    def __init__(self, w: jax.Array, *, axes: tuple[str | None, str | None], path: str, precision: Precision, dtype):
+        self.kernel = nnx.Param(w, axes=axes)
+        self.path, self.precision, self.dtype = path, precision, dtype
+
+    def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
+        dot_general = self.precision.dot_general(self.path, layer_key(key, self.path))
+        lead = x.shape[:-1]
+        x = x.astype(self.dtype).reshape(-1, x.shape[-1])
+        w = self.kernel.get_value().astype(self.dtype)
+        y = dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return y.astype(self.dtype).reshape(*lead, w.shape[1])
+
+
 class MoE(nnx.Module):
     """A MoE FFN. `__call__(x [B, T, d], *, key=None) -> (y [B, T, d], aux)`, the FFN-slot signature.
+
+    Args (its own; no experiment config or transformer config is needed):
+      d_model: d, the width of x and y.
+      moe: the experts, their width and form, the router and the dispatch (moe.MoEConfig; `moe.check()` is
+        enforced here). Its `every` and `dense_layers` concern a transformer and are not read.
+      path: the module path the precision slot is asked by ("<path>.router", "<path>.experts.up", ...).
+      rngs: nnx.Rngs; parameters are drawn from `rngs.params()`.
+      dtype: the compute dtype of x, the experts' products and y (the router runs in float32).
+      param_dtype: the parameters' storage dtype.
+      init_std: std of the normal initialiser of the router and the input-side matrices (up, gate).
+      out_std: std of the output-side matrices (down); default `init_std` (a transformer passes
+        init_std / sqrt(2 num_layers): `MoE.in_transformer`).
+      precision: the matmul-precision slot (core.model.Precision); default lax.dot_general and
+        moe.GroupedMatmulFn(moe.grouped_matmul).
+      shard: a core.mesh.Sharder (mesh and logical-axis rules); default none (one device).
+      resident, routing_mode: a FoMoE site's hosted experts (global ids) and how it routes (ROUTING_MODES).
 
     aux: "loss/moe_balance" (load_balance_weight x Switch loss), "loss/moe_z" (z_loss_weight x z-loss), and the
     statistics "moe/load_cv", "moe/load_entropy", "moe/token_entropy", "moe/max_load", "moe/dropped"
@@ -94,25 +127,23 @@ class MoE(nnx.Module):
 
     def __init__(
         self,
-        cfg: TransformerConfig,
+        d_model: int,
         moe: MoEConfig,
         *,
         path: str,
         rngs: nnx.Rngs,
+        dtype: Any = jnp.float32,
+        param_dtype: Any = jnp.float32,
+        init_std: float = 0.02,
+        out_std: float | None = None,
         precision: Precision | None = None,
         shard: Sharder | None = None,
         resident: Sequence[int] | None = None,
         routing_mode: str = "partitioned",
     ):
-        if moe.router not in router_lib.ROUTERS or moe.dispatch not in DISPATCH:
-            raise ValueError(
-                f"moe.router = {moe.router!r} (allowed {list(router_lib.ROUTERS)}) / moe.dispatch = "
-                f"{moe.dispatch!r} (allowed {list(DISPATCH)})."
-            )
-        if not 1 <= moe.top_k <= moe.num_experts:
-            raise ValueError(f"moe.top_k = {moe.top_k} must be in [1, moe.num_experts = {moe.num_experts}].")
-        if moe.expert_mlp not in EXPERT_MLPS:
-            raise ValueError(f"moe.expert_mlp = {moe.expert_mlp!r}; allowed: {list(EXPERT_MLPS)}.")
+        if not (isinstance(d_model, int) and d_model >= 1):
+            raise ValueError(f"MoE d_model = {d_model!r} must be a positive int.")
+        moe.check()
         if routing_mode not in ROUTING_MODES:
             raise ValueError(f"routing_mode = {routing_mode!r}; allowed: {list(ROUTING_MODES)}.")
         e = moe.num_experts
@@ -127,36 +158,56 @@ class MoE(nnx.Module):
         self.precision = (
             precision if precision is not None else DefaultPrecision(grouped=GroupedMatmulFn(moe.grouped_matmul))
         )
-        self.moe, self.path, self.dtype = moe, path, cfg.compute_dtype
-        d, h = cfg.d_model, moe.expert_size
-        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.moe, self.path, self.dtype = moe, path, jnp.dtype(dtype)
+        d, h = d_model, moe.expert_size
+        out_std = init_std if out_std is None else out_std
 
         def normal(shape, std):
-            return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(cfg.weight_dtype)
+            return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(param_dtype)
 
         # Partitioned router: one column per resident expert, so the columns belong to the experts (logical axis
         # "expert": sharded and synchronised with them). Skip-token: a dense parameter over all N_e experts.
         dense_router = routing_mode == "skip_token"
         self.router = nnx.Param(
-            normal((d, e if dense_router else local), cfg.init_std), axes=("embed", None if dense_router else "expert")
+            normal((d, e if dense_router else local), init_std), axes=("embed", None if dense_router else "expert")
         )
-        self.up = nnx.Param(normal((local, d, h), cfg.init_std), axes=("expert", "embed", "expert_mlp"))
+        self.up = nnx.Param(normal((local, d, h), init_std), axes=("expert", "embed", "expert_mlp"))
         self.down = nnx.Param(normal((local, h, d), out_std), axes=("expert", "expert_mlp", "embed"))
         self.gated = moe.expert_mlp == "swiglu"
         if self.gated:
-            self.gate = nnx.Param(normal((local, d, h), cfg.init_std), axes=("expert", "embed", "expert_mlp"))
+            self.gate = nnx.Param(normal((local, d, h), init_std), axes=("expert", "embed", "expert_mlp"))
         if moe.shared_expert_size:
-            common: dict[str, Any] = dict(precision=self.precision, cfg=cfg, rngs=rngs)
-            if self.gated:
-                self.shared_gate = Dense(
-                    d, moe.shared_expert_size, axes=("embed", "mlp"), path=f"{path}.shared.gate", **common
+            s = moe.shared_expert_size
+
+            def linear(shape, axes, name, std=init_std):
+                return _Linear(
+                    normal(shape, std),
+                    axes=axes,
+                    path=f"{path}.shared.{name}",
+                    precision=self.precision,
+                    dtype=self.dtype,
                 )
-            self.shared_up = Dense(d, moe.shared_expert_size, axes=("embed", "mlp"), path=f"{path}.shared.up", **common)
-            self.shared_down = Dense(
-                moe.shared_expert_size, d, axes=("mlp", "embed"), path=f"{path}.shared.down", std=out_std, **common
-            )
+
+            if self.gated:
+                self.shared_gate = linear((d, s), ("embed", "mlp"), "gate")
+            self.shared_up = linear((d, s), ("embed", "mlp"), "up")
+            self.shared_down = linear((s, d), ("mlp", "embed"), "down", out_std)
             if moe.shared_expert_gate:
-                self.shared_scale = Dense(d, 1, axes=("embed", None), path=f"{path}.shared.scale", **common)
+                self.shared_scale = linear((d, 1), ("embed", None), "scale")
+
+    @classmethod
+    def in_transformer(cls, cfg: TransformerConfig, moe: MoEConfig, **kwargs: Any) -> MoE:
+        """The layer in core.model.Transformer's FFN slot: d_model, dtypes and initialisation from the transformer's
+        config (out_std = init_std / sqrt(2 num_layers), as its dense MLP's); `kwargs` as `MoE`'s."""
+        return cls(
+            cfg.d_model,
+            moe,
+            dtype=cfg.compute_dtype,
+            param_dtype=cfg.weight_dtype,
+            init_std=cfg.init_std,
+            out_std=cfg.init_std / math.sqrt(2 * cfg.num_layers),
+            **kwargs,
+        )
 
     def route(self, x: jax.Array, key: jax.Array | None = None, router: jax.Array | None = None) -> router_lib.Routing:
         """Router logits in float32 for x [..., d] flattened to [N, d]; the top-k Routing over the router's

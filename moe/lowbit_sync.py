@@ -89,7 +89,10 @@ def compressed_average(values, start, flags, mesh, fmt: WireFormat, keys: jax.Ar
       `feedback` is.
     """
     if federation.devices_per_site(mesh) != 1:
-        raise ValueError("low-bit synchronisation runs with one device per site (mesh.expert = 1).")
+        raise ValueError(
+            f"low-bit synchronisation runs on a site mesh with one device per site (this `mesh` has "
+            f"{federation.devices_per_site(mesh)}: moe.federation.site_mesh(..., expert=1))."
+        )
     leaves, treedef = jax.tree.flatten(values)
     starts = jax.tree.leaves(start)  # (`values`' structure)
     flag_list = federation.leaf_flags(flags, values)

@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from quant.dot_general import FreshKeys, GemmConfig, backward_keys, check_key, check_rngs, prepare_operands
+from quant.gemm import FreshKeys, GemmConfig, backward_keys, check_key, check_rngs, prepare_operands
 from quant.quantize import DEFAULT_BLOCK, quantize
 from quant.recipes import Recipe
 from quant.recipes import get as get_recipe
 
-__all__ = ["group_aligned", "grouped_matmul"]
+__all__ = ["group_aligned", "make_grouped_matmul"]
 
 
 def group_aligned(x: jax.Array, group_sizes: jax.Array, multiple: int) -> tuple[jax.Array, jax.Array]:
@@ -52,7 +52,8 @@ def _grouped(cfg: GemmConfig, inner: Callable, x, w, group_sizes, key):
 
 
 def _fwd(cfg, inner, x, w, group_sizes, key):
-    check_key(cfg.recipe, key, "grouped_matmul")  # traced when differentiating: the error comes in the forward pass
+    # traced when differentiating: the error comes in the forward pass
+    check_key(cfg.recipe, key, "make_grouped_matmul")
     return _grouped(cfg, inner, x, w, group_sizes, key), (x, w, group_sizes, key)
 
 
@@ -81,7 +82,7 @@ def _bwd(cfg, inner, residuals, dy):
 _grouped.defvjp(_fwd, _bwd)
 
 
-def grouped_matmul(
+def make_grouped_matmul(
     recipe: Recipe | str,
     *,
     key: jax.Array | None = None,
@@ -98,7 +99,7 @@ def grouped_matmul(
     recipe: a Recipe or its name (quant.recipes.RECIPES). key: this layer's and step's PRNG key (None for inference;
     differentiating a stochastic recipe without one raises ValueError in the forward pass). rngs, stream: instead of
     key, an nnx.Rngs from whose stream every call draws a fresh key (a `FreshKeys` nnx.Module is returned; hold it
-    or the Rngs in the model, as for `quant.dot_general`); both key and rngs is a ValueError. inner: the grouped
+    or the Rngs in the model, as for `quant.make_dot_general`); both key and rngs is a ValueError. inner: the grouped
     matmul that multiplies the quantised operands (it receives preferred_element_type, and the other arguments only
     when they are given); quantizer: the fake quantiser; seed: the run's seed, from which the fixed RHT signs are
     drawn (`quant.hadamard.run_signs`). The result has `preferred_element_type` when given, else the operands'
@@ -107,7 +108,7 @@ def grouped_matmul(
     `group_offset` (a shard of the groups) is supported only for "none" (ValueError otherwise); `out_sharding`
     places the result."""
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
-    check_rngs("grouped_matmul", recipe, key, rngs, stream)
+    check_rngs("make_grouped_matmul", recipe, key, rngs, stream)
     if rngs is not None:
         return FreshKeys(_keyed_grouped_matmul, (recipe, inner, quantizer, seed), rngs, stream)
     return _keyed_grouped_matmul(recipe, inner, quantizer, seed, key)
@@ -124,7 +125,9 @@ def _keyed_grouped_matmul(
             extra = {name: v for name, v in given.items() if v is not None}
             return inner(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type, **extra)
         if group_offset is not None:
-            raise ValueError(f"quant.grouped_matmul({recipe.name!r}): group_offset is not supported when quantising")
+            raise ValueError(
+                f"quant.make_grouped_matmul({recipe.name!r}): group_offset is not supported when quantising"
+            )
         y = _grouped(cfg, inner, lhs, rhs, group_sizes, key)
         y = y.astype(preferred_element_type or jnp.result_type(lhs, rhs))
         return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)

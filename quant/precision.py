@@ -1,9 +1,9 @@
 """The model's matmul-precision slot filled by a quant recipe (core.model.Precision, duck-typed).
 
 `QuantPrecision(recipe, num_layers=L)`: every projection whose path the recipe does not keep in high precision gets
-`quant.dot_general(recipe, key=layer key)`; kept paths (the head, routers, ...; see Recipe.keeps) and the
+`quant.make_dot_general(recipe, key=layer key)`; kept paths (the head, routers, ...; see Recipe.keeps) and the
 unquantised NONE recipe get `jax.lax.dot_general` (so BF16 rounds the operands of every GEMM to bfloat16 except
-the kept paths'). Experts get `quant.grouped_matmul(recipe, key=...)` around `grouped` (the MoE package's grouped
+the kept paths'). Experts get `quant.make_grouped_matmul(recipe, key=...)` around `grouped` (the MoE package's grouped
 matmul). `seed` (the run's `train.seed`) fixes the RHT signs of every GEMM
 (`quant.hadamard.run_signs(seed)`; default 0).
 """
@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import jax
 
-from quant.dot_general import dot_general
-from quant.grouped import grouped_matmul
+from quant.gemm import make_dot_general
+from quant.grouped import make_grouped_matmul
 from quant.recipes import Recipe
 
 __all__ = ["QuantPrecision"]
@@ -47,10 +47,10 @@ class QuantPrecision:
 
     def dot_general(self, path: str, key: jax.Array | None) -> Callable:
         """The dot_general of the module at `path` for this step (`key`: its layer key, None for inference)."""
-        return jax.lax.dot_general if self._keeps(path) else dot_general(self.recipe, key=key, seed=self.seed)
+        return jax.lax.dot_general if self._keeps(path) else make_dot_general(self.recipe, key=key, seed=self.seed)
 
     def grouped_matmul(self, path: str, key: jax.Array | None) -> Callable:
         """The grouped matmul of the experts at `path` for this step."""
         if self._keeps(path):
             return self.grouped
-        return grouped_matmul(self.recipe, key=key, inner=self.grouped, seed=self.seed)
+        return make_grouped_matmul(self.recipe, key=key, inner=self.grouped, seed=self.seed)

@@ -1,5 +1,6 @@
 """Test setup: 8 virtual CPU devices (set before JAX is imported), cheap compilation (a cache the session shares,
-XLA's fast-compiling CPU settings), and small shared fixtures.
+XLA's fast-compiling CPU settings; not in the process test_xla_defaults starts, which compiles with XLA's defaults
+as users do), and small shared fixtures.
 
 Most of the suite's time is XLA compiling small programs, and many tests compile the same ones (a resumed run
 compiles what the run it resumes compiled; the CLI tests start processes that compile the same train step). JAX's
@@ -34,10 +35,15 @@ def _xla_accepts(flags):
     return subprocess.run(probe, env=env, capture_output=True, check=False).returncode == 0
 
 
+# The one tier compiled as users compile (test_xla_defaults) runs its tests in a process started with this variable:
+# there XLA keeps its default flags (only the virtual devices are added).
+XLA_DEFAULTS = "LOWBIT_TESTS_XLA_DEFAULTS"
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _given = os.environ.get("XLA_FLAGS", "").split()  # xdist workers inherit the first process's flags
 _flags = [_DEVICES]
-if os.environ["JAX_PLATFORMS"] == "cpu" and not set(_FAST_COMPILE) <= set(_given) and _xla_accepts(_FAST_COMPILE):
+_fast = os.environ["JAX_PLATFORMS"] == "cpu" and not os.environ.get(XLA_DEFAULTS)
+if _fast and not set(_FAST_COMPILE) <= set(_given) and _xla_accepts(_FAST_COMPILE):
     _flags += _FAST_COMPILE
 os.environ["XLA_FLAGS"] = " ".join([*_given, *(f for f in _flags if f not in _given)])
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the session; workers inherit it
@@ -47,6 +53,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the se
 from core import host_memory  # noqa: E402 (after XLA_FLAGS: applying it imports jax)
 
 host_memory.keep_freed_memory()  # the commands' CPU memory settings (experiments.command), applied as they apply them
+
+
+def pytest_report_header(config):
+    """The XLA flags this process compiles with (test_xla_defaults reads them from the process it starts)."""
+    return f"XLA_FLAGS: {os.environ['XLA_FLAGS']}"
 
 
 @pytest.fixture

@@ -75,7 +75,9 @@ def tiny_moe_transformer(resident=None, routing_mode="partitioned", precision=No
     m = MoEConfig(num_experts=8, top_k=2, expert_size=8)
 
     def ffn(layer, path, rngs):
-        return MoE(cfg, m, path=path, rngs=rngs, resident=resident, routing_mode=routing_mode, precision=precision)
+        return MoE.in_transformer(
+            cfg, m, path=path, rngs=rngs, resident=resident, routing_mode=routing_mode, precision=precision
+        )
 
     return Transformer(cfg, rngs=nnx.Rngs(0), ffn_factory=ffn, precision=precision)
 

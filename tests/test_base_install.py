@@ -8,7 +8,7 @@ prometheus-client with orbax-checkpoint: those stay importable, as they would af
 derived from pyproject.toml and the installed metadata, so it cannot drift from the extras.
 
 In that process every module of `core`, `moe`, `optim`, `quant` and `kvcache` imports (a module that imports an
-extra's package at module level fails the test, naming both), and the README's three library snippets run and
+extra's package at module level fails the test, naming both), and the README's four library snippets run and
 print their results. The same way, every module of `experiments` but the HTTP server's (`experiments/server/`, the
 `[serve]` extra) imports with the `[experiments]` extra alone, which the README's quickstart command installs.
 """
@@ -164,12 +164,13 @@ def test_the_base_dependencies_hold_no_extra_only_package():
 
 
 def test_the_library_packages_import_and_the_readme_snippets_run_without_any_extra():
-    """Every module of the five library packages imports, then the README's three snippets run, in one process."""
+    """Every module of the five library packages imports, then the README's four snippets run, in one process."""
     snippets = library_snippets()
-    assert len(snippets) == 3
+    assert len(snippets) == 4
     result = run_child(snippets)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "MGUP-AdamW: loss" in result.stdout and "fp4:" in result.stdout and "step 100:" in result.stdout
+    assert "experts of token 0:" in result.stdout
 
 
 def test_the_commands_import_with_the_experiments_extra_alone():

@@ -17,7 +17,9 @@ import time
 import numpy as np
 import pytest
 
-from experiments import links, run, serve
+from experiments import args as args_lib
+from experiments import run, serve
+from experiments.cluster import links
 
 from helpers import metric_rows
 
@@ -164,7 +166,7 @@ def _crash_at(step):
 
 def _run(workdir, *extra, config=CONFIG, hooks=()):
     """experiments.run in this process (its 8 virtual devices): parse the command line, train, summarise."""
-    cfg, wd = run.parse_args(["run", f"--config={config}", f"--workdir={workdir}", *TINY, *extra])
+    cfg, wd = args_lib.parse_run_args(["run", f"--config={config}", f"--workdir={workdir}", *TINY, *extra])
     assert run.run(cfg, wd, hooks=hooks) == 0
     return json.loads((workdir / "summary.json").read_text())
 
@@ -325,7 +327,7 @@ def _serve_streams_the_greedy_continuation(workdir, capsys, kv_format="bf16"):
     """`python -m experiments.serve` on the run: the streamed text of a greedy request is the prompt followed by
     what the serving engine generates for it from the loaded model with the same KV format (the engine equals
     `core.generate` with that cache: test_engine); a missing workdir exits 2 with a clear message."""
-    from core.tokenizer import ByteTokenizer
+    from core.byte_tokenizer import ByteTokenizer
     from experiments import load
     from kvcache import formats
     from kvcache.serving import Engine, EngineConfig

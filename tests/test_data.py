@@ -1,5 +1,6 @@
-"""Tests for core.data (corpus loading and splitting, batching) and the byte tokenizer of core.tokenizer it streams
-by default (tests/test_tokenizer.py covers the tokenizer interface, BPE and the held-out byte count)."""
+"""Tests for core.corpus (corpus loading and splitting), core.data (batching) and the byte tokenizer
+(core.byte_tokenizer) the corpus streams by default (tests/test_tokenizer.py covers the tokenizer interface, BPE and
+the held-out byte count)."""
 
 import collections
 import contextlib
@@ -17,9 +18,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from core import data
-from core.data import Batches, Corpus, DataError
-from core.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, ByteTokenizer, StreamDecoder, TokenizerError
+from core import corpus as corpus_lib
+from core.byte_tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, ByteTokenizer, TokenizerError
+from core.corpus import Corpus, DataError
+from core.data import Batches
+from core.tokenizer import StreamDecoder
 
 # --------------------------------------------------------------------------- helpers
 
@@ -206,11 +209,11 @@ def test_stream_decoder_holds_back_a_split_character_and_takes_any_bytes_tokeniz
 
 @pytest.fixture(scope="module")
 def stdlib_corpus():
-    return data.load_corpus()
+    return corpus_lib.load_corpus()
 
 
 def test_stdlib_files():
-    files = data.stdlib_files()
+    files = corpus_lib.stdlib_files()
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     names = [f.relative_to(root).as_posix() for f in files]
     assert names == sorted(names) and len(set(names)) == len(names)
@@ -222,13 +225,13 @@ def test_stdlib_files():
 
 def test_stdlib_corpus(stdlib_corpus):
     corpus = stdlib_corpus
-    again = data.load_corpus()
+    again = corpus_lib.load_corpus()
     assert corpus.fingerprint == again.fingerprint and len(corpus.fingerprint) == 64
     np.testing.assert_array_equal(corpus.train, again.train)
     np.testing.assert_array_equal(corpus.val, again.val)
     assert not corpus.train.flags.writeable
 
-    files = data.stdlib_files()
+    files = corpus_lib.stdlib_files()
     train_docs, val_docs = split_documents(corpus.train), split_documents(corpus.val)
     # Every file is exactly one document, wholly on one side.
     contents = collections.Counter(f.read_bytes() for f in files)
@@ -253,7 +256,7 @@ def test_text_directory_split(tmp_path, n, val_fraction):
     (tmp_path / "ignored.csv").write_text("a,b")
     (tmp_path / ".hidden").mkdir()
     (tmp_path / ".hidden" / "skip.txt").write_text("hidden")
-    corpus = data.load_corpus(str(tmp_path), val_fraction=val_fraction)
+    corpus = corpus_lib.load_corpus(str(tmp_path), val_fraction=val_fraction)
     train, val = split_documents(corpus.train), split_documents(corpus.val)
     expected_val = min(max(round(val_fraction * n), 1), n - 1)
     assert len(val) == expected_val and len(train) == n - expected_val
@@ -268,9 +271,9 @@ def test_text_directory_split(tmp_path, n, val_fraction):
     assert [c for c, v in zip(ordered, is_val) if v] == val
     assert corpus.info["source"] == str(tmp_path)
     # Same directory via a glob pattern and via pathlib.Path: same documents and names, same corpus.
-    globbed = data.load_corpus(str(tmp_path / "**" / "*.*"), val_fraction=val_fraction)
+    globbed = corpus_lib.load_corpus(str(tmp_path / "**" / "*.*"), val_fraction=val_fraction)
     assert globbed.fingerprint == corpus.fingerprint
-    assert data.load_corpus(tmp_path, val_fraction=val_fraction).fingerprint == corpus.fingerprint
+    assert corpus_lib.load_corpus(tmp_path, val_fraction=val_fraction).fingerprint == corpus.fingerprint
 
 
 def test_split_depends_on_names_not_contents(tmp_path):
@@ -284,22 +287,23 @@ def test_split_depends_on_names_not_contents(tmp_path):
     def side(c):
         return [len(d) for d in split_documents(c.val)]  # Length i + 1 identifies file i.
 
-    assert side(data.load_corpus(str(a), val_fraction=0.2)) == side(data.load_corpus(str(b), val_fraction=0.2))
+    load = corpus_lib.load_corpus
+    assert side(load(str(a), val_fraction=0.2)) == side(load(str(b), val_fraction=0.2))
 
 
 def test_fingerprint_sensitivity(tmp_path):
     docs = write_random_docs(tmp_path, np.random.default_rng(2), 8)
-    base = data.load_corpus(str(tmp_path)).fingerprint
-    assert data.load_corpus(str(tmp_path)).fingerprint == base
+    base = corpus_lib.load_corpus(str(tmp_path)).fingerprint
+    assert corpus_lib.load_corpus(str(tmp_path)).fingerprint == base
     name = sorted(docs)[5]
     content = bytearray(docs[name])
     content[len(content) // 2] ^= 1
     (tmp_path / name).write_bytes(bytes(content))
-    changed = data.load_corpus(str(tmp_path)).fingerprint
+    changed = corpus_lib.load_corpus(str(tmp_path)).fingerprint
     assert changed != base
-    assert data.load_corpus(str(tmp_path), val_fraction=0.5).fingerprint != changed  # The split is hashed too.
+    assert corpus_lib.load_corpus(str(tmp_path), val_fraction=0.5).fingerprint != changed  # The split is hashed too.
     (tmp_path / name).rename(tmp_path / (name + ".txt"))
-    assert data.load_corpus(str(tmp_path)).fingerprint != changed  # So are names.
+    assert corpus_lib.load_corpus(str(tmp_path)).fingerprint != changed  # So are names.
 
 
 def test_jsonl(tmp_path):
@@ -309,7 +313,7 @@ def test_jsonl(tmp_path):
     lines.insert(7, "   ")  # Blank lines are skipped.
     (tmp_path / "part.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     (tmp_path / "extra.txt").write_bytes(b"plain \xff bytes")  # Raw bytes, not decoded.
-    corpus = data.load_corpus(str(tmp_path), val_fraction=0.1, jsonl_field="body")
+    corpus = corpus_lib.load_corpus(str(tmp_path), val_fraction=0.1, jsonl_field="body")
     train, val = split_documents(corpus.train), split_documents(corpus.val)
     expected = [b"plain \xff bytes"] + [t.encode("utf-8") for t in texts]  # "extra.txt" < "part.jsonl".
     assert len(val) == 3 and len(train) == 28
@@ -323,7 +327,7 @@ def test_single_document_tail_split(tmp_path, size, suffix):
     content = np.random.default_rng(size).integers(32, 127, size=size).astype(np.uint8).tobytes()
     path = tmp_path / f"one{suffix}"
     path.write_bytes(json.dumps({"text": content.decode()}).encode() if suffix == ".jsonl" else content)
-    corpus = data.load_corpus(str(path), val_fraction=0.1)
+    corpus = corpus_lib.load_corpus(str(path), val_fraction=0.1)
     [train], [val] = split_documents(corpus.train), split_documents(corpus.val)
     held = min(max(round(0.1 * size), 1), size - 1)
     assert train == content[: size - held] and val == content[size - held :]
@@ -332,7 +336,7 @@ def test_single_document_tail_split(tmp_path, size, suffix):
 
 def error_message(**kwargs) -> str:
     with pytest.raises(DataError) as excinfo:
-        data.load_corpus(**kwargs)
+        corpus_lib.load_corpus(**kwargs)
     return str(excinfo.value)
 
 
@@ -392,7 +396,7 @@ def load_or_unblock(path: str, fifos: Sequence[pathlib.Path], timeout: float = 5
 
     def target():
         try:
-            result["corpus"] = data.load_corpus(path)
+            result["corpus"] = corpus_lib.load_corpus(path)
         except Exception as e:  # the test inspects whatever it raised
             result["error"] = e
 
@@ -429,10 +433,10 @@ def test_special_files_and_broken_symlinks_are_refused_and_symlinked_files_follo
     (root / "link.txt").symlink_to(outside / "real.md")
     os.mkfifo(root / "ignored.pipe")  # not an accepted suffix: not looked at
     (root / "ignored.csv").symlink_to(tmp_path / "missing.csv")
-    corpus = data.load_corpus(str(root), val_fraction=0.5)
+    corpus = corpus_lib.load_corpus(str(root), val_fraction=0.5)
     docs = split_documents(corpus.train) + split_documents(corpus.val)
     assert sorted(docs) == [b"linked content", b"plain content"]
-    named = data.load_corpus(str(root / "link.txt"))  # a link named directly: followed too
+    named = corpus_lib.load_corpus(str(root / "link.txt"))  # a link named directly: followed too
     assert b"".join(split_documents(named.train) + split_documents(named.val)) == b"linked content"
 
     fifo = root / "x.txt"

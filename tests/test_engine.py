@@ -12,8 +12,8 @@ from flax import nnx
 
 from core import generate as generate_lib
 from core import sampling
+from core.byte_tokenizer import ByteTokenizer
 from core.model import Transformer, TransformerConfig
-from core.tokenizer import ByteTokenizer
 from kvcache import capacity, formats, paged_cache_factory
 from kvcache.serving import BlockManager, Engine, EngineConfig, Request, SamplingParams, block_hashes
 

@@ -28,7 +28,7 @@ def _model(resident, shard):
     m = MoEConfig(num_experts=EXPERTS, top_k=2, expert_size=8)
 
     def ffn(layer, path, rngs):
-        return MoE(cfg, m, path=path, rngs=rngs, resident=resident, shard=shard)
+        return MoE.in_transformer(cfg, m, path=path, rngs=rngs, resident=resident, shard=shard)
 
     return Transformer(cfg, rngs=nnx.Rngs(0), ffn_factory=ffn, shard=shard)
 

@@ -295,7 +295,7 @@ def test_imported_parameters_are_created_in_their_shardings():
     config = schema.default_config()
     config.checkpoint.init_from = "hf:" + directory
     config.mesh.update(data=4, model=2)
-    schema.resolve(config)
+    load.resolve(config)
     schema.validate(config, num_devices=8)
     _, sharder = build.build_mesh(config)
     _, abstract, _ = split_params(nnx.eval_shape(lambda: build.build_model_fn(config, sharder)(nnx.Rngs(0))))
@@ -492,7 +492,7 @@ def test_a_folder_that_is_no_checkpoint_is_named_as_what_it_is(tmp_path, capsys)
         err = capsys.readouterr().err
         assert f"--hf-dir={directory}: " in err and reason in err and len(err.strip().splitlines()) == 1, err
         with pytest.raises(ConfigError, match=f"'checkpoint.init_from' = 'hf:{directory}': .*{re.escape(reason)}"):
-            load.hf_dir(finetune.get_config(str(directory)))
+            schema.hf_dir(finetune.get_config(str(directory)))
     assert serve.main([f"--workdir={os.path.join(FIXTURES, 'qwen2')}", "--prompt=x"]) == 2
     assert "a Hugging Face checkpoint, not a run" in capsys.readouterr().err
 
@@ -501,17 +501,17 @@ def test_import_without_evaluation_tokenizes_nothing_and_records_the_corpus(tmp_
     """`import --eval-batches 0` never loads (tokenizes) the corpus, yet its data.json holds the fingerprint the
     loaded corpus has; `--eval-batch-size` sets the held-out batches' size (what the held-out split must hold)."""
     directory, corpus = _copy(tmp_path, "qwen2"), _corpus(tmp_path)
-    real = build.data_lib.load_corpus
+    real = build.corpus_lib.load_corpus
 
     def refuse(*args, **kwargs):
         raise AssertionError("the corpus was tokenized")
 
-    monkeypatch.setattr(build.data_lib, "load_corpus", refuse)
+    monkeypatch.setattr(build.corpus_lib, "load_corpus", refuse)
     argv = ["import", "--hf-dir", str(directory), "--data-path", corpus, "--eval-batches", "0"]
     assert hf_cli.main([*argv, "--workdir", str(tmp_path / "a")]) == 0, capsys.readouterr().err
     recorded = json.loads((tmp_path / "a" / "data.json").read_text())
     assert recorded["fingerprint"] == real(corpus).fingerprint and recorded["source"] == corpus
-    monkeypatch.setattr(build.data_lib, "load_corpus", real)
+    monkeypatch.setattr(build.corpus_lib, "load_corpus", real)
     smaller = [*argv[:-1], "2", "--eval-batch-size", "8", "--workdir", str(tmp_path / "b")]
     assert hf_cli.main(smaller) == 2  # this corpus's 2% held out is too short even for these
     assert "train.eval_batches=2 needs 16 non-overlapping windows" in capsys.readouterr().err
@@ -550,7 +550,7 @@ def test_fine_tuning_starts_from_the_checkpoint(tmp_path, capsys):
     bad = _tiny_data(finetune.get_config(directory), tmp_path)
     bad.model.d_model = 64
     with pytest.raises(config_lib.ConfigError, match=r"'model.d_model' = 64 conflicts with the checkpoint .* has 32"):
-        schema.resolve(bad)
+        load.resolve(bad)
 
 
 def test_a_federation_starts_each_site_from_its_resident_experts_and_a_site_exports_as_its_own_model(tmp_path):
@@ -562,7 +562,7 @@ def test_a_federation_starts_each_site_from_its_resident_experts_and_a_site_expo
     config = _tiny_data(finetune.get_config(directory), tmp_path)
     config.mesh.update(site=2, data=1)
     config.fomoe.update(overlap=1, local_steps=1)
-    schema.resolve(config)
+    load.resolve(config)
     schema.validate(config, num_devices=8)
     graphdef, _, _, state = federated.initial_state(config, pretrained=True)
     expected = weights.to_ours(weights.read(directory), schema.model_config(config), _moe(config), source=directory)
@@ -775,7 +775,7 @@ def test_an_export_of_a_run_trained_here_frames_prompts_as_the_run_and_our_serve
     """A run trained here with a BPE saved before tokenizers carried a framing rule (tokenizer_legacy/: no
     post-processor) frames its prompts with BOS, as its corpus did; its export writes that rule into the exported
     tokenizer, so the export (read by transformers through its post-processor) gives the prompt ids the run does."""
-    from core.tokenizer import HFTokenizer
+    from core.hf_tokenizer import HFTokenizer
     from experiments.hf import generation
 
     config, model = pretrained.model_from_hf(os.path.join(FIXTURES, "qwen2"))

@@ -15,8 +15,9 @@ import sys
 
 import pytest
 
-from experiments import links
+from experiments import links as links_cli
 from experiments.bench import link_rate
+from experiments.cluster import links
 
 from helpers import running
 
@@ -208,7 +209,7 @@ def test_without_root_or_tc_it_says_what_is_missing_and_makes_nothing(monkeypatc
     real_which = shutil.which
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "tc" else real_which(name, *a, **k))
-    assert links.main(["run", "--sites", "2", "--rate-mbit", "8", "--", "true"]) == 2
+    assert links_cli.main(["run", "--sites", "2", "--rate-mbit", "8", "--", "true"]) == 2
     err = capsys.readouterr().err
     assert "links: error: experiments.links needs root (this process runs as uid 1000" in err, err
     assert "`tc` (iproute2)" in err and "`ip`" not in err, err
@@ -236,7 +237,7 @@ def test_bad_arguments_are_named(kwargs, needle):
 
 def test_bad_flags_are_named(capsys):
     with pytest.raises(SystemExit) as e:
-        links.main(["up", "--sites", "0", "--rate-mbit", "8"])
+        links_cli.main(["up", "--sites", "0", "--rate-mbit", "8"])
     assert e.value.code == 2 and "--sites=0: must be an integer >= 1" in capsys.readouterr().err
 
 

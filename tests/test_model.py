@@ -12,8 +12,8 @@ from flax import nnx
 from core import attention as attention_lib
 from core import generate as generate_lib
 from core.attention import DenseKVCache
+from core.byte_tokenizer import ByteTokenizer
 from core.model import DefaultPrecision, Transformer, TransformerConfig, count_params
-from core.tokenizer import ByteTokenizer
 
 from helpers import forward
 

@@ -205,7 +205,7 @@ class _ProductPerPath(DefaultPrecision):
 
 def _layer_and_reference(m: MoEConfig, shape, seed=0, precision=None):
     cfg = TransformerConfig(d_model=shape[-1], num_layers=2)
-    layer = MoE(cfg, m, path="ffn", rngs=nnx.Rngs(seed), precision=precision)
+    layer = MoE.in_transformer(cfg, m, path="ffn", rngs=nnx.Rngs(seed), precision=precision)
     params = set_params(layer, seed)
     x = RNG.normal(size=shape)
     return layer, params, x
@@ -342,8 +342,8 @@ def test_sharded_layer_and_gradients_equal_single_device(data, expert, dispatch_
     )
     cfg = TransformerConfig(d_model=16, num_layers=2)
     shard = sharder(data, expert)
-    single = MoE(cfg, m, path="ffn", rngs=nnx.Rngs(3))
-    sharded = MoE(cfg, m, path="ffn", rngs=nnx.Rngs(3), shard=shard)
+    single = MoE.in_transformer(cfg, m, path="ffn", rngs=nnx.Rngs(3))
+    sharded = MoE.in_transformer(cfg, m, path="ffn", rngs=nnx.Rngs(3), shard=shard)
     assert sharded.ep_axis == ("expert" if dispatch_kind == "dropless" and expert > 1 else None)
     if expert_mlp == "swiglu":  # the gate matrices are sharded like up's, by their logical axes alone
         shardings = mesh_lib.param_shardings(nnx.state(sharded, nnx.Param), shard)
@@ -372,7 +372,7 @@ def test_data_parallel_routing_and_dispatch_stay_on_each_devices_tokens():
     collectives are all-reduces of weight gradients and routing statistics, far smaller than the tokens."""
     m = MoEConfig(num_experts=8, top_k=2, expert_size=8, router="sigmoid")
     cfg = TransformerConfig(d_model=16, num_layers=2)
-    layer = MoE(cfg, m, path="ffn", rngs=nnx.Rngs(3), shard=sharder(8, 1))
+    layer = MoE.in_transformer(cfg, m, path="ffn", rngs=nnx.Rngs(3), shard=sharder(8, 1))
     graphdef, params, rest = split_params(layer)
     x = jax.device_put(
         jnp.asarray(RNG.normal(size=(64, 64, 16)), jnp.float32), layer.shard.named(("batch", None, None))
@@ -394,10 +394,10 @@ def test_expert_parallel_pads_token_counts_the_devices_cannot_split():
     m = MoEConfig(num_experts=8, top_k=2, expert_size=8)
     cfg = TransformerConfig(d_model=16, num_layers=2)
     x = jnp.asarray(RNG.normal(size=(1, 3, 16)), jnp.float32)
-    y1, aux1 = call(MoE(cfg, m, path="ffn", rngs=nnx.Rngs(4)), x)
+    y1, aux1 = call(MoE.in_transformer(cfg, m, path="ffn", rngs=nnx.Rngs(4)), x)
 
     def sharded(x):  # the layer is built under jit, as the model builds it
-        return MoE(cfg, m, path="ffn", rngs=nnx.Rngs(4), shard=sharder(2, 4))(x)
+        return MoE.in_transformer(cfg, m, path="ffn", rngs=nnx.Rngs(4), shard=sharder(2, 4))(x)
 
     y8, aux8 = jax.jit(sharded)(x)
     np.testing.assert_allclose(y8, y1, rtol=1e-5, atol=1e-6)
@@ -487,14 +487,39 @@ def test_bad_moe_configs_are_rejected_naming_the_key(changes, needles):
 
 
 def test_layer_rejects_experts_not_divisible_by_the_expert_axis():
-    with pytest.raises(ValueError, match="moe.num_experts = 6 is not divisible by the mesh axis 'expert' = 4"):
-        MoE(TransformerConfig(d_model=16), MoEConfig(num_experts=6), path="ffn", rngs=nnx.Rngs(0), shard=sharder(2, 4))
+    with pytest.raises(ValueError, match="MoEConfig.num_experts = 6 is not divisible by the mesh axis 'expert' = 4"):
+        MoE.in_transformer(
+            TransformerConfig(d_model=16), MoEConfig(num_experts=6), path="ffn", rngs=nnx.Rngs(0), shard=sharder(2, 4)
+        )
+
+
+def test_the_config_layer_names_the_config_keys_of_the_layers_errors():
+    """MoEConfig's own error, re-raised by experiments.schema_moe with the config keys, as one line."""
+    with pytest.raises(ConfigError) as e:
+        _validate({"moe.every": 1, "moe.top_k": 9})
+    assert str(e.value) == (
+        "config key 'moe.top_k' = 9 exceeds 'moe.num_experts' = 8; a token chooses at most every expert once."
+    )
+
+
+def test_moe_config_errors_name_the_layers_arguments():
+    """Without any experiment config, MoEConfig and the layer name their own arguments (the config layer re-raises
+    these with the config keys: test_bad_moe_configs_are_rejected_naming_the_key)."""
+    with pytest.raises(ValueError, match=r"^MoEConfig.router = 'relu'; allowed: \['softmax', 'sigmoid'\]"):
+        MoEConfig(router="relu")
+    with pytest.raises(ValueError, match=r"^MoEConfig.capacity_factor = 0.0 must be > 0"):
+        MoEConfig(capacity_factor=0.0)
+    too_many = MoEConfig(num_experts=2, top_k=3)  # a dense transformer's unused MoEConfig is not held to the pairs
+    with pytest.raises(ValueError, match=r"^MoEConfig.top_k = 3 exceeds MoEConfig.num_experts = 2; a token"):
+        MoE(16, too_many, path="ffn", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"^MoEConfig.normalize_gates = True needs MoEConfig.router = 'softmax'"):
+        MoEConfig(normalize_gates=True).check()
 
 
 def test_layer_and_dispatch_reject_bad_expert_forms():
-    with pytest.raises(ValueError, match=r"moe.expert_mlp = 'geglu'; allowed: \['silu', 'swiglu'\]"):
-        MoE(TransformerConfig(d_model=16), MoEConfig(expert_mlp="geglu"), path="ffn", rngs=nnx.Rngs(0))
-    layer = MoE(TransformerConfig(d_model=16), MoEConfig(), path="ffn", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"MoEConfig.expert_mlp = 'geglu'; allowed: \['silu', 'swiglu'\]"):
+        MoE.in_transformer(TransformerConfig(d_model=16), MoEConfig(expert_mlp="geglu"), path="ffn", rngs=nnx.Rngs(0))
+    layer = MoE.in_transformer(TransformerConfig(d_model=16), MoEConfig(), path="ffn", rngs=nnx.Rngs(0))
     with pytest.raises(AssertionError, match=r"shape \(2, 3, 8\) but expected \(None, None, 16\).*\[batch, seq"):
         layer(jnp.ones((2, 3, 8)))
     x, experts, gates = jnp.ones((6, 4)), jnp.zeros((6, 2), jnp.int32), jnp.ones((6, 2))

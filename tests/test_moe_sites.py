@@ -39,7 +39,9 @@ class CountingPrecision(DefaultPrecision):
 def test_skip_token_equals_the_global_moe_without_ghosts_and_computes_only_resident_rows(resident, k, expert_mlp):
     m = MoEConfig(num_experts=8, top_k=k, expert_size=8, router="sigmoid", expert_mlp=expert_mlp)
     counting = CountingPrecision()
-    layer = MoE(CFG, m, path="ffn", rngs=nnx.Rngs(0), resident=resident, routing_mode="skip_token", precision=counting)
+    layer = MoE.in_transformer(
+        CFG, m, path="ffn", rngs=nnx.Rngs(0), resident=resident, routing_mode="skip_token", precision=counting
+    )
     p = set_params(layer, 0)
     assert p["router"].shape == (16, 8) and p["up"].shape == (len(resident), 16, 8)
     x = RNG.normal(size=(3, 7, 16))
@@ -67,8 +69,8 @@ def test_partitioned_router_is_a_moe_over_the_resident_experts():
     """Site hosting 3 of 8 experts with k = 4: routes over its 3 (top min(k, N_le) = 3), exactly like a 3-expert
     top-3 MoE with the same weights (a second implementation of the same function)."""
     m = MoEConfig(num_experts=8, top_k=4, expert_size=8, router="softmax")
-    site = MoE(CFG, m, path="ffn", rngs=nnx.Rngs(0), resident=(2, 5, 7), routing_mode="partitioned")
-    small = MoE(CFG, dataclasses.replace(m, num_experts=3, top_k=3), path="ffn", rngs=nnx.Rngs(1))
+    site = MoE.in_transformer(CFG, m, path="ffn", rngs=nnx.Rngs(0), resident=(2, 5, 7), routing_mode="partitioned")
+    small = MoE.in_transformer(CFG, dataclasses.replace(m, num_experts=3, top_k=3), path="ffn", rngs=nnx.Rngs(1))
     nnx.update(small, nnx.state(site, nnx.Param))
     assert site.router.get_value().shape == (16, 3)
     x = jnp.asarray(RNG.normal(size=(2, 9, 16)), jnp.float32)
@@ -79,8 +81,8 @@ def test_partitioned_router_is_a_moe_over_the_resident_experts():
 
 def test_full_replica_skip_token_is_the_standard_layer():
     m = MoEConfig(num_experts=4, top_k=2, expert_size=8)
-    a = MoE(CFG, m, path="ffn", rngs=nnx.Rngs(0), routing_mode="skip_token")
-    b = MoE(CFG, m, path="ffn", rngs=nnx.Rngs(0))
+    a = MoE.in_transformer(CFG, m, path="ffn", rngs=nnx.Rngs(0), routing_mode="skip_token")
+    b = MoE.in_transformer(CFG, m, path="ffn", rngs=nnx.Rngs(0))
     x = jnp.asarray(RNG.normal(size=(2, 5, 16)), jnp.float32)
     np.testing.assert_array_equal(call(a, x)[0], call(b, x)[0])
     assert not a.skip_token
@@ -94,7 +96,9 @@ def test_skip_token_sharded_over_experts_equals_one_device(dispatch):
     ct = jnp.asarray(RNG.normal(size=x.shape), jnp.float32)
     outs = []
     for shard in (None, sharder(2, 4)):
-        layer = MoE(CFG, m, path="ffn", rngs=nnx.Rngs(2), resident=resident, routing_mode="skip_token", shard=shard)
+        layer = MoE.in_transformer(
+            CFG, m, path="ffn", rngs=nnx.Rngs(2), resident=resident, routing_mode="skip_token", shard=shard
+        )
         graphdef, params, rest = split_params(layer)
 
         def loss(params, x, graphdef=graphdef, rest=rest):
@@ -112,8 +116,10 @@ def test_skip_token_sharded_over_experts_equals_one_device(dispatch):
 def test_bad_site_arguments():
     m = MoEConfig(num_experts=4, top_k=2)
     with pytest.raises(ValueError, match="routing_mode = 'ghost'"):
-        MoE(CFG, m, path="ffn", rngs=nnx.Rngs(0), routing_mode="ghost")
+        MoE.in_transformer(CFG, m, path="ffn", rngs=nnx.Rngs(0), routing_mode="ghost")
     with pytest.raises(ValueError, match=r"resident experts \[1, 1\] must be distinct ids in \[0, 4\)"):
-        MoE(CFG, m, path="ffn", rngs=nnx.Rngs(0), resident=(1, 1))
-    with pytest.raises(ValueError, match="moe.num_experts = 3 is not divisible by the mesh axis 'expert' = 4"):
-        MoE(CFG, MoEConfig(num_experts=8), path="ffn", rngs=nnx.Rngs(0), resident=(0, 1, 2), shard=sharder(2, 4))
+        MoE.in_transformer(CFG, m, path="ffn", rngs=nnx.Rngs(0), resident=(1, 1))
+    with pytest.raises(ValueError, match="MoEConfig.num_experts = 3 is not divisible by the mesh axis 'expert' = 4"):
+        MoE.in_transformer(
+            CFG, MoEConfig(num_experts=8), path="ffn", rngs=nnx.Rngs(0), resident=(0, 1, 2), shard=sharder(2, 4)
+        )

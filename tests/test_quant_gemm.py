@@ -1,5 +1,5 @@
-"""quant.dot_general and quant.grouped_matmul: exact when quantisation is off, the right operands quantised along
-the right axes in each of the three GEMMs, every 4-bit recipe's three GEMMs against a float64 reference built from
+"""quant.make_dot_general and quant.make_grouped_matmul: exact when quantisation is off, the right operands quantised
+along the right axes in each of the three GEMMs, every 4-bit recipe's three GEMMs against a float64 reference built from
 `quantize`, stochastic rounding keyed, RHT signs from the run's seed, sharding, dtypes, errors."""
 
 import dataclasses
@@ -14,8 +14,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from quant import recipes
-from quant.dot_general import SALT_DGRAD, SALT_OPERANDS, SALT_WGRAD, dot_general
-from quant.grouped import grouped_matmul
+from quant.gemm import SALT_DGRAD, SALT_OPERANDS, SALT_WGRAD, make_dot_general
+from quant.grouped import make_grouped_matmul
 from quant.hadamard import random_signs, rht, run_signs
 from quant.precision import QuantPrecision
 from quant.quantize import DEFAULT_BLOCK, quantize, quantize_tiles
@@ -46,7 +46,7 @@ def test_off_or_identity_quantiser_equals_dot_general(lhs_shape, rhs_shape, dims
     out = jax.lax.dot_general(lhs, rhs, dims)
     c = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
     want = _grads(jax.lax.dot_general, lhs, rhs, dims, c)
-    for f in (dot_general(recipes.NONE), dot_general(recipes.UFP4, key=KEY, quantizer=identity)):
+    for f in (make_dot_general(recipes.NONE), make_dot_general(recipes.UFP4, key=KEY, quantizer=identity)):
         got = _grads(f, lhs, rhs, dims, c)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
@@ -62,7 +62,7 @@ def test_grouped_off_or_identity_quantiser_equals_ragged_dot():
         return jax.jit(jax.value_and_grad(lambda a, b: jnp.sum(c * f(a, b, sizes)), argnums=(0, 1)))(x, w)
 
     want = loss(jax.lax.ragged_dot)
-    for f in (grouped_matmul(recipes.NONE), grouped_matmul(recipes.UFP4, key=KEY, quantizer=identity)):
+    for f in (make_grouped_matmul(recipes.NONE), make_grouped_matmul(recipes.UFP4, key=KEY, quantizer=identity)):
         for a, b in zip(jax.tree.leaves(loss(f)), jax.tree.leaves(want)):
             np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
 
@@ -83,7 +83,7 @@ def test_each_gemm_quantises_the_right_operands_along_the_right_axes():
     K and w along K; dgrad dy along N (stochastic) and w along N; wgrad x along M and dy along M (stochastic)."""
     x, w = jnp.ones((32, 48)), jnp.ones((48, 64))
     dims = (((1,), (0,)), ((), ()))
-    calls = _recorded(lambda q: lambda a, b: dot_general(recipes.UFP4, key=KEY, quantizer=q)(a, b, dims), x, w)
+    calls = _recorded(lambda q: lambda a, b: make_dot_general(recipes.UFP4, key=KEY, quantizer=q)(a, b, dims), x, w)
     assert calls == [
         ((1, 32, 48), 2, "nearest"),
         ((1, 48, 64), 1, "nearest"),  # fprop: x, w along K
@@ -94,13 +94,13 @@ def test_each_gemm_quantises_the_right_operands_along_the_right_axes():
     ]  # wgrad: x, dy along M
     # the E2M1 baseline: the same operands and axes (its RHT is on wgrad only, which a recorder cannot see)
     calls_e2m1 = _recorded(
-        lambda q: lambda a, b: dot_general(recipes.E2M1_BASELINE, key=KEY, quantizer=q)(a, b, dims), x, w
+        lambda q: lambda a, b: make_dot_general(recipes.E2M1_BASELINE, key=KEY, quantizer=q)(a, b, dims), x, w
     )
     assert calls_e2m1 == calls
     # grouped: tokens [m, k], experts [g, k, n]; wgrad on the group-aligned layout (3 groups, 16-row blocks)
     sizes = jnp.asarray([10, 0, 22], jnp.int32)
     calls = _recorded(
-        lambda q: lambda a, b: grouped_matmul(recipes.UFP4, key=KEY, quantizer=q)(a, b, sizes),
+        lambda q: lambda a, b: make_grouped_matmul(recipes.UFP4, key=KEY, quantizer=q)(a, b, sizes),
         jnp.ones((32, 48)),
         jnp.ones((3, 48, 64)),
     )
@@ -205,7 +205,7 @@ def test_every_4bit_recipe_through_a_gemm_against_a_float64_reference(name, m, k
     x = jnp.asarray(rng.standard_t(4, size=(m, k)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(k, n)) * 0.1, jnp.float32)
     dy = jnp.asarray(rng.normal(size=(m, n)) * 1e-3, jnp.float32)  # gradient-sized
-    y, dx, dw = _gemms(dot_general(recipe, key=KEY), x, w, dy)
+    y, dx, dw = _gemms(make_dot_general(recipe, key=KEY), x, w, dy)
     want = _reference_gemms(recipe, x, w, dy, KEY)
     for got, ref in zip((y, dx, dw), want):
         scale = np.abs(ref).max()
@@ -234,14 +234,14 @@ def test_rht_signs_come_from_the_run_seed():
             np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     for a, b in zip(outs[0], outs[3]):
         assert not np.allclose(a, b)
-    np.testing.assert_array_equal(_gemms(dot_general(recipes.UFP4, key=KEY), x, w, dy)[0], outs[0][0])
+    np.testing.assert_array_equal(_gemms(make_dot_general(recipes.UFP4, key=KEY), x, w, dy)[0], outs[0][0])
     # AMD's deterministic Hadamard (rht_signs "none") draws nothing from the seed, and is not the random one
-    amd = [_gemms(dot_general(recipes.MXFP4_AMD, seed=s), x, w, dy)[2] for s in (0, 3)]
+    amd = [_gemms(make_dot_general(recipes.MXFP4_AMD, seed=s), x, w, dy)[2] for s in (0, 3)]
     random = dataclasses.replace(
         recipes.MXFP4_AMD, wgrad=dataclasses.replace(recipes.MXFP4_AMD.wgrad, rht_signs="random")
     )
     np.testing.assert_array_equal(amd[0], amd[1])
-    assert not np.allclose(amd[0], _gemms(dot_general(random), x, w, dy)[2])
+    assert not np.allclose(amd[0], _gemms(make_dot_general(random), x, w, dy)[2])
     with pytest.raises(ValueError, match="QuantPrecision.seed = -1"):
         QuantPrecision(recipes.UFP4, seed=-1)
 
@@ -277,7 +277,7 @@ def test_rht_changes_the_quantised_product_only_where_the_recipe_says():
     dims = (((1,), (0,)), ((), ()))
     plain = Recipe("plain", fprop=Gemm("e1m2"))
     rotated = Recipe("rotated", fprop=Gemm("e1m2", rht=True))
-    a, b = (jax.jit(lambda x, w, r=r: dot_general(r)(x, w, dims))(x, w) for r in (plain, rotated))
+    a, b = (jax.jit(lambda x, w, r=r: make_dot_general(r)(x, w, dims))(x, w) for r in (plain, rotated))
     exact = x @ w
     assert not np.allclose(a, b)
     for y in (a, b):  # both are 4-bit products: close to the exact one, not equal
@@ -288,17 +288,19 @@ def test_stochastic_rounding_is_keyed_and_needs_a_key():
     rng = np.random.default_rng(2)
     x, w = jnp.asarray(rng.normal(size=(32, 48)), jnp.float32), jnp.asarray(rng.normal(size=(48, 16)), jnp.float32)
     dims = (((1,), (0,)), ((), ()))
-    loss = lambda a, key: jnp.sum(dot_general(recipes.UFP4, key=key)(a, w, dims) ** 2)  # noqa: E731
+    loss = lambda a, key: jnp.sum(make_dot_general(recipes.UFP4, key=key)(a, w, dims) ** 2)  # noqa: E731
     grad_fn = jax.jit(jax.grad(loss))
     grad = lambda key: grad_fn(x, key)  # noqa: E731
     k1, k2 = jax.random.key(1), jax.random.key(2)
     np.testing.assert_array_equal(grad(k1), grad(k1))
     assert not np.array_equal(grad(k1), grad(k2))
-    jax.eval_shape(lambda: dot_general(recipes.UFP4)(x, w, dims))  # inference without a key is fine
-    with pytest.raises(ValueError, match=r"quant.dot_general\('ufp4'\) is being differentiated without a PRNG key"):
+    jax.eval_shape(lambda: make_dot_general(recipes.UFP4)(x, w, dims))  # inference without a key is fine
+    with pytest.raises(
+        ValueError, match=r"quant.make_dot_general\('ufp4'\) is being differentiated without a PRNG key"
+    ):
         grad(None)  # refused as the forward pass is traced for differentiation, saying what to pass
     with pytest.raises(ValueError, match="one contracting dimension"):
-        dot_general(recipes.UFP4)(jnp.ones((2, 16, 16)), jnp.ones((2, 16, 3)), (((1, 2), (0, 1)), ((), ())))
+        make_dot_general(recipes.UFP4)(jnp.ones((2, 16, 16)), jnp.ones((2, 16, 3)), (((1, 2), (0, 1)), ((), ())))
 
 
 def test_bf16_rounds_the_operands_of_all_three_gemms_to_bfloat16():
@@ -308,16 +310,16 @@ def test_bf16_rounds_the_operands_of_all_three_gemms_to_bfloat16():
     rng = np.random.default_rng(7)
     x, w, dy = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((24, 40), (40, 16), (24, 16)))
     r = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)  # noqa: E731
-    got = _gemms(dot_general("bf16"), x, w, dy)
+    got = _gemms(make_dot_general("bf16"), x, w, dy)
     for out, ref in zip(got, (r(x) @ r(w), r(dy) @ r(w).T, r(x).T @ r(dy))):
         assert out.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(out, np.float64), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    for out, exact in zip(got, _gemms(dot_general("none"), x, w, dy)):
+    for out, exact in zip(got, _gemms(make_dot_general("none"), x, w, dy)):
         assert 1e-4 < float(jnp.linalg.norm(out - exact) / jnp.linalg.norm(exact)) < 1e-2
     # grouped: experts [2, 40, 16], groups of 9 and 13 rows (2 rows past the groups: zeros, no gradient)
     we = jnp.asarray(rng.normal(size=(2, 40, 16)), jnp.float32)
     sizes = jnp.asarray([9, 13], jnp.int32)
-    y, dx, dw = jax.jit(lambda *a: _gemms(lambda a, b, _: grouped_matmul("bf16")(a, b, sizes), *a))(x, we, dy)
+    y, dx, dw = jax.jit(lambda *a: _gemms(lambda a, b, _: make_grouped_matmul("bf16")(a, b, sizes), *a))(x, we, dy)
     rows = (slice(0, 9), slice(9, 22))
     for g, rs in enumerate(rows):
         want = (r(x[rs]) @ r(we[g]), r(dy[rs]) @ r(we[g]).T, r(x[rs]).T @ r(dy[rs]))
@@ -344,7 +346,7 @@ def test_rngs_draw_a_fresh_key_per_call_and_step_inside_nnx_jit():
     class Model(nnx.Module):
         def __init__(self, seed):
             self.rngs = nnx.Rngs(quant=seed)
-            dot = quant.dot_general(sr, rngs=self.rngs)
+            dot = quant.make_dot_general(sr, rngs=self.rngs)
             self.up = nnx.Linear(32, 16, use_bias=False, dot_general=dot, rngs=nnx.Rngs(0))
             self.down = nnx.Linear(16, 8, use_bias=False, dot_general=dot, rngs=nnx.Rngs(1))
 
@@ -363,8 +365,8 @@ def test_rngs_draw_a_fresh_key_per_call_and_step_inside_nnx_jit():
     @jax.jit
     def reference(k_up, k_down):  # the same GEMMs with fixed keys
         def loss(a, b):
-            h = quant.dot_general(sr, key=k_up)(x, a, dims)
-            return jnp.sum(quant.dot_general(sr, key=k_down)(h, b, dims) ** 2)
+            h = quant.make_dot_general(sr, key=k_up)(x, a, dims)
+            return jnp.sum(quant.make_dot_general(sr, key=k_down)(h, b, dims) ** 2)
 
         return jax.grad(loss, argnums=(0, 1))(up, down)
 
@@ -377,20 +379,20 @@ def test_rngs_draw_a_fresh_key_per_call_and_step_inside_nnx_jit():
     for a, b in zip(grads(Model(0)), steps[0]):
         np.testing.assert_array_equal(a, b)
     rngs = nnx.Rngs(quant=0)
-    gmm = quant.grouped_matmul(sr, rngs=rngs)
+    gmm = quant.make_grouped_matmul(sr, rngs=rngs)
     assert isinstance(gmm, quant.FreshKeys) and gmm.rngs is rngs
     gmm(x, jnp.ones((2, 32, 4)), jnp.asarray([10, 14], jnp.int32))  # a call draws one key
     assert int(rngs.quant.count[...]) == 1
 
     with pytest.raises(ValueError, match="key= and rngs= were both given"):
-        quant.dot_general("ufp4", key=KEY, rngs=nnx.Rngs(0))
+        quant.make_dot_general("ufp4", key=KEY, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"rngs = 3 \(int\); allowed: a flax nnx.Rngs"):
-        quant.grouped_matmul("ufp4", rngs=3)  # type: ignore[arg-type]
+        quant.make_grouped_matmul("ufp4", rngs=3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="stream = 'quant', but the nnx.Rngs has neither"):
-        quant.dot_general("ufp4", rngs=nnx.Rngs(params=0))
-    quant.dot_general("ufp4", rngs=nnx.Rngs(0))  # a "default" stream serves any stream name
+        quant.make_dot_general("ufp4", rngs=nnx.Rngs(params=0))
+    quant.make_dot_general("ufp4", rngs=nnx.Rngs(0))  # a "default" stream serves any stream name
     with pytest.raises(ValueError, match=r"without a PRNG key.*rngs=self.rngs.*key="):
-        jax.grad(lambda w: jnp.sum(quant.dot_general("ufp4")(x, w, dims)))(up)
+        jax.grad(lambda w: jnp.sum(quant.make_dot_general("ufp4")(x, w, dims)))(up)
 
 
 def test_bf16_operands_and_sharded_weights_on_8_devices():
@@ -398,7 +400,7 @@ def test_bf16_operands_and_sharded_weights_on_8_devices():
     x = jnp.asarray(rng.normal(size=(8, 16, 64)), jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(64, 32)), jnp.bfloat16)
     dims = (((2,), (0,)), ((), ()))
-    f = dot_general(recipes.NVFP4, key=KEY)
+    f = make_dot_general(recipes.NVFP4, key=KEY)
     loss = jax.jit(
         jax.value_and_grad(lambda a, b: jnp.sum(f(a, b, dims, preferred_element_type=jnp.float32) ** 2), argnums=(0, 1))
     )
@@ -459,7 +461,9 @@ def test_ufp4_quantises_the_swiglu_experts_gate_projection_by_its_own_path(dispa
             dataclasses.replace(recipes.UFP4, high_precision=keep), num_layers=1, grouped=GroupedMatmulFn("windowed")
         )
         cfg = TransformerConfig(d_model=16, num_layers=1)
-        return np.asarray(call(MoE(cfg, m, path="blocks.0.ffn", rngs=nnx.Rngs(0), precision=precision), x)[0])
+        return np.asarray(
+            call(MoE.in_transformer(cfg, m, path="blocks.0.ffn", rngs=nnx.Rngs(0), precision=precision), x)[0]
+        )
 
     plain, gate_quantised = output(keep_up_down + (r"\.experts\.gate$",)), output(keep_up_down)
     assert np.linalg.norm(gate_quantised - plain) > 0.02 * np.linalg.norm(plain)
@@ -539,8 +543,8 @@ def test_gemm_knobs_are_checked_when_made():
 
 
 def test_drop_in_for_flax_and_lax_signatures():
-    """quant.dot_general / grouped_matmul as drop-ins: a recipe name works like its Recipe; flax's nnx.Linear (which
-    passes out_sharding) takes it; ragged_dot's positional order (precision before preferred_element_type) holds;
+    """quant.make_dot_general / make_grouped_matmul as drop-ins: a recipe name works like its Recipe; flax's nnx.Linear
+    (which passes out_sharding) takes it; ragged_dot's positional order (precision before preferred_element_type) holds;
     the result dtype is preferred_element_type, else the operands'; with a key it differentiates, and the grouped
     matmul without one is refused in the forward pass (the dot_general's: test_stochastic_rounding_is_keyed...)."""
     from flax import nnx
@@ -551,7 +555,7 @@ def test_drop_in_for_flax_and_lax_signatures():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(4, 48)), jnp.float32)
     key = jax.random.key(1)
-    by_name, by_recipe = quant.dot_general("ufp4", key=key), quant.dot_general(recipes.UFP4, key=key)
+    by_name, by_recipe = quant.make_dot_general("ufp4", key=key), quant.make_dot_general(recipes.UFP4, key=key)
     linear = nnx.Linear(48, 24, use_bias=False, dot_general=by_name, rngs=nnx.Rngs(0))
     kernel = linear.kernel.get_value()
     dims = (((1,), (0,)), ((), ()))
@@ -564,7 +568,7 @@ def test_drop_in_for_flax_and_lax_signatures():
             by_recipe(x, k, dims),
             by_name(x.astype(bf16), k.astype(bf16), dims),
             by_name(x.astype(bf16), k, dims, None, jnp.float32),
-            quant.dot_general("ufp4")(x, k, dims),  # inference needs no key
+            quant.make_dot_general("ufp4")(x, k, dims),  # inference needs no key
         )
 
     through_linear, direct, in_bf16, preferred, _ = forward(x, kernel)
@@ -578,14 +582,14 @@ def test_drop_in_for_flax_and_lax_signatures():
 
     sizes = jnp.array([1, 3], jnp.int32)
     w = jnp.asarray(rng.normal(size=(2, 48, 24)), jnp.float32)
-    gmm = quant.grouped_matmul("ufp4", key=key)
+    gmm = quant.make_grouped_matmul("ufp4", key=key)
     positional, keyword = jax.jit(
         lambda x, w: (gmm(x, w, sizes, None, jnp.float32), gmm(x, w, sizes, preferred_element_type=jnp.float32))
     )(x, w)
     np.testing.assert_array_equal(positional, keyword)
-    plain = quant.grouped_matmul("none")(x, w, sizes, jax.lax.Precision.HIGHEST)
+    plain = quant.make_grouped_matmul("none")(x, w, sizes, jax.lax.Precision.HIGHEST)
     np.testing.assert_allclose(plain, jax.lax.ragged_dot(x, w, sizes, precision=jax.lax.Precision.HIGHEST))
-    with pytest.raises(ValueError, match=r"quant.grouped_matmul\('ufp4'\) is being differentiated without"):
-        jax.grad(lambda v: jnp.sum(quant.grouped_matmul("ufp4")(x, v, sizes)))(w)
+    with pytest.raises(ValueError, match=r"quant.make_grouped_matmul\('ufp4'\) is being differentiated without"):
+        jax.grad(lambda v: jnp.sum(quant.make_grouped_matmul("ufp4")(x, v, sizes)))(w)
     with pytest.raises(ValueError, match=r"recipe = 'ufp5'; allowed"):
-        quant.dot_general("ufp5")
+        quant.make_dot_general("ufp5")

@@ -3,7 +3,7 @@ example is a valid run.
 
 Each ```python block of that section is executed on its own, in a fresh namespace (the snippets are complete
 scripts), and the property it demonstrates is checked from the names it leaves behind against an independent
-reference (a loss at the start, exact float32 attention).
+reference (a loss at the start, exact float32 attention, a dense float64 MoE).
 """
 
 import contextlib
@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from experiments import schema
-from experiments.run import parse_args
+from experiments.args import parse_run_args
+from experiments.hf import load as hf_load
 
 README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
 CLI_DOC = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "cli.md")
@@ -67,7 +68,32 @@ def check_kvcache(ns: dict, printed: str) -> None:
     assert errors["bf16"] < 0.01 < errors["fp8"] < 0.1 < errors["fp4"] < 0.25, errors
 
 
-CHECKS = {"mgup_adamw": check_optax, "nnx.Linear": check_flax, "decode_attention": check_kvcache}
+def check_moe(ns: dict, printed: str) -> None:
+    """The MoE layer in a user's own NNX block equals a dense float64 computation of the same routing: RMSNorm, the
+    softmax over the 8 experts' router logits, the top 2 of them, and x + sum_e p_e silu(h @ up_e) @ down_e over the
+    chosen e (gates not renormalised); the printed experts are token 0's top 2."""
+    block, x = ns["block"], np.asarray(ns["x"], np.float64).reshape(-1, 32)
+    h = x / np.sqrt(np.mean(x**2, -1, keepdims=True) + 1e-6) * np.asarray(block.norm.scale.get_value(), np.float64)
+    router, up, down = (np.asarray(p.get_value(), np.float64) for p in (block.ffn.router, block.ffn.up, block.ffn.down))
+    logits = h @ router
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    top = np.argsort(-p, axis=-1)[:, :2]
+    y = x.copy()
+    for e in range(8):
+        a = h @ up[e]
+        y += np.where(top == e, p[:, e : e + 1], 0.0).sum(-1, keepdims=True) * ((a / (1 + np.exp(-a))) @ down[e])
+    np.testing.assert_allclose(np.asarray(ns["y"], np.float64).reshape(-1, 32), y, rtol=1e-5, atol=1e-6)
+    assert (y - x).std() > 1e-4  # the MoE's output is not negligible against the tolerance
+    assert f"experts of token 0: {top[0].tolist()}" in printed, printed
+
+
+CHECKS = {
+    "mgup_adamw": check_optax,
+    "nnx.Linear": check_flax,
+    "decode_attention": check_kvcache,
+    "MoEConfig": check_moe,
+}
 
 
 def test_the_section_has_one_snippet_per_package():
@@ -104,8 +130,8 @@ def test_the_sharding_example_is_a_valid_run_on_8_devices(index, monkeypatch):
     """The command is parsed as the CLI parses it and validated for the 8 devices it says, as the run would before
     compiling (training it takes minutes: docs/cli.md quotes what 10 steps of each measured)."""
     monkeypatch.chdir(os.path.join(os.path.dirname(__file__), os.pardir))
-    config, _ = parse_args(sharding_examples()[index])
-    schema.resolve(config)
+    config, _ = parse_run_args(sharding_examples()[index])
+    hf_load.resolve(config)
     schema.validate(config, num_devices=8)
     mesh = config.mesh
     assert (mesh.site, mesh.data, mesh.model * mesh.expert) == (1, 2, 4)

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from core import workdir as workdir_lib
-from experiments import run as run_lib
+from experiments import args as args_lib
 from experiments.reproduce import runs
 
 CASES = {  # config name -> flags a reproduction passes (the shapes of mgup, fomoe and composed)
@@ -27,7 +27,7 @@ def _finished_run(workdir, config: str, flags: list[str], steps: int, *, with_co
     of the command line, summary.json with the run's numbers, a checkpoint directory."""
     os.makedirs(os.path.join(workdir, "checkpoints", str(steps)), exist_ok=True)
     if with_config:
-        resolved, _ = run_lib.parse_args(_argv(config, str(workdir), flags, steps))
+        resolved, _ = args_lib.parse_run_args(_argv(config, str(workdir), flags, steps))
         workdir_lib.write_json(os.path.join(workdir, "config.json"), resolved.to_dict())
     result = {"steps": steps, "val_loss": 1.2345, "marker": "old"}
     if summary:
@@ -45,7 +45,7 @@ def launches(monkeypatch):
         args = cmd[cmd.index("experiments.run") + 1 :]
         workdir = next(a.split("=", 1)[1] for a in args if a.startswith("--workdir="))
         os.makedirs(workdir, exist_ok=True)
-        resolved, _ = run_lib.parse_args(["experiments.run", *args])
+        resolved, _ = args_lib.parse_run_args(["experiments.run", *args])
         workdir_lib.write_json(os.path.join(workdir, "config.json"), resolved.to_dict())
         workdir_lib.write_json(os.path.join(workdir, "summary.json"), {"steps": resolved.train.steps, "marker": "new"})
         return 0, []
@@ -129,7 +129,7 @@ def test_a_bad_flag_fails_before_anything_runs_or_moves(tmp_path, launches):
     workdir = tmp_path / "run"
     config = runs.config_path("quickstart")
     _finished_run(workdir, config, [], 40)
-    with pytest.raises(run_lib.UsageError, match="optim.learning_rat"):
+    with pytest.raises(args_lib.UsageError, match="optim.learning_rat"):
         runs.run_or_reuse(config, str(workdir), ["--config.optim.learning_rat=0.1"], 40)
     assert launches == [] and sorted(os.listdir(tmp_path)) == ["run"]
 

@@ -30,7 +30,7 @@ def _swiglu_moe_transformer(resident=None):
     return Transformer(
         cfg,
         rngs=nnx.Rngs(0),
-        ffn_factory=lambda layer, path, rngs: MoE(cfg, m, path=path, rngs=rngs, resident=resident),
+        ffn_factory=lambda layer, path, rngs: MoE.in_transformer(cfg, m, path=path, rngs=rngs, resident=resident),
     )
 
 

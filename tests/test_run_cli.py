@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from experiments import args as args_lib
 from experiments import run, schema
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,12 +88,16 @@ def test_bad_command_line_is_one_clear_error_before_anything_runs(capsys, nothin
 def test_a_short_run_fits_the_warm_up_and_records_it(capsys):
     """--config.train.steps=10 on a config warming up over 40 steps needs no second flag: the config the run
     trains with (and writes to config.json) warms up over the 10 steps, and the command line says so."""
-    config, _ = run.parse_args(["run", f"--config={QUICKSTART}", "--workdir=unused", "--config.train.steps=10"])
+    config, _ = args_lib.parse_run_args(
+        ["run", f"--config={QUICKSTART}", "--workdir=unused", "--config.train.steps=10"]
+    )
     assert (config.train.steps, config.optim.warmup_steps) == (10, 10)
     out = capsys.readouterr().out
     assert "optim.warmup_steps = 40 > train.steps = 10: warming up over all 10 steps" in out
     schema.validate(config)
-    config, _ = run.parse_args(["run", f"--config={QUICKSTART}", "--workdir=unused", "--config.train.steps=50"])
+    config, _ = args_lib.parse_run_args(
+        ["run", f"--config={QUICKSTART}", "--workdir=unused", "--config.train.steps=50"]
+    )
     assert config.optim.warmup_steps == 40 and "warming up" not in capsys.readouterr().out
 
 
@@ -100,6 +105,7 @@ def test_a_config_returning_a_dict_and_a_fifo_tokenizer_are_named_as_what_they_a
     """get_config() returning a plain dict: one `error:` line (exit 2) saying it must return a ConfigDict (not an
     attribute error); a FIFO as data.tokenizer: "not a regular file" (not "does not exist")."""
     from core import tokenizer as tokenizer_lib
+    from core.byte_tokenizer import TokenizerError
 
     (tmp_path / "dict_config.py").write_text('def get_config():\n    return {"train": {"steps": 3}}\n')
     code = run.main(["run", f"--config={tmp_path}/dict_config.py", f"--workdir={tmp_path}/w"])
@@ -107,5 +113,5 @@ def test_a_config_returning_a_dict_and_a_fifo_tokenizer_are_named_as_what_they_a
     assert code == 2 and err.count("\n") == 1, err
     assert "get_config() must return an ml_collections.ConfigDict, got dict" in err, err
     os.mkfifo(tmp_path / "tok.json")
-    with pytest.raises(tokenizer_lib.TokenizerError, match="tok.json' is not a regular file"):
+    with pytest.raises(TokenizerError, match="tok.json' is not a regular file"):
         tokenizer_lib.load(str(tmp_path / "tok.json"))

@@ -6,9 +6,9 @@ those bytes.
 
 All but the last test neither train nor compile: a run is its config.json (the loader's check of a workdir and its
 config are real), the loader is replaced by one returning that config and a model that is only its config, and the
-engine by the real scheduler (kvcache.serving.Scheduler) whose "model" emits a scripted token per decode step (a byte;
-or a BPE id, for a run with a BPE tokenizer). The last one loads and serves a real checkpoint whose parameters are
-sharded over mesh.model = 2 of the 8 virtual devices."""
+engine by an engine core over the real scheduler (kvcache.serving.Scheduler) whose "model" emits a scripted token
+per decode step (a byte; or a BPE id, for a run with a BPE tokenizer). The last one loads and serves a real
+checkpoint whose parameters are sharded over mesh.model = 2 of the 8 virtual devices."""
 
 import dataclasses
 import json
@@ -23,9 +23,9 @@ from flax import nnx
 
 from core.checkpoint import CheckpointError
 from core.config import TransformerConfig
-from core.tokenizer import HFTokenizer
-from experiments import args as args_lib
+from core.hf_tokenizer import HFTokenizer
 from experiments import build, load, schema, serve
+from experiments import engine as serve_engine
 from kvcache import capacity, formats
 from kvcache import serving as engine_lib
 
@@ -53,7 +53,7 @@ def write_run(workdir, *, model=CFG, tokenizer="bytes", kvcache=None, sites=1, r
     return workdir
 
 
-class ScriptedEngine(engine_lib.Scheduler):
+class ScriptedEngine(engine_lib.EngineCore):
     """The engine's scheduler with a script for a model: a request's next token is token `len(output)` of the script
     (SCRIPT's bytes by default), then the EOS the engine was configured with; after the one-step prefill, one token
     per step (a multi-byte character arrives over several steps). The pool holds as many blocks as `memory_bytes`
@@ -71,9 +71,8 @@ class ScriptedEngine(engine_lib.Scheduler):
         shape = capacity.ModelShape(
             full_attention_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim
         )
-        super().__init__(
-            config, fmt, capacity.num_blocks(config.memory_bytes, shape, fmt, block_size=config.block_size)
-        )
+        num_blocks = capacity.num_blocks(config.memory_bytes, shape, fmt, block_size=config.block_size)
+        super().__init__(engine_lib.Scheduler(config, fmt, num_blocks))
         ScriptedEngine.configs.append(config)
         ScriptedEngine.kv_formats.append(fmt)
 
@@ -386,7 +385,7 @@ def _saved_run(workdir, config):
 
     from core import checkpoint as checkpoint_lib
     from core import train as train_lib
-    from experiments import run
+    from experiments import load
 
     schema.validate(config, num_devices=8)
     _, sharder = build.build_mesh(config)
@@ -395,7 +394,7 @@ def _saved_run(workdir, config):
     )
     state = state._replace(params=jax.jit(lambda p: jax.tree.map(lambda x: 1.5 * x + 0.01, p))(state.params))
     workdir.mkdir()
-    run.write_records(str(workdir), config, types.SimpleNamespace(fingerprint="f", info={}))
+    load.write_records(str(workdir), config, types.SimpleNamespace(fingerprint="f", info={}))
     checkpointer = checkpoint_lib.Checkpointer(workdir / "checkpoints")
     compat = schema.checkpoint_compat(config, "f")
     checkpointer.save(2, state, loop={}, compat=compat, provenance=schema.provenance(config))
@@ -436,7 +435,7 @@ def test_a_ufp4_run_loads_in_its_4_bit_gemms_or_in_float(tmp_path):
 
 def test_a_tensor_parallel_run_loads_and_serves_on_one_device(tmp_path, capsys, monkeypatch):
     """A run's workdir as a run on a mesh.model = 2 mesh writes it (config.json and data.json by
-    experiments.run.write_records, the checkpoint of the training state by core.checkpoint, its parameters sharded
+    experiments.load.write_records, the checkpoint of the training state by core.checkpoint, its parameters sharded
     over 'model' and scaled so that they differ from the loader's own start from the same seed) loads on one device:
     the config's mesh is one device, every parameter equals the saved one and lies on one device, and the logits
     equal those of the sharded model. Served, the run's KV format is the default (not fp4, which its heads cannot
@@ -547,17 +546,17 @@ def test_the_http_servers_max_model_len_is_the_models_context_unless_given(tmp_p
     run = schema.default_config()
     run.data.seq_len = 96
     parse = http_cli.build_parser().parse_args
-    assert args_lib.served_lengths(parse(["--workdir", "w"]), run) == (96, 48)
+    assert serve_engine.served_lengths(parse(["--workdir", "w"]), run) == (96, 48)
     source = tmp_path / "hf"
     source.mkdir()
     (source / "config.json").write_text(json.dumps({"max_position_embeddings": 1000}))
     run.checkpoint.init_from = f"hf:{source}"
-    assert args_lib.served_lengths(parse(["--workdir", "w"]), run) == (1000, 256)
+    assert serve_engine.served_lengths(parse(["--workdir", "w"]), run) == (1000, 256)
     given = parse(["--workdir", "w", "--max-model-len", "700", "--max-num-batched-tokens", "300"])
-    assert args_lib.served_lengths(given, run) == (700, 300)
+    assert serve_engine.served_lengths(given, run) == (700, 300)
     (source / "config.json").unlink()
     source.rmdir()  # the imported folder is gone: the run's own training length
-    assert args_lib.served_lengths(parse(["--workdir", "w"]), run) == (96, 48)
+    assert serve_engine.served_lengths(parse(["--workdir", "w"]), run) == (96, 48)
 
 
 @pytest.mark.parametrize(

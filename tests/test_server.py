@@ -22,8 +22,8 @@ import pydantic
 import pytest
 from flax import nnx
 
+from core.byte_tokenizer import BOS_ID, EOS_ID, ByteTokenizer
 from core.model import Transformer, TransformerConfig
-from core.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
 from experiments.server import cli
 from experiments.server.app import create_app
 from experiments.server.chat import ChatTemplate

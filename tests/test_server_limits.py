@@ -19,8 +19,8 @@ import pytest
 from flax import nnx
 from test_server import CFG, TOK, address, engine_config
 
+from core.byte_tokenizer import ByteTokenizer
 from core.model import Transformer
-from core.tokenizer import ByteTokenizer
 from experiments.server import body, cli
 from experiments.server.app import ErrorResponse, create_app
 from experiments.server.chat import ChatTemplate

@@ -19,7 +19,8 @@ from typing import Any
 import ml_collections
 import pytest
 
-from core.tokenizer import ByteTokenizer, HFTokenizer
+from core.byte_tokenizer import ByteTokenizer
+from core.hf_tokenizer import HFTokenizer
 from experiments import pretrained
 from experiments.hf import generation
 from experiments.server import chat as chat_lib
@@ -28,7 +29,7 @@ from experiments.server.protocol import ChatCompletionRequest, CompletionRequest
 from experiments.server.render import ChatRender, CompletionRender
 from experiments.server.runner import EngineRunner, Event
 from kvcache import formats
-from kvcache.serving import EngineConfig, SamplingParams, Scheduler
+from kvcache.serving import EngineConfig, EngineCore, SamplingParams, Scheduler
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
 SERVING = FIXTURES / "serving"
@@ -233,11 +234,11 @@ def test_logprobs_keep_every_alternative_when_two_decode_alike():
     assert [a["token"] for a in entry["top_logprobs"]] == [f"token_id:{t}" for t, _ in alternatives]
 
 
-class Scripted(Scheduler):
+class Scripted(EngineCore):
     """The engine's scheduler with a script for a model: a request's next token is script[len(output)]."""
 
     def __init__(self, script: list[int], *args):
-        super().__init__(*args)
+        super().__init__(Scheduler(*args))
         self.script = script
 
     def _execute(self, batch):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from core.tokenizer import ByteTokenizer
+from core.byte_tokenizer import ByteTokenizer
 from kvcache import capacity, formats
 from kvcache.serving import EngineConfig
 from kvcache.serving import workload as workload_lib

@@ -34,7 +34,9 @@ def test_param_count_equals_the_built_models_parameters():
     d, layers, experts, h, vocab = 16, 3, 6, 10, 300
     cfg = TransformerConfig(vocab_size=vocab, d_model=d, num_layers=layers, num_heads=2, num_kv_heads=2)
     m = MoEConfig(every=1, num_experts=experts, top_k=2, expert_size=h)
-    model = Transformer(cfg, rngs=nnx.Rngs(0), ffn_factory=lambda i, path, rngs: MoE(cfg, m, path=path, rngs=rngs))
+    model = Transformer(
+        cfg, rngs=nnx.Rngs(0), ffn_factory=lambda i, path, rngs: MoE.in_transformer(cfg, m, path=path, rngs=rngs)
+    )
     norms = (2 * layers + 1) * d
     p = sm.param_count(d, layers, experts, expert_size=h, vocab_size=vocab)
     assert p["total"] == count_params(model) - norms

@@ -20,10 +20,12 @@ import numpy as np
 import pytest
 
 from core import config as config_lib
-from core import data as data_lib
+from core import corpus as corpus_lib
 from core import tokenizer as tokenizer_lib
+from core.byte_tokenizer import ByteTokenizer, TokenizerError
 from core.config import ConfigError
-from core.tokenizer import ByteTokenizer, HFTokenizer, StreamDecoder, TokenizerError
+from core.hf_tokenizer import HFTokenizer
+from core.tokenizer import StreamDecoder
 from core.train import count_target_bytes
 from experiments import build
 from experiments import tokenizer as tokenizer_cli
@@ -141,8 +143,8 @@ def test_the_held_out_split_round_trips_and_counts_its_bytes(tmp_path, bpe, name
     ids stand for are the documents' bytes; the split is the same for both tokenizers (made on bytes)."""
     tok = ByteTokenizer() if name == "bytes" else bpe
     write_corpus(tmp_path, np.random.default_rng(5), 24)
-    corpus = data_lib.load_corpus(tmp_path, val_fraction=0.25, tokenizer=tok)
-    docs = data_lib.load_documents(tmp_path, val_fraction=0.25)
+    corpus = corpus_lib.load_corpus(tmp_path, val_fraction=0.25, tokenizer=tok)
+    docs = corpus_lib.load_documents(tmp_path, val_fraction=0.25)
     assert corpus.tokenizer is tok and corpus.val.dtype == np.uint16 and not corpus.val.flags.writeable
     for stream, contents in ((corpus.val, docs.val), (corpus.train, docs.train)):
         starts = np.flatnonzero(stream == tok.bos_id)
@@ -175,9 +177,9 @@ def test_the_byte_fingerprint_is_unchanged_and_a_bpe_one_holds_its_digest(tmp_pa
     sha256(old:tokenizer:digest), and its info names the tokenizer."""
     write_corpus(tmp_path, np.random.default_rng(7), 9)
     old = old_fingerprint(tmp_path, 0.3)
-    assert data_lib.load_corpus(tmp_path, val_fraction=0.3).fingerprint == old
-    assert data_lib.load_corpus(tmp_path, val_fraction=0.3, tokenizer=ByteTokenizer()).fingerprint == old
-    corpus = data_lib.load_corpus(tmp_path, val_fraction=0.3, tokenizer=bpe)
+    assert corpus_lib.load_corpus(tmp_path, val_fraction=0.3).fingerprint == old
+    assert corpus_lib.load_corpus(tmp_path, val_fraction=0.3, tokenizer=ByteTokenizer()).fingerprint == old
+    corpus = corpus_lib.load_corpus(tmp_path, val_fraction=0.3, tokenizer=bpe)
     assert corpus.fingerprint == hashlib.sha256(f"{old}:tokenizer:{bpe.digest}".encode()).hexdigest()
     assert corpus.info["tokenizer"] == {"vocab_size": 320, "digest": bpe.digest}
 
@@ -193,10 +195,10 @@ def test_a_large_vocabulary_streams_uint32(tmp_path, bpe):
     )
     (tmp_path / "a.txt").write_bytes(b"abcd")
     (tmp_path / "b.txt").write_bytes(b"ef")
-    corpus = data_lib.load_corpus(tmp_path, val_fraction=0.5, tokenizer=big)
+    corpus = corpus_lib.load_corpus(tmp_path, val_fraction=0.5, tokenizer=big)
     assert corpus.train.dtype == corpus.val.dtype == np.uint32 and 69_999 in corpus.train
-    with pytest.raises(data_lib.DataError, match="uint16"):
-        data_lib.Corpus(np.zeros(4, np.uint32), np.zeros(4, np.uint32), "f", {}, bpe)
+    with pytest.raises(corpus_lib.DataError, match="uint16"):
+        corpus_lib.Corpus(np.zeros(4, np.uint32), np.zeros(4, np.uint32), "f", {}, bpe)
 
 
 @pytest.mark.parametrize("name", ["bytes", "bpe"])
@@ -420,7 +422,7 @@ def test_train_cli_trains_on_the_train_split_only(tmp_path, capsys):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     write_corpus(corpus, np.random.default_rng(3), 20)
-    held = data_lib.load_documents(corpus, val_fraction=0.2)
+    held = corpus_lib.load_documents(corpus, val_fraction=0.2)
     names = sorted(p.name for p in corpus.iterdir())
     for name in names:
         content = (corpus / name).read_bytes()

@@ -18,9 +18,10 @@ from test_logging import event_scalars, jsonl_scalars
 
 from core import checkpoint as checkpoint_lib
 from core import train as train_lib
+from core.byte_tokenizer import PAD_ID, TokenizerError
 from core.config import ConfigError
+from core.hf_tokenizer import HFTokenizer
 from core.model import Transformer, TransformerConfig, split_params
-from core.tokenizer import PAD_ID, HFTokenizer, TokenizerError
 from core.workdir import WorkdirError
 from experiments import build, schema
 

@@ -3,8 +3,8 @@
 import pytest
 from flax import nnx
 
+from core.byte_tokenizer import ByteTokenizer
 from core.model import Transformer, TransformerConfig
-from core.tokenizer import ByteTokenizer
 from kvcache import formats
 from kvcache.serving import Engine, EngineConfig
 from kvcache.serving import workload as workload_lib

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from core.tokenizer import PAD_ID, ByteTokenizer
+from core.byte_tokenizer import PAD_ID, ByteTokenizer
 
 __all__ = [
     "StateMetrics",

@@ -64,7 +64,7 @@ def bench_layers(tokens: int, expert_size: int, repeats: int) -> list[dict]:
         for e in EXPERTS:
             calls = {"dense": _fwd_bwd(dense, x)}
             for dispatch in ("dropless", "capacity"):
-                layer = MoE(
+                layer = MoE.in_transformer(
                     cfg,
                     MoEConfig(num_experts=e, top_k=k, expert_size=expert_size, dispatch=dispatch),
                     path="ffn",

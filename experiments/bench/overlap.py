@@ -103,8 +103,7 @@ def main(argv=None) -> None:
         result = _worker(args.worker, args.coordinator, args.megabytes, args.repeats, args.matmuls)
         print("RESULT " + json.dumps(result), flush=True)
         return
-    from experiments import links
-    from experiments.cluster import supervisor
+    from experiments.cluster import links, supervisor
 
     command = common.command(parser, args)
     load = os.getloadavg()

@@ -43,6 +43,7 @@ from core.model import Transformer
 from core.tokenizer import Tokenizer
 from experiments import args as flags
 from experiments import command, plotting
+from experiments import engine as engine_lib
 from experiments.bench import common
 from experiments.reproduce import kvcache as kv_repro
 from kvcache import formats
@@ -249,7 +250,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     _, model = kv_repro.trained_model(args.model_out)
     workdir = os.path.join(args.model_out, "runs", "model")
-    _, tok = flags.load_run(workdir)
+    _, tok = engine_lib.load_run(workdir)
     workload = workload_for(args.clients)
     memory = int(args.kv_memory_mib * 2**20)
     load = os.getloadavg()

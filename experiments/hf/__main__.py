@@ -25,7 +25,6 @@ from core.workdir import WorkdirError
 from experiments import args as arg_types
 from experiments import command, load, pretrained, schema
 from experiments.hf import export
-from experiments.hf import load as hf_load
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _import(args) -> int:
-    why = hf_load.problem(args.hf_dir)
+    why = schema.hf_checkpoint_problem(args.hf_dir)
     if why is not None:
         raise FileNotFoundError(f"--hf-dir={args.hf_dir}: {why}; allowed: a Hugging Face checkpoint directory")
     config = schema.default_config()

@@ -29,8 +29,8 @@ import numpy as np
 from flax import nnx
 
 from core import config as config_lib
-from core import tokenizer as tokenizer_lib
 from core import workdir as workdir_lib
+from core.byte_tokenizer import CONFIG_FILE, TOKENIZER_FILE
 from experiments import schema
 from experiments.hf import arch as arch_lib
 from experiments.hf import generation, weights
@@ -101,7 +101,7 @@ def model_files(out_dir: str) -> list[str]:
     if not os.path.isdir(out_dir):
         return []
     fixed = {"model.safetensors.index.json", "config.json", "generation_config.json", "chat_template.jinja"}
-    fixed |= {tokenizer_lib.TOKENIZER_FILE, tokenizer_lib.CONFIG_FILE, "special_tokens_map.json"}
+    fixed |= {TOKENIZER_FILE, CONFIG_FILE, "special_tokens_map.json"}
     return sorted(n for n in os.listdir(out_dir) if n in fixed or n.endswith(".safetensors"))
 
 
@@ -276,7 +276,7 @@ def _write(stage, tensors, hf, tok, source, max_shard_bytes, save_file) -> list[
     written.append(os.path.join(stage, "config.json"))
     workdir_lib.write_json(written[-1], hf)
     tok.save(stage)
-    written += [os.path.join(stage, name) for name in (tokenizer_lib.TOKENIZER_FILE, tokenizer_lib.CONFIG_FILE)]
+    written += [os.path.join(stage, name) for name in (TOKENIZER_FILE, CONFIG_FILE)]
     written += _carry(source, stage) if source else []
     mode = 0o666 & ~_umask()
     for path in written:
@@ -359,9 +359,9 @@ def _carry(source: str, out_dir: str) -> list[str]:
         if os.path.isfile(os.path.join(source, name)):
             shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
             written.append(os.path.join(out_dir, name))
-    template = hf_load.json_object(os.path.join(source, tokenizer_lib.CONFIG_FILE)).get("chat_template")
+    template = hf_load.json_object(os.path.join(source, CONFIG_FILE)).get("chat_template")
     if template is not None:
-        path = os.path.join(out_dir, tokenizer_lib.CONFIG_FILE)
+        path = os.path.join(out_dir, CONFIG_FILE)
         workdir_lib.write_json(path, {**hf_load.json_object(path), "chat_template": template})
     return written
 

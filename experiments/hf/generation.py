@@ -35,6 +35,7 @@ from typing import Any
 import ml_collections
 
 from core import tokenizer as tokenizer_lib
+from core.hf_tokenizer import HFTokenizer
 from experiments.hf import load as hf_load
 
 __all__ = ["GENERATION_FILE", "MODES", "GenerationConfig", "GenerationConfigError", "for_run", "read", "run_tokenizer"]
@@ -145,6 +146,6 @@ def run_tokenizer(config: ml_collections.ConfigDict) -> tokenizer_lib.Tokenizer:
     tok = tokenizer_lib.load(config.data.tokenizer)
     if str(config.checkpoint.get("init_from", "") or ""):  # imported: framed as its checkpoint's files say
         return tok
-    if isinstance(tok, tokenizer_lib.HFTokenizer):
+    if isinstance(tok, HFTokenizer):
         return tok.with_framing(() if tok.bos_id is None else (tok.bos_id,))
     return tok

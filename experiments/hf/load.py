@@ -1,7 +1,9 @@
 """`checkpoint.init_from = "hf:DIR"`: what a Hugging Face checkpoint directory implies for our config, and its
 parameters (in their shardings).
 
-    load.apply_to(config)                       # the model and moe sections (and tokenizer) from DIR, in place
+    load.resolve(config)                        # what the config's keys imply: DIR's model and moe sections (and
+                                                # tokenizer), in place (`apply_to`); a tokenizer path made absolute
+    state = core.train.init_state(..., init_params=load.init_params(config))   # step 0 from DIR's tensors
     params = load.initial_params(config, abstract, shardings)   # DIR's tensors as our parameters
     model = load.pretrained_model(config, model_fn)             # model_fn(rngs)'s module holding DIR's weights
 
@@ -9,15 +11,18 @@ The `model` and `moe` sections are those the checkpoint's config.json maps to (`
 built abstractly (no random initialisation is ever computed) and receive the checkpoint's tensors
 (`weights.to_ours`), cast to `model.param_dtype`, each placed directly in its sharding (a device receives only its
 slice). Errors name the file, the field or the tensor, and nothing is written anywhere. This module reads only the
-`model` and `moe` sections' declarations (core.config.TransformerConfig, moe.config.MoEConfig): experiments.schema
-calls it from `validate` and `resolve`, and experiments.pretrained composes the whole model.
+`model` and `moe` sections' declarations (core.config.TransformerConfig, moe.config.MoEConfig) and
+checkpoint.init_from's form (experiments.schema.hf_dir, which `validate` checks); the commands call `resolve`
+between validations, training takes `init_params`, experiments.federated and experiments.pretrained compose the
+whole model.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -28,62 +33,16 @@ from flax import nnx
 
 from core import config as config_lib
 from core import tokenizer as tokenizer_lib
+from core.byte_tokenizer import TokenizerError
 from core.model import Transformer, split_params
 from experiments.hf import config_map, weights
+from experiments.schema import HF_PREFIX, hf_dir
 from moe.config import MoEConfig
 
-__all__ = ["PREFIX", "apply_to", "hf_dir", "initial_params", "json_object", "pretrained_model", "problem"]
-
-PREFIX = "hf:"
-"""`checkpoint.init_from = "hf:DIR"` starts a run from the Hugging Face checkpoint in DIR."""
+__all__ = ["apply_to", "init_params", "initial_params", "json_object", "pretrained_model", "resolve"]
 
 # Training knobs config.json carries (router_aux_loss_coef): the checkpoint's value unless the config sets its own.
 _KNOBS = frozenset({"moe.load_balance_weight", "moe.z_loss_weight"})
-
-
-def problem(directory: str) -> str | None:
-    """Why `directory` is not a Hugging Face checkpoint directory (config.json and safetensors weights), in words
-    that say what it is instead (missing, a file, empty, what it holds, PyTorch weights and how to convert them);
-    None if it is one."""
-    if not os.path.exists(directory):
-        return "it does not exist"
-    if not os.path.isdir(directory):
-        return "it is a file, not a directory"
-    names = sorted(os.listdir(directory))
-    if not names:
-        return "it is empty"
-    listed = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-    if "config.json" not in names:
-        return f"it holds no config.json (it holds {listed})"
-    config = os.path.join(directory, "config.json")
-    if not os.path.isfile(config):
-        return f"its config.json is {'a directory' if os.path.isdir(config) else 'not a regular file'}, not a JSON file"
-    if not any(n.endswith(".safetensors") or n == "model.safetensors.index.json" for n in names):
-        torch = [n for n in names if n.endswith((".bin", ".pt", ".pth"))]
-        if torch:
-            return (
-                f"it holds PyTorch weights ({', '.join(torch[:3])}) but no safetensors: convert them, e.g. with "
-                "transformers: AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR) writes safetensors"
-            )
-        return f"it holds config.json but no model.safetensors or model.safetensors.index.json (it holds {listed})"
-    return None
-
-
-def hf_dir(config: ml_collections.ConfigDict) -> str | None:
-    """DIR of `checkpoint.init_from = "hf:DIR"`; None for a random start (''). Raises ConfigError otherwise, saying
-    what DIR is instead (`problem`)."""
-    spec = config.checkpoint.init_from
-    if not spec:
-        return None
-    allowed = "allowed '' (random initialisation) or 'hf:DIR', DIR a Hugging Face checkpoint directory"
-    if not spec.startswith(PREFIX):
-        raise config_lib.ConfigError(
-            f"config key 'checkpoint.init_from' = {spec!r}: {allowed} (the 'hf:' prefix is missing)"
-        )
-    why = problem(spec[len(PREFIX) :])
-    if why is not None:
-        raise config_lib.ConfigError(f"config key 'checkpoint.init_from' = {spec!r}: {why}; {allowed}")
-    return spec[len(PREFIX) :]
 
 
 def source_config(config: ml_collections.ConfigDict) -> tuple[str | None, dict[str, Any]]:
@@ -91,7 +50,7 @@ def source_config(config: ml_collections.ConfigDict) -> tuple[str | None, dict[s
     "hf:DIR"`) while DIR still exists; (None, {}) for a run of ours or one whose DIR is gone. A config.json that is
     no JSON object reads as {} (the import, which read it, refused such a file)."""
     init_from = str(config.checkpoint.get("init_from", "") or "")
-    directory = init_from.removeprefix(PREFIX) if init_from.startswith(PREFIX) else ""
+    directory = init_from.removeprefix(HF_PREFIX) if init_from.startswith(HF_PREFIX) else ""
     if not directory or not os.path.isdir(directory):
         return None, {}
     return directory, json_object(os.path.join(directory, "config.json"))
@@ -137,6 +96,26 @@ def _sections(directory: str) -> dict[str, dict[str, Any]]:
     return config_map.from_hf(hf, source=path)
 
 
+def resolve(config: ml_collections.ConfigDict) -> None:
+    """Fills in, in place, what other keys imply, between a first `experiments.schema.validate` and the one with
+    devices: `checkpoint.init_from = "hf:DIR"` sets the architecture (model, moe) and tokenizer from the Hugging Face
+    checkpoint in DIR (`apply_to`), and a tokenizer path becomes absolute, so that the run's config.json (which
+    serve, export and sampling read back) means the same file from any directory. Raises ConfigError naming a
+    conflicting key, HFConfigError or HFWeightsError for a checkpoint that does not fit."""
+    if config.data.tokenizer != "bytes":
+        config.data.tokenizer = os.path.abspath(config.data.tokenizer)
+    apply_to(config)
+
+
+def init_params(config: ml_collections.ConfigDict) -> Callable[..., nnx.State] | None:
+    """Where step 0's parameters come from (`core.train.init_state`'s `init_params`): None for a random start, or
+    `(abstract params, their shardings or None) -> checkpoint.init_from's parameters` (`initial_params`), each in
+    its sharding (None: on the default device)."""
+    if not config.checkpoint.init_from:
+        return None
+    return functools.partial(initial_params, config)
+
+
 def apply_to(config: ml_collections.ConfigDict) -> None:
     """Sets, in place, what `checkpoint.init_from = "hf:DIR"` implies: the `model` and `moe` keys DIR's config.json maps
     to (the architecture is the checkpoint's), and `data.tokenizer` = DIR when DIR holds a tokenizer.json and the
@@ -153,7 +132,7 @@ def apply_to(config: ml_collections.ConfigDict) -> None:
     if directory is None:
         return
     directory = os.path.abspath(directory)
-    config.checkpoint.init_from = PREFIX + directory  # the same checkpoint from any working directory
+    config.checkpoint.init_from = HF_PREFIX + directory  # the same checkpoint from any working directory
     spec = {  # the defaults of the two sections a checkpoint's config.json maps to
         "model": config_lib.section_fields(config_lib.TransformerConfig),
         "moe": config_lib.section_fields(MoEConfig),
@@ -180,7 +159,7 @@ def apply_to(config: ml_collections.ConfigDict) -> None:
         _check_byte_vocabulary(directory, config.model.vocab_size)
     try:
         tok = tokenizer_lib.load(config.data.tokenizer)
-    except tokenizer_lib.TokenizerError as e:
+    except TokenizerError as e:
         raise config_lib.ConfigError(str(e)) from None
     if tok.vocab_size > config.model.vocab_size:
         raise config_lib.ConfigError(

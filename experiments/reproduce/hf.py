@@ -26,6 +26,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -58,9 +60,9 @@ EVAL_BATCHES = 4  # held-out batches of 8 x 256 tokens read through each KV form
 
 
 def tokenizer(out: str, vocab_size: int) -> str:
-    """Trains the BPE into <out>/tokenizer unless a tokenizer of that size is there; returns the directory."""
+    """Trains the BPE into <out>/tokenizer unless a tokenizer of that size is there (`python -m experiments.tokenizer
+    train`, in its own process as every run of a reproduction is); returns the directory."""
     from core import tokenizer as tokenizer_lib
-    from experiments import tokenizer as train_tokenizer
 
     directory = os.path.join(out, "tokenizer")
     if (
@@ -68,7 +70,9 @@ def tokenizer(out: str, vocab_size: int) -> str:
         and tokenizer_lib.load(directory).vocab_size == vocab_size
     ):
         return directory
-    code = train_tokenizer.main(["train", "--vocab-size", str(vocab_size), "--out", directory])
+    flags = ["--vocab-size", str(vocab_size), "--out", os.path.abspath(directory)]
+    cmd = [sys.executable, "-m", "experiments.tokenizer", "train", *flags]
+    code = subprocess.run(cmd, cwd=runs.ROOT, check=False).returncode
     if code != 0:
         raise RuntimeError(f"training the tokenizer failed (exit {code})")
     return directory

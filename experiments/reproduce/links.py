@@ -55,8 +55,9 @@ import threading
 import time
 from collections.abc import Sequence
 
-from experiments import command, links
+from experiments import command
 from experiments.bench import common
+from experiments.cluster import links
 from experiments.reproduce import links_report, runs
 from experiments.reproduce.links_methods import (
     CONFIG,

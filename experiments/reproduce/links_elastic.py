@@ -27,8 +27,9 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from experiments import command, links
+from experiments import command
 from experiments.bench import common
+from experiments.cluster import links
 from experiments.reproduce import fomoe_elastic, links_methods
 from experiments.reproduce import links as reproduction
 

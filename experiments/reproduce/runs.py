@@ -39,12 +39,12 @@ def _run_args(config: str, workdir: str, flags: list[str], steps: int) -> list[s
 
 def resolved_config(config: str, flags: list[str], steps: int) -> dict:
     """The config `python -m experiments.run --config=<config> --config.train.steps=<steps> <flags>` trains, as its
-    workdir's config.json holds it: resolved by `experiments.run.parse_args` in this process (so a bad flag raises
-    `experiments.run.UsageError` here, before anything runs) and passed through JSON the way run.py writes it
-    (tuples become lists, other non-JSON values their str)."""
-    from experiments import run
+    workdir's config.json holds it: resolved by `experiments.args.parse_run_args` in this process (so a bad flag
+    raises `experiments.args.UsageError` here, before anything runs) and passed through JSON the way
+    experiments.load.write_records writes it (tuples become lists, other non-JSON values their str)."""
+    from experiments import args
 
-    resolved, _ = run.parse_args(["experiments.run", *_run_args(config, "unused", flags, steps)])
+    resolved, _ = args.parse_run_args(["experiments.run", *_run_args(config, "unused", flags, steps)])
     return json.loads(json.dumps(resolved.to_dict(), default=str))
 
 

@@ -41,7 +41,7 @@ FORMATS = ("bf16", "fp8", "fp4")
 def serve(model, fmt_name: str, memory_bytes: int, workload) -> dict:
     """Serves `workload` with `model` on an engine with `memory_bytes` of `fmt_name` KV; the workload's measures
     (kvcache.workload.run) and the pool's capacity in tokens."""
-    from core.tokenizer import ByteTokenizer
+    from core.byte_tokenizer import ByteTokenizer
     from kvcache import formats
     from kvcache.serving import Engine, EngineConfig
     from kvcache.serving import workload as workload_lib
@@ -155,7 +155,7 @@ FP4_EFFICIENCIES = (0.75, 0.5, 0.35, 0.25)
 
 def simulate(gib: float, name: str, efficiency: float, workload) -> dict:
     """The published workload on the spec's model with `gib` GiB of `name` KV, decode kernels at `efficiency`."""
-    from core.tokenizer import ByteTokenizer
+    from core.byte_tokenizer import ByteTokenizer
     from kvcache import capacity, formats
     from kvcache.serving import EngineConfig
     from kvcache.serving import workload as workload_lib

@@ -10,7 +10,7 @@ expert's up, gate and down, one GEMM per expert over its routed tokens; not the 
 every recipe keeps in high precision) gives its real operands x [M, K], W [K, N] and dY [M, N].
 
 For each recipe, each GEMM kind and each captured GEMM, the library's own quantisation of both operands
-(quant.dot_general.prepare_operands: padding, RHT, block scales, stochastic rounding of dY) and the product of the
+(quant.gemm.prepare_operands: padding, RHT, block scales, stochastic rounding of dY) and the product of the
 quantised operands in float64, against the float64 product of the unquantised ones, E:
   fprop  x W      dgrad  dY W^T      wgrad  x^T dY
 over `DRAWS` draws (each a new stochastic-rounding key and new random RHT signs; recipes without either are
@@ -169,7 +169,7 @@ def _quantiser(recipe_name: str, kind: str):
     import jax
 
     from quant import recipes
-    from quant.dot_general import GemmConfig, prepare_operands
+    from quant.gemm import GemmConfig, prepare_operands
     from quant.quantize import quantize
 
     recipe = recipes.get(recipe_name)

@@ -45,6 +45,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from core.model import Transformer
 from core.tokenizer import Tokenizer
 from experiments import args as args_lib
+from experiments import engine as engine_lib
 from experiments.hf import generation
 from experiments.hf import load as hf_load
 from experiments.server import chat as chat_lib
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-num-batched-tokens",
         type=args_lib.integer(1),
         default=None,
-        help=f"tokens in one engine step (default: {args_lib.SERVED_STEP_TOKENS}, or half --max-model-len if less)",
+        help=f"tokens in one engine step (default: {engine_lib.SERVED_STEP_TOKENS}, or half --max-model-len if less)",
     )
     parser.add_argument(
         "--max-model-len",
@@ -131,10 +132,10 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        run, tok = args_lib.load_run(args.workdir)
-        fmt, source = args_lib.kv_format(args, run)
+        run, tok = engine_lib.load_run(args.workdir)
+        fmt, source = engine_lib.kv_format(args, run)
         gen = generation.for_run(run, args.generation_config)
-        config = args_lib.engine_config(args, run, fmt, tok, eos_ids=gen.eos_ids)
+        config = engine_lib.engine_config(args, run, fmt, tok, eos_ids=gen.eos_ids)
         chat = chat_lib.load_template(args.chat_template, run.data.tokenizer, tok)
     except (args_lib.FlagError, chat_lib.TemplateError, generation.GenerationConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -148,8 +149,8 @@ def _main(argv: list[str] | None) -> int:
     length = "--max-model-len" if args.max_model_len else hf_load.context_length(run)[1]
     print(f"max_model_len: {config.max_model_len} tokens ({length})", file=sys.stderr)
     print(f"chat template: {chat.source if chat else 'none (chat completions answer 400)'}", file=sys.stderr)
-    print(args_lib.precision_line(args, run), file=sys.stderr)
-    model, status = args_lib.load_model(args.workdir, args.site, args.precision)
+    print(engine_lib.precision_line(args, run), file=sys.stderr)
+    model, status = engine_lib.load_model(args.workdir, args.site, args.precision)
     if model is None:
         return status
     name = args.served_model_name or os.path.basename(os.path.normpath(args.workdir))

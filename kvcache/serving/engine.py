@@ -1,10 +1,11 @@
-"""The serving engine: the scheduler (`kvcache.serving.scheduler`) over a `core.model.Transformer` and a paged,
-quantised KV pool, sampling on the device.
+"""The serving engine: an engine core holding the scheduler (`kvcache.serving.scheduler`) that runs a
+`core.model.Transformer` over a paged, quantised KV pool, sampling on the device.
 
-Every step runs one jitted program (`_forward`) over the scheduler's ragged batch, seen by the model as one row of
-tokens with explicit positions: their keys and values are quantised into the pool on write and each token attends
-its own sequence's cache with `kvcache.unified_attention` (causal inside a chunk). The program ends with
-`core.sampling` on the last token of each sequence: per row its request's temperature, top_k, top_p, min_p and key
+Every step is schedule -> execute -> update_from_output (`EngineCore.step`); executing runs one jitted program
+(`_forward`) over the scheduler's ragged batch, seen by the model as one row of tokens with explicit positions:
+their keys and values are quantised into the pool on write and each token attends its own sequence's cache with
+`kvcache.unified_attention` (causal inside a chunk). The program ends with `core.sampling` on the last token of
+each sequence: per row its request's temperature, top_k, top_p, min_p and key
 (a seeded request's token i: the key of (seed, i), `core.sampling.key_words`; others: the engine's stream of
 `EngineConfig.seed`), and the log-probabilities (the chosen id's and the `MAX_TOP_LOGPROBS` best) over the ids the
 config lets it sample. Only those small arrays come back to the host. A batch in which some request has a
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -33,7 +33,7 @@ from kvcache import attention
 from kvcache.formats import Format
 from kvcache.paged import PagedPool
 from kvcache.serving.config import EngineConfig
-from kvcache.serving.scheduler import Request, Scheduler
+from kvcache.serving.scheduler import EngineCore, Request, Scheduler
 
 if TYPE_CHECKING:
     from core.model import Transformer
@@ -147,10 +147,12 @@ def _draw(logits, params, words, allowed, masks=None):
 _draw_jit = jax.jit(_draw)
 
 
-class Engine(Scheduler):
+class Engine(EngineCore):
     """Continuous-batching server of a `core.model.Transformer` over a paged KV pool in format `fmt` (the pool:
-    `config.memory_bytes` of whole blocks of `config.block_size` tokens for every layer). `allowed` (bool
-    [vocab_size]) holds the ids it may sample: not in `config.never` and below `config.num_ids`."""
+    `config.memory_bytes` of whole blocks of `config.block_size` tokens for every layer). It holds its `scheduler`
+    (a `Scheduler` over the pool's blocks that takes the ids of the model's vocabulary: [0, vocab_size)) and runs its
+    batches. `allowed` (bool [vocab_size]) holds the ids it may sample: not in `config.never` and below
+    `config.num_ids`."""
 
     def __init__(self, model: Transformer, fmt: Format, config: EngineConfig):
         cfg = model.cfg
@@ -165,27 +167,11 @@ class Engine(Scheduler):
             block_size=config.block_size,
             memory_bytes=config.memory_bytes,
         )
-        super().__init__(config, fmt, self.pool.num_blocks)
+        super().__init__(Scheduler(config, fmt, self.pool.num_blocks, vocab_size=cfg.vocab_size))
         self.vocab_size = cfg.vocab_size  # token ids a prompt may hold: [0, vocab_size)
         self.allowed = sampling.allowed_ids(cfg.vocab_size, config.never, config.num_ids)  # bool [vocab_size]
         self._allowed = jnp.asarray(self.allowed)
         self._executed = 0  # batches run: the engine stream's draw index is (batch, row)
-
-    def _check_tokens(self, prompt: Sequence[int], what: str = "prompt") -> None:
-        """The model's vocabulary: `prompt` (a 1-D sequence of ids: Python or NumPy integers; `what` names it) must
-        hold only integers (not bool, not float, even a whole one) in [0, model vocab_size). Raises ValueError naming
-        the first bad position, its value and the range (`submit` and `check` then change nothing)."""
-        for i, token in enumerate(prompt):
-            if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
-                raise ValueError(
-                    f"{what} token at position {i} is {token!r} ({type(token).__name__}); token ids must be "
-                    f"integers (not bool or float) in [0, {self.vocab_size}) (the model's vocab_size)"
-                )
-            if not 0 <= token < self.vocab_size:
-                raise ValueError(
-                    f"{what} token at position {i} is {token!r}, outside [0, {self.vocab_size}) (the model's "
-                    "vocab_size)"
-                )
 
     def _execute(self, batch):
         bs, s_max = self.config.block_size, self.config.max_num_seqs + 1  # + 1 row for the padding tokens

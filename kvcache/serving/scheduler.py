@@ -1,9 +1,13 @@
-"""The host side of serving: requests and the scheduler (continuous batching over a paged pool with a prefix cache).
+"""The host side of serving: requests, the scheduler (continuous batching over a paged pool with a prefix cache) and
+the engine core that holds one.
 
-Every `step()` schedules one ragged batch: one token for each decoding sequence and a chunk of prompt for sequences
-still in prefill, together at most `max_num_batched_tokens` tokens (vLLM's chunked prefill with a token budget), and
-hands it to `_execute` (a subclass: `kvcache.serving.engine.Engine` runs the model, `kvcache.serving.simulate` a cost
-model), which returns the next token of every sequence whose tokens are all computed.
+`Scheduler.schedule()` picks one ragged batch: one token for each decoding sequence and a chunk of prompt for
+sequences still in prefill, together at most `max_num_batched_tokens` tokens (vLLM's chunked prefill with a token
+budget); `Scheduler.update_from_output(batch, tokens)` takes the next token of every sequence whose tokens are now all
+computed and advances, finishes and releases them. Between the two an engine runs the batch: `EngineCore.step()` is
+schedule -> `_execute` -> update_from_output, as vLLM's engine core steps, and `kvcache.serving.engine.Engine` (the
+model), `kvcache.serving.simulate.SimulatedEngine` (a cost model) and the tests' scripted engines are engine cores
+over the same scheduler.
 
 Prefix caching: full blocks are registered under chained hashes (`kvcache.serving.blocks`); a new request starts
 from the longest cached full-block prefix of its tokens (less its last token, which must be computed for its
@@ -19,8 +23,8 @@ Scheduling (documented behaviour):
     sequence is preempted: its blocks are released (full ones stay cached) and it returns to the front of the
     queue, to be recomputed (from its cached prefix) when it is admitted again. Its generated tokens are kept.
 
-Metrics per request (clock = `Scheduler.clock()`, time.perf_counter() unless a subclass keeps its own): arrival,
-first-token time, finish time and the time of every token; TTFT = first token - arrival; TPOT = (finish - first
+Metrics per request (clock = the scheduler's `clock`, time.perf_counter unless its engine keeps its own time):
+arrival, first-token time, finish time and the time of every token; TTFT = first token - arrival; TPOT = (finish - first
 token) / (tokens - 1). Per scheduler: steps, preemptions, prompt tokens asked of and found in the prefix cache.
 """
 
@@ -29,14 +33,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 from kvcache.formats import Format
 from kvcache.serving.blocks import BlockManager, block_hashes
 from kvcache.serving.config import EngineConfig, SamplingParams
 
-__all__ = ["Request", "Scheduler"]
+__all__ = ["EngineCore", "Request", "Scheduler"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -94,25 +100,34 @@ class Request:
 
 
 class Scheduler:
-    """The host side of serving: requests, blocks and the prefix cache, scheduling, metrics. A subclass runs the
-    batches (`_execute`) and keeps the time (`clock`): `Engine` runs the model; `kvcache.serving.simulate` a cost
-    model."""
+    """The host side of serving: requests, blocks and the prefix cache, scheduling, metrics; it runs nothing (an
+    `EngineCore` holding it runs the batches it schedules).
 
-    def __init__(self, config: EngineConfig, fmt: Format, num_blocks: int):
-        self.config, self.fmt = config, fmt
+    Args:
+      config: the engine's limits (block size, token budget, max_num_seqs, max_model_len) and end ids.
+      fmt: the KV format of the pool (named in errors).
+      num_blocks: the pool's blocks of `config.block_size` tokens.
+      vocab_size: with it, a request's ids must be integers in [0, vocab_size) (the model's vocabulary); None takes
+        any ids (a cost model, a script).
+      clock: the time of arrivals, tokens and finishes (seconds; time.perf_counter, or a simulation's clock).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        fmt: Format,
+        num_blocks: int,
+        *,
+        vocab_size: int | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self.config, self.fmt, self.vocab_size, self.clock = config, fmt, vocab_size, clock
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.max_blocks = -(-config.max_model_len // config.block_size)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.stats = {"steps": 0, "preemptions": 0, "prompt_tokens": 0, "cached_tokens": 0}
         self._next_id = 0
-
-    def clock(self) -> float:
-        return time.perf_counter()
-
-    def _execute(self, batch: list[tuple[Request, int]]) -> list[int | None]:
-        """Runs one batch; returns the next token of every entry whose tokens are now all computed (else None)."""
-        raise NotImplementedError
 
     @property
     def capacity_tokens(self) -> int:
@@ -183,8 +198,22 @@ class Scheduler:
             )
 
     def _check_tokens(self, prompt: Sequence[int], what: str = "prompt") -> None:
-        """Raises ValueError for a prompt (or, `what`, another list of ids) holding an id this scheduler cannot take
-        (none here; see Engine)."""
+        """With a `vocab_size`: `prompt` (a 1-D sequence of ids: Python or NumPy integers; `what` names it) must hold
+        only integers (not bool, not float, even a whole one) in [0, vocab_size). Raises ValueError naming the first
+        bad position, its value and the range (`submit` and `check` then change nothing)."""
+        if self.vocab_size is None:
+            return
+        for i, token in enumerate(prompt):
+            if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
+                raise ValueError(
+                    f"{what} token at position {i} is {token!r} ({type(token).__name__}); token ids must be "
+                    f"integers (not bool or float) in [0, {self.vocab_size}) (the model's vocab_size)"
+                )
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(
+                    f"{what} token at position {i} is {token!r}, outside [0, {self.vocab_size}) (the model's "
+                    "vocab_size)"
+                )
 
     def finish(self, request: Request, reason: str = "abort") -> None:
         """Ends `request` now, wherever it is (waiting or running; a finished one is left as it is): its blocks are
@@ -218,7 +247,11 @@ class Scheduler:
         self.stats["preemptions"] += 1
         self.waiting.appendleft(victim)
 
-    def _schedule(self) -> list[tuple[Request, int]]:
+    def schedule(self) -> list[tuple[Request, int]]:
+        """The next batch: (request, number of its tokens to compute now) per scheduled sequence, running ones first
+        (preempting as the module docstring says), then admitted waiting ones; [] when there is nothing to run.
+        Allocates the blocks those tokens need. Raises RuntimeError if requests wait but none can be placed (cannot
+        happen after `submit`'s checks)."""
         budget, batch = self.config.max_num_batched_tokens, []
         for request in list(self.running):
             if request not in self.running or budget == 0:
@@ -256,18 +289,17 @@ class Scheduler:
             self.running.append(request)
             batch.append((request, n))
             budget -= n
+        if not batch and self.waiting:  # nothing fits although the pool is free: cannot happen after submit's checks
+            raise RuntimeError("the scheduler could not place any request; the pool is smaller than a block")
         return batch
 
-    # --------------------------------------------------------------------------------------------------- step
+    # ------------------------------------------------------------------------------------------------- update
 
-    def step(self) -> list[Request]:
-        """Schedules and runs one batch; returns the requests that finished in it."""
-        batch = self._schedule()
-        if not batch:
-            if self.waiting:  # nothing fits although the pool is free: cannot happen after submit's checks
-                raise RuntimeError("the scheduler could not place any request; the pool is smaller than a block")
-            return []
-        tokens = self._execute(batch)
+    def update_from_output(self, batch: list[tuple[Request, int]], tokens: Sequence[int | None]) -> list[Request]:
+        """Takes the result of running `batch` (`schedule`'s): `tokens[i]`, the next token of entry i if its tokens
+        are now all computed, else None. Registers the newly full blocks in the prefix cache, appends the tokens (with
+        their times), finishes the requests that end (an end id past min_tokens: "stop"; max_new_tokens: "length")
+        and releases their blocks. Returns the requests that finished."""
         now = self.clock()
         self.stats["steps"] += 1
         bs, finished = self.config.block_size, []
@@ -294,6 +326,29 @@ class Scheduler:
                 finished.append(request)
         return finished
 
+
+class EngineCore:
+    """What serves requests: it holds a `Scheduler` and runs the batches it schedules. Every `step` is
+    `scheduler.schedule()` -> `_execute(batch)` -> `scheduler.update_from_output(batch, tokens)`, vLLM's engine-core
+    step. `_execute` (an engine's own: `Engine` runs the model, `SimulatedEngine` a cost model) returns the next token
+    of every entry whose tokens are then all computed, else None. The scheduler's request-facing calls and state
+    (submit, check, finish, abort, clock; config, fmt, blocks, waiting, running, stats, has_work, capacity_tokens) are
+    reached through the engine."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+
+    def _execute(self, batch: list[tuple[Request, int]]) -> list[int | None]:
+        """Runs one batch; returns the next token of every entry whose tokens are now all computed (else None)."""
+        raise NotImplementedError
+
+    def step(self) -> list[Request]:
+        """Schedules, runs and takes back one batch; returns the requests that finished in it ([] when idle)."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        return self.scheduler.update_from_output(batch, self._execute(batch))
+
     def run(self, on_step=None) -> list[Request]:
         """Steps until every submitted request finished; `on_step(engine, finished)` after each step."""
         done = []
@@ -303,3 +358,67 @@ class Scheduler:
             if on_step is not None:
                 on_step(self, finished)
         return done
+
+    def submit(
+        self,
+        prompt,
+        max_new_tokens: int,
+        *,
+        arrival: float | None = None,
+        ignore_eos: bool = False,
+        sampling: SamplingParams | None = None,
+    ) -> Request:
+        """`Scheduler.submit`: queues a request, or raises ValueError changing nothing."""
+        return self.scheduler.submit(prompt, max_new_tokens, arrival=arrival, ignore_eos=ignore_eos, sampling=sampling)
+
+    def check(self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams | None = None) -> None:
+        """`Scheduler.check`: raises ValueError if such a request could never be served (any thread may call it)."""
+        self.scheduler.check(prompt, max_new_tokens, sampling)
+
+    def finish(self, request: Request, reason: str = "abort") -> None:
+        """`Scheduler.finish`: ends `request` now, releasing its blocks."""
+        self.scheduler.finish(request, reason)
+
+    def abort(self, request: Request) -> None:
+        """`finish(request, "abort")`."""
+        self.scheduler.finish(request, "abort")
+
+    def clock(self) -> float:
+        """The scheduler's time (seconds)."""
+        return self.scheduler.clock()
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.scheduler.config
+
+    @property
+    def fmt(self) -> Format:
+        return self.scheduler.fmt
+
+    @property
+    def blocks(self) -> BlockManager:
+        return self.scheduler.blocks
+
+    @property
+    def waiting(self) -> collections.deque[Request]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.scheduler.running
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return self.scheduler.stats
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.scheduler.capacity_tokens
+
+    @property
+    def max_blocks(self) -> int:
+        return self.scheduler.max_blocks

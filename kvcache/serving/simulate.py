@@ -1,9 +1,10 @@
 """The serving engine's scheduler driven by a cost model instead of a model: projections at scales a CPU cannot run.
 
-`SimulatedEngine` is `kvcache.serving.scheduler.Scheduler` (the same admission, chunked prefill, prefix cache,
-eviction and preemption) on a virtual clock: each step advances it by `StepCost` of the batch and yields a fixed
-token. With the capacity planner's pool size for a model and a KV budget (`kvcache.capacity.num_blocks`), it projects
-hit rates, time to first token and throughput of a workload at the published scale.
+`SimulatedEngine` is an engine core holding the engine's `kvcache.serving.scheduler.Scheduler` (the same admission,
+chunked prefill, prefix cache, eviction and preemption) on a virtual clock: each step advances it by `StepCost` of
+the batch and yields a fixed token. With the capacity planner's pool size for a model and a KV budget
+(`kvcache.capacity.num_blocks`), it projects hit rates, time to first token and throughput of a workload at the
+published scale.
 
 Step time (seconds) of a batch of sequences i with c_i tokens cached before the step and n_i new tokens:
 
@@ -24,7 +25,7 @@ import dataclasses
 from kvcache import capacity
 from kvcache.formats import Format
 from kvcache.serving.config import EngineConfig
-from kvcache.serving.scheduler import Scheduler
+from kvcache.serving.scheduler import EngineCore, Scheduler
 
 __all__ = ["H200", "SPEC_MODEL_SERVING", "Hardware", "ServedModel", "SimulatedEngine", "StepCost"]
 
@@ -77,16 +78,14 @@ class StepCost:
         return max(compute, memory) + self.overhead
 
 
-class SimulatedEngine(Scheduler):
-    """The scheduler on a virtual clock: every step takes `cost(batch)` seconds and emits token 65 ("A")."""
+class SimulatedEngine(EngineCore):
+    """The engine's scheduler on a virtual clock (`now`, seconds from 0): every step takes `cost(batch)` seconds and
+    emits token 65 ("A")."""
 
     def __init__(self, fmt: Format, config: EngineConfig, model: ServedModel, cost: StepCost):
         blocks = capacity.num_blocks(int(config.memory_bytes), model.shape, fmt, block_size=config.block_size)
-        super().__init__(config, fmt, blocks)
         self.cost, self.now = cost, 0.0
-
-    def clock(self) -> float:
-        return self.now
+        super().__init__(Scheduler(config, fmt, blocks, clock=lambda: self.now))
 
     def _execute(self, batch):
         self.now += self.cost([(r.num_computed, n) for r, n in batch])

@@ -17,7 +17,7 @@ import dataclasses
 
 import numpy as np
 
-from core.tokenizer import NUM_BYTES
+from core.byte_tokenizer import NUM_BYTES
 
 __all__ = ["AgentWorkload", "Conversation", "conversations", "run"]
 
@@ -74,7 +74,7 @@ def conversations(workload: AgentWorkload) -> list[Conversation]:
 
 
 def run(engine, workload: AgentWorkload, *, progress=None) -> dict:
-    """Serves the workload on `engine` (a `kvcache.serving.scheduler.Scheduler`: the real engine or a simulated one);
+    """Serves the workload on `engine` (a `kvcache.serving.scheduler.EngineCore`: the engine or a simulated one);
     returns per-request records and per-round summaries (P50 / P90 time to first token, KV hit rate = cached / prompt
     tokens) and the output throughput (output tokens / wall seconds). `progress(done, total)` is called as requests
     finish."""

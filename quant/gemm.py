@@ -1,6 +1,6 @@
 """4-bit training GEMMs as a custom dot_general (docs/ufp4.md; recipes in quant/recipes.py).
 
-`dot_general(recipe, key=...)` returns a function with `jax.lax.dot_general`'s signature whose forward and both
+`make_dot_general(recipe, key=...)` returns a function with `jax.lax.dot_general`'s signature whose forward and both
 backward GEMMs quantise their operands as the recipe says. Any dimension numbers with one contracting dimension
 per operand are brought to batched matrices x: [B, M, K], w: [B, K, N] (transposes and reshapes outside the
 custom VJP, so JAX differentiates them), and
@@ -45,7 +45,7 @@ __all__ = [
     "backward_keys",
     "check_key",
     "check_rngs",
-    "dot_general",
+    "make_dot_general",
     "prepare_operands",
 ]
 
@@ -155,7 +155,7 @@ def _matmul(cfg: GemmConfig, x: jax.Array, w: jax.Array, key: jax.Array | None) 
 
 
 def _fwd(cfg, x, w, key):
-    check_key(cfg.recipe, key, "dot_general")  # traced when differentiating: the error comes in the forward pass
+    check_key(cfg.recipe, key, "make_dot_general")  # traced when differentiating: the error comes in the forward pass
     return _matmul(cfg, x, w, key), (x, w, key)
 
 
@@ -163,7 +163,7 @@ def check_key(recipe: Recipe, key: jax.Array | None, what: str) -> None:
     """Raises ValueError, saying what to pass, when a GEMM of `recipe` is differentiated without a PRNG key."""
     if key is None and recipe.needs_key:
         raise ValueError(
-            f"quant.{what}({recipe.name!r}) is being differentiated without a PRNG key: the recipe rounds dy "
+            f"a GEMM of quant.{what}({recipe.name!r}) is being differentiated without a PRNG key: the recipe rounds dy "
             f"stochastically. Build it with rngs=<an nnx.Rngs the model holds> (a fresh key per call, e.g. "
             f"quant.{what}({recipe.name!r}, rngs=self.rngs) with self.rngs = nnx.Rngs(quant=0)), or with "
             f"key=<a fresh key per training step and layer> (e.g. quant.{what}({recipe.name!r}, "
@@ -189,7 +189,8 @@ _matmul.defvjp(_fwd, _bwd)
 
 class FreshKeys(nnx.Module):
     """A GEMM that draws a fresh PRNG key from `rngs`' stream `stream` at every call and calls `make(*args, key)`
-    with the same arguments: what `dot_general(recipe, rngs=...)` and `grouped_matmul(recipe, rngs=...)` return.
+    with the same arguments: what `make_dot_general(recipe, rngs=...)` and `make_grouped_matmul(recipe, rngs=...)`
+    return.
 
     It is an nnx.Module holding the Rngs, so a flax layer that stores it (nnx.Linear's `dot_general` attribute)
     makes the Rngs part of the model's graph: under nnx.jit / nnx.grad / nnx.value_and_grad the stream's counter is
@@ -226,7 +227,7 @@ def check_rngs(what: str, recipe: Recipe, key: jax.Array | None, rngs: nnx.Rngs 
         )
 
 
-def dot_general(
+def make_dot_general(
     recipe: Recipe | str,
     *,
     key: jax.Array | None = None,
@@ -240,7 +241,7 @@ def dot_general(
         class MLP(nnx.Module):
             def __init__(self, rngs):
                 self.rngs = nnx.Rngs(quant=0)  # the stochastic-rounding stream, held by the model
-                dot = quant.dot_general("ufp4", rngs=self.rngs)
+                dot = quant.make_dot_general("ufp4", rngs=self.rngs)
                 self.up = nnx.Linear(64, 256, dot_general=dot, rngs=rngs)
 
     recipe: a Recipe or its name (quant.recipes.RECIPES: "none", "bf16", "ufp4", "ufp4_int4", "e2m1_baseline",
@@ -266,7 +267,7 @@ def dot_general(
     constraint on the quantised path).
     """
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
-    check_rngs("dot_general", recipe, key, rngs, stream)
+    check_rngs("make_dot_general", recipe, key, rngs, stream)
     if rngs is not None:
         return FreshKeys(_keyed_dot_general, (recipe, quantizer, seed), rngs, stream)
     return _keyed_dot_general(recipe, quantizer, seed, key)
@@ -279,7 +280,7 @@ def _keyed_dot_general(recipe: Recipe, quantizer: Callable, seed: int, key: jax.
         (lc, rc), (lb, rb) = dimension_numbers
         if len(lc) != 1 or len(rc) != 1:
             raise ValueError(
-                f"quant.dot_general ({recipe.name}): one contracting dimension per operand is supported; "
+                f"quant.make_dot_general({recipe.name!r}): one contracting dimension per operand is supported; "
                 f"got {lc} and {rc} (shapes {lhs.shape}, {rhs.shape})."
             )
         if not recipe.quantised:
