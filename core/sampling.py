@@ -68,9 +68,9 @@ def allowed_ids(vocab_size: int, never: Sequence[int] = (), num_ids: int | None 
 def pack_ids(ids: Sequence[int] | np.ndarray, vocab_size: int) -> np.ndarray:
     """uint32 [ceil(vocab_size / 32)]: bit i % 32 of word i // 32 set for each id i in `ids` (in [0, vocab_size))."""
     ids = np.asarray(ids, np.int64)
-    bits = np.zeros(-(-vocab_size // 32) * 32, np.uint8)
-    bits[ids] = 1
-    return np.packbits(bits, bitorder="little").view("<u4").astype(np.uint32)
+    words = np.zeros(-(-vocab_size // 32), np.uint32)  # O(len(ids)) besides these words: no [vocab_size] buffer
+    np.bitwise_or.at(words, ids // 32, np.left_shift(np.uint32(1), (ids % 32).astype(np.uint32)))
+    return words
 
 
 def unpack_ids(words: jax.Array, vocab_size: int) -> jax.Array:

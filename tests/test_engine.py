@@ -418,3 +418,16 @@ def test_the_repetition_penalty_is_one_rule_in_generation_and_the_engine(model):
     for p, request in penalised.items():
         assert request.output == generated(model, prompt, 10, eos_id=None, repetition_penalty=p), p
         assert request.output != plain.output, p
+
+
+@pytest.mark.parametrize("vocab", [1, 33, 300, 151_936])
+def test_id_sets_cross_as_bits_and_come_back_as_the_same_mask(vocab):
+    """`core.sampling.pack_ids` -> `unpack_ids` gives back a bool mask equal to NumPy's of the ids (repeats and both
+    ends included), for vocabularies that are and are not a multiple of 32."""
+    rng = np.random.default_rng(vocab)
+    ids = np.concatenate([rng.integers(0, vocab, 40), [0, vocab - 1, vocab - 1]])
+    expected = np.zeros(vocab, bool)
+    expected[ids] = True
+    words = sampling.pack_ids(ids, vocab)
+    assert words.dtype == np.uint32 and words.shape == (-(-vocab // 32),)
+    np.testing.assert_array_equal(np.asarray(sampling.unpack_ids(jnp.asarray(words), vocab)), expected)
