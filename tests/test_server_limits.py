@@ -278,7 +278,7 @@ def test_parsing_pauses_the_garbage_collector_and_restores_it(monkeypatch):
         return loads(data)
 
     monkeypatch.setattr(body.json, "loads", spy)
-    limits = body.Limits(sequences=4, tokens=LIMIT, text_chars=1000, detail="test")
+    limits = body.Limits(sequences=4, tokens=LIMIT, text_chars=1000, allowed="test")
     assert gc.isenabled()
     assert body.parse(b'{"prompt": [1, 2]}', CompletionRequest, limits).prompt == [1, 2]
     assert seen == [False] and gc.isenabled()

@@ -38,7 +38,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.requests import ClientDisconnect
 
 from experiments.server.protocol import MAX_N, ChatCompletionRequest, CompletionRequest
-from experiments.server.serving import ApiError, OpenAIServing
+from experiments.server.serving import ApiError, OpenAIServing, too_many_sequences
 
 __all__ = ["Limits", "parse", "read_body"]
 
@@ -88,21 +88,19 @@ def _in_body(error: Any) -> dict[str, Any]:
 class Limits:
     """The counts and sizes a body may have (module docstring), checked on its parsed JSON before any element is
     validated: `sequences` prompts x n (--max-waiting), `tokens` = L for a prompt and its output, `text_chars`
-    characters of a text prompt; `detail` says where L comes from."""
+    characters of a text prompt; `allowed` what a prompt may hold and where L comes from (OpenAIServing.allowed)."""
 
     sequences: int
     tokens: int
     text_chars: int
-    detail: str
+    allowed: str
 
     @classmethod
     def of(cls, s: OpenAIServing) -> Limits:
         """`s`'s limits, as they are now (--max-waiting may change while it serves)."""
         tok = s.tokenizer  # the most characters one token reads: its bytes, or a special token's name
         longest = max(int(tok.byte_lengths.max()), max(map(len, tok.special_tokens), default=0), 1)
-        engine = s.runner.engine
-        detail = f"max_model_len = {engine.config.max_model_len}, KV pool = {engine.capacity_tokens} tokens"
-        return cls(s.runner.max_waiting, s.limit, 2 * (s.limit - 1) * longest, detail)
+        return cls(s.runner.max_waiting, s.limit, 2 * (s.limit - 1) * longest, s.allowed())
 
     def check(self, body: dict[str, Any], model: type[Body]) -> None:
         """Raises ApiError 400 naming the field if `body` (the parsed JSON of a `model`) exceeds a limit. Reads only
@@ -123,12 +121,7 @@ class Limits:
         several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
         prompts: list[Any] = prompt if several else [prompt]
         if len(prompts) * n > self.sequences:  # can never be queued at once: refused before anything is read
-            raise ApiError(
-                400,
-                f"{len(prompts):,} prompt(s) x n = {n} is {len(prompts) * n:,} sequences, more than this server ever "
-                f"queues at once (--max-waiting = {self.sequences}); send at most {self.sequences}",
-                param="n" if n > 1 else "prompt",
-            )
+            raise too_many_sequences(len(prompts), n, self.sequences, "prompt")
         for i, p in enumerate(prompts):
             which = f"prompt {i}" if several else "the prompt"
             if isinstance(p, list) and len(p) >= self.tokens:
@@ -140,14 +133,6 @@ class Limits:
                     f"{self.text_chars:,} characters tokenises that short with this tokenizer",
                     param="prompt",
                 )
-
-    @property
-    def allowed(self) -> str:
-        """What a prompt may have, and where the limit comes from (the tail of every refusal's message)."""
-        return (
-            f"this server's limit is {self.tokens} tokens for a prompt and its output together ({self.detail}), so a "
-            f"prompt may have at most {self.tokens - 1}"
-        )
 
 
 def _is_json(content_type: str) -> bool:

@@ -39,7 +39,7 @@ from experiments.server.protocol import ChatCompletionRequest, CompletionRequest
 from experiments.server.render import ChatRender, CompletionRender, Render
 from experiments.server.runner import EngineRunner, Event, QueueFull, Stream
 
-__all__ = ["ApiError", "OpenAIServing"]
+__all__ = ["ApiError", "OpenAIServing", "too_many_sequences"]
 
 OWNER = "lowbit-moe-lab"
 """The `owned_by` of the served model's card."""
@@ -161,6 +161,16 @@ class OpenAIServing:
         by (thread-safe: the tokenization may run on a worker thread)."""
         return self.tokenizer.encode_prompt(text, add_special_tokens=add_special_tokens).tolist()
 
+    def allowed(self) -> str:
+        """What a prompt may hold and where the limit comes from: the tail of every refusal of a prompt's length
+        (here, and experiments.server.body's checks before tokenisation)."""
+        engine = self.runner.engine
+        return (
+            f"this server's limit is {self.limit} tokens for a prompt and its output together (max_model_len = "
+            f"{engine.config.max_model_len}, KV pool = {engine.capacity_tokens} tokens), so a prompt may have at most "
+            f"{self.limit - 1}"
+        )
+
     def check_model(self, name: str | None) -> None:
         """Raises ApiError 404 (param `model`) unless `name` is None or the served model's."""
         if name is not None and name != self.model_name:
@@ -186,24 +196,13 @@ class OpenAIServing:
         n) than the queue ever holds are a 400 naming n (or the prompt field), before anything is queued."""
         streams: list[Stream] = []
         field = param
-        sequences, room = len(prompts) * body.n, self.runner.max_waiting
-        if sequences > room:  # can never be queued at once: a 429 would be retried forever
-            raise ApiError(
-                400,
-                f"{len(prompts)} prompt(s) x n = {body.n} is {sequences} sequences, more than this server ever queues "
-                f"at once (--max-waiting = {room}); send at most {room}",
-                param="n" if body.n > 1 else param,
-            )
+        if len(prompts) * body.n > self.runner.max_waiting:  # never queued at once: a 429 would be retried forever
+            raise too_many_sequences(len(prompts), body.n, self.runner.max_waiting, param)
         try:
             for prompt in prompts:
                 field = param
                 if len(prompt) >= self.limit:
-                    engine = self.runner.engine
-                    raise ValueError(
-                        f"the prompt has {len(prompt)} tokens; this server's limit is {self.limit} tokens for a prompt "
-                        f"and its output together (max_model_len = {engine.config.max_model_len}, KV pool = "
-                        f"{engine.capacity_tokens} tokens), so a prompt may have at most {self.limit - 1}"
-                    )
+                    raise ValueError(f"the prompt has {len(prompt):,} tokens; {self.allowed()}")
                 want = max_new_tokens if max_new_tokens is not None else self.limit - len(prompt)
                 want = min(want, self.defaults.get("max_tokens", want))  # the generation config's cap (vLLM's)
                 field = "max_tokens" if max_new_tokens is not None else param
@@ -271,6 +270,17 @@ class OpenAIServing:
         if error is not None:
             raise ApiError(500, f"the engine failed: {error}", type="server_error")
         return JSONResponse(render.response([_merge(group) for group in events], streams))
+
+
+def too_many_sequences(prompts: int, n: int, room: int, param: str) -> ApiError:
+    """The 400 for `prompts` x `n` sequences, more than the `room` (--max-waiting) the server ever queues at once,
+    naming n when it is above 1, else the prompt's field `param`."""
+    return ApiError(
+        400,
+        f"{prompts:,} prompt(s) x n = {n} is {prompts * n:,} sequences, more than this server ever queues at once "
+        f"(--max-waiting = {room}); send at most {room}",
+        param="n" if n > 1 else param,
+    )
 
 
 async def _disconnected(raw: HTTPRequest) -> None:
