@@ -44,21 +44,13 @@ GENERATION_FILE = "generation_config.json"
 MODES = ("auto", "vllm")
 """`--generation-config` values besides a folder."""
 
-_SAMPLING = {  # generation_config key -> (its name in a request, the rule its value follows)
-    "temperature": ("temperature", lambda v: _number(v) and v >= 0),
-    "top_p": ("top_p", lambda v: _number(v) and 0 < v <= 1),
-    "top_k": ("top_k", lambda v: _integer(v) and v >= -1),
-    "min_p": ("min_p", lambda v: _number(v) and 0 <= v <= 1),
-    "repetition_penalty": ("repetition_penalty", lambda v: _number(v) and v > 0),
-    "max_new_tokens": ("max_tokens", lambda v: _integer(v) and v >= 1),
-}
-_RULES = {
-    "temperature": "a number >= 0",
-    "top_p": "a number in (0, 1]",
-    "top_k": "an integer >= -1 (0 or -1: all)",
-    "min_p": "a number in [0, 1]",
-    "repetition_penalty": "a number > 0",
-    "max_new_tokens": "an integer >= 1",
+_SAMPLING = {  # generation_config key -> (its name in a request, the rule its value follows, that rule in words)
+    "temperature": ("temperature", lambda v: _number(v) and v >= 0, "a number >= 0"),
+    "top_p": ("top_p", lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": ("top_k", lambda v: _integer(v) and v >= -1, "an integer >= -1 (0 or -1: all)"),
+    "min_p": ("min_p", lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "repetition_penalty": ("repetition_penalty", lambda v: _number(v) and v > 0, "a number > 0"),
+    "max_new_tokens": ("max_tokens", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
 }
 
 
@@ -106,12 +98,12 @@ def read(path: str, *, sampling: bool = True) -> GenerationConfig:
             f"{path}: eos_token_id = {json.dumps(eos)}; allowed: a token id (an integer >= 0), a list of them, or null"
         )
     defaults: dict[str, float | int] = {}
-    for key, (name, ok) in _SAMPLING.items():
+    for key, (name, ok, rule) in _SAMPLING.items():
         value = fields.get(key)
         if value is None or not sampling:
             continue
         if not ok(value):
-            raise GenerationConfigError(f"{path}: {key} = {json.dumps(value)}; allowed: {_RULES[key]} (or null)")
+            raise GenerationConfigError(f"{path}: {key} = {json.dumps(value)}; allowed: {rule} (or null)")
         defaults[name] = value
     return GenerationConfig(tuple(dict.fromkeys(ids)), defaults, path)
 
