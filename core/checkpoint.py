@@ -29,9 +29,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 
 from core import orbax_compat
+
+with orbax_compat.root_logging_as_it_was():  # absl's basicConfig on orbax's import-time logs
+    import orbax.checkpoint as ocp
 
 __all__ = [
     "CheckpointError",

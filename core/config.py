@@ -1,97 +1,31 @@
-"""The core configuration sections and their checks before anything compiles.
-
-A configuration is an `ml_collections.ConfigDict` with one sub-dict per section: the core ones declared here
-(`model`, `data`, `optim`, `train`, `mesh`, `checkpoint`, `sample`) and those other packages declare the same way
-(moe.config, quant.config, kvcache.config, optim.config), each a frozen dataclass of `core.schema.field`s. The
-composition root (`experiments/schema.py`) adds the others to `SECTIONS` and fills registered choices (`optim.name`).
-
-`validate` checks every key, type and value (`core.schema.check_keys`) and then the core sections' constraints
-between keys: an impossible combination (heads not dividing d_model, a mesh larger than the devices, a batch the
-data axis cannot split, ...) -> ConfigError naming every key involved. The command line fits a warm-up longer than
-a short run to the run's length before validating (`fit_to_steps`). The schema machinery (`field`, `ConfigError`,
-`from_config`, `checkpoint_compat`, ...) is `core.schema`'s; its names are importable from here too.
+"""The core sections of the experiment configuration: `model` (the transformer's hyper-parameters, which
+core.model.Transformer takes), `data`, `optim`, `train`, `mesh`, `checkpoint` and `sample`, each a frozen
+dataclass of `core.fields.field`s, and `SECTIONS` (name -> declaration). Plain typed values (no configuration
+library): core.schema builds the ConfigDict, the per-key checks and `validate` (the constraints between keys) on
+these declarations, and the composition root (experiments/schema.py) adds the other packages' sections.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import ml_collections
-
-from core import schema as schema_lib
-from core import tokenizer as tokenizer_lib
-from core.byte_tokenizer import TokenizerError
-from core.mesh_config import (
-    DEFAULT_RULES,
-    FROM_CLUSTER,
-    MESH_AXES,
-    check_processes,
-    check_rules,
-    mesh_axes,
-    mesh_shape,
-    resolve_mesh_shape,
-    rule_mesh_axes,
-)
-from core.schema import (
-    Compat,
-    ConfigError,
-    Field,
-    Schema,
-    check_keys,
-    checkpoint_compat,
-    field,
-    fields_of,
-    from_config,
-    provenance,
-    section_fields,
-    unknown_key_error,
-)
+from core.fields import MAX_WIDTH, Compat, field
+from core.mesh_config import DEFAULT_RULES
 
 __all__ = [
-    "DEFAULT_RULES",
-    "FROM_CLUSTER",
-    "MAX_WIDTH",
-    "MESH_AXES",
     "SECTIONS",
     "CheckpointConfig",
-    "Compat",
-    "ConfigError",
     "DataConfig",
-    "Field",
     "MeshConfig",
     "OptimConfig",
     "SampleConfig",
-    "Schema",
     "TrainConfig",
     "TransformerConfig",
-    "check_processes",
-    "checkpoint_compat",
-    "defaults",
-    "describe",
-    "field",
-    "fit_to_steps",
-    "from_config",
-    "mesh_axes",
-    "mesh_shape",
-    "provenance",
-    "rule_mesh_axes",
-    "schema",
-    "section_fields",
-    "unknown_key_error",
-    "validate",
 ]
 
 
 _DTYPES = ("float32", "bfloat16")
-
-MAX_WIDTH = 2**20
-"""The largest value of a model's size keys (vocabulary, widths, heads, layers, experts): 1,048,576, above any published
-model's (their widths and vocabularies are at most a few 100,000). It keeps every weight's element count far inside
-the 64 bits XLA counts it in (past them XLA aborts the process instead of raising), and a config.json edited to a
-huge width is refused by name instead of failing later as something else."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +146,7 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     """The section `optim`: which optimizer, its learning-rate schedule and clipping (core.train). Optimizer
-    families add their own keys by subclassing (optim.config); the composition root registers the names."""
+    families add their own keys by subclassing (experiments.schema_optim); the composition root registers the names."""
 
     compat: ClassVar[Compat] = ("name",)
     provenance: ClassVar[Compat] = True
@@ -335,131 +269,3 @@ SECTIONS: dict[str, type] = {
 }
 """The core sections: name -> declaration. Other packages declare theirs the same way; the composition root
 (`experiments/schema.py`) adds them."""
-
-
-def schema(sections: Mapping[str, type] | None = None) -> Schema:
-    """The fields of `sections` (default: the core ones) as a fresh nested dict (callers may extend it)."""
-    return fields_of(SECTIONS if sections is None else sections)
-
-
-def defaults(spec: Schema | None = None) -> ml_collections.ConfigDict:
-    """The default ConfigDict of a schema (the core schema by default; `core.schema.defaults`)."""
-    return schema_lib.defaults(schema() if spec is None else spec)
-
-
-def describe(spec: Schema | None = None) -> str:
-    """A markdown reference of every key of a schema (the core schema by default; `core.schema.describe`)."""
-    return schema_lib.describe(schema() if spec is None else spec)
-
-
-def fit_to_steps(config: ml_collections.ConfigDict) -> list[str]:
-    """Lowers, in place, the keys a short run would otherwise have to set by hand, and says what it changed.
-
-    One key: `optim.warmup_steps` > `train.steps` becomes `train.steps` (the linear warm-up then spans the
-    whole run, as the schedule of `core.train.learning_rate_schedule` with warmup = steps), so that a trial run
-    (`--config.train.steps=10` on a config that warms up over 40 steps) needs no second flag. The cadences need no
-    such fit: `train.log_every`, `train.eval_every` and `checkpoint.every` beyond `train.steps` still log, evaluate
-    and save at the last step. A key of the wrong type is left for `validate` to report. The command-line driver
-    (experiments.run) calls this once, before validation, so that the run's config.json holds the values used;
-    `validate` itself still refuses a warm-up longer than the run (library callers set what they mean).
-
-    Returns:
-      one notice per changed key, e.g. "optim.warmup_steps = 40 > train.steps = 10: warming up over all 10 steps".
-    """
-    try:
-        warmup, steps = config.optim.warmup_steps, config.train.steps
-    except (AttributeError, KeyError):
-        return []  # a missing section or key: validate names it
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (warmup, steps)) or steps < 1:
-        return []
-    if warmup <= steps:
-        return []
-    config.optim.warmup_steps = steps
-    return [f"optim.warmup_steps = {warmup} > train.steps = {steps}: warming up over all {steps} steps"]
-
-
-def validate(
-    config: ml_collections.ConfigDict,
-    spec: Schema | None = None,
-    *,
-    num_devices: int | None = None,
-) -> None:
-    """Checks every key, type, value (`core.schema.check_keys`) and the core sections' cross-field constraints;
-    raises ConfigError on the first problem.
-
-    With `mesh.num_processes = -1` (the cluster's processes) the checks that need the number of processes are
-    deferred: validate again once `core.mesh.resolve_processes` has filled it in (see `check_processes`).
-
-    Args:
-      config: the experiment configuration.
-      spec: the schema to check against (default: the core schema).
-      num_devices: if given, the mesh is also checked against this number of devices.
-    """
-    check_keys(config, schema() if spec is None else spec)
-    _check_core(config, num_devices)
-
-
-def _check_core(config: ml_collections.ConfigDict, num_devices: int | None) -> None:
-    m = config.model
-    if m.head_dim == 0 and m.d_model % m.num_heads:
-        raise ConfigError(
-            f"config key 'model.num_heads' = {m.num_heads} must divide 'model.d_model' = "
-            f"{m.d_model} (head dim = d_model / num_heads), or set 'model.head_dim'."
-        )
-    if m.num_heads % m.num_kv_heads:
-        raise ConfigError(
-            f"config key 'model.num_kv_heads' = {m.num_kv_heads} must divide 'model.num_heads' = "
-            f"{m.num_heads} (each KV head serves num_heads / num_kv_heads query heads)."
-        )
-    if m.head_dim % 2:
-        raise ConfigError(f"config key 'model.head_dim' = {m.head_dim} must be even for RoPE.")
-    if m.head_dim == 0 and (m.d_model // m.num_heads) % 2:
-        raise ConfigError(
-            f"head dim d_model / num_heads = {m.d_model // m.num_heads} (model.d_model = "
-            f"{m.d_model}, model.num_heads = {m.num_heads}) must be even for RoPE; or set 'model.head_dim'."
-        )
-    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
-        raise ConfigError(
-            f"config key 'model.rope_high_freq_factor' = {m.rope_high_freq_factor} must exceed "
-            f"'model.rope_low_freq_factor' = {m.rope_low_freq_factor} (rope_scaling 'llama3')."
-        )
-    try:
-        tok = tokenizer_lib.load(config.data.tokenizer)
-    except TokenizerError as e:
-        raise ConfigError(str(e)) from None
-    if m.vocab_size < tok.vocab_size and not config.checkpoint.init_from:  # (else: the checkpoint's, apply_to's)
-        what = "bytes + PAD, BOS, EOS" if config.data.tokenizer == "bytes" else config.data.tokenizer
-        raise ConfigError(
-            f"config key 'model.vocab_size' = {m.vocab_size} is smaller than the vocab_size of 'data.tokenizer' = "
-            f"{config.data.tokenizer!r}: {tok.vocab_size} ids ({what})."
-        )
-    o = config.optim
-    if o.warmup_steps > config.train.steps:
-        raise ConfigError(
-            f"config key 'optim.warmup_steps' = {o.warmup_steps} exceeds 'train.steps' = {config.train.steps}; "
-            "lower it to at most train.steps (python -m experiments.run does so itself: core.config.fit_to_steps)."
-        )
-    mesh = config.mesh
-    check_processes(mesh)
-    if mesh.num_processes != FROM_CLUSTER and config.data.batch_size % mesh.num_processes:
-        raise ConfigError(
-            f"config key 'data.batch_size' = {config.data.batch_size} must be divisible by "
-            f"'mesh.num_processes' = {mesh.num_processes}."
-        )
-    check_rules(mesh.rules)
-    sizes = resolve_mesh_shape(mesh, num_devices)
-    if num_devices is not None:
-        batch_axes = rule_mesh_axes(mesh.rules, "batch")
-        batch_shards = math.prod(sizes[a] for a in batch_axes)
-        if config.data.batch_size % batch_shards:
-            raise ConfigError(
-                f"config key 'data.batch_size' = {config.data.batch_size} must be divisible by "
-                f"{' x '.join('mesh.' + a for a in batch_axes)} = {batch_shards} (mesh.rules "
-                "splits the batch over them)."
-            )
-        bad = [f"'model.{key}' = {m[key]}" for key in ("num_heads", "num_kv_heads", "d_ff") if m[key] % sizes["model"]]
-        if bad:  # every key at once, so that one rerun fixes them all
-            raise ConfigError(
-                f"config key{'s' if len(bad) > 1 else ''} {' and '.join(bad)} must be divisible by the mesh axis "
-                f"'model' = {sizes['model']} (mesh.model), which shards {'them' if len(bad) > 1 else 'it'}."
-            )

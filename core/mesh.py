@@ -20,16 +20,18 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
-import ml_collections
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from core import jax_compat, mesh_config
-from core.schema import ConfigError
+from core.fields import ConfigError
+
+if TYPE_CHECKING:  # annotations only: the configuration library is core.schema's, not a dependency here
+    import ml_collections
 
 __all__ = [
     "CLUSTER_ENVIRONMENTS",
@@ -186,7 +188,7 @@ def resolve_processes(config: ml_collections.ConfigDict) -> None:
     one line per process, e.g. `cluster: SlurmCluster: process 1 of 2, coordinator node001:62674`.
 
     Raises:
-      ConfigError: `mesh.process_id` or `mesh.coordinator_address` is also set (see core.config.check_processes),
+      ConfigError: `mesh.process_id` or `mesh.coordinator_address` is also set (see core.mesh_config.check_processes),
         no cluster environment is detected (the message lists those jax detects, by what, and what to do instead),
         or the environment's values are inconsistent.
     """

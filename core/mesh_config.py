@@ -5,11 +5,12 @@ checked before anything is imported or compiled."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import ml_collections
+from core.fields import ConfigError
 
-from core.schema import ConfigError
+if TYPE_CHECKING:  # annotations only: the configuration library is core.schema's, not a dependency here
+    import ml_collections
 
 __all__ = [
     "DEFAULT_RULES",

@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import logging
 import threading
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
-__all__ = ["RUNNER", "draining_event_loops", "run_draining"]
+__all__ = ["RUNNER", "draining_event_loops", "root_logging_as_it_was", "run_draining"]
 
 RUNNER = ("orbax.checkpoint._src.asyncio_utils", "_run_sync_via_new_loop")
 """(module, attribute) of the function orbax runs every coroutine of a synchronous call through, in a new event loop
@@ -80,3 +81,16 @@ def draining_event_loops() -> Iterator[None]:
             if _Swap.depth == 0:
                 setattr(module, RUNNER[1], _Swap.original)
                 _Swap.original = None
+
+
+@contextlib.contextmanager
+def root_logging_as_it_was() -> Iterator[None]:
+    """Leaves the root logger's handlers and level as they were before the block. For `import orbax.checkpoint`:
+    orbax logs through absl while it imports, and absl's logging calls `logging.basicConfig()` when the root logger has
+    no handler, which would give every program importing core.checkpoint a stderr handler it did not ask for."""
+    handlers, level = list(logging.root.handlers), logging.root.level
+    try:
+        yield
+    finally:
+        logging.root.handlers[:] = handlers
+        logging.root.setLevel(level)

@@ -1,227 +1,48 @@
-"""The configuration schema machinery: a config section declared once, as a frozen dataclass of `field`s, and
-what is derived from the declaration.
+"""The experiment configuration: an `ml_collections.ConfigDict` with one sub-dict per section, each section a frozen
+dataclass of `core.fields.field`s (the core ones in core.config; the composition root, experiments/schema.py, adds
+the others), and what is derived from the declarations.
 
-A configuration is an `ml_collections.ConfigDict` with one sub-dict per section. Each section's keys are declared
-with `field`: the default, the accepted types (from the annotation), the allowed choices or range and one line of
-documentation; its class variable `compat` says which of its keys a checkpoint must share to be resumed, and
-`provenance` which others describe how the weights were trained. From the declarations come the default
-ConfigDict (`defaults`), the reference table (`describe`), the resume facts (`checkpoint_compat`, `provenance`), the
-typed view of a section (`from_config`) and the per-key checks (`check_keys`):
+From the declarations come the default ConfigDict (`defaults`), the reference table (`describe`), the resume facts
+(`checkpoint_compat`, `provenance`) and the per-key checks (`check_keys`):
 
   * an unknown key (a typo such as `model.dmodel`) -> error naming the key and the closest known keys;
   * a wrong type (`train.steps = "300"`)           -> error naming the key, the value and the accepted types;
   * a value outside its choices or range           -> error naming the key, the value and what is allowed.
 
-The sections themselves are declared where they belong (core.config, moe.config, quant.config, kvcache.config,
-optim.config).
+`validate` checks every key, type and value and then the core sections' constraints between keys: an impossible
+combination (heads not dividing d_model, a mesh larger than the devices, a batch the data axis cannot split, ...)
+-> ConfigError naming every key involved. The command line fits a warm-up longer than a short run to the run's
+length before validating (`fit_to_steps`). This module is the one place in core/ that imports ml_collections; the
+typed sections themselves (core.config, core.fields) do not.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import math
-import types
-import typing
 from collections.abc import Mapping
 from typing import Any
 
 import ml_collections
 
+from core import config as config_lib
+from core import tokenizer as tokenizer_lib
+from core.byte_tokenizer import TokenizerError
+from core.fields import ConfigError, Field, section_fields, unknown_key_error
+from core.mesh_config import FROM_CLUSTER, check_processes, check_rules, resolve_mesh_shape, rule_mesh_axes
+
 __all__ = [
-    "Compat",
-    "ConfigError",
-    "Field",
     "Schema",
     "check_keys",
     "checkpoint_compat",
     "defaults",
     "describe",
-    "field",
     "fields_of",
-    "from_config",
+    "fit_to_steps",
     "provenance",
-    "section_fields",
-    "unknown_key_error",
+    "schema",
+    "validate",
     "without_new_defaults",
 ]
-
-
-class ConfigError(ValueError):
-    """A configuration value is unknown, mistyped or impossible. The message names the key and what is allowed."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Field:
-    """One configuration leaf.
-
-    Attributes:
-      default: the default value (must itself pass the checks below).
-      types: accepted Python types. `float` fields also accept `int`; `bool` is never accepted as an `int`.
-      doc: one line for docs/configuration.md.
-      choices: allowed values, or None.
-      low, high: inclusive bounds for numbers, or None.
-      low_open: if True, `low` itself is excluded (value > low).
-      since_checkpoints: a key added after checkpoints were written: `checkpoint_compat` leaves it out at its
-        default, so those checkpoints (written before it existed, i.e. with its default behaviour) still resume.
-    """
-
-    default: Any
-    types: tuple[type, ...]
-    doc: str
-    choices: tuple[Any, ...] | None = None
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    since_checkpoints: bool = False
-
-    def check(self, key: str, value: Any) -> None:
-        """Raises ConfigError if `value` is not an acceptable value for `key`."""
-        if not _has_type(value, self.types):
-            raise ConfigError(
-                f"config key '{key}' = {value!r} has type {type(value).__name__}; expected {_names(self.types)}."
-            )
-        if self.choices is not None and value not in self.choices:
-            raise ConfigError(f"config key '{key}' = {value!r} is not one of the allowed values {list(self.choices)}.")
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if isinstance(value, int) and not -(2**63) <= value < 2**63:
-                raise ConfigError(
-                    f"config key '{key}' = {value!r} does not fit a 64-bit integer (array shapes and sizes are 64-bit):"
-                    f" allowed {self.describe()}."
-                )
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"config key '{key}' = {value!r} must be a finite number.")
-            if isinstance(value, float) and abs(value) > _FLOAT32_MAX:  # inf once training casts it
-                raise ConfigError(
-                    f"config key '{key}' = {value!r} is not finite in float32, the dtype training computes in: "
-                    f"allowed |value| <= {_FLOAT32_MAX:.1e}."
-                )
-            too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
-            too_high = self.high is not None and value > self.high
-            if too_low or too_high:
-                raise ConfigError(f"config key '{key}' = {value!r} is outside the allowed range {self._range()}.")
-
-    def _range(self) -> str:
-        lo = "(-inf" if self.low is None else ("(" if self.low_open else "[") + _number(self.low)
-        hi = "inf)" if self.high is None else f"{_number(self.high)}]"
-        return f"{lo}, {hi}"
-
-    def describe(self) -> str:
-        """What is allowed, in words (for docs)."""
-        if self.choices is not None:
-            return "one of " + ", ".join(repr(c) for c in self.choices)
-        kinds = _names(tuple(t for t in self.types if t is not type(None)))
-        if self.low is not None or self.high is not None:
-            kinds = f"{kinds} in {self._range()}"
-        return f"{kinds} or None" if type(None) in self.types else kinds
-
-
-_FLOAT32_MAX = 3.4028234663852886e38  # float(numpy.finfo(numpy.float32).max): the largest finite float32
-
-
-def _number(x: float) -> str:
-    """A bound as docs show it: a whole number in full with thousands separators (1,048,576), else `:g` (0.5, 1e-08)."""
-    return f"{int(x):,}" if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
-
-
-def _names(accepted: tuple[type, ...]) -> str:
-    return " or ".join("None" if t is type(None) else t.__name__ for t in accepted)
-
-
-def _has_type(value: Any, accepted: tuple[type, ...]) -> bool:
-    if isinstance(value, bool):
-        return bool in accepted
-    if float in accepted and isinstance(value, int):
-        return True
-    if tuple in accepted and isinstance(value, list):  # ConfigDict and CLI parsing may turn tuples into lists
-        return True
-    return isinstance(value, accepted)
-
-
-def field(
-    default: Any,
-    doc: str,
-    *,
-    choices: tuple[Any, ...] | None = None,
-    low: float | None = None,
-    high: float | None = None,
-    low_open: bool = False,
-    since_checkpoints: bool = False,
-) -> Any:
-    """Declares one key of a config section: a dataclass field whose metadata holds its documentation and rules.
-
-    The accepted types come from the field's annotation (`int`, `float`, `str`, `bool`, `tuple[...]`, or one of
-    them `| None`), so a section is declared once, as a frozen dataclass:
-
-        @dataclasses.dataclass(frozen=True)
-        class TrainConfig:
-            compat: ClassVar[Compat] = False
-            steps: int = field(1000, "optimizer steps", low=1)
-    """
-    rules = {
-        "doc": doc,
-        "choices": choices,
-        "low": low,
-        "high": high,
-        "low_open": low_open,
-        "since_checkpoints": since_checkpoints,
-    }
-    return dataclasses.field(default=default, metadata={_RULES: rules})
-
-
-_RULES = "core.schema"  # the metadata key of a field's rules
-
-Compat = bool | tuple[str, ...]
-"""How a section takes part in resume compatibility (`checkpoint_compat`): True, every key must equal the
-checkpoint's; False, none (runtime choices: the mesh, cadences, the sampling prompt); a tuple names the keys that
-must (the optimizer's `name`, but not its learning rate). The same values declare `provenance`: the keys that
-describe how the weights were trained (True: every key `compat` does not name)."""
-
-_SCALARS: dict[Any, tuple[type, ...]] = {int: (int,), float: (float,), str: (str,), bool: (bool,), tuple: (tuple,)}
-
-
-def _types(annotation: Any, where: str) -> tuple[type, ...]:
-    """The Python types a field's annotation accepts: int, float, str, bool, tuple[...], or one of them | None."""
-    if annotation in _SCALARS:
-        return _SCALARS[annotation]
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is tuple:
-        return (tuple,)
-    if origin in (types.UnionType, typing.Union) and len(args) == 2 and type(None) in args:
-        inner = next(a for a in args if a is not type(None))
-        return (*_types(inner, where), type(None))
-    raise TypeError(
-        f"{where}: config fields are int, float, str, bool, tuple[...] or one of them | None; got {annotation!r}."
-    )
-
-
-def section_fields(section: type) -> dict[str, Field]:
-    """key -> Field of a section dataclass (each key declared with `field`), in declaration order."""
-    hints = typing.get_type_hints(section)
-    out = {}
-    for f in dataclasses.fields(section):
-        if _RULES not in f.metadata:
-            raise TypeError(f"{section.__name__}.{f.name} is not declared with core.schema.field(...).")
-        out[f.name] = Field(f.default, _types(hints[f.name], f"{section.__name__}.{f.name}"), **f.metadata[_RULES])
-    return out
-
-
-_S = typing.TypeVar("_S")
-
-
-def from_config(section: type[_S], values: Mapping[str, Any]) -> _S:
-    """The section dataclass holding a config section's values (lists become tuples: ConfigDict and the command
-    line may turn tuples into lists). Raises ConfigError naming a key the section does not declare."""
-    items = values.to_dict() if isinstance(values, ml_collections.ConfigDict) else dict(values)
-    known = [f.name for f in dataclasses.fields(section)]  # type: ignore[arg-type]
-    for key in items:
-        if key not in known:
-            raise unknown_key_error(key, known)
-    return section(**{k: _tuples(v) for k, v in items.items()})
-
-
-def _tuples(value: Any) -> Any:
-    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 Schema = dict[str, dict[str, Field]]
@@ -272,9 +93,10 @@ def provenance(config: ml_collections.ConfigDict, sections: Mapping[str, type]) 
     return facts
 
 
-def defaults(spec: Schema) -> ml_collections.ConfigDict:
-    """The default ConfigDict of a schema. A key whose default is None holds a typed placeholder, so that the
-    command line can still set it (`--config.optim.b2=0.99`)."""
+def defaults(spec: Schema | None = None) -> ml_collections.ConfigDict:
+    """The default ConfigDict of a schema (the core sections' by default). A key whose default is None holds a
+    typed placeholder, so that the command line can still set it (`--config.optim.b2=0.99`)."""
+    spec = schema() if spec is None else spec
 
     def default(f: Field) -> Any:
         if f.default is not None:
@@ -286,18 +108,11 @@ def defaults(spec: Schema) -> ml_collections.ConfigDict:
     )
 
 
-def unknown_key_error(key: str, known: list[str]) -> ConfigError:
-    """The error for an unknown key, suggesting the closest known keys."""
-    close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
-    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    return ConfigError(f"unknown config key '{key}'.{hint} Known keys: {', '.join(sorted(known))}.")
-
-
 def check_keys(config: ml_collections.ConfigDict, spec: Schema) -> None:
     """Checks that `config` holds exactly the keys of `spec`, each of an accepted type and value; raises
     ConfigError on the first problem: an unknown section or key (naming the closest known ones), a value of the
     wrong type or outside its choices or range (naming the key, the value and what is allowed), or a missing key.
-    Constraints between keys are the caller's (core.config.validate)."""
+    Constraints between keys are `validate`'s."""
     if not isinstance(config, (ml_collections.ConfigDict, Mapping)):
         raise ConfigError(f"a config must be an ml_collections.ConfigDict, got {type(config).__name__}.")
     for section in config:
@@ -316,13 +131,14 @@ def check_keys(config: ml_collections.ConfigDict, spec: Schema) -> None:
             if section not in config or key not in config[section]:
                 raise ConfigError(
                     f"config key '{section}.{key}' is missing; start from a default config "
-                    f"(core.config.defaults or experiments.schema.default_config)."
+                    f"(core.schema.defaults or experiments.schema.default_config)."
                 )
 
 
-def describe(spec: Schema) -> str:
-    """A markdown reference of every key of `spec` (docs/configuration.md): one table per section with each key's
-    default, what is allowed and its meaning."""
+def describe(spec: Schema | None = None) -> str:
+    """A markdown reference of every key of `spec` (the core sections' by default; docs/configuration.md): one table
+    per section with each key's default, what is allowed and its meaning."""
+    spec = schema() if spec is None else spec
     lines = []
     for section, fields in spec.items():
         lines += [f"## `{section}`", "", "| key | default | allowed | meaning |", "|---|---|---|---|"]
@@ -331,3 +147,121 @@ def describe(spec: Schema) -> str:
             lines.append(f"| `{section}.{key}` | `{f.default!r}` | {allowed} | {f.doc.replace('|', '/')} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def schema(sections: Mapping[str, type] | None = None) -> Schema:
+    """The fields of `sections` (default: the core ones) as a fresh nested dict (callers may extend it)."""
+    return fields_of(config_lib.SECTIONS if sections is None else sections)
+
+
+def fit_to_steps(config: ml_collections.ConfigDict) -> list[str]:
+    """Lowers, in place, the keys a short run would otherwise have to set by hand, and says what it changed.
+
+    One key: `optim.warmup_steps` > `train.steps` becomes `train.steps` (the linear warm-up then spans the
+    whole run, as the schedule of `core.train.learning_rate_schedule` with warmup = steps), so that a trial run
+    (`--config.train.steps=10` on a config that warms up over 40 steps) needs no second flag. The cadences need no
+    such fit: `train.log_every`, `train.eval_every` and `checkpoint.every` beyond `train.steps` still log, evaluate
+    and save at the last step. A key of the wrong type is left for `validate` to report. The command-line driver
+    (experiments.run) calls this once, before validation, so that the run's config.json holds the values used;
+    `validate` itself still refuses a warm-up longer than the run (library callers set what they mean).
+
+    Returns:
+      one notice per changed key, e.g. "optim.warmup_steps = 40 > train.steps = 10: warming up over all 10 steps".
+    """
+    try:
+        warmup, steps = config.optim.warmup_steps, config.train.steps
+    except (AttributeError, KeyError):
+        return []  # a missing section or key: validate names it
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (warmup, steps)) or steps < 1:
+        return []
+    if warmup <= steps:
+        return []
+    config.optim.warmup_steps = steps
+    return [f"optim.warmup_steps = {warmup} > train.steps = {steps}: warming up over all {steps} steps"]
+
+
+def validate(
+    config: ml_collections.ConfigDict,
+    spec: Schema | None = None,
+    *,
+    num_devices: int | None = None,
+) -> None:
+    """Checks every key, type, value (`core.schema.check_keys`) and the core sections' cross-field constraints;
+    raises ConfigError on the first problem.
+
+    With `mesh.num_processes = -1` (the cluster's processes) the checks that need the number of processes are
+    deferred: validate again once `core.mesh.resolve_processes` has filled it in (see `check_processes`).
+
+    Args:
+      config: the experiment configuration.
+      spec: the schema to check against (default: the core schema).
+      num_devices: if given, the mesh is also checked against this number of devices.
+    """
+    check_keys(config, schema() if spec is None else spec)
+    _check_core(config, num_devices)
+
+
+def _check_core(config: ml_collections.ConfigDict, num_devices: int | None) -> None:
+    m = config.model
+    if m.head_dim == 0 and m.d_model % m.num_heads:
+        raise ConfigError(
+            f"config key 'model.num_heads' = {m.num_heads} must divide 'model.d_model' = "
+            f"{m.d_model} (head dim = d_model / num_heads), or set 'model.head_dim'."
+        )
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"config key 'model.num_kv_heads' = {m.num_kv_heads} must divide 'model.num_heads' = "
+            f"{m.num_heads} (each KV head serves num_heads / num_kv_heads query heads)."
+        )
+    if m.head_dim % 2:
+        raise ConfigError(f"config key 'model.head_dim' = {m.head_dim} must be even for RoPE.")
+    if m.head_dim == 0 and (m.d_model // m.num_heads) % 2:
+        raise ConfigError(
+            f"head dim d_model / num_heads = {m.d_model // m.num_heads} (model.d_model = "
+            f"{m.d_model}, model.num_heads = {m.num_heads}) must be even for RoPE; or set 'model.head_dim'."
+        )
+    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        raise ConfigError(
+            f"config key 'model.rope_high_freq_factor' = {m.rope_high_freq_factor} must exceed "
+            f"'model.rope_low_freq_factor' = {m.rope_low_freq_factor} (rope_scaling 'llama3')."
+        )
+    try:
+        tok = tokenizer_lib.load(config.data.tokenizer)
+    except TokenizerError as e:
+        raise ConfigError(str(e)) from None
+    if m.vocab_size < tok.vocab_size and not config.checkpoint.init_from:  # (else: the checkpoint's, apply_to's)
+        what = "bytes + PAD, BOS, EOS" if config.data.tokenizer == "bytes" else config.data.tokenizer
+        raise ConfigError(
+            f"config key 'model.vocab_size' = {m.vocab_size} is smaller than the vocab_size of 'data.tokenizer' = "
+            f"{config.data.tokenizer!r}: {tok.vocab_size} ids ({what})."
+        )
+    o = config.optim
+    if o.warmup_steps > config.train.steps:
+        raise ConfigError(
+            f"config key 'optim.warmup_steps' = {o.warmup_steps} exceeds 'train.steps' = {config.train.steps}; "
+            "lower it to at most train.steps (python -m experiments.run does so itself: core.schema.fit_to_steps)."
+        )
+    mesh = config.mesh
+    check_processes(mesh)
+    if mesh.num_processes != FROM_CLUSTER and config.data.batch_size % mesh.num_processes:
+        raise ConfigError(
+            f"config key 'data.batch_size' = {config.data.batch_size} must be divisible by "
+            f"'mesh.num_processes' = {mesh.num_processes}."
+        )
+    check_rules(mesh.rules)
+    sizes = resolve_mesh_shape(mesh, num_devices)
+    if num_devices is not None:
+        batch_axes = rule_mesh_axes(mesh.rules, "batch")
+        batch_shards = math.prod(sizes[a] for a in batch_axes)
+        if config.data.batch_size % batch_shards:
+            raise ConfigError(
+                f"config key 'data.batch_size' = {config.data.batch_size} must be divisible by "
+                f"{' x '.join('mesh.' + a for a in batch_axes)} = {batch_shards} (mesh.rules "
+                "splits the batch over them)."
+            )
+        bad = [f"'model.{key}' = {m[key]}" for key in ("num_heads", "num_kv_heads", "d_ff") if m[key] % sizes["model"]]
+        if bad:  # every key at once, so that one rerun fixes them all
+            raise ConfigError(
+                f"config key{'s' if len(bad) > 1 else ''} {' and '.join(bad)} must be divisible by the mesh axis "
+                f"'model' = {sizes['model']} (mesh.model), which shards {'them' if len(bad) > 1 else 'it'}."
+            )

@@ -7,7 +7,7 @@ model) is experiments.engine's.
     config, workdir = args.parse_run_args(sys.argv)                        # experiments.run's command line
 
 Both serve commands (`python -m experiments.serve`, `python -m experiments.serve --http`) read the run and KV flags;
-the benchmark and reproduction scripts take their flag types from here too (through experiments.bench.common), and
+the benchmark and reproduction scripts take their flag types from here too (through experiments.harness), and
 the reproductions resolve a run's config as `python -m experiments.run` would (`parse_run_args`, UsageError).
 
 A bad flag fails with a FlagError, a UsageError (the run's command line) or argparse's own error, naming the flag,
@@ -28,7 +28,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from core import config as config_lib
+from core import schema as core_schema
 from experiments import config_doc, load, schema
 from kvcache import formats
 from kvcache.serving import EngineConfig
@@ -358,7 +358,7 @@ def _load_error(value: str, error: BaseException) -> UsageError | None:
 
 def parse_run_args(argv: list[str]):
     """Parses the command line into (config, workdir); fits a warm-up longer than a short run to it
-    (core.config.fit_to_steps), printing a notice. Raises UsageError with a clear message."""
+    (core.schema.fit_to_steps), printing a notice. Raises UsageError with a clear message."""
     spec = schema.schema()
     for arg in argv[1:]:
         if arg.startswith("--config."):
@@ -412,7 +412,7 @@ def parse_run_args(argv: list[str]):
         raise UsageError(
             f"--config={filename}: get_config() must return an ml_collections.ConfigDict, got {type(config).__name__}"
         )
-    notices = config_lib.fit_to_steps(config)
+    notices = core_schema.fit_to_steps(config)
     if notices and config.mesh.get("process_id", 0) == 0:
         for notice in notices:
             print(f"note: {notice}", flush=True)

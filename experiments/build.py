@@ -15,23 +15,20 @@ import optax
 from flax import nnx
 
 import optim
-from core import config as config_lib
 from core import corpus as corpus_lib
 from core import data as data_lib
+from core import fields as fields_lib
 from core import generate as generate_lib
 from core import mesh as mesh_lib
 from core import model as model_lib
 from core import tokenizer as tokenizer_lib
 from core import train as train_lib
-from experiments import schema_moe
+from experiments import optimizers, schema_kvcache, schema_moe, schema_quant
 from experiments.schema import model_config
-from kvcache import config as kv_config
 from kvcache import paged_cache_factory
 from moe import reshuffle
 from moe.grouped_matmul import GroupedMatmulFn
 from moe.layer import MoE
-from optim import registry as optim_registry
-from quant import config as quant_config
 from quant import recipes as quant_recipes
 from quant.precision import QuantPrecision
 
@@ -54,16 +51,16 @@ def decay_mask(params):
 
 def build_optimizer(config: ml_collections.ConfigDict, params: nnx.State | None = None) -> optax.GradientTransformation:
     """The optimizer of every kind of run (a plain run's, and each site's inner optimizer of a federated one):
-    gradient clipping (if enabled) followed by the optimizer `optim.name` names in optim.registry, on the warm-up
-    + decay schedule, with its family's b1 / b2 / eps / momentum unless the config sets them
-    (optim.registry.hyperparameters; the table is in docs/configuration.md) and weight decay on `decay_mask`'s
+    gradient clipping (if enabled) followed by the optimizer `optim.name` names in experiments.optimizers, on the
+    warm-up + decay schedule, with its family's b1 / b2 / eps / momentum unless the config sets them
+    (experiments.optimizers.hyperparameters; the table is in docs/configuration.md) and weight decay on `decay_mask`'s
     leaves. A federated run with random placement (mesh.site > 1, fomoe.placement = "random") ends the chain with
     moe.reshuffle.arrival_warmup over `fomoe.arrival_warmup` steps, placed by `params` (a site model's nnx.Param
     state: where each expert axis lies). Raises ConfigError for an unknown name or a family key the chosen
     optimizer does not use, ValueError for a random placement without `params`."""
     o = config.optim
     schedule = train_lib.learning_rate_schedule(o, config.train.steps)
-    inner = optim_registry.lookup(o.name).build(schedule, o, optim_registry.hyperparameters(o), decay_mask)
+    inner = optimizers.lookup(o.name).build(schedule, o, optimizers.hyperparameters(o), decay_mask)
     optimizer = optax.chain(optax.clip_by_global_norm(o.grad_clip_norm), inner) if o.grad_clip_norm > 0 else inner
     if config.mesh.site > 1 and config.fomoe.placement == "random":  # arrived experts ramp their updates up
         if params is None:
@@ -114,17 +111,17 @@ def build_precision(config: ml_collections.ConfigDict, grouped: Callable) -> mod
     p = config.precision
     if p.recipe == "none":
         return model_lib.DefaultPrecision(grouped=grouped)
-    recipe = quant_config.apply(quant_recipes.get(p.recipe), p)
+    recipe = schema_quant.apply(quant_recipes.get(p.recipe), p)
     return QuantPrecision(recipe, num_layers=config.model.num_layers, grouped=grouped, seed=config.train.seed)
 
 
 def build_cache_factory(config: ml_collections.ConfigDict, model: model_lib.Transformer) -> generate_lib.CacheFactory:
     """The KV cache of cached generation: the dense bf16 cache, or a paged cache in the configured format."""
-    kv, cfg = config_lib.from_config(kv_config.KVCacheConfig, config.kvcache), model.cfg
+    kv, cfg = fields_lib.from_config(schema_kvcache.KVCacheConfig, config.kvcache), model.cfg
     if kv.format == "bf16" and not kv.paged:
         return generate_lib.dense_cache_factory(model)
     return paged_cache_factory(
-        kv_config.make_format(kv),
+        schema_kvcache.make_format(kv),
         num_layers=cfg.num_layers,
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,

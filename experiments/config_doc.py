@@ -7,16 +7,15 @@ python -m experiments.config_doc
 import pathlib
 import textwrap
 
-from core import config as config_lib
-from experiments import schema
-from optim import registry
+from core import schema as core_schema
+from experiments import optimizers, schema
 
 PATH = pathlib.Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
 def family_table() -> str:
-    """The optimizer families' defaults of optim.b1, b2, eps and momentum (from optim.registry), as markdown."""
-    keys = registry.FAMILY_KEYS
+    """The optimizer families' defaults of optim.b1, b2, eps and momentum (from experiments.optimizers), as markdown."""
+    keys = optimizers.FAMILY_KEYS
     lines = [
         "### Optimizer families: the defaults of `optim.b1`, `b2`, `eps` and `momentum`",
         "",
@@ -26,8 +25,8 @@ def family_table() -> str:
         "| family | `optim.name` | " + " | ".join(f"`{k}`" for k in keys) + " | source |",
         "|---|---|" + "---|" * len(keys) + "---|",
     ]
-    for family in registry.FAMILIES:
-        names = ", ".join(f"`{n}`" for n, o in registry.OPTIMIZERS.items() if o.family == family)
+    for family in optimizers.FAMILIES:
+        names = ", ".join(f"`{n}`" for n, o in optimizers.OPTIMIZERS.items() if o.family == family)
         cells = " | ".join(f"{family.defaults[k]:g}" if k in family.defaults else "-" for k in keys)
         lines.append(f"| {family.name} | {names} | {cells} | {family.source} |")
     return "\n".join(lines) + "\n\n"
@@ -62,7 +61,7 @@ def render() -> str:
         "`--config.<section>.<key>=<value>`. Unknown keys, wrong types and impossible values are rejected\n"
         "before anything compiles, with a message naming the key, the value and what is allowed.\n\n"
     ) + resume_rules()
-    body = config_lib.describe(schema.schema())
+    body = core_schema.describe(schema.schema())
     # the families' table right after the optim section's table (before the next section's heading)
     start = body.index("## `optim`")
     end = body.find("\n## `", start + 1)

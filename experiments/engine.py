@@ -19,17 +19,16 @@ import sys
 
 import ml_collections
 
-from core import config as config_lib
+from core import fields as fields_lib
 from core.byte_tokenizer import TokenizerError
 from core.checkpoint import CheckpointError
 from core.model import Transformer
 from core.tokenizer import Tokenizer
-from experiments import load, schema
+from experiments import load, schema, schema_kvcache
 from experiments.args import FlagError
 from experiments.hf import generation
 from experiments.hf import load as hf_load
 from kvcache import capacity, formats
-from kvcache import config as kv_config
 from kvcache.formats import Format
 from kvcache.serving import EngineConfig
 
@@ -67,12 +66,12 @@ def precision_line(args: argparse.Namespace, run: ml_collections.ConfigDict) -> 
 
 def kv_format(args: argparse.Namespace, run: ml_collections.ConfigDict) -> tuple[Format, str]:
     """(the KV format serving uses, a line saying which and why): the run's `kvcache` section (format, and for a
-    format with options, its options: kvcache.config.make_format), with `--kv-format` / `--scale-rule` replacing
-    its format / scale rule when given (a replaced format keeps the run's options it takes, the others at their
-    defaults: kvcache.config.with_format). Raises FlagError for --scale-rule with a format that has no scale
-    rule (kvcache.formats.options), or a format that cannot hold the model's heads."""
+    format with options, its options: experiments.schema_kvcache.make_format), with `--kv-format` / `--scale-rule`
+    replacing its format / scale rule when given (a replaced format keeps the run's options it takes, the others at
+    their defaults: experiments.schema_kvcache.with_format). Raises FlagError for --scale-rule with a format that has
+    no scale rule (kvcache.formats.options), or a format that cannot hold the model's heads."""
     given_format, given_rule = getattr(args, "kv_format", None), getattr(args, "scale_rule", None)
-    kv = config_lib.from_config(kv_config.KVCacheConfig, run.kvcache)
+    kv = fields_lib.from_config(schema_kvcache.KVCacheConfig, run.kvcache)
     name = given_format or kv.format
     why = "--kv-format" if given_format else "the run's kvcache.format; --kv-format overrides"
     ruled = [n for n in formats.NAMES if "scale_rule" in formats.options(n)]  # the formats with a scale rule
@@ -82,11 +81,11 @@ def kv_format(args: argparse.Namespace, run: ml_collections.ConfigDict) -> tuple
             f"({why}); allowed: --scale-rule with --kv-format in {ruled} (or a run whose kvcache.format is one), "
             "or no --scale-rule"
         )
-    kv = kv_config.with_format(kv, name)
+    kv = schema_kvcache.with_format(kv, name)
     kv = dataclasses.replace(kv, scale_rule=given_rule or kv.scale_rule)
     head_dim = schema.model_config(run).head_dim
-    fits = [n for n in formats.NAMES if _holds(kv_config.make_format(kv_config.with_format(kv, n)), head_dim)]
-    fmt = kv_config.make_format(kv)
+    fits = [n for n in formats.NAMES if _holds(schema_kvcache.make_format(schema_kvcache.with_format(kv, n)), head_dim)]
+    fmt = schema_kvcache.make_format(kv)
     try:
         fmt.check_head_dim(head_dim)
     except ValueError as e:

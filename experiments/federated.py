@@ -19,7 +19,7 @@ import jax
 import ml_collections
 from flax import nnx
 
-from core import config as config_lib
+from core import mesh_config
 from core import train as train_lib
 from core.data import Batches
 from experiments import build, schema_moe
@@ -48,7 +48,7 @@ def train_federated(
     process)."""
     if jax.process_index() == 0:
         train_lib.tensorboard_enabled(config)  # tensorboardX missing: refused before anything compiles
-    expert = config_lib.mesh_shape(config, jax.device_count())["expert"]  # E devices per site (moe.federation)
+    expert = mesh_config.mesh_shape(config, jax.device_count())["expert"]  # E devices per site (moe.federation)
     mesh = federation.site_mesh(config.mesh.site, config.fomoe.overlap, expert=expert)
     graphdef, optimizer, outer, state = initial_state(config, mesh, pretrained=True)
     f = config.fomoe

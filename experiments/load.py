@@ -22,6 +22,8 @@ from flax import nnx
 
 from core import checkpoint as checkpoint_lib
 from core import config as config_lib
+from core import fields as fields_lib
+from core import schema as core_schema
 from core import train as train_lib
 from core import workdir as workdir_lib
 from core.model import Transformer
@@ -169,8 +171,8 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
             except (TypeError, ValueError) as e:
                 raise RunConfigError(f"{path}: '{section}.{key}' = {value!r}: {e}") from None
     try:
-        config_lib.validate(config, schema.schema())
-    except config_lib.ConfigError as e:
+        core_schema.validate(config, schema.schema())
+    except fields_lib.ConfigError as e:
         raise RunConfigError(f"{path}: {e}") from None
     _check_model_keys(path, saved)
     return config
@@ -180,7 +182,7 @@ def _check_model_keys(path: str, saved: dict) -> None:
     """Raises RunConfigError if config.json has no `model` section or lacks one of its keys (those added since
     checkpoints were written, `since_checkpoints`, may be absent): the section says what the checkpoint's weights
     are, and a default in its place would describe another model than the checkpoint's."""
-    fields = config_lib.section_fields(config_lib.TransformerConfig)
+    fields = fields_lib.section_fields(config_lib.TransformerConfig)
     needed = [k for k, f in fields.items() if not f.since_checkpoints]
     if "model" not in saved:
         raise RunConfigError(

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from core import config as config_lib
+from core import fields as fields_lib
 from core import generate
 from core import model as model_lib
 from experiments import build, plotting
@@ -28,7 +28,7 @@ def count_params(model_fn: Callable[[nnx.Rngs], nnx.Module]) -> int:
 def moe_summary(config, num_params: int, *, metrics_path: str) -> dict:
     """For a MoE model: parameters used per token (the top-k of each MoE layer's experts, not all of them) and the
     routing statistics of the last logged step. Empty for a dense model."""
-    m = config_lib.from_config(MoEConfig, config.moe)
+    m = fields_lib.from_config(MoEConfig, config.moe)
     layers = sum(map(m.is_moe_layer, range(config.model.num_layers)))
     if not layers:
         return {}

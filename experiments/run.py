@@ -5,7 +5,7 @@
 
 Any config key can be overridden with `--config.<section>.<key>=<value>`; `--help` lists them all with their
 defaults (docs/configuration.md is the same reference). A warm-up longer than a short run (`optim.warmup_steps` >
-`train.steps`) is shortened to the run, with a notice (core.config.fit_to_steps). Outputs in the workdir:
+`train.steps`) is shortened to the run, with a notice (core.schema.fit_to_steps). Outputs in the workdir:
 config.json (the resolved config), data.json (corpus description and fingerprint), metrics.jsonl (one row per
 log / eval), checkpoints/, summary.json, loss_curve.png, sample.txt, and history.jsonl when a resume accepted changed
 hyper-parameters. Rerunning the same command resumes from the latest checkpoint (verified against the checksums it
@@ -26,7 +26,7 @@ from typing import Any
 import jax
 
 from core import checkpoint as checkpoint_lib
-from core import config as config_lib
+from core import fields as fields_lib
 from core import mesh as mesh_lib
 from core import train as train_lib
 from core import workdir as workdir_lib
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         config, workdir = args.parse_run_args(argv)
-    except (args.UsageError, config_lib.ConfigError, OSError) as e:
+    except (args.UsageError, fields_lib.ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     except workdir_lib.WriteError as e:  # a full disk: the run stopped, it was not refused
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except (config_lib.ConfigError, DataError, workdir_lib.WorkdirError, HFConfigError, HFWeightsError) as e:
+    except (fields_lib.ConfigError, DataError, workdir_lib.WorkdirError, HFConfigError, HFWeightsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -19,12 +19,11 @@ import os
 import ml_collections
 
 from core import config as config_lib
-from experiments import schema_moe
-from kvcache import config as kv_config
+from core import fields as fields_lib
+from core import mesh_config
+from core import schema as core_schema
+from experiments import optimizers, schema_kvcache, schema_moe, schema_optim, schema_quant
 from moe import config as moe_config
-from optim import config as optim_config
-from optim import registry as optim_registry
-from quant import config as quant_config
 
 __all__ = [
     "HF_PREFIX",
@@ -41,51 +40,53 @@ __all__ = [
 
 SECTIONS: dict[str, type] = {
     **config_lib.SECTIONS,
-    "optim": optim_config.OptimizerConfig,
+    "optim": schema_optim.OptimizerConfig,
     "moe": moe_config.MoEConfig,
     "fomoe": schema_moe.FoMoEConfig,
-    "precision": quant_config.PrecisionConfig,
-    "kvcache": kv_config.KVCacheConfig,
+    "precision": schema_quant.PrecisionConfig,
+    "kvcache": schema_kvcache.KVCacheConfig,
 }
 """Every config section of an experiment: name -> its declaration (a frozen dataclass, see core.config)."""
 
 
-def schema() -> config_lib.Schema:
+def schema() -> core_schema.Schema:
     """The full experiment schema: every section's fields, with the registered choices filled in (`optim.name`:
-    the names of optim.registry)."""
-    spec = config_lib.schema(SECTIONS)
-    spec["optim"]["name"] = dataclasses.replace(spec["optim"]["name"], choices=optim_registry.NAMES)
+    the names of experiments.optimizers)."""
+    spec = core_schema.schema(SECTIONS)
+    spec["optim"]["name"] = dataclasses.replace(spec["optim"]["name"], choices=optimizers.NAMES)
     return spec
 
 
 def default_config() -> ml_collections.ConfigDict:
     """The default experiment config; experiment files start from it and change what they need."""
-    return config_lib.defaults(schema())
+    return core_schema.defaults(schema())
 
 
 def model_config(config: ml_collections.ConfigDict) -> config_lib.TransformerConfig:
     """The `model` section as its dataclass (`head_dim` 0 resolved to d_model / num_heads)."""
-    return config_lib.from_config(config_lib.TransformerConfig, config.model)
+    return fields_lib.from_config(config_lib.TransformerConfig, config.model)
 
 
 def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None, source: bool = True) -> None:
-    """Raises core.config.ConfigError naming the first bad key, its value and what is allowed. Call once without
+    """Raises core.fields.ConfigError naming the first bad key, its value and what is allowed. Call once without
     devices (static checks) and once with `num_devices` (the mesh's sizes, the experts per device). `source`: also
     check that checkpoint.init_from's DIR is a Hugging Face checkpoint (False for a run's own config read back to
     load its checkpoint, which no longer reads DIR: the run serves and exports after DIR is gone)."""
-    config_lib.validate(config, schema(), num_devices=num_devices)
+    core_schema.validate(config, schema(), num_devices=num_devices)
     if source:
         hf_dir(config)  # checkpoint.init_from's form; what it implies is experiments.hf.load.resolve's
-    optim_registry.check(config.optim)  # the family keys (unused, out of range, b1^2 >= b2) and lr x weight decay
-    sizes = None if num_devices is None else config_lib.mesh_shape(config, num_devices)
+    optimizers.check(config.optim)  # the family keys (unused, out of range, b1^2 >= b2) and lr x weight decay
+    sizes = None if num_devices is None else mesh_config.mesh_shape(config, num_devices)
     schema_moe.check(config, sizes)
     schema_moe.check_fomoe(config, sizes)
     if config.precision.last_blocks_high_precision > config.model.num_layers:
-        raise config_lib.ConfigError(
+        raise fields_lib.ConfigError(
             f"config key 'precision.last_blocks_high_precision' = {config.precision.last_blocks_high_precision} "
             f"exceeds model.num_layers = {config.model.num_layers}."
         )
-    kv_config.check(config_lib.from_config(kv_config.KVCacheConfig, config.kvcache), model_config(config).head_dim)
+    schema_kvcache.check(
+        fields_lib.from_config(schema_kvcache.KVCacheConfig, config.kvcache), model_config(config).head_dim
+    )
 
 
 HF_PREFIX = "hf:"
@@ -128,21 +129,21 @@ def hf_dir(config: ml_collections.ConfigDict) -> str | None:
         return None
     allowed = "allowed '' (random initialisation) or 'hf:DIR', DIR a Hugging Face checkpoint directory"
     if not spec.startswith(HF_PREFIX):
-        raise config_lib.ConfigError(
+        raise fields_lib.ConfigError(
             f"config key 'checkpoint.init_from' = {spec!r}: {allowed} (the 'hf:' prefix is missing)"
         )
     why = hf_checkpoint_problem(spec[len(HF_PREFIX) :])
     if why is not None:
-        raise config_lib.ConfigError(f"config key 'checkpoint.init_from' = {spec!r}: {why}; {allowed}")
+        raise fields_lib.ConfigError(f"config key 'checkpoint.init_from' = {spec!r}: {why}; {allowed}")
     return spec[len(HF_PREFIX) :]
 
 
 def checkpoint_compat(config: ml_collections.ConfigDict, data_fingerprint: str) -> dict:
     """What a checkpoint must share with this config to be resumed (each section's `compat` declaration)."""
-    return config_lib.checkpoint_compat(config, SECTIONS, data_fingerprint)
+    return core_schema.checkpoint_compat(config, SECTIONS, data_fingerprint)
 
 
 def provenance(config: ml_collections.ConfigDict) -> dict:
     """How a run's weights are trained beyond `checkpoint_compat` (each section's `provenance` declaration): a
     resume refuses a change of these unless `checkpoint.accept_changes`."""
-    return config_lib.provenance(config, SECTIONS)
+    return core_schema.provenance(config, SECTIONS)

@@ -19,7 +19,8 @@ from typing import ClassVar
 import ml_collections
 
 from core.codec import FORMATS, ROUNDINGS, SCALES, WireFormat
-from core.config import Compat, ConfigError, field, from_config, rule_mesh_axes
+from core.fields import Compat, ConfigError, field, from_config
+from core.mesh_config import rule_mesh_axes
 from moe.config import ROUTING_MODES, MoEConfig
 
 __all__ = ["FoMoEConfig", "check", "check_fomoe", "moe_config", "wire_format"]

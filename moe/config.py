@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from core.config import MAX_WIDTH, Compat, field
+from core.fields import MAX_WIDTH, Compat, field
 from moe.grouped_matmul import IMPLEMENTATIONS
 from moe.router import ROUTERS
 
@@ -26,7 +26,7 @@ ROUTING_MODES = ("partitioned", "skip_token")
 class MoEConfig:
     """What a MoE layer (moe.layer.MoE) computes: its experts, their width and form, the router and the dispatch;
     and, for a transformer, which blocks are MoE (`every`, `dense_layers`). Every key's default, allowed values and
-    meaning are declared with `core.schema.field`; the experiment config's section `moe` has exactly these keys.
+    meaning are declared with `core.fields.field`; the experiment config's section `moe` has exactly these keys.
 
     Construction checks each value (its allowed names, its lower bound) and `check` the keys that must agree; both
     raise ValueError naming the argument ("MoEConfig.top_k = 3 exceeds MoEConfig.num_experts = 2; ...")."""

@@ -40,8 +40,8 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from core import hlo
-from core.config import mesh_axes
 from core.mesh import Sharder
+from core.mesh_config import mesh_axes
 from moe.layer import Residency
 
 __all__ = [

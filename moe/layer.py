@@ -45,8 +45,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from core.config import mesh_axes
 from core.mesh import Sharder, logical_to_spec
+from core.mesh_config import mesh_axes
 from core.model import DefaultPrecision, Precision, TransformerConfig, layer_key
 from moe import dispatch as dispatch_lib
 from moe import router as router_lib

@@ -3,10 +3,10 @@
 from optim import mgup_adamw, cautious_mgup_adamw, mgup_lion, mgup_muon, cautious_adamw, diloco_outer
 
 Modules: transform (the MGUP mask `scale_by_mgup`, the directions, `with_mgup`, their states), alias (the presets),
-select (which coordinates get alpha), muon (Muon and MGUP-Muon), outer (DiLoCo), registry (the optimizers a config
-can name: family, defaults, builder), config (the `optim` config section). Algorithms: docs/mgup.md. Every optimizer
-takes the learning rate first and everything else by keyword; `state_metrics(opt_state)` gives the metrics an MGUP
-state holds (the selected fraction).
+select (which coordinates get alpha), muon (Muon and MGUP-Muon), outer (DiLoCo). The optimizers an experiment
+config can name, and its `optim` section, are experiments.optimizers' and experiments.schema_optim's. Algorithms:
+docs/mgup.md. Every optimizer takes the learning rate first and everything else by keyword;
+`state_metrics(opt_state)` gives the metrics an MGUP state holds (the selected fraction).
 """
 
 from optim.alias import cautious_adamw, cautious_mgup_adamw, mgup_adamw, mgup_lion, paper_defaults

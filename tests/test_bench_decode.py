@@ -40,7 +40,6 @@ def _result(pallas_ms: dict[str, float], of_copy: float) -> dict:
     ],
 )
 def test_the_pallas_section_reads_the_goal_at_128k(fp4_ms, of_copy, verdict, monkeypatch):
-    monkeypatch.setattr(decode, "describe", lambda m: "test machine.")
     table = decode.markdown(_result({"bf16": 3.0, "fp8": 2.0, "fp4": fp4_ms}, of_copy))
     assert "The Pallas kernel is timed below." in table
     goal = next(line for line in table.splitlines() if line.startswith("Goal at 131,072 tokens"))

@@ -15,7 +15,7 @@ import time
 import pytest
 from test_cli import CONFIG, ROOT, TINY, _run
 
-from core import config as config_lib
+from core import fields as fields_lib
 from core import jax_compat
 from core import mesh as mesh_lib
 from experiments import schema
@@ -58,7 +58,7 @@ def _config(**mesh):
     ],
 )
 def test_bad_process_keys_are_refused(mesh, needles):
-    with pytest.raises(config_lib.ConfigError) as e:
+    with pytest.raises(fields_lib.ConfigError) as e:
         schema.validate(_config(**mesh))
     assert all(n in str(e.value) for n in needles), str(e.value)
 
@@ -67,7 +67,7 @@ def test_outside_a_cluster_minus_one_names_the_key_the_environments_and_the_fix(
     cluster_env({})
     config = _config(num_processes=-1)
     schema.validate(config)  # the form is fine; what it needs is checked when it is resolved
-    with pytest.raises(config_lib.ConfigError) as e:
+    with pytest.raises(fields_lib.ConfigError) as e:
         mesh_lib.resolve_processes(config)
     for needle in ("'mesh.num_processes' = -1", "none is detected", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "srun"):
         assert needle in str(e.value), (needle, str(e.value))
@@ -114,13 +114,13 @@ def test_the_cluster_variables_fill_in_the_process_keys_as_jax_reads_them(cluste
     )
     assert f"cluster: {expected[3]}: process {expected[1]} of {expected[0]}" in capsys.readouterr().out
     config.data.batch_size = 4 * expected[0] + 1  # the process-count checks, deferred under -1, now apply
-    with pytest.raises(config_lib.ConfigError, match=rf"data.batch_size.*'mesh.num_processes' = {expected[0]}"):
+    with pytest.raises(fields_lib.ConfigError, match=rf"data.batch_size.*'mesh.num_processes' = {expected[0]}"):
         schema.validate(config)
 
 
 def test_inconsistent_cluster_variables_are_refused(cluster_env):
     cluster_env({**SLURM, "SLURM_PROCID": "4"})
-    with pytest.raises(config_lib.ConfigError, match=r"'mesh.num_processes' = -1: .*SLURM_PROCID.* process 4 of 4"):
+    with pytest.raises(fields_lib.ConfigError, match=r"'mesh.num_processes' = -1: .*SLURM_PROCID.* process 4 of 4"):
         mesh_lib.resolve_processes(_config(num_processes=-1))
 
 

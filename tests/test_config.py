@@ -8,14 +8,17 @@ import ml_collections
 import pytest
 
 from core import config as config_lib
-from core.config import ConfigError
+from core import fields as fields_lib
+from core import mesh_config
+from core import schema as core_schema
+from core.fields import ConfigError
 from experiments import schema
 from moe.config import MoEConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def declared_compat(cls: type) -> config_lib.Compat | None:
+def declared_compat(cls: type) -> fields_lib.Compat | None:
     """A section's `compat` class variable (None if it declares none: SECTIONS holds plain types)."""
     return getattr(cls, "compat", None)
 
@@ -36,7 +39,7 @@ def test_each_section_is_declared_once_and_its_dataclass_matches_the_schema(name
     assert list(fields) == [f.name for f in dataclasses.fields(cls)]
     section = schema.default_config()[name]
     assert set(section.keys()) == set(fields)
-    assert config_lib.from_config(cls, section) == cls()
+    assert fields_lib.from_config(cls, section) == cls()
     declared = {f.name: f.default for f in dataclasses.fields(cls)}  # (an instance may resolve a default: head_dim)
     for key, field in fields.items():
         assert field.doc, f"{name}.{key} has no documentation"
@@ -52,7 +55,7 @@ def test_checkpoint_compat_follows_the_section_declarations():
     for name, cls in schema.SECTIONS.items():
         compat = declared_compat(cls)
         if compat is True:  # (less the keys added since checkpoints, at their default)
-            fields = config_lib.section_fields(cls)
+            fields = fields_lib.section_fields(cls)
             expected[name] = {
                 k: v
                 for k, v in c[name].to_dict().items()
@@ -74,22 +77,22 @@ def test_a_key_added_since_checkpoints_leaves_their_compat_unchanged_at_its_defa
     assert "shared_expert_gate" not in schema.checkpoint_compat(c, "f")["moe"]
     c.moe.shared_expert_gate = True
     assert schema.checkpoint_compat(c, "f")["moe"]["shared_expert_gate"] is True
-    fields = config_lib.section_fields(MoEConfig)
+    fields = fields_lib.section_fields(MoEConfig)
     assert [k for k, f in fields.items() if f.since_checkpoints] == ["shared_expert_gate"]
 
 
 def test_from_config_rejects_unknown_keys_and_restores_tuples():
     mesh = schema.default_config().mesh.to_dict()
     mesh["rules"] = [list(rule) for rule in mesh["rules"]]  # as JSON or the command line gives them back
-    assert config_lib.from_config(config_lib.MeshConfig, mesh) == config_lib.MeshConfig()
+    assert fields_lib.from_config(config_lib.MeshConfig, mesh) == config_lib.MeshConfig()
     with pytest.raises(ConfigError, match="dmodel"):
-        config_lib.from_config(config_lib.TransformerConfig, {"dmodel": 3})
+        fields_lib.from_config(config_lib.TransformerConfig, {"dmodel": 3})
 
 
 def test_a_none_default_can_be_set_from_the_command_line():
     """Keys whose default is None (the optimizer family's default) hold typed placeholders."""
-    spec = {"s": {"x": config_lib.Field(None, (float, type(None)), "doc", low=0.0)}}
-    c = config_lib.defaults(spec)
+    spec = {"s": {"x": fields_lib.Field(None, (float, type(None)), "doc", low=0.0)}}
+    c = core_schema.defaults(spec)
     assert c.s.x is None
     c.s.x = 0.5
     spec["s"]["x"].check("s.x", c.s.x)
@@ -190,7 +193,7 @@ def test_static_validation_needs_no_devices():
 def test_mesh_shape_resolves_the_free_axis():
     c = schema.default_config()
     c.mesh.model = 2
-    assert config_lib.mesh_shape(c, 8) == {"site": 1, "data": 4, "expert": 1, "model": 2}
+    assert mesh_config.mesh_shape(c, 8) == {"site": 1, "data": 4, "expert": 1, "model": 2}
 
 
 def test_int_is_accepted_for_float_but_not_bool_for_int():
@@ -218,7 +221,7 @@ def test_fit_to_steps_lowers_only_a_warm_up_longer_than_the_run(steps, warmup, f
     d = schema.default_config().to_dict()  # a plain dict, as a config file may return (a typed ConfigDict refuses "10")
     d["train"]["steps"], d["optim"]["warmup_steps"] = steps, warmup
     c = ml_collections.ConfigDict(d)
-    notices = config_lib.fit_to_steps(c)
+    notices = core_schema.fit_to_steps(c)
     assert c.optim.warmup_steps == fitted
     d["optim"]["warmup_steps"] = fitted
     assert c.to_dict() == d  # no other key changes
@@ -234,7 +237,7 @@ def test_a_fitted_warm_up_ramps_linearly_over_the_whole_run():
 
     c = schema.default_config()
     c.train.steps, c.optim.warmup_steps = 10, 40
-    config_lib.fit_to_steps(c)
+    core_schema.fit_to_steps(c)
     schema.validate(c)
     schedule = train_lib.learning_rate_schedule(c.optim, c.train.steps)
     peak = c.optim.learning_rate

@@ -13,7 +13,8 @@ from flax import nnx
 
 from core import hlo
 from core import train as train_lib
-from core.config import DEFAULT_RULES, ConfigError
+from core.fields import ConfigError
+from core.mesh_config import DEFAULT_RULES
 from core.model import Transformer, TransformerConfig
 from experiments import schema
 from moe import MoE, MoEConfig, federation, rounds

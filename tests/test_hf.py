@@ -27,19 +27,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from core import config as config_lib
+from core import fields as fields_lib
 from core import generate as generate_lib
 from core import mesh as mesh_lib
 from core import train as train_lib
-from core.config import ConfigError
+from core.fields import ConfigError
 from core.model import split_params
-from experiments import build, federated, pretrained, schema, serve
+from experiments import build, federated, pretrained, schema, schema_kvcache, serve
 from experiments import load as run_load
 from experiments import run as run_lib
 from experiments.configs import finetune
 from experiments.hf import __main__ as hf_cli
 from experiments.hf import arch, config_map, export, load, weights
-from kvcache import config as kv_config
 from kvcache.serving import Engine, EngineConfig
 from moe import placement as placement_lib
 from moe.config import MoEConfig
@@ -240,7 +239,9 @@ def test_an_imported_checkpoint_is_a_run_that_serves_through_the_paged_cache(tmp
     expected = weights.to_ours(weights.read(directory), schema.model_config(config), _moe(config), source=directory)
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         np.testing.assert_array_equal(np.asarray(var.get_value()), expected[".".join(map(str, path))])
-    fmt = kv_config.make_format(config_lib.from_config(kv_config.KVCacheConfig, {**config.kvcache, "format": "bf16"}))
+    fmt = schema_kvcache.make_format(
+        fields_lib.from_config(schema_kvcache.KVCacheConfig, {**config.kvcache, "format": "bf16"})
+    )
     engine = Engine(model, fmt, EngineConfig(memory_bytes=2**18, eos_id=None, never=(), num_ids=None))
     request = engine.submit(reference["greedy_prompt"].tolist(), 12)
     engine.run()
@@ -518,7 +519,7 @@ def test_import_without_evaluation_tokenizes_nothing_and_records_the_corpus(tmp_
 
 
 def _moe(config):
-    return config_lib.from_config(MoEConfig, config.moe)
+    return fields_lib.from_config(MoEConfig, config.moe)
 
 
 def test_fine_tuning_starts_from_the_checkpoint(tmp_path, capsys):
@@ -549,7 +550,7 @@ def test_fine_tuning_starts_from_the_checkpoint(tmp_path, capsys):
     assert abs(held[0]["val_loss"] - float(at_start["loss"])) <= 1e-4 * held[0]["val_loss"]
     bad = _tiny_data(finetune.get_config(directory), tmp_path)
     bad.model.d_model = 64
-    with pytest.raises(config_lib.ConfigError, match=r"'model.d_model' = 64 conflicts with the checkpoint .* has 32"):
+    with pytest.raises(fields_lib.ConfigError, match=r"'model.d_model' = 64 conflicts with the checkpoint .* has 32"):
         load.resolve(bad)
 
 

@@ -8,7 +8,7 @@ from flax import nnx
 
 from core import generate as generate_lib
 from core.byte_tokenizer import ByteTokenizer
-from core.config import ConfigError
+from core.fields import ConfigError
 from core.model import Transformer, TransformerConfig
 from experiments import build, schema
 from kvcache import PagedKVCache, formats, paged_cache_factory

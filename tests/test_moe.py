@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from core import hlo
 from core import mesh as mesh_lib
 from core import train as train_lib
-from core.config import ConfigError
+from core.fields import ConfigError
 from core.model import DefaultPrecision, TransformerConfig, split_params
 from experiments import build, schema
 from moe import MoE, MoEConfig, dispatch, grouped_matmul, load_balance_loss, route, routing_stats, z_loss

@@ -1,5 +1,5 @@
 """optax's conventions, the properties optax's own tests check for every optimizer, for every optimizer of
-optim.registry (as experiments.build makes it from a config) and for optim's public transforms: extra keyword
+experiments.optimizers (as experiments.build makes it from a config) and for optim's public transforms: extra keyword
 arguments in `update`, the same state structure under `optax.inject_hyperparams`, complex parameters refused by
 name where unsupported, init from abstract shapes, `optax.MultiSteps`, state dtypes stable across updates
 (bfloat16, float16, float32, float64), no recompilation on the second update, shardings kept."""
@@ -14,11 +14,10 @@ import optax
 import pytest
 
 import optim
-from experiments import build, schema
-from optim import registry
+from experiments import build, optimizers, schema
 
 SHAPES = {"w": (6, 8), "emb": {"embedding": (7, 6)}, "b": (8,)}  # a Muon matrix; an embedding and a bias: AdamW
-NAMES = sorted(registry.OPTIMIZERS)
+NAMES = sorted(optimizers.OPTIMIZERS)
 COMPLEX_READY = {"adamw", "lion"}  # optax's own: they support complex parameters
 
 

@@ -1,4 +1,5 @@
-"""The optimizer wiring of experiments/build.py (every optimizer of optim.registry) against optimizers built directly
+"""The optimizer wiring of experiments/build.py (every optimizer of experiments.optimizers) against optimizers built
+directly
 from optim/optax with the values docs/configuration.md documents; per-family defaults; optax.inject_hyperparams
 equivalence; MGUP's state metric."""
 
@@ -13,8 +14,8 @@ import pytest
 
 import optim
 from core import train as train_lib
-from experiments import build, schema
-from optim import registry
+from core.fields import ConfigError
+from experiments import build, optimizers, schema
 
 # matrices, a vector and an embedding (ragged sizes); BIG adds a matrix of more than 2 APPROX_SAMPLE entries, which
 # "approx" and "sign" treat by sampling
@@ -32,7 +33,7 @@ MGUP = dict(mask_ratio=0.5, alpha=2.0, gamma=0.1)
 
 def _direct(name: str, lr, wd: float, **override) -> optax.GradientTransformation | None:
     """The optimizer `name` with the documented defaults (and `override`), built without experiments/build.py or
-    optim.registry; None for a registered optimizer this independent table does not know."""
+    experiments.optimizers; None for a registered optimizer this independent table does not know."""
     adamw, lion, muon, mgup = (
         dict(d, **{k: v for k, v in override.items() if k in d}) for d in (ADAMW, LION, MUON, MGUP)
     )
@@ -130,7 +131,7 @@ def _expected_fraction(name: str, grads: list) -> float | object | None:
     return aligned
 
 
-@pytest.mark.parametrize("name", registry.NAMES)
+@pytest.mark.parametrize("name", optimizers.NAMES)
 def test_build_optimizer_is_the_documented_optimizer_bit_for_bit(name):
     """Default config: clipping at 1 (active: gradients of global norm about 2), warm-up + cosine schedule, weight
     decay 0.1 on the matrices only, the family's b1 / b2 / eps / momentum, MGUP's tau, alpha, gamma. Its state gives
@@ -143,13 +144,13 @@ def test_build_optimizer_is_the_documented_optimizer_bit_for_bit(name):
     schedule = train_lib.learning_rate_schedule(config.optim, config.train.steps)
     inner = _direct(name, schedule, 0.1)
     if inner is None:
-        hyper = dict(registry.lookup(name).family.defaults)
-        inner = registry.lookup(name).build(schedule, config.optim, hyper, DECAY)
+        hyper = dict(optimizers.lookup(name).family.defaults)
+        inner = optimizers.lookup(name).build(schedule, config.optim, hyper, DECAY)
     direct = optax.chain(optax.clip_by_global_norm(1.0), inner)
     got, state = _run(build.build_optimizer(config), params, grads)
     want_updates, want_state = _run(direct, params, grads)
     _assert_identical(got, want_updates)
-    assert schema.schema()["optim"]["name"].choices == registry.NAMES  # the schema allows what the registry builds
+    assert schema.schema()["optim"]["name"].choices == optimizers.NAMES  # the schema allows what the registry builds
     clip = jax.jit(lambda g: optax.clip_by_global_norm(1.0).update(g, optax.EmptyState())[0])
     clipped = [clip(g) for g in grads]
     want = _expected_fraction(name, clipped)
@@ -187,29 +188,29 @@ def test_a_family_key_set_in_the_config_replaces_the_default(name, key, value, d
 def test_family_defaults_and_keys_a_family_does_not_use():
     config = schema.default_config()
     resolved = {}
-    for name in registry.NAMES:
+    for name in optimizers.NAMES:
         config.optim.name = name
-        resolved[name] = registry.hyperparameters(config.optim)
+        resolved[name] = optimizers.hyperparameters(config.optim)
     assert resolved["adamw"] == resolved["mgup_adamw"] == {"b1": 0.9, "b2": 0.95, "eps": 1e-8}  # the quickstart's
     assert resolved["lion"] == resolved["mgup_lion"] == {"b1": 0.9, "b2": 0.99}
     assert resolved["muon"] == resolved["mgup_muon"] == {"b1": 0.95, "b2": 0.95, "eps": 1e-8, "momentum": 0.95}
     config.optim.update(name="lion", b2=0.98)
-    assert registry.hyperparameters(config.optim) == {"b1": 0.9, "b2": 0.98}
+    assert optimizers.hyperparameters(config.optim) == {"b1": 0.9, "b2": 0.98}
     config.optim.eps = 1e-6
-    with pytest.raises(build.config_lib.ConfigError, match="'optim.eps' = 1e-06 is not used by optim.name = 'lion'"):
+    with pytest.raises(ConfigError, match="'optim.eps' = 1e-06 is not used by optim.name = 'lion'"):
         build.build_optimizer(config)
     config.optim.update(name="adamw", eps=None, momentum=0.9)
-    with pytest.raises(build.config_lib.ConfigError, match="'optim.momentum' = 0.9 is not used"):
-        registry.hyperparameters(config.optim)
+    with pytest.raises(ConfigError, match="'optim.momentum' = 0.9 is not used"):
+        optimizers.hyperparameters(config.optim)
 
 
 def test_an_unknown_optimizer_name_is_refused_with_the_allowed_names():
     refused = "'optim.name' = 'sgd' is not an optimizer; allowed: .*'adamw'"
-    with pytest.raises(build.config_lib.ConfigError, match=refused):
-        registry.lookup("sgd")
+    with pytest.raises(ConfigError, match=refused):
+        optimizers.lookup("sgd")
     config = schema.default_config()
     config.optim.name = "sgd"
-    with pytest.raises(build.config_lib.ConfigError, match="'optim.name'.*'sgd'.*mgup_muon"):
+    with pytest.raises(ConfigError, match="'optim.name'.*'sgd'.*mgup_muon"):
         schema.validate(config)
 
 

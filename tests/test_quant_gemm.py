@@ -503,26 +503,26 @@ def test_precision_recipe_from_the_config_trains_the_moe_model(recipe):
 def test_config_overrides_for_the_ablation():
     import ml_collections
 
-    from quant import config as quant_config
+    from experiments import schema_quant
 
     p = ml_collections.ConfigDict(
         {"rht": "fprop+wgrad", "stochastic_dy": "off", "last_blocks_high_precision": 1, "fresh_signs": False}
     )
-    r = quant_config.apply(recipes.UFP4, p)
+    r = schema_quant.apply(recipes.UFP4, p)
     assert (r.fprop.rht, r.dgrad.rht, r.wgrad.rht) == (True, False, True)
     assert not r.dgrad.stochastic_dy and not r.wgrad.stochastic_dy and r.last_blocks_high_precision == 1
     p.update(rht="none", stochastic_dy="on")
-    r = quant_config.apply(recipes.E2M1_BASELINE, p)
+    r = schema_quant.apply(recipes.E2M1_BASELINE, p)
     assert not any(g.rht for g in (r.fprop, r.dgrad, r.wgrad)) and r.dgrad.stochastic_dy and not r.fprop.stochastic_dy
     p.update(rht="recipe", stochastic_dy="recipe")
-    assert quant_config.apply(recipes.NVFP4, p).wgrad == recipes.NVFP4.wgrad
+    assert schema_quant.apply(recipes.NVFP4, p).wgrad == recipes.NVFP4.wgrad
     for recipe, rht_scope, error in [
         (recipes.NVFP4, "all", "precision.rht = 'all' with recipe 'nvfp4': .*weight_2d = True with rht = True"),
         (recipes.NONE, "all", "precision.rht = 'all' with precision.recipe = 'none': .* no 4-bit GEMM"),
     ]:
         p.update(rht=rht_scope)
         with pytest.raises(ValueError, match=error):
-            quant_config.apply(recipe, p)
+            schema_quant.apply(recipe, p)
 
 
 def test_gemm_knobs_are_checked_when_made():

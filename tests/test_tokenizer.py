@@ -21,9 +21,10 @@ import pytest
 
 from core import config as config_lib
 from core import corpus as corpus_lib
+from core import schema as core_schema
 from core import tokenizer as tokenizer_lib
 from core.byte_tokenizer import ByteTokenizer, TokenizerError
-from core.config import ConfigError
+from core.fields import ConfigError
 from core.hf_tokenizer import HFTokenizer
 from core.tokenizer import StreamDecoder
 from core.train import count_target_bytes
@@ -365,9 +366,9 @@ def test_a_configured_pad_that_is_eos_is_no_pad(tmp_path, bpe):
 def test_data_tokenizer_is_checked_early_and_is_provenance(tmp_path):
     """data.tokenizer: a wrong type, a missing path and a model too small for the tokenizer fail validation with
     ConfigErrors naming the keys; it is a provenance key (a resume refuses its change)."""
-    base = config_lib.defaults()
+    base = core_schema.defaults()
     assert base.data.tokenizer == "bytes"
-    assert config_lib.provenance(base, config_lib.SECTIONS)["data.tokenizer"] == "bytes"
+    assert core_schema.provenance(base, config_lib.SECTIONS)["data.tokenizer"] == "bytes"
     for value, needles in [
         (3, ["data.tokenizer", "3", "str"]),
         (str(tmp_path / "missing"), ["data.tokenizer", "missing", "does not exist"]),
@@ -376,16 +377,16 @@ def test_data_tokenizer_is_checked_early_and_is_provenance(tmp_path):
         d["data"]["tokenizer"] = value
         config = ml_collections.ConfigDict(d)
         with pytest.raises(ConfigError) as e:
-            config_lib.validate(config)
+            core_schema.validate(config)
         assert all(n in str(e.value) for n in needles), str(e.value)
     config = ml_collections.ConfigDict(base.to_dict())
     config.data.tokenizer = str(BPE_DIR)
     config.model.vocab_size = 300
     with pytest.raises(ConfigError) as e:
-        config_lib.validate(config)
+        core_schema.validate(config)
     assert all(n in str(e.value) for n in ["model.vocab_size", "300", "data.tokenizer", "320"]), str(e.value)
     config.model.vocab_size = 320
-    config_lib.validate(config)
+    core_schema.validate(config)
     assert isinstance(build.build_tokenizer(config), HFTokenizer)
 
 

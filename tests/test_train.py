@@ -19,7 +19,7 @@ from test_logging import event_scalars, jsonl_scalars
 from core import checkpoint as checkpoint_lib
 from core import train as train_lib
 from core.byte_tokenizer import PAD_ID, TokenizerError
-from core.config import ConfigError
+from core.fields import ConfigError
 from core.hf_tokenizer import HFTokenizer
 from core.model import Transformer, TransformerConfig, split_params
 from core.workdir import WorkdirError
@@ -159,8 +159,8 @@ def test_nan_guard_stops_with_step_and_keeps_last_good_checkpoint(tiny_config, t
 def test_nan_guard_checks_the_state_it_would_save(tiny_config, tmp_path):
     """AdamW with eps = 0 and an untied embedding: rows of bytes absent from the batch get 0/0 = NaN in the update
     while the loss and gradient stay finite. Nothing is saved, the run stops at step 1, and the advice names eps.
-    (A config refuses eps = 0 before anything runs, optim.registry; a library caller's own optimizer is not checked,
-    so the guard is tested with one.)"""
+    (A config refuses eps = 0 before anything runs, experiments.optimizers; a library caller's own optimizer is not
+    checked, so the guard is tested with one.)"""
     c = tiny_config
     c.optim.eps, c.model.tie_embeddings, c.checkpoint.every, c.train.steps = 0.0, False, 1, 1
     with pytest.raises(ConfigError, match="'optim.eps' = 0.0"):
@@ -251,7 +251,7 @@ def test_optimizer_state_shardings_follow_the_parameters(name):
     """optimizer_state_like (optax.tree_utils.tree_map_params) gives every moment its parameter's sharding and
     every other leaf the default: the same tree as matching key paths and shapes (helpers.by_key_path)."""
     from core import mesh as mesh_lib
-    from core.config import DEFAULT_RULES
+    from core.mesh_config import DEFAULT_RULES
 
     cfg = TransformerConfig(d_model=32, num_layers=1, num_heads=4, num_kv_heads=4, d_ff=64)
     mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8])

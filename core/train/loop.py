@@ -14,10 +14,9 @@ import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
-import ml_collections
 import optax
 from flax import nnx
 
@@ -38,6 +37,9 @@ from core.train.step import (
     make_eval_step,
     make_train_step,
 )
+
+if TYPE_CHECKING:  # annotations only: the configuration library is core.schema's, not a dependency here
+    import ml_collections
 
 __all__ = [
     "NonFiniteLossError",
@@ -168,8 +170,8 @@ def run(
 
     Args:
       state: the initial state (its structure and shardings are also the template a checkpoint restores into).
-      compat: what a checkpoint must share with this program to be resumed (core.config.checkpoint_compat).
-      provenance: how the weights are trained (core.config.provenance): a resume refuses a change unless
+      compat: what a checkpoint must share with this program to be resumed (core.schema.checkpoint_compat).
+      provenance: how the weights are trained (core.schema.provenance): a resume refuses a change unless
         `checkpoint.accept_changes`, which records it in `<workdir>/history.jsonl`.
       hooks: called after every call as `hook(step, metrics)`; an exception stops the run as a crash would.
       on_start: called once the state is built or restored, before the first call, with the step resumed from

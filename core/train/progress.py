@@ -7,10 +7,12 @@ from __future__ import annotations
 import os
 import sys
 import time
-
-import ml_collections
+from typing import TYPE_CHECKING
 
 from core import workdir as workdir_lib
+
+if TYPE_CHECKING:  # annotations only: the configuration library is core.schema's, not a dependency here
+    import ml_collections
 
 __all__ = ["cadence_line", "progress_bar", "tensorboard_enabled"]
 

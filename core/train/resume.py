@@ -7,13 +7,15 @@ import contextlib
 import json
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
-import ml_collections
 
 from core import checkpoint as checkpoint_lib
 from core import workdir as workdir_lib
+
+if TYPE_CHECKING:  # annotations only: the configuration library is core.schema's, not a dependency here
+    import ml_collections
 
 __all__ = ["open_checkpoints", "record_accepted"]
 

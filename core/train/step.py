@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 from flax import nnx
 
 from core.byte_tokenizer import PAD_ID, ByteTokenizer
+
+if TYPE_CHECKING:  # annotations only: the configuration library is core.schema's, not a dependency here
+    import ml_collections
 
 __all__ = [
     "StateMetrics",

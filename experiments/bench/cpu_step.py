@@ -28,11 +28,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 
-from experiments import command
-from experiments.bench import common
+from experiments import command, harness
 
 OPTIONS = {
     "default": {},
@@ -53,7 +53,7 @@ def built(model: str):
     from experiments.bench import peer
 
     config = peer.config_for(model, "quickstart")
-    graphdef, state, optimizer = common.one_device_state(config)
+    graphdef, state, optimizer = harness.one_device_state(config)
     tokens = np.random.default_rng(0).integers(0, 256, (config.data.batch_size, config.data.seq_len + 1))
     return jax.jit(train_lib.train_step_fn(graphdef, optimizer)), state, tokens.astype(np.int32)
 
@@ -62,13 +62,13 @@ def options(step, state, tokens, repeats: int) -> tuple[dict, object]:
     """({option set: {"seconds", "loss"}} of the step compiled under each of OPTIONS, timed interleaved; the step
     compiled with XLA's defaults)."""
     lowered = step.lower(state, tokens)
-    common.compiling(f"the step under {len(OPTIONS)} option sets")
+    harness.compiling(f"the step under {len(OPTIONS)} option sets")
     compiled = {
         name: lowered.compile(compiler_options=opts) if opts else lowered.compile() for name, opts in OPTIONS.items()
     }
     losses = {name: float(fn(state, tokens)[1]["loss"]) for name, fn in compiled.items()}
     calls = {name: (lambda fn=fn: fn(state, tokens)[1]) for name, fn in compiled.items()}
-    seconds = common.interleaved_medians(calls, repeats=repeats, warmup=1)
+    seconds = harness.interleaved_medians(calls, repeats=repeats, warmup=1)
     return {name: {"seconds": seconds[name], "loss": losses[name]} for name in OPTIONS}, compiled["default"]
 
 
@@ -144,8 +144,7 @@ def markdown(result: dict) -> str:
     lines = [
         "# A train step on XLA:CPU: options, allocator, where the time goes",
         "",
-        f"`{result['command']}`. {common.describe(result['machine'])} jax {result['machine']['jax']}; quickstart-size "
-        f"models of experiments.bench.peer, float32, batch 8 x 256. Load average (1 min): {result['load']}.",
+        f"`{result['command']}`: quickstart-size models of experiments.bench.peer, float32, batch 8 x 256.",
     ]
     for model, r in result["models"].items():
         base = r["options"]["default"]["seconds"]
@@ -168,6 +167,7 @@ def markdown(result: dict) -> str:
         lines += [
             f"| loop `{name}` (its body's operations included above) | {ms:.2f} |" for name, ms in r["profile"]["loops"]
         ]
+        lines += ["", f"Load average (1 min) after {model}'s measurements: {r['load_after']:.1f}."]
     return "\n".join(lines) + "\n"
 
 
@@ -175,32 +175,27 @@ def main(argv=None) -> None:
     """The command line: see the module docstring, or --help."""
     from experiments.bench import peer
 
-    parser = common.parser(__doc__, module="experiments.bench.cpu_step", topic="bench", repeats=15)
-    parser.add_argument(
+    study = harness.Study(__doc__, module="experiments.bench.cpu_step", topic="bench", repeats=15)
+    study.parser.add_argument(
         "--models",
-        type=common.names(peer.MODELS),
+        type=harness.names(peer.MODELS),
         default=",".join(peer.MODELS),
         help=f"a subset of {list(peer.MODELS)}",
     )
-    args = parser.parse_args(argv)
-    models = {}
-    load = [os.getloadavg()[0]]
-    for model in args.models:
+    args = study.parse(argv)
+    models: dict[str, dict[str, Any]] = {}
+    n = 3 * len(args.models)
+    for i, model in enumerate(args.models):
         step, state, tokens = built(model)
-        print(f"{model}: XLA:CPU options ...", flush=True)
+        study.progress(3 * i + 1, n, f"{model}: XLA:CPU options")
         table, compiled = options(step, state, tokens, args.repeats)
         models[model] = {"options": table}
-        print(f"{model}: allocator ...", flush=True)
+        study.progress(3 * i + 2, n, f"{model}: allocator")
         models[model]["allocator"] = allocator(model, args.repeats)
+        study.progress(3 * i + 3, n, f"{model}: profile")
         models[model]["profile"] = profile(compiled, state, tokens)
-        load.append(os.getloadavg()[0])
-    result = {
-        "command": common.command(parser, args),
-        "machine": common.machine(),
-        "load": " / ".join(f"{v:.1f}" for v in load),
-        "models": models,
-    }
-    common.write_results(args.out, "cpu_step", result, markdown)
+        models[model]["load_after"] = os.getloadavg()[0]
+    study.write("cpu_step", {"models": models}, markdown)
 
 
 if __name__ == "__main__":

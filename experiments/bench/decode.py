@@ -21,7 +21,6 @@ and decode.png into `--out` (`--out results/bench` for the table docs/kvcache.md
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -29,9 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import command, plotting
-from experiments.bench import common
-from experiments.bench.common import describe, interleaved_medians, machine, write_results
+from experiments import command, harness, plotting
+from experiments.harness import interleaved_medians
 from kvcache import decode_attention, formats
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK = 16, 2, 256, 16
@@ -105,7 +103,6 @@ def run(contexts: list[int], repeats: int, names: tuple[str, ...] = FORMATS) -> 
                 flush=True,
             )
     return {
-        "machine": machine(),
         "shape": {
             "num_heads": NUM_HEADS,
             "num_kv_heads": NUM_KV_HEADS,
@@ -129,7 +126,7 @@ def markdown(result: dict) -> str:
     lines = [
         "# Long-context decode, one attention layer",
         "",
-        f"`{result['command']}`. {describe(result['machine'])} Batch 1, {NUM_HEADS} query / "
+        f"`{result['command']}`. Batch 1, {NUM_HEADS} query / "
         f"{NUM_KV_HEADS} KV heads, head dim {HEAD_DIM}, block size {BLOCK}; ms per decode step without split-KV "
         "(`xla`) and with it (`xla_split`), and the split path's stored-KV bytes read per second against the "
         "bandwidth of a 256 MiB copy (read + write) timed in the same interleaved rounds. "
@@ -250,10 +247,11 @@ def _format_names(text: str) -> tuple[str, ...]:
 
 def main(argv=None) -> None:
     """The command line: see the module docstring, or --help."""
-    parser = common.parser(__doc__, module="experiments.bench.decode", topic="bench", repeats=5)
+    study = harness.Study(__doc__, module="experiments.bench.decode", topic="bench", repeats=5)
+    parser = study.parser
     parser.add_argument(
         "--contexts",
-        type=common.integers(1),
+        type=harness.integers(1),
         default=",".join(map(str, CONTEXTS)),
         help="context lengths to time, in tokens: comma-separated integers >= 1",
     )
@@ -263,10 +261,8 @@ def main(argv=None) -> None:
         default=",".join(FORMATS),
         help=f"KV formats to time, comma-separated, with bf16 and fp4 among them; allowed: {','.join(formats.NAMES)}",
     )
-    args = parser.parse_args(argv)
-    result = {"command": common.command(parser, args), **run(args.contexts, args.repeats, args.formats)}
-    write_results(args.out, "decode", result, markdown)
-    plot(result, os.path.join(args.out, "decode.png"))
+    args = study.parse(argv)
+    study.write("decode", run(args.contexts, args.repeats, args.formats), markdown, {"decode.png": plot})
 
 
 if __name__ == "__main__":

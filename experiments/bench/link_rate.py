@@ -16,12 +16,10 @@ docs/cluster.md quotes).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
-from experiments import command
-from experiments.bench import common
+from experiments import command, harness
 from experiments.cluster import links
 
 FULL_FRAME_PAYLOAD = 1448 / 1514
@@ -85,8 +83,7 @@ def markdown(result: dict) -> str:
         "",
         f"`{result['command']}`",
         "",
-        f"Load average {result['load_average']['before'][0]:.2f} before, {result['load_average']['after'][0]:.2f} "
-        f"after; {result['cpu_count']} cores. Expected ratio: {FULL_FRAME_PAYLOAD:.3f} (full frames' payload).",
+        f"Expected ratio: {FULL_FRAME_PAYLOAD:.3f} (full frames' payload).",
         "",
         "| link (Mbit/s) | queue floor (bytes) | payload (MB) | seconds | payload rate (Mbit/s) | / link rate "
         "| dropped frames |",
@@ -102,43 +99,41 @@ def markdown(result: dict) -> str:
 
 def main(argv=None) -> None:
     """The command line: see the module docstring, or --help."""
-    parser = common.parser(__doc__, module="experiments.bench.link_rate", topic="cluster")
+    study = harness.Study(__doc__, module="experiments.bench.link_rate", topic="cluster")
+    parser = study.parser
     parser.add_argument(
         "--rates",
-        type=common.integers(1, distinct=True),
+        type=harness.integers(1, distinct=True),
         default="8,50,1000",
         help="link rates to measure, whole Mbit/s each way, comma-separated",
     )
     parser.add_argument(
         "--megabytes",
-        type=common.number(0),
+        type=harness.number(0),
         default=0.0,
         help="payload per transfer in MB (10^6 bytes), > 0; 0: 2 MB below 50 Mbit/s, else 100 MB",
     )
     parser.add_argument(
         "--queue-floors",
-        type=common.integers(0, distinct=True),
+        type=harness.integers(0, distinct=True),
         default=str(links.MIN_QUEUE_BYTES),
         help="the shapers' queue floors to measure at every rate, bytes, comma-separated (the tool's is "
         f"{links.MIN_QUEUE_BYTES}; 0: a queue of QUEUE_SECONDS of the rate only)",
     )
-    args = parser.parse_args(argv)
+    args = study.parse(argv)
     missing = links.unavailable()
     if missing is not None:
         parser.error(missing)
-    before, rows = os.getloadavg(), []
+    rows: list[dict] = []
+    n = len(args.rates) * len(args.queue_floors)
     for rate in args.rates:
         payload = int(args.megabytes * 1e6) or (2_000_000 if rate < 50 else 100_000_000)
         for floor in args.queue_floors:
-            print(f"{rate:g} Mbit/s, queue floor {floor} bytes: sending {payload / 1e6:g} MB ...", flush=True)
+            study.progress(
+                len(rows) + 1, n, f"{rate:g} Mbit/s, queue floor {floor} bytes: sending {payload / 1e6:g} MB"
+            )
             rows.append(measure(rate, payload, floor))
-    result = {
-        "command": common.command(parser, args, always=("rates", "queue_floors")),
-        "load_average": {"before": list(before), "after": list(os.getloadavg())},
-        "cpu_count": os.cpu_count(),
-        "rows": rows,
-    }
-    common.write_results(args.out, "link_rate", result, markdown)
+    study.write("link_rate", {"rows": rows}, markdown, always=("rates", "queue_floors"))
 
 
 if __name__ == "__main__":

@@ -24,9 +24,8 @@ from flax import nnx
 
 from core.mesh import Sharder
 from core.model import MLP, DefaultPrecision, TransformerConfig, split_params
-from experiments import command
-from experiments.bench import common
-from experiments.bench.common import interleaved_medians, machine, median_seconds, write_results
+from experiments import command, harness
+from experiments.harness import interleaved_medians, median_seconds
 from moe import MoE, MoEConfig
 from moe.grouped_matmul import grouped_matmul
 
@@ -144,9 +143,9 @@ def markdown(result: dict) -> str:
     lines = [
         "# MoE layer forward+backward against a dense FFN",
         "",
-        f"`{result['command']}`: MoE layer forward+backward on {result['device']} ({result['cpu_count']} cores, "
-        f"jax {result['jax']}, float32): {result['tokens']} tokens, d_model {D_MODEL}, sigmoid router; dense = "
-        "SiLU FFN of hidden k x h (same expert FLOPs); capacity factor 1.25, one group per sequence of 256. Medians of "
+        f"`{result['command']}`: MoE layer forward+backward (float32): {result['tokens']} tokens, d_model "
+        f"{D_MODEL}, sigmoid router; dense = SiLU FFN of hidden k x h (same expert FLOPs); capacity factor 1.25, "
+        "one group per sequence of 256. Medians of "
         f"{result['repeats']} rounds; each round times the three side by side.",
         "",
         "| expert size h | experts | top-k | dense (ms) | dropless (ms) | capacity (ms) | dropless / dense | "
@@ -170,37 +169,34 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| {r['implementation']} | {r['forward_seconds'] * 1e3:.1f} | {r['forward_backward_seconds'] * 1e3:.1f} |"
         )
-    if result.get("note"):
-        lines += ["", result["note"]]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> None:
     """The command line: see the module docstring, or --help."""
-    parser = common.parser(__doc__, module="experiments.bench.moe", topic="bench", repeats=5)
+    study = harness.Study(__doc__, module="experiments.bench.moe", topic="bench", repeats=5)
+    parser = study.parser
     parser.add_argument(
         "--tokens",
-        type=common.integer(SEQ, multiple_of=SEQ),
+        type=harness.integer(SEQ, multiple_of=SEQ),
         default=4096,
         help=f"tokens per layer call: a multiple of {SEQ} (the sequence length), >= {SEQ}",
     )
     parser.add_argument(
         "--expert-sizes",
-        type=common.integers(1),
+        type=harness.integers(1),
         default="128,512",
         help="expert hidden sizes h to time: comma-separated integers >= 1",
     )
-    args = parser.parse_args(argv)
+    args = study.parse(argv)
     layers = [row for h in args.expert_sizes for row in bench_layers(args.tokens, h, args.repeats)]
     result = {
-        "command": common.command(parser, args),
-        **machine(),
         "tokens": args.tokens,
         "repeats": args.repeats,
         "layers": layers,
         "grouped_matmul": bench_grouped_matmul(args.repeats),
     }
-    write_results(args.out, "moe", result, markdown)
+    study.write("moe", result, markdown)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from experiments import command
-from experiments.bench import common
-from experiments.bench.common import describe, interleaved_medians, machine, write_results
+from experiments import command, harness
+from experiments.harness import interleaved_medians
 from optim import cautious_adamw, cautious_mgup_adamw, mgup_adamw, mgup_lion, mgup_muon
 
 GOALS = {"mgup_adamw": 1.25, "mgup_adamw_approx": 1.10}
@@ -97,7 +96,7 @@ def measure(d: int, layers: int, repeats: int) -> dict:
         }
         for name, (base, _) in table.items()
     ]
-    return {"machine": machine(), "params": count, "d_model": d, "layers": layers, "repeats": repeats, "rows": rows}
+    return {"params": count, "d_model": d, "layers": layers, "repeats": repeats, "rows": rows}
 
 
 def markdown(result: dict) -> str:
@@ -107,7 +106,7 @@ def markdown(result: dict) -> str:
         "",
         f"`{result['command']}`: {result['params'] / 1e6:.1f}M float32 parameters "
         f"(transformer-shaped, d_model {result['d_model']}, {result['layers']} layers), jitted update + apply, "
-        f"median of {result['repeats']} interleaved rounds; {describe(result['machine'])}",
+        f"median of {result['repeats']} interleaved rounds.",
         "",
         "| optimizer | base | step (ms) | / base | goal |",
         "|---|---|---|---|---|",
@@ -120,16 +119,16 @@ def markdown(result: dict) -> str:
 
 def main(argv=None) -> None:
     """The command line: see the module docstring, or --help."""
-    parser = common.parser(__doc__, module="experiments.bench.optim", topic="bench", repeats=5)
+    study = harness.Study(__doc__, module="experiments.bench.optim", topic="bench", repeats=5)
+    parser = study.parser
     parser.add_argument(
-        "--d-model", type=common.integer(1), default=640, help="model width d of the parameter pytree, >= 1"
+        "--d-model", type=harness.integer(1), default=640, help="model width d of the parameter pytree, >= 1"
     )
     parser.add_argument(
-        "--layers", type=common.integer(1), default=10, help="transformer layers of the parameter pytree, >= 1"
+        "--layers", type=harness.integer(1), default=10, help="transformer layers of the parameter pytree, >= 1"
     )
-    args = parser.parse_args(argv)
-    result = {"command": common.command(parser, args), **measure(args.d_model, args.layers, args.repeats)}
-    write_results(args.out, "optim", result, markdown)
+    args = study.parse(argv)
+    study.write("optim", measure(args.d_model, args.layers, args.repeats), markdown)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,7 @@ import sys
 import threading
 import time
 
-from experiments import command
-from experiments.bench import common
+from experiments import command, harness
 
 CASES = ("compute", "collective", "sequential", "dispatched", "one program", "threads")
 
@@ -92,23 +91,33 @@ def _worker(index: int, coordinator: str, megabytes: float, repeats: int, matmul
 
 
 def main(argv=None) -> None:
-    parser = common.parser(__doc__, module="experiments.bench.overlap", topic="bench", repeats=3)
-    parser.add_argument("--rate-mbit", type=float, default=10.0, help="each link's rate (Mbit/s)")
-    parser.add_argument("--megabytes", type=float, default=1.0, help="the all-reduce's payload (MB of float32)")
-    parser.add_argument("--matmuls", type=int, default=600, help="384 x 384 matmuls in compute's chain")
-    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    """The command line: see the module docstring, or --help. With the hidden `--worker` it is one of the two
+    processes: it prints "RESULT " and its timings as JSON, and writes nothing."""
+    study = harness.Study(__doc__, module="experiments.bench.overlap", topic="bench", repeats=3)
+    parser = study.parser
+    parser.add_argument(
+        "--rate-mbit", type=harness.number(0, low_open=True), default=10.0, help="each link's rate (Mbit/s), > 0"
+    )
+    parser.add_argument(
+        "--megabytes",
+        type=harness.number(0, low_open=True),
+        default=1.0,
+        help="the all-reduce's payload (MB of float32), > 0",
+    )
+    parser.add_argument(
+        "--matmuls", type=harness.integer(1), default=600, help="384 x 384 matmuls in compute's chain, >= 1"
+    )
+    parser.add_argument("--worker", type=harness.integer(0, maximum=1), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = study.parse(argv)
     if args.worker is not None:
         result = _worker(args.worker, args.coordinator, args.megabytes, args.repeats, args.matmuls)
         print("RESULT " + json.dumps(result), flush=True)
         return
     from experiments.cluster import links, supervisor
 
-    command = common.command(parser, args)
-    load = os.getloadavg()
     own = ["-m", "experiments.bench.overlap", f"--megabytes={args.megabytes}", f"--repeats={args.repeats}"]
-    own.append(f"--matmuls={args.matmuls}")
+    own += [f"--matmuls={args.matmuls}", f"--out={args.out}"]
 
     def worker(i: int, coordinator: str) -> list[str]:
         return [sys.executable, *own, f"--worker={i}", f"--coordinator={coordinator}"]
@@ -136,9 +145,7 @@ def main(argv=None) -> None:
         for name in CASES
     ]
     result = {
-        "command": command,
         "where": where,
-        "load_average": [round(x, 2) for x in load],
         "megabytes": args.megabytes,
         "async_collectives_in_one_program": results[0]["async_collectives"],
         "backend": results[0]["backend"],
@@ -150,9 +157,8 @@ def main(argv=None) -> None:
             "# Does a collective overlap compute here?",
             "",
             f"`{r['command']}`: 2 processes ({r['backend']}, gloo) in {r['where']}, an all-reduce of "
-            f"{r['megabytes']:g} MB; median of the repeats, process 0's clock; load average before "
-            f"{', '.join(map(str, r['load_average']))}. Overlap: (compute + collective - time) / min of the two "
-            "(1 hidden, 0 serialised). The compiled one-program form "
+            f"{r['megabytes']:g} MB; median of the repeats, process 0's clock. Overlap: (compute + collective - "
+            "time) / min of the two (1 hidden, 0 serialised). The compiled one-program form "
             + ("has" if r["async_collectives_in_one_program"] else "has no")
             + " asynchronous all-reduce (all-reduce-start/done).",
             "",
@@ -164,7 +170,7 @@ def main(argv=None) -> None:
             lines.append(f"| {row['case']} | {row['seconds']:.3f} | {ov} |")
         return "\n".join(lines) + "\n"
 
-    common.write_results(args.out, "overlap", result, markdown)
+    study.write("overlap", result, markdown)
 
 
 if __name__ == "__main__":

@@ -48,8 +48,7 @@ from typing import Any
 import numpy as np
 
 from core.model import count_params
-from experiments import command
-from experiments.bench import common
+from experiments import command, harness
 
 MODELS = {
     "qwen3": {"moe": {"every": 0}, "model": {"qk_norm": True}},
@@ -91,7 +90,7 @@ def ours(config, tokens: np.ndarray) -> tuple[dict[str, Callable[[], object]], f
 
     from core import train as train_lib
 
-    graphdef, state, optimizer = common.one_device_state(config)
+    graphdef, state, optimizer = harness.one_device_state(config)
     model = nnx.merge(graphdef, state.params, state.rest)
     batch = jnp.asarray(tokens)
 
@@ -162,14 +161,14 @@ def bench(model: str, size: str, python: str, threads: int, repeats: int) -> dic
     tokens = tokens.astype(np.int32)
     loads = {"before": os.getloadavg()[0]}
     calls, our_loss, built = ours(config, tokens)
-    first = common.interleaved_medians(calls, repeats=repeats, warmup=2, what="our four phases")
+    first = harness.interleaved_medians(calls, repeats=repeats, warmup=2, what="our four phases")
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint, tokens_path, architecture = exported(config, built, tokens, tmp)
         loads["ours, first pass"] = os.getloadavg()[0]
         print(f"{model} {size}: transformers + torch ({architecture}) ...", flush=True)
         theirs = torch_side(python, checkpoint, tokens_path, threads, repeats, "--warmup", "2")
     loads["torch"] = os.getloadavg()[0]
-    second = common.interleaved_medians(calls, repeats=repeats, warmup=1)
+    second = harness.interleaved_medians(calls, repeats=repeats, warmup=1)
     loads["ours, second pass"] = os.getloadavg()[0]
     our_seconds = {k: float(np.median([first[k], second[k]])) for k in first}
     row = {
@@ -242,7 +241,7 @@ def our_generation(config, model, prompts: np.ndarray, new_tokens: int, repeats:
     calls = {"generate": generate, "engine": serve}
     print(f"ours, batch {batch}: the first calls (generate compiles) ...", flush=True)
     ids = {name: np.asarray(call()).tolist() for name, call in calls.items()}
-    seconds = common.interleaved_medians(calls, repeats=repeats, warmup=0)
+    seconds = harness.interleaved_medians(calls, repeats=repeats, warmup=0)
     return {name: {"seconds": seconds[name], "ids": ids[name]} for name in calls}
 
 
@@ -251,7 +250,7 @@ def bench_generation(model: str, python: str, threads: int, repeats: int, new_to
     from flax import nnx
 
     config = config_for(model, "quickstart")
-    graphdef, state, _ = common.one_device_state(config)
+    graphdef, state, _ = harness.one_device_state(config)
     built = nnx.merge(graphdef, state.params, state.rest)
     rows = []
     for batch in (1, 16):
@@ -292,9 +291,9 @@ def markdown(result: dict) -> str:
     rows, gen = result.get("rows", []), result.get("generation", [])
     any_row = (rows or gen)[0]
     lines += [
-        f"`{result['command']}`. {common.describe(result['machine'])} float32 weights; torch "
-        f"{any_row['torch_versions']['torch']} with {any_row['torch_threads']} threads, transformers "
-        f"{any_row['torch_versions']['transformers']} (eager attention); jax {result['machine']['jax']}.",
+        f"`{result['command']}`: float32 weights; torch {any_row['torch_versions']['torch']} with "
+        f"{any_row['torch_threads']} threads, transformers {any_row['torch_versions']['transformers']} (eager "
+        "attention).",
         "",
     ]
     if rows:
@@ -344,41 +343,44 @@ PARTS = ("train", "generate")
 
 def main(argv=None) -> None:
     """The command line: see the module docstring, or --help."""
-    parser = common.parser(__doc__, module="experiments.bench.peer", topic="bench", repeats=5)
+    study = harness.Study(__doc__, module="experiments.bench.peer", topic="bench", repeats=5)
+    parser = study.parser
     parser.add_argument(
         "--torch-python",
         required=True,
         help="the python of an environment with torch and transformers (runs experiments/bench/peer_torch.py)",
     )
-    common.add_parts(parser, PARTS)
+    harness.add_parts(parser, PARTS)
     parser.add_argument(
         "--models",
-        type=common.names(MODELS),
+        type=harness.names(MODELS),
         default=",".join(MODELS),
         help=f"a comma-separated subset of {list(MODELS)}",
     )
     parser.add_argument(
-        "--sizes", type=common.names(SIZES), default=",".join(SIZES), help=f"a comma-separated subset of {list(SIZES)}"
+        "--sizes", type=harness.names(SIZES), default=",".join(SIZES), help=f"a comma-separated subset of {list(SIZES)}"
     )
-    parser.add_argument("--threads", type=common.integer(1), default=2, help="torch intra-op threads, >= 1")
-    args = parser.parse_args(argv)
+    parser.add_argument("--threads", type=harness.integer(1), default=2, help="torch intra-op threads, >= 1")
+    args = study.parse(argv)
     if not os.access(args.torch_python, os.X_OK):
         parser.error(f"--torch-python = {args.torch_python!r}: not an executable file")
-    result = {
-        "command": common.command(parser, args, torch_python="ENV/bin/python"),
-        "machine": common.machine(),
-        "repeats": args.repeats,
-        "python": sys.version.split()[0],
-    }
-    if "train" in args.parts:
-        result["rows"] = [
-            bench(m, s, args.torch_python, args.threads, args.repeats) for s in args.sizes for m in args.models
-        ]
-    if "generate" in args.parts:
-        result["generation"] = [
-            row for m in args.models for row in bench_generation(m, args.torch_python, args.threads, args.repeats)
-        ]
-    common.write_results(args.out, "peer", result, markdown)
+    result: dict[str, Any] = {"repeats": args.repeats, "python": sys.version.split()[0]}
+    train = [(m, s) for s in args.sizes for m in args.models] if "train" in args.parts else []
+    generate = list(args.models) if "generate" in args.parts else []
+    n, i = len(train) + len(generate), 0
+    if train:
+        result["rows"] = []
+        for m, s in train:
+            i += 1
+            study.progress(i, n, f"{m} {s}: train step, ours and transformers + torch")
+            result["rows"].append(bench(m, s, args.torch_python, args.threads, args.repeats))
+    if generate:
+        result["generation"] = []
+        for m in generate:
+            i += 1
+            study.progress(i, n, f"{m}: greedy generation, ours and transformers + torch")
+            result["generation"] += bench_generation(m, args.torch_python, args.threads, args.repeats)
+    study.write("peer", result, markdown, torch_python="ENV/bin/python")
 
 
 if __name__ == "__main__":

@@ -22,10 +22,9 @@ import jax
 import jax.numpy as jnp
 
 from core import train as train_lib
-from experiments import command
-from experiments.bench import common
-from experiments.bench.common import describe, interleaved_medians, machine, write_results
+from experiments import command, harness
 from experiments.configs import quickstart
+from experiments.harness import interleaved_medians
 from quant import quantize, recipes, rht
 
 GOAL = {"ufp4": 1.6}
@@ -38,7 +37,7 @@ def train_steps(repeats: int) -> dict[str, float]:
         c = quickstart.get_config()
         c.mesh.update(site=1, data=1)
         c.precision.recipe = name
-        graphdef, state, optimizer = common.one_device_state(c)
+        graphdef, state, optimizer = harness.one_device_state(c)
         step = train_lib.make_train_step(graphdef, optimizer)
         tokens = jax.random.randint(jax.random.key(0), (c.data.batch_size, c.data.seq_len + 1), 0, 256)
         box = {"state": state}
@@ -71,7 +70,7 @@ def markdown(result: dict) -> str:
     lines = [
         "# 4-bit training cost on CPU",
         "",
-        f"`{result['command']}`: {describe(result['machine'])} The 4-bit recipes emulate 4-bit GEMMs "
+        f"`{result['command']}`: the 4-bit recipes emulate 4-bit GEMMs "
         "(fake quantisation, then float32 matmuls): against none (float32 GEMMs) this is the quantisers' overhead, "
         "not 4-bit speed; bf16 rounds the GEMM operands to bfloat16 (float32 accumulation).",
         "",
@@ -100,16 +99,14 @@ def markdown(result: dict) -> str:
 
 def main(argv=None) -> None:
     """The command line: see the module docstring, or --help."""
-    parser = common.parser(__doc__, module="experiments.bench.quant", topic="bench", repeats=5)
-    args = parser.parse_args(argv)
+    study = harness.Study(__doc__, module="experiments.bench.quant", topic="bench", repeats=5)
+    args = study.parse(argv)
     result = {
-        "command": common.command(parser, args),
-        "machine": machine(),
         "repeats": args.repeats,
         "train_step_seconds": train_steps(args.repeats),
         "quantiser_gb_per_s": quantisers(args.repeats),
     }
-    write_results(args.out, "quant", result, markdown)
+    study.write("quant", result, markdown)
 
 
 if __name__ == "__main__":

@@ -41,10 +41,8 @@ import numpy as np
 
 from core.model import Transformer
 from core.tokenizer import Tokenizer
-from experiments import args as flags
-from experiments import command, plotting
+from experiments import command, harness, plotting
 from experiments import engine as engine_lib
-from experiments.bench import common
 from experiments.reproduce import kvcache as kv_repro
 from kvcache import formats
 from kvcache.serving import Engine, EngineConfig
@@ -89,7 +87,7 @@ def in_process(
             max_model_len=max_model_len(workload),
         ),
     )
-    common.compiling(f"the engine's step programs ({name} KV, in-process)")
+    harness.compiling(f"the engine's step programs ({name} KV, in-process)")
     engine.warmup()
     result = workload_lib.run(engine, workload)
     return {**summarize(result["records"], result["seconds"]), "steps": engine.stats["steps"]}
@@ -115,7 +113,7 @@ def start_server(workdir: str, name: str, mib: float, workload) -> tuple[subproc
         "--max-waiting": str(4 * workload.concurrency),
     }
     command = [sys.executable, "-m", "experiments.serve", "--http", *(w for kv in flags.items() for w in kv)]
-    common.compiling(f"the server's step programs ({name} KV, its own process)")
+    harness.compiling(f"the server's step programs ({name} KV, its own process)")
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     assert server.stderr is not None
     lines = []
@@ -226,18 +224,19 @@ def summarize(records: list[dict], seconds: float) -> dict[str, Any]:
 
 def main(argv=None) -> None:
     """The command line: see the module docstring, or --help."""
-    parser = common.parser(__doc__ or "", module="experiments.bench.serve_http", topic="bench")
-    parser.add_argument("--clients", type=flags.integer(1), default=32, help="concurrent clients (conversations)")
+    study = harness.Study(__doc__ or "", module="experiments.bench.serve_http", topic="bench")
+    parser = study.parser
+    parser.add_argument("--clients", type=harness.integer(1), default=32, help="concurrent clients (conversations)")
     parser.add_argument(
         "--kv-memory-mib",
-        type=flags.number(0.0, low_open=True),
+        type=harness.number(0.0, low_open=True),
         default=6.0,
         help="KV memory of every format, in MiB (6 MiB holds 6,144 bf16, ~11,500 fp8 and ~23,000 fp4 tokens of the "
         "model; 32 clients' histories grow to ~16,000)",
     )
     parser.add_argument(
         "--formats",
-        type=flags.names(FORMATS),
+        type=harness.names(FORMATS),
         default=",".join(FORMATS),
         help=f"KV formats: a comma-separated subset of {list(FORMATS)}",
     )
@@ -247,18 +246,18 @@ def main(argv=None) -> None:
         help="the --out of experiments.reproduce.kvcache: its runs/model holds the trained model (trained there if "
         "absent; the committed tables used results/kvcache)",
     )
-    args = parser.parse_args(argv)
+    args = study.parse(argv)
     _, model = kv_repro.trained_model(args.model_out)
     workdir = os.path.join(args.model_out, "runs", "model")
     _, tok = engine_lib.load_run(workdir)
     workload = workload_for(args.clients)
     memory = int(args.kv_memory_mib * 2**20)
-    load = os.getloadavg()
     results: dict[str, Any] = {}
-    for name in args.formats:
-        print(f"{name}: in-process engine, {args.clients} conversations", flush=True)
+    n = 2 * len(args.formats)
+    for i, name in enumerate(args.formats):
+        study.progress(2 * i + 1, n, f"{name}: in-process engine, {args.clients} conversations")
         local = in_process(model, tok, name, memory, workload)
-        print(f"{name}: HTTP server, {args.clients} clients", flush=True)
+        study.progress(2 * i + 2, n, f"{name}: HTTP server, {args.clients} clients")
         server, url = start_server(workdir, name, args.kv_memory_mib, workload)
         try:
 
@@ -280,20 +279,17 @@ def main(argv=None) -> None:
             flush=True,
         )
     summary = {
-        "command": common.command(parser, args),
-        "machine": common.machine(),
-        "load_average": {"before": list(load), "after": list(os.getloadavg())},
         "clients": args.clients,
         "kv_memory_mib": args.kv_memory_mib,
         "workload": dict(vars(workload).items()),
         "goal_cost": GOAL,
         "formats": results,
     }
-    common.write_results(args.out, "serve_http", summary, markdown)
-    plot(summary, os.path.join(args.out, "serve_http.png"))
+    study.write("serve_http", summary, markdown, {"serve_http.png": plot})
 
 
 def markdown(s: dict) -> str:
+    """serve_http.md: per format, the in-process and the HTTP row, and the HTTP cost against its goal."""
     w = s["workload"]
     lines = [
         f"# The OpenAI-compatible server: {s['clients']} clients, the agent workload, {s['kv_memory_mib']:g} MiB of KV",
@@ -302,8 +298,7 @@ def markdown(s: dict) -> str:
         "",
         f"{w['conversations']} conversations ({w['concurrency']} at once), {w['rounds']} rounds, "
         f"{w['system_prefix']} + {w['conversation_prefix']} prefix tokens, {w['new_input'][0]}-{w['new_input'][1]} "
-        f"new input and {w['output_tokens']} output tokens per round. {common.describe(s['machine'])} Load average "
-        f"{s['load_average']['before'][0]:.2f} before, {s['load_average']['after'][0]:.2f} after.",
+        f"new input and {w['output_tokens']} output tokens per round.",
         "",
         "| KV | path | P50 TTFT (ms) | P90 TTFT (ms) | later rounds P50 TTFT (ms) | output tok/s | KV hit rate | "
         "engine steps | engine busy | HTTP cost |",

@@ -15,15 +15,12 @@ speedup against the site hosting every expert. Writes skip_token.json, skip_toke
 
 from __future__ import annotations
 
-import os
-
 import jax
 import numpy as np
 
 from core import train as train_lib
-from experiments import build, command, plotting, schema
-from experiments.bench import common
-from experiments.bench.common import describe, interleaved_medians, machine, write_results
+from experiments import build, command, harness, plotting, schema
+from experiments.harness import interleaved_medians
 
 
 def _config(experts: int, top_k: int, layers: int, seq: int, batch: int):
@@ -49,7 +46,7 @@ def measure(experts: int, top_k: int, layers: int, seq: int, batch: int, ghosts:
         graphdef, state = train_lib.init_state(model_fn, optimizer, 0, sharder)
         step = train_lib.train_step_fn(graphdef, optimizer)
         run = jax.jit(step)  # not donated: every call starts from the same state
-        common.compiling(f"the train step with {g} ghost experts")
+        harness.compiling(f"the train step with {g} ghost experts")
         _, metrics = run(state, tokens)
         ghost_fraction[g] = float(metrics.get("moe/ghost_fraction", 0.0))  # none with every expert resident
         steps[g] = lambda run=run, state=state: run(state, tokens)
@@ -68,7 +65,6 @@ def measure(experts: int, top_k: int, layers: int, seq: int, batch: int, ghosts:
         for g in ghosts
     ]
     return {
-        "machine": machine(),
         "experts": experts,
         "top_k": top_k,
         "layers": layers,
@@ -89,7 +85,7 @@ def markdown(result: dict) -> str:
         f"`{result['command']}`: {result['layers']}-layer MoE transformer, d_model 512, "
         f"{result['experts']} experts of size 128, top-{result['top_k']}, sigmoid router; train step (forward, "
         f"backward, AdamW) on {result['batch']} x {result['seq_len']} tokens, median of {result['repeats']} "
-        f"interleaved repeats; {describe(result['machine'])}",
+        "interleaved repeats.",
         "",
         "| ghost experts | resident | ghost fraction (ideal) | step (ms) | tokens/s | speedup |",
         "|---|---|---|---|---|---|",
@@ -116,31 +112,30 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv=None) -> None:
     """The command line: see the module docstring, or --help."""
-    parser = common.parser(__doc__, module="experiments.bench.skip_token", topic="fomoe", repeats=5)
-    parser.add_argument("--experts", type=common.integer(1), default=32, help="experts N_e per MoE layer, >= 1")
+    study = harness.Study(__doc__, module="experiments.bench.skip_token", topic="fomoe", repeats=5)
+    parser = study.parser
+    parser.add_argument("--experts", type=harness.integer(1), default=32, help="experts N_e per MoE layer, >= 1")
     parser.add_argument(
-        "--top-k", type=common.integer(1), default=8, help="experts chosen per token, in [1, --experts]"
+        "--top-k", type=harness.integer(1), default=8, help="experts chosen per token, in [1, --experts]"
     )
-    parser.add_argument("--layers", type=common.integer(1), default=4, help="transformer layers (all MoE), >= 1")
-    parser.add_argument("--batch", type=common.integer(1), default=8, help="sequences per train step, >= 1")
-    parser.add_argument("--seq", type=common.integer(1), default=256, help="tokens per sequence, >= 1")
+    parser.add_argument("--layers", type=harness.integer(1), default=4, help="transformer layers (all MoE), >= 1")
+    parser.add_argument("--batch", type=harness.integer(1), default=8, help="sequences per train step, >= 1")
+    parser.add_argument("--seq", type=harness.integer(1), default=256, help="tokens per sequence, >= 1")
     parser.add_argument(
         "--ghosts",
-        type=common.integers(0, distinct=True, empty=True),
+        type=harness.integers(0, distinct=True, empty=True),
         default="",
         help="ghost-expert counts to time: comma-separated integers in [0, --experts), the first 0 (the "
         "baseline); empty: 0, N_e/4, N_e/2, 3 N_e/4",
     )
-    args = parser.parse_args(argv)
+    args = study.parse(argv)
     ghosts = args.ghosts or [0, args.experts // 4, args.experts // 2, 3 * args.experts // 4]
     if not all(0 <= g < args.experts for g in ghosts) or ghosts[0] != 0:
         parser.error(f"--ghosts {ghosts}: each must be in [0, {args.experts}) and the first 0 (the baseline).")
     if args.top_k > args.experts:
         parser.error(f"--top-k = {args.top_k} must be <= --experts = {args.experts}")
     measured = measure(args.experts, args.top_k, args.layers, args.seq, args.batch, ghosts, args.repeats)
-    result = {"command": common.command(parser, args), **measured}
-    write_results(args.out, "skip_token", result, markdown)
-    plot(result, os.path.join(args.out, "skip_token.png"))
+    study.write("skip_token", measured, markdown, {"skip_token.png": plot})
 
 
 if __name__ == "__main__":

@@ -17,10 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from core import train as train_lib
-from experiments import command
-from experiments.bench import common
-from experiments.bench.common import machine, median_seconds, write_results
+from experiments import command, harness
 from experiments.configs import quickstart
+from experiments.harness import median_seconds
 
 SIZES = {
     # name: overrides of the quickstart config (experiments/configs/quickstart.py)
@@ -50,10 +49,10 @@ def bench_size(name: str, steps: int) -> dict:
     c.mesh.update(site=1, data=1)  # one train step of one model (the federation's sites run the same step)
     m = c.model
     d, layers, seq, batch = m.d_model, m.num_layers, c.data.seq_len, c.data.batch_size
-    graphdef, state, optimizer = common.one_device_state(c)
+    graphdef, state, optimizer = harness.one_device_state(c)
     step = train_lib.make_train_step(graphdef, optimizer)
     tokens = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, 256)
-    common.compiling(f"the {name} train step")
+    harness.compiling(f"the {name} train step")
     cost = step.lower(state, tokens).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     xla_flops: float | None = float(cost.get("flops", float("nan"))) if cost else float("nan")
@@ -98,17 +97,18 @@ def bench_size(name: str, steps: int) -> dict:
 
 def main(argv=None) -> None:
     """The command line: see the module docstring, or --help."""
-    parser = common.parser(__doc__, module="experiments.bench.train_step", topic="bench")
+    study = harness.Study(__doc__, module="experiments.bench.train_step", topic="bench")
+    parser = study.parser
     parser.add_argument(
-        "--steps", type=common.integer(1), default=5, help="timed train steps per size, >= 1; the median is reported"
+        "--steps", type=harness.integer(1), default=5, help="timed train steps per size, >= 1; the median is reported"
     )
     parser.add_argument(
         "--sizes",
-        type=common.names(SIZES),
+        type=harness.names(SIZES),
         default=",".join(SIZES),
         help=f"model sizes to time: a comma-separated subset of {list(SIZES)}",
     )
-    args = parser.parse_args(argv)
+    args = study.parse(argv)
     device = jax.devices()[0]
     peak = matmul_peak()
     print(f"matmul peak (2048^3 float32 jnp.dot): {peak / 1e9:.1f} GFLOP/s on {device.device_kind}", flush=True)
@@ -125,13 +125,11 @@ def main(argv=None) -> None:
             flush=True,
         )
     result = {
-        "command": common.command(parser, args),
-        **machine(),
         "dtype": "float32",
         "matmul_peak_flops_per_second": peak,
         "rows": rows,
     }
-    write_results(args.out, "train_step", result, markdown)
+    study.write("train_step", result, markdown)
 
 
 def markdown(result: dict) -> str:
@@ -139,9 +137,8 @@ def markdown(result: dict) -> str:
     lines = [
         "# Train-step throughput",
         "",
-        f"`{result['command']}`: train step on {result['device']} ({result['cpu_count']} cores, jax {result['jax']}, "
-        f"{result['dtype']}); matmul peak {result['matmul_peak_flops_per_second'] / 1e9:.1f} GFLOP/s "
-        "(2048^3 jnp.dot, same run).",
+        f"`{result['command']}`: train step ({result['dtype']}); matmul peak "
+        f"{result['matmul_peak_flops_per_second'] / 1e9:.1f} GFLOP/s (2048^3 jnp.dot, same run).",
         "",
         "| size | params | d_model x layers | batch x seq | step (s) | tokens/s | model GFLOP/s | % of peak "
         "| XLA-counted GFLOP/s | % of peak |",
@@ -165,8 +162,6 @@ def markdown(result: dict) -> str:
         "is n/a for MoE models: the CPU grouped matmul is a loop with a data-dependent trip count, which XLA's "
         "cost analysis counts once.",
     ]
-    if result.get("note"):
-        lines += ["", result["note"]]
     return "\n".join(lines) + "\n"
 
 

@@ -28,7 +28,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from core import config as config_lib
+from core import fields as fields_lib
 from core import workdir as workdir_lib
 from core.byte_tokenizer import CONFIG_FILE, TOKENIZER_FILE
 from experiments import schema
@@ -61,7 +61,7 @@ def hf_config(config: ml_collections.ConfigDict) -> dict[str, Any]:
             if values[f.ours] != f.value:
                 raise refuse(f.ours, values[f.ours], f.why)
 
-    moe = config_lib.from_config(MoEConfig, config.moe)
+    moe = fields_lib.from_config(MoEConfig, config.moe)
     dense_layers = any(not moe.is_moe_layer(i) for i in range(config.model.num_layers))
     require((*arch_lib.COMMON_FIXED, *((arch_lib.DENSE_FIXED,) if dense_layers else ())))
     if config.mesh.site > 1 and moe.every and config.fomoe.routing == "skip_token":
@@ -90,7 +90,7 @@ def _values(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """{"section.key": value} of the `model` (head_dim resolved: 0 means d_model / num_heads) and `moe` sections,
     tuples as tuples (a config read back from JSON holds lists)."""
     model = dataclasses.asdict(schema.model_config(config))
-    moe = dataclasses.asdict(config_lib.from_config(MoEConfig, config.moe))
+    moe = dataclasses.asdict(fields_lib.from_config(MoEConfig, config.moe))
     out = {f"model.{k}": v for k, v in model.items()} | {f"moe.{k}": v for k, v in moe.items()}
     return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
 
@@ -155,7 +155,7 @@ def save(
     params = {
         ".".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
     }
-    moe = config_lib.from_config(MoEConfig, config.moe)
+    moe = fields_lib.from_config(MoEConfig, config.moe)
     experts = arch_lib.get(hf["architectures"][0]).experts  # type: ignore[union-attr]  # hf_config's own entry
     tensors = weights.from_ours(params, schema.model_config(config), moe, experts=experts)
     tensors = {name: x.astype(DTYPES[dtype]) for name, x in tensors.items()}

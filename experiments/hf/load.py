@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from core import config as config_lib
+from core import fields as fields_lib
 from core import tokenizer as tokenizer_lib
 from core.byte_tokenizer import TokenizerError
 from core.model import Transformer, split_params
@@ -79,7 +80,7 @@ def context_length(config: ml_collections.ConfigDict) -> tuple[int, str]:
 
 
 def _model(config: ml_collections.ConfigDict) -> config_lib.TransformerConfig:
-    return config_lib.from_config(config_lib.TransformerConfig, config.model)
+    return fields_lib.from_config(config_lib.TransformerConfig, config.model)
 
 
 def _sections(directory: str) -> dict[str, dict[str, Any]]:
@@ -134,8 +135,8 @@ def apply_to(config: ml_collections.ConfigDict) -> None:
     directory = os.path.abspath(directory)
     config.checkpoint.init_from = HF_PREFIX + directory  # the same checkpoint from any working directory
     spec = {  # the defaults of the two sections a checkpoint's config.json maps to
-        "model": config_lib.section_fields(config_lib.TransformerConfig),
-        "moe": config_lib.section_fields(MoEConfig),
+        "model": fields_lib.section_fields(config_lib.TransformerConfig),
+        "moe": fields_lib.section_fields(MoEConfig),
     }
     for section, values in _sections(directory).items():
         for key, value in values.items():
@@ -143,14 +144,14 @@ def apply_to(config: ml_collections.ConfigDict) -> None:
             if isinstance(current, list):  # a tuple that went through JSON
                 current = tuple(current)
             if current != value and current != default and f"{section}.{key}" not in _KNOBS:
-                raise config_lib.ConfigError(
+                raise fields_lib.ConfigError(
                     f"config key '{section}.{key}' = {current!r} conflicts with the checkpoint of "
                     f"checkpoint.init_from = {config.checkpoint.init_from!r}, which has {value!r}: the architecture "
                     "comes from the checkpoint; leave the key at its default or set it to the checkpoint's value"
                 )
             if current == default:
                 config[section][key] = value
-    moe = config_lib.from_config(MoEConfig, config.moe)
+    moe = fields_lib.from_config(MoEConfig, config.moe)
     weights.check(weights.headers(directory), _model(config), moe, source=directory)
     tokenizer = os.path.join(directory, "tokenizer.json")
     if config.data.tokenizer == "bytes" and os.path.isfile(tokenizer):
@@ -160,9 +161,9 @@ def apply_to(config: ml_collections.ConfigDict) -> None:
     try:
         tok = tokenizer_lib.load(config.data.tokenizer)
     except TokenizerError as e:
-        raise config_lib.ConfigError(str(e)) from None
+        raise fields_lib.ConfigError(str(e)) from None
     if tok.vocab_size > config.model.vocab_size:
-        raise config_lib.ConfigError(
+        raise fields_lib.ConfigError(
             f"config key 'data.tokenizer' = {config.data.tokenizer!r} has {tok.vocab_size:,} ids, more than the "
             f"{config.model.vocab_size:,} of the checkpoint in {directory} (config.json vocab_size): it is not "
             "this model's tokenizer"
@@ -183,13 +184,13 @@ def _check_byte_vocabulary(directory: str, vocab_size: int) -> None:
     fix = "set data.tokenizer to its tokenizer.json (experiments.hf import: --tokenizer PATH)"
     found = [name for name in _OTHER_TOKENIZER_FILES if os.path.exists(os.path.join(directory, name))]
     if found:
-        raise config_lib.ConfigError(
+        raise fields_lib.ConfigError(
             f"{directory} has no tokenizer.json but {', '.join(found)}: its tokenizer is not the byte tokenizer, and "
             "this project reads tokenizer.json only; write one with transformers "
             "(AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)), or " + fix
         )
     if vocab_size > BYTE_VOCAB_LIMIT:
-        raise config_lib.ConfigError(
+        raise fields_lib.ConfigError(
             f"{directory} has no tokenizer.json and {vocab_size:,} ids in its vocabulary (config.json vocab_size), "
             f"more than the byte tokenizer's 259 padded (at most {BYTE_VOCAB_LIMIT}): it was not trained on bytes; "
             + fix
@@ -199,7 +200,7 @@ def _check_byte_vocabulary(directory: str, vocab_size: int) -> None:
     wrong = {k: hf[k] for k, v in byte_ids.items() if hf.get(k) is not None and hf[k] != v}
     if wrong:
         shown = ", ".join(f"{k} = {v} (the byte tokenizer's: {byte_ids[k]})" for k, v in wrong.items())
-        raise config_lib.ConfigError(
+        raise fields_lib.ConfigError(
             f"{directory} has no tokenizer.json and config.json's {shown}: its vocabulary is not the byte "
             "tokenizer's; " + fix
         )
@@ -214,7 +215,7 @@ def initial_params(
     directory = hf_dir(config)
     if directory is None:
         raise ValueError("initial_params needs checkpoint.init_from = 'hf:DIR'")
-    moe = config_lib.from_config(MoEConfig, config.moe)
+    moe = fields_lib.from_config(MoEConfig, config.moe)
     tensors = weights.to_ours(weights.read(directory), _model(config), moe, source=directory)
     return _place(abstract, tensors, shardings, jnp.dtype(config.model.param_dtype))
 

@@ -18,8 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments import command, plotting
-from experiments.bench import common
+from experiments import command, harness, plotting
 from experiments.reproduce import runs as runs_lib
 
 CONFIG = runs_lib.config_path("composed")
@@ -86,7 +85,7 @@ def markdown(result: dict) -> str:
         "",
         f"`{result['command']}`: experiments/configs/composed.py (2 FoMoE sites, disjoint experts, "
         "LocalAdamW every 10 steps) with the optimizer and the GEMM recipe set back one at a time; the same "
-        "tokens for every variant of a seed; 2-core CPU, tokens/s with other jobs on the machine.",
+        "tokens for every variant of a seed; tokens/s with other jobs on the machine.",
         "",
         "| optimizer | GEMMs | held-out bits per byte, mean over seeds | per seed | worst site, per seed | "
         "tokens / s |",
@@ -133,24 +132,22 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv=None) -> None:
     """The command line: see the module docstring, or --help."""
-    parser = common.parser(__doc__, module="experiments.reproduce.composed", topic="composed")
-    common.add_steps(parser, default=700, multiple_of=10, why="whole rounds of fomoe.local_steps = 10")
-    common.add_seeds(parser, default="0,1,2", what="initialisation and data order")
-    args = parser.parse_args(argv)
+    study = harness.Study(__doc__, module="experiments.reproduce.composed", topic="composed")
+    harness.add_steps(study.parser, default=700, multiple_of=10, why="whole rounds of fomoe.local_steps = 10")
+    harness.add_seeds(study.parser, default="0,1,2", what="initialisation and data order")
+    args = study.parse(argv)
     seeds = args.seeds
     runs: dict[str, dict[int, dict]] = {name: {} for name in VARIANTS}
     for i, (seed, name) in enumerate((s, n) for s in seeds for n in VARIANTS):
-        print(f"[{i + 1}/{len(seeds) * len(VARIANTS)}] {name}, seed {seed}", flush=True)
+        study.progress(i + 1, len(seeds) * len(VARIANTS), f"{name}, seed {seed}")
         runs[name][seed] = train(name, seed, args.steps, args.out)
     result = {
-        "command": common.command(parser, args),
         "steps": args.steps,
         "seeds": seeds,
         **summarise(runs, seeds),
         "curves": {n: {str(s): runs[n][s]["curve"] for s in seeds} for n in VARIANTS},
     }
-    common.write_results(args.out, "table", result, markdown)
-    plot(result, os.path.join(args.out, "curves.png"))
+    study.write("table", result, markdown, {"curves.png": plot})
 
 
 if __name__ == "__main__":

@@ -24,8 +24,7 @@ import math
 import os
 import time
 
-from experiments import command, plotting
-from experiments.bench import common
+from experiments import command, harness, plotting
 from experiments.reproduce import runs
 from moe import system_model as sm
 
@@ -69,10 +68,10 @@ def grid() -> list[dict]:
 
 def _flags(run: dict, steps: int) -> list[str]:
     """The experiments.run flags of one run of the grid."""
-    common = [f"--config.train.eval_every={steps}"]
+    shared = [f"--config.train.eval_every={steps}"]
     if run["outer"] == "ddp":
-        return common + ["--config.mesh.site=1", f"--config.mesh.data={run['sites']}"]
-    return common + [
+        return shared + ["--config.mesh.site=1", f"--config.mesh.data={run['sites']}"]
+    return shared + [
         f"--config.mesh.site={run['sites']}",
         "--config.mesh.data=1",
         f"--config.fomoe.overlap={run['overlap']}",
@@ -200,10 +199,11 @@ def point_label(r: dict) -> str:
     return f"{outer} M{r['sites']} O{r['overlap']} K{r['k']}" + (" rnd" if r["placement"] == "random" else "")
 
 
-def pareto_plot(rows: list[dict], path: str, command: str) -> None:
-    """pareto.png: held-out perplexity against MB sent per site (log), the Pareto front dashed; every point
-    labelled (labels placed clear of each other and of the points) and the labels' code explained in a caption;
-    `command` (what made the table) as the title."""
+def pareto_plot(result: dict, path: str) -> None:
+    """pareto.png: held-out perplexity of the result's rows against MB sent per site (log), the Pareto front dashed;
+    every point labelled (labels placed clear of each other and of the points) and the labels' code explained in a
+    caption; the command that made the table as the title."""
+    rows = result["rows"]
     styles = {"local_adamw": "o", "diloco": "s", "ddp": "*"}
     colors = {1: "tab:blue", 2: "tab:orange", 4: "tab:green", None: "tab:red"}
     with plotting.figure(
@@ -213,7 +213,7 @@ def pareto_plot(rows: list[dict], path: str, command: str) -> None:
         legend_size=7,
         legend_columns=4,
         legend_below=True,
-        title=command,
+        title=result["command"],
         caption=PARETO_CAPTION,
     ) as ax:
         for r in rows:
@@ -258,50 +258,42 @@ def pareto_plot(rows: list[dict], path: str, command: str) -> None:
         ax.set_title("FoMoE at CPU scale: quality against communication", fontsize=9)
 
 
-def table(out: str, steps: int, only: list[str], command: str) -> None:
-    """Trains (or reuses) the grid's runs (`only` of them if given) for `steps` steps each; writes table.md,
-    table.json and pareto.png, which state `command`."""
+def table(study: harness.Study, steps: int, only: list[str]) -> None:
+    """Trains (or reuses) the grid's runs (`only` of them if given) for `steps` steps each in the study's output
+    directory; writes table.md, table.json and pareto.png there, which state the command of the table part."""
     runs = [r for r in grid() if not only or r["name"] in only]
     tokens_per_step = 16 * 256
-    rows, started = [], time.time()
+    rows = []
     for i, run in enumerate(runs):
         t0 = time.time()
-        print(f"[{i + 1}/{len(runs)}] {run['name']} ({run['sites']} virtual CPU devices) ...", flush=True)
-        summary = train(run, steps, out)
+        study.progress(i + 1, len(runs), f"{run['name']} on {run['sites']} virtual CPU devices")
+        summary = train(run, steps, study.out)
         rows.append(row(run, summary, steps, tokens_per_step))
-        print(
-            f"[{i + 1}/{len(runs)}] {run['name']}: perplexity {rows[-1]['perplexity']:.3f}, "
-            f"{rows[-1]['bytes_per_site'] / 1e6:,.1f} MB per site ({time.time() - t0:.0f} s; "
-            f"{(time.time() - started) / 60:.1f} min so far)",
-            flush=True,
+        study.progress(
+            i + 1,
+            len(runs),
+            f"{run['name']}: perplexity {rows[-1]['perplexity']:.3f}, "
+            f"{rows[-1]['bytes_per_site'] / 1e6:,.1f} MB per site ({time.time() - t0:.0f} s)",
         )
-    result = {
-        "command": command,
-        "steps": steps,
-        "tokens": steps * tokens_per_step,
-        "rows": rows,
-        "ratios": ratios(rows),
-    }
-    common.write_results(out, "table", result, markdown)
-    pareto_plot(rows, os.path.join(out, "pareto.png"), command)
-    print(f"wrote {out}/table.md, table.json, pareto.png")
+    result = {"steps": steps, "tokens": steps * tokens_per_step, "rows": rows, "ratios": ratios(rows)}
+    study.write("table", result, markdown, {"pareto.png": pareto_plot}, parts=["table"])
 
 
 def main(argv=None) -> None:
     """The command line: see the module docstring, or --help."""
-    parser = common.parser(__doc__, module="experiments.reproduce.fomoe", topic="fomoe")
-    common.add_steps(parser, default=256, multiple_of=32, why="whole rounds at K = 32")
-    common.add_parts(parser, PARTS)
-    parser.add_argument(
+    study = harness.Study(__doc__, module="experiments.reproduce.fomoe", topic="fomoe")
+    harness.add_steps(study.parser, default=256, multiple_of=32, why="whole rounds at K = 32")
+    harness.add_parts(study.parser, PARTS)
+    study.parser.add_argument(
         "--only",
-        type=common.names([r["name"] for r in grid()], empty=True),
+        type=harness.names([r["name"] for r in grid()], empty=True),
         default="",
         help="run names of the table to train (comma-separated; empty: the whole grid)",
     )
-    args = parser.parse_args(argv)
+    args = study.parse(argv)
     parts = args.parts
     if "table" in parts:
-        table(args.out, args.steps, args.only, common.command(parser, args, parts=["table"]))
+        table(study, args.steps, args.only)
     if "throughput" in parts:
         from experiments.bench import skip_token
 

@@ -22,8 +22,7 @@ import subprocess
 import sys
 import time
 
-from experiments import command
-from experiments.bench import common
+from experiments import command, harness
 from experiments.cluster import process
 from experiments.reproduce import runs
 
@@ -107,13 +106,13 @@ def launcher_lines(output: str) -> list[str]:
 
 
 def markdown(r: dict) -> str:
+    """elastic.md: both runs' rounds on 4 and on 3 sites and held-out losses, and what the launcher printed."""
     lines = [
         "# FoMoE losing a site mid-run",
         "",
         f"`{r['command']}`: experiments/configs/fomoe.py at M = {SITES} sites, O_e = {OVERLAP}, K = {K}, "
         f"{r['steps']} steps; the elastic run (`experiments.launch --elastic`, one process per site on 127.0.0.1) lost "
-        f"site {LOST} (SIGKILL) after the checkpoint of round {r['lose_after']} and finished on 3 sites by itself; "
-        f"load average before {', '.join(map(str, r['load_average']))}.",
+        f"site {LOST} (SIGKILL) after the checkpoint of round {r['lose_after']} and finished on 3 sites by itself.",
         "",
         "| run | rounds on 4 sites | rounds on 3 sites | held-out loss | difference |",
         "|---|---|---|---|---|",
@@ -131,36 +130,34 @@ def markdown(r: dict) -> str:
 
 
 def main(argv=None) -> None:
-    parser = common.parser(__doc__, module="experiments.reproduce.fomoe_elastic", topic="fomoe")
-    common.add_steps(parser, default=256, multiple_of=K, why=f"whole rounds at K = {K}")
-    parser.add_argument("--lose-after", type=common.integer(1), default=4, help="rounds before the site is lost")
-    args = parser.parse_args(argv)
+    """The command line: see the module docstring, or --help."""
+    study = harness.Study(__doc__, module="experiments.reproduce.fomoe_elastic", topic="fomoe")
+    harness.add_steps(study.parser, default=256, multiple_of=K, why=f"whole rounds at K = {K}")
+    study.parser.add_argument("--lose-after", type=harness.integer(1), default=4, help="rounds before the site is lost")
+    args = study.parse(argv)
     if args.lose_after * K >= args.steps:
-        parser.error(f"--lose-after {args.lose_after}: the run has {args.steps // K} rounds; lose the site before")
-    command = common.command(parser, args)
-    load = [round(x, 2) for x in os.getloadavg()]
+        study.parser.error(
+            f"--lose-after {args.lose_after}: the run has {args.steps // K} rounds; lose the site before"
+        )
     base = runs.run_or_reuse(
-        CONFIG, os.path.join(args.out, "runs", "elastic_uninterrupted"), _flags(args.steps), args.steps, devices=SITES
+        CONFIG, study.path(os.path.join("runs", "elastic_uninterrupted")), _flags(args.steps), args.steps, devices=SITES
     )
-    workdir = os.path.abspath(os.path.join(args.out, "runs", "elastic_lost_site"))
+    workdir = os.path.abspath(study.path(os.path.join("runs", "elastic_lost_site")))
     launch = [sys.executable, "-m", "experiments.launch", "--processes", str(SITES), "--elastic", "--"]
     launch += [f"--config={CONFIG}", f"--workdir={workdir}", f"--config.train.steps={args.steps}", *_flags(args.steps)]
     when = os.path.join(workdir, "checkpoints", str(args.lose_after * K))
     run = elastic_run(workdir, launch, when, kill(LOST))
-    launcher = launcher_lines(run["output"])
     result = {
-        "command": command,
         "steps": args.steps,
         "lose_after": args.lose_after,
-        "load_average": load,
         "uninterrupted": base["val_loss"],
         "elastic": run["summary"]["val_loss"],
         "relative_difference": run["summary"]["val_loss"] / base["val_loss"] - 1,
         "resumed_from": run["summary"].get("resumed_from"),
         "elastic_seconds": run["seconds"],
-        "launcher_lines": launcher,
+        "launcher_lines": launcher_lines(run["output"]),
     }
-    common.write_results(args.out, "elastic", result, markdown)
+    study.write("elastic", result, markdown)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,11 @@ state is a documented default of `moe.system_model` (fp32 parameters on the wire
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 
 from core.codec import WireFormat
-from experiments import command, plotting
-from experiments.bench import common
+from experiments import command, harness, plotting
 from moe import system_model as sm
 
 OVERLAPS = (1, 2, 4, 8, 16, 32)
@@ -114,8 +112,15 @@ def sync_markdown(rows: list[dict]) -> list[str]:
     return lines
 
 
-def markdown(params: list[dict], projection: list[sm.Projection], command: str, sync_rows=()) -> str:
-    """system_model.md: the parameter table, then the 104B projection per method and O_e at each bandwidth."""
+def projections(result: dict) -> list[sm.Projection]:
+    """The 104B projection's rows of a result (its "projection", as dicts) as moe.system_model.Projection."""
+    return [sm.Projection(**r) for r in result["projection"]]
+
+
+def markdown(result: dict) -> str:
+    """system_model.md: the parameter table, then the 104B projection per method and O_e at each bandwidth, then
+    the synchronisation variants' projection (`sync_markdown`)."""
+    params, projection, command = result["parameters"], projections(result), result["command"]
     lines = [
         "# FoMoE system model",
         "",
@@ -153,17 +158,17 @@ def markdown(params: list[dict], projection: list[sm.Projection], command: str, 
         "Full replica = FoMoE at O_e = 32. The paper states the large model as ~1.8B (two significant "
         "digits), which our 1,819.6M rounds to.",
     ]
-    if sync_rows:
-        lines += sync_markdown(list(sync_rows))
+    lines += sync_markdown(result["synchronisation"])
     return "\n".join(lines) + "\n"
 
 
-def plots(projection: list[sm.Projection], total_tokens: float, out: str, command: str) -> None:
-    """cumulative_bytes.png (TB each site has sent against tokens trained, log-log, at the first bandwidth) and
-    training_hours.png (hours against O_e per bandwidth, DDP dotted); `command` as their title."""
-    title = f"{command} (a projection)"
-    with plotting.figure(os.path.join(out, "cumulative_bytes.png"), size=(6, 4.3), grid="both", title=title) as ax:
-        for r in projection:
+def cumulative_plot(result: dict, path: str) -> None:
+    """cumulative_bytes.png: TB each site has sent against tokens trained (log-log, at the first bandwidth), to the
+    model's whole token budget (moe.system_model.TOKENS_PER_ACTIVE_PARAM per active parameter); the command that
+    made it as its title."""
+    total_tokens = sm.TOKENS_PER_ACTIVE_PARAM * sm.active_params(sm.ModelShape(**result["shape"]))
+    with plotting.figure(path, size=(6, 4.3), grid="both", title=f"{result['command']} (a projection)") as ax:
+        for r in projections(result):
             if r.bandwidth_gbps != BANDWIDTHS[0]:
                 continue
             tokens = np.geomspace(1e9, total_tokens, 50)
@@ -178,14 +183,13 @@ def plots(projection: list[sm.Projection], total_tokens: float, out: str, comman
         ax.set_ylabel("cumulative TB sent per site")
         ax.set_title(f"104B MoE, M = {SITES} sites, LocalAdamW, K = 32", fontsize=9)
 
-    with plotting.figure(
-        os.path.join(out, "training_hours.png"),
-        size=(6, 4.8),
-        grid="both",
-        title=title,
-        legend_below=True,
-        legend_columns=3,
-    ) as ax:
+
+def hours_plot(result: dict, path: str) -> None:
+    """training_hours.png: training hours against O_e per bandwidth, DDP dotted; the command that made it as its
+    title."""
+    projection = projections(result)
+    title = f"{result['command']} (a projection)"
+    with plotting.figure(path, size=(6, 4.8), grid="both", title=title, legend_below=True, legend_columns=3) as ax:
         for g in BANDWIDTHS:
             rows = [r for r in projection if r.bandwidth_gbps == g and r.method != "DDP"]
             line = ax.plot([r.overlap for r in rows], [r.hours for r in rows], "o-", label=f"FoMoE, {g} Gbps")
@@ -200,23 +204,18 @@ def plots(projection: list[sm.Projection], total_tokens: float, out: str, comman
 
 def main(argv=None) -> None:
     """The command line: see the module docstring, or --help."""
-    parser = common.parser(__doc__, module="experiments.reproduce.fomoe_system", topic="fomoe")
-    args = parser.parse_args(argv)
-    command = common.command(parser, args)
+    study = harness.Study(__doc__, module="experiments.reproduce.fomoe_system", topic="fomoe")
+    study.parse(argv)
     shape = sm.PAPER_MODELS["XXL"][0]
-    params = parameter_table()
     projection = sm.project(shape, sites=SITES, overlaps=OVERLAPS, bandwidths_gbps=BANDWIDTHS)
-    sync_rows = sync_projection(shape)
     result = {
-        "command": command,
-        "parameters": params,
+        "parameters": parameter_table(),
         "shape": dataclasses.asdict(shape),
         "projection": [dataclasses.asdict(r) for r in projection],
-        "synchronisation": sync_rows,
+        "synchronisation": sync_projection(shape),
     }
-    common.write_results(args.out, "system_model", result, lambda _: markdown(params, projection, command, sync_rows))
-    plots(projection, sm.TOKENS_PER_ACTIVE_PARAM * sm.active_params(shape), args.out, command)
-    print(f"wrote {args.out}/system_model.md, system_model.json, cumulative_bytes.png, training_hours.png")
+    plots = {"cumulative_bytes.png": cumulative_plot, "training_hours.png": hours_plot}
+    study.write("system_model", result, markdown, plots)
 
 
 if __name__ == "__main__":

@@ -32,8 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments import command, plotting
-from experiments.bench import common
+from experiments import command, harness, plotting
 from experiments.reproduce import runs
 
 CONFIG = runs.config_path("quickstart")
@@ -113,7 +112,7 @@ def round_trip(out: str) -> tuple[dict[str, Any], str]:
     again.data.update({k: v for k, v in config.data.items() if k != "tokenizer"})
     workdir = os.path.join(out, "runs", "reloaded")
     shutil.rmtree(workdir, ignore_errors=True)
-    common.compiling("the reloaded model's held-out evaluation")
+    harness.compiling("the reloaded model's held-out evaluation")
     summary = importer.import_to(workdir, exported, config=again, eval_batches=config.train.eval_batches)
     return summary, workdir
 
@@ -153,7 +152,7 @@ def kv_table(workdir: str) -> list[dict[str, Any]]:
             implementation="xla_split",
         )
     for label, factory in factories.items():
-        common.compiling(f"decoding through the {label} KV cache")
+        harness.compiling(f"decoding through the {label} KV cache")
         losses[label] = float(np.mean([kv_repro.served_loss(model, t, factory) for t in val]))
         print(f"  {label}: {losses[label] * nats_per_byte / np.log(2):.4f} bits/byte", flush=True)
     base = losses["no cache (float32 forward)"]
@@ -175,7 +174,7 @@ def markdown(result: dict[str, Any]) -> str:
         "# A BPE tokenizer and a Qwen3-MoE-shaped model: trained, exported, reloaded, served",
         "",
         f"`{result['command']}` ({result['steps']} steps of 8 x 256 tokens each, "
-        f"one CPU device; {result['machine']}). Held-out bits per byte = total NLL over the bytes of the held-out "
+        "one device). Held-out bits per byte = total NLL over the bytes of the held-out "
         "text, so tokenizers compare directly.",
         "",
         "| model | vocab | parameters | held-out bytes per token | text trained on (MB) | held-out bits per byte |",
@@ -204,9 +203,9 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(out: str, result: dict[str, Any]) -> None:
-    """curves.png: held-out bits per byte of the two runs against step and against bytes of text trained on."""
-    path = os.path.join(out, "curves.png")
+def plot(result: dict[str, Any], path: str) -> None:
+    """curves.png at `path`: held-out bits per byte of the two runs against step and against bytes of text trained
+    on (`result`: table.json's record)."""
     names = ("bytes", "bpe")
     colors = plotting.colors(list(names))
     title = (
@@ -228,12 +227,12 @@ def plot(out: str, result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """The command line: see the module docstring, or --help."""
-    parser = common.parser(__doc__ or "", module="experiments.reproduce.hf", topic="hf")
-    common.add_steps(parser, default=700, multiple_of=10, why="the log cadence")
-    parser.add_argument(
-        "--vocab-size", type=common.integer(259), default=1024, help="ids of the BPE tokenizer (>= 259)"
+    study = harness.Study(__doc__ or "", module="experiments.reproduce.hf", topic="hf")
+    harness.add_steps(study.parser, default=700, multiple_of=10, why="the log cadence")
+    study.parser.add_argument(
+        "--vocab-size", type=harness.integer(259), default=1024, help="ids of the BPE tokenizer (>= 259)"
     )
-    args = parser.parse_args(argv)
+    args = study.parse(argv)
     from experiments import load
 
     tokenizer_dir = tokenizer(args.out, args.vocab_size)
@@ -263,9 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         architecture = json.load(f)["architectures"][0]
     run_bpb, again = summaries["bpe"]["val_bits_per_byte"], reloaded["val_bits_per_byte"]
     result = {
-        "command": common.command(parser, args),
         "steps": args.steps,
-        "machine": common.describe(common.machine()),
         "runs": result_runs,
         "round_trip": {
             "architecture": architecture,
@@ -277,8 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         "kv": kv,
         "kv_sequences": EVAL_BATCHES * 8,
     }
-    common.write_results(args.out, "table", result, markdown)
-    plot(args.out, result)
+    study.write("table", result, markdown, {"curves.png": plot})
 
 
 def held_out_bytes_per_token(config) -> float:

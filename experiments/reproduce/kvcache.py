@@ -34,8 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from experiments import command, plotting
-from experiments.bench import common
+from experiments import command, harness, plotting
 from experiments.reproduce import runs
 
 if TYPE_CHECKING:
@@ -182,9 +181,10 @@ def synthetic_qkv() -> tuple[jax.Array, jax.Array, jax.Array]:
     return q, k, jax.random.normal(kv, (4, 1024, 2, d))
 
 
-def quality(out: str, command: str) -> None:
-    """quality.md/json/png: attention-output error per format on the model's own and on synthetic q, k, v."""
-    config, model = trained_model(out)
+def quality(study: harness.Study) -> None:
+    """quality.md/json/png in `study.out`: attention-output error per format on the model's own and on synthetic
+    q, k, v (the command they state: `--parts quality`)."""
+    config, model = trained_model(study.out)
     layers = model_qkv(config, model)
     synthetic_inputs = synthetic_qkv()
     rows = []
@@ -210,9 +210,7 @@ def quality(out: str, command: str) -> None:
             f"synthetic {synthetic['output']:.4f} (scores {synthetic['scores']:.4f})",
             flush=True,
         )
-    result = {"command": command, "rows": rows}
-    common.write_results(out, "quality", result, quality_markdown)
-    quality_plot(result, os.path.join(out, "quality.png"))
+    study.write("quality", {"rows": rows}, quality_markdown, {"quality.png": quality_plot}, parts=["quality"])
 
 
 def quality_markdown(result: dict) -> str:
@@ -292,8 +290,9 @@ def _paired_se(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.std(a - b, ddof=1) / np.sqrt(len(a)))
 
 
-def perplexity(out: str, command: str, num_batches: int = 4) -> None:
-    """perplexity.md/json: held-out loss of the trained model read through each KV format as a server would."""
+def perplexity(study: harness.Study, num_batches: int = 4) -> None:
+    """perplexity.md/json in `study.out`: held-out loss of the trained model read through each KV format as a
+    server would, over `num_batches` held-out batches (the command they state: `--parts perplexity`)."""
     import jax
     import jax.numpy as jnp
 
@@ -301,7 +300,7 @@ def perplexity(out: str, command: str, num_batches: int = 4) -> None:
     from experiments import build
     from kvcache import paged_cache_factory
 
-    config, model = trained_model(out)
+    config, model = trained_model(study.out)
     _, batches = build.build_data(config)
     val = batches.val_batches(num_batches)
     cfg = model.cfg
@@ -323,7 +322,7 @@ def perplexity(out: str, command: str, num_batches: int = 4) -> None:
             implementation="xla_split",
         )
     for label, factory in factories.items():
-        common.compiling(f"decoding through the {label} KV cache")
+        harness.compiling(f"decoding through the {label} KV cache")
         per_sequence[label] = np.concatenate([served_loss(model, t, factory) for t in val])
         print(f"{label}: held-out loss {per_sequence[label].mean():.4f}", flush=True)
     base, ultra = per_sequence["no cache (float32 forward)"], per_sequence[ULTRAQUANT]
@@ -344,13 +343,12 @@ def perplexity(out: str, command: str, num_batches: int = 4) -> None:
             }
         )
     result = {
-        "command": command,
         "rows": rows,
         "num_sequences": num_batches * val[0].shape[0],
         "seq_len": val[0].shape[1] - 1,
         "prefill": PREFILL,
     }
-    common.write_results(out, "perplexity", result, perplexity_markdown)
+    study.write("perplexity", result, perplexity_markdown, parts=["perplexity"])
 
 
 def perplexity_markdown(result: dict) -> str:
@@ -381,13 +379,13 @@ def perplexity_markdown(result: dict) -> str:
 # ---------------------------------------------------------------------------------------------------- capacity
 
 
-def capacity_table(out: str, command: str) -> None:
-    """capacity.md/json: tokens and concurrency at the spec's KV budget per format (kvcache.capacity)."""
+def capacity_table(study: harness.Study) -> None:
+    """capacity.md/json in `study.out`: tokens and concurrency at the spec's KV budget per format
+    (kvcache.capacity; the command they state: `--parts capacity`)."""
     from kvcache import capacity
 
     rows = capacity.plan(capacity.SPEC_BUDGET_BYTES, capacity.SPEC_MODEL)
     result = {
-        "command": command,
         "rows": rows,
         "memory_bytes": capacity.SPEC_BUDGET_BYTES,
         "max_model_len": capacity.SPEC_MAX_MODEL_LEN,
@@ -403,21 +401,20 @@ def capacity_table(out: str, command: str) -> None:
         )
         return f"# KV capacity of the spec's model\n\n`{result['command']}`.\n\n{table}"
 
-    common.write_results(out, "capacity", result, markdown)
+    study.write("capacity", result, markdown, parts=["capacity"])
 
 
 def main(argv=None) -> None:
     """The command line: see the module docstring, or --help."""
-    parser = common.parser(__doc__, module="experiments.reproduce.kvcache", topic="kvcache")
-    common.add_parts(parser, PARTS)
-    args = parser.parse_args(argv)
-    parts = args.parts
+    study = harness.Study(__doc__, module="experiments.reproduce.kvcache", topic="kvcache")
+    harness.add_parts(study.parser, PARTS)
+    parts = study.parse(argv).parts
     if "capacity" in parts:
-        capacity_table(args.out, common.command(parser, args, parts=["capacity"]))
+        capacity_table(study)
     if "quality" in parts:
-        quality(args.out, common.command(parser, args, parts=["quality"]))
+        quality(study)
     if "perplexity" in parts:
-        perplexity(args.out, common.command(parser, args, parts=["perplexity"]))
+        perplexity(study)
 
 
 if __name__ == "__main__":

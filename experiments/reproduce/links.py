@@ -55,8 +55,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from experiments import command
-from experiments.bench import common
+from experiments import command, harness
 from experiments.cluster import links
 from experiments.reproduce import links_report, runs
 from experiments.reproduce.links_methods import (
@@ -375,20 +374,22 @@ def _kept(args, rates: list[float]) -> list[dict]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = common.parser(__doc__, module="experiments.reproduce.links", topic="fomoe_links")
-    p.add_argument("--sites", type=common.integer(2, maximum=8), default=4, help="sites M (processes), 2..8")
-    p.add_argument("--rates", type=common.integers(1, distinct=True), default="10,100,1000",
+    """The command line: see the module docstring, or --help. Returns 2 where links cannot be made (not root)."""
+    study = harness.Study(__doc__, module="experiments.reproduce.links", topic="fomoe_links")
+    p = study.parser
+    p.add_argument("--sites", type=harness.integer(2, maximum=8), default=4, help="sites M (processes), 2..8")
+    p.add_argument("--rates", type=harness.integers(1, distinct=True), default="10,100,1000",
                    help="link rates in Mbit/s, each way (besides the unlimited calibration)")  # fmt: skip
-    common.add_steps(p, default=128, multiple_of=K, why=f"whole rounds of K = {K}")
-    p.add_argument("--methods", type=common.names(METHODS), default=",".join(METHODS), help="the methods to run")
-    p.add_argument("--eval-every", type=common.integer(K, multiple_of=K), default=16, help="steps between evaluations")
-    p.add_argument("--calibration-runs", type=common.integer(1, maximum=5), default=1,
+    harness.add_steps(p, default=128, multiple_of=K, why=f"whole rounds of K = {K}")
+    p.add_argument("--methods", type=harness.names(METHODS), default=",".join(METHODS), help="the methods to run")
+    p.add_argument("--eval-every", type=harness.integer(K, multiple_of=K), default=16, help="steps between evaluations")
+    p.add_argument("--calibration-runs", type=harness.integer(1, maximum=5), default=1,
                    help="runs of each method on the unlimited links, 1..5: the system model is calibrated on the "
                    "median one")  # fmt: skip
     p.add_argument("--keep-others", action="store_true",
                    help="the table's rows of the methods not given to --methods come from <out>/links.json (of the "
                    "same sites, steps and rates), as they were measured then")  # fmt: skip
-    args = p.parse_args(argv)
+    args = study.parse(argv)
     for _, _, overlap, _, _ in (METHODS[m] for m in args.methods):
         if overlap is not None and args.sites % overlap:
             p.error(f"--sites {args.sites}: O_e = {overlap} must divide it")
@@ -396,7 +397,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if reason is not None:
         print(f"error: {reason}", file=sys.stderr)
         return 2
-    command = common.command(p, args, always=("steps", "sites", "rates"))
+    always = ("steps", "sites", "rates")
+    command = study.command(always=always)
     rates = [UNLIMITED_MBIT, *sorted(float(r) for r in args.rates)]
     try:
         kept = _kept(args, rates) if args.keep_others else []
@@ -419,7 +421,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_params = json.load(f)["num_params"]
     loads = [r["load_average"] for r in rows]
     result = {
-        "command": command,
         "commands": list(dict.fromkeys(r["measured_by"] for r in [*kept, *rows])),
         "link_bytes_fit": fit,
         "sites": args.sites,
@@ -429,16 +430,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rates": rates,
         "model": MODEL,
         "num_params": num_params,
-        "machine": common.describe(common.machine()),
         "load_min": min(loads),
         "load_max": max(loads),
         "run_minutes": sum(r["wall_seconds"] for r in rows) / 60,
         "target": target,
         "rows": rows,
     }
-    common.write_results(args.out, "links", result, links_report.markdown)
-    links_report.loss_plot(rows, rates, os.path.join(args.out, "links_loss.png"), command)
-    links_report.round_plot(rows, rates, os.path.join(args.out, "links_round.png"), command)
+    plots = {"links_loss.png": links_report.loss_plot, "links_round.png": links_report.round_plot}
+    study.write("links", result, links_report.markdown, plots, always=always)
     return 0
 
 

@@ -27,8 +27,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from experiments import command
-from experiments.bench import common
+from experiments import command, harness
 from experiments.cluster import links
 from experiments.reproduce import fomoe_elastic, links_methods
 from experiments.reproduce import links as reproduction
@@ -84,6 +83,9 @@ def rounds(workdir: str) -> dict[str, list[float]]:
 
 
 def markdown(r: dict) -> str:
+    """links_elastic.md: both runs' rounds on 4 and on 3 sites, mean rounds and held-out losses, the timeline from
+    the loss, and what the launcher printed."""
+
     def mean(xs):
         return f"{sum(xs) / len(xs):.3f}" if xs else "-"
 
@@ -96,7 +98,7 @@ def markdown(r: dict) -> str:
         f"{links_methods.K}, {r['steps']} steps, one process per site behind links of {r['rate']:g} Mbit/s each "
         f"way (the links reproduction's model and tokens). After round {r['lose_after']}'s checkpoint site {LOST} "
         f"was lost ({r['lost']}); `experiments.launch --elastic --links` found it, regrouped onto 3 sites and "
-        f"finished by itself. Load average before: {', '.join(map(str, r['load_average']))}.",
+        "finished by itself.",
         "",
         "| run | rounds on 4 sites | rounds on 3 sites | mean round on 4 s | on 3 s | held-out loss | difference |",
         "|---|---|---|---|---|---|---|",
@@ -119,16 +121,18 @@ def markdown(r: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = common.parser(__doc__, module="experiments.reproduce.links_elastic", topic="fomoe_links")
-    p.add_argument("--rate", type=common.integer(1), default=10, help="the links' rate in Mbit/s, each way")
-    common.add_steps(p, default=128, multiple_of=links_methods.K, why=f"whole rounds of K = {links_methods.K}")
-    p.add_argument("--lose-after", type=common.integer(1), default=8, help="rounds before site 1 is lost")
+    """The command line: see the module docstring, or --help. Returns 2 where links cannot be made (not root)."""
+    study = harness.Study(__doc__, module="experiments.reproduce.links_elastic", topic="fomoe_links")
+    p = study.parser
+    p.add_argument("--rate", type=harness.integer(1), default=10, help="the links' rate in Mbit/s, each way")
+    harness.add_steps(p, default=128, multiple_of=links_methods.K, why=f"whole rounds of K = {links_methods.K}")
+    p.add_argument("--lose-after", type=harness.integer(1), default=8, help="rounds before site 1 is lost")
     p.add_argument("--how", choices=("cut", "kill"), default="cut", help="cut its link, or kill its process")
     p.add_argument("--method", choices=[m for m, v in links_methods.METHODS.items() if v[2] == 2],
                    default="fomoe_o2_fp4_ef_local", help="an O_e = 2 method of the links reproduction")  # fmt: skip
-    p.add_argument("--eval-every", type=common.integer(links_methods.K, multiple_of=links_methods.K), default=16,
+    p.add_argument("--eval-every", type=harness.integer(links_methods.K, multiple_of=links_methods.K), default=16,
                    help="steps between evaluations")  # fmt: skip
-    args = p.parse_args(argv)
+    args = study.parse(argv)
     k = links_methods.K
     if args.lose_after * k >= args.steps:
         p.error(f"--lose-after {args.lose_after}: the run has {args.steps // k} rounds; lose the site before")
@@ -136,8 +140,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if reason is not None:
         print(f"error: {reason}", file=sys.stderr)
         return 2
-    command = common.command(p, args, always=("steps", "rate", "how"))
-    load = [round(x, 2) for x in os.getloadavg()]
     name = links_methods.rate_name(float(args.rate))
     workdir = os.path.abspath(os.path.join(args.out, "runs", name, f"{args.method}_lost_site_{args.how}"))
     flags = links_methods.flags(args.method, SITES, args.steps, args.eval_every)
@@ -163,14 +165,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     per_round = rounds(workdir)
     resumed = run["summary"]["resumed_from"]
     result = {
-        "command": command,
         "method": args.method,
         "rate": float(args.rate),
         "steps": args.steps,
         "lose_after": args.lose_after,
         "how": args.how,
         "lost": run["lost"],
-        "load_average": load,
         "uninterrupted": base["val_loss"],
         "uninterrupted_round": base["seconds_round"],
         "elastic": run["summary"]["val_loss"],
@@ -183,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "elastic_seconds": run["seconds"],
         "launcher_lines": fomoe_elastic.launcher_lines(run["output"]),
     }
-    common.write_results(args.out, "links_elastic", result, markdown)
+    study.write("links_elastic", result, markdown, always=("steps", "rate", "how"))
     return 0
 
 

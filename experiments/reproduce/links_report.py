@@ -12,6 +12,9 @@ __all__ = ["loss_plot", "markdown", "overlap_lines", "round_plot"]
 
 
 def markdown(result: dict) -> str:
+    """links.md: the commands that measured the rows, the setting, every row's round (measured, split, modelled)
+    and bytes, and the notes on retried runs, the overlap, the calibration runs, the wire bytes, the target loss and
+    the system model's largest error."""
     rows, rates = result["rows"], result["rates"]
     commands = result.get("commands", [result["command"]])
     shown = " then ".join(f"`{c}`" for c in commands)
@@ -23,10 +26,8 @@ def markdown(result: dict) -> str:
         f"{shown} (root; the runs took {result['run_minutes']:.0f} min). M = {result['sites']} "
         f"sites, one process each, each in its own network namespace behind a tbf-limited veth link (each way); "
         f"the same model ({result['num_params']:,} parameters), tokens and {result['steps']} steps for every run, "
-        f"K = {K}. "
-        f"Machine: {result['machine'].rstrip('.')}; load average during the runs "
-        f"{result['load_min']:.1f}-{result['load_max']:.1f}"
-        " (the runs themselves load both cores). Latency is not emulated (no netem here): only bandwidth.",
+        f"K = {K}. Load average during the runs {result['load_min']:.1f}-{result['load_max']:.1f}"
+        " (the runs themselves load every core). Latency is not emulated (no netem here): only bandwidth.",
         "",
         "Per round of K steps (means over rounds 2..): measured wall-clock, its compute (local steps) and "
         "synchronisation (DDP: compute = the full replica's local steps, sync = the rest; marked *), the system "
@@ -112,13 +113,15 @@ def overlap_lines(rows: list[dict], rates: Sequence[float]) -> list[str]:
     return ["", "Behind compute against the same synchronisation blocking:", "", *out] if out else []
 
 
-def loss_plot(rows: list[dict], rates: Sequence[float], path: str, command: str) -> None:
-    """links_loss.png: held-out loss against training wall-clock, one panel per link rate, a line per method."""
+def loss_plot(result: dict, path: str) -> None:
+    """links_loss.png: held-out loss of the result's rows against training wall-clock, one panel per link rate, a
+    line per method; the command that made it as the title."""
     from matplotlib import ticker
 
+    rows, rates = result["rows"], result["rates"]
     colors = plotting.colors(list(METHODS))
     with plotting.figure(path, size=(4.2 * len(rates), 4.2), ncols=len(rates), squeeze=False, legend_below=True,
-                         legend_columns=3, title=command) as axes:  # fmt: skip
+                         legend_columns=3, title=result["command"]) as axes:  # fmt: skip
         for ax, rate in zip(axes, rates):
             for r in (r for r in rows if r["rate_mbit"] == rate):
                 per_step = r["seconds_round"] / K
@@ -132,12 +135,13 @@ def loss_plot(rows: list[dict], rates: Sequence[float], path: str, command: str)
             ax.set_title(f"{rate_name(rate)} links", fontsize=9)
 
 
-def round_plot(rows: list[dict], rates: Sequence[float], path: str, command: str) -> None:
+def round_plot(result: dict, path: str) -> None:
     """links_round.png: seconds per round split into compute, synchronisation and host work, per method and rate,
-    with the system model's prediction as a marker."""
+    with the system model's prediction as a marker; the command that made it as the title."""
+    rows, rates = result["rows"], result["rates"]
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
     with plotting.figure(path, size=(5.2 * len(rates), 5.6), ncols=len(rates), squeeze=False, legend_below=True,
-                         legend_columns=4, title=command) as axes:  # fmt: skip
+                         legend_columns=4, title=result["command"]) as axes:  # fmt: skip
         for ax, rate in zip(axes, rates):
             by = {r["method"]: r for r in rows if r["rate_mbit"] == rate}
             xs = range(len(methods))

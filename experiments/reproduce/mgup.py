@@ -24,17 +24,16 @@ from __future__ import annotations
 import os
 import time
 
-from experiments import command, plotting
-from experiments.bench import common
+from experiments import command, harness, plotting
+from experiments import optimizers as optimizer_table
 from experiments.reproduce import runs as runs_lib
-from optim import registry
 
 CONFIG = runs_lib.config_path("quickstart")
 
-# optimizer -> its family (optim.registry), which fixes the learning-rate grid and the base it is compared with
+# optimizer -> its family (experiments.optimizers), which fixes the learning-rate grid and the base it is compared with
 # (the family's plain member: adamw, lion, muon). Betas, eps and Muon's momentum are the family defaults
 # (docs/configuration.md).
-FAMILY = {name: entry.family.name for name, entry in registry.OPTIMIZERS.items()}
+FAMILY = {name: entry.family.name for name, entry in optimizer_table.OPTIMIZERS.items()}
 LEARNING_RATES = {"adamw": (2.5e-3, 5e-3, 1e-2), "lion": (2.5e-4, 5e-4, 1e-3), "muon": (2.5e-3, 5e-3, 1e-2)}
 # The committed results/mgup table ran the Muon family's AdamW backup with b1 = 0.9 (then the one optim.b1 of every
 # optimizer), not the family default 0.95 (the reference's); pinned so that the table reproduces. Drop this when
@@ -73,20 +72,18 @@ def train(optimizer: str, lr: float, seed: int, steps: int, out: str) -> dict:
     }
 
 
-def collect(optimizers: list[str], steps: int, out: str) -> dict:
-    """The sweep on seed 0, then the other seeds at each optimizer's best learning rate."""
+def collect(optimizers: list[str], steps: int, study: harness.Study) -> dict:
+    """The sweep on seed 0, then the other seeds at each optimizer's best learning rate (runs in `study.out`/runs,
+    each reported with `study.progress` when it starts and when it ends)."""
     plan = [(o, lr, SEEDS[0]) for o in optimizers for lr in LEARNING_RATES[FAMILY[o]]]
-    runs, started = {}, time.time()
+    runs = {}
 
     def go(o, lr, seed, i, total):
         t0 = time.time()
-        print(f"[{i}/{total}] {run_name(o, lr, seed)} ...", flush=True)
-        runs[(o, lr, seed)] = train(o, lr, seed, steps, out)
-        print(
-            f"[{i}/{total}] {run_name(o, lr, seed)}: held-out loss {runs[(o, lr, seed)]['val_loss']:.4f} "
-            f"({time.time() - t0:.0f} s; {(time.time() - started) / 60:.1f} min so far)",
-            flush=True,
-        )
+        study.progress(i, total, f"{run_name(o, lr, seed)} ...")
+        runs[(o, lr, seed)] = train(o, lr, seed, steps, study.out)
+        loss = runs[(o, lr, seed)]["val_loss"]
+        study.progress(i, total, f"{run_name(o, lr, seed)}: held-out loss {loss:.4f} ({time.time() - t0:.0f} s)")
 
     total = len(plan) + len(optimizers) * (len(SEEDS) - 1)
     for i, (o, lr, seed) in enumerate(plan):
@@ -177,7 +174,8 @@ def markdown(result: dict) -> str:
 
 def curves_plot(result: dict, path: str) -> None:
     """curves.png: one panel per optimizer family; training loss (5-point mean) and held-out loss (dots) at each
-    optimizer's tuned learning rate, mean over seeds (`result`: what `summarise` returns, with the command)."""
+    optimizer's tuned learning rate, mean over seeds (`result`: table.json's record, `summarise`'s keys and the
+    command)."""
     best = {r["optimizer"]: r["learning_rate"] for r in result["rows"]}
     optimizers = list(best)
     families = [f for f in LEARNING_RATES if any(FAMILY[o] == f for o in optimizers)]
@@ -199,21 +197,18 @@ def curves_plot(result: dict, path: str) -> None:
 
 def main(argv=None) -> None:
     """The command line: see the module docstring, or --help."""
-    parser = common.parser(__doc__, module="experiments.reproduce.mgup", topic="mgup")
-    common.add_steps(parser, default=400, multiple_of=EVAL_EVERY, why="the evaluation interval")
-    parser.add_argument(
+    study = harness.Study(__doc__, module="experiments.reproduce.mgup", topic="mgup")
+    harness.add_steps(study.parser, default=400, multiple_of=EVAL_EVERY, why="the evaluation interval")
+    study.parser.add_argument(
         "--only",
-        type=common.names(FAMILY, empty=True),
+        type=harness.names(FAMILY, empty=True),
         default="",
         help=f"optimizers to run: a comma-separated subset of {list(FAMILY)} (empty: all)",
     )
-    args = parser.parse_args(argv)
+    args = study.parse(argv)
     optimizers = args.only or list(FAMILY)
-    collected = collect(optimizers, args.steps, args.out)
-    result = {"command": common.command(parser, args), **summarise(optimizers, collected, args.steps)}
-    common.write_results(args.out, "table", result, markdown)
-    curves_plot(result, os.path.join(args.out, "curves.png"))
-    print(f"wrote {args.out}/table.md, table.json, curves.png")
+    collected = collect(optimizers, args.steps, study)
+    study.write("table", summarise(optimizers, collected, args.steps), markdown, {"curves.png": curves_plot})
 
 
 if __name__ == "__main__":

@@ -27,13 +27,11 @@ Everything goes into `--out` (`--out results/serving` for the tables and plots d
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
-from experiments import command, plotting
-from experiments.bench import common
+from experiments import command, harness, plotting
 
 FORMATS = ("bf16", "fp8", "fp4")
 
@@ -57,7 +55,7 @@ def serve(model, fmt_name: str, memory_bytes: int, workload) -> dict:
             max_model_len=-(-workload.max_tokens // 256) * 256 + 512,
         ),
     )
-    common.compiling(f"the engine's step programs ({fmt_name} KV)")
+    harness.compiling(f"the engine's step programs ({fmt_name} KV)")
     engine.warmup()
 
     def progress(done, total):
@@ -78,7 +76,8 @@ def main(argv=None) -> None:
     from experiments.reproduce import kvcache as kv_repro
     from kvcache.serving.workload import AgentWorkload
 
-    parser = common.parser(__doc__, module="experiments.reproduce.serving", topic="serving")
+    study = harness.Study(__doc__, module="experiments.reproduce.serving", topic="serving")
+    parser = study.parser
     parser.add_argument(
         "--model-out",
         default="runs/kvcache",
@@ -86,17 +85,17 @@ def main(argv=None) -> None:
         "about 2 minutes, if absent; the committed tables used results/kvcache)",
     )
     parser.add_argument(
-        "--memory-kib", type=common.integer(1), default=4096, help="KV memory of every format, in KiB, >= 1"
+        "--memory-kib", type=harness.integer(1), default=4096, help="KV memory of every format, in KiB, >= 1"
     )
     parser.add_argument(
         "--formats",
-        type=common.names(FORMATS),
+        type=harness.names(FORMATS),
         default=",".join(FORMATS),
         help=f"KV formats to serve with: a comma-separated subset of {list(FORMATS)}",
     )
     parser.add_argument(
         "--sweep-kib",
-        type=common.integers(1, empty=True),
+        type=harness.integers(1, empty=True),
         default="",
         help="instead of the table: fp8 against fp4 at each of these KV memories (comma-separated KiB, >= 1)",
     )
@@ -105,35 +104,26 @@ def main(argv=None) -> None:
         action="store_true",
         help="instead of serving: the published-scale workload on the spec's model and an H200 cost model",
     )
-    args = parser.parse_args(argv)
+    args = study.parse(argv)
     defaults = {name: parser.parse_args([]).__dict__[name] for name in ("model_out", "memory_kib", "formats")}
     if args.project:  # the other flags do not apply: the command states only what made the tables
-        return project(args.out, common.command(parser, args, **defaults, sweep_kib=[]))
+        return project(study, **defaults, sweep_kib=[])
     sweep_kib, names = args.sweep_kib, args.formats
     _, model = kv_repro.trained_model(args.model_out)
     workload = AgentWorkload()
     if sweep_kib:
-        return sweep(
-            model,
-            sweep_kib,
-            workload,
-            args.out,
-            common.command(parser, args, **{**defaults, "model_out": args.model_out}),
-        )
+        return sweep(model, sweep_kib, workload, study, **{**defaults, "model_out": args.model_out})
     results = {}
     for name in names:
         print(f"serving with {name} KV ({args.memory_kib} KiB)", flush=True)
         r = serve(model, name, args.memory_kib * 1024, workload)
         results[name] = dict(r.items())
     summary = {
-        "command": common.command(parser, args),
-        "machine": common.machine(),
         "memory_bytes": args.memory_kib * 1024,
         "workload": dict(vars(workload).items()),
         "formats": results,
     }
-    common.write_results(args.out, "table", summary, markdown)
-    plot(summary, os.path.join(args.out, "ttft.png"))
+    study.write("table", summary, markdown, {"ttft.png": plot})
 
 
 PUBLISHED_WORKLOAD: dict[str, Any] = dict(
@@ -187,9 +177,10 @@ def simulate(gib: float, name: str, efficiency: float, workload) -> dict:
     }
 
 
-def project(out: str, command: str) -> None:
-    """projection.md/json/png: the published workload simulated at each KV budget per format, and the fp4
-    kernel's sensitivity."""
+def project(study: harness.Study, **overrides) -> None:
+    """projection.md/json/png in `study.out`: the published workload simulated at each KV budget per format, and
+    the fp4 kernel's sensitivity; the command they state has `overrides` (by dest: the flags that do not apply
+    set back to their defaults)."""
     from kvcache.serving import workload as workload_lib
     from kvcache.serving.simulate import H200, SPEC_MODEL_SERVING
 
@@ -226,7 +217,6 @@ def project(out: str, command: str) -> None:
                 flush=True,
             )
     result = {
-        "command": command,
         "workload": PUBLISHED_WORKLOAD,
         "hardware": vars(H200),
         "kernel_efficiency": KERNEL_EFFICIENCY,
@@ -241,8 +231,7 @@ def project(out: str, command: str) -> None:
         "points": points,
         "fp4_kernel_sensitivity": sensitivity,
     }
-    common.write_results(out, "projection", result, projection_markdown)
-    projection_plot(result, os.path.join(out, "projection.png"))
+    study.write("projection", result, projection_markdown, {"projection.png": projection_plot}, **overrides)
 
 
 def projection_markdown(result: dict) -> str:
@@ -312,8 +301,9 @@ def late_ttft_p50(result: dict, rounds: int) -> float:
     return float(np.median([x["ttft"] for x in result["records"] if x["round"] >= max(1, rounds // 2)]))
 
 
-def sweep(model, memories_kib: list[int], workload, out: str, command: str) -> None:
-    """sweep.md/json/png: fp8 against fp4 at each KV memory."""
+def sweep(model, memories_kib: list[int], workload, study: harness.Study, **overrides) -> None:
+    """sweep.md/json/png in `study.out`: fp8 against fp4 at each KV memory; the command they state has `overrides`
+    (by dest: the flags that do not apply set back to their defaults)."""
     points = []
     for kib in memories_kib:
         point: dict[str, Any] = {"memory_kib": kib}
@@ -328,9 +318,8 @@ def sweep(model, memories_kib: list[int], workload, out: str, command: str) -> N
                 "pool_tokens": r["pool_tokens"],
             }
         points.append(point)
-    result = {"command": command, "workload": vars(workload), "points": points}
-    common.write_results(out, "sweep", result, sweep_markdown)
-    sweep_plot(result, os.path.join(out, "sweep.png"))
+    result = {"workload": vars(workload), "points": points}
+    study.write("sweep", result, sweep_markdown, {"sweep.png": sweep_plot}, **overrides)
 
 
 def sweep_markdown(result: dict) -> str:
@@ -394,7 +383,7 @@ def markdown(summary: dict) -> str:
         f"format; {w['conversations']} conversations, {w['concurrency']} concurrent, {w['rounds']} rounds, "
         f"{w['system_prefix']} shared + {w['conversation_prefix']} own prefix tokens, {w['new_input'][0]}-"
         f"{w['new_input'][1]} new input and {w['output_tokens']} output tokens per round. Quickstart model, "
-        "engine steps of up to 256 tokens, XLA attention, CPU. Hit rate = prompt tokens found in the prefix "
+        "engine steps of up to 256 tokens, XLA attention. Hit rate = prompt tokens found in the prefix "
         "cache at admission; a preempted request counts again when it is re-admitted (finding its own blocks "
         "if they survived), as vLLM counts its queries. The ratios depend on the memory chosen: here fp4 "
         "holds the whole working set and fp8 does not.",

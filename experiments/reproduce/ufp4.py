@@ -28,13 +28,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import time
 from typing import Any
 
 import numpy as np
 
-from experiments import command, plotting
-from experiments.bench import common
+from experiments import command, harness, plotting
 from experiments.reproduce import runs
 
 CONFIG = runs.config_path("quickstart")
@@ -70,8 +68,9 @@ PAPER_SYNTHETIC = {
 # ------------------------------------------------------------------------------------------------------- grid
 
 
-def grid_analysis(out: str, command: str) -> None:
-    """grid.md/json/png: the shrinkage bias per level, and SQNR, alpha and bucket entropy of synthetic tensors."""
+def grid_analysis(study: harness.Study) -> None:
+    """grid.md/json/png in `study.out`: the shrinkage bias per level, and SQNR, alpha and bucket entropy of
+    synthetic tensors (the command they state: `--parts grid`, without `--steps`, which grid does not read)."""
     import jax
     import jax.numpy as jnp
 
@@ -99,9 +98,8 @@ def grid_analysis(out: str, command: str) -> None:
                         "paper_alpha": paper[1],
                     }
                 )
-    result = {"command": command, "bias": bias, "rows": rows}
-    common.write_results(out, "grid", result, grid_markdown)
-    grid_plot(result, os.path.join(out, "grid.png"))
+    result = {"bias": bias, "rows": rows}
+    study.write("grid", result, grid_markdown, {"grid.png": grid_plot}, parts=["grid"], always=())
 
 
 def grid_markdown(result: dict) -> str:
@@ -218,20 +216,17 @@ def relative_error(run: dict, bf16: dict, steps: int) -> tuple[float, float]:
     return (float(np.mean([abs(loss - ref[s]) / ref[s] for s, loss in tail])), float(np.mean([x for _, x in tail])))
 
 
-def train_all(out: str, steps: int, jobs: int, command: str) -> None:
-    """Trains (or reuses) every run of `plan`, `jobs` at a time; writes table.md, table.json and loss_error.png,
-    which state `command`."""
-    runs, started, results = plan(), time.time(), {}
+def train_all(study: harness.Study, steps: int, jobs: int) -> None:
+    """Trains (or reuses) every run of `plan` in `study.out`/runs, `jobs` at a time; writes table.md, table.json
+    and loss_error.png into `study.out`, which state the command `--parts train` (with `--jobs 1`: the runs'
+    results do not depend on it)."""
+    runs, results = plan(), {}
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        futures = {pool.submit(train, run, steps, out): run for run in runs}
+        futures = {pool.submit(train, run, steps, study.out): run for run in runs}
         for i, future in enumerate(concurrent.futures.as_completed(futures)):
             run = futures[future]
             results[run["name"]] = future.result()
-            print(
-                f"[{i + 1}/{len(runs)}] {run['name']}: held-out loss {results[run['name']]['val_loss']:.4f} "
-                f"({(time.time() - started) / 60:.1f} min so far)",
-                flush=True,
-            )
+            study.progress(i + 1, len(runs), f"{run['name']}: held-out loss {results[run['name']]['val_loss']:.4f}")
     rows: list[dict[str, Any]] = []
     for r in RECIPES:
         errors = [relative_error(results[f"{r}_s{s}"], results[f"bf16_s{s}"], steps) for s in seeds(r)]
@@ -265,7 +260,6 @@ def train_all(out: str, steps: int, jobs: int, command: str) -> None:
     e2m1, ufp4 = by["e2m1_baseline"]["rel_error_mean"], by["ufp4"]["rel_error_mean"]
     paired = np.subtract(by["e2m1_baseline"]["rel_error"], by["ufp4"]["rel_error"])  # same seed, same tokens
     result = {
-        "command": command,
         "steps": steps,
         "seeds": list(SEEDS),
         "headline_seeds": list(HEADLINE_SEEDS),
@@ -278,8 +272,7 @@ def train_all(out: str, steps: int, jobs: int, command: str) -> None:
         },
     }
     result["curves"] = {name: r["curve"] for name, r in sorted(results.items())}  # what loss_error.png draws
-    common.write_results(out, "table", result, train_markdown)
-    error_plot(results, steps, os.path.join(out, "loss_error.png"), command)
+    study.write("table", result, train_markdown, {"loss_error.png": error_plot}, parts=["train"], jobs=1)
 
 
 def train_markdown(result: dict) -> str:
@@ -335,16 +328,17 @@ def train_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def error_plot(results: dict, steps: int, path: str, command: str) -> None:
+def error_plot(result: dict, path: str) -> None:
     """loss_error.png: each 4-bit recipe's training loss relative to BF16's (same seed), mean over seeds, as a
-    5-point mean against step; the last 20% (where the table averages) shaded; `command` as the title. `results`:
-    run name -> {"curve": [(step, train loss), ...]} (table.json's "curves" give it as {n: {"curve": c}})."""
-    with plotting.figure(path, size=(7, 4.3), title=command) as ax:
+    5-point mean against step; the last 20% (where the table averages) shaded; the command as the title. `result`:
+    table.json's record (its "steps", "command" and "curves": run name -> [(step, train loss), ...])."""
+    curves_of, steps = result["curves"], result["steps"]
+    with plotting.figure(path, size=(7, 4.3), title=result["command"]) as ax:
         for r in (r for r in RECIPES if r != REFERENCE):
             curves = []
             for s in seeds(r):
-                ref = dict(results[f"bf16_s{s}"]["curve"])
-                curves.append([(st, (loss - ref[st]) / ref[st]) for st, loss in results[f"{r}_s{s}"]["curve"]])
+                ref = dict(curves_of[f"bf16_s{s}"])
+                curves.append([(st, (loss - ref[st]) / ref[st]) for st, loss in curves_of[f"{r}_s{s}"]])
             xs, smooth = plotting.moving_average(*plotting.mean_curve(curves), 5)
             ax.plot(xs, 100 * smooth, label=r)
         ax.axhline(0, color="k", lw=0.5)
@@ -356,31 +350,28 @@ def error_plot(results: dict, steps: int, path: str, command: str) -> None:
 
 def main(argv=None) -> None:
     """The command line: see the module docstring, or --help."""
-    parser = common.parser(__doc__, module="experiments.reproduce.ufp4", topic="ufp4")
-    common.add_parts(parser, PARTS)
-    common.add_steps(
+    study = harness.Study(__doc__, module="experiments.reproduce.ufp4", topic="ufp4")
+    parser = study.parser
+    harness.add_parts(parser, PARTS)
+    harness.add_steps(
         parser,
         default=400,
         multiple_of=50,
         why="the last 20%, where the loss error is averaged, is whole 10-step logging intervals",
     )
     parser.add_argument(
-        "--jobs", type=common.integer(1), default=1, help="training runs at once (each its own process), >= 1"
+        "--jobs", type=harness.integer(1), default=1, help="training runs at once (each its own process), >= 1"
     )
-    args = parser.parse_args(argv)
+    args = study.parse(argv)
     parts = args.parts
     if "grid" in parts:
-        grid_analysis(args.out, common.command(parser, args, parts=["grid"], always=()))
+        grid_analysis(study)
     if "train" in parts:
-        train_all(args.out, args.steps, args.jobs, common.command(parser, args, parts=["train"], jobs=1))
-        print(f"wrote {args.out}/table.md, table.json, loss_error.png")
+        train_all(study, args.steps, args.jobs)
     if "fidelity" in parts:
         from experiments.reproduce import ufp4_fidelity
 
-        ufp4_fidelity.fidelity_all(
-            args.out, args.steps, common.command(parser, args, parts=["fidelity"], jobs=1), CONFIG
-        )
-        print(f"wrote {args.out}/fidelity.md, fidelity.json, fidelity.png")
+        ufp4_fidelity.fidelity_all(study, args.steps, CONFIG)
 
 
 if __name__ == "__main__":

@@ -29,14 +29,12 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from experiments import plotting
-from experiments.bench import common
+from experiments import harness, plotting
 from experiments.reproduce import runs
 
 RECIPES = ("bf16", "e2m1_baseline", "ufp4", "ufp4_int4", "nvfp4", "nvfp4_4over6", "mxfp4", "mxfp4_amd")
@@ -261,19 +259,21 @@ METRICS = ("sqnr_db", "gain", "cosine")
 RANKED = ("sqnr_db", "abs_gain", "cosine")  # abs_gain: |gain| per GEMM, lower is better (the bias's size)
 
 
-def fidelity_all(out: str, steps: int, command: str, config: str) -> dict:
-    """Trains (or reuses) the source run, captures its GEMMs at its checkpoints and measures every recipe on them;
-    writes fidelity.md, fidelity.json and fidelity.png into `out`; returns the result."""
+def fidelity_all(study: harness.Study, steps: int, config: str) -> dict:
+    """Trains (or reuses) the source run of `config` for `steps` steps, captures its GEMMs at its checkpoints and
+    measures every recipe on them (one `study.progress` line per checkpoint); writes fidelity.md, fidelity.json
+    and fidelity.png into `study.out`, which state the command `--parts fidelity` (with `--jobs 1`); returns the
+    record written."""
     from core import checkpoint as checkpoint_lib
 
+    out = study.out
     workdir = source_run(out, steps, config)
     checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
     points = checkpointer.all_steps()
     checkpointer.close()
     per_gemm: dict[str, dict[str, dict[str, list[float]]]] = {k: {r: {} for r in RECIPES} for k in GEMMS}
     names: list[str] = []
-    started = time.time()
-    for step in points:
+    for i, step in enumerate(points):
         tensors = capture(workdir, step)
         for t in tensors:
             for kind in GEMMS:
@@ -281,11 +281,9 @@ def fidelity_all(out: str, steps: int, command: str, config: str) -> dict:
                     for metric, v in values.items():
                         per_gemm[kind][r].setdefault(metric, []).append(v)
             names.append(t["name"])
-        print(f"fidelity: step {step}, {len(tensors)} GEMMs done ({time.time() - started:.0f} s)", flush=True)
+        study.progress(i + 1, len(points), f"fidelity: step {step}, {len(tensors)} GEMMs done")
     summary = {kind: summaries(per_gemm[kind]) for kind in GEMMS}
     result = {
-        "command": command,
-        "machine": common.describe(common.machine()),
         "source": {"workdir": os.path.relpath(workdir, out), "steps": steps, "checkpoints": points},
         "draws": DRAWS,
         "bucket": BUCKET,
@@ -294,9 +292,7 @@ def fidelity_all(out: str, steps: int, command: str, config: str) -> dict:
         "per_gemm": per_gemm,
         "summary": summary,
     }
-    common.write_results(out, "fidelity", result, markdown)
-    plot(result, os.path.join(out, "fidelity.png"))
-    return result
+    return study.write("fidelity", result, markdown, {"fidelity.png": plot}, parts=["fidelity"], jobs=1)
 
 
 def summaries(per_recipe: dict[str, dict[str, list[float]]]) -> dict[str, dict]:
@@ -325,7 +321,7 @@ def markdown(result: dict) -> str:
         f"{len(result['gemms'])} GEMMs (attention q, k, v, o and each expert's up, gate, down) captured at steps "
         f"{src['checkpoints']} of the bf16 quickstart MoE; each recipe's quantised product in float64 against the "
         f"float64 product, {result['draws']} draws for recipes with randomness. Mean over the GEMMs [95% bootstrap "
-        "interval]. Gain: <mean Q, E> / |E|^2 - 1 in %, negative = shrinkage. Machine: " + result["machine"],
+        "interval]. Gain: <mean Q, E> / |E|^2 - 1 in %, negative = shrinkage.",
         "",
         "| recipe | " + " | ".join(f"{k} SQNR dB | {k} gain %" for k in GEMMS) + " | wgrad cosine |",
         "|---|" + "---|" * (2 * len(GEMMS) + 1),

@@ -1,11 +1,13 @@
-"""The `precision` config section (merged by experiments/build.py): which quant recipe the model trains with."""
+"""The `precision` section of an experiment config: which quant recipe (quant.recipes) the model trains with, and its
+ablation overrides mapped onto the library's `Recipe` (`apply`). experiments/build.py builds the model's precision
+slot from it; the quant package itself takes a `Recipe` and reads no config."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import ClassVar
 
-from core.config import Compat, field
+from core.fields import Compat, field
 from quant.recipes import RECIPES, Recipe
 
 __all__ = ["RHT_SCOPES", "PrecisionConfig", "apply"]

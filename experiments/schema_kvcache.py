@@ -1,11 +1,13 @@
-"""The `kvcache` config section (merged by experiments/build.py): the KV-cache format of cached generation."""
+"""The `kvcache` section of an experiment config: the KV-cache format of cached generation, mapped onto the library's
+`kvcache.formats.Format` (`make_format`, `with_format`) and checked against the model's heads (`check`), every
+error naming the config key. The kvcache package itself takes a `Format` and reads no config."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import ClassVar
 
-from core.config import Compat, ConfigError, field
+from core.fields import Compat, ConfigError, field
 from kvcache import formats
 from kvcache.attention import IMPLEMENTATIONS
 

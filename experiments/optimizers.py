@@ -1,6 +1,6 @@
 """The optimizers a config can name: `optim.name` -> its family and its builder. The one table that
-experiments.build (build_optimizer), the config schema (optim.config: the allowed names, the family keys' defaults),
-docs/configuration.md (experiments.config_doc) and the tests read.
+experiments.build (build_optimizer), the config schema (experiments.schema_optim: the allowed names, the family keys'
+defaults), docs/configuration.md (experiments.config_doc) and the tests read.
 
 A family says which of the family keys (`FAMILY_KEYS`: optim.b1, b2, eps, momentum) its optimizers read, their
 defaults when the config leaves them None, what each means and the values it allows (`Bound`; AdamW's moments also
@@ -27,7 +27,7 @@ from typing import Any
 
 import optax
 
-from core.config import ConfigError
+from core.fields import ConfigError
 from optim import alias, muon
 
 __all__ = [

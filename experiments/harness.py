@@ -1,7 +1,13 @@
-"""What the benchmark and reproduction scripts share: the command-line head (`parser`, `--steps`, `--parts`, and
-`command`, the command line a results table states), median timers, a description of the machine, writing the
-results. The flag types (`integer`, `number`, `integers`, `names`) are the commands' own (experiments.args), named
-here too for the scripts.
+"""The research harness: what every benchmark (experiments/bench) and reproduction (experiments/reproduce) runs
+through, so that each script keeps only its science.
+
+A script builds a `Study` from its docstring (usage, description, `--out`, and `--repeats` for a benchmark), adds its
+own flags (`add_steps`, `add_seeds`, `add_parts`, or plain argparse with the flag types `integer`, `number`,
+`integers`, `names`, the commands' own from experiments.args), parses, reports progress with `Study.progress`, and
+hands each result to `Study.write`. That writes `<name>.json` and `<name>.md` and the result's plots, every one
+stating the same record: the command line that reproduces it (`command`: it parses back to the same arguments),
+the machine (CPU model, cores, device, jax; `machine`), and the load average when the script started and when the
+result was written. Timers: `median_seconds`, and `interleaved_medians` for side-by-side ratios.
 
 Every script writes under `runs/<topic>/` (git-ignored) unless told `--out`: `--out results/<topic>` replaces the
 reference tables and plots the README quotes, so a quick trial never overwrites them."""
@@ -22,13 +28,16 @@ import numpy as np
 from experiments.args import HelpFormatter, integer, integers, names, number
 
 __all__ = [
+    "Study",
     "add_parts",
     "add_seeds",
     "add_steps",
     "command",
     "compiling",
+    "cpu_model",
     "describe",
     "first_paragraph",
+    "footer",
     "integer",
     "integers",
     "interleaved_medians",
@@ -38,7 +47,6 @@ __all__ = [
     "number",
     "one_device_state",
     "parser",
-    "write_results",
 ]
 
 K = TypeVar("K", bound=Hashable)
@@ -99,10 +107,25 @@ def interleaved_medians(
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
+def cpu_model() -> str:
+    """The host CPU's model name ("AMD EPYC 7B13", "Intel(R) Xeon(R) CPU @ 2.20GHz"): /proc/cpuinfo's first
+    `model name` on Linux, else what the platform module says ("" when nothing does)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def machine() -> dict:
-    """Device kind, platform, device and core counts, jax version, and a note for CPU-only runs."""
+    """The host CPU's model, device kind, platform, device and core counts, jax version, and a note for CPU-only
+    runs."""
     device = jax.devices()[0]
     return {
+        "cpu_model": cpu_model(),
         "device": device.device_kind,
         "platform": device.platform,
         "num_devices": jax.device_count(),
@@ -116,19 +139,9 @@ def machine() -> dict:
 
 
 def describe(m: dict) -> str:
-    """One line for a results table: the device, its platform and cores, and the CPU-run note."""
-    return f"{m['device']} ({m['platform']}, {m['cpu_count']} cores). {m['note']}".rstrip()
-
-
-def write_results(out_dir: str, name: str, result: dict, markdown: Callable[[dict], str]) -> None:
-    """Writes `<out_dir>/<name>.json` and `<name>.md` (the table `markdown(result)`), and prints the table."""
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    table = markdown(result)
-    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
-        f.write(table)
-    print(table)
+    """One line for a results table: the CPU model, the device, its platform and cores, and the CPU-run note."""
+    where = f"{m['cpu_model']}, " if m.get("cpu_model") else ""
+    return f"{m['device']} ({where}{m['platform']}, {m['cpu_count']} cores). {m['note']}".rstrip()
 
 
 # ------------------------------------------------------------------------------------------------ command line
@@ -224,4 +237,98 @@ def add_parts(p: argparse.ArgumentParser, parts: Sequence[str]) -> None:
         type=names(parts),
         default=",".join(parts),
         help=f"what to run: a comma-separated subset of {list(parts)}",
+    )
+
+
+# ------------------------------------------------------------------------------------------------------- a run
+
+
+class Study:
+    """One run of a benchmark or reproduction script: its command line and the record its outputs carry.
+
+    `Study(__doc__, module=..., topic=..., repeats=...)` builds the parser (`parser`); the script adds its flags to
+    `study.parser` (or with `add_steps`, `add_seeds`, `add_parts`), then `args = study.parse(argv)`. `parse` notes
+    the time and the load average; `path` and `write` create `--out` when first used. `progress(i, n, what)` prints
+    "[i/n] what (m.m min so far)". `write(name, result, markdown, plots)` writes the outputs (see `write`) and returns
+    the record it wrote."""
+
+    def __init__(self, doc: str, *, module: str, topic: str, repeats: int | None = None):
+        self.parser = parser(doc, module=module, topic=topic, repeats=repeats)
+        self.args: argparse.Namespace | None = None
+        self._started = time.time()
+        self._load_before: list[float] = []
+
+    def parse(self, argv: Sequence[str] | None = None) -> argparse.Namespace:
+        """The parsed arguments (argparse's exit 2, naming the flag, for a bad value)."""
+        self.args = self.parser.parse_args(argv)
+        self._started, self._load_before = time.time(), [round(x, 2) for x in os.getloadavg()]
+        return self.args
+
+    @property
+    def out(self) -> str:
+        """The output directory (`--out`)."""
+        return self._parsed().out
+
+    def path(self, name: str) -> str:
+        """`name` inside the output directory (created if missing)."""
+        os.makedirs(self.out, exist_ok=True)
+        return os.path.join(self.out, name)
+
+    def command(self, *, always: Sequence[str] = ("steps", "seeds"), **overrides) -> str:
+        """The command line that gives these arguments (`command`); `overrides` by dest, e.g. `parts=["table"]`
+        for the part of the script that wrote a given table."""
+        return command(self.parser, self._parsed(), always=always, **overrides)
+
+    def progress(self, i: int, n: int, what: str) -> None:
+        """Prints "[i/n] what (m.m min so far)" (flushed): where a long script is, and for how long it has run."""
+        print(f"[{i}/{n}] {what} ({(time.time() - self._started) / 60:.1f} min so far)", flush=True)
+
+    def record(self, *, always: Sequence[str] = ("steps", "seeds"), **overrides) -> dict:
+        """What every output states: its `command`, the `machine`, and the `load_average` (1, 5, 15 min) when the
+        script started and now."""
+        return {
+            "command": self.command(always=always, **overrides),
+            "machine": machine(),
+            "load_average": {"before": self._load_before, "after": [round(x, 2) for x in os.getloadavg()]},
+        }
+
+    def write(
+        self,
+        name: str,
+        result: Mapping,
+        markdown: Callable[[dict], str],
+        plots: Mapping[str, Callable[[dict, str], None]] | None = None,
+        *,
+        always: Sequence[str] = ("steps", "seeds"),
+        **overrides,
+    ) -> dict:
+        """Writes `<out>/<name>.json` (the record, then `result`'s keys), `<name>.md` (`markdown(record)` and a
+        last line naming the machine and the load averages) and each plot `plots[file](record, <out>/<file>)`;
+        prints the table and the files written; returns the record. `always` and `overrides` go to `command`."""
+        record = {**self.record(always=always, **overrides), **result}
+        with open(self.path(f"{name}.json"), "w") as f:
+            json.dump(record, f, indent=2)
+        table = markdown(record).rstrip("\n") + "\n\n" + footer(record) + "\n"
+        with open(self.path(f"{name}.md"), "w") as f:
+            f.write(table)
+        print(table, flush=True)
+        for file, plot in (plots or {}).items():
+            plot(record, self.path(file))
+        print(f"wrote {', '.join(os.path.join(self.out, f) for f in (f'{name}.json', f'{name}.md', *(plots or {})))}")
+        return record
+
+    def _parsed(self) -> argparse.Namespace:
+        if self.args is None:
+            raise RuntimeError("Study.parse(argv) comes before the command, the record and the outputs.")
+        return self.args
+
+
+def footer(record: Mapping) -> str:
+    """The line under every table: the CPU and device it ran on, jax's version and the load average (1 min) at the
+    start and at the end."""
+    m, load = record["machine"], record["load_average"]
+    cpu = f"{m['cpu_model']}, " if m.get("cpu_model") else ""
+    return (
+        f"Ran on {cpu}{m['cpu_count']} cores, device {m['device']} ({m['platform']}), jax {m['jax']}; load average "
+        f"(1 min) {load['before'][0]:.2f} at the start, {load['after'][0]:.2f} at the end."
     )
