@@ -44,8 +44,9 @@ class KVCacheConfig:
     block_size: int = field(16, "tokens per paged-cache block", low=1)
     implementation: str = field(
         "xla",
-        "paged attention: xla (reference), xla_split (split-KV decode as an XLA loop: the fast CPU path) or "
-        "pallas (kernels; interpreted on CPU)",
+        "paged attention: xla (reference), xla_split (split-KV decode as an XLA loop: the fast CPU path), "
+        "pallas_triton (alias pallas: the Triton kernels for GPUs), pallas_tpu (the Mosaic TPU kernels; both "
+        "interpreted on CPU) or auto (by backend, falling back with a logged line when a kernel refuses)",
         choices=tuple(IMPLEMENTATIONS),
     )
 

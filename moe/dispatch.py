@@ -1,5 +1,7 @@
 """Moving tokens to experts and back: dropless (sort + grouped matmul), capacity (GShard einsum), and the
-expert-parallel dropless dispatch (all-to-all under `jax.shard_map`).
+expert-parallel dispatch (exact-size exchanges under `jax.shard_map`: a ragged all-to-all on GPU and TPU, its
+fixed-size emulation on the CPU; dropless, or with receive buffers capped at O(tokens per shard) and the drops
+counted).
 
 All three compute, for N tokens with top-k choices (experts [N, k], gates [N, k]),
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,13 +35,20 @@ import jax.numpy as jnp
 from core.model import DotGeneral, GroupedMatmul
 
 __all__ = [
+    "EXCHANGES",
+    "ExchangePlan",
+    "buffer_rows",
     "capacity",
     "capacity_assignment",
     "capacity_per_group",
     "dropless",
+    "exchange_plan",
     "expert_ffn",
+    "expert_parallel",
     "expert_parallel_dropless",
+    "padded_ragged_all_to_all",
     "permute",
+    "resolve_exchange",
 ]
 
 
@@ -223,6 +233,171 @@ def capacity(
     return y, keep
 
 
+EXCHANGES = ("auto", "padded", "ragged")
+
+
+class ExchangePlan(NamedTuple):
+    """One shard's arguments of a ragged all-to-all over P shards (`jax.lax.ragged_all_to_all`'s names), [P] int32
+    each: it sends operand[input_offsets[j] : input_offsets[j] + send_sizes[j]] to shard j, which writes them at
+    its rows output_offsets[j] ..., and it receives recv_sizes[j] rows from shard j."""
+
+    input_offsets: jax.Array
+    send_sizes: jax.Array
+    output_offsets: jax.Array
+    recv_sizes: jax.Array
+
+
+def buffer_rows(assignments: int, devices: int, capacity_factor: float | None) -> int:
+    """R, the rows of each shard's receive buffer for `assignments` (n k) sent by each of `devices` (P) shards.
+
+    capacity_factor None: R = P n k, the exact worst case (every shard sends everything to one), so nothing is ever
+    dropped, at P times the memory of a balanced routing. A factor c: R = min(P n k, ceil(c n k)), O(n k) whatever
+    P (a balanced routing sends each shard n k rows), and assignments past R are dropped and counted
+    (`exchange_plan`). A cap is the choice here rather than a two-pass exchange (counts first, then a buffer sized
+    to the largest count): a buffer's size must be static under jit, so a second pass would recompile per size.
+    Raises ValueError for a factor <= 0."""
+    if capacity_factor is None:
+        return devices * assignments
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor = {capacity_factor!r}; allowed: None (no cap) or a number > 0.")
+    return max(1, min(devices * assignments, math.ceil(capacity_factor * assignments)))
+
+
+def exchange_plan(counts: jax.Array, index: jax.Array | int, rows: int) -> tuple[ExchangePlan, ExchangePlan]:
+    """The exact-size exchange of assignments to experts and of their results back, for shard `index`.
+
+    Args:
+      counts: [P, P, k] int32, counts[s, d, r] = assignments of choice rank r (a token's r-th expert) that shard s
+        sends to shard d; every shard lays out its sends grouped by destination, then by rank.
+      index: this shard (0 <= index < P).
+      rows: R, the rows of each receive buffer (`buffer_rows`).
+    Returns:
+      (forward, back): `forward` sends the kept assignments (each shard's buffer is filled rank-major: every first
+      choice, in source order, before any second choice; so past R the last ranks of the last sources drop, and the
+      kept rows of each (source, destination) pair are a prefix of its block); `back` returns the results to the
+      rows they came from (its output_offsets are the forward input_offsets, so a sender's result buffer is aligned
+      with its sorted assignments). forward.send_sizes <= counts.sum(-1)[index]; the difference is this shard's
+      dropped assignments per destination.
+    """
+    counts = jnp.asarray(counts, jnp.int32)
+    p, _, k = counts.shape
+    rank_major = jnp.transpose(counts, (1, 2, 0)).reshape(p, k * p)  # [d, (r, s)]
+    before = jnp.cumsum(rank_major, axis=1) - rank_major
+    kept = jnp.clip(rows - before, 0, rank_major).reshape(p, k, p).transpose(2, 0, 1).sum(-1)  # [s, d]
+    totals = counts.sum(-1)  # [s, d]
+    input_offsets = jnp.cumsum(totals, axis=1) - totals  # where each destination's block starts in a sender
+    output_offsets = jnp.cumsum(kept, axis=0) - kept  # where each source's rows start in a receiver
+    forward = ExchangePlan(input_offsets[index], kept[index], output_offsets[index], kept[:, index])
+    back = ExchangePlan(output_offsets[:, index], kept[:, index], input_offsets[:, index], kept[index])
+    return forward, back
+
+
+def padded_ragged_all_to_all(
+    operand: jax.Array, output: jax.Array, plan: ExchangePlan, *, axis_name: str, block: int | None = None
+) -> jax.Array:
+    """`jax.lax.ragged_all_to_all(operand, output, *plan, axis_name=axis_name)` through a fixed-size all_to_all,
+    for backends without the op (XLA:CPU): each slice travels in a block of `block` rows (default: the most a slice
+    can hold, min(operand rows, output rows)), so it moves P blocks per shard whatever the sizes. Same result, same
+    argument contract (send_sizes equal to the receivers' recv_sizes; slices within bounds)."""
+    p = plan.send_sizes.shape[0]
+    block = min(operand.shape[0], output.shape[0]) if block is None else block
+    r = jnp.arange(block, dtype=jnp.int32)
+    source = jnp.minimum(plan.input_offsets[:, None] + r, operand.shape[0] - 1)  # [P, block]
+    mask = (r < plan.send_sizes[:, None]).reshape((p, block) + (1,) * (operand.ndim - 1))
+    send = jnp.where(mask, operand[source], jnp.zeros((), operand.dtype))
+    exchange = functools.partial(jax.lax.all_to_all, axis_name=axis_name, split_axis=0, concat_axis=0)
+    received, offsets = exchange(send), exchange(plan.output_offsets.reshape(p, 1)).reshape(p)
+    target = jnp.where(r < plan.recv_sizes[:, None], offsets[:, None] + r, output.shape[0])  # past the end: dropped
+    return output.at[target.reshape(-1)].set(received.reshape((p * block,) + operand.shape[1:]), mode="drop")
+
+
+def resolve_exchange(exchange: str) -> str:
+    """ "auto" -> "ragged" on GPU and TPU (XLA has the ragged all-to-all there), "padded" elsewhere (XLA:CPU refuses
+    the op: "HLO opcode ragged-all-to-all is not supported"); "padded" and "ragged" as given. ValueError otherwise."""
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange = {exchange!r}; allowed: {list(EXCHANGES)}.")
+    if exchange == "auto":
+        return "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "padded"
+    return exchange
+
+
+def expert_parallel(
+    x: jax.Array,
+    experts: jax.Array,
+    gates: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    *,
+    axis: str,
+    gmm_up: GroupedMatmul,
+    gmm_down: GroupedMatmul,
+    gate: jax.Array | None = None,
+    gmm_gate: GroupedMatmul | None = None,
+    exchange: str = "auto",
+    capacity_factor: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Dispatch to experts sharded over mesh axis `axis`, with exact-size exchanges; call inside `jax.shard_map`.
+
+    Each shard holds n local tokens and E_l = E / P consecutive experts (shard j: experts j E_l .. (j+1) E_l - 1).
+      1. sort the n k local assignments by destination shard, then by choice rank (ghosts last, never sent);
+      2. all-gather the counts per (destination, rank), [P, k] int32 per shard: every shard then computes the same
+         plan (`exchange_plan`), one small collective instead of an all-to-all of counts and another of offsets;
+      3. send exactly the kept rows (and their local expert ids) into each receiver's buffer of R rows
+         (`buffer_rows`): R = P n k without a cap, nothing dropped; ceil(capacity_factor n k) with one, O(n k)
+         whatever P, dropping past R rank-major (every first choice before any second choice);
+      4. sort the received rows by local expert and run the experts as one grouped matmul per projection (the
+         buffer's unused rows carry the id E_l and are not computed);
+      5. send the results back to the rows they came from, and combine with the gates.
+    The transport (`exchange`): "ragged" is `jax.lax.ragged_all_to_all` (the bytes on the wire are the kept rows'
+    alone; GPU and TPU); "padded" moves each slice in a fixed block of n k rows through `jax.lax.all_to_all`
+    (`padded_ragged_all_to_all`, P n k rows per shard: XLA:CPU has no ragged all-to-all); "auto" picks by backend
+    (`resolve_exchange`). Both compute the same plan, hence the same kept set and the same result.
+
+    Args (per shard):
+      x: [n, d]; experts, gates: [n, k] (expert ids over all P E_l experts; P E_l = a ghost, never sent);
+      up: [E_l, d, h]; down: [E_l, h, d]; gate: [E_l, d, h] for SwiGLU experts (with gmm_gate), else None.
+      capacity_factor: None (no cap) or > 0.
+    Returns:
+      (y [n, d] in x.dtype, keep [n, k] bool: False where the cap dropped the assignment; a dropped assignment
+      contributes zero, like a capacity dispatch's).
+    """
+    kind = resolve_exchange(exchange)
+    n, k = experts.shape
+    d, local = x.shape[1], up.shape[0]
+    devices = jax.lax.axis_size(axis)
+    a = n * k
+    rows = buffer_rows(a, devices, capacity_factor)
+    flat = experts.reshape(-1)
+    dest = jnp.minimum(flat // local, devices)  # devices = a ghost
+    key = dest * k + jnp.tile(jnp.arange(k, dtype=jnp.int32), n)
+    order, inverse = _sort_by(key)
+    xs = permute(jnp.repeat(x, k, axis=0), order, inverse)
+    sorted_dest = dest[order]
+    sorted_local = jnp.where(sorted_dest < devices, flat[order] % local, local)
+    counts = jnp.bincount(key, length=(devices + 1) * k)[: devices * k].astype(jnp.int32).reshape(devices, k)
+    index = jax.lax.axis_index(axis)
+    forward, back = exchange_plan(jax.lax.all_gather(counts, axis), index, rows)
+
+    def transport(operand, output, plan, block):
+        if kind == "ragged":
+            return jax.lax.ragged_all_to_all(operand, output, *plan, axis_name=axis)
+        return padded_ragged_all_to_all(operand, output, plan, axis_name=axis, block=block)
+
+    block = min(a, rows)  # the most rows one (source, destination) pair exchanges
+    recv_x = transport(xs, jnp.zeros((rows, d), x.dtype), forward, block)
+    recv_e = transport(sorted_local, jnp.full((rows,), local, jnp.int32), forward, block)
+    order2, inverse2 = _sort_by(recv_e)
+    group_sizes = jnp.bincount(recv_e, length=local).astype(jnp.int32)  # the unused-row marker E_l is not counted
+    ys = expert_ffn(
+        permute(recv_x, order2, inverse2), group_sizes, up, down, gmm_up, gmm_down, gate=gate, gmm_gate=gmm_gate
+    )
+    ys_sorted = transport(permute(ys, inverse2, order2), jnp.zeros((a, d), x.dtype), back, block)
+    owner = jnp.minimum(sorted_dest, devices - 1)
+    position = jnp.arange(a, dtype=jnp.int32) - forward.input_offsets[owner]
+    kept_sorted = (sorted_dest == devices) | (position < forward.send_sizes[owner])  # ghosts are not drops
+    return _combine(ys_sorted, inverse, order, gates), kept_sorted[inverse].reshape(n, k)
+
+
 def expert_parallel_dropless(
     x: jax.Array,
     experts: jax.Array,
@@ -235,49 +410,20 @@ def expert_parallel_dropless(
     gmm_down: GroupedMatmul,
     gate: jax.Array | None = None,
     gmm_gate: GroupedMatmul | None = None,
+    exchange: str = "auto",
 ) -> jax.Array:
-    """Dropless dispatch to experts sharded over mesh axis `axis`; call inside `jax.shard_map`.
-
-    Each device holds n local tokens and E_l = E / P consecutive experts (device j: experts j E_l .. (j+1) E_l - 1).
-      1. sort the n k local assignments by expert, hence by destination device;
-      2. all-to-all fixed-size buffers [P, n k, d] (row c of block j: the c-th assignment bound for device j), with
-         the local expert id of each row (E_l marks an empty row);
-      3. each device sorts what it received by local expert and runs its experts as one grouped matmul per
-         projection (empty rows sort last and are not computed by the grouped matmuls);
-      4. all-to-all the results back to the same slots, unsort, and combine with the gates.
-    The buffers are sized for the worst case (every assignment to one device), so no token is ever dropped; that
-    costs P x the memory and bytes of an exact-size exchange. A ragged all-to-all would remove it where the
-    backend supports one.
-
-    Args (per device):
-      x: [n, d]; experts, gates: [n, k] (expert ids over all P E_l experts; P E_l = a ghost, never sent);
-      up: [E_l, d, h]; down: [E_l, h, d]; gate: [E_l, d, h] for SwiGLU experts (with gmm_gate), else None.
-    Returns:
-      y: [n, d] in x.dtype.
-    """
-    n, k = experts.shape
-    d, local = x.shape[1], up.shape[0]
-    devices = jax.lax.axis_size(axis)
-    a = n * k
-    flat = experts.reshape(-1)
-    order, inverse = _sort_by(flat)
-    xs = permute(jnp.repeat(x, k, axis=0), order, inverse)
-    sorted_experts = flat[order]
-    dest = sorted_experts // local
-    counts = jnp.bincount(dest, length=devices)
-    starts = jnp.cumsum(counts) - counts
-    slot = jnp.arange(a, dtype=jnp.int32)
-    valid = slot[None, :] < counts[:, None]  # [P, a]
-    source = jnp.minimum(starts[:, None] + slot[None, :], a - 1)
-    send_x = jnp.where(valid[..., None], xs[source], 0)
-    send_e = jnp.where(valid, sorted_experts[source] % local, local)
-    exchange = functools.partial(jax.lax.all_to_all, axis_name=axis, split_axis=0, concat_axis=0)
-    recv_x, recv_e = exchange(send_x).reshape(devices * a, d), exchange(send_e).reshape(devices * a)
-    order2, inverse2 = _sort_by(recv_e)
-    group_sizes = jnp.bincount(recv_e, length=local).astype(jnp.int32)  # the empty-row marker E_l is not counted
-    xs2 = permute(recv_x, order2, inverse2)
-    ys = expert_ffn(xs2, group_sizes, up, down, gmm_up, gmm_down, gate=gate, gmm_gate=gmm_gate)
-    back = exchange(permute(ys, inverse2, order2).reshape(devices, a, d))
-    owner = jnp.minimum(dest, devices - 1)  # ghosts (dest == P) were never sent and get no result
-    ys_sorted = jnp.where((dest < devices)[:, None], back[owner, slot - starts[owner]], 0)
-    return _combine(ys_sorted, inverse, order, gates)
+    """`expert_parallel` without a cap (receive buffers of P n k rows, nothing dropped): y [n, d] alone."""
+    y, _ = expert_parallel(
+        x,
+        experts,
+        gates,
+        up,
+        down,
+        axis=axis,
+        gmm_up=gmm_up,
+        gmm_down=gmm_down,
+        gate=gate,
+        gmm_gate=gmm_gate,
+        exchange=exchange,
+    )
+    return y

@@ -11,8 +11,10 @@ g_e(x) the router's gate of expert e (moe.router), and every expert (the shared 
 
 Dispatch (`MoEConfig.dispatch`):
   * "dropless": sort + grouped matmul (moe.dispatch.dropless). When the logical axis "expert" maps to a mesh
-    axis of size P > 1, the experts are sharded over it and tokens reach them through all-to-all under
-    `jax.shard_map` (moe.dispatch.expert_parallel_dropless); the result is the same as on one device.
+    axis of size P > 1, the experts are sharded over it and tokens reach them through exact-size exchanges under
+    `jax.shard_map` (moe.dispatch.expert_parallel: `ep_exchange` picks the transport, a ragged all-to-all on GPU
+    and TPU); the result is the same as on one device, unless `ep_capacity_factor` caps the receive buffers at
+    O(tokens per shard), when the assignments past the cap are dropped and reported in "moe/dropped".
   * "capacity": the GShard einsum baseline with `capacity_factor`; expert parallelism by annotation only.
 
 Parameters (logical axes): router [d, E] ("embed", "expert"); up [E, d, h] ("expert", "embed", "expert_mlp");
@@ -118,6 +120,9 @@ class MoE(nnx.Module):
         moe.GroupedMatmulFn(moe.grouped_matmul).
       shard: a core.mesh.Sharder (mesh and logical-axis rules); default none (one device).
       resident, routing_mode: a FoMoE site's hosted experts (global ids) and how it routes (ROUTING_MODES).
+      ep_exchange: expert parallelism's transport, moe.dispatch.EXCHANGES: "auto" (by backend), "padded", "ragged".
+      ep_capacity_factor: None (receive buffers of P n k rows, nothing dropped) or c > 0 (ceil(c n k) rows for n
+        tokens per shard; the assignments past them are dropped and counted in "moe/dropped").
 
     aux: "loss/moe_balance" (load_balance_weight x Switch loss), "loss/moe_z" (z_loss_weight x z-loss), and the
     statistics "moe/load_cv", "moe/load_entropy", "moe/token_entropy", "moe/max_load", "moe/dropped"
@@ -140,6 +145,8 @@ class MoE(nnx.Module):
         shard: Sharder | None = None,
         resident: Sequence[int] | None = None,
         routing_mode: str = "partitioned",
+        ep_exchange: str = "auto",
+        ep_capacity_factor: float | None = None,
     ):
         if not (isinstance(d_model, int) and d_model >= 1):
             raise ValueError(f"MoE d_model = {d_model!r} must be a positive int.")
@@ -151,6 +158,13 @@ class MoE(nnx.Module):
         if not ids or len(set(ids)) != len(ids) or not all(0 <= i < e for i in ids):
             raise ValueError(f"{path}: resident experts {ids} must be distinct ids in [0, {e}).")
         local = len(ids)
+        if ep_exchange not in dispatch_lib.EXCHANGES:
+            raise ValueError(f"MoE ep_exchange = {ep_exchange!r}; allowed: {list(dispatch_lib.EXCHANGES)}.")
+        if ep_capacity_factor is not None and not ep_capacity_factor > 0:
+            raise ValueError(
+                f"MoE ep_capacity_factor = {ep_capacity_factor!r}; allowed: None (no cap) or a number > 0."
+            )
+        self.ep_exchange, self.ep_capacity_factor = ep_exchange, ep_capacity_factor
         self.resident = Residency(jnp.asarray(ids, jnp.int32))
         self.skip_token = routing_mode == "skip_token" and local < e
         self.shard = Sharder() if shard is None else shard
@@ -266,7 +280,7 @@ class MoE(nnx.Module):
             )
             keep = keep.reshape(b * t, -1)
         else:
-            y, routing, experts = self._dropless(x.reshape(b * t, d), up, down, gate, key)
+            y, routing, experts, keep = self._dropless(x.reshape(b * t, d), up, down, gate, key)
             y = y.reshape(b, t, d)
         if m.shared_expert_size:
             y = y + self._shared(x, key)
@@ -293,7 +307,8 @@ class MoE(nnx.Module):
         return y * jax.nn.sigmoid(self.shared_scale(x, key=key)) if self.moe.shared_expert_gate else y
 
     def _dropless(self, x, up, down, gate, key):
-        """Routing and dropless dispatch of x [N, d] -> (y [N, d], Routing, local expert slots [N, k]); gate: the
+        """Routing and dropless dispatch of x [N, d] -> (y [N, d], Routing, local expert slots [N, k], keep [N, k]
+        bool or None: with expert parallelism, False where `ep_capacity_factor` dropped the assignment); gate: the
         SwiGLU experts' gate matrices [N_le, d, h], or None.
 
         With a mesh whose batch axes (or expert axis) have several devices, both run under shard_map on each
@@ -322,11 +337,20 @@ class MoE(nnx.Module):
             experts = self.local_ids(routing.experts, resident)
             if self.ep_axis is None:
                 y = dispatch_lib.dropless(x, experts, routing.gates, up, down, gate=gate, **products)
-            else:
-                y = dispatch_lib.expert_parallel_dropless(
-                    x, experts, routing.gates, up, down, axis=self.ep_axis, gate=gate, **products
-                )
-            return y, routing, experts
+                return y, routing, experts, None
+            y, keep = dispatch_lib.expert_parallel(
+                x,
+                experts,
+                routing.gates,
+                up,
+                down,
+                axis=self.ep_axis,
+                gate=gate,
+                exchange=self.ep_exchange,
+                capacity_factor=self.ep_capacity_factor,
+                **products,
+            )
+            return y, routing, experts, keep
 
         weights = (self.router.get_value(), self.resident.get_value(), up, down) + (() if gate is None else (gate,))
         mesh = self.shard.mesh
@@ -351,5 +375,5 @@ class MoE(nnx.Module):
             out_specs=tokens,
             check_vma=not getattr(mesh, "manual_axes", ()),  # nested in a site's manual region: see above
         )
-        y, routing, experts = fn(x, key, *weights)
-        return y[:n], jax.tree.map(lambda a: a[:n], routing), experts[:n]
+        y, routing, experts, keep = fn(x, key, *weights)
+        return y[:n], jax.tree.map(lambda a: a[:n], routing), experts[:n], None if keep is None else keep[:n]

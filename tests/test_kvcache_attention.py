@@ -420,8 +420,8 @@ def test_bad_input_is_named():
         decode_attention(q[:, :3], fields, tables, seq_lens, fmt=fmt)
     with pytest.raises(ValueError, match="partitions = 9"):
         decode_attention(q, fields, tables, seq_lens, fmt=fmt, implementation="pallas", partitions=9)
-    with pytest.raises(ValueError, match="partitions applies to implementation='pallas'"):
-        decode_attention(q, fields, tables, seq_lens, fmt=fmt, partitions=2)
+    with pytest.raises(ValueError, match="partitions applies to implementation="):
+        decode_attention(q, fields, tables, seq_lens, fmt=fmt, implementation="xla", partitions=2)
     # shapes and dtypes through chex, each message naming the argument and what it must be
     with pytest.raises(AssertionError, match=r"rank 2 .* expected 3.*q: \[tokens or sequences, heads, head_dim\]"):
         decode_attention(q[0], fields, tables, seq_lens, fmt=fmt)

@@ -13,6 +13,11 @@ Splitting a long context over P partitions is flash-decoding: without it one pro
 context alone while the rest of the GPU idles (the long-context cliff). `num_partitions` picks P from the
 context and the batch.
 
+On-chip budget: before building the kernel, its tiles' shared memory / LDS need (`budgets.triton_attention_bytes`)
+is checked against the device family's (`device=`, or detected from `jax.devices()[0].device_kind`; an unknown
+device is not checked). When the query tile does not fit and was not given, it is halved until it does; a tile of 1
+(decode) that still does not fit raises NotImplementedError with the numbers (`budgets.check`).
+
 Formats are decoded in the kernel, 32 head-dim columns at a time, by the format's own hooks
 (`Format.kernel_groups`, `Format.kernel_token_scale`); the built-in ones:
   bf16 / fp8: the columns' values (fp8's per-token scale multiplies the scores and the probabilities);
@@ -49,8 +54,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kvcache.formats import GROUP, Format
+from kvcache.kernels import budgets
 
-__all__ = ["MIN_ROWS", "decode_attention", "num_partitions", "unified_attention"]
+__all__ = ["MIN_ROWS", "decode_attention", "fit_tile", "num_partitions", "shared_memory_bytes", "unified_attention"]
 
 MIN_ROWS = 16  # rows of the query tile: tensor-core matrix products need M >= 16
 TARGET_PROGRAMS = 512  # programs to aim for when splitting (about 4 per SM on an H200's 132 SMs)
@@ -65,6 +71,32 @@ def num_partitions(
     by_parallelism = math.ceil(target / max(programs, 1))
     by_length = max(1, max_blocks // min_blocks)
     return max(1, min(by_parallelism, by_length, max_blocks))
+
+
+def shared_memory_bytes(fmt: Format, *, tile: int, groups: int, head_dim: int, block_size: int) -> int:
+    """On-chip bytes of one program at query tile `tile` and GQA group size `groups` (see
+    `budgets.triton_attention_bytes`; rows = tile x max(groups, ceil(MIN_ROWS / tile)), the padded query heads)."""
+    rows = tile * max(groups, -(-MIN_ROWS // tile))
+    return budgets.triton_attention_bytes(
+        rows=rows,
+        head_dim=head_dim,
+        block_size=block_size,
+        kv_bytes_per_token=fmt.bytes_per_token(1, head_dim),
+    )
+
+
+def fit_tile(
+    fmt: Format, *, tile: int, groups: int, head_dim: int, block_size: int, device: str, shrink: bool = True
+) -> int:
+    """The largest query tile <= `tile` (halving; only `tile` itself when shrink=False) whose program fits the
+    on-chip memory of `device` (a family of `budgets.BUDGETS`); NotImplementedError with the numbers of the smallest
+    one tried when none does."""
+    while True:
+        need = shared_memory_bytes(fmt, tile=tile, groups=groups, head_dim=head_dim, block_size=block_size)
+        if need <= budgets.BUDGETS[device].bytes or not shrink or tile == 1:
+            budgets.check(need, device, what=f"the Triton attention kernel (query tile {tile}, D = {head_dim})")
+            return tile
+        tile = max(1, tile // 2)
 
 
 def _kernel(
@@ -156,6 +188,7 @@ def unified_attention(
     partitions: int | None = None,
     tile: int | None = None,
     interpret: bool = False,
+    device: str | None = None,
 ) -> jax.Array:
     """The Pallas kernel behind `kvcache.unified_attention` (see `kvcache.reference.unified_attention`).
 
@@ -163,6 +196,9 @@ def unified_attention(
       partitions: KV partitions per query tile (default `num_partitions(...)`; 1 = no split-KV).
       tile: query tokens per program (default min(max_query_len, 16), rounded to a power of two).
       interpret: run the kernel in Pallas' interpreter (CPU tests).
+      device: the device family whose on-chip budget the tiles must fit (`budgets.BUDGETS`; None: detected, and an
+        unknown device is not checked). A default tile is halved until it fits; a given one is only checked.
+    Raises: NotImplementedError when the tiles do not fit the device (the numbers in the message).
     Returns: [T, H, D] float32. Positions a query may not see, and the slots past a sequence's length, are
       excluded by selection (see the module docstring), so NaN or Inf in them never reaches the output.
     """
@@ -171,7 +207,12 @@ def unified_attention(
     batch, max_blocks = block_tables.shape
     groups = num_heads // num_kv
     max_q = t if max_query_len is None else int(max_query_len)
+    family = budgets.resolve(device)
+    shrink = tile is None
     tile = tile or min(16, pl.next_power_of_2(max_q))
+    if family is not None:
+        fit = functools.partial(fit_tile, fmt, groups=groups, head_dim=d, block_size=block_size, device=family)
+        tile = fit(tile=tile, shrink=shrink)
     heads = max(groups, -(-MIN_ROWS // tile))  # Gp: padded query heads per KV head
     num_tiles = -(-max_q // tile)
     q_pad = num_tiles * tile
@@ -240,8 +281,10 @@ def decode_attention(
     sm_scale: float | None = None,
     partitions: int | None = None,
     interpret: bool = False,
+    device: str | None = None,
 ) -> jax.Array:
-    """Split-KV decode: one query token per sequence, q [B, H, D] -> [B, H, D] float32."""
+    """Split-KV decode: one query token per sequence, q [B, H, D] -> [B, H, D] float32. Its query tile is one
+    token (no smaller tile exists): tiles that do not fit `device` raise NotImplementedError (see unified_attention)."""
     b = q.shape[0]
     return unified_attention(
         q,
@@ -255,4 +298,5 @@ def decode_attention(
         partitions=partitions,
         tile=1,
         interpret=interpret,
+        device=device,
     )
