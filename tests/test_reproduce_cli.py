@@ -44,6 +44,7 @@ MODULES = [
             "mgup",
             "serving",
             "ufp4",
+            "ufp4_scale",
         )
     ),
 ]

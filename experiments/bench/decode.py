@@ -12,10 +12,10 @@ Reported per step: median milliseconds; KV bytes read (the stored bytes of `cont
 head for bf16, 2 D + 8 for fp8, D + D / 16 for fp4, D + D / 8 for nvfp4); effective bandwidth = KV bytes / time,
 against a jitted copy of a 256 MiB buffer (read + write bytes / time).
 
-On a GPU the Pallas split-KV kernel (`implementation="pallas"`) is timed too, against the decode goal at 128K
-(docs/kvcache.md: fp4 at least 2.5x faster than bf16 and at least 60% of the copy bandwidth). On a CPU Pallas
-runs only in its interpreter, which says nothing about speed, so it is left out. Writes decode.json, decode.md
-and decode.png into `--out` (`--out results/bench` for the table docs/kvcache.md quotes).
+On a GPU or a TPU the device's Pallas split-KV kernel (`pallas_triton` / `pallas_tpu`) is timed too, against the
+decode goal at 128K (docs/kvcache.md: fp4 at least 2.5x faster than bf16 and at least 60% of the copy bandwidth). On a
+CPU Pallas runs only in its interpreter, which says nothing about speed, so it is left out. Writes decode.json,
+decode.md and decode.png into `--out` (`--out results/bench` for the table docs/kvcache.md quotes).
 """
 
 from __future__ import annotations
@@ -56,8 +56,17 @@ def filled_pool(fmt: formats.Format, context: int) -> tuple[dict, jax.Array]:
 
 
 def implementations() -> tuple[str, ...]:
-    """The decode implementations timed on this backend: the XLA pair, and the Pallas kernel on a GPU."""
-    return IMPLEMENTATIONS + (("pallas",) if jax.default_backend() == "gpu" else ())
+    """The decode implementations timed on this backend: the XLA pair, and the device's Pallas kernel ("pallas":
+    `kernel_name`) on a GPU or a TPU."""
+    return IMPLEMENTATIONS + (("pallas",) if jax.default_backend() in ("gpu", "tpu") else ())
+
+
+def kernel_name(impl: str) -> str:
+    """The kvcache implementation a timed row's name runs: "pallas" is the backend's kernel (pallas_tpu on a TPU,
+    pallas_triton elsewhere); the XLA names are themselves."""
+    if impl != "pallas":
+        return impl
+    return "pallas_tpu" if jax.default_backend() == "tpu" else "pallas_triton"
 
 
 def run(contexts: list[int], repeats: int, names: tuple[str, ...] = FORMATS) -> dict:
@@ -80,7 +89,9 @@ def run(contexts: list[int], repeats: int, names: tuple[str, ...] = FORMATS) -> 
             kv_bytes[name] = context * fmt.bytes_per_token(NUM_KV_HEADS, HEAD_DIM)
             for impl in implementations():
                 step = jax.jit(
-                    lambda q, f, t, s, fmt=fmt, impl=impl: decode_attention(q, f, t, s, fmt=fmt, implementation=impl)
+                    lambda q, f, t, s, fmt=fmt, impl=impl: decode_attention(
+                        q, f, t, s, fmt=fmt, implementation=kernel_name(impl)
+                    )
                 )
                 calls[name, impl] = functools.partial(step, q, fields, table, seq_lens)
         seconds = interleaved_medians(calls, repeats=repeats, warmup=1, what=f"decode at context {context:,}")
