@@ -107,7 +107,7 @@ def _tpu_op(name: str) -> Callable[..., jax.Array]:
     return op
 
 
-def _tpu_unified(q, fields, block_tables, seq_lens, query_start_loc, *, interpret, device, **kw):
+def _tpu_unified(q, fields, block_tables, seq_lens, query_start_loc, *, interpret, **kw):
     op = _tpu_op("unified_attention")  # (its own `interpret`: None compiles on a TPU, interprets elsewhere)
     return op(q, fields, block_tables, seq_lens, query_start_loc, interpret=interpret, **kw)
 
@@ -127,7 +127,7 @@ def _triton_decode(q, fields, block_tables, seq_lens, *, interpret, **kw):
     return attention_kernel.decode_attention(q, fields, block_tables, seq_lens, interpret=_interpret(interpret), **kw)
 
 
-def _tpu_decode(q, fields, block_tables, seq_lens, *, interpret, device, **kw):
+def _tpu_decode(q, fields, block_tables, seq_lens, *, interpret, **kw):
     op = _tpu_op("decode_attention")
     return op(q, fields, block_tables, seq_lens, interpret=interpret, **kw)
 
@@ -306,8 +306,9 @@ def unified_attention(
 
     See `kvcache.reference.unified_attention`. implementation: a name of `IMPLEMENTATIONS` or a sequence of them
     (the first that accepts the call runs; see the module docstring). partitions: the split-KV partition count of the
-    Pallas kernels. device: the device family whose on-chip memory the Triton kernel's tiles must fit
-    (`kvcache.kernels.budgets.BUDGETS`; None: detected from the default device, unknown -> not checked).
+    Pallas kernels. device: the device family whose on-chip memory the kernel's tiles must fit (Triton: shared
+    memory / LDS; TPU: VMEM; `kvcache.kernels.budgets.BUDGETS`; None: detected from the default device, unknown
+    -> not checked; the TPU kernel refuses a family that is not a TPU).
     Raises: ValueError for bad input (the argument, its value, what is allowed); NotImplementedError when the named
     implementation (or every one of a sequence) refuses the call.
     """

@@ -36,9 +36,10 @@ core.lowbit's quantisers do: a non-finite key or value is never stored as a fini
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -120,6 +121,14 @@ def _e4m3_levels(x: jax.Array, absmax: jax.Array, grid: str, select: str) -> tup
     return first[0], jnp.where(jnp.isfinite(absmax), first[1], jnp.nan)
 
 
+def _row_parts(row, head_dim: int) -> list[tuple[Any, jax.Array]]:
+    """A token row as (columns, values [1, n]) parts for a kernel to store: 32-column groups when head_dim is a
+    multiple of 32 (Triton takes only power-of-two arrays, and a padded head dim of 96 is not one), else the row."""
+    if head_dim % GROUP:
+        return [(slice(None), row())]
+    return [(pl.ds(g * GROUP, GROUP), row(g * GROUP, GROUP)) for g in range(head_dim // GROUP)]
+
+
 def _pack(codes: jax.Array) -> jax.Array:
     half = codes.shape[-1] // 2
     return (codes[..., :half] | (codes[..., half:] << 4)).astype(jnp.uint8)
@@ -127,7 +136,10 @@ def _pack(codes: jax.Array) -> jax.Array:
 
 class Codec:
     """One side's storage: `fields`, `encode`, `decode` in XLA, and the kernel hooks (kvcache.formats.Format
-    documents them: `kernel_groups`, `kernel_token_scale`, `kernel_write`)."""
+    documents them: `kernel_groups`, `kernel_token_scale`, `kernel_write`). `pad_multiple`: a head dim the format
+    pads (kvcache.formats.PADDED_HEAD_DIMS) is padded to a multiple of it (the columns a kernel decodes at a time)."""
+
+    pad_multiple: ClassVar[int] = GROUP
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raises ValueError naming `head_dim` if this codec cannot store rows of that size (any, by default)."""
@@ -175,7 +187,8 @@ class Plain(Codec):
         return fields[prefix].astype(jnp.float32)
 
     def kernel_write(self, outs, prefix, row, blk, h, off, head_dim):
-        outs[prefix][blk, h, pl.ds(off, 1), :] = row().astype(jnp.bfloat16)
+        for columns, values in _row_parts(row, head_dim):
+            outs[prefix][blk, h, pl.ds(off, 1), columns] = values.astype(jnp.bfloat16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,10 +214,11 @@ class PerToken8(Codec):
         return refs[prefix + "_scale"][blk, h, :]
 
     def kernel_write(self, outs, prefix, row, blk, h, off, head_dim):
-        values = row()
-        absmax = jnp.max(jnp.abs(values))
+        parts = _row_parts(row, head_dim)
+        absmax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(values)) for _, values in parts])
         scale = jnp.where(absmax > 0, absmax / E4M3_MAX, 1.0)
-        outs[prefix][blk, h, pl.ds(off, 1), :] = cast_e4m3(values / scale)
+        for columns, values in parts:
+            outs[prefix][blk, h, pl.ds(off, 1), columns] = cast_e4m3(values / scale)
         outs[prefix + "_scale"][blk, h, pl.ds(off, 1)] = jnp.reshape(scale, (1,))
 
 
@@ -216,6 +230,7 @@ class Block4(Codec):
     grid: str = "e2m1"
     scale: str = "ue8m0"
     rule: str = "mse"
+    pad_multiple: ClassVar[int] = 2 * GROUP  # two 32-element groups per split-half packed chunk
 
     def __post_init__(self):
         rules = SCALE_RULES if self.scale == "ue8m0" else E4M3_SELECTIONS

@@ -17,6 +17,16 @@ kernel load each one contiguously; `pack_slots` / `unpack_slots` convert to and 
   "k8v4":  keys as fp8's (E4M3, a float32 scale per token and head, float32 query), values as    3 D / 2 + D / 32
            fp4's (unrotated, UE8M0 per 32)                                                                 + 4 (200)
 
+Head dims 80 and 96 (Phi-2's and Phi-3's heads) are stored padded with zeros to Dp (`Format.padded_head_dim`), the
+smallest size >= D that every codec takes (a multiple of 32 for bf16 / fp8 codes, the columns a kernel decodes at a
+time; of 64 for 4-bit sides, two 32-element groups per split-half packed chunk), and a power of two when the format
+rotates (the Hadamard matrix): bf16 and fp8 store 96 columns for both, fp4, nvfp4 and k8v4 store 128 (k8v4's two
+sides share one Dp). `quantize` pads K and V, `prepare_query` pads the query, `finish_output(out, D)` slices the
+output back; zero columns add q_pad . k_pad = 0 to every score (rotated: (q_pad H) . (k_pad H) = q_pad . k_pad = q . k),
+so attention is that of the unpadded heads. `fields` and `bytes_per_token` state the padded (stored) sizes, e.g.
+fp4 at D = 96: 128 + 8 = 136 bytes per token and head, as at D = 128. Any other head dim the codecs or the rotation
+do not take is refused.
+
 The element codecs (grids, scale rules and selections, split-half packing, their kernel hooks) are kvcache.codecs';
 the numerics under them (4-bit codes, exact powers of two and floor(log2), E4M3 rounding, the Hadamard matrix)
 core.lowbit's.
@@ -70,6 +80,7 @@ __all__ = [
     "MSE_FACTOR",
     "NAMES",
     "NVFP4",
+    "PADDED_HEAD_DIMS",
     "REGISTRY",
     "SCALE_RULES",
     "Format",
@@ -85,6 +96,9 @@ __all__ = [
     "ue8m0_exponent",
     "unpack_slots",
 ]
+
+
+PADDED_HEAD_DIMS = (80, 96)  # head dims stored padded with zeros to `Format.padded_head_dim` (Phi-2, Phi-3)
 
 
 def hadamard(d: int) -> np.ndarray:
@@ -136,81 +150,128 @@ class Format:
         return self.codec("k").main_field("k")
 
     def check_head_dim(self, head_dim: int) -> None:
-        """Raises ValueError naming `head_dim` if this format cannot store heads of that size."""
-        for codec in self.codecs():
-            codec.check_head_dim(head_dim)
-        if self.rotate_k or self.rotate_v:
-            hadamard(head_dim)
+        """Raises ValueError naming `head_dim`, its value and what is allowed if this format cannot store heads of
+        that size: one every codec (and the rotation, if any) takes as it is, or one of `PADDED_HEAD_DIMS`."""
+        if head_dim in PADDED_HEAD_DIMS:
+            return
+        try:
+            for codec in self.codecs():
+                codec.check_head_dim(head_dim)
+            if self.rotate_k or self.rotate_v:
+                hadamard(head_dim)
+        except ValueError as e:
+            raise ValueError(f"{e}; or one of {list(PADDED_HEAD_DIMS)}, stored padded with zeros") from None
+
+    def padded_head_dim(self, head_dim: int) -> int:
+        """Dp, the head dim the fields store for model heads of `head_dim` (checked: `check_head_dim`): `head_dim`
+        itself, or for one of `PADDED_HEAD_DIMS` the smallest size >= it that is a multiple of every codec's
+        `pad_multiple` (32 or 64) and, if the format rotates, a power of two (80, 96 -> 96 for bf16 / fp8, 128 for
+        the 4-bit formats)."""
+        self.check_head_dim(head_dim)
+        if head_dim not in PADDED_HEAD_DIMS:
+            return head_dim
+        multiple = max(codec.pad_multiple for codec in self.codecs())  # 32 or 64: the larger is their lcm
+        dp = -(-head_dim // multiple) * multiple
+        return 1 << (dp - 1).bit_length() if self.rotate_k or self.rotate_v else dp
 
     def fields(self, num_kv_heads: int, head_dim: int) -> Fields:
-        """name -> (shape per token [K, *trailing], dtype) of each stored array, in the slot's byte order."""
-        self.check_head_dim(head_dim)
+        """name -> (shape per token [K, *trailing], dtype) of each stored array, in the slot's byte order, for model
+        heads of `head_dim` (stored as `padded_head_dim(head_dim)` columns)."""
+        dp = self.padded_head_dim(head_dim)
         k, v = self.codecs()
-        return {**k.fields("k", num_kv_heads, head_dim), **v.fields("v", num_kv_heads, head_dim)}
+        return {**k.fields("k", num_kv_heads, dp), **v.fields("v", num_kv_heads, dp)}
 
     def bytes_per_token(self, num_kv_heads: int, head_dim: int) -> int:
-        """Bytes one token occupies in one layer (keys, values and their scales): the sum of its fields' sizes."""
+        """Bytes one token occupies in one layer (keys, values and their scales): the sum of its fields' sizes, at
+        the padded (stored) head dim."""
         return sum(
             int(np.prod(shape)) * np.dtype(dtype).itemsize
             for shape, dtype in self.fields(num_kv_heads, head_dim).values()
         )
 
     def head_dim_of(self, fields: dict[str, jax.Array]) -> int:
-        """D of stored fields (any leading dims)."""
+        """The stored head dim Dp of fields (any leading dims): `padded_head_dim` of the model's D."""
         return self.codec("k").head_dim_of(fields[self.key_field])
 
     def rotation(self, head_dim: int) -> np.ndarray | None:
-        """The matrix K (and the query) is rotated by before storing, or None."""
-        return hadamard(head_dim) if self.rotate_k else None
+        """The matrix [Dp, Dp] that padded K (and the query) is rotated by before storing, or None."""
+        return hadamard(self.padded_head_dim(head_dim)) if self.rotate_k else None
 
     def value_rotation(self, head_dim: int) -> np.ndarray | None:
-        """The matrix V is rotated by before storing, or None."""
-        return hadamard(head_dim) if self.rotate_v else None
+        """The matrix [Dp, Dp] that padded V is rotated by before storing, or None."""
+        return hadamard(self.padded_head_dim(head_dim)) if self.rotate_v else None
 
-    def finish_output(self, out: jax.Array) -> jax.Array:
-        """Attention output [..., D] computed from stored (possibly rotated) V -> output in the model's basis."""
+    def pad(self, x: jax.Array) -> jax.Array:
+        """x [..., D] -> float32 [..., Dp], zero columns appended (`padded_head_dim`; nothing when Dp = D)."""
+        dp = self.padded_head_dim(x.shape[-1])
+        x = x.astype(jnp.float32)
+        return x if dp == x.shape[-1] else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, dp - x.shape[-1])])
+
+    def finish_output(self, out: jax.Array, head_dim: int | None = None) -> jax.Array:
+        """Attention output [..., Dp] computed from stored (possibly rotated) V -> output in the model's basis,
+        [..., head_dim] (its first `head_dim` columns: the others are the padding's zeros; default Dp, none cut)."""
         rot = self.value_rotation(out.shape[-1])
-        return out if rot is None else _rotate(out, rot)
+        out = out if rot is None else _rotate(out, rot)
+        return out if head_dim is None else out[..., :head_dim]
 
     def prepare_query(self, q: jax.Array) -> jax.Array:
-        """q [..., D] -> float32 query in the basis (and precision) the score product with the stored K uses: rotated
-        like K, and with `fp8_query` rounded to FP8 E4M3 values (scale 1, saturating at +-448)."""
-        q = q.astype(jnp.float32)
+        """q [..., D] -> float32 query [..., Dp] in the basis (and precision) the score product with the stored K
+        uses: padded with zeros to Dp, rotated like K, and with `fp8_query` rounded to FP8 E4M3 values (scale 1,
+        saturating at +-448; zeros stay zeros)."""
+        q = self.pad(q)
         rot = self.rotation(q.shape[-1])
         if rot is not None:
             q = _rotate(q, rot)
         return lowbit.round_e4m3(q) if self.fp8_query else q
 
+    def stored_rows(self, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """k, v [..., K, D] -> float32 [..., K, Dp]: padded with zeros and rotated as the format stores them (what
+        the codecs encode; the write kernel's input)."""
+        k, v = self.pad(k), self.pad(v)
+        rot, vrot = self.rotation(k.shape[-1]), self.value_rotation(k.shape[-1])
+        return (k if rot is None else _rotate(k, rot)), (v if vrot is None else _rotate(v, vrot))
+
     def quantize(self, k: jax.Array, v: jax.Array) -> dict[str, jax.Array]:
-        """k, v [..., K, D] (any float dtype, equal shapes) -> the stored fields, each [..., K, *trailing]."""
+        """k, v [..., K, D] (any float dtype, equal shapes) -> the stored fields, each [..., K, *trailing] (at the
+        padded head dim Dp)."""
         if k.shape != v.shape:
             raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape [..., K, D]")
         chex.assert_type([k, v], float, custom_message=f"{self.label}: k and v are quantised from floating point")
-        self.check_head_dim(k.shape[-1])
-        rot, vrot = self.rotation(k.shape[-1]), self.value_rotation(k.shape[-1])
-        k = k.astype(jnp.float32) if rot is None else _rotate(k, rot)
-        v = v.astype(jnp.float32) if vrot is None else _rotate(v, vrot)
+        k, v = self.stored_rows(k, v)
         kc, vc = self.codecs()
         return {**kc.encode("k", k), **vc.encode("v", v)}
 
-    def dequantize(self, fields: dict[str, jax.Array], *, rotated: bool = False) -> tuple[jax.Array, jax.Array]:
-        """The stored fields -> (k, v) float32 [..., K, D]. With `rotated=True`, rotated K (and V) stay in the stored
-        basis (what attention uses, with `prepare_query` and `finish_output`); otherwise they are rotated back (H is
-        its own inverse: one more product with it)."""
+    def dequantize(
+        self, fields: dict[str, jax.Array], *, rotated: bool = False, head_dim: int | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """The stored fields -> (k, v) float32 [..., K, Dp]. With `rotated=True`, rotated K (and V) stay in the
+        stored basis (what attention uses, with `prepare_query` and `finish_output`); otherwise they are rotated
+        back (H is its own inverse: one more product with it), and `head_dim` (the model's D) cuts the padding off:
+        [..., K, D]. A `head_dim` other than Dp with `rotated=True` on a rotating format is a ValueError (padding is
+        not a set of columns in the rotated basis)."""
         kc, vc = self.codecs()
         k, v = kc.decode(fields, "k"), vc.decode(fields, "v")
-        rot, vrot = self.rotation(k.shape[-1]), self.value_rotation(k.shape[-1])
+        dp = k.shape[-1]
+        rot, vrot = self.rotation(dp), self.value_rotation(dp)
         if not rotated:
             k = k if rot is None else _rotate(k, rot)
             v = v if vrot is None else _rotate(v, vrot)
-        return k, v
+        if head_dim is None or head_dim == dp:
+            return k, v
+        if (rotated and (rot is not None or vrot is not None)) or self.padded_head_dim(head_dim) != dp:
+            raise ValueError(
+                f"head_dim = {head_dim}; allowed: the stored {dp}, or a head dim stored as {dp} "
+                f"(with rotated=False where {self.label} rotates)"
+            )
+        return k[..., :head_dim], v[..., :head_dim]
 
     # --- what the Pallas kernels need (refs of a layer's pool fields [NB, K, bs, ...], indexed per block and head)
 
     def kernel_groups(self, refs: dict, prefix: str, blk, h, head_dim: int) -> Iterator[KernelGroup]:
         """Yields (g, values [bs, 32] float32, group scale [bs] or None) for each 32-column group g of the K
         (prefix "k") or V ("v") of block `blk`, KV head `h`. Values without a group scale may be NaN or Inf in the
-        block's tail past the sequence (the kernel selects them away); with one, they are finite."""
+        block's tail past the sequence (the kernel selects them away); with one, they are finite. `head_dim` is the
+        stored (padded) Dp."""
         return self.codec(prefix).kernel_groups(refs, prefix, blk, h, head_dim)
 
     def kernel_token_scale(self, refs: dict, prefix: str, blk, h) -> jax.Array | None:

@@ -2,7 +2,8 @@
 
 pool fields: `fields[name]` [L, NB, K, bs, *trailing] per stored array of the format (layers x blocks x KV heads
              x block tokens); one token of one layer costs `fmt.bytes_per_token(K, D)` bytes, so a byte budget
-             holds 512 / 136 = 3.76x more fp4 tokens than bf16 tokens at D = 128.
+             holds 512 / 136 = 3.76x more fp4 tokens than bf16 tokens at D = 128. Heads of D = 80 or 96 are
+             stored padded to the format's Dp (`Format.padded_head_dim`) and cost (and are planned at) Dp's bytes.
 Whole blocks only: a byte budget holds `kvcache.capacity.num_blocks` blocks. Which blocks a sequence owns is its
 block table; `kvcache.serving.blocks.BlockManager` hands blocks out (with a prefix cache) on the host.
 PagedKVCache: the `core.attention.KVCache` protocol over a pool, so the model's cached generation runs on any

@@ -58,10 +58,12 @@ def unified_attention(
       max_query_len: static bound on any sequence's query count (default T).
       sm_scale: score scale (default 1 / sqrt(D)).
     Returns:
-      [T, H, D] float32. Keys and values are dequantised in the basis the format stores them in, the query is
-      prepared by `fmt.prepare_query` (rotation and FP8 for fp4) and the output by `fmt.finish_output`, exactly as
-      the kernels do. Positions a query may not see are excluded by selection (scores -inf, values of slots past
-      `seq_lens` 0), so whatever those slots hold, NaN and Inf included, never reaches the output.
+      [T, H, D] float32. Keys and values are dequantised in the basis the format stores them in (at its padded head
+      dim Dp: `fmt.padded_head_dim`), the query is prepared by `fmt.prepare_query` (zero padding to Dp, rotation and
+      FP8 for fp4) and the output by `fmt.finish_output` (back to D columns), exactly as the kernels do; the default
+      sm_scale is the model's 1 / sqrt(D), not Dp's. Positions a query may not see are excluded by selection
+      (scores -inf, values of slots past `seq_lens` 0), so whatever those slots hold, NaN and Inf included, never
+      reaches the output.
     """
     t, h, d = q.shape
     b = block_tables.shape[0]
@@ -74,7 +76,9 @@ def unified_attention(
     q_len = query_start_loc[1:] - query_start_loc[:-1]  # [B]
     j = jnp.arange(max_q)
     rows = jnp.clip(query_start_loc[:-1, None] + j[None], 0, t - 1)  # [B, max_q] token index of each query slot
-    qb = fmt.prepare_query(q)[rows].reshape(b, max_q, num_kv, h // num_kv, d)
+    qp = fmt.prepare_query(q)  # [T, H, Dp]
+    dp = qp.shape[-1]
+    qb = qp[rows].reshape(b, max_q, num_kv, h // num_kv, dp)
     scores = jnp.einsum("bqkgd,bksd->bkgqs", qb, keys, precision=jax.lax.Precision.HIGHEST) * scale
     q_pos = seq_lens[:, None] - q_len[:, None] + j[None]  # [B, max_q]
     k_pos = jnp.arange(keys.shape[2])
@@ -83,10 +87,10 @@ def unified_attention(
     probs = jax.nn.softmax(scores, axis=-1)
     owned = k_pos[None, :] < seq_lens[:, None]  # [B, S]: slots of the sequence, the rest may hold NaN / Inf
     values = jnp.where(owned[:, None, :, None], values, 0.0)  # so that 0 probability x value is 0, never NaN
-    out = jnp.einsum("bkgqs,bksd->bqkgd", probs, values, precision=jax.lax.Precision.HIGHEST).reshape(b, max_q, h, d)
+    out = jnp.einsum("bkgqs,bksd->bqkgd", probs, values, precision=jax.lax.Precision.HIGHEST).reshape(b, max_q, h, dp)
     # Each token reads its slot back: token i of sequence s is slot i - query_start_loc[s].
     seq_of = jnp.searchsorted(query_start_loc[1:], jnp.arange(t), side="right")
-    return fmt.finish_output(out[seq_of, jnp.arange(t) - query_start_loc[seq_of]])
+    return fmt.finish_output(out[seq_of, jnp.arange(t) - query_start_loc[seq_of]], d)
 
 
 def decode_attention(
@@ -115,8 +119,9 @@ def decode_attention(
 def write(
     fields: dict[str, jax.Array], k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *, fmt: Format
 ) -> dict[str, jax.Array]:
-    """Quantise-on-write: k, v [T, K, D] go to flat slots `slot_mapping` [T] (block * bs + offset; negative =
-    skip, e.g. padding). Returns the updated fields [NB, K, bs, ...]."""
+    """Quantise-on-write: k, v [T, K, D] (padded to the format's Dp inside `fmt.quantize`) go to flat slots
+    `slot_mapping` [T] (block * bs + offset; negative = skip, e.g. padding). Returns the updated fields
+    [NB, K, bs, ...]."""
     new = fmt.quantize(k, v)  # [T, K, ...]
     out = {}
     for name, x in fields.items():

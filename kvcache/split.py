@@ -42,7 +42,8 @@ def decode_attention(
 
     out = sum_p exp(lse_p - LSE) out_p over partitions p of `blocks_per_partition` blocks, where out_p and lse_p are
     the softmax-weighted values and the log-sum-exp of the scores q k^T * sm_scale of the partition's positions
-    below `seq_lens` (the others are excluded by selection).
+    below `seq_lens` (the others are excluded by selection), at the format's padded head dim Dp (zero columns add
+    nothing to a score), cut back to D by `fmt.finish_output`; sm_scale defaults to 1 / sqrt(D).
     """
     b, h, d = q.shape
     num_kv, block_size = next(iter(fields.values())).shape[1:3]
@@ -52,7 +53,9 @@ def decode_attention(
     parts = -(-block_tables.shape[1] // per)
     tables = jnp.pad(block_tables, ((0, 0), (0, parts * per - block_tables.shape[1])))
     tables = tables.reshape(b, parts, per).transpose(1, 0, 2)  # [P, B, per]
-    qk = fmt.prepare_query(q).reshape(b, num_kv, groups, d)
+    qk = fmt.prepare_query(q)  # [B, H, Dp]: padded with zeros to the stored head dim
+    dp = qk.shape[-1]
+    qk = qk.reshape(b, num_kv, groups, dp)
     longest = jnp.max(seq_lens)
 
     def partial(p, table):
@@ -74,7 +77,7 @@ def decode_attention(
             return out, jnp.where(l > 0, m_safe + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)[..., 0]
 
         def skip(_):
-            return jnp.zeros((b, num_kv, groups, d), jnp.float32), jnp.full((b, num_kv, groups), -jnp.inf)
+            return jnp.zeros((b, num_kv, groups, dp), jnp.float32), jnp.full((b, num_kv, groups), -jnp.inf)
 
         return jax.lax.cond(p * per * block_size < longest, compute, skip, None)
 
@@ -82,4 +85,4 @@ def decode_attention(
     total = jax.nn.logsumexp(lse, axis=0)
     weights = jnp.exp(lse - jnp.where(jnp.isfinite(total), total, 0.0))
     out = jnp.sum(weights[..., None] * outs, axis=0)  # [B, K, G, D]
-    return fmt.finish_output(out.reshape(b, h, d))
+    return fmt.finish_output(out.reshape(b, h, dp), d)

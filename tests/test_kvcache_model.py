@@ -56,6 +56,24 @@ def test_paged_decode_matches_full_forward(name):
         assert err < tol, (name, b, err)
 
 
+@pytest.mark.parametrize("name", ["bf16", "fp4"])
+def test_paged_decode_at_head_dim_80(name):
+    """A model with Phi-2's head dim (80; stored padded to 96 / 128 inside the format) decodes through the paged
+    cache to the uncached forward's logits within the format's error, as at D = 64."""
+    cfg = TransformerConfig(vocab_size=264, d_model=160, num_layers=1, num_heads=2, num_kv_heads=1, d_ff=96)
+    assert cfg.head_dim == 80
+    model = Transformer(cfg, rngs=nnx.Rngs(2))
+    full = jax.random.randint(jax.random.key(3), (3, 24), 0, 256)
+    ref = np.asarray(forward(model, full, None)[0])
+    lengths = [5, 19, 12]
+    factory = paged_cache_factory(formats.get(name), num_layers=1, num_kv_heads=1, head_dim=80, shuffle_blocks=0)
+    got = _cached_logits(model, full, lengths, factory)
+    tol = {"bf16": 3e-3, "fp4": 1e-1}[name]
+    for b, n in enumerate(lengths):
+        want = ref[b, : n + 3]
+        assert np.abs(got[b] - want).max() / np.abs(want).max() < tol, (name, b)
+
+
 def test_pallas_and_xla_generate_the_same_tokens():
     """Greedy generation with the fp4 paged cache: the Pallas kernels (interpreted) and the XLA reference agree."""
     model = Transformer(CFG, rngs=nnx.Rngs(2))

@@ -258,3 +258,36 @@ def test_compiled_kernels_lower_for_tpu(name):
     )
     text = unified.trace(f32(5, 8, d), fields, i32(3, 4), i32(3), i32(4)).lower(lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" in text
+
+
+def test_vmem_budget_picks_the_tile_and_the_limit():
+    """bf16 at D = 256 against each TPU's VMEM (`vmem_bytes`, the model checked above): GQA 32 with 4,096-token
+    pages needs 20,975,616 B at tile 16, over v5e's 16 MiB scoped default, so the tile halves to 8 (15,206,400 B); a
+    v6e (32 MiB) keeps 16. Decode over 8,192-token pages needs 19,185,728 B at tile 1: a v5e compiles with its
+    physical 128 MiB as the limit (the lowered program differs), a v4 (16 MiB in all) refuses with the numbers, and
+    so does the kernel call before anything compiles; a GPU family is refused."""
+    fmt = formats.get("bf16")
+    need = lambda rows, bs: tpu_attention.vmem_bytes(fmt, rows=rows, head_dim=256, block_size=bs)  # noqa: E731
+    assert (need(512, 4096), need(256, 4096), need(8, 8192)) == (20_975_616, 15_206_400, 19_185_728)
+    fit = lambda device, bs, groups, **kw: tpu_attention.fit_tile(  # noqa: E731
+        fmt, tile=16, groups=groups, head_dim=256, block_size=bs, device=device, **kw
+    )
+    assert fit("tpu_v5e", 4096, 32) == (8, None)
+    assert fit("tpu_v6e", 4096, 32) == (16, None)
+    assert fit("tpu_v5e", 8192, 1) == (1, 128 * 2**20)
+    with pytest.raises(NotImplementedError, match="query tile 1, D = 256.* needs 19,185,728 B of VMEM; tpu_v4 has"):
+        fit("tpu_v4", 8192, 1)
+    with pytest.raises(NotImplementedError, match="runs on a TPU: device = 'h100'"):
+        fit("h100", 256, 1)
+
+    fields = {n: jax.ShapeDtypeStruct((4, 1, 8192, *s[1:]), dt) for n, (s, dt) in fmt.fields(1, 256).items()}
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    args = (jax.ShapeDtypeStruct((2, 1, 256), jnp.float32), fields, i32(2, 2), i32(2))
+
+    def lowered(device):
+        fn = jax.jit(lambda *a: tpu_attention.decode_attention(*a, fmt=fmt, interpret=False, device=device))
+        return fn.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+
+    assert lowered("tpu_v5e") != lowered("tpu_v6e")  # the raised VMEM limit reaches the Mosaic call
+    with pytest.raises(NotImplementedError, match="tpu_v4 has 16,777,216 B"):
+        lowered("tpu_v4")

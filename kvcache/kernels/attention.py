@@ -37,9 +37,11 @@ finite); fp8's V scale
 is selected the same way before it multiplies the probabilities. No extra pass over the cache: one select per
 element of a tile that is already in registers.
 
-The query comes prepared by `Format.prepare_query` (Hadamard-rotated and FP8-rounded for fp4), so the score
-product needs no rotation: H^T H = I. Products accumulate in float32 at JAX's default matmul precision: TF32 on
-a GPU, exact for fp4's E2M1 keys times FP8 queries, about 1e-3 relative for bf16 / fp8 queries; under
+The query comes prepared by `Format.prepare_query` (zero-padded to the stored head dim Dp for D = 80 / 96,
+Hadamard-rotated and FP8-rounded for fp4), so the score product needs no rotation: H^T H = I; the kernel runs at Dp
+(zero columns add nothing to a score) and `Format.finish_output` cuts the output back to D. Products accumulate in
+float32 at JAX's default matmul precision: TF32 on a GPU, exact for fp4's E2M1 keys times FP8 queries, about 1e-3
+relative for bf16 / fp8 queries; under
 `jax.default_matmul_precision("highest")` (the GPU tests) they are IEEE float32, as in the XLA reference.
 """
 
@@ -75,11 +77,12 @@ def num_partitions(
 
 def shared_memory_bytes(fmt: Format, *, tile: int, groups: int, head_dim: int, block_size: int) -> int:
     """On-chip bytes of one program at query tile `tile` and GQA group size `groups` (see
-    `budgets.triton_attention_bytes`; rows = tile x max(groups, ceil(MIN_ROWS / tile)), the padded query heads)."""
+    `budgets.triton_attention_bytes`; rows = tile x max(groups, ceil(MIN_ROWS / tile)), the padded query heads; the
+    tiles hold the format's stored head dim `fmt.padded_head_dim(head_dim)`)."""
     rows = tile * max(groups, -(-MIN_ROWS // tile))
     return budgets.triton_attention_bytes(
         rows=rows,
-        head_dim=head_dim,
+        head_dim=fmt.padded_head_dim(head_dim),
         block_size=block_size,
         kv_bytes_per_token=fmt.bytes_per_token(1, head_dim),
     )
@@ -91,12 +94,13 @@ def fit_tile(
     """The largest query tile <= `tile` (halving; only `tile` itself when shrink=False) whose program fits the
     on-chip memory of `device` (a family of `budgets.BUDGETS`); NotImplementedError with the numbers of the smallest
     one tried when none does."""
-    while True:
-        need = shared_memory_bytes(fmt, tile=tile, groups=groups, head_dim=head_dim, block_size=block_size)
-        if need <= budgets.BUDGETS[device].bytes or not shrink or tile == 1:
-            budgets.check(need, device, what=f"the Triton attention kernel (query tile {tile}, D = {head_dim})")
-            return tile
-        tile = max(1, tile // 2)
+    return budgets.fit_tile(
+        lambda t: shared_memory_bytes(fmt, tile=t, groups=groups, head_dim=head_dim, block_size=block_size),
+        tile=tile,
+        device_family=device,
+        shrink=shrink,
+        what=lambda t: f"the Triton attention kernel (query tile {t}, D = {head_dim})",
+    )
 
 
 def _kernel(
@@ -203,6 +207,9 @@ def unified_attention(
       excluded by selection (see the module docstring), so NaN or Inf in them never reaches the output.
     """
     t, num_heads, d = q.shape
+    dp = fmt.padded_head_dim(d)  # the stored head dim: the query is padded to it, the output cut back to d
+    if fmt.head_dim_of(fields) != dp:
+        raise ValueError(f"q.shape = {q.shape}; allowed: a head dim the pool's {fmt.head_dim_of(fields)} columns store")
     _, num_kv, block_size = fields[fmt.key_field].shape[:3]
     batch, max_blocks = block_tables.shape
     groups = num_heads // num_kv
@@ -221,22 +228,22 @@ def unified_attention(
         raise ValueError(f"partitions = {parts}; allowed: 1 .. block-table width {max_blocks}")
     blocks_per_partition = -(-max_blocks // parts)
 
-    # Queries per (KV head, sequence): [K, B, q_pad * Gp, D], zero rows for padding.
+    # Queries per (KV head, sequence): [K, B, q_pad * Gp, Dp], zero rows for padding.
     q_len = query_start_loc[1:] - query_start_loc[:-1]
     j = jnp.arange(q_pad)
     tok = query_start_loc[:-1, None] + j[None]  # [B, q_pad]
     valid = j[None] < q_len[:, None]
-    qp = fmt.prepare_query(q).reshape(t, num_kv, groups, d)[jnp.clip(tok, 0, t - 1)]  # [B, q_pad, K, G, D]
+    qp = fmt.prepare_query(q).reshape(t, num_kv, groups, dp)[jnp.clip(tok, 0, t - 1)]  # [B, q_pad, K, G, Dp]
     qp = jnp.where(valid[:, :, None, None, None], qp, 0.0)
     qp = jnp.pad(qp, ((0, 0), (0, 0), (0, 0), (0, heads - groups), (0, 0)))
-    qp = qp.transpose(2, 0, 1, 3, 4).reshape(num_kv, batch, q_pad * heads, d)
+    qp = qp.transpose(2, 0, 1, 3, 4).reshape(num_kv, batch, q_pad * heads, dp)
 
     names = tuple(fields)
     kernel = functools.partial(
         _kernel,
         fmt=fmt,
         names=names,
-        head_dim=d,
+        head_dim=dp,
         block_size=block_size,
         tile=tile,
         heads=heads,
@@ -246,7 +253,7 @@ def unified_attention(
     out, lse = pl.pallas_call(
         kernel,
         out_shape=(
-            jax.ShapeDtypeStruct((parts, num_kv, batch, q_pad * heads, d), jnp.float32),
+            jax.ShapeDtypeStruct((parts, num_kv, batch, q_pad * heads, dp), jnp.float32),
             jax.ShapeDtypeStruct((parts, num_kv, batch, q_pad * heads), jnp.float32),
         ),
         grid=(batch, num_kv, num_tiles, parts),
@@ -265,10 +272,10 @@ def unified_attention(
     total = jax.nn.logsumexp(lse, axis=0)
     weights = jnp.exp(lse - jnp.where(jnp.isfinite(total), total, 0.0)[None])
     merged = jnp.sum(weights[..., None] * jnp.where(jnp.isfinite(lse)[..., None], out, 0.0), axis=0)
-    merged = merged.reshape(num_kv, batch, q_pad, heads, d)[:, :, :, :groups]  # [K, B, q_pad, G, D]
-    merged = merged.transpose(1, 2, 0, 3, 4).reshape(batch, q_pad, num_heads, d)
+    merged = merged.reshape(num_kv, batch, q_pad, heads, dp)[:, :, :, :groups]  # [K, B, q_pad, G, Dp]
+    merged = merged.transpose(1, 2, 0, 3, 4).reshape(batch, q_pad, num_heads, dp)
     seq_of = jnp.searchsorted(query_start_loc[1:], jnp.arange(t), side="right")
-    return fmt.finish_output(merged[seq_of, jnp.arange(t) - query_start_loc[seq_of]])
+    return fmt.finish_output(merged[seq_of, jnp.arange(t) - query_start_loc[seq_of]], d)
 
 
 def decode_attention(

@@ -4,6 +4,9 @@ A kernel whose tiles do not fit the on-chip memory of a program fails to compile
 memory, Required: 65792, Hardware limit: 65536"), or worse, on some stacks, at launch. The kernels here compute their
 static need from their tile shapes and call `check` first: a configuration that does not fit raises
 NotImplementedError with the numbers, which `kvcache.attention` treats as a refusal (the next implementation runs).
+`fit_tile` halves a default query tile until it fits: the Triton kernel against shared memory / LDS
+(`triton_attention_bytes`), the TPU kernel against the scoped VMEM default (`tpu_attention.vmem_bytes`), past which
+the TPU kernel compiles with the chip's physical VMEM as its `vmem_limit_bytes`, if that holds it.
 
 `BUDGETS[family]` (bytes a program may use):
   TPU VMEM per TensorCore (Mosaic): the scoped default a kernel gets without `vmem_limit_bytes` (16 MiB on v4, v5e
@@ -22,6 +25,7 @@ Family names: "tpu_v4", "tpu_v5e", "tpu_v5p", "tpu_v6e", "h100", "h200", "b200",
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -34,6 +38,7 @@ __all__ = [
     "check",
     "detect",
     "family_of",
+    "fit_tile",
     "resolve",
     "triton_attention_bytes",
 ]
@@ -127,6 +132,31 @@ def check(need_bytes: int, device_family: str, *, what: str = "the kernel") -> N
         raise NotImplementedError(
             f"{what} needs {need_bytes:,} B of {budget.memory}; {device_family} has {budget.bytes:,} B"
         )
+
+
+def fit_tile(
+    need: Callable[[int], int],
+    *,
+    tile: int,
+    device_family: str,
+    shrink: bool = True,
+    what: Callable[[int], str],
+    raisable: bool = False,
+) -> int:
+    """The largest query tile <= `tile` (halving; only `tile` itself when shrink=False) whose `need(tile)` bytes fit
+    `BUDGETS[device_family].bytes`. When none does: with `raisable` (TPU VMEM, whose scoped default a kernel may
+    raise) the smallest tile tried is returned if it fits the physical size (the caller raises its limit);
+    otherwise NotImplementedError with the numbers of the smallest tile tried, naming it by `what(tile)`."""
+    budget = BUDGETS[device_family]
+    while need(tile) > budget.bytes and shrink and tile > 1:
+        tile = max(1, tile // 2)
+    if not raisable:
+        check(need(tile), device_family, what=what(tile))
+    elif need(tile) > budget.physical:
+        raise NotImplementedError(
+            f"{what(tile)} needs {need(tile):,} B of {budget.memory}; {device_family} has {budget.physical:,} B"
+        )
+    return tile
 
 
 def triton_attention_bytes(

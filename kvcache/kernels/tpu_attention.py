@@ -29,8 +29,9 @@ query may not see become -inf by `jnp.where`; the tail's value rows become 0 by 
 columns, or on the UE8M0 group scale, since 4-bit codes are always finite); fp8's V scale is selected the same way
 before it multiplies the probabilities.
 
-The query is prepared by `Format.prepare_query` (Hadamard-rotated and FP8-rounded for fp4) and the output finished
-by `Format.finish_output`, as in the reference. Matrix products ask for float32 contraction precision (HIGHEST).
+The query is prepared by `Format.prepare_query` (zero-padded to the stored head dim Dp for D = 80 / 96,
+Hadamard-rotated and FP8-rounded for fp4) and the output finished by `Format.finish_output` (cut back to D), as in the
+reference. Matrix products ask for float32 contraction precision (HIGHEST).
 
 `interpret`: None runs the kernel compiled on a TPU backend and, elsewhere, in TPU interpret mode with the race
 detector on and uninitialised memory (scratch) filled with NaN (`interpret_params`); True always interprets so;
@@ -48,8 +49,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kvcache.formats import GROUP, Format
+from kvcache.kernels import budgets
 
-__all__ = ["SUBLANES", "decode_attention", "interpret_params", "unified_attention", "vmem_bytes"]
+__all__ = ["SUBLANES", "decode_attention", "fit_tile", "interpret_params", "unified_attention", "vmem_bytes"]
 
 SUBLANES = 8  # rows of a float32 TPU tile: R = TQ * Gp is padded to a multiple of it
 MAX_TILE = 16  # query tokens per program of the unified kernel
@@ -66,7 +68,8 @@ def interpret_params(interpret: bool | None):
 
 def vmem_bytes(fmt: Format, *, rows: int, head_dim: int, block_size: int) -> int:
     """VMEM one program of the kernel holds (a model, monotone in every size; compare with the chip's scoped VMEM,
-    kvcache.kernels.budgets), with R = query rows (tile tokens x padded query heads), D, bs:
+    kvcache.kernels.budgets), with R = query rows (tile tokens x padded query heads), D (the format's stored head
+    dim `fmt.padded_head_dim(head_dim)`: 128 for fp4 at head_dim 80 or 96), bs:
         query block     2 * R * D * 4          (float32, double-buffered by the Pallas pipeline)
         output blocks   2 * R * (D + 128) * 4  (partial output and lse, whose last dim pads to 128 lanes)
         KV pages        2 * bs * kv            (the DMA double buffer; kv = the format's bytes per token and head)
@@ -78,8 +81,42 @@ def vmem_bytes(fmt: Format, *, rows: int, head_dim: int, block_size: int) -> int
         if value < 1:
             raise ValueError(f"{name} = {value}; must be >= 1")
     pages = 2 * block_size * fmt.bytes_per_token(1, head_dim)
+    head_dim = fmt.padded_head_dim(head_dim)  # the tiles hold the stored head dim
     live = rows * (head_dim + block_size + 2) * 4 + 2 * block_size * GROUP * 4
     return 2 * rows * head_dim * 4 + 2 * rows * (head_dim + 128) * 4 + pages + live
+
+
+def _rows(tile: int, groups: int) -> tuple[int, int]:
+    """(Gp, R): the query heads per KV head padded so that R = tile * Gp is a multiple of 8 sublanes, and R."""
+    multiple = SUBLANES // math.gcd(SUBLANES, tile)
+    heads = -(-groups // multiple) * multiple
+    return heads, tile * heads
+
+
+def fit_tile(
+    fmt: Format, *, tile: int, groups: int, head_dim: int, block_size: int, device: str, shrink: bool = True
+) -> tuple[int, int | None]:
+    """(query tile, VMEM limit or None) for a TPU of family `device` (a "tpu_*" of `budgets.BUDGETS`): the largest
+    tile <= `tile` (halving; only `tile` when shrink=False) whose `vmem_bytes` fit the chip's scoped default;
+    when even the smallest does not, the chip's physical VMEM as the limit to compile with if it fits there, else
+    NotImplementedError with the numbers (also for a family that is not a TPU)."""
+    if not device.startswith("tpu"):  # a refusal (kvcache.attention then runs the next implementation)
+        tpus = [f for f in budgets.BUDGETS if f.startswith("tpu")]
+        raise NotImplementedError(f"the TPU attention kernel runs on a TPU: device = {device!r}; allowed: {tpus}")
+
+    def need(t):
+        return vmem_bytes(fmt, rows=_rows(t, groups)[1], head_dim=head_dim, block_size=block_size)
+
+    tile = budgets.fit_tile(
+        need,
+        tile=tile,
+        device_family=device,
+        shrink=shrink,
+        what=lambda t: f"the TPU attention kernel (query tile {t}, D = {head_dim})",
+        raisable=True,
+    )
+    budget = budgets.BUDGETS[device]
+    return tile, (budget.physical if need(tile) > budget.bytes else None)
 
 
 def _kernel(
@@ -197,10 +234,10 @@ def _check(q, fields, block_tables, seq_lens, fmt: Format, partitions: int | Non
     if set(fields) != set(needed):
         raise ValueError(f"fields = {sorted(fields)}; format {fmt.label} stores {sorted(needed)}")
     num_kv = fields[fmt.key_field].shape[1]
-    if q.shape[2] != fmt.head_dim_of(fields) or q.shape[1] % num_kv:
+    if fmt.padded_head_dim(q.shape[2]) != fmt.head_dim_of(fields) or q.shape[1] % num_kv:
         raise ValueError(
-            f"q.shape = {q.shape}; allowed: head dim {fmt.head_dim_of(fields)} of the pool and H a multiple of its "
-            f"{num_kv} KV heads"
+            f"q.shape = {q.shape}; allowed: a head dim stored as the pool's {fmt.head_dim_of(fields)} columns and H a "
+            f"multiple of its {num_kv} KV heads"
         )
     if block_tables.ndim != 2 or seq_lens.shape != block_tables.shape[:1]:
         raise ValueError(f"block_tables {block_tables.shape} / seq_lens {seq_lens.shape}; allowed: [B, MB] / [B]")
@@ -221,6 +258,7 @@ def unified_attention(
     partitions: int | None = None,
     interpret: bool | None = None,
     tile: int | None = None,
+    device: str | None = None,
 ) -> jax.Array:
     """The Mosaic TPU kernel of `kvcache.reference.unified_attention` (same arguments and result).
 
@@ -230,40 +268,50 @@ def unified_attention(
       interpret: see the module docstring (None: compiled on a TPU, TPU interpret mode with race detection
         elsewhere).
       tile: query tokens per program (default min(max_query_len, 16) rounded up to a power of two).
+      device: the TPU family whose VMEM the program must fit (`budgets.BUDGETS`, "tpu_*"; None: detected, and a
+        device that is not a known TPU is not checked). A default tile is halved until `vmem_bytes` fits the
+        scoped default; past it (tile 1, or a given tile), the kernel compiles with the chip's physical VMEM as its
+        limit if that holds it (`fit_tile`).
+    Raises: NotImplementedError when the program does not fit the chip's VMEM (the numbers in the message).
     Returns: [T, H, D] float32. Positions a query may not see, and slots past a sequence's length, are excluded by
       selection, so NaN or Inf in them never reaches the output.
     """
     _check(q, fields, block_tables, seq_lens, fmt, partitions)
     t, num_heads, d = q.shape
+    dp = fmt.padded_head_dim(d)  # the stored head dim: the query is padded to it, the output cut back to d
     _, num_kv, block_size = fields[fmt.key_field].shape[:3]
     batch, max_blocks = block_tables.shape
     groups = num_heads // num_kv
     max_q = t if max_query_len is None else int(max_query_len)
+    family = budgets.resolve(device)
+    shrink = tile is None
     tile = tile or min(MAX_TILE, pl.next_power_of_2(max_q))
-    multiple = SUBLANES // math.gcd(SUBLANES, tile)
-    heads = -(-groups // multiple) * multiple  # Gp: R = tile * Gp is a multiple of 8
-    rows = tile * heads
+    vmem_limit = None
+    if family is not None and (device is not None or family.startswith("tpu")):
+        fit = functools.partial(fit_tile, fmt, groups=groups, head_dim=d, block_size=block_size, device=family)
+        tile, vmem_limit = fit(tile=tile, shrink=shrink)
+    heads, rows = _rows(tile, groups)  # Gp: R = tile * Gp is a multiple of 8
     num_tiles = -(-max_q // tile)
     q_pad = num_tiles * tile
     parts = partitions or 1
     blocks_per_partition = -(-max_blocks // parts)
 
-    # Queries per (KV head, sequence): [K, B, q_pad * Gp, D], zero rows for padding.
+    # Queries per (KV head, sequence): [K, B, q_pad * Gp, Dp], zero rows for padding.
     q_len = query_start_loc[1:] - query_start_loc[:-1]
     j = jnp.arange(q_pad)
     tok = query_start_loc[:-1, None] + j[None]  # [B, q_pad]
     valid = j[None] < q_len[:, None]
-    qp = fmt.prepare_query(q).reshape(t, num_kv, groups, d)[jnp.clip(tok, 0, t - 1)]  # [B, q_pad, K, G, D]
+    qp = fmt.prepare_query(q).reshape(t, num_kv, groups, dp)[jnp.clip(tok, 0, t - 1)]  # [B, q_pad, K, G, Dp]
     qp = jnp.where(valid[:, :, None, None, None], qp, 0.0)
     qp = jnp.pad(qp, ((0, 0), (0, 0), (0, 0), (0, heads - groups), (0, 0)))
-    qp = qp.transpose(2, 0, 1, 3, 4).reshape(num_kv, batch, q_pad * heads, d)
+    qp = qp.transpose(2, 0, 1, 3, 4).reshape(num_kv, batch, q_pad * heads, dp)
 
     names = tuple(fields)
     kernel = functools.partial(
         _kernel,
         fmt=fmt,
         names=names,
-        head_dim=d,
+        head_dim=dp,
         block_size=block_size,
         max_blocks=max_blocks,
         tile=tile,
@@ -274,10 +322,10 @@ def unified_attention(
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         grid=(batch, num_kv, num_tiles, parts),
-        in_specs=[pl.BlockSpec((None, None, rows, d), lambda b, h, i, p, *_: (h, b, i, 0))]
+        in_specs=[pl.BlockSpec((None, None, rows, dp), lambda b, h, i, p, *_: (h, b, i, 0))]
         + [pl.BlockSpec(memory_space=pl.ANY) for _ in names],
         out_specs=[
-            pl.BlockSpec((None, None, None, rows, d), lambda b, h, i, p, *_: (p, h, b, i, 0)),
+            pl.BlockSpec((None, None, None, rows, dp), lambda b, h, i, p, *_: (p, h, b, i, 0)),
             pl.BlockSpec((None, None, None, rows, 1), lambda b, h, i, p, *_: (p, h, b, i, 0)),
         ],
         scratch_shapes=[pltpu.VMEM((2, 1, *fields[n].shape[2:]), fields[n].dtype) for n in names]
@@ -287,10 +335,10 @@ def unified_attention(
         kernel,
         grid_spec=grid_spec,
         out_shape=(
-            jax.ShapeDtypeStruct((parts, num_kv, batch, q_pad * heads, d), jnp.float32),
+            jax.ShapeDtypeStruct((parts, num_kv, batch, q_pad * heads, dp), jnp.float32),
             jax.ShapeDtypeStruct((parts, num_kv, batch, q_pad * heads, 1), jnp.float32),
         ),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4, vmem_limit_bytes=vmem_limit),
         interpret=interpret_params(interpret),
         name=f"tpu_paged_attention_{fmt.name}",
     )(
@@ -306,10 +354,10 @@ def unified_attention(
     total = jax.nn.logsumexp(lse, axis=0)
     weights = jnp.exp(lse - jnp.where(jnp.isfinite(total), total, 0.0)[None])
     merged = jnp.sum(weights[..., None] * jnp.where(jnp.isfinite(lse)[..., None], out, 0.0), axis=0)
-    merged = merged.reshape(num_kv, batch, q_pad, heads, d)[:, :, :, :groups]  # [K, B, q_pad, G, D]
-    merged = merged.transpose(1, 2, 0, 3, 4).reshape(batch, q_pad, num_heads, d)
+    merged = merged.reshape(num_kv, batch, q_pad, heads, dp)[:, :, :, :groups]  # [K, B, q_pad, G, Dp]
+    merged = merged.transpose(1, 2, 0, 3, 4).reshape(batch, q_pad, num_heads, dp)
     seq_of = jnp.searchsorted(query_start_loc[1:], jnp.arange(t), side="right")
-    return fmt.finish_output(merged[seq_of, jnp.arange(t) - query_start_loc[seq_of]])
+    return fmt.finish_output(merged[seq_of, jnp.arange(t) - query_start_loc[seq_of]], d)
 
 
 def decode_attention(
@@ -322,10 +370,11 @@ def decode_attention(
     sm_scale: float | None = None,
     partitions: int | None = None,
     interpret: bool | None = None,
+    device: str | None = None,
 ) -> jax.Array:
     """Split-KV decode, one query token per sequence: q [B, H, D] -> [B, H, D] float32 (tile 1, the G query heads
     of a KV head padded to a multiple of 8 rows); `kvcache.reference.decode_attention` with `partitions` and
-    `interpret` as in `unified_attention`."""
+    `interpret`, `device` as in `unified_attention`."""
     b = q.shape[0]
     return unified_attention(
         q,
@@ -339,4 +388,5 @@ def decode_attention(
         partitions=partitions,
         interpret=interpret,
         tile=1,
+        device=device,
     )

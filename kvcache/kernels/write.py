@@ -8,7 +8,8 @@ What a token row becomes is the format's `Format.kernel_write`; the built-in one
 fp4 (per 32-column group: UE8M0 scale by the format's rule, then 4-bit codes on its grid, ties to the even code,
 split-half packing: chunk c's bytes hold group c in the low and group c + D/64 in the high nibble); nvfp4 (the same
 codes and packing, an E4M3 scale per 16 columns by "max" or "4 over 6"). K's Hadamard rotation (and V's, if the
-format rotates it) is one [T, D] x [D, D] product in XLA before the kernel. fp8 (and k8v4's K): one float32 scale
+format rotates it) is one [T, Dp] x [Dp, Dp] product in XLA before the kernel, after the zero padding of a head dim
+the format pads (80, 96: `Format.padded_head_dim`); the kernel writes Dp columns. fp8 (and k8v4's K): one float32 scale
 absmax / 448 per token and head. The element numerics (E2M1 codes, exact powers of two, E4M3 casts) are core.lowbit's,
 the same functions the XLA reference uses.
 """
@@ -54,17 +55,9 @@ def write(
     interpret: bool = False,
 ) -> dict[str, jax.Array]:
     """Quantise-on-write kernel: k, v [T, K, D] -> updated pool fields [NB, K, bs, ...] (see reference.write)."""
-    t, num_kv, d = k.shape
-    fmt.check_head_dim(d)
-
-    def rotate(x, rot):
-        return (
-            x
-            if rot is None
-            else jnp.einsum("tkd,de->tke", x.astype(jnp.float32), jnp.asarray(rot), precision=jax.lax.Precision.HIGHEST)
-        )
-
-    k, v = rotate(k, fmt.rotation(d)), rotate(v, fmt.value_rotation(d))
+    t, num_kv, _ = k.shape
+    k, v = fmt.stored_rows(k, v)  # [T, K, Dp] float32: zero-padded to the stored head dim, rotated as stored
+    d = k.shape[-1]
     names = tuple(fields)
     block_size = fields[names[0]].shape[2]
     kernel = functools.partial(_kernel, fmt=fmt, names=names, head_dim=d, block_size=block_size)
