@@ -2,8 +2,8 @@
 
 `IMPLEMENTATIONS` maps a name to its `Implementation` (the functions behind `unified_attention`,
 `decode_attention` and `write`, None where it offers no such op), as tokamax's ops map backends:
-  "pallas_tpu":    `kvcache.kernels.tpu_attention` (Mosaic TPU; imported when first called, so the registry works
-                   without it); decode and unified attention, no write;
+  "pallas_tpu":    `kvcache.kernels.tpu_attention` and `tpu_write` (Mosaic TPU; imported when first called, so the
+                   registry works without them); decode and unified attention, quantise-on-write;
   "pallas_triton": `kvcache.kernels` (Triton, for NVIDIA and AMD GPUs: split-KV with a log-sum-exp reduce, formats
                    decoded in the kernel); "pallas" is its alias (older configs and flags);
   "xla_split":     decode only: `kvcache.split`, the split-KV algorithm as an XLA loop (the CPU fast path); its
@@ -37,6 +37,7 @@ behind padding columns of its block table) may hold NaN or Inf left by another r
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -92,18 +93,17 @@ def _triton_unified(q, fields, block_tables, seq_lens, query_start_loc, *, inter
     )
 
 
-def _tpu_module() -> Any:
+def _tpu_module(module: str) -> Any:
     try:
-        from kvcache.kernels import tpu_attention
+        return importlib.import_module(f"kvcache.kernels.{module}")
     except ImportError as e:
         raise NotImplementedError(f"the Mosaic TPU kernels are not available ({e})") from e
-    return tpu_attention
 
 
-def _tpu_op(name: str) -> Callable[..., jax.Array]:
-    op = getattr(_tpu_module(), name, None)
+def _tpu_op(name: str, module: str = "tpu_attention") -> Callable[..., Any]:
+    op = getattr(_tpu_module(module), name, None)
     if op is None:
-        raise NotImplementedError(f"kvcache.kernels.tpu_attention has no {name}")
+        raise NotImplementedError(f"kvcache.kernels.{module} has no {name}")
     return op
 
 
@@ -140,6 +140,11 @@ def _triton_write(fields, k, v, slot_mapping, *, fmt, interpret):
     return write_kernel.write(fields, k, v, slot_mapping, fmt=fmt, interpret=_interpret(interpret))
 
 
+def _tpu_write(fields, k, v, slot_mapping, *, fmt, interpret):
+    op = _tpu_op("write", "tpu_write")  # (its own `interpret`, as the TPU attention kernel's)
+    return op(fields, k, v, slot_mapping, fmt=fmt, interpret=interpret)
+
+
 class Implementation(NamedTuple):
     """The functions of one attention implementation (signatures of the public functions; None: not offered), and
     whether it takes `partitions` (split-KV)."""
@@ -152,7 +157,7 @@ class Implementation(NamedTuple):
 
 # tpu / gpu / cpu -> op -> the implementations "auto" tries, in order (any other backend: cpu's).
 BACKEND_ORDER: dict[str, dict[str, tuple[str, ...]]] = {
-    "tpu": {"unified": ("pallas_tpu", "xla"), "decode": ("pallas_tpu", "xla"), "write": ("xla",)},
+    "tpu": {"unified": ("pallas_tpu", "xla"), "decode": ("pallas_tpu", "xla"), "write": ("pallas_tpu", "xla")},
     "gpu": {
         "unified": ("pallas_triton", "xla"),
         "decode": ("pallas_triton", "xla_split", "xla"),
@@ -173,7 +178,7 @@ def _auto(op: str) -> Callable[..., Any]:
 
 _TRITON = Implementation(_triton_unified, _triton_decode, _triton_write, partitions=True)
 IMPLEMENTATIONS: dict[str, Implementation] = {
-    "pallas_tpu": Implementation(_tpu_unified, _tpu_decode, None, partitions=True),
+    "pallas_tpu": Implementation(_tpu_unified, _tpu_decode, _tpu_write, partitions=True),
     "pallas_triton": _TRITON,
     "xla_split": Implementation(None, _split_decode, _xla_write, partitions=True),
     "xla": Implementation(_xla_unified, _xla_decode, _xla_write),

@@ -11,6 +11,7 @@ import dataclasses
 from typing import ClassVar
 
 from core.fields import MAX_WIDTH, Compat, field
+from moe.dispatch import EXCHANGES
 from moe.grouped_matmul import IMPLEMENTATIONS
 from moe.router import ROUTERS
 
@@ -86,6 +87,22 @@ class MoEConfig:
         choices=IMPLEMENTATIONS,
     )
 
+    ep_exchange: str = field(
+        "auto",
+        "experts sharded over devices: the all-to-all's transport, 'ragged' (exact sizes, jax.lax.ragged_all_to_all; "
+        "GPU and TPU), 'padded' (worst-case buffers; any backend) or 'auto' (ragged on GPU/TPU, padded on CPU)",
+        choices=EXCHANGES,
+        since_checkpoints=True,
+    )
+    ep_capacity_factor: float | None = field(
+        None,
+        "experts sharded over devices: receive buffers of ceil(factor x n x top_k) rows for n tokens per shard, the "
+        "assignments past them dropped and counted in moe/dropped; None = P n top_k rows, nothing dropped",
+        low=0.0,
+        low_open=True,
+        since_checkpoints=True,
+    )
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "dense_layers", tuple(self.dense_layers))  # a list (ConfigDict, JSON) as a tuple
         for name, allowed in (
@@ -93,6 +110,7 @@ class MoEConfig:
             ("router", ROUTERS),
             ("dispatch", DISPATCH),
             ("grouped_matmul", IMPLEMENTATIONS),
+            ("ep_exchange", EXCHANGES),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"MoEConfig.{name} = {getattr(self, name)!r}; allowed: {list(allowed)}.")
@@ -110,6 +128,10 @@ class MoEConfig:
                 raise ValueError(f"MoEConfig.{name} = {getattr(self, name)!r} must be >= 0.")
         if not self.capacity_factor > 0:
             raise ValueError(f"MoEConfig.capacity_factor = {self.capacity_factor!r} must be > 0.")
+        if self.ep_capacity_factor is not None and not self.ep_capacity_factor > 0:
+            raise ValueError(
+                f"MoEConfig.ep_capacity_factor = {self.ep_capacity_factor!r}; allowed: None (no cap) or a number > 0."
+            )
 
     def check(self) -> None:
         """The keys that must agree with each other, for a layer that is built (moe.layer.MoE calls it; a dense

@@ -120,9 +120,6 @@ class MoE(nnx.Module):
         moe.GroupedMatmulFn(moe.grouped_matmul).
       shard: a core.mesh.Sharder (mesh and logical-axis rules); default none (one device).
       resident, routing_mode: a FoMoE site's hosted experts (global ids) and how it routes (ROUTING_MODES).
-      ep_exchange: expert parallelism's transport, moe.dispatch.EXCHANGES: "auto" (by backend), "padded", "ragged".
-      ep_capacity_factor: None (receive buffers of P n k rows, nothing dropped) or c > 0 (ceil(c n k) rows for n
-        tokens per shard; the assignments past them are dropped and counted in "moe/dropped").
 
     aux: "loss/moe_balance" (load_balance_weight x Switch loss), "loss/moe_z" (z_loss_weight x z-loss), and the
     statistics "moe/load_cv", "moe/load_entropy", "moe/token_entropy", "moe/max_load", "moe/dropped"
@@ -145,8 +142,6 @@ class MoE(nnx.Module):
         shard: Sharder | None = None,
         resident: Sequence[int] | None = None,
         routing_mode: str = "partitioned",
-        ep_exchange: str = "auto",
-        ep_capacity_factor: float | None = None,
     ):
         if not (isinstance(d_model, int) and d_model >= 1):
             raise ValueError(f"MoE d_model = {d_model!r} must be a positive int.")
@@ -158,13 +153,6 @@ class MoE(nnx.Module):
         if not ids or len(set(ids)) != len(ids) or not all(0 <= i < e for i in ids):
             raise ValueError(f"{path}: resident experts {ids} must be distinct ids in [0, {e}).")
         local = len(ids)
-        if ep_exchange not in dispatch_lib.EXCHANGES:
-            raise ValueError(f"MoE ep_exchange = {ep_exchange!r}; allowed: {list(dispatch_lib.EXCHANGES)}.")
-        if ep_capacity_factor is not None and not ep_capacity_factor > 0:
-            raise ValueError(
-                f"MoE ep_capacity_factor = {ep_capacity_factor!r}; allowed: None (no cap) or a number > 0."
-            )
-        self.ep_exchange, self.ep_capacity_factor = ep_exchange, ep_capacity_factor
         self.resident = Residency(jnp.asarray(ids, jnp.int32))
         self.skip_token = routing_mode == "skip_token" and local < e
         self.shard = Sharder() if shard is None else shard
@@ -346,8 +334,8 @@ class MoE(nnx.Module):
                 down,
                 axis=self.ep_axis,
                 gate=gate,
-                exchange=self.ep_exchange,
-                capacity_factor=self.ep_capacity_factor,
+                exchange=self.moe.ep_exchange,
+                capacity_factor=self.moe.ep_capacity_factor,
                 **products,
             )
             return y, routing, experts, keep

@@ -78,7 +78,11 @@ def test_a_key_added_since_checkpoints_leaves_their_compat_unchanged_at_its_defa
     c.moe.shared_expert_gate = True
     assert schema.checkpoint_compat(c, "f")["moe"]["shared_expert_gate"] is True
     fields = fields_lib.section_fields(MoEConfig)
-    assert [k for k, f in fields.items() if f.since_checkpoints] == ["shared_expert_gate"]
+    assert [k for k, f in fields.items() if f.since_checkpoints] == [
+        "shared_expert_gate",
+        "ep_exchange",
+        "ep_capacity_factor",
+    ]
 
 
 def test_from_config_rejects_unknown_keys_and_restores_tuples():

@@ -72,7 +72,7 @@ BIG_DECODE_BYTES = 88_320
     [
         ("tpu", "unified", ("pallas_tpu", "xla")),
         ("tpu", "decode", ("pallas_tpu", "xla")),
-        ("tpu", "write", ("xla",)),
+        ("tpu", "write", ("pallas_tpu", "xla")),
         ("gpu", "unified", ("pallas_triton", "xla")),
         ("gpu", "decode", ("pallas_triton", "xla_split", "xla")),
         ("gpu", "write", ("pallas_triton", "xla")),

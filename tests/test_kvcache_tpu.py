@@ -1,5 +1,6 @@
 """The Mosaic TPU paged-attention kernels (kvcache.kernels.tpu_attention) against the XLA reference, run on this
-CPU in TPU interpret mode with the race detector on and uninitialised memory (the VMEM scratch) filled with NaN.
+CPU in TPU interpret mode with the race detector on and uninitialised memory (the VMEM scratch) filled with NaN
+(`interpret=None`: on a TPU backend the same tests run the kernels compiled, with no race detector).
 
 Every case checks four properties at once, on one compiled program: the kernel equals `kvcache.reference` within
 float32 rounding; the same pool with NaN / Inf in every slot no sequence owns (unused blocks, the tails of last
@@ -11,11 +12,15 @@ The ragged batch (block size bs): lengths 1, bs - 3 (ends mid-block), 3 bs (fill
 bs + 5; for the unified kernel, query chunks of 1 (decode), 3, 2 bs and bs + 5 tokens (a whole-sequence prefill).
 Pools are written by kvcache's own quantise-on-write (`kvcache.reference.write`) into shuffled blocks.
 
+The quantise-on-write kernel (kvcache.kernels.tpu_write) must store exactly `kvcache.reference.write`'s bytes into
+a pool of random bytes (slots it is not given stay unchanged), with no race.
+
 Interpreted TPU kernels compile and run slowly (seconds per shape), so by default: the decode kernel for every
 format in `formats.NAMES` (head dims 64 and 128, block sizes 16 and 32, GQA 1 to 8, one and two partitions spread
-over them), the unified kernel for two, the race-detector check and the TPU lowering of every format at D = 128.
-The full matrix (every format x head dims 64, 128, 256 x block sizes 16, 32, decode and unified, and the fp4
-variants) is marked `slow` (`pytest -m slow tests/test_kvcache_tpu.py`).
+over them), the unified kernel for two, the write kernel for every format at D = 128, the race-detector check and
+the TPU lowering of every format at D = 128. The full matrix (every format x head dims 64, 128, 256 x block sizes
+16, 32, decode and unified, and the fp4 variants; the write kernel at head dims 64, 256, 80, 96) is marked `slow`
+(`pytest -m slow tests/test_kvcache_tpu.py`).
 """
 
 import importlib
@@ -26,21 +31,27 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 from test_kvcache_attention import poison
 
 from kvcache import PagedPool, formats, reference
-from kvcache.kernels import tpu_attention
+from kvcache import attention as kv_attention
+from kvcache.kernels import tpu_attention, tpu_write
 
 _write = jax.jit(reference.write, static_argnames=("fmt",))
 _ref_decode = jax.jit(reference.decode_attention, static_argnames=("fmt",))
 _ref_unified = jax.jit(reference.unified_attention, static_argnames=("fmt", "max_query_len"))
 _decode = jax.jit(tpu_attention.decode_attention, static_argnames=("fmt", "partitions", "interpret"))
 _unified = jax.jit(tpu_attention.unified_attention, static_argnames=("fmt", "max_query_len", "partitions", "interpret"))
+_tpu_write = jax.jit(tpu_write.write, static_argnames=("fmt", "interpret"))
 
 
 def races_found() -> bool:
     """Whether the TPU interpreter's race detector flagged a race in the last interpreted kernel (its state is
-    reset when a kernel starts; jax exposes it only as module state of the interpreter)."""
+    reset when a kernel starts; jax exposes it only as module state of the interpreter). On a TPU backend the
+    kernels run compiled (interpret=None), with no detector: False."""
+    if jax.default_backend() == "tpu":
+        return False
     state = importlib.import_module("jax._src.pallas.mosaic.interpret.interpret_pallas_call").races
     assert state is not None, "no TPU-interpreted kernel ran"
     return bool(state.races_found)
@@ -110,7 +121,7 @@ def run_decode(fmt, head_dim, bs, groups, num_kv, partitions, seed=0):
         fmt, seq_lens_for(bs), [1] * 4, num_kv=num_kv, groups=groups, head_dim=head_dim, bs=bs, seed=seed
     )
     ref = _ref_decode(q, fields, tables, seq_lens, fmt=fmt)
-    run = lambda f: _decode(q, f, tables, seq_lens, fmt=fmt, partitions=partitions, interpret=True)  # noqa: E731
+    run = lambda f: _decode(q, f, tables, seq_lens, fmt=fmt, partitions=partitions, interpret=None)  # noqa: E731
     check(run, fields, tables, seq_lens, ref, seed)
 
 
@@ -120,7 +131,7 @@ def run_unified(fmt, head_dim, bs, groups, num_kv, partitions, seed=0):
         fmt, seq_lens_for(bs), q_lens, num_kv=num_kv, groups=groups, head_dim=head_dim, bs=bs, seed=seed
     )
     ref = _ref_unified(q, fields, tables, seq_lens, qsl, fmt=fmt, max_query_len=max(q_lens))
-    kw = dict(fmt=fmt, max_query_len=max(q_lens), partitions=partitions, interpret=True)
+    kw = dict(fmt=fmt, max_query_len=max(q_lens), partitions=partitions, interpret=None)
     run = lambda f: _unified(q, f, tables, seq_lens, qsl, **kw)  # noqa: E731
     check(run, fields, tables, seq_lens, ref, seed)
 
@@ -185,6 +196,63 @@ def test_format_variants(name):
     run_unified(VARIANTS[name], 64, 16, 2, 2, 1)
 
 
+def write_case(fmt, head_dim, *, num_kv=2, bs=16, num_blocks=6, seed=0):
+    """(pool fields [NB, K, bs, ...] of random bytes (NaN patterns included), k, v [9, K, D], slots [9]): 9 tokens
+    into shuffled blocks, mid-block and at both ends of a block, adjacent slots, one skipped (slot -1); one token's
+    K head all zero (absmax 0)."""
+    rng = np.random.default_rng(seed)
+    fields = {}
+    for n, (shape, dt) in fmt.fields(num_kv, head_dim).items():
+        size = np.dtype(dt).itemsize
+        raw = rng.integers(0, 256, size=(num_blocks, num_kv, bs, *shape[1:], size), dtype=np.uint8)
+        fields[n] = jnp.asarray(raw.view(dt).reshape(num_blocks, num_kv, bs, *shape[1:]))
+    b = rng.permutation(num_blocks)
+    slots = [b[0] * bs + 3, b[1] * bs, -1, b[0] * bs + bs - 1, b[2] * bs + 5, b[3] * bs + 1, b[4] * bs + 9]
+    slots += [b[5] * bs + bs - 1, b[2] * bs + 6]  # distinct: the order of writes to one slot is unspecified
+    k = rng.normal(size=(9, num_kv, head_dim)) * rng.uniform(0.1, 4.0, size=(9, num_kv, 1))
+    k[4, 0] = 0.0
+    v = rng.normal(size=(9, num_kv, head_dim))
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    return fields, f32(k), f32(v), jnp.asarray(np.array(slots, np.int32))
+
+
+def check_write(name, head_dim):
+    """The interpreted TPU write kernel stores `reference.write`'s bytes in every field, with no race."""
+    fmt = formats.get(name)
+    fields, k, v, slots = write_case(fmt, head_dim, seed=head_dim)
+    out = _tpu_write(fields, k, v, slots, fmt=fmt, interpret=None)
+    jax.block_until_ready(out)
+    assert not races_found()
+    ref = _write(fields, k, v, slots, fmt=fmt)
+    assert sorted(out) == sorted(ref)
+    for n in ref:
+        np.testing.assert_array_equal(np.asarray(out[n]).view(np.uint8), np.asarray(ref[n]).view(np.uint8), n)
+
+
+@pytest.mark.parametrize("name", formats.NAMES)
+def test_write_matches_reference(name):
+    check_write(name, 128)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", formats.NAMES)
+@pytest.mark.parametrize("head_dim", [64, 256, 80, 96])
+def test_write_full_matrix(name, head_dim):
+    """Other head dims: 64, 256, and 80 / 96 (stored padded: 96 for bf16 / fp8, 128 for the 4-bit formats)."""
+    check_write(name, head_dim)
+
+
+def test_write_through_the_registry():
+    """`kvcache.attention.write` with implementation="pallas_tpu" runs the TPU write kernel (interpreted here)."""
+    fmt = formats.get("k8v4")
+    fields, k, v, slots = write_case(fmt, 64, num_kv=1, seed=1)
+    out = kv_attention.write(fields, k, v, slots, fmt=fmt, implementation="pallas_tpu", interpret=None)
+    assert not races_found()
+    ref = _write(fields, k, v, slots, fmt=fmt)
+    for n in ref:
+        np.testing.assert_array_equal(np.asarray(out[n]).view(np.uint8), np.asarray(ref[n]).view(np.uint8), n)
+
+
 def test_race_detector_is_live():
     """A kernel that reads its DMA destination before waiting on the copy is flagged as a race, so the zero-race
     assertions above are meaningful."""
@@ -244,8 +312,9 @@ def test_vmem_model():
 
 @pytest.mark.parametrize("name", formats.NAMES)
 def test_compiled_kernels_lower_for_tpu(name):
-    """The compiled (interpret=False) decode and unified kernels lower to a Mosaic `tpu_custom_call` on this CPU at
-    D = 128 (lowering stops before Mosaic compiles), so a TPU run does not meet an unlowerable primitive first."""
+    """The compiled (interpret=False) decode, unified and write kernels lower to a Mosaic `tpu_custom_call` on this
+    CPU at D = 128 (lowering stops before Mosaic compiles), so a TPU run does not meet an unlowerable primitive
+    first."""
     fmt, kv, d, bs = formats.get(name), 2, 128, 16
     fields = {n: jax.ShapeDtypeStruct((8, kv, bs, *shape[1:]), dt) for n, (shape, dt) in fmt.fields(kv, d).items()}
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
@@ -257,6 +326,12 @@ def test_compiled_kernels_lower_for_tpu(name):
         lambda *a: tpu_attention.unified_attention(*a, fmt=fmt, max_query_len=3, partitions=2, interpret=False)
     )
     text = unified.trace(f32(5, 8, d), fields, i32(3, 4), i32(3), i32(4)).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" in text
+    # The write kernel's jnp.sign (nvfp4's level rounding) lowers by the TPU generation: name a chip (v5e).
+    chip = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+    write = jax.jit(lambda *a: tpu_write.write(*a, fmt=fmt, interpret=False))
+    with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=chip)):
+        text = write.trace(fields, f32(7, kv, d), f32(7, kv, d), i32(7)).lower(lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" in text
 
 

@@ -18,8 +18,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from core import mesh as mesh_lib
+from core.fields import ConfigError
 from core.model import split_params
-from experiments import schema
+from experiments import schema, schema_moe
 from moe import MoEConfig
 from moe import dispatch as dispatch_lib
 from moe.grouped_matmul import GroupedMatmulFn
@@ -204,8 +205,8 @@ def test_capped_dispatch_equals_float64_with_the_numpy_drops(p, n, k, factor):
 def test_layer_reports_the_caps_drops_as_moe_dropped():
     """aux["moe/dropped"] of the capped layer = the NumPy queue's dropped fraction over the layer's own routes."""
     p, local, n = 4, 2, 6  # n tokens per shard
-    m = MoEConfig(num_experts=p * local, top_k=2, expert_size=8, router="softmax")
-    layer = MoE(16, m, path="ffn", rngs=nnx.Rngs(1), shard=expert_sharder(p), ep_capacity_factor=0.75)
+    m = MoEConfig(num_experts=p * local, top_k=2, expert_size=8, router="softmax", ep_capacity_factor=0.75)
+    layer = MoE(16, m, path="ffn", rngs=nnx.Rngs(1), shard=expert_sharder(p))
     x = jnp.asarray(RNG.normal(size=(p, n, 16)) + 2.0 * RNG.normal(size=(1, 1, 16)), jnp.float32)  # skewed routes
     _, aux = nnx.jit(lambda layer, x: layer(x))(layer, x)
     ids = np.asarray(aux["routes"]).reshape(p, n, -1)
@@ -216,9 +217,16 @@ def test_layer_reports_the_caps_drops_as_moe_dropped():
 
 def test_bad_exchange_arguments_are_refused():
     with pytest.raises(ValueError, match=r"ep_exchange = 'nccl'; allowed: \['auto', 'padded', 'ragged'\]"):
-        MoE(8, MoEConfig(num_experts=2, top_k=1, expert_size=4), path="ffn", rngs=nnx.Rngs(0), ep_exchange="nccl")
+        MoEConfig(num_experts=2, top_k=1, expert_size=4, ep_exchange="nccl")
     with pytest.raises(ValueError, match=r"ep_capacity_factor = 0.0; allowed: None \(no cap\) or a number > 0"):
-        MoE(8, MoEConfig(num_experts=2, top_k=1, expert_size=4), path="ffn", rngs=nnx.Rngs(0), ep_capacity_factor=0.0)
+        MoEConfig(num_experts=2, top_k=1, expert_size=4, ep_capacity_factor=0.0)
+    c = schema.default_config()  # the experiment config's keys reach the layer's MoEConfig
+    c.moe.ep_exchange, c.moe.ep_capacity_factor = "ragged", 1.5
+    moe = schema_moe.moe_config(c)
+    assert (moe.ep_exchange, moe.ep_capacity_factor) == ("ragged", 1.5)
+    c.moe.ep_exchange = "nccl"
+    with pytest.raises(ConfigError, match=r"'moe.ep_exchange' = 'nccl'"):
+        schema.validate(c)
     with pytest.raises(ValueError, match=r"exchange = 'fast'; allowed"):
         dispatch_lib.resolve_exchange("fast")
     assert dispatch_lib.resolve_exchange("auto") == "padded"  # the CPU: XLA:CPU has no ragged all-to-all
@@ -230,11 +238,11 @@ RAGGED = re.compile(r"custom_call @ragged_all_to_all\(.*?\)\s*\{.*?\}\s*:\s*\((.
 def lowered_exchanges(devices: int, platform: str, factor: float | None, n: int = 6) -> list[tuple[str, str, str]]:
     """(data operand, output buffer, result) shapes of every ragged_all_to_all in the layer's train-step program
     (forward and gradient) lowered for `platform`, with n tokens per shard."""
-    m = MoEConfig(num_experts=8, top_k=2, expert_size=8, expert_mlp="swiglu", grouped_matmul="ragged_dot")
-    layer = MoE(
-        16, m, path="ffn", rngs=nnx.Rngs(0), shard=expert_sharder(devices), ep_exchange="ragged",
-        ep_capacity_factor=factor,
+    m = MoEConfig(
+        num_experts=8, top_k=2, expert_size=8, expert_mlp="swiglu", grouped_matmul="ragged_dot",
+        ep_exchange="ragged", ep_capacity_factor=factor,
     )  # fmt: skip
+    layer = MoE(16, m, path="ffn", rngs=nnx.Rngs(0), shard=expert_sharder(devices))
     graphdef, params, rest = split_params(layer)
 
     def loss(params, x):
