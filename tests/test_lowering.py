@@ -8,8 +8,9 @@ a primitive, layout or kernel-construction error before a GPU or TPU run meets i
 compiler sees (Triton's PTX / AMDGPU code generation, shared-memory limits past the kernels' own budget check).
 
 What is chosen by backend at trace time is chosen for the CPU that traces (`jax.default_backend()`): the KV
-attention dispatcher interprets Pallas kernels on a CPU backend, so the engine's step is lowered with the XLA
-attention ("xla"), and the kernels are lowered directly here; the MoE configs name grouped_matmul = "ragged_dot"
+attention dispatcher interprets Pallas kernels on a CPU backend unless told interpret=False, as the engine's step is
+here (lowered with the XLA attention and with the platform's kernels inside it), and the kernels are lowered directly
+too; the MoE configs name grouped_matmul = "ragged_dot"
 rather than "auto" (which picks the CPU's windowed loop). The full kernel matrix (90 lowerings, about 25 s) is
 marked slow; the default run keeps every format, kernel, head dim and platform at least once (15)."""
 
@@ -140,10 +141,13 @@ def test_train_step_lowers(moe, platform):
 ENGINE_CFG = TransformerConfig(vocab_size=264, d_model=128, num_layers=2, num_heads=2, num_kv_heads=1, d_ff=96)
 
 
-@pytest.mark.parametrize("platform", ["cuda", "rocm", "tpu"])
-def test_engine_step_lowers(platform):
+@pytest.mark.parametrize(
+    "platform, implementation",
+    [("cuda", "xla"), ("cuda", "pallas_triton"), ("rocm", "pallas_triton"), ("tpu", "xla"), ("tpu", "pallas_tpu")],
+)
+def test_engine_step_lowers(platform, implementation):
     """kvcache.serving's step (model over a 16-token batch, KV writes to an fp4 pool, sampling), as the engine's
-    warm-up calls it, with the XLA attention (see the module docstring)."""
+    warm-up calls it, with the XLA attention or the platform's Pallas kernels compiled (interpret=False) inside it."""
     fmt = formats.get("fp4")
     shape = capacity.ModelShape(ENGINE_CFG.num_layers, ENGINE_CFG.num_kv_heads, ENGINE_CFG.head_dim)
     config = EngineConfig.for_tokenizer(
@@ -152,7 +156,7 @@ def test_engine_step_lowers(platform):
         block_size=BS,
         max_model_len=128,
         max_num_batched_tokens=16,
-        implementation="xla",
+        implementation=implementation,
     )
     engine = Engine(Transformer(ENGINE_CFG, rngs=nnx.Rngs(0)), fmt, config)
     n, rows = 16, config.max_num_seqs + 1
@@ -173,6 +177,10 @@ def test_engine_step_lowers(platform):
         engine._allowed,
         None,
     )
-    traced = engine_lib._forward.trace(*args, max_query_len=n, implementation=config.implementation)
+    traced = engine_lib._forward.trace(*args, max_query_len=n, implementation=implementation, interpret=False)
     text = traced.lower(lowering_platforms=(platform,)).as_text()
-    assert "stablehlo.dot_general" in text and "scatter" in text  # the model, and the KV write into the pool
+    assert "stablehlo.dot_general" in text  # the model
+    kernel = {"xla": "scatter", "pallas_triton": "xla.gpu.triton", "pallas_tpu": "tpu_custom_call"}[implementation]
+    assert kernel in text  # the KV write into the pool (and, for the kernels, the attention)
+    if implementation != "xla":
+        assert text.count(kernel) >= 2 * ENGINE_CFG.num_layers, (kernel, text.count(kernel))

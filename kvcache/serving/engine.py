@@ -55,13 +55,14 @@ class _FlatBatchCache:
     query_start_loc: jax.Array  # [S + 1]
     max_query_len: int = struct.field(pytree_node=False)
     implementation: str = struct.field(pytree_node=False)
+    interpret: bool | None = struct.field(pytree_node=False, default=None)
 
     @property
     def lengths(self):
         return self.seq_lens
 
     def update_and_attend(self, layer, q, k, v):
-        kw: dict[str, Any] = dict(fmt=self.pool.fmt, implementation=self.implementation)
+        kw: dict[str, Any] = dict(fmt=self.pool.fmt, implementation=self.implementation, interpret=self.interpret)
         fields = attention.write(self.pool.layer(layer), k[0], v[0], self.slots, **kw)
         out = attention.unified_attention(
             q[0], fields, self.block_tables, self.seq_lens, self.query_start_loc, max_query_len=self.max_query_len, **kw
@@ -89,7 +90,9 @@ class _Static:
         return self is other or (isinstance(other, _Static) and self.value == other.value)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_query_len", "implementation"), donate_argnums=(2,))
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "max_query_len", "implementation", "interpret"), donate_argnums=(2,)
+)
 def _forward(
     graphdef,
     state,
@@ -108,13 +111,17 @@ def _forward(
     *,
     max_query_len,
     implementation,
+    interpret=None,
 ):
     """One step: the model over the batch's N tokens, then `_draw` of each sequence row's logits at `last` [S].
     Returns (`_draw`'s arrays, the pool). `graphdef`: a `_Static` of the model's graphdef and its state's treedef;
-    `state`: the state's leaves (a flat list crosses the call faster than the nnx.State pytree)."""
+    `state`: the state's leaves (a flat list crosses the call faster than the nnx.State pytree). `interpret`: the
+    Pallas kernels' (`kvcache.attention`; None: by backend; False lowers them compiled from any host)."""
     model_graph, treedef = graphdef.value
     model = nnx.merge(model_graph, jax.tree.unflatten(treedef, state))
-    cache = _FlatBatchCache(pool, slots, block_tables, seq_lens, query_start_loc, max_query_len, implementation)
+    cache = _FlatBatchCache(
+        pool, slots, block_tables, seq_lens, query_start_loc, max_query_len, implementation, interpret
+    )
     logits, _, cache = model(tokens[None], positions=positions[None], cache=cache)
     return _draw(logits[0, last], params, words, allowed, masks), cache.pool
 
