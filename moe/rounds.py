@@ -32,7 +32,7 @@ from core import train as train_lib
 from core.codec import WireFormat
 from core.mesh import put_global
 from core.model import split_params
-from moe import federation, lowbit_sync
+from moe import desloc, federation, lowbit_sync
 
 __all__ = [
     "OUTER_METHODS",
@@ -124,17 +124,21 @@ def make_round(
     wire: WireFormat | None = None,
     error_feedback: bool = False,
     second_moments: str = "sent",
+    moments: tuple[str, ...] = desloc.MOMENTS,
 ) -> jax.stages.Wrapped:
     """A jitted `(state, tokens [K, M, B_site, T + 1]) -> (state, metrics)`: K local steps on every site, then the
     synchronisation of `method`. Metrics are the train-step metrics of every step and site, [K, M] each (averaged
     on the host, so the program's only cross-site collectives are the synchronisation's). `wire`: the wire format of
     low-bit synchronisation (None or float32: today's exact mean); `error_feedback` keeps what it drops (the state
     from `init_sites(..., error_feedback=True)`). `second_moments`: LocalAdamW's second moments "sent" (as
-    `second_moment_wire` says) or kept "local" to each site.
+    `second_moment_wire` says) or kept "local" to each site. `moments`: the moment groups LocalAdamW averages
+    in this synchronisation (moe.desloc.MOMENTS: both; DES-LOC's schedule, `moe.desloc.moments_at`, names fewer on
+    most rounds; the others stay each site's own).
     """
     local_steps, sync = _round_parts(
-        graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics, wire, error_feedback, second_moments, None
-    )
+        graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics, wire, error_feedback, second_moments, None,
+        moments=moments,
+    )  # fmt: skip
 
     def round_fn(state: FederatedState, tokens: jax.Array):
         train, metrics = local_steps(state.train, tokens)
@@ -158,6 +162,7 @@ def make_round_parts(
     fragment: Any = None,
     anchored: bool = False,
     donate: bool = True,
+    moments: tuple[str, ...] = desloc.MOMENTS,
 ) -> tuple[jax.stages.Wrapped, jax.stages.Wrapped]:
     """`make_round`'s round as two jitted programs, so that a driver can time its compute and its synchronisation
     apart (experiments.federated); `sync(start, outer, feedback, *local(params, others, tokens)[:1])` is the round:
@@ -171,10 +176,10 @@ def make_round_parts(
     like the parameters, True for those this synchronisation averages (with their optimizer state; moe.streaming);
     None: all of them. DiLoCo's outer step then moves the fragment's parameters and outer momentum only; the
     others keep the sites' own values. `anchored`: `start` is FederatedState.anchor (streaming), and the returned
-    state's anchor is it with the fragment's synchronised values."""
+    state's anchor is it with the fragment's synchronised values. `moments`: as `make_round`'s."""
     local_steps, sync = _round_parts(
         graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics, wire, error_feedback, second_moments,
-        fragment, anchored,
+        fragment, anchored, moments,
     )  # fmt: skip
     kept = round_start(method, wire)
     donated = (0, 1) if kept is None else (1,) if kept == "params" else ()
@@ -255,10 +260,15 @@ def _round_parts(
     second_moments,
     fragment,
     anchored=False,
+    moments=desloc.MOMENTS,
 ) -> tuple[Callable, Callable]:
     """(local_steps(train, tokens) -> (train, metrics), sync(start, outer_state, feedback, train) -> FederatedState)."""
     if method not in OUTER_METHODS:
         raise ValueError(f"outer method = {method!r}; allowed: {list(OUTER_METHODS)}.")
+    if not set(moments) <= set(desloc.MOMENTS):
+        raise ValueError(f"moments = {moments!r}; allowed: a subset of {list(desloc.MOMENTS)}.")
+    if set(moments) != set(desloc.MOMENTS) and method != "local_adamw":
+        raise ValueError(f"moments = {moments!r}: only LocalAdamW averages moments (outer method {method!r}).")
     if (method == "diloco") != (outer is not None):
         raise ValueError("method 'diloco' needs its outer optimizer (optim.diloco_outer); 'local_adamw' takes none.")
     lowbit = wire is not None and not wire.exact
@@ -270,9 +280,12 @@ def _round_parts(
 
     def sync(start: Any, outer_state: Any, feedback: Any, train: train_lib.TrainState) -> FederatedState:
         flags = masked_flags(federation.expert_flags(train.params), train.params, fragment)
-        moments = moment_flags(optimizer, train.opt_state, train.params, fragment)
-        first, second = split_second_moments(moments, train.opt_state)
-        nu_wire = second_moment_wire(wire, second_moments)
+        moments_flags = moment_flags(optimizer, train.opt_state, train.params, fragment)
+        first, second = split_second_moments(moments_flags, train.opt_state)
+        nu_wire = second_moment_wire(wire, second_moments) if "second" in moments else None
+        if "first" not in moments:  # DES-LOC: each site keeps its own first moments this round
+            first = jax.tree.map(lambda _: None, first)
+        sent = _union(first, second if nu_wire is not None else None, train.opt_state)
         if lowbit:
             assert wire is not None
             start_params, start_opt = (start, None) if method == "diloco" else start
@@ -285,9 +298,11 @@ def _round_parts(
             new_feedback: Any = {"params": fb_params} if feedback else ()
             if method == "local_adamw":
                 moment_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys)
-                opt_state, fb_opt = lowbit_sync.compressed_average(
-                    train.opt_state, start_opt, first, mesh, wire, moment_keys, fb.get("opt_state")
-                )
+                opt_state, fb_opt = train.opt_state, fb.get("opt_state")
+                if _any(first, train.opt_state):
+                    opt_state, fb_opt = lowbit_sync.compressed_average(
+                        train.opt_state, start_opt, first, mesh, wire, moment_keys, fb_opt
+                    )
                 if nu_wire is not None:  # second moments in a per-element format, after the first moments
                     opt_state, _ = lowbit_sync.compressed_average(
                         opt_state, start_opt, second, mesh, nu_wire, moment_keys, None
@@ -297,7 +312,11 @@ def _round_parts(
         else:
             averaged, new_feedback = federation.average(train.params, flags, mesh), feedback
             if method == "local_adamw":
-                opt_state = federation.average(train.opt_state, first if nu_wire is None else moments, mesh)
+                opt_state = (
+                    federation.average(train.opt_state, sent, mesh)
+                    if _any(sent, train.opt_state)
+                    else (train.opt_state)
+                )
         in_fragment = [f is not None for f in federation.leaf_flags(flags, train.params)]
         if method == "local_adamw":
             params = averaged
@@ -314,11 +333,23 @@ def _round_parts(
             if method == "diloco":
                 anchor = _where(in_fragment, params, start)
             else:
-                synced = [f is not None for f in federation.leaf_flags(moments, train.opt_state)]
+                synced = [f is not None for f in federation.leaf_flags(sent, train.opt_state)]
                 anchor = (_where(in_fragment, params, start[0]), _where(synced, opt_state, start[1]))
         return FederatedState(train._replace(params=params, opt_state=opt_state), outer_state, new_feedback, anchor)
 
     return local_steps, sync
+
+
+def _union(a: Any, b: Any, tree: Any) -> Any:
+    """Flags like `tree`'s leaves: `a`'s where set, else `b`'s (None: neither; `b` None: `a`)."""
+    left = federation.leaf_flags(a, tree)
+    right = federation.leaf_flags(b, tree) if b is not None else [None] * len(left)
+    return jax.tree.unflatten(jax.tree.structure(tree), [x if x is not None else y for x, y in zip(left, right)])
+
+
+def _any(flags: Any, tree: Any) -> bool:
+    """Whether `flags` (like `tree`) averages any leaf."""
+    return any(f is not None for f in federation.leaf_flags(flags, tree))
 
 
 def _where(keep: list[bool], chosen: Any, other: Any) -> Any:

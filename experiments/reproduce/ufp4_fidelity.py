@@ -6,8 +6,9 @@ The quickstart MoE (one site) is trained with the `bf16` recipe for `--steps` st
 half, three quarters and the end. At each checkpoint one training batch (the next step's) goes through the model
 with every projection and expert GEMM computed in float32 and a zero "tap" added to its output: the gradient of
 the loss with respect to a tap is that GEMM's dY. So every GEMM the recipes quantise (attention q, k, v, o; each
-expert's up, gate and down, one GEMM per expert over its routed tokens; not the head, routers or embeddings, which
-every recipe keeps in high precision) gives its real operands x [M, K], W [K, N] and dY [M, N].
+expert's up and down, and gate with a swiglu expert, one GEMM per expert over its routed tokens; not the head,
+routers or embeddings, which every recipe keeps in high precision) gives its real operands x [M, K], W [K, N] and
+dY [M, N].
 
 For each recipe, each GEMM kind and each captured GEMM, the library's own quantisation of both operands
 (quant.gemm.prepare_operands: padding, RHT, block scales, stochastic rounding of dY) and the product of the
@@ -37,7 +38,18 @@ import numpy as np
 from experiments import harness, plotting
 from experiments.reproduce import runs
 
-RECIPES = ("bf16", "e2m1_baseline", "ufp4", "ufp4_int4", "nvfp4", "nvfp4_4over6", "mxfp4", "mxfp4_amd")
+RECIPES = (
+    "bf16",
+    "e2m1_baseline",
+    "ufp4",
+    "ufp4_int4",
+    "nvfp4",
+    "nvfp4_4over6",
+    "mxfp4",
+    "mxfp4_amd",
+    "gridgames",
+    "nvfp4_ms_eden",
+)
 GEMMS = ("fprop", "dgrad", "wgrad")
 DRAWS = 8
 BUCKET = 256
@@ -309,6 +321,19 @@ def _cell(s: dict, scale: float, digits: int) -> str:
     return f"{s['mean'] * scale:.{digits}f} [{lo * scale:.{digits}f}, {hi * scale:.{digits}f}]"
 
 
+def gemm_kinds(names: list[str]) -> str:
+    """The kinds of captured GEMMs named "step:blocks.i.attn.q" / "step:blocks.i.ffn.experts.up[e]", as a phrase:
+    "attention k, o, q, v and each expert's down, up" (what the model has, not a fixed list)."""
+    leaf = sorted({n.rsplit(".", 1)[-1].split("[")[0] for n in names})
+    attention = [k for k in leaf if k in ("q", "k", "v", "o")]
+    expert = [k for k in leaf if k not in attention]
+    parts = [
+        f"attention {', '.join(attention)}" if attention else "",
+        f"each expert's {', '.join(expert)}" if expert else "",
+    ]
+    return " and ".join(p for p in parts if p)
+
+
 def markdown(result: dict) -> str:
     """fidelity.md: per GEMM kind, each recipe's SQNR, gain and (wgrad) cosine with 95% intervals; the rankings."""
     s = result["summary"]
@@ -318,7 +343,7 @@ def markdown(result: dict) -> str:
         "",
         f"`{result['command']}`",
         "",
-        f"{len(result['gemms'])} GEMMs (attention q, k, v, o and each expert's up, gate, down) captured at steps "
+        f"{len(result['gemms'])} GEMMs ({gemm_kinds(result['gemms'])}) captured at steps "
         f"{src['checkpoints']} of the bf16 quickstart MoE; each recipe's quantised product in float64 against the "
         f"float64 product, {result['draws']} draws for recipes with randomness. Mean over the GEMMs [95% bootstrap "
         "interval]. Gain: <mean Q, E> / |E|^2 - 1 in %, negative = shrinkage.",
