@@ -73,6 +73,7 @@ def train_federated(
         fragments=f.fragments,
         delay=f.delay,
         mixing=f.mixing,
+        moment_periods=tuple(f.moment_periods),
     )
     return train_lib.run(
         config, stepper, state, workdir=workdir, compat=compat, provenance=provenance, hooks=hooks, on_start=on_start

@@ -21,6 +21,7 @@ import ml_collections
 from core.codec import FORMATS, ROUNDINGS, SCALES, WireFormat
 from core.fields import Compat, ConfigError, field, from_config
 from core.mesh_config import rule_mesh_axes
+from moe import desloc
 from moe.config import ROUTING_MODES, MoEConfig
 
 __all__ = ["FoMoEConfig", "check", "check_fomoe", "moe_config", "wire_format"]
@@ -180,6 +181,12 @@ class FoMoEConfig:
         "(checkpointed)",
         since_checkpoints=True,
     )
+    moment_periods: tuple[int, int] = field(
+        (1, 1),
+        "LocalAdamW, DES-LOC (moe.desloc): (p_u, p_v), the first moments averaged every p_u-th round and the second "
+        "every p_v-th (the paper's (3, 6)), each site keeping its own between; (1, 1) = both every round",
+        since_checkpoints=True,
+    )
 
 
 def check_fomoe(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int] | None) -> None:
@@ -220,6 +227,7 @@ def check_fomoe(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int] | 
         )
     _check_wire(config, expert)
     _check_streaming(config)
+    _check_desloc(config)
     if config.train.steps % f.local_steps:
         below = config.train.steps // f.local_steps * f.local_steps
         fits = " or ".join(str(s) for s in (below, below + f.local_steps) if s > 0)
@@ -283,6 +291,29 @@ def _check_streaming(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             f"config key 'fomoe.delay' = 1 with 'fomoe.outer' = 'local_adamw' needs 'fomoe.second_moments' = "
             f"'local' (got {f.second_moments!r}): a second moment corrected a round late could turn negative."
+        )
+
+
+def _check_desloc(config: ml_collections.ConfigDict) -> None:
+    """DES-LOC's periods (moe.desloc) against the rest of the federation. Raises ConfigError."""
+    f = config.fomoe
+    try:
+        periods = desloc.check_periods(tuple(f.moment_periods))
+    except (ValueError, TypeError):
+        raise ConfigError(
+            f"config key 'fomoe.moment_periods' = {f.moment_periods!r}; allowed: two positive integers (p_u, p_v)."
+        ) from None
+    if periods == (1, 1):
+        return
+    if f.outer != "local_adamw" or f.fragments != 1 or f.delay != 0:
+        raise ConfigError(
+            f"config key 'fomoe.moment_periods' = {periods} (DES-LOC) needs 'fomoe.outer' = 'local_adamw', "
+            f"'fomoe.fragments' = 1 and 'fomoe.delay' = 0 (got {f.outer!r}, {f.fragments}, {f.delay})."
+        )
+    if f.second_moments == "local" and periods[1] != 1:
+        raise ConfigError(
+            f"config key 'fomoe.moment_periods' = {periods} sets a period for second moments that "
+            "'fomoe.second_moments' = 'local' never sends: set p_v to 1, or second_moments to 'sent'."
         )
 
 

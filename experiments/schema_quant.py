@@ -25,11 +25,16 @@ class PrecisionConfig:
         "none",
         "matmul recipe of every projection and expert (quant/recipes.py): none = unquantised, the GEMMs in the "
         "model's dtype; bf16 = operands rounded to bfloat16, float32 accumulation; ufp4 / ufp4_int4 (uniform grid, "
-        "RHT on all GEMMs), e2m1_baseline, nvfp4 (NVIDIA's), nvfp4_4over6, mxfp4 (OCP), mxfp4_amd (AMD's)",
+        "RHT on all GEMMs), e2m1_baseline, nvfp4 (NVIDIA's), nvfp4_4over6, mxfp4 (OCP), mxfp4_amd (AMD's), "
+        "gridgames (Grid Games), nvfp4_ms_eden (MS-EDEN on dy)",
         choices=tuple(RECIPES),
     )
     last_blocks_high_precision: int = field(0, "keep the last n transformer blocks unquantised", low=0)
-    fresh_signs: bool = field(False, "draw the RHT signs per step and layer (default: fixed for the run)")
+    fresh_signs: bool = field(
+        False,
+        "draw the RHT signs per step and layer (default: the recipe's own: fixed for the run, except "
+        "nvfp4_ms_eden's, which are fresh: MS-EDEN is unbiased only over fresh rotations)",
+    )
     rht: str = field(
         "recipe", "ablation: which GEMMs rotate their operands (RHT16), overriding the recipe", choices=RHT_SCOPES
     )
@@ -53,11 +58,13 @@ def apply(recipe: Recipe, precision: PrecisionConfig) -> Recipe:
             f"{recipe.name!r}: that recipe has no 4-bit GEMM to change; use a 4-bit recipe or 'recipe'."
         )
     for field_name, value in overrides.items():
+        change: dict[str, dict[str, bool | str]]
         if field_name == "rht":
             scope = {"none": (), "all": tuple(gemms)}.get(value, tuple(value.split("+")))
             change = {name: {"rht": name in scope} for name in gemms}
         else:
-            change = {name: {"stochastic_dy": name != "fprop" and value == "on"} for name in gemms}
+            rounding = {name: "stochastic" if name != "fprop" and value == "on" else "nearest" for name in gemms}
+            change = {name: {"stochastic_dy": r != "nearest", "dy_rounding": r} for name, r in rounding.items()}
         try:
             gemms = {n: g if g.fmt is None else dataclasses.replace(g, **change[n]) for n, g in gemms.items()}
         except ValueError as e:
@@ -66,5 +73,5 @@ def apply(recipe: Recipe, precision: PrecisionConfig) -> Recipe:
         recipe,
         **gemms,
         last_blocks_high_precision=precision.last_blocks_high_precision,
-        fresh_signs=precision.fresh_signs,
+        fresh_signs=precision.fresh_signs or recipe.fresh_signs,
     )

@@ -30,7 +30,7 @@ from core import hlo
 from core import train as train_lib
 from core.codec import WireFormat
 from core.data import Batches
-from moe import federation, lowbit_sync, reshuffle, streaming, system_model
+from moe import desloc, federation, lowbit_sync, reshuffle, streaming, system_model
 from moe import rounds as rounds_lib
 from moe.config import ROUTING_MODES
 from moe.placement import Placement
@@ -80,6 +80,8 @@ class FederatedStepper(train_lib.Stepper):
       second_moments: LocalAdamW's second moments "sent" or kept "local" (moe.rounds.second_moment_wire).
       fragments, delay, mixing: streaming synchronisation (moe.streaming): F fragments synchronised in turn, one
         round late behind the next round's local steps with delay 1, the correction scaled by `mixing`.
+      moment_periods: DES-LOC's (p_u, p_v) for LocalAdamW (moe.desloc): the first moments averaged every p_u-th
+        round, the second every p_v-th; (1, 1) both every round. The bytes per round are the mean over its cycle.
     Raises:
       ValueError naming the argument for a method, routing mode or count outside what is allowed.
     """
@@ -110,6 +112,7 @@ class FederatedStepper(train_lib.Stepper):
         fragments: int = 1,
         delay: int = 0,
         mixing: float = 1.0,
+        moment_periods: tuple[int, int] = (1, 1),
     ):
         _check(method=method, routing=routing, local_steps=local_steps, eval_batches=eval_batches)
         if reshuffle_every < 0:
@@ -133,6 +136,7 @@ class FederatedStepper(train_lib.Stepper):
             fragments_count=fragments,
             delay=delay,
             mixing=mixing,
+            moment_periods=moment_periods,
             method=method,
             outer=outer,
             loss_fn=loss_fn,
@@ -166,7 +170,7 @@ class FederatedStepper(train_lib.Stepper):
         # the local steps' program moves nothing across sites (tests/test_rounds); each fragment's synchronisation
         # its own bytes (F = 1: all of them), a round's mean over the fragments it cycles through
         migrate_hlo = None if self.migrate_exec is None else self.migrate_exec.as_text()
-        per_fragment = [
+        per_variant = [
             round_bytes(
                 text,
                 migrate_hlo,
@@ -180,10 +184,12 @@ class FederatedStepper(train_lib.Stepper):
                 wire=wire,
                 second_moments=second_moments,
                 fragment=mask,
+                moments=moments,
             )
-            for text, mask in zip(sync_texts, self.round.masks)
+            for text, (mask, moments, _) in zip(sync_texts, self.round.variants)
         ]
-        self.bytes_info = {key: float(np.mean([b[key] for b in per_fragment])) for key in per_fragment[0]}
+        shares = [share for _, _, share in self.round.variants]  # of the rounds, over the schedule's cycle
+        self.bytes_info = {key: float(np.dot(shares, [b[key] for b in per_variant])) for key in per_variant[0]}
         tokens_per_step = batches.global_batch * batches.seq_len
         self.bytes_info["bytes_per_token"] = system_model.bytes_per_token(
             self.bytes_info["measured"], sites, k, tokens_per_step
@@ -203,7 +209,7 @@ class FederatedStepper(train_lib.Stepper):
             print(
                 f"federation: {sites} sites, O_e = {placement.overlap}, {placement.local_experts} of "
                 f"{placement.num_experts} experts per site, K = {k}, {method}"
-                + _sync_words(wire, error_feedback, second_moments, fragments, delay)
+                + _sync_words(wire, error_feedback, second_moments, fragments, delay, moment_periods)
                 + f", {routing} routing; "
                 f"{self.bytes_info['measured']:,.0f} bytes per site per round (formula "
                 f"{self.bytes_info['formula']:,.0f})" + _migration_line(self.bytes_info, reshuffle_every),
@@ -339,7 +345,7 @@ def _mean_loss(sums: dict[str, np.ndarray]) -> np.ndarray:
     return np.asarray(sums["nll_sum"], np.float64) / np.asarray(sums["tokens"])
 
 
-def _sync_words(wire, error_feedback: bool, second_moments: str, fragments: int, delay: int) -> str:
+def _sync_words(wire, error_feedback: bool, second_moments: str, fragments: int, delay: int, periods=(1, 1)) -> str:
     """How the round synchronises, for the federation line (nothing for today's float32 blocking round)."""
     words = []
     if wire is not None and not wire.exact:
@@ -350,6 +356,8 @@ def _sync_words(wire, error_feedback: bool, second_moments: str, fragments: int,
         words.append(f"{fragments} fragments in turn")
     if delay:
         words.append("behind the next round's local steps")
+    if tuple(periods) != (1, 1):
+        words.append(f"DES-LOC moments every {periods[0]} / {periods[1]} rounds")
     return "".join(f", {w}" for w in words)
 
 
@@ -387,6 +395,7 @@ def round_bytes(
     wire: WireFormat | None = None,
     second_moments: str = "sent",
     fragment: Any = None,
+    moments: tuple[str, ...] = desloc.MOMENTS,
 ) -> dict[str, float]:
     """Bytes per site per round, read from the compiled programs' collectives ("measured") and by the spec's
     formulas ("formula"; their inputs: the bytes of the parameters and of the optimizer state LocalAdamW averages,
@@ -394,13 +403,17 @@ def round_bytes(
     migration) a reshuffle's bytes count 1 / reshuffle_every per round: measured, what the migration's all-gather moves
     ("migration_per_reshuffle"); by formula, the expected arrivals (P with gamma = 1 / reshuffle_every,
     "migration_per_reshuffle_formula"). A low-bit `wire` counts values (4 bytes each in the formula's terms: what
-    moe.lowbit_sync quantises is float32). `fragment` (moe.streaming): the parameters that synchronisation averages."""
+    moe.lowbit_sync quantises is float32). `fragment` (moe.streaming): the parameters that synchronisation averages;
+    `moments`: the moment groups it averages (moe.desloc)."""
     measured = federation.sync_bytes_per_site(round_hlo, mesh)["cross_site"]  # summed over a site's devices
     params_flags = rounds_lib.masked_flags(federation.expert_flags(train.params), train.params, fragment)
     first, second = rounds_lib.split_second_moments(
         rounds_lib.moment_flags(optimizer, train.opt_state, train.params, fragment), train.opt_state
     )
-    nu_wire = rounds_lib.second_moment_wire(wire, second_moments) if method == "local_adamw" else None
+    local_adamw = method == "local_adamw"
+    nu_wire = rounds_lib.second_moment_wire(wire, second_moments) if local_adamw and "second" in moments else None
+    if "first" not in moments:
+        first = None
     gamma = 1.0 / reshuffle_every if migrate_hlo is not None else 0.0
     dense, experts = _split_bytes(train.params, params_flags, sites)
     if wire is None or wire.exact:
@@ -411,8 +424,9 @@ def round_bytes(
         )["total"]
     else:  # one quantised mean per group: parameters, first moments, second moments (moe.rounds)
         groups = [(train.params, params_flags, wire)]
-        if method == "local_adamw":
-            groups += [(train.opt_state, first, wire)] + ([(train.opt_state, second, nu_wire)] if nu_wire else [])
+        if local_adamw:
+            groups += [(train.opt_state, first, wire)] if first is not None else []
+            groups += [(train.opt_state, second, nu_wire)] if nu_wire else []
         formula = 0.0
         for tree, flags, fmt in groups:
             count = lowbit_sync.group_values(tree, flags, sites, overlap)

@@ -39,7 +39,7 @@ from typing import Any
 import jax
 import optax
 
-from moe import federation
+from moe import desloc, federation
 from moe import rounds as rounds_lib
 
 __all__ = ["StreamingRound", "anchor_kind", "fragments", "make_merge", "overlapped", "synced_fragment"]
@@ -158,11 +158,15 @@ class StreamingRound:
 
     With fragments = 1 and delay = 0 it is moe.rounds.make_round_parts' round; otherwise, for DiLoCo or a low-bit
     wire, the state holds its anchor (moe.rounds.init_sites with `anchor_kind`), and LocalAdamW with delay 1 keeps
-    second moments on each site (ValueError otherwise, naming the argument). `kwargs`: make_round_parts' (method,
-    outer, loss_fn, state_metrics, wire, error_feedback, second_moments)."""
+    second moments on each site (ValueError otherwise, naming the argument). `moment_periods` (p_u, p_v): DES-LOC's
+    schedule for LocalAdamW (moe.desloc; (1, 1): both moments every round), with fragments = 1 and delay = 0 only.
+    `kwargs`: make_round_parts' (method, outer, loss_fn, state_metrics, wire, error_feedback, second_moments).
+
+    `variants`: one (fragment mask, moment groups, share of rounds) per compiled synchronisation, in the order of
+    `compile`'s texts: each fragment with each distinct moment set of the DES-LOC cycle."""
 
     def __init__(self, graphdef, optimizer, mesh, params, *, fragments_count: int = 1, delay: int = 0,
-                 mixing: float = 1.0, **kwargs):  # fmt: skip
+                 mixing: float = 1.0, moment_periods=(1, 1), **kwargs):  # fmt: skip
         if delay not in (0, 1):
             raise ValueError(f"delay = {delay!r}: allowed 0 (blocking) or 1 (one round late, behind compute).")
         if not 0.0 < mixing <= 1.0:
@@ -171,13 +175,24 @@ class StreamingRound:
         self.method, self.wire, self.delay = str(kwargs.get("method")), kwargs.get("wire"), delay
         if delay and self.method == "local_adamw" and kwargs.get("second_moments", "sent") != "local":
             raise ValueError("delay = 1 keeps second moments on each site: second_moments must be 'local'.")
+        self.periods = desloc.check_periods(moment_periods)
+        if self.periods != (1, 1) and (streaming or self.method != "local_adamw"):
+            raise ValueError(
+                f"moment periods = {self.periods} (DES-LOC): LocalAdamW with fragments = 1 and delay = 0 only "
+                f"(got outer method {self.method!r}, fragments {fragments_count}, delay {delay})."
+            )
         self.anchored = anchor_kind(self.method, self.wire, fragments_count, delay) is not None
         self.masks = fragments(params, fragments_count) if streaming else [None]
+        cycle = desloc.cycle(self.periods)
+        self.moment_sets = list(dict.fromkeys(cycle))  # distinct, in the cycle's order
+        self.variants = [
+            (m, ms, cycle.count(ms) / (len(cycle) * len(self.masks))) for m in self.masks for ms in self.moment_sets
+        ]
         parts = [
             rounds_lib.make_round_parts(
-                graphdef, optimizer, mesh, fragment=m, anchored=self.anchored, donate=not delay, **kwargs
+                graphdef, optimizer, mesh, fragment=m, anchored=self.anchored, donate=not delay, moments=ms, **kwargs
             )
-            for m in self.masks
+            for m, ms, _ in self.variants
         ]
         self.local: Any = parts[0][0]  # jitted, then (`compile`) compiled
         self.syncs: list[Any] = [p[1] for p in parts]
@@ -204,6 +219,8 @@ class StreamingRound:
     def __call__(self, state, call: int, tokens, probe: Callable[[Any], Any] | None = None):
         start = self._start(state)
         fragment = synced_fragment(call, len(self.masks), self.delay)
+        if fragment is not None:  # the variant compiled for this fragment and this round's moment groups
+            fragment = fragment * len(self.moment_sets) + self.moment_sets.index(desloc.moments_at(call, self.periods))
 
         def local():
             return self.local(state.train.params, state.train._replace(params=None), tokens)

@@ -88,8 +88,9 @@ def prepare_operands(
 ):
     """Both operands of one GEMM, rotated and quantised along their contraction axes (padded to whole blocks), as
     `gemm` says. `weight`: which operand (0 / 1) is the weight, for 2-D tiles (`gemm.weight_2d`: quantised once,
-    along both axes). The quantiser is called as cfg.quantizer(x, fmt, axis=, block_size=, rounding=, key=, scale=,
-    select=)."""
+    along both axes). `stochastic[i]`: operand i is dy and rounds as `gemm.dy_rounding` says (else nearest). The
+    quantiser is called as cfg.quantizer(x, fmt, axis=, block_size=, rounding=, key=, scale=, select=), plus
+    eden_group= (lcm of block and RHT block) for rounding "ms_eden"."""
     if gemm.fmt is None:
         return _cast(a, b, dtype=cfg.recipe.gemm_dtype)
     block = gemm.block_size or DEFAULT_BLOCK[gemm.fmt]
@@ -112,23 +113,26 @@ def prepare_operands(
         if stochastic[i]:
             if key is None:
                 raise ValueError(
-                    f"recipe {cfg.recipe.name}: stochastic rounding of dy needs a PRNG key; the training "
+                    f"recipe {cfg.recipe.name}: {gemm.dy_rounding} rounding of dy needs a PRNG key; the training "
                     "step passes one through the precision slot (a key of None is for inference)."
                 )
             sub = jax.random.fold_in(key, SALT_OPERANDS[i])
+        rounding = gemm.dy_rounding if stochastic[i] else "nearest"
         if i == weight and gemm.weight_2d:
             out.append(quantize_tiles(x, gemm.fmt, tile=block, scale=gemm.scale, select=gemm.select))
         else:
+            extra = {"eden_group": multiple} if rounding == "ms_eden" else {}  # whole rotation groups and blocks
             out.append(
                 cfg.quantizer(
                     x,
                     gemm.fmt,
                     axis=axis,
                     block_size=block,
-                    rounding="stochastic" if stochastic[i] else "nearest",
+                    rounding=rounding,
                     key=sub,
                     scale=gemm.scale,
                     select=gemm.select,
+                    **extra,
                 )
             )
     return _cast(*out, dtype=cfg.recipe.gemm_dtype)

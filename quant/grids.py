@@ -12,7 +12,12 @@ Block scales (`SCALES`; a format's own is `FORMAT_SCALES[fmt]`, and any grid tak
   ue8m0  a power of two per block, 2^(floor(log2 amax) - floor(log2 grid max)) (OCP MX; mxfp4)
 Scale selection (`SELECTIONS`): "max" maps each block's amax to the grid's max; "4over6" ("Four Over Six",
 arXiv 2512.02010) tries mapping it to 6 and to 4 and keeps, per block, the one with the smaller squared error (the
-e2m1 grid with fp32 or e4m3 scales only: on a uniform grid the smaller target only drops levels).
+e2m1 grid with fp32 or e4m3 scales only: on a uniform grid the smaller target only drops levels). "grid" (Grid
+Games, arXiv 2605.12327) rounds every block on two grids, e2m1 (its scale maps amax to 6) and the uniform
+`GRID_GAMES_UNIFORM` (int4: amax to 7), and keeps, per block, the one with the smaller squared error (e2m1 on ties);
+the choice costs no storage: it is the sign bit of the block scale, which a positive scale leaves spare (E4M3's
+sign bit for nvfp4, FP32's for fp32 scales; UE8M0 has no spare bit, so "grid" refuses ue8m0). The decoder reads
+the grid from that bit: quant.quantize.encode_signalled / decode_signalled.
 
 `round_to_grid(y, fmt)` rounds values already divided by their block scale: round-to-nearest with ties to the
 level of even code (the mantissa's last bit 0: for e2m1 0, 1, 2, 4; for the uniform grids even integers of
@@ -31,6 +36,7 @@ __all__ = [
     "FORMATS",
     "FORMAT_SCALES",
     "GRIDS",
+    "GRID_GAMES_UNIFORM",
     "ROUNDINGS",
     "SCALES",
     "SELECTIONS",
@@ -47,7 +53,8 @@ FORMATS = ("e2m1", "e1m2", "int4", "mxfp4", "nvfp4")  # mxfp4 and nvfp4 use the 
 ROUNDINGS = ("nearest", "stochastic")
 SCALES = ("fp32", "e4m3", "ue8m0")
 FORMAT_SCALES = {"e2m1": "fp32", "e1m2": "fp32", "int4": "fp32", "mxfp4": "ue8m0", "nvfp4": "e4m3"}
-SELECTIONS = ("max", "4over6")
+SELECTIONS = ("max", "4over6", "grid")
+GRID_GAMES_UNIFORM = "int4"  # select="grid": the uniform grid a block may choose instead of e2m1
 
 
 def grid_name(fmt: str) -> str:
@@ -60,16 +67,16 @@ def grid_name(fmt: str) -> str:
 def scale_of(fmt: str, scale: str | None = None, select: str = "max") -> str:
     """The block-scale encoding (one of SCALES) that `fmt` quantises with: `scale` when given, else the format's
     own (FORMAT_SCALES). ValueError naming the argument and what is allowed for an unknown fmt, scale or select,
-    and for "4over6" on a grid other than e2m1 or with ue8m0 scales."""
+    and for "4over6" or "grid" on a grid other than e2m1 or with ue8m0 scales."""
     grid = grid_name(fmt)
     if scale is not None and scale not in SCALES:
         raise ValueError(f"scale = {scale!r}; allowed: None (the format's own) or one of {list(SCALES)}.")
     if select not in SELECTIONS:
         raise ValueError(f"select = {select!r}; allowed: {list(SELECTIONS)}.")
     scale = FORMAT_SCALES[fmt] if scale is None else scale
-    if select == "4over6" and (grid != "e2m1" or scale == "ue8m0"):
+    if select in ("4over6", "grid") and (grid != "e2m1" or scale == "ue8m0"):
         raise ValueError(
-            f"select = '4over6' with fmt = {fmt!r} (grid {grid}) and scale = {scale!r}: it needs the e2m1 grid "
+            f"select = {select!r} with fmt = {fmt!r} (grid {grid}) and scale = {scale!r}: it needs the e2m1 grid "
             "(e2m1, mxfp4, nvfp4) with fp32 or e4m3 scales."
         )
     return scale

@@ -15,8 +15,23 @@ Each format is an element grid (G its max: 6 for e2m1, 1.75 for e1m2, 7 for int4
 "4over6" selection (e2m1 grid; arXiv 2512.02010) rounds every block twice and keeps the candidate with the smaller
 squared error: fp32 scales amax / 6 and amax / 4; e4m3 scales with M = 256 and s_b computed for amax / 6 and
 (1.5 times larger) amax / 4 (so that 1.5 M = 384 stays below 448).
+"grid" selection (Grid Games, arXiv 2605.12327) rounds every block on e2m1 and on int4 with the same kind of scale
+(fp32: amax / 6 and amax / 7; e4m3: s_b for G = 6 and G = 7 under the one tensor scale t, M = 448) and keeps the
+candidate with the smaller squared error (e2m1 on ties); `encode_signalled` stores the choice in the sign bit of
+the block scale and `decode_signalled` reads it back, so the storage is nvfp4's (4-bit codes, one 8-bit E4M3 scale
+per 16 elements, one FP32 tensor scale).
 A block whose amax is 0 (or whose E4M3 scale underflows to 0) encodes zeros; a zero tensor gives zeros.
-Rounding: nearest with ties to the even code, or unbiased stochastic (quant.grids.round_to_grid). Arithmetic in
+Rounding: nearest with ties to the even code, or unbiased stochastic (quant.grids.round_to_grid), or "ms_eden"
+(MS-EDEN, Quartet II, arXiv 2601.22813): nearest rounding of the elements and the randomness moved to the block
+scales. For x already rotated by a random Hadamard transform, per correction group g (`eden_group` elements: whole
+blocks and whole rotation blocks) the EDEN factor c_g = <x_g, x_g> / <x_g, x_hat_g> (x_hat_g the nearest-rounded
+dequantised group; 1 for a zero group) multiplies every block scale of the group, and the product is rounded
+stochastically onto the scale's grid: fp32 scales d' = c d exactly; e4m3 scales (M = 256, so that c s_b <= 448 for
+c <= 1.75) s_b' = one of the two E4M3 neighbours of c s_b, the upper with probability (c s_b - lower) / (upper -
+lower) (c s_b >= 448 saturates to 448), d' = d s_b' / s_b. So E[x_hat'] = c x_hat over the scale draws, and
+<x, c x_hat> = <x, x> per group: EDEN's condition under which the expectation over a uniformly random rotation R of
+R^T c Q(R x) is x; with a random-sign Hadamard rotation it holds approximately (tests/test_quant_recipes_new.py
+measures it). Arithmetic in
 float32; the result has x's dtype and shape. A block holding inf or nan dequantises to nan (for e4m3 scales, the
 tensor).
 
@@ -44,14 +59,27 @@ import jax.numpy as jnp
 
 from core import lowbit
 from core.lowbit import E4M3_MAX, UE8M0_MAX_EXPONENT, UE8M0_MIN_EXPONENT
-from quant.grids import FORMATS, grid_max, grid_name, round_quotient, round_to_grid, scale_of
+from quant.grids import (
+    FORMATS,
+    GRID_GAMES_UNIFORM,
+    ROUNDINGS,
+    grid_max,
+    grid_name,
+    round_quotient,
+    round_to_grid,
+    scale_of,
+    uniform,
+)
 
 __all__ = [
     "DEFAULT_BLOCK",
     "E4M3_MAX",
+    "QUANTIZE_ROUNDINGS",
     "block_scales",
     "check_format",
+    "decode_signalled",
     "encode_blocks",
+    "encode_signalled",
     "quantize",
     "quantize_tiles",
     "split_blocks",
@@ -60,6 +88,7 @@ __all__ = [
 DEFAULT_BLOCK = {"e2m1": 16, "e1m2": 16, "int4": 16, "mxfp4": 32, "nvfp4": 16}
 _NV_SPLIT = 100  # e4m3 scales: tensors with t < 2^-100 scale by 2^-E in two factors, each a normal float32
 _E4M3_4OVER6 = 256.0  # M under 4 over 6: the "4" candidate's scale, 1.5 M = 384, stays below E4M3_MAX
+QUANTIZE_ROUNDINGS = (*ROUNDINGS, "ms_eden")
 _EMAX = {grid: math.floor(math.log2(levels[-1])) for grid, levels in lowbit.GRIDS.items()}  # e2m1 2, e1m2 0, int4 2
 
 
@@ -135,10 +164,105 @@ def _amax_scaled(blocks, amax, grid, rounding, key, *, top=None):
 
 
 def _smaller_error(blocks, axis, first, second):
-    """Per block, the (levels, x_hat, scales) of the candidate whose squared error is smaller (`first` on ties)."""
+    """Per block, the (levels, x_hat, scales) of the candidate whose squared error is smaller (`first` on ties),
+    and whether `second` was taken (bool, one per block)."""
     errors = [jnp.sum(jnp.square(c[1] - blocks), axis=axis, keepdims=True) for c in (first, second)]
     take = errors[1] < errors[0]
-    return tuple(jnp.where(take, b, a) for a, b in zip(first, second))
+    return tuple(jnp.where(take, b, a) for a, b in zip(first, second)), take
+
+
+def _encode(blocks, fmt, axis, rounding, key, scale, select):
+    """encode_blocks' triple and, per block, whether "grid" selection took the uniform grid (False otherwise)."""
+    grid, scale = grid_name(fmt), scale_of(fmt, scale, select)
+    amax = jnp.max(jnp.abs(blocks), axis=axis, keepdims=True)
+    if scale == "ue8m0":
+        return (*_power_of_two(blocks, amax, grid, rounding, key), None)
+    if scale == "e4m3":
+        on = functools.partial(_tensor_scaled, blocks, amax, rounding=rounding, key=key)
+        if select == "4over6":
+            chosen, _ = _smaller_error(
+                blocks, axis, on(grid, target=_E4M3_4OVER6), on(grid, target=_E4M3_4OVER6, expand=1.5)
+            )
+            return (*chosen, None)
+    else:
+        on = functools.partial(_amax_scaled, blocks, amax, rounding=rounding, key=key)
+        if select == "4over6":
+            return (*_smaller_error(blocks, axis, on(grid, top=6.0), on(grid, top=4.0))[0], None)
+    if select == "grid":
+        chosen, take = _smaller_error(blocks, axis, on("e2m1"), on(GRID_GAMES_UNIFORM))
+        return (*chosen, take)
+    return (*on(grid), None)
+
+
+def _stochastic_e4m3(v: jax.Array, u: jax.Array) -> jax.Array:
+    """v >= 0 (float32) onto one of its two neighbouring E4M3 values, the upper with probability (v - lower) /
+    (upper - lower) (u: uniform draws in [0, 1), v's shape), so E[result] = v for v <= 448; v >= 448 gives 448.
+    The E4M3 step below v is 2^(max(floor log2 v, -6) - 3): exact bit arithmetic, no division."""
+    e = jnp.maximum(lowbit.floor_log2(v), -6)
+    step = lowbit.pow2(e - 3)
+    lower = jnp.floor(v * lowbit.pow2(3 - e)) * step
+    return jnp.where(v >= E4M3_MAX, E4M3_MAX, jnp.where(u * step < v - lower, lower + step, lower))
+
+
+def _ms_eden(blocks, inner, fmt, key, scale, group):
+    """MS-EDEN (module docstring) of float32 `blocks` (within-block axis `inner`) in correction groups of `group`
+    consecutive blocks: the dequantised values."""
+    grid, scale = grid_name(fmt), scale_of(fmt, scale)
+    amax = jnp.max(jnp.abs(blocks), axis=inner, keepdims=True)
+    if scale == "e4m3":
+        q, x_hat, d = _tensor_scaled(blocks, amax, grid, "nearest", None, target=_E4M3_4OVER6)
+    else:
+        q, x_hat, d = _amax_scaled(blocks, amax, grid, "nearest", None)
+    sums = jnp.concatenate(
+        [jnp.sum(blocks * blocks, axis=inner, keepdims=True), jnp.sum(blocks * x_hat, axis=inner, keepdims=True)],
+        axis=inner,
+    )  # [..., n / block, 2, ...]: <x, x> and <x, x_hat> per block
+    shape = sums.shape
+    grouped = sums.reshape(*shape[: inner - 1], shape[inner - 1] // group, group, *shape[inner:])
+    total = jnp.broadcast_to(jnp.sum(grouped, axis=inner, keepdims=True), grouped.shape).reshape(shape)
+    xx, xq = jnp.split(total, 2, axis=inner)
+    c = jnp.where(xq > 0, xx / jnp.where(xq > 0, xq, 1.0), 1.0)
+    if scale == "fp32":
+        return q * (d * c)
+    t = jnp.max(amax)
+    s_b = lowbit.round_e4m3(jnp.where(d > 0, d / jnp.where(t > 0, t, 1.0), 0.0) * (grid_max(grid) * _E4M3_4OVER6))
+    s_new = _stochastic_e4m3(c * s_b, uniform(key, s_b.shape))
+    return q * (d * jnp.where(s_b > 0, s_new / jnp.where(s_b > 0, s_b, 1.0), 0.0))
+
+
+def encode_signalled(
+    x: jax.Array, fmt: str = "nvfp4", *, axis: int = -1, block_size: int | None = None, scale: str | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Grid Games storage (arXiv 2605.12327) of x (float, any shape; `axis` a multiple of the block): (codes, int32
+    0..15 of x's shape: sign bit 3, magnitude index 0..7 on the block's grid; signed decode scales, float32, x's
+    shape with `axis` split into [n / block, 1]: |s| is the block's decode scale and its sign bit the grid, clear
+    for e2m1 and set for `GRID_GAMES_UNIFORM`, a zero block's +-0 included). A positive block scale never uses its
+    sign bit, so the choice is free: with E4M3 block scales the stored bytes are nvfp4's. Nearest rounding, "grid"
+    selection; `decode_signalled(codes, scales)` gives `quantize(x, fmt, select="grid")`'s values."""
+    check_format(fmt)
+    scale_of(fmt, scale, "grid")
+    blocks, inner = split_blocks(
+        jnp.asarray(x, jnp.float32), axis, DEFAULT_BLOCK[fmt] if block_size is None else block_size
+    )
+    levels, _, d, take = _encode(blocks, fmt, inner, "nearest", None, scale, "grid")
+    codes = jnp.where(take, lowbit.encode_code(levels, GRID_GAMES_UNIFORM), lowbit.encode_code(levels, "e2m1"))
+    return codes.reshape(jnp.shape(x)), jnp.where(take, -d, d)
+
+
+def decode_signalled(codes: jax.Array, scales: jax.Array, *, axis: int = -1) -> jax.Array:
+    """The values (float32, codes' shape) of `encode_signalled`'s (codes, signed scales): per block the grid read
+    from the scale's sign bit (set: `GRID_GAMES_UNIFORM`, clear: e2m1), level times |scale|."""
+    codes = jnp.asarray(codes)
+    axis = axis % max(codes.ndim, 1)
+    if scales.ndim != codes.ndim + 1 or scales.shape[axis + 1] != 1 or codes.shape[axis] % scales.shape[axis]:
+        raise ValueError(
+            f"decode_signalled: scales of shape {scales.shape} do not match codes of shape {codes.shape} split into "
+            f"blocks along axis {axis} (expected [..., n / block, 1, ...])."
+        )
+    blocks, _ = split_blocks(codes, axis, codes.shape[axis] // scales.shape[axis])
+    uniform_grid = jnp.signbit(scales)
+    levels = jnp.where(uniform_grid, lowbit.decode_code(blocks, GRID_GAMES_UNIFORM), lowbit.decode_code(blocks, "e2m1"))
+    return (levels * jnp.abs(scales)).reshape(codes.shape)
 
 
 def encode_blocks(
@@ -154,19 +278,7 @@ def encode_blocks(
     """(the grid level of each element, the dequantised values x_hat, the per-block decode scales) of float32
     `blocks` whose within-block axis is `axis`, on fmt's grid with the block scales `scale` (None: the format's
     own; quant.grids.scale_of) chosen as `select` says. Under "4over6" both candidates round with the same draws."""
-    grid, scale = grid_name(fmt), scale_of(fmt, scale, select)
-    amax = jnp.max(jnp.abs(blocks), axis=axis, keepdims=True)
-    if scale == "ue8m0":
-        return _power_of_two(blocks, amax, grid, rounding, key)
-    if scale == "e4m3":
-        if select == "4over6":
-            at = functools.partial(_tensor_scaled, blocks, amax, grid, rounding, key, target=_E4M3_4OVER6)
-            return _smaller_error(blocks, axis, at(), at(expand=1.5))
-        return _tensor_scaled(blocks, amax, grid, rounding, key)
-    if select == "4over6":
-        at = functools.partial(_amax_scaled, blocks, amax, grid, rounding, key)
-        return _smaller_error(blocks, axis, at(top=6.0), at(top=4.0))
-    return _amax_scaled(blocks, amax, grid, rounding, key)
+    return _encode(blocks, fmt, axis, rounding, key, scale, select)[:3]
 
 
 def block_scales(
@@ -191,25 +303,51 @@ def quantize(
     key: jax.Array | None = None,
     scale: str | None = None,
     select: str = "max",
+    eden_group: int | None = None,
 ) -> jax.Array:
     """Fake-quantises x (any float dtype and shape) in blocks along `axis`; returns x's shape and dtype.
 
-    fmt in FORMATS; block_size defaults to DEFAULT_BLOCK[fmt]; rounding "nearest" (ties to even) or "stochastic"
-    (unbiased; needs key); scale: the block scales' encoding, one of quant.grids.SCALES (None: the format's own:
-    "e1m2" with scale "ue8m0" is a uniform-grid MX format); select: "max" or "4over6" (quant.grids). x_hat = d *
-    round(x / d) per block (the module docstring gives d for each scale). Under "4over6" stochastic rounding is no
-    longer unbiased: the choice between the two candidates depends on the draws. Raises ValueError on an unknown
-    fmt / rounding / scale / select or a combination quant.grids.scale_of refuses, a non-float x, an axis out of
-    range, or an axis the block does not divide.
+    fmt in FORMATS; block_size defaults to DEFAULT_BLOCK[fmt]; rounding "nearest" (ties to even), "stochastic"
+    (unbiased; needs key) or "ms_eden" (QUANTIZE_ROUNDINGS; the module docstring: needs key, fp32 or e4m3 scales,
+    select "max"; `eden_group` elements per correction group, a multiple of the block dividing the axis, default
+    one block; x should already be rotated); scale: the block scales' encoding, one of quant.grids.SCALES (None:
+    the format's own: "e1m2" with scale "ue8m0" is a uniform-grid MX format); select: "max", "4over6" or "grid"
+    (quant.grids). x_hat = d * round(x / d) per block (the module docstring gives d for each scale). Under
+    "4over6" and "grid" stochastic rounding is no longer unbiased: the choice between the two candidates depends
+    on the draws. Raises ValueError on an unknown fmt / rounding / scale / select or a combination
+    quant.grids.scale_of refuses, a non-float x, an axis out of range, or an axis the block does not divide.
     """
     check_format(fmt)
     scale_of(fmt, scale, select)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"quantize: x has dtype {x.dtype}; a floating dtype is required.")
     block = DEFAULT_BLOCK[fmt] if block_size is None else block_size
+    if rounding == "ms_eden":
+        group = block if eden_group is None else eden_group
+        _check_ms_eden(fmt, scale, select, key, block, group)
+        blocks, inner = split_blocks(x.astype(jnp.float32), axis, group)  # whole groups first: a clear error
+        blocks, inner = split_blocks(x.astype(jnp.float32), axis, block)
+        return _ms_eden(blocks, inner, fmt, key, scale, group // block).reshape(x.shape).astype(x.dtype)
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding = {rounding!r}; allowed: {list(QUANTIZE_ROUNDINGS)}.")
     blocks, inner = split_blocks(x.astype(jnp.float32), axis, block)
     x_hat = encode_blocks(blocks, fmt, inner, rounding, key, scale=scale, select=select)[1]
     return x_hat.reshape(x.shape).astype(x.dtype)
+
+
+def _check_ms_eden(fmt, scale, select, key, block, group):
+    """ValueError naming the argument for an MS-EDEN call quantize cannot honour."""
+    if scale_of(fmt, scale, select) == "ue8m0" or select != "max":
+        raise ValueError(
+            f"rounding = 'ms_eden' with fmt = {fmt!r}, scale = {scale!r}, select = {select!r}: it needs fp32 or e4m3 "
+            "scales (a UE8M0 scale has no neighbour close enough to carry the correction) and select = 'max'."
+        )
+    if key is None:
+        raise ValueError(
+            "rounding = 'ms_eden' needs a PRNG key (key=...): the block scales are rounded stochastically."
+        )
+    if isinstance(group, bool) or not isinstance(group, int) or group < block or group % block:
+        raise ValueError(f"eden_group = {group!r}; allowed: a positive multiple of the block size {block}.")
 
 
 def quantize_tiles(

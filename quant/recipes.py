@@ -21,6 +21,12 @@ that GEMM's `rht` is on.
   MXFP4          mxfp4 (E2M1, 32-blocks, UE8M0 scale), no RHT, SR on dy (the OCP baseline)
   MXFP4_AMD      AMD's recipe (arXiv 2605.09825): mxfp4 on all three GEMMs, a deterministic 16-point Hadamard
                  (no random signs) on wgrad only, nearest rounding everywhere (SR and random rotations failed there)
+  GRIDGAMES      NVFP4 with Grid Games selection on every operand (arXiv 2605.12327): per 16-block e2m1 or int4,
+                 whichever has the smaller squared error, signalled in the E4M3 scale's spare sign bit
+  NVFP4_MS_EDEN  NVFP4's fprop; dgrad and wgrad rotate both operands with fresh random-sign Hadamards of 128 and
+                 round dy by MS-EDEN (Quartet II, arXiv 2601.22813; quant.quantize), the other operand nearest.
+                 Differs from Quartet II: its fprop adds 4 over 6 there optionally, and it re-quantises both
+                 backward operands with MS-EDEN and maps amax to 6 / 0.988 (a slight clip) in the backward pass
 Layers kept in high precision by default (regex on the module path, NVFP4's choice where the paper is silent):
 the LM head, MoE routers, embeddings; attention's score and value products never pass through the slot.
 """
@@ -34,12 +40,15 @@ from quant.grids import FORMATS, scale_of
 
 __all__ = [
     "BF16",
+    "DY_ROUNDINGS",
     "E2M1_BASELINE",
+    "GRIDGAMES",
     "MXFP4",
     "MXFP4_AMD",
     "NONE",
     "NVFP4",
     "NVFP4_4OVER6",
+    "NVFP4_MS_EDEN",
     "RECIPES",
     "RHT_SIGNS",
     "UFP4",
@@ -54,6 +63,7 @@ GEMM_DTYPES = (None, "bfloat16", "float16", "float32")
 
 
 RHT_SIGNS = ("random", "none")
+DY_ROUNDINGS = ("nearest", "stochastic", "ms_eden")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +75,14 @@ class Gemm:
     (None: the format's own; "fp32", "e4m3" under an FP32 tensor scale, "ue8m0"); select: "max" or "4over6"
     (quant.grids); rht: rotate both operands along the contraction axis by a blockwise Hadamard transform of
     `rht_block` (a power of 2) with random signs (`rht_signs` "random": the run's or fresh ones, see Recipe) or none
-    ("none": the deterministic H / sqrt(b)); stochastic_dy: stochastic rounding of the dy operand (dgrad, wgrad);
-    weight_2d: the weight operand (fprop, dgrad) in block x block tiles, one scale per tile, so that w and w^T
-    quantise alike (NVFP4). ValueError naming the field, the value and what is allowed."""
+    ("none": the deterministic H / sqrt(b)); dy_rounding: how the dy operand (dgrad, wgrad) rounds, one of
+    DY_ROUNDINGS: "nearest", "stochastic" (per element) or "ms_eden" (nearest elements, stochastic EDEN-corrected
+    block scales per rotation group, quant.quantize; needs rht with random signs, fp32 or e4m3 scales and select
+    "max"; unbiased over the rotation only when its signs are fresh per call: the recipe's `fresh_signs`); None:
+    "stochastic" if `stochastic_dy` else "nearest". stochastic_dy: kept for the older spelling; after construction
+    it reads True exactly when dy_rounding draws randomness (stochastic_dy=True with dy_rounding "nearest" is a
+    ValueError); weight_2d: the weight operand (fprop, dgrad) in block x block tiles, one scale per tile, so that w
+    and w^T quantise alike (NVFP4). ValueError naming the field, the value and what is allowed."""
 
     fmt: str | None = None
     block_size: int | None = None
@@ -78,6 +93,7 @@ class Gemm:
     rht_signs: str = "random"
     stochastic_dy: bool = False
     weight_2d: bool = False
+    dy_rounding: str | None = None
 
     def __post_init__(self):
         if self.fmt is None:
@@ -102,6 +118,23 @@ class Gemm:
                 "Gemm.weight_2d = True with rht = True: the rotation runs along the contraction axis only, so w and "
                 "w^T would no longer quantise alike; choose one."
             )
+        rounding = self.dy_rounding
+        if rounding is None:
+            rounding = "stochastic" if self.stochastic_dy else "nearest"
+        if rounding not in DY_ROUNDINGS:
+            raise ValueError(f"Gemm.dy_rounding = {rounding!r}; allowed: None or one of {list(DY_ROUNDINGS)}.")
+        if self.stochastic_dy and rounding == "nearest":
+            raise ValueError("Gemm.stochastic_dy = True with dy_rounding = 'nearest'; give one of them.")
+        if rounding == "ms_eden" and (
+            not self.random_rotation or self.select != "max" or scale_of(self.fmt, self.scale) == "ue8m0"
+        ):
+            raise ValueError(
+                f"Gemm.dy_rounding = 'ms_eden' (fmt {self.fmt!r}, scale {self.scale!r}, select {self.select!r}, rht "
+                f"{self.rht}, rht_signs {self.rht_signs!r}): it needs rht = True with random signs (EDEN's correction "
+                "is unbiased over a random rotation), fp32 or e4m3 scales and select = 'max'."
+            )
+        object.__setattr__(self, "dy_rounding", rounding)
+        object.__setattr__(self, "stochastic_dy", rounding != "nearest")
 
     @property
     def random_rotation(self) -> bool:
@@ -183,7 +216,35 @@ NVFP4_4OVER6 = Recipe(
 )
 MXFP4 = Recipe("mxfp4", *_all("mxfp4", rht=(False, False, False)))
 MXFP4_AMD = Recipe("mxfp4_amd", Gemm("mxfp4"), Gemm("mxfp4"), Gemm("mxfp4", rht=True, rht_signs="none"))
-RECIPES = {r.name: r for r in (NONE, BF16, E2M1_BASELINE, UFP4, UFP4_INT4, NVFP4, NVFP4_4OVER6, MXFP4, MXFP4_AMD)}
+GRIDGAMES = Recipe(
+    "gridgames",
+    fprop=dataclasses.replace(NVFP4.fprop, select="grid"),
+    dgrad=dataclasses.replace(NVFP4.dgrad, select="grid"),
+    wgrad=dataclasses.replace(NVFP4.wgrad, select="grid"),
+)
+NVFP4_MS_EDEN = Recipe(
+    "nvfp4_ms_eden",
+    NVFP4.fprop,
+    Gemm("nvfp4", rht=True, rht_block=128, dy_rounding="ms_eden"),
+    Gemm("nvfp4", rht=True, rht_block=128, dy_rounding="ms_eden"),
+    fresh_signs=True,
+)
+RECIPES = {
+    r.name: r
+    for r in (
+        NONE,
+        BF16,
+        E2M1_BASELINE,
+        UFP4,
+        UFP4_INT4,
+        NVFP4,
+        NVFP4_4OVER6,
+        MXFP4,
+        MXFP4_AMD,
+        GRIDGAMES,
+        NVFP4_MS_EDEN,
+    )
+}
 
 
 def get(name: str) -> Recipe:

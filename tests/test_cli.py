@@ -618,6 +618,11 @@ def test_the_composed_config_trains_sites_with_mgup_on_ufp4_and_serves_through_f
         (["--config.fomoe.error_feedback=True"], ["fomoe.error_feedback", "fomoe.sync_format", "'float32'"]),
         (["--config.fomoe.fragments=2"], ["fomoe.fragments", "2", "model.num_layers", "1"]),
         (["--config.fomoe.delay=1"], ["fomoe.delay", "fomoe.second_moments", "'local'"]),
+        (
+            ["--config.fomoe.moment_periods=(3, 6)", "--config.fomoe.outer=diloco"],
+            ["fomoe.moment_periods", "(3, 6)", "'local_adamw'", "'diloco'"],
+        ),
+        (["--config.fomoe.moment_periods=(0, 6)"], ["fomoe.moment_periods", "(0, 6)", "two positive integers"]),
         (["--config.fomoe.sync_format=fp8"], ["fomoe.sync_format", "'fp8'", "'int4'"]),
         (["--config.fomoe.sync_format=fp4", "--config.fomoe.sync_block=15"], ["fomoe.sync_block", "15", "even"]),
         (

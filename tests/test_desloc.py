@@ -4,7 +4,9 @@ On 4 virtual sites of the tiny MoE federation: a round that averages a subset of
 parameters and exactly those moments (over each parameter's replica group) and leaves the others each site's own,
 against NumPy on the sites' unsynchronised local steps; the compiled program's cross-site bytes are the formula's
 (parameters, plus each averaged group's bytes), so the schedule (3, 6) moves parameters + 1/3 of the first moments +
-1/6 of the second per round on average; the schedule is the definition's, and bad input is named."""
+1/6 of the second per round on average; the streaming round (what the federation runs) compiles one
+synchronisation per moment set and picks each round's by the schedule, float32 and int8 with error feedback alike;
+the schedule is the definition's, and bad input is named."""
 
 import jax
 import numpy as np
@@ -14,6 +16,8 @@ from test_rounds import SITES, _group_mean, _local_only, _setup, _tokens
 
 from core import hlo
 from moe import desloc, federation, rounds
+
+from helpers import tiny_federation
 
 
 def test_schedule_follows_the_periods():
@@ -46,7 +50,7 @@ def test_a_round_averages_the_parameters_and_only_its_moments(moments):
     # Parameters to 1e-3 of a step (where a gradient is tiny Adam's step is still about lr, so float32 rounding that
     # differs between the round's program and the reference's moves it by that much); moments to 1e-4 of each
     # tensor's largest value (second moments are ~1e-12 here).
-    trees = [(manual.params, new.train.params, True, None)]
+    trees: list[tuple[object, object, bool, float | None]] = [(manual.params, new.train.params, True, None)]
     trees += [(adam.mu, new_adam.mu, "first" in moments, 1e-4), (adam.nu, new_adam.nu, "second" in moments, 1e-4)]
     for before_tree, after_tree, averaged, rel in trees:
         for before, after, expert in zip(jax.tree.leaves(before_tree), jax.tree.leaves(after_tree), flags):
@@ -76,8 +80,77 @@ def test_each_rounds_bytes_are_the_formula_and_the_schedule_averages_them():
     for moments in [(), ("first",), ("first", "second")]:
         step = rounds.make_round(graphdef, optimizer, mesh, method="local_adamw", moments=moments)
         text = step.lower(state, _tokens(1)).compile().as_text()
+        assert text is not None  # the CPU backend gives the compiled program's text
         measured[moments] = hlo.collective_bytes(text)["bytes_per_device"]
         assert measured[moments] == params * (1 + len(moments)), moments
     cycle = desloc.cycle((3, 6))
     mean = np.mean([measured[m] for m in cycle])
     assert mean == pytest.approx(params * (1 + 1 / 3 + 1 / 6))
+
+
+def test_the_streaming_round_follows_the_schedule_and_its_bytes_are_the_formula():
+    """moe.streaming.StreamingRound with periods (1, 2) compiles one synchronisation per moment set of the cycle
+    (first moments only; both), each moving the formula's bytes (moe.stepper.round_bytes, read from the compiled
+    program); round 0 leaves the second moments unequal within a replica group, round 1 makes them equal, the
+    first moments equal after both. Bad combinations are refused by name."""
+    from moe import stepper, streaming
+
+    optimizer = optax.adamw(1e-2)
+    placement, mesh, graphdef, state = _setup(2, optimizer)
+    make = lambda **kw: streaming.StreamingRound(  # noqa: E731
+        graphdef, optimizer, mesh, state.train.params, method="local_adamw", **kw
+    )
+    with pytest.raises(ValueError, match=r"moment periods = \(3, 6\) \(DES-LOC\): LocalAdamW with fragments = 1"):
+        make(moment_periods=(3, 6), fragments_count=2)
+    round_ = make(moment_periods=(1, 2))
+    assert [(ms, share) for _, ms, share in round_.variants] == [(("first",), 0.5), (("first", "second"), 0.5)]
+    texts = round_.compile(state, _tokens(1))
+    for text, (_, moments, _) in zip(texts, round_.variants):
+        info = stepper.round_bytes(
+            text, None, optimizer, state.train, mesh, sites=SITES, overlap=2, method="local_adamw", moments=moments
+        )
+        assert info["measured"] == info["formula"], moments
+
+    def spread(tree):  # the largest difference within a replica group, relative to the tensor's scale
+        worst = 0.0
+        for leaf in jax.tree.leaves(tree):
+            x = np.asarray(leaf, np.float64)
+            within = max(np.abs(x[g] - x[g].mean(0)).max() for g in placement.replica_groups())
+            worst = max(worst, within / np.abs(x).max())
+        return worst
+
+    for call, second_equal in ((0, False), (1, True)):
+        state, _, _, _ = round_(state, call, _tokens(1, seed=call))
+        adam = state.train.opt_state[0]
+        assert spread(adam.mu) < 1e-6
+        assert (spread(adam.nu) < 1e-6) == second_equal, call
+
+
+def test_low_bit_rounds_with_error_feedback_move_the_formulas_bytes():
+    """int8 synchronisation with error feedback under (1, 2): each variant's compiled bytes equal the formula (the
+    quantised parameters; + the quantised first moments; + the second moments as bf16), and the first moments'
+    error feedback is left as it was by a round that does not send them, and moves in one that does."""
+    from core.codec import WireFormat
+    from moe import stepper, streaming
+
+    optimizer, wire = optax.adamw(1e-2), WireFormat("int8", 32)
+    _, mesh, graphdef, state = tiny_federation(SITES, 2, optimizer, error_feedback=True)
+    round_ = streaming.StreamingRound(
+        graphdef, optimizer, mesh, state.train.params, method="local_adamw", wire=wire, error_feedback=True,
+        moment_periods=(2, 1),
+    )  # fmt: skip
+    assert [ms for _, ms, _ in round_.variants] == [("second",), ("first", "second")]
+    texts = round_.compile(state, _tokens(1))
+    for text, (_, moments, _) in zip(texts, round_.variants):
+        info = stepper.round_bytes(
+            text, None, optimizer, state.train, mesh, sites=SITES, overlap=2, method="local_adamw", wire=wire,
+            moments=moments,
+        )  # fmt: skip
+        assert info["measured"] == info["formula"] > 0, moments
+    before = [np.asarray(x) for x in jax.tree.leaves(state.feedback["opt_state"])]
+    state, _, _, _ = round_(state, 0, _tokens(1))  # round 0 sends the second moments only
+    for a, b in zip(before, jax.tree.leaves(state.feedback["opt_state"])):
+        np.testing.assert_array_equal(a, b)
+    state, _, _, _ = round_(state, 1, _tokens(1, seed=1))  # round 1 sends them: their feedback moves
+    after = jax.tree.leaves(state.feedback["opt_state"])
+    assert any(not np.array_equal(a, np.asarray(b)) for a, b in zip(before, after))

@@ -189,6 +189,7 @@ def _gemms(f, x, w, dy):
         ("ufp4_int4", 37, 40, 24),
         ("e2m1_baseline", 32, 64, 48),
         ("nvfp4_4over6", 37, 40, 24),
+        ("gridgames", 37, 40, 24),
         ("mxfp4_amd", 37, 72, 24),
         ("uniform_mx", 32, 64, 48),
     ],
@@ -516,6 +517,13 @@ def test_config_overrides_for_the_ablation():
     assert not any(g.rht for g in (r.fprop, r.dgrad, r.wgrad)) and r.dgrad.stochastic_dy and not r.fprop.stochastic_dy
     p.update(rht="recipe", stochastic_dy="recipe")
     assert schema_quant.apply(recipes.NVFP4, p).wgrad == recipes.NVFP4.wgrad
+    # fresh_signs = False keeps a recipe's own: MS-EDEN's unbiasedness needs fresh rotations
+    assert (
+        schema_quant.apply(recipes.NVFP4_MS_EDEN, p).fresh_signs and not schema_quant.apply(recipes.UFP4, p).fresh_signs
+    )
+    p.update(fresh_signs=True)
+    assert schema_quant.apply(recipes.UFP4, p).fresh_signs
+    p.update(fresh_signs=False)
     for recipe, rht_scope, error in [
         (recipes.NVFP4, "all", "precision.rht = 'all' with recipe 'nvfp4': .*weight_2d = True with rht = True"),
         (recipes.NONE, "all", "precision.rht = 'all' with precision.recipe = 'none': .* no 4-bit GEMM"),

@@ -37,7 +37,19 @@ from experiments.reproduce import runs
 
 CONFIG = runs.config_path("quickstart")
 PARTS = ("grid", "train", "fidelity")
-RECIPES = ("none", "bf16", "e2m1_baseline", "ufp4", "ufp4_int4", "nvfp4", "nvfp4_4over6", "mxfp4", "mxfp4_amd")
+RECIPES = (
+    "none",
+    "bf16",
+    "e2m1_baseline",
+    "ufp4",
+    "ufp4_int4",
+    "nvfp4",
+    "nvfp4_4over6",
+    "mxfp4",
+    "mxfp4_amd",
+    "gridgames",
+    "nvfp4_ms_eden",
+)
 REFERENCE = "bf16"  # the loss errors are relative to true bf16 GEMMs (as the paper's); "none" = float32 GEMMs
 SEEDS = (0, 1)
 HEADLINE = ("bf16", "e2m1_baseline", "ufp4")  # the paper's comparison gets two more seeds: it is inside 2 seeds' noise
