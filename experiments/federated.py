@@ -98,7 +98,7 @@ def initial_state(config: ml_collections.ConfigDict, mesh=None, *, pretrained: b
         global_model = hf_load.pretrained_model(config, model_fn())
     else:
         global_model = make()
-    anchor = streaming.anchor_kind(f.outer, schema_moe.wire_format(f), f.fragments, f.delay)
+    anchor = streaming.anchor_kind(f.outer, schema_moe.wire_format(f), f.fragments, f.delay, tuple(f.moment_periods))
     graphdef, state = rounds.init_sites(
         global_model, site_model, placement, optimizer, outer, mesh, config.train.seed,
         error_feedback=f.error_feedback, anchor=anchor,

@@ -312,11 +312,9 @@ def _round_parts(
         else:
             averaged, new_feedback = federation.average(train.params, flags, mesh), feedback
             if method == "local_adamw":
-                opt_state = (
-                    federation.average(train.opt_state, sent, mesh)
-                    if _any(sent, train.opt_state)
-                    else (train.opt_state)
-                )
+                opt_state = train.opt_state
+                if _any(sent, train.opt_state):
+                    opt_state = federation.average(train.opt_state, sent, mesh)
         in_fragment = [f is not None for f in federation.leaf_flags(flags, train.params)]
         if method == "local_adamw":
             params = averaged
@@ -333,7 +331,8 @@ def _round_parts(
             if method == "diloco":
                 anchor = _where(in_fragment, params, start)
             else:
-                synced = [f is not None for f in federation.leaf_flags(sent, train.opt_state)]
+                this_round = _union(first, second if "second" in moments else None, train.opt_state)
+                synced = [f is not None for f in federation.leaf_flags(this_round, train.opt_state)]
                 anchor = (_where(in_fragment, params, start[0]), _where(synced, opt_state, start[1]))
         return FederatedState(train._replace(params=params, opt_state=opt_state), outer_state, new_feedback, anchor)
 

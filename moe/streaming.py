@@ -72,12 +72,13 @@ def fragments(params: Any, count: int) -> list[Any]:
     return out
 
 
-def anchor_kind(method: str, wire, fragments_count: int, delay: int) -> str | None:
-    """What FederatedState.anchor holds for these rounds (moe.rounds.init_sites' `anchor`): under streaming
-    synchronisation (F > 1 or delay 1) what the synchronisation needs of its start (moe.rounds.round_start), else
-    None."""
-    streaming = fragments_count > 1 or delay > 0
-    return rounds_lib.round_start(method, wire) if streaming else None
+def anchor_kind(method: str, wire, fragments_count: int, delay: int, moment_periods=(1, 1)) -> str | None:
+    """What FederatedState.anchor holds for these rounds (moe.rounds.init_sites' `anchor`): what the
+    synchronisation needs of its start (moe.rounds.round_start) when not every value is synchronised every round,
+    under streaming synchronisation (F > 1 or delay 1) or DES-LOC's moment periods (a moment's last synchronised
+    value, equal within its group, is what a low-bit send is a change from); else None."""
+    partial = fragments_count > 1 or delay > 0 or tuple(moment_periods) != (1, 1)
+    return rounds_lib.round_start(method, wire) if partial else None
 
 
 def synced_fragment(call: int, count: int, delay: int) -> int | None:
@@ -181,7 +182,7 @@ class StreamingRound:
                 f"moment periods = {self.periods} (DES-LOC): LocalAdamW with fragments = 1 and delay = 0 only "
                 f"(got outer method {self.method!r}, fragments {fragments_count}, delay {delay})."
             )
-        self.anchored = anchor_kind(self.method, self.wire, fragments_count, delay) is not None
+        self.anchored = anchor_kind(self.method, self.wire, fragments_count, delay, self.periods) is not None
         self.masks = fragments(params, fragments_count) if streaming else [None]
         cycle = desloc.cycle(self.periods)
         self.moment_sets = list(dict.fromkeys(cycle))  # distinct, in the cycle's order

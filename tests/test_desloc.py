@@ -129,12 +129,15 @@ def test_the_streaming_round_follows_the_schedule_and_its_bytes_are_the_formula(
 def test_low_bit_rounds_with_error_feedback_move_the_formulas_bytes():
     """int8 synchronisation with error feedback under (1, 2): each variant's compiled bytes equal the formula (the
     quantised parameters; + the quantised first moments; + the second moments as bf16), and the first moments'
-    error feedback is left as it was by a round that does not send them, and moves in one that does."""
+    error feedback is left as it was by a round that does not send them, and moves in one that does. A send is a
+    change from the moments' last synchronised value (the state's anchor): after it the group holds one value."""
     from core.codec import WireFormat
     from moe import stepper, streaming
 
     optimizer, wire = optax.adamw(1e-2), WireFormat("int8", 32)
-    _, mesh, graphdef, state = tiny_federation(SITES, 2, optimizer, error_feedback=True)
+    placement, mesh, graphdef, state = tiny_federation(
+        SITES, 2, optimizer, error_feedback=True, anchor=streaming.anchor_kind("local_adamw", wire, 1, 0, (2, 1))
+    )
     round_ = streaming.StreamingRound(
         graphdef, optimizer, mesh, state.train.params, method="local_adamw", wire=wire, error_feedback=True,
         moment_periods=(2, 1),
@@ -151,6 +154,20 @@ def test_low_bit_rounds_with_error_feedback_move_the_formulas_bytes():
     state, _, _, _ = round_(state, 0, _tokens(1))  # round 0 sends the second moments only
     for a, b in zip(before, jax.tree.leaves(state.feedback["opt_state"])):
         np.testing.assert_array_equal(a, b)
+    assert not equal_within_groups(state.train.opt_state[0].mu, placement)
+    assert equal_within_groups(state.train.opt_state[0].nu, placement)
     state, _, _, _ = round_(state, 1, _tokens(1, seed=1))  # round 1 sends them: their feedback moves
     after = jax.tree.leaves(state.feedback["opt_state"])
     assert any(not np.array_equal(a, np.asarray(b)) for a, b in zip(before, after))
+    # a change from the moments' last synchronised value (the anchor), not from each site's own start: the group
+    # ends on one value
+    assert equal_within_groups(state.train.opt_state[0].mu, placement)
+
+
+def equal_within_groups(tree, placement) -> bool:
+    """Every leaf identical across the sites of each replica group (dense leaves across all sites)."""
+    for leaf in jax.tree.leaves(tree):
+        x = np.asarray(leaf)
+        if any(not (x[g] == x[g][0]).all() for g in placement.replica_groups()):
+            return False
+    return True

@@ -8,9 +8,11 @@ spec's ratio setting), fixed placement, on the same tokens for `--steps` steps, 
 initialisation and the sites' rounding draws; the data order is the corpus's), with LocalAdamW rounds whose
 synchronisation sends float32 (the exact mean), bf16, int8 or fp4 (E2M1), the low-bit ones with UE8M0 scales per 32
 values and nearest rounding, with and without error feedback (LocalAdamW's second moments as bf16 under a block
-format, moe.rounds.second_moment_wire, or kept on each site), and with DiLoCo rounds in float32 and fp4 with error
-feedback; plus DDP on 4 devices (gradients all-reduced every step; one seed, for its bytes and loss). Each run is
-`python -m experiments.run` with 4 virtual CPU devices in `<out>/runs/sync_<method>_s<seed>`, reused when finished.
+format, moe.rounds.second_moment_wire, or kept on each site), with DES-LOC's moment periods (3, 6) (moe.desloc:
+first moments averaged every 3rd round, second every 6th) in float32 and fp4 with error feedback, and with DiLoCo
+rounds in float32 and fp4 with error feedback; plus DDP on 4 devices (gradients all-reduced every step; one seed,
+for its bytes and loss). Each run is `python -m experiments.run` with 4 virtual CPU devices in
+`<out>/runs/sync_<method>_s<seed>`, reused when finished.
 
 Reported (sync.md, sync.json, sync.png): per method the bytes each site sends per round, read from the compiled
 synchronisation (and whether they equal moe.system_model's formula), how many times fewer than float32
@@ -29,6 +31,7 @@ from experiments.reproduce import runs
 
 CONFIG = runs.config_path("fomoe")
 SITES, OVERLAP, K = 4, 2, 32
+DESLOC = (3, 6)  # the DES-LOC rows' moment periods (the paper's K_u = 3 K_x, K_v = 6 K_x)
 # name: (label, fomoe.outer, fomoe.sync_format, fomoe.error_feedback, fomoe.second_moments)
 METHODS = {
     "f32": ("LocalAdamW, float32", "local_adamw", "float32", False, "sent"),
@@ -38,6 +41,14 @@ METHODS = {
     "fp4": ("LocalAdamW, fp4 (second moments bf16)", "local_adamw", "fp4", False, "sent"),
     "fp4_ef": ("LocalAdamW, fp4 + error feedback (second moments bf16)", "local_adamw", "fp4", True, "sent"),
     "fp4_ef_local": ("LocalAdamW, fp4 + error feedback, second moments local", "local_adamw", "fp4", True, "local"),
+    "desloc_f32": ("LocalAdamW, float32, DES-LOC moment periods (3, 6)", "local_adamw", "float32", False, "sent"),
+    "desloc_fp4_ef": (
+        "LocalAdamW, fp4 + error feedback, DES-LOC moment periods (3, 6)",
+        "local_adamw",
+        "fp4",
+        True,
+        "sent",
+    ),
     "diloco_f32": ("DiLoCo, float32", "diloco", "float32", False, "sent"),
     "diloco_fp4_ef": ("DiLoCo, fp4 + error feedback", "diloco", "fp4", True, "sent"),
 }
@@ -49,16 +60,20 @@ def flags(method: str, seed: int, steps: int) -> list[str]:
     if method == "ddp":
         return out + ["--config.mesh.site=1", f"--config.mesh.data={SITES}"]
     _, outer, fmt, feedback, second = METHODS[method]
-    return out + [
-        f"--config.mesh.site={SITES}",
-        "--config.mesh.data=1",
-        f"--config.fomoe.overlap={OVERLAP}",
-        f"--config.fomoe.local_steps={K}",
-        f"--config.fomoe.outer={outer}",
-        f"--config.fomoe.sync_format={fmt}",
-        f"--config.fomoe.error_feedback={feedback}",
-        f"--config.fomoe.second_moments={second}",
-    ]
+    return (
+        out
+        + [
+            f"--config.mesh.site={SITES}",
+            "--config.mesh.data=1",
+            f"--config.fomoe.overlap={OVERLAP}",
+            f"--config.fomoe.local_steps={K}",
+            f"--config.fomoe.outer={outer}",
+            f"--config.fomoe.sync_format={fmt}",
+            f"--config.fomoe.error_feedback={feedback}",
+            f"--config.fomoe.second_moments={second}",
+        ]
+        + ([f"--config.fomoe.moment_periods={DESLOC}"] if method.startswith("desloc") else [])
+    )
 
 
 def train(method: str, seed: int, steps: int, out: str) -> dict:
