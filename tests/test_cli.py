@@ -502,6 +502,29 @@ def test_low_bit_synchronisation_with_error_feedback_resumes_exactly(tmp_path):
         assert 0 < row["routing/utilisation_entropy"] <= 1
 
 
+def test_des_loc_moment_periods_resume_exactly(tmp_path):
+    """DES-LOC's periods (1, 2) over fp4 with error feedback: round 1 averages the first moments only, round 2 both,
+    each a change from the moments' last synchronised value (the anchor in the checkpoint); a crash after round 1 and
+    a rerun pick round 2's synchronisation by the schedule and give the uninterrupted run's metrics and result."""
+    desloc = _rounds_checkpointed(
+        6,
+        "--config.fomoe.sync_format=fp4",
+        "--config.fomoe.error_feedback=True",
+        "--config.fomoe.moment_periods=(1, 2)",
+    )
+    with _cache_programs_over(0.1):
+        summary = _run(tmp_path / "full", *desloc)
+    assert summary["bytes_per_site_per_round"] == summary["bytes_per_site_per_round_formula"] > 0
+    crashed = tmp_path / "crashed"
+    with pytest.raises(Crash):
+        _run(crashed, *desloc, hooks=[_crash_at(3)])
+    resumed = _run(crashed, *desloc)
+    assert resumed["resumed_from"] == 3
+    for key in ("train_loss", "val_loss", "val_bits_per_byte"):
+        assert resumed[key] == summary[key], key
+    assert metric_rows(crashed) == metric_rows(tmp_path / "full")
+
+
 def test_streaming_fragments_behind_compute_resume_exactly(tmp_path):
     """4 sites (O_e = 2, K = 3, 2 blocks) synchronising F = 2 fragments in turn in fp4 with error feedback, each
     behind the next round's local steps (delay 1, mixing 0.5, second moments local): a round moves its fragment's
