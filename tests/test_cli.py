@@ -502,6 +502,7 @@ def test_low_bit_synchronisation_with_error_feedback_resumes_exactly(tmp_path):
         assert 0 < row["routing/utilisation_entropy"] <= 1
 
 
+@pytest.mark.slow  # 20 s: what it restores is the streaming resume test's; the schedule is a function
 def test_des_loc_moment_periods_resume_exactly(tmp_path):
     """DES-LOC's periods (1, 2) over fp4 with error feedback: round 1 averages the first moments only, round 2 both,
     each a change from the moments' last synchronised value (the anchor in the checkpoint); a crash after round 1 and

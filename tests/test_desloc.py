@@ -37,7 +37,9 @@ def test_schedule_follows_the_periods():
         rounds.make_round(None, optax.sgd(1.0), None, method="diloco", outer=optax.sgd(1.0), moments=())
 
 
-@pytest.mark.parametrize("moments", [(), ("first",), ("second",)])
+@pytest.mark.parametrize(
+    "moments", [pytest.param((), marks=pytest.mark.slow), ("first",), pytest.param(("second",), marks=pytest.mark.slow)]
+)
 def test_a_round_averages_the_parameters_and_only_its_moments(moments):
     """Parameters and the named moments are their replica group's mean; the other moments are each site's own."""
     optimizer = optax.adamw(1e-2)
