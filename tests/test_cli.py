@@ -671,6 +671,7 @@ def _child_running(root, *needle):
     return pid
 
 
+@pytest.mark.slow  # 40 s of real processes and links; the default run keeps two processes against one
 def test_sites_as_processes_train_like_virtual_devices_and_survive_a_lost_site(tmp_path):
     """`experiments.launch` starts one process per site (jax.distributed, gloo), each in its own network namespace
     behind a real 100 Mbit/s link (`experiments.links run --in-hub ... launch --links`; where networks cannot be
@@ -726,6 +727,7 @@ def test_sites_as_processes_train_like_virtual_devices_and_survive_a_lost_site(t
         assert min(sent) >= rounds * b["bytes_per_site_per_round"], (sent, rounds, b["bytes_per_site_per_round"])
 
 
+@pytest.mark.slow  # 37 s of real processes; the default run keeps the in-process regrouping
 def test_an_elastic_launch_goes_on_without_a_killed_site(tmp_path):
     """`experiments.launch --elastic` with 3 sites (full replicas, K = 3): killing site 1's process after the first
     round's checkpoint, the launcher regroups that checkpoint onto the 2 survivors (O_e 3 -> 2: every expert kept),
