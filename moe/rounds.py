@@ -233,6 +233,18 @@ def split_second_moments(flags: Any, opt_state: Any) -> tuple[Any, Any]:
     return first, second
 
 
+def sent_moments(optimizer, train: train_lib.TrainState, fragment: Any, moments, wire, second_moments: str):
+    """What a LocalAdamW synchronisation averages of the optimizer state: (first-moment flags, None everywhere when
+    `moments` leaves "first" out (DES-LOC); second-moment flags; the second moments' wire, None when they are not
+    sent: "second" left out, or kept "local"). `fragment`: `moment_flags`'."""
+    first, second = split_second_moments(
+        moment_flags(optimizer, train.opt_state, train.params, fragment), train.opt_state
+    )
+    if "first" not in moments:
+        first = jax.tree.map(lambda _: None, first)
+    return first, second, second_moment_wire(wire, second_moments) if "second" in moments else None
+
+
 def second_moment_wire(wire: WireFormat | None, second_moments: str) -> WireFormat | None:
     """How LocalAdamW's second moments travel: not at all ("local": each site keeps its own); else in the sync
     format when that is per-element (float32, bf16), and as bf16 under a block format (int8, fp4, int4): a block
@@ -280,11 +292,7 @@ def _round_parts(
 
     def sync(start: Any, outer_state: Any, feedback: Any, train: train_lib.TrainState) -> FederatedState:
         flags = masked_flags(federation.expert_flags(train.params), train.params, fragment)
-        moments_flags = moment_flags(optimizer, train.opt_state, train.params, fragment)
-        first, second = split_second_moments(moments_flags, train.opt_state)
-        nu_wire = second_moment_wire(wire, second_moments) if "second" in moments else None
-        if "first" not in moments:  # DES-LOC: each site keeps its own first moments this round
-            first = jax.tree.map(lambda _: None, first)
+        first, second, nu_wire = sent_moments(optimizer, train, fragment, moments, wire, second_moments)
         sent = _union(first, second if nu_wire is not None else None, train.opt_state)
         if lowbit:
             assert wire is not None

@@ -407,13 +407,9 @@ def round_bytes(
     `moments`: the moment groups it averages (moe.desloc)."""
     measured = federation.sync_bytes_per_site(round_hlo, mesh)["cross_site"]  # summed over a site's devices
     params_flags = rounds_lib.masked_flags(federation.expert_flags(train.params), train.params, fragment)
-    first, second = rounds_lib.split_second_moments(
-        rounds_lib.moment_flags(optimizer, train.opt_state, train.params, fragment), train.opt_state
-    )
+    first, second, nu_wire = rounds_lib.sent_moments(optimizer, train, fragment, moments, wire, second_moments)
     local_adamw = method == "local_adamw"
-    nu_wire = rounds_lib.second_moment_wire(wire, second_moments) if local_adamw and "second" in moments else None
-    if "first" not in moments:
-        first = None
+    nu_wire = nu_wire if local_adamw else None
     gamma = 1.0 / reshuffle_every if migrate_hlo is not None else 0.0
     dense, experts = _split_bytes(train.params, params_flags, sites)
     if wire is None or wire.exact:
@@ -425,7 +421,7 @@ def round_bytes(
     else:  # one quantised mean per group: parameters, first moments, second moments (moe.rounds)
         groups = [(train.params, params_flags, wire)]
         if local_adamw:
-            groups += [(train.opt_state, first, wire)] if first is not None else []
+            groups += [(train.opt_state, first, wire)]
             groups += [(train.opt_state, second, nu_wire)] if nu_wire else []
         formula = 0.0
         for tree, flags, fmt in groups:

@@ -33,23 +33,11 @@ from typing import Any
 import numpy as np
 
 from experiments import command, harness, plotting
-from experiments.reproduce import runs
+from experiments.reproduce import runs, ufp4_fidelity
 
 CONFIG = runs.config_path("quickstart")
 PARTS = ("grid", "train", "fidelity")
-RECIPES = (
-    "none",
-    "bf16",
-    "e2m1_baseline",
-    "ufp4",
-    "ufp4_int4",
-    "nvfp4",
-    "nvfp4_4over6",
-    "mxfp4",
-    "mxfp4_amd",
-    "gridgames",
-    "nvfp4_ms_eden",
-)
+RECIPES = ("none", *ufp4_fidelity.RECIPES)  # float32 GEMMs beside the recipes the fidelity part compares
 REFERENCE = "bf16"  # the loss errors are relative to true bf16 GEMMs (as the paper's); "none" = float32 GEMMs
 SEEDS = (0, 1)
 HEADLINE = ("bf16", "e2m1_baseline", "ufp4")  # the paper's comparison gets two more seeds: it is inside 2 seeds' noise
@@ -381,8 +369,6 @@ def main(argv=None) -> None:
     if "train" in parts:
         train_all(study, args.steps, args.jobs)
     if "fidelity" in parts:
-        from experiments.reproduce import ufp4_fidelity
-
         ufp4_fidelity.fidelity_all(study, args.steps, CONFIG)
 
 
