@@ -470,10 +470,20 @@ def test_federated_run_measures_its_bytes_and_resumes_after_a_crashed_round(tmp_
     assert metric_rows(crashed) == rows
 
 
-def test_low_bit_synchronisation_with_error_feedback_resumes_exactly(tmp_path):
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param((), id="plain"),
+        pytest.param(("--config.fomoe.moment_periods=(1, 2)",), marks=pytest.mark.slow, id="des_loc"),
+    ],
+)
+def test_low_bit_synchronisation_with_error_feedback_resumes_exactly(tmp_path, extra):
     """4 sites (O_e = 2, K = 3) sending 4-bit (E2M1, UE8M0 scales, stochastic rounding) deltas with error feedback:
     the compiled round moves the formula's bytes, under a sixth of float32 synchronisation's; the feedback is in the
-    checkpoint, so a crash after round 1 and a rerun give the uninterrupted run's metrics and result."""
+    checkpoint, so a crash after round 1 and a rerun give the uninterrupted run's metrics and result. With DES-LOC's
+    periods (1, 2) (slow) round 1 averages the first moments only and round 2 both, each a change from the moments'
+    last synchronised value (the anchor in the checkpoint): the rerun picks round 2's synchronisation by the
+    schedule."""
     from core import checkpoint
 
     lowbit = _rounds_checkpointed(
@@ -481,6 +491,7 @@ def test_low_bit_synchronisation_with_error_feedback_resumes_exactly(tmp_path):
         "--config.fomoe.sync_format=fp4",
         "--config.fomoe.sync_rounding=stochastic",
         "--config.fomoe.error_feedback=True",
+        *extra,
     )
     with _cache_programs_over(0.1):
         summary = _run(tmp_path / "full", *lowbit)
@@ -500,30 +511,6 @@ def test_low_bit_synchronisation_with_error_feedback_resumes_exactly(tmp_path):
     for row in (r for r in rows if "train_loss" in r):  # the routing-health metrics of every round
         assert math.isfinite(row["sync/loss_jump"]) and 0 <= row["routing/js_divergence"] <= math.log(2)
         assert 0 < row["routing/utilisation_entropy"] <= 1
-
-
-@pytest.mark.slow  # 20 s: what it restores is the streaming resume test's; the schedule is a function
-def test_des_loc_moment_periods_resume_exactly(tmp_path):
-    """DES-LOC's periods (1, 2) over fp4 with error feedback: round 1 averages the first moments only, round 2 both,
-    each a change from the moments' last synchronised value (the anchor in the checkpoint); a crash after round 1 and
-    a rerun pick round 2's synchronisation by the schedule and give the uninterrupted run's metrics and result."""
-    desloc = _rounds_checkpointed(
-        6,
-        "--config.fomoe.sync_format=fp4",
-        "--config.fomoe.error_feedback=True",
-        "--config.fomoe.moment_periods=(1, 2)",
-    )
-    with _cache_programs_over(0.1):
-        summary = _run(tmp_path / "full", *desloc)
-    assert summary["bytes_per_site_per_round"] == summary["bytes_per_site_per_round_formula"] > 0
-    crashed = tmp_path / "crashed"
-    with pytest.raises(Crash):
-        _run(crashed, *desloc, hooks=[_crash_at(3)])
-    resumed = _run(crashed, *desloc)
-    assert resumed["resumed_from"] == 3
-    for key in ("train_loss", "val_loss", "val_bits_per_byte"):
-        assert resumed[key] == summary[key], key
-    assert metric_rows(crashed) == metric_rows(tmp_path / "full")
 
 
 def test_streaming_fragments_behind_compute_resume_exactly(tmp_path):
