@@ -69,6 +69,7 @@ def train_federated(
         state_metrics=state_metrics,
         wire=schema_moe.wire_format(f),
         error_feedback=f.error_feedback,
+        feedback_decay=f.feedback_decay,
         second_moments=f.second_moments,
         fragments=f.fragments,
         delay=f.delay,

@@ -124,9 +124,9 @@ class FoMoEConfig:
     )
     sync_format: str = field(
         "float32",
-        "what crosses the links at synchronisation: 'float32' (the exact mean), 'bf16', 'int8', 'fp4' (E2M1) or "
-        "'int4' (the uniform grid); low-bit formats send each site's change since the round's start, averaged in "
-        "float32 (moe.lowbit_sync)",
+        "what crosses the links at synchronisation: 'float32' (the exact mean), 'bf16', 'int8', 'fp4' (E2M1), "
+        "'int4' (the uniform grid) or 'topk2' (sparse: sync_keep per chunk, all-gathered); low-bit formats send "
+        "each site's change since the round's start, averaged in float32 (moe.lowbit_sync)",
         choices=FORMATS,
         since_checkpoints=True,
     )
@@ -143,6 +143,13 @@ class FoMoEConfig:
         "nearest",
         "low-bit synchronisation: 'nearest' (ties to even) or 'stochastic' (unbiased) rounding",
         choices=ROUNDINGS,
+        since_checkpoints=True,
+    )
+    sync_keep: int = field(
+        0,
+        "'topk2' synchronisation (SparseLoCo's top-k with 2-bit values): values sent per chunk of sync_block "
+        "(1..sync_block, sync_block <= 16384, sync_scale 'fp32'); 0 for the other formats",
+        low=0,
         since_checkpoints=True,
     )
     second_moments: str = field(
@@ -179,6 +186,15 @@ class FoMoEConfig:
         False,
         "low-bit synchronisation: each site keeps what quantisation dropped and adds it to its next send "
         "(checkpointed)",
+        since_checkpoints=True,
+    )
+    feedback_decay: float = field(
+        1.0,
+        "error feedback: beta, the share of what was dropped that the next send adds (SparseLoCo's e <- beta e + "
+        "Delta, its 0.95); 1 = all of it",
+        low=0.0,
+        low_open=True,
+        high=1.0,
         since_checkpoints=True,
     )
     moment_periods: tuple[int, int] = field(
@@ -245,12 +261,25 @@ def check_fomoe(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int] | 
 
 def wire_format(fomoe: ml_collections.ConfigDict) -> WireFormat:
     """The synchronisation's core.codec.WireFormat from the section `fomoe`."""
-    return WireFormat(fomoe.sync_format, fomoe.sync_block, fomoe.sync_scale, fomoe.sync_rounding)
+    return WireFormat(fomoe.sync_format, fomoe.sync_block, fomoe.sync_scale, fomoe.sync_rounding, fomoe.sync_keep)
 
 
 def _check_wire(config: ml_collections.ConfigDict, expert: int) -> None:
     """Low-bit synchronisation's keys against each other and the rest of the federation. Raises ConfigError."""
     f = config.fomoe
+    try:
+        wire_format(f)
+    except ValueError as error:  # "wire format keep = 0 for 'topk2'; ..." -> "config key 'fomoe.sync_keep' = 0 ..."
+        message = str(error)
+        for name in ("name", "block", "scale", "rounding", "keep"):
+            key = "sync_format" if name == "name" else f"sync_{name}"
+            message = message.replace(f"wire format {name} =", f"config key 'fomoe.{key}' =")
+        raise ConfigError(message) from None
+    if f.feedback_decay != 1.0 and not f.error_feedback:
+        raise ConfigError(
+            f"config key 'fomoe.feedback_decay' = {f.feedback_decay} needs 'fomoe.error_feedback' = True (it decays "
+            "the feedback); set error_feedback, or feedback_decay to 1.0."
+        )
     if f.sync_format == "float32":
         if f.error_feedback:
             raise ConfigError(
@@ -258,11 +287,6 @@ def _check_wire(config: ml_collections.ConfigDict, expert: int) -> None:
                 "drops nothing): set sync_format to 'bf16', 'int8', 'fp4' or 'int4', or error_feedback to False."
             )
         return
-    if f.sync_format in ("fp4", "int4") and f.sync_block % 2:
-        raise ConfigError(
-            f"config key 'fomoe.sync_block' = {f.sync_block} with 'fomoe.sync_format' = {f.sync_format!r}: two "
-            "4-bit codes share a byte, so a block holds an even number of values."
-        )
     for key, value, allowed in (("mesh.expert", expert, 1), ("fomoe.placement", f.placement, "fixed")):
         if value != allowed:
             raise ConfigError(

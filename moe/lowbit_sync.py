@@ -19,6 +19,11 @@ Wire bytes per site per group: (n - 1) / n of the encoded buffer in each of step
 2 (n - 1) / n N (b / 8 + s / G), moe.system_model.wire_bytes. Groups of one site (O_e = 1's experts) send nothing
 and keep their values exactly.
 
+A sparse format (`WireFormat.gathered`: topk2, SparseLoCo arXiv 2508.15706) keeps each site's top-k per chunk, and a
+mean of n sparse messages is not sparse: every site encodes its whole buffer (padded to whole chunks) once, the
+messages are all-gathered, and every site decodes the n messages and sums them in the same order, so the group
+holds one mean that is never re-encoded: (n - 1) N (2 keep + 8) / G bytes per site.
+
 Error feedback (EF21 family): e_0 = 0, e_{r+1} = x_r - D(Q(x_r)), what step 2's encoding dropped, per site and leaf,
 float32; it is state (checkpointed with the round). The owner's second rounding (step 3) is not fed back: it is the
 same on every site of the group, so the sites stay equal. Stochastic rounding draws from the site's own key, folded
@@ -73,7 +78,7 @@ def _group_sizes(mesh) -> dict[bool, int]:
     return {True: shape["replica"], False: shape["replica"] * shape["block"]}
 
 
-def compressed_average(values, start, flags, mesh, fmt: WireFormat, keys: jax.Array, feedback=None):
+def compressed_average(values, start, flags, mesh, fmt: WireFormat, keys: jax.Array, feedback=None, decay=1.0):
     """Averages stacked per-site trees through low-bit messages (module docstring).
 
     Args:
@@ -84,6 +89,7 @@ def compressed_average(values, start, flags, mesh, fmt: WireFormat, keys: jax.Ar
       fmt: the wire format (not float32: that is `moe.federation.average`).
       keys: [M] PRNG keys (one per site; stochastic rounding only), e.g. folded with the round.
       feedback: `init_feedback`'s tree (error feedback on), or None (off).
+      decay: beta, the share of the feedback added to the send (SparseLoCo's e <- beta e + Delta); 1: all of it.
     Returns:
       (averaged, feedback'): leaves not averaged (None flags, integers) are `values`' own; feedback' is None when
       `feedback` is.
@@ -112,7 +118,7 @@ def compressed_average(values, start, flags, mesh, fmt: WireFormat, keys: jax.Ar
         for g, members in groups.items():
             axes = "replica" if g else federation.SITE_AXES
             sends = [xs[i][0].astype(jnp.float32) - ss[i][0] for i in members]
-            sends = [x + new_fb[i][0] if i in new_fb else x for x, i in zip(sends, members)]
+            sends = [x + decay * new_fb[i][0] if i in new_fb else x for x, i in zip(sends, members)]
             mean, dropped = _group_mean(sends, axes, sizes[g], fmt, jax.random.fold_in(key, int(g)))
             for i, m, d in zip(members, mean, dropped):
                 out[i] = (ss[i][0] + m).astype(xs[i].dtype)[None]
@@ -141,6 +147,13 @@ def _group_mean(sends, axes, n: int, fmt: WireFormat, key):
     each send dropped), both float32 of the sends' shapes."""
     flat = jnp.concatenate([x.reshape(-1) for x in sends])
     size = flat.size
+    if fmt.gathered:
+        buf = jnp.pad(flat, (0, -size % fmt.unit))[None]
+        encoded = fmt.encode(buf, key)
+        dropped = (buf - fmt.decode(encoded)).reshape(-1)
+        messages = tuple(jax.lax.all_gather(a[0], axes, tiled=False) for a in encoded)  # [n, ...]
+        gathered = jnp.sum(fmt.decode(messages), axis=0) / n
+        return _split(gathered, dropped, sends)
     chunk = math.ceil(size / (n * fmt.unit)) * fmt.unit
     buf = jnp.pad(flat, (0, n * chunk - size)).reshape(n, chunk)
     first, second = jax.random.split(key)
@@ -149,6 +162,11 @@ def _group_mean(sends, axes, n: int, fmt: WireFormat, key):
     mine = fmt.decode(tuple(jax.lax.all_to_all(a, axes, 0, 0, tiled=False) for a in encoded))  # [n, chunk]
     reduced = fmt.encode(jnp.sum(mine, axis=0, keepdims=True) / n, second)
     gathered = fmt.decode(tuple(jax.lax.all_gather(a[0], axes, tiled=False) for a in reduced)).reshape(-1)
+    return _split(gathered, dropped, sends)
+
+
+def _split(gathered, dropped, sends):
+    """The flat mean and drops cut back into the sends' shapes."""
     means, drops, offset = [], [], 0
     for x in sends:
         means.append(gathered[offset : offset + x.size].reshape(x.shape))

@@ -125,19 +125,21 @@ def make_round(
     error_feedback: bool = False,
     second_moments: str = "sent",
     moments: tuple[str, ...] = desloc.MOMENTS,
+    feedback_decay: float = 1.0,
 ) -> jax.stages.Wrapped:
     """A jitted `(state, tokens [K, M, B_site, T + 1]) -> (state, metrics)`: K local steps on every site, then the
     synchronisation of `method`. Metrics are the train-step metrics of every step and site, [K, M] each (averaged
     on the host, so the program's only cross-site collectives are the synchronisation's). `wire`: the wire format of
     low-bit synchronisation (None or float32: today's exact mean); `error_feedback` keeps what it drops (the state
-    from `init_sites(..., error_feedback=True)`). `second_moments`: LocalAdamW's second moments "sent" (as
+    from `init_sites(..., error_feedback=True)`), decayed by `feedback_decay` beta before it is added to the next
+    send (SparseLoCo's e <- beta e + Delta; 1: kept whole). `second_moments`: LocalAdamW's second moments "sent" (as
     `second_moment_wire` says) or kept "local" to each site. `moments`: the moment groups LocalAdamW averages
     in this synchronisation (moe.desloc.MOMENTS: both; DES-LOC's schedule, `moe.desloc.moments_at`, names fewer on
     most rounds; the others stay each site's own).
     """
     local_steps, sync = _round_parts(
         graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics, wire, error_feedback, second_moments, None,
-        moments=moments,
+        moments=moments, feedback_decay=feedback_decay,
     )  # fmt: skip
 
     def round_fn(state: FederatedState, tokens: jax.Array):
@@ -163,6 +165,7 @@ def make_round_parts(
     anchored: bool = False,
     donate: bool = True,
     moments: tuple[str, ...] = desloc.MOMENTS,
+    feedback_decay: float = 1.0,
 ) -> tuple[jax.stages.Wrapped, jax.stages.Wrapped]:
     """`make_round`'s round as two jitted programs, so that a driver can time its compute and its synchronisation
     apart (experiments.federated); `sync(start, outer, feedback, *local(params, others, tokens)[:1])` is the round:
@@ -176,10 +179,10 @@ def make_round_parts(
     like the parameters, True for those this synchronisation averages (with their optimizer state; moe.streaming);
     None: all of them. DiLoCo's outer step then moves the fragment's parameters and outer momentum only; the
     others keep the sites' own values. `anchored`: `start` is FederatedState.anchor (streaming), and the returned
-    state's anchor is it with the fragment's synchronised values. `moments`: as `make_round`'s."""
+    state's anchor is it with the fragment's synchronised values. `moments`, `feedback_decay`: as `make_round`'s."""
     local_steps, sync = _round_parts(
         graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics, wire, error_feedback, second_moments,
-        fragment, anchored, moments,
+        fragment, anchored, moments, feedback_decay,
     )  # fmt: skip
     kept = round_start(method, wire)
     donated = (0, 1) if kept is None else (1,) if kept == "params" else ()
@@ -273,6 +276,7 @@ def _round_parts(
     fragment,
     anchored=False,
     moments=desloc.MOMENTS,
+    feedback_decay=1.0,
 ) -> tuple[Callable, Callable]:
     """(local_steps(train, tokens) -> (train, metrics), sync(start, outer_state, feedback, train) -> FederatedState)."""
     if method not in OUTER_METHODS:
@@ -286,6 +290,8 @@ def _round_parts(
     lowbit = wire is not None and not wire.exact
     if error_feedback and not lowbit:
         raise ValueError("error_feedback needs a low-bit wire format: float32 synchronisation drops nothing.")
+    if not 0.0 < feedback_decay <= 1.0 or (feedback_decay != 1.0 and not error_feedback):
+        raise ValueError(f"feedback_decay = {feedback_decay}; allowed: (0, 1], and 1 without error_feedback.")
     step = train_lib.train_step_fn(graphdef, optimizer, loss_fn, state_metrics=state_metrics)
     # one site's K steps (tokens [K, B_site, T + 1]), on its own device (federation.per_site)
     local_steps = federation.per_site(lambda train, tokens: jax.lax.scan(step, train, tokens), mesh, (0, 1), (0, 1))
@@ -301,7 +307,7 @@ def _round_parts(
             keys = jax.vmap(lambda k, t: jax.random.fold_in(jax.random.fold_in(k, 0x5EC0), t))(train.key, train.step)
             fb = feedback or {}
             averaged, fb_params = lowbit_sync.compressed_average(
-                train.params, start_params, flags, mesh, wire, keys, fb.get("params")
+                train.params, start_params, flags, mesh, wire, keys, fb.get("params"), feedback_decay
             )
             new_feedback: Any = {"params": fb_params} if feedback else ()
             if method == "local_adamw":
@@ -309,7 +315,7 @@ def _round_parts(
                 opt_state, fb_opt = train.opt_state, fb.get("opt_state")
                 if _any(first, train.opt_state):
                     opt_state, fb_opt = lowbit_sync.compressed_average(
-                        train.opt_state, start_opt, first, mesh, wire, moment_keys, fb_opt
+                        train.opt_state, start_opt, first, mesh, wire, moment_keys, fb_opt, feedback_decay
                     )
                 if nu_wire is not None:  # second moments in a per-element format, after the first moments
                     opt_state, _ = lowbit_sync.compressed_average(

@@ -77,6 +77,7 @@ class FederatedStepper(train_lib.Stepper):
       state_metrics: what the optimizer state reports after a step (core.train.StateMetrics).
       wire: low-bit synchronisation's core.codec.WireFormat (None: float32); `error_feedback` with it needs the
         state's feedback (moe.rounds.init_sites(..., error_feedback=True)).
+      feedback_decay: beta of error feedback (moe.rounds.make_round's; SparseLoCo's 0.95).
       second_moments: LocalAdamW's second moments "sent" or kept "local" (moe.rounds.second_moment_wire).
       fragments, delay, mixing: streaming synchronisation (moe.streaming): F fragments synchronised in turn, one
         round late behind the next round's local steps with delay 1, the correction scaled by `mixing`.
@@ -108,6 +109,7 @@ class FederatedStepper(train_lib.Stepper):
         state_metrics: train_lib.StateMetrics | None = None,
         wire: WireFormat | None = None,
         error_feedback: bool = False,
+        feedback_decay: float = 1.0,
         second_moments: str = "sent",
         fragments: int = 1,
         delay: int = 0,
@@ -143,6 +145,7 @@ class FederatedStepper(train_lib.Stepper):
             state_metrics=state_metrics,
             wire=wire,
             error_feedback=error_feedback,
+            feedback_decay=feedback_decay,
             second_moments=second_moments,
         )
         eval_step = train_lib.make_eval_step(graphdef, byte_lengths=tok.byte_lengths, pad_id=tok.pad_id)

@@ -147,9 +147,13 @@ def _ring(n: int) -> float:
 def wire_bytes(values: float, group: int, wire: WireFormat | None = None) -> float:
     """Bytes per site that averaging `values` values over a group of `group` sites moves: float32 (wire None or
     float32) 2 (n - 1) / n 4 N; a low-bit `wire` 2 (n - 1) / n N' wire.bytes_per_value with N' = N rounded up to a
-    multiple of n x wire.unit (moe.lowbit_sync pads its buffer so). A group of one site moves nothing."""
+    multiple of n x wire.unit (moe.lowbit_sync pads its buffer so); a sparse (`gathered`) `wire` (n - 1) N'
+    wire.bytes_per_value with N' a multiple of wire.unit (every site's whole message to the group). A group of one
+    site moves nothing."""
     if wire is None or wire.exact:
         return _ring(group) * 4.0 * values
+    if wire.gathered:
+        return (group - 1) * math.ceil(values / wire.unit) * wire.unit * wire.bytes_per_value
     padded = math.ceil(values / (group * wire.unit)) * group * wire.unit
     return _ring(group) * padded * wire.bytes_per_value
 
