@@ -26,7 +26,7 @@ from core import train as train_lib
 from experiments import optimizers, schema_kvcache, schema_moe, schema_quant
 from experiments.schema import model_config
 from kvcache import paged_cache_factory
-from moe import reshuffle
+from moe import reshuffle, spes
 from moe.grouped_matmul import GroupedMatmulFn
 from moe.layer import MoE
 from quant import recipes as quant_recipes
@@ -56,8 +56,9 @@ def build_optimizer(config: ml_collections.ConfigDict, params: nnx.State | None 
     (experiments.optimizers.hyperparameters; the table is in docs/configuration.md) and weight decay on `decay_mask`'s
     leaves. A federated run with random placement (mesh.site > 1, fomoe.placement = "random") ends the chain with
     moe.reshuffle.arrival_warmup over `fomoe.arrival_warmup` steps, placed by `params` (a site model's nnx.Param
-    state: where each expert axis lies). Raises ConfigError for an unknown name or a family key the chosen
-    optimizer does not use, ValueError for a random placement without `params`."""
+    state: where each expert axis lies); with SPES (fomoe.outer = "spes") it ends with moe.spes.owned_only, placed
+    likewise (moe.spes.assign_owners sets which experts each site trains). Raises ConfigError for an unknown name or
+    a family key the chosen optimizer does not use, ValueError for a random placement or SPES without `params`."""
     o = config.optim
     schedule = train_lib.learning_rate_schedule(o, config.train.steps)
     inner = optimizers.lookup(o.name).build(schedule, o, optimizers.hyperparameters(o), decay_mask)
@@ -67,6 +68,10 @@ def build_optimizer(config: ml_collections.ConfigDict, params: nnx.State | None 
             raise ValueError("build_optimizer: a random placement (fomoe.placement) needs a site model's params")
         warmup = reshuffle.arrival_warmup(reshuffle.expert_dims(params), config.fomoe.arrival_warmup)
         optimizer = optax.chain(optimizer, warmup)
+    if config.mesh.site > 1 and config.fomoe.outer == "spes":  # a site trains only the experts it owns
+        if params is None:
+            raise ValueError("build_optimizer: SPES (fomoe.outer = 'spes') needs a site model's params")
+        optimizer = optax.chain(optimizer, spes.owned_only(spes.expert_matrices(params)))
     return optimizer
 
 

@@ -24,7 +24,7 @@ from core import train as train_lib
 from core.data import Batches
 from experiments import build, schema_moe
 from experiments.hf import load as hf_load
-from moe import federation, rounds, streaming
+from moe import federation, rounds, spes, streaming
 from moe.placement import Placement, fixed_placement, random_placement
 from moe.stepper import FederatedStepper
 
@@ -70,6 +70,7 @@ def train_federated(
         wire=schema_moe.wire_format(f),
         error_feedback=f.error_feedback,
         feedback_decay=f.feedback_decay,
+        merge=(f.merge_alpha, f.merge_steps) if f.outer == "spes" else (0.0, 1),
         second_moments=f.second_moments,
         fragments=f.fragments,
         delay=f.delay,
@@ -104,6 +105,9 @@ def initial_state(config: ml_collections.ConfigDict, mesh=None, *, pretrained: b
         global_model, site_model, placement, optimizer, outer, mesh, config.train.seed,
         error_feedback=f.error_feedback, anchor=anchor,
     )  # fmt: skip
+    if f.outer == "spes":  # which experts each site trains
+        train = state.train._replace(opt_state=spes.assign_owners(state.train.opt_state, placement.sites))
+        state = state._replace(train=train)
     return graphdef, optimizer, outer, state
 
 

@@ -97,9 +97,11 @@ class FoMoEConfig:
     local_steps: int = field(32, "K: local optimizer steps per round; train.steps must be a multiple", low=1)
     outer: str = field(
         "local_adamw",
-        "synchronisation: 'local_adamw' (average parameters and both AdamW moments) or 'diloco' (outer Nesterov "
-        "step on the averaged change)",
-        choices=("local_adamw", "diloco"),
+        "synchronisation: 'local_adamw' (average parameters and both AdamW moments), 'diloco' (outer Nesterov "
+        "step on the averaged change) or 'spes' (SPES, moe.spes: every site holds every expert, overlap = "
+        "mesh.site, trains the num_experts / mesh.site it owns; dense parameters averaged, experts from their "
+        "owners)",
+        choices=("local_adamw", "diloco", "spes"),
     )
     outer_learning_rate: float = field(0.7, "DiLoCo outer learning rate", low=0.0, low_open=True)
     outer_momentum: float = field(0.9, "DiLoCo outer Nesterov momentum", low=0.0, high=0.999)
@@ -197,6 +199,17 @@ class FoMoEConfig:
         high=1.0,
         since_checkpoints=True,
     )
+    merge_alpha: float = field(
+        0.05,
+        "outer 'spes': the expert-merging warm-up's alpha_0 (each expert moves alpha of the way to its 4 most "
+        "similar, alpha decaying linearly to 0 over merge_steps; the authors' 0.05); 0 = no warm-up",
+        low=0.0,
+        high=1.0,
+        since_checkpoints=True,
+    )
+    merge_steps: int = field(
+        2000, "outer 'spes': steps over which the merging warm-up's alpha decays to 0", low=1, since_checkpoints=True
+    )
     moment_periods: tuple[int, int] = field(
         (1, 1),
         "LocalAdamW, DES-LOC (moe.desloc): (p_u, p_v), the first moments averaged every p_u-th round and the second "
@@ -243,6 +256,7 @@ def check_fomoe(config: ml_collections.ConfigDict, mesh_sizes: dict[str, int] | 
         )
     _check_wire(config, expert)
     _check_streaming(config)
+    _check_spes(config, expert)
     _check_desloc(config)
     if config.train.steps % f.local_steps:
         below = config.train.steps // f.local_steps * f.local_steps
@@ -315,6 +329,40 @@ def _check_streaming(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             f"config key 'fomoe.delay' = 1 with 'fomoe.outer' = 'local_adamw' needs 'fomoe.second_moments' = "
             f"'local' (got {f.second_moments!r}): a second moment corrected a round late could turn negative."
+        )
+
+
+def _check_spes(config: ml_collections.ConfigDict, expert: int) -> None:
+    """SPES's keys (moe.spes) against the rest of the federation. Raises ConfigError."""
+    f, sites = config.fomoe, config.mesh.site
+    default = FoMoEConfig()
+    if f.outer != "spes":
+        for key in ("merge_alpha", "merge_steps"):
+            if f[key] != getattr(default, key):
+                raise ConfigError(
+                    f"config key 'fomoe.{key}' = {f[key]!r} is SPES's; it needs 'fomoe.outer' = 'spes' (got "
+                    f"{f.outer!r}): leave it at {getattr(default, key)!r}, or set outer to 'spes'."
+                )
+        return
+    wanted = {
+        "fomoe.overlap": (f.overlap, sites),
+        "mesh.expert": (expert, 1),
+        "fomoe.placement": (f.placement, "fixed"),
+        "fomoe.sync_format": (f.sync_format, "float32"),
+        "fomoe.fragments": (f.fragments, 1),
+        "fomoe.delay": (f.delay, 0),
+        "fomoe.moment_periods": (tuple(f.moment_periods), (1, 1)),
+    }
+    for key, (value, allowed) in wanted.items():
+        if value != allowed:
+            raise ConfigError(
+                f"config key {key!r} = {value!r} with 'fomoe.outer' = 'spes': SPES runs with {key} = {allowed!r} "
+                "(every site holds every expert and synchronises all parameters in float32 every round)."
+            )
+    if config.moe.num_experts % sites:
+        raise ConfigError(
+            f"config key 'moe.num_experts' = {config.moe.num_experts} with 'fomoe.outer' = 'spes' must be "
+            f"divisible by 'mesh.site' = {sites}: each site owns num_experts / mesh.site experts."
         )
 
 

@@ -9,7 +9,10 @@ steps are a `lax.scan`, and the synchronisation averages
   * "local_adamw": also both AdamW moments (the paper's better choice; about 3x the bytes); the averaged
     parameters start the next round;
   * "diloco": outer gradient Delta = theta_start - theta_avg and an outer Nesterov step (`optim.diloco_outer`);
-    the inner AdamW state stays with each site.
+    the inner AdamW state stays with each site;
+  * "spes": SPES (moe.spes): every site holds every expert (O_e = M) and trains only its own; the dense parameters
+    are averaged, each expert is all-gathered from its owner, an expert-merging warm-up follows; the optimizer
+    state stays with each site.
 
 Low-bit synchronisation (`wire`, a core.codec.WireFormat other than float32): what a site sends is its change since
 the round's start (DiLoCo's outer gradient; LocalAdamW's parameter and moment deltas), quantised on the wire and
@@ -32,7 +35,7 @@ from core import train as train_lib
 from core.codec import WireFormat
 from core.mesh import put_global
 from core.model import split_params
-from moe import desloc, federation, lowbit_sync
+from moe import desloc, federation, lowbit_sync, spes
 
 __all__ = [
     "OUTER_METHODS",
@@ -45,7 +48,7 @@ __all__ = [
     "start_of",
 ]
 
-OUTER_METHODS = ("local_adamw", "diloco")
+OUTER_METHODS = ("local_adamw", "diloco", "spes")
 
 
 class FederatedState(NamedTuple):
@@ -126,6 +129,7 @@ def make_round(
     second_moments: str = "sent",
     moments: tuple[str, ...] = desloc.MOMENTS,
     feedback_decay: float = 1.0,
+    merge: tuple[float, int] = (0.0, 1),
 ) -> jax.stages.Wrapped:
     """A jitted `(state, tokens [K, M, B_site, T + 1]) -> (state, metrics)`: K local steps on every site, then the
     synchronisation of `method`. Metrics are the train-step metrics of every step and site, [K, M] each (averaged
@@ -135,11 +139,12 @@ def make_round(
     send (SparseLoCo's e <- beta e + Delta; 1: kept whole). `second_moments`: LocalAdamW's second moments "sent" (as
     `second_moment_wire` says) or kept "local" to each site. `moments`: the moment groups LocalAdamW averages
     in this synchronisation (moe.desloc.MOMENTS: both; DES-LOC's schedule, `moe.desloc.moments_at`, names fewer on
-    most rounds; the others stay each site's own).
+    most rounds; the others stay each site's own). `merge`: SPES's expert-merging warm-up (alpha_0, steps)
+    (moe.spes.merge_alpha; alpha_0 = 0: none).
     """
     local_steps, sync = _round_parts(
         graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics, wire, error_feedback, second_moments, None,
-        moments=moments, feedback_decay=feedback_decay,
+        moments=moments, feedback_decay=feedback_decay, merge=merge,
     )  # fmt: skip
 
     def round_fn(state: FederatedState, tokens: jax.Array):
@@ -166,6 +171,7 @@ def make_round_parts(
     donate: bool = True,
     moments: tuple[str, ...] = desloc.MOMENTS,
     feedback_decay: float = 1.0,
+    merge: tuple[float, int] = (0.0, 1),
 ) -> tuple[jax.stages.Wrapped, jax.stages.Wrapped]:
     """`make_round`'s round as two jitted programs, so that a driver can time its compute and its synchronisation
     apart (experiments.federated); `sync(start, outer, feedback, *local(params, others, tokens)[:1])` is the round:
@@ -179,10 +185,11 @@ def make_round_parts(
     like the parameters, True for those this synchronisation averages (with their optimizer state; moe.streaming);
     None: all of them. DiLoCo's outer step then moves the fragment's parameters and outer momentum only; the
     others keep the sites' own values. `anchored`: `start` is FederatedState.anchor (streaming), and the returned
-    state's anchor is it with the fragment's synchronised values. `moments`, `feedback_decay`: as `make_round`'s."""
+    state's anchor is it with the fragment's synchronised values. `moments`, `feedback_decay`, `merge`: as
+    `make_round`'s."""
     local_steps, sync = _round_parts(
         graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics, wire, error_feedback, second_moments,
-        fragment, anchored, moments, feedback_decay,
+        fragment, anchored, moments, feedback_decay, merge,
     )  # fmt: skip
     kept = round_start(method, wire)
     donated = (0, 1) if kept is None else (1,) if kept == "params" else ()
@@ -277,6 +284,7 @@ def _round_parts(
     anchored=False,
     moments=desloc.MOMENTS,
     feedback_decay=1.0,
+    merge=(0.0, 1),
 ) -> tuple[Callable, Callable]:
     """(local_steps(train, tokens) -> (train, metrics), sync(start, outer_state, feedback, train) -> FederatedState)."""
     if method not in OUTER_METHODS:
@@ -286,8 +294,12 @@ def _round_parts(
     if set(moments) != set(desloc.MOMENTS) and method != "local_adamw":
         raise ValueError(f"moments = {moments!r}: only LocalAdamW averages moments (outer method {method!r}).")
     if (method == "diloco") != (outer is not None):
-        raise ValueError("method 'diloco' needs its outer optimizer (optim.diloco_outer); 'local_adamw' takes none.")
+        raise ValueError("method 'diloco' needs its outer optimizer (optim.diloco_outer); the others take none.")
     lowbit = wire is not None and not wire.exact
+    if method == "spes" and (lowbit or fragment is not None or anchored):
+        raise ValueError("method 'spes' synchronises in float32, all parameters every round (no wire, fragment).")
+    if (merge[0] and method != "spes") or merge[0] < 0 or merge[1] < 1:
+        raise ValueError(f"merge = {merge}: (alpha >= 0, steps >= 1), alpha > 0 only for method 'spes'.")
     if error_feedback and not lowbit:
         raise ValueError("error_feedback needs a low-bit wire format: float32 synchronisation drops nothing.")
     if not 0.0 < feedback_decay <= 1.0 or (feedback_decay != 1.0 and not error_feedback):
@@ -297,6 +309,8 @@ def _round_parts(
     local_steps = federation.per_site(lambda train, tokens: jax.lax.scan(step, train, tokens), mesh, (0, 1), (0, 1))
 
     def sync(start: Any, outer_state: Any, feedback: Any, train: train_lib.TrainState) -> FederatedState:
+        if method == "spes":
+            return FederatedState(train._replace(params=spes_sync(train)), outer_state, feedback, ())
         flags = masked_flags(federation.expert_flags(train.params), train.params, fragment)
         first, second, nu_wire = sent_moments(optimizer, train, fragment, moments, wire, second_moments)
         sent = _union(first, second if nu_wire is not None else None, train.opt_state)
@@ -349,6 +363,16 @@ def _round_parts(
                 synced = [f is not None for f in federation.leaf_flags(this_round, train.opt_state)]
                 anchor = (_where(in_fragment, params, start[0]), _where(synced, opt_state, start[1]))
         return FederatedState(train._replace(params=params, opt_state=opt_state), outer_state, new_feedback, anchor)
+
+    def spes_sync(train: train_lib.TrainState) -> Any:
+        dims = spes.expert_matrices(train.params)
+        dense = [None if d >= 0 else False for d in jax.tree.leaves(dims)]  # routers too: averaged over all sites
+        averaged = federation.average(train.params, jax.tree.unflatten(jax.tree.structure(dims), dense), mesh)
+        params = spes.broadcast_owned(averaged, dims, mesh)
+        if merge[0] == 0:
+            return params
+        merged = lambda p, step: spes.merge_experts(p, dims, spes.merge_alpha(step, *merge))  # noqa: E731
+        return federation.per_site(merged, mesh, (0, 0))(params, train.step)
 
     return local_steps, sync
 

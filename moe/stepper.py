@@ -30,7 +30,7 @@ from core import hlo
 from core import train as train_lib
 from core.codec import WireFormat
 from core.data import Batches
-from moe import desloc, federation, lowbit_sync, reshuffle, streaming, system_model
+from moe import desloc, federation, lowbit_sync, reshuffle, spes, streaming, system_model
 from moe import rounds as rounds_lib
 from moe.config import ROUTING_MODES
 from moe.placement import Placement
@@ -78,6 +78,7 @@ class FederatedStepper(train_lib.Stepper):
       wire: low-bit synchronisation's core.codec.WireFormat (None: float32); `error_feedback` with it needs the
         state's feedback (moe.rounds.init_sites(..., error_feedback=True)).
       feedback_decay: beta of error feedback (moe.rounds.make_round's; SparseLoCo's 0.95).
+      merge: SPES's expert-merging warm-up (alpha_0, steps) for method "spes" (moe.rounds.make_round's).
       second_moments: LocalAdamW's second moments "sent" or kept "local" (moe.rounds.second_moment_wire).
       fragments, delay, mixing: streaming synchronisation (moe.streaming): F fragments synchronised in turn, one
         round late behind the next round's local steps with delay 1, the correction scaled by `mixing`.
@@ -110,6 +111,7 @@ class FederatedStepper(train_lib.Stepper):
         wire: WireFormat | None = None,
         error_feedback: bool = False,
         feedback_decay: float = 1.0,
+        merge: tuple[float, int] = (0.0, 1),
         second_moments: str = "sent",
         fragments: int = 1,
         delay: int = 0,
@@ -146,6 +148,7 @@ class FederatedStepper(train_lib.Stepper):
             wire=wire,
             error_feedback=error_feedback,
             feedback_decay=feedback_decay,
+            merge=merge,
             second_moments=second_moments,
         )
         eval_step = train_lib.make_eval_step(graphdef, byte_lengths=tok.byte_lengths, pad_id=tok.pad_id)
@@ -415,7 +418,12 @@ def round_bytes(
     nu_wire = nu_wire if local_adamw else None
     gamma = 1.0 / reshuffle_every if migrate_hlo is not None else 0.0
     dense, experts = _split_bytes(train.params, params_flags, sites)
-    if wire is None or wire.exact:
+    if method == "spes":
+        owned = [d >= 0 for d in jax.tree.leaves(spes.expert_matrices(train.params))]
+        nbytes = [x.nbytes // sites for x in jax.tree.leaves(train.params)]
+        spes_experts = sum(b for b, o in zip(nbytes, owned) if o)
+        formula = system_model.spes_bytes(sum(nbytes) - spes_experts, spes_experts, sites)
+    elif wire is None or wire.exact:
         (d1, e1), (d2, e2) = (_split_bytes(train.opt_state, f, sites) for f in (first, second if nu_wire else None))
         state = (float(d1 + d2), float(e1 + e2))
         formula = system_model.sync_bytes(

@@ -245,6 +245,12 @@ def sync_bytes(
     return {"dense": dense, "sparse": sparse, "total": dense + sparse}
 
 
+def spes_bytes(dense_bytes: float, expert_bytes: float, sites: int) -> float:
+    """SPES's synchronisation (moe.spes) per site: the dense parameters (routers included) all-reduced,
+    2 (M - 1) / M S_dense, plus every expert all-gathered from its owner, (M - 1) / M S_experts (all N_e of them)."""
+    return _ring(sites) * dense_bytes + (sites - 1) / sites * expert_bytes
+
+
 def ddp_bytes_per_step(shape: ModelShape, sites: int, *, bytes_per_param: int = BYTES_PER_PARAM) -> float:
     """DDP: every step each site all-reduces the gradient of the whole model, 2 (M - 1) / M * S_model."""
     p = param_count(shape.d_model, shape.num_layers, shape.num_experts, shape.expert_size, shape.vocab_size)

@@ -637,6 +637,13 @@ def test_the_composed_config_trains_sites_with_mgup_on_ufp4_and_serves_through_f
         (["--config.fomoe.sync_format=fp8"], ["fomoe.sync_format", "'fp8'", "'int4'"]),
         (["--config.fomoe.sync_format=fp4", "--config.fomoe.sync_block=15"], ["fomoe.sync_block", "15", "even"]),
         (
+            ["--config.fomoe.sync_format=topk2", "--config.fomoe.sync_scale=fp32"],
+            ["fomoe.sync_keep", "= 0", "1..block"],
+        ),
+        (["--config.fomoe.outer=spes"], ["fomoe.overlap", "'spes'"]),
+        (["--config.fomoe.merge_alpha=0.1"], ["fomoe.merge_alpha", "0.1", "'spes'", "0.05"]),
+        (["--config.fomoe.feedback_decay=0.9"], ["fomoe.feedback_decay", "0.9", "fomoe.error_feedback"]),
+        (
             ["--config.fomoe.sync_format=int8", "--config.fomoe.placement=random"],
             ["fomoe.placement", "'random'", "'fixed'", "sync_format"],
         ),
