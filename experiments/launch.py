@@ -20,16 +20,26 @@ lost site's experts are refused by name unless --reinitialise-lost-experts) and 
 (each in its own site's namespace with --links) with the new mesh.site, fomoe.overlap and data.batch_size, resuming
 from that checkpoint; this repeats while two sites are left. A site silent for longer than --site-timeout is lost
 too. A process that exits with an error (a diverged loss, a bad config) stops the run as without --elastic.
+
+`--join-at STEPS` (with --elastic): a site joins once the checkpoint of each of these steps is written: the launcher
+pauses the run (SIGTERM to every process), regroups that checkpoint onto one site more (`python -m experiments.elastic
+--sites M + 1`: the new site receives its experts with their optimizer state and the dense state, what a full
+synchronisation gives every site) and starts them all again. With --links the new site runs in the namespace of a
+site lost earlier whose link the hub reaches again (a cut link brought back up, or a killed site's); without one it
+stops. The schedule is printed as it happens, each event with the seconds since the launch.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import time
 
 from experiments import command
+from experiments.args import integers
 from experiments.cluster import process, supervisor
 
 __all__ = ["lost_sites", "main"]
@@ -79,6 +89,13 @@ def main(argv: list[str] | None = None, *, module: str = "experiments.run") -> i
         "the survivors and started again (see above)",
     )
     parser.add_argument(
+        "--join-at",
+        type=integers(1, distinct=True),
+        default=[],
+        metavar="STEPS",
+        help="with --elastic: comma-separated steps after whose checkpoints a site joins (see above)",
+    )
+    parser.add_argument(
         "--reinitialise-lost-experts",
         action="store_true",
         help="with --elastic: experts that died with their site (fomoe.overlap = 1) start afresh instead of stopping",
@@ -102,6 +119,8 @@ def main(argv: list[str] | None = None, *, module: str = "experiments.run") -> i
             netns, host = supervisor.site_network(args.processes)
         except ValueError as e:
             parser.error(str(e))
+    if args.join_at and not args.elastic:
+        parser.error(f"--join-at={','.join(map(str, args.join_at))} needs --elastic (a join regroups the checkpoints)")
     if not args.elastic:
         return supervisor.launch(
             args.processes,
@@ -118,7 +137,15 @@ def main(argv: list[str] | None = None, *, module: str = "experiments.run") -> i
     if args.devices_per_process != 1:
         parser.error(f"--elastic: --devices-per-process={args.devices_per_process}; one site per process (1)")
     return _elastic(
-        args.processes, run_args, workdir, args.reinitialise_lost_experts, module, netns, host, args.site_timeout
+        args.processes,
+        run_args,
+        workdir,
+        args.reinitialise_lost_experts,
+        module,
+        netns,
+        host,
+        args.site_timeout,
+        sorted(args.join_at),
     )
 
 
@@ -133,41 +160,77 @@ def _flag(run_args: list[str], name: str) -> str | None:
     return value
 
 
-def _elastic(processes, run_args, workdir, reinitialise, module, netns, host, site_timeout) -> int:
-    """`supervisor.launch`, started again on the survivors after each lost site (module docstring)."""
-    run_args, netns = list(run_args), list(netns)
+def _elastic(processes, run_args, workdir, reinitialise, module, netns, host, site_timeout, joins=()) -> int:
+    """`supervisor.launch`, started again on the survivors after each lost site and with one site more after each
+    step of `joins` (module docstring)."""
+    run_args, netns, joins = list(run_args), list(netns), list(joins)
+    spare: list[str] = []  # the namespaces of lost sites (a joining site's, once the hub reaches it again)
+    start = time.monotonic()
+
+    def due() -> str | None:
+        if joins and os.path.isdir(os.path.join(workdir, "checkpoints", str(joins[0]))):
+            return f"the checkpoint of step {joins[0]} is written and site {processes} joins"
+        return None
+
     while True:
         report: dict = {}
         code = supervisor.launch(
-            processes, 1, run_args, module=module, netns=netns, host=host, site_timeout=site_timeout, report=report
-        )
-        if code == 0 or report.get("stopped_by") is not None or report.get("first_failed") is None:
-            return code
-        lost, why = lost_sites(report, netns, host)
-        if not lost:
-            print(f"launch: --elastic: {why}; stopping", flush=True)
-            return code
-        if processes - len(lost) < 2:
-            print(f"launch: --elastic: {why}; fewer than two sites left (a federation needs two), stopping", flush=True)
-            return code
-        survivors = processes - len(lost)
-        cmd = [sys.executable, "-m", "experiments.elastic", "--workdir", workdir, "--sites", str(survivors)]
-        cmd += ["--lost", ",".join(map(str, lost)), "--json"]
-        cmd += ["--reinitialise-lost-experts"] if reinitialise else []
-        print(f"launch: --elastic: {why}; regrouping {workdir} onto {survivors} sites", flush=True)
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if out.returncode:
-            errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
-            print(f"launch: --elastic: cannot go on: {(errors or out.stderr.splitlines() or ['?'])[-1]}", flush=True)
-            return code
-        result = json.loads(out.stdout.strip().splitlines()[-1])
-        for line in result["description"].splitlines():
-            if not line.startswith("rerun with:"):  # (this launcher reruns it)
-                print(f"launch: --elastic: {line}", flush=True)
-        run_args += result["flags"]
-        processes = survivors
-        netns = [ns for i, ns in enumerate(netns) if i not in lost]  # new site i: the i-th survivor's namespace
-        print(f"launch: --elastic: starting the {processes} sites again with {' '.join(result['flags'])}", flush=True)
+            processes, 1, run_args, module=module, netns=netns, host=host, site_timeout=site_timeout, report=report,
+            pause_when=due if joins else None,
+        )  # fmt: skip
+        elapsed = f"{time.monotonic() - start:.1f} s"
+        if report.get("paused") is not None:
+            joins.pop(0)
+            if netns:
+                cut = set(supervisor.unreachable(spare, host))
+                back = [ns for i, ns in enumerate(spare) if i not in cut]
+                if not back:
+                    print("launch: --elastic: no lost site's namespace is reachable for the joining site; stopping")
+                    return 1
+                spare.remove(back[0])
+                netns.append(back[0])
+            print(f"launch: --elastic: at {elapsed} a site joins; regrouping {workdir} onto {processes + 1} sites")
+            flags = _regroup(workdir, processes + 1, [], reinitialise)
+            if flags is None:
+                return 1
+            processes += 1
+        else:
+            if code == 0 or report.get("stopped_by") is not None or report.get("first_failed") is None:
+                return code
+            lost, why = lost_sites(report, netns, host)
+            if not lost:
+                print(f"launch: --elastic: {why}; stopping", flush=True)
+                return code
+            if processes - len(lost) < 2:
+                print(f"launch: --elastic: {why}; fewer than two sites left (a federation needs two), stopping")
+                return code
+            print(f"launch: --elastic: at {elapsed} {why}; regrouping {workdir} onto {processes - len(lost)} sites")
+            flags = _regroup(workdir, processes - len(lost), lost, reinitialise)
+            if flags is None:
+                return code
+            processes -= len(lost)
+            spare += [ns for i, ns in enumerate(netns) if i in lost]
+            netns = [ns for i, ns in enumerate(netns) if i not in lost]  # new site i: the i-th survivor's namespace
+        run_args += flags
+        print(f"launch: --elastic: starting the {processes} sites again with {' '.join(flags)}", flush=True)
+
+
+def _regroup(workdir: str, sites: int, lost: list[int], reinitialise: bool) -> list[str] | None:
+    """`python -m experiments.elastic` onto `sites` sites (`lost` gone); prints its description and returns the
+    run flags it gives, or None (with the reason printed) when it cannot."""
+    cmd = [sys.executable, "-m", "experiments.elastic", "--workdir", workdir, "--sites", str(sites), "--json"]
+    cmd += ["--lost", ",".join(map(str, lost))] if lost else []
+    cmd += ["--reinitialise-lost-experts"] if reinitialise else []
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode:
+        errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+        print(f"launch: --elastic: cannot go on: {(errors or out.stderr.splitlines() or ['?'])[-1]}", flush=True)
+        return None
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    for line in result["description"].splitlines():
+        if not line.startswith("rerun with:"):  # (this launcher reruns it)
+            print(f"launch: --elastic: {line}", flush=True)
+    return list(result["flags"])
 
 
 def lost_sites(report: dict, netns: list[str], host: str) -> tuple[list[int], str]:

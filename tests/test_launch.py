@@ -25,8 +25,9 @@ ROOT = os.path.dirname(TESTS)
 
 def _stand_in(argv):
     """What process i does, by the i-th entry of `--then=a,b,...`: `sleep` (until stopped), `ignore-term` (sleeps
-    with SIGTERM ignored), `exit:N`, `kill:SIGNAME` (sends itself that signal), `barrier` or `rounds:N` (below), or
-    `beat-stop` (one beat on the launcher's alive pipe, as core.mesh writes them, then SIGSTOP to itself)."""
+    with SIGTERM ignored), `exit:N`, `kill:SIGNAME` (sends itself that signal), `barrier` or `rounds:N` (below),
+    `beat-stop` (one beat on the launcher's alive pipe, as core.mesh writes them, then SIGSTOP to itself), or
+    `checkpoint:S` (makes the directory <--workdir>/checkpoints/S, as a finished checkpoint is, then sleeps)."""
     flags = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
     index = int(flags["config.mesh.process_id"])
     action = flags["then"].split(",")[index]
@@ -42,12 +43,14 @@ def _stand_in(argv):
     elif action.startswith("rounds:"):
         _rounds(flags, int(action[7:]))
         sys.exit(0)
+    elif action.startswith("checkpoint:"):
+        os.makedirs(os.path.join(flags["workdir"], "checkpoints", action[11:]), exist_ok=True)
     elif action == "beat-stop":
         from experiments.cluster import supervisor
 
         os.write(int(os.environ[supervisor.ALIVE_ENV]), b".")
         os.kill(os.getpid(), signal.SIGSTOP)
-    elif action not in ("sleep", "ignore-term"):
+    elif action not in ("sleep", "ignore-term") and not action.startswith("checkpoint:"):
         sys.exit(f"error: unknown --then action {action!r}")
     time.sleep(600)
 
@@ -265,6 +268,26 @@ def test_an_elastic_launch_names_the_lost_site_only_when_it_can(cleanup, tmp_pat
     code, out = launcher.finish()
     assert f"launch: --elastic: {said}" in out, out
     assert "site 0 was lost" not in out and code != 0, out
+
+
+def test_a_join_pauses_a_healthy_run_after_its_checkpoint_and_regroups_onto_one_site_more(cleanup, tmp_path):
+    """--elastic --join-at 8: once a process has written the checkpoint of step 8, the launcher pauses the run
+    (SIGTERM to both processes, whose deaths are no failure and name no lost site) and regroups the run onto 3
+    sites (experiments.elastic, which finds no real checkpoint in the stand-in's workdir and stops the launch)."""
+    launcher = _Launcher("sleep,checkpoint:8", own=("--elastic", "--join-at", "8"), run=(f"--workdir={tmp_path}",))
+    cleanup.append(launcher)
+    code, out = launcher.finish()
+    assert "launch: pausing the run: the checkpoint of step 8 is written and site 2 joins" in out, out
+    assert "launch: exit codes [SIGTERM, SIGTERM]" in out and "was lost" not in out, out
+    assert re.search(r"launch: --elastic: at \d+\.\d s a site joins; regrouping .* onto 3 sites", out), out
+    assert "launch: --elastic: cannot go on" in out and code == 1, out
+
+
+def test_join_at_needs_elastic(cleanup, tmp_path):
+    launcher = _Launcher("sleep,sleep", own=("--join-at", "8"), run=(f"--workdir={tmp_path}",))
+    cleanup.append(launcher)
+    code, out = launcher.finish()
+    assert code == 2 and "--join-at=8 needs --elastic" in out, out
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

@@ -270,6 +270,7 @@ def launch(
     host: str = "127.0.0.1",
     site_timeout: int = SITE_TIMEOUT_SECONDS,
     report: dict | None = None,
+    pause_when: Callable[[], str | None] | None = None,
 ) -> int:
     """Runs `processes` processes of `python -m <module> <run_args> --config.mesh.*` with `devices_per_process`
     CPU devices each, supervises them and returns the launcher's exit code (module docstring). `netns`: each
@@ -278,7 +279,10 @@ def launch(
     ValueError otherwise). `report`, if given, receives "first_failed" (the index of the first process seen failing,
     or None), "stopped_by" (the signal that stopped the launcher, or None), "codes" (every process's Popen return
     code), "terminated" (the indices of the processes the launcher itself stopped, GRACE_SECONDS after a failure) and
-    "unresponsive" (those it killed for giving no sign of life for `site_timeout` seconds).
+    "unresponsive" (those it killed for giving no sign of life for `site_timeout` seconds) and "paused" (below).
+    `pause_when`, polled while the run is healthy, returns why to pause it (e.g. a checkpoint after which a site
+    joins) or None: the processes then get SIGTERM as at a stop signal, their deaths are not failures, the reason is
+    reported as "paused", and the exit code is 0; the run resumes from its last checkpoint when started again.
     `module` is the program every process runs; tests point it at a cheap stand-in. Call it from the main thread:
     it installs handlers for SIGTERM, SIGINT and SIGHUP (restored on return)."""
     if not 1 <= site_timeout <= MAX_SITE_TIMEOUT_SECONDS:
@@ -338,7 +342,7 @@ def launch(
         for t in forwarders:
             t.start()
         silence = process.Silence([p.pid for p in procs], beats, site_timeout)
-        outcome = _supervise(procs, codes, received, notices, silence)
+        outcome = _supervise(procs, codes, received, notices, silence, pause_when)
         for t in forwarders:  # the children's last lines before the summary
             t.join(timeout=5)
     finally:  # on the way out of an error here (say, a process that could not start), none is left running
@@ -357,6 +361,8 @@ def launch(
         report.update(outcome._asdict(), codes=final)
     if outcome.stopped_by is not None:
         return 128 + outcome.stopped_by
+    if outcome.paused is not None:
+        return 0
     if outcome.unresponsive:  # (watched only until a first failure: they are the first)
         return SITE_TIMEOUT_EXIT_CODE
     return 0 if outcome.first_failed is None else process.exit_status(procs[outcome.first_failed].returncode)
@@ -376,6 +382,7 @@ class _Outcome(NamedTuple):
     first_failed: int | None  # the first process seen failing
     terminated: list[int]  # the processes the launcher terminated GRACE_SECONDS after a failure
     unresponsive: list[int]  # the processes it killed for giving no sign of life for `site_timeout`
+    paused: str | None = None  # why the launcher paused a healthy run (`pause_when`), or None
 
 
 def _supervise(
@@ -384,6 +391,7 @@ def _supervise(
     received: list[int],
     notices: Sequence[int],
     silence: process.Silence,
+    pause_when: Callable[[], str | None] | None = None,
 ) -> _Outcome:
     """Waits for every child to exit, filling `codes` (Popen return codes) and reporting signal deaths as they
     happen. `NOTICE_SECONDS` after the first failure, tells the children still running which process failed and how
@@ -393,15 +401,23 @@ def _supervise(
     failure: SIGTERM, then SIGKILL after `STOP_GRACE_SECONDS` or at a second stop signal. Returns the stop signal
     that stopped the launcher (or None), the index of the first process seen failing (or None; of several seen at
     once, one killed by a signal: the others failed because it died; a silent one first), the indices of the
-    processes still running when it terminated them after a failure, and those killed for their silence."""
+    processes still running when it terminated them after a failure, and those killed for their silence. While
+    the run is healthy, a reason from `pause_when` stops the children as a stop signal does, without a failure."""
     stopped_by: int | None = None
     failure: tuple[int, float] | None = None  # the first process seen failing, and when
     term_sent_at: float | None = None
     killed = noticed = False
     terminated: list[int] = []
     unresponsive: list[int] = []
+    paused: str | None = None
     while True:
         now = time.monotonic()
+        if pause_when is not None and paused is None and stopped_by is None and failure is None:
+            paused = pause_when()
+            if paused is not None:
+                print(f"launch: pausing the run: {paused}: sending SIGTERM to the processes", flush=True)
+                _send(procs, codes, signal.SIGTERM)
+                term_sent_at = now
         if stopped_by is None and failure is None:  # (once the run fails, the failure's own course follows)
             for i in silence.silent(now, codes):
                 _end_silent(i, procs[i], silence.timeout, notices, codes)
@@ -413,14 +429,14 @@ def _supervise(
         for i, p in enumerate(procs):
             if codes[i] is None and p.poll() is not None:
                 codes[i] = p.returncode
-                if p.returncode < 0 and i not in unresponsive:
+                if p.returncode < 0 and i not in unresponsive and paused is None:
                     print(f"launch: process {i} was killed by signal {process.signal_name(-p.returncode)}", flush=True)
-                if p.returncode:
+                if p.returncode and paused is None:
                     failed_now.append(i)
         if failed_now and failure is None:  # seen together: one killed by a signal is what made the others fail
             failure = min(failed_now, key=lambda i: (codes[i] >= 0, i)), now  # type: ignore[operator]
         if all(c is not None for c in codes):
-            return _Outcome(stopped_by, None if failure is None else failure[0], terminated, unresponsive)
+            return _Outcome(stopped_by, None if failure is None else failure[0], terminated, unresponsive, paused)
         if stopped_by is None and failure is not None and not noticed and now - failure[1] > NOTICE_SECONDS:
             first_failed = failure[0]
             code = procs[first_failed].returncode

@@ -42,12 +42,15 @@ def _flags(steps: int) -> list[str]:
     ]
 
 
-def elastic_run(workdir: str, command: list[str], when: str, lose, *, env=None, tag: str = "elastic") -> dict:
+def elastic_run(
+    workdir: str, command: list[str], when: str, lose, *, env=None, tag: str = "elastic", then=None
+) -> dict:
     """Runs the launcher's `command` (or reuses its finished run in `workdir`), calling `lose(launcher pid)` once the
     directory `when` exists (a checkpoint); `lose` makes a site lost and returns what it did, in words. Returns
     {"output" (its lines, each stamped with the seconds since the start), "summary", "seconds" (None when reused),
-    "lost_at" (seconds since the start), "lost" (the words)}. RuntimeError with the output's end when the run
-    fails or finishes before the loss."""
+    "lost_at" (seconds since the start), "lost" (the words)}. `then(line)`, if given, sees every output line after
+    the loss and returns what it did in words (stamped into the output) or None. `lose` None: an uninterrupted run,
+    timed the same way. RuntimeError with the output's end when the run fails or finishes before the loss."""
     record = os.path.join(workdir, "launch.json")  # the finished run's output and loss, for a reuse
     if os.path.exists(os.path.join(workdir, "summary.json")) and os.path.exists(record):
         with open(record) as f:
@@ -64,15 +67,20 @@ def elastic_run(workdir: str, command: list[str], when: str, lose, *, env=None, 
     for line in proc.stdout:
         lines.append(f"{time.time() - t0:8.1f} {line}")
         print(f"[{tag}] {line}", end="", flush=True)
-        if lost is None and os.path.isdir(when):
+        if lose is not None and lost is None and os.path.isdir(when):
             lost = lose(proc.pid)
             if lost is not None:
                 lost_at = time.time() - t0
                 lines.append(f"{lost_at:8.1f} ({lost})\n")
                 print(f"[{tag}] {lost}", flush=True)
+        elif lost is not None and then is not None:
+            did = then(line)
+            if did is not None:
+                lines.append(f"{time.time() - t0:8.1f} ({did})\n")
+                print(f"[{tag}] {did}", flush=True)
     proc.wait()
     output = "".join(lines)
-    if proc.returncode or lost is None:
+    if proc.returncode or (lose is not None and lost is None):
         raise RuntimeError(f"the elastic run failed (exit {proc.returncode}, lost: {lost}):\n{output[-3000:]}")
     with open(record, "w") as f:
         json.dump({"output": output, "lost_at": lost_at, "lost": lost}, f)

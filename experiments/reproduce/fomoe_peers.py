@@ -1,0 +1,275 @@
+"""FoMoE against its newest peers on one proxy, side by side: bytes on the wire, held-out loss over seeds with
+intervals paired against DDP, bytes to a common target loss, and a bytes-vs-loss Pareto plot.
+
+    python -m experiments.reproduce.fomoe_peers [--out runs/fomoe] [--steps 256] [--seeds 0,1,2] [--size proxy]
+
+Every row trains experiments/configs/fomoe.py (d_model 128, 4 layers, 8 experts top-2; `--size 4x`: d_model 256, about
+4x the parameters) at M = 4 sites, K = 32 local steps per round, fixed placement, on the same tokens for `--steps`
+steps, once per seed (`train.seed`: initialisation and rounding draws; the data order is the corpus's), evaluated
+every 64 steps. Each is `python -m experiments.run` with 4 virtual CPU devices in
+`<out>/runs/peers_<size>_<row>_s<seed>`, reused when finished. The rows (ROWS) are the peers as their papers run
+them, mapped onto this federation:
+
+  DDP                 gradients all-reduced every step (mesh.data = 4).
+  DiLoCo              full replica (O_e = M), float32, outer Nesterov (lr 0.7, momentum 0.9).
+  FoMoE O_e = 1, 2    partitioned experts, LocalAdamW (parameters and both moments averaged), float32.
+  SPES                arXiv 2602.11543: every site holds every expert, trains its 2 of 8, dense parameters
+                      averaged, experts from their owners, merging warm-up alpha 0.05 (moe.spes).
+  DES-LOC             full replica, LocalAdamW with moment periods (3, 6) (moe.desloc), float32.
+  SparseLoCo          arXiv 2508.15706: full replica, top-64 of each 4096-value chunk with 2-bit values
+                      (core.codec topk2), error feedback decayed by 0.95, outer SGD lr 1 without momentum.
+  ours                partitioned experts (O_e = 2) + LocalAdamW + the best low-bit formats found here
+                      (fp4 or topk2 with error feedback, second moments local, DES-LOC periods).
+
+Decoupled DiLoCo (asynchronous sites behind a quorum) is not a row: it is not built yet.
+
+Reported (peers.md, peers.json, peers.png): per row the bytes each site sends per round (compiled; = the formula),
+over the whole run, x fewer than DDP; the held-out loss per seed, its mean, and the mean paired difference to DDP
+(same seed) with a 95% t-interval over the seeds; the bytes each site has sent when the seed-mean loss curve first
+reaches the target (DiLoCo's final mean loss unless `--target`); and a modelled wall time over 10 Mbit/s links per
+site (compute at the run's steady tokens/s here, all 4 sites sharing this machine's cores, + its bytes at 10 Mbit/s;
+not a measurement over links).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+
+from experiments import command, harness, plotting
+from experiments.reproduce import runs
+
+CONFIG = runs.config_path("fomoe")
+SITES, K, EVAL_EVERY = 4, 32, 64
+LINK_MBIT = 10.0
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+SIZES = {"proxy": [], "4x": ["--config.model.d_model=256", "--config.model.num_heads=8"]}
+_SPARSELOCO = [
+    "--config.fomoe.outer=diloco",
+    "--config.fomoe.outer_learning_rate=1.0",
+    "--config.fomoe.outer_momentum=0.0",
+    "--config.fomoe.sync_format=topk2",
+    "--config.fomoe.sync_block=4096",
+    "--config.fomoe.sync_keep=64",
+    "--config.fomoe.sync_scale=fp32",
+    "--config.fomoe.error_feedback=True",
+    "--config.fomoe.feedback_decay=0.95",
+]
+_TOPK = ["--config.fomoe.sync_format=topk2", "--config.fomoe.sync_block=4096", "--config.fomoe.sync_scale=fp32"]
+# name: (label, experiments.run flags beyond the federation's M and K)
+ROWS = {
+    "ddp": ("DDP (gradients every step)", []),
+    "diloco": ("DiLoCo, full replica, float32", ["--config.fomoe.overlap=4", "--config.fomoe.outer=diloco"]),
+    "fomoe_o1": ("FoMoE O_e = 1, LocalAdamW float32", ["--config.fomoe.overlap=1"]),
+    "fomoe_o2": ("FoMoE O_e = 2, LocalAdamW float32", ["--config.fomoe.overlap=2"]),
+    "spes": ("SPES (owned experts, merging warm-up)", ["--config.fomoe.overlap=4", "--config.fomoe.outer=spes"]),
+    "desloc": (
+        "DES-LOC, full replica, periods (3, 6)",
+        ["--config.fomoe.overlap=4", "--config.fomoe.moment_periods=(3, 6)"],
+    ),
+    "sparseloco": ("SparseLoCo, full replica, top-64/4096 2-bit + EF", ["--config.fomoe.overlap=4", *_SPARSELOCO]),
+    "ours_fp4": (
+        "ours: O_e = 2, fp4 + EF, second moments local",
+        [
+            "--config.fomoe.overlap=2",
+            "--config.fomoe.sync_format=fp4",
+            "--config.fomoe.error_feedback=True",
+            "--config.fomoe.second_moments=local",
+        ],
+    ),
+    "ours_topk": (
+        "ours: O_e = 2, top-256/4096 + EF, second moments local, first every 3rd round",
+        [
+            "--config.fomoe.overlap=2",
+            *_TOPK,
+            "--config.fomoe.sync_keep=256",
+            "--config.fomoe.error_feedback=True",
+            "--config.fomoe.second_moments=local",
+            "--config.fomoe.moment_periods=(3, 1)",
+        ],
+    ),
+}
+
+
+def flags(row: str, seed: int, steps: int, size: str) -> list[str]:
+    """The experiments.run flags of one run."""
+    out = [f"--config.train.eval_every={EVAL_EVERY}", f"--config.train.seed={seed}", *SIZES[size]]
+    if row == "ddp":
+        return out + ["--config.mesh.site=1", f"--config.mesh.data={SITES}"]
+    return (
+        out + [f"--config.mesh.site={SITES}", "--config.mesh.data=1", f"--config.fomoe.local_steps={K}"] + ROWS[row][1]
+    )
+
+
+def train(row: str, seed: int, steps: int, size: str, out: str) -> dict:
+    """Trains (or reuses) one run; returns its summary.json with its held-out curve ("curve": [(step, loss)])."""
+    workdir = os.path.join(out, "runs", f"peers_{size}_{row}_s{seed}")
+    summary = runs.run_or_reuse(CONFIG, workdir, flags(row, seed, steps, size), steps, devices=SITES)
+    with open(os.path.join(workdir, "config.json")) as f:
+        data = json.load(f)["data"]
+    tokens = steps * data["batch_size"] * data["seq_len"]
+    return {
+        **summary,
+        "curve": runs.read_metric(workdir, "val_loss"),
+        "compute_seconds": tokens / summary["tokens_per_second"],
+    }
+
+
+def paired_interval(losses: list[float], baseline: list[float]) -> tuple[float, float]:
+    """(mean of loss - baseline over the seeds, half-width of its 95% t-interval; nan for one seed)."""
+    d = np.asarray(losses) - np.asarray(baseline)
+    if d.size < 2:
+        return float(d.mean()), math.nan
+    return float(d.mean()), float(T_975[d.size - 1] * d.std(ddof=1) / math.sqrt(d.size))
+
+
+def bytes_to_target(curve: list[tuple[int, float]], per_step: float, target: float) -> float | None:
+    """Bytes a site has sent when the (seed-mean) held-out curve first reaches `target`; None if it never does."""
+    for step, loss in curve:
+        if loss <= target:
+            return step * per_step
+    return None
+
+
+def rows(summaries: dict[str, dict[int, dict]], steps: int, target: float | None) -> tuple[list[dict], float]:
+    """One record per row (see the module docstring) and the target loss used."""
+    seeds = sorted(summaries["ddp"])
+    ddp = summaries["ddp"]
+    ddp_losses = [ddp[s]["val_loss"] for s in seeds]
+    means = {r: float(np.mean([by[s]["val_loss"] for s in seeds])) for r, by in summaries.items()}
+    target = means["diloco"] if target is None else target
+    ddp_step = ddp[seeds[0]]["bytes_per_device_per_step"]
+    out = []
+    for row, by_seed in summaries.items():
+        first = by_seed[seeds[0]]
+        per_step = ddp_step if row == "ddp" else first["bytes_per_site_per_round"] / K
+        curves = [dict(by_seed[s]["curve"]) for s in seeds]
+        mean_curve = [(step, float(np.mean([c[step] for c in curves]))) for step in sorted(curves[0])]
+        losses = [by_seed[s]["val_loss"] for s in seeds]
+        diff, half = paired_interval(losses, ddp_losses)
+        compute = float(np.mean([by_seed[s]["compute_seconds"] for s in seeds]))
+        total = per_step * steps
+        out.append(
+            {
+                "row": row,
+                "label": ROWS[row][0],
+                "bytes_per_round": per_step * K,
+                "formula_equal": row != "ddp"
+                and math.isclose(first["bytes_per_site_per_round"], first["bytes_per_site_per_round_formula"]),
+                "bytes_total": total,
+                "vs_ddp": ddp_step / per_step,
+                "val_loss": losses,
+                "val_loss_mean": means[row],
+                "vs_ddp_loss": [diff, half],
+                "curve": mean_curve,
+                "bytes_to_target": bytes_to_target(mean_curve, per_step, target),
+                "wall_seconds_10mbit": compute + total * 8 / (LINK_MBIT * 1e6),
+            }
+        )
+    return sorted(out, key=lambda r: r["bytes_total"]), target
+
+
+def pareto(records: list[dict]) -> set[str]:
+    """The rows no other row beats on both bytes (total) and mean held-out loss."""
+    front = set()
+    for r in records:
+        if not any(
+            o["bytes_total"] <= r["bytes_total"]
+            and o["val_loss_mean"] <= r["val_loss_mean"]
+            and (o["bytes_total"], o["val_loss_mean"]) != (r["bytes_total"], r["val_loss_mean"])
+            for o in records
+        ):
+            front.add(r["row"])
+    return front
+
+
+def markdown(result: dict) -> str:
+    """peers.md: the side-by-side table, ordered by bytes, with DDP's loss beside every ratio."""
+    seeds, records = result["seeds"], result["rows"]
+    ddp = next(r for r in records if r["row"] == "ddp")
+    front = set(result["pareto"])
+    lines = [
+        "# FoMoE against its peers, side by side",
+        "",
+        f"`{result['command']}`: experiments/configs/fomoe.py ({result['size']}) at M = {SITES} sites, K = {K}, "
+        f"{result['steps']} steps of 16 x 256 byte-tokens, seeds {', '.join(map(str, seeds))}; DDP's held-out loss "
+        f"{ddp['val_loss_mean']:.4f} (mean over the seeds). Bytes: per site, read from the compiled programs (every "
+        "federated row equals its formula where marked). 'vs DDP loss': mean of (row - DDP) over the seeds, with "
+        "its 95% t-interval (seeds only: a rerun of the same config drifts too, see docs/fomoe.md). Target: "
+        f"{result['target']:.4f} held-out (DiLoCo's final mean unless set). Wall time: modelled, compute at the "
+        f"run's tokens/s plus its bytes over a {LINK_MBIT:g} Mbit/s link per site. Ordered by bytes per run; "
+        "* on the Pareto front (bytes, mean loss).",
+        "",
+        "| row | MB per site per round | = formula | MB per run | x fewer than DDP | "
+        + " | ".join(f"seed {s}" for s in seeds)
+        + " | mean | vs DDP loss | MB to target | modelled hours at 10 Mbit/s |",
+        "|---|---|---|---|---|" + "---|" * len(seeds) + "---|---|---|---|",
+    ]
+    for r in records:
+        losses = " | ".join(f"{v:.4f}" for v in r["val_loss"])
+        diff, half = r["vs_ddp_loss"]
+        to_target = "not reached" if r["bytes_to_target"] is None else f"{r['bytes_to_target'] / 1e6:,.2f}"
+        formula = "n/a" if r["row"] == "ddp" else "yes" if r["formula_equal"] else "no"
+        lines.append(
+            f"| {r['label']}{' *' if r['row'] in front else ''} | {r['bytes_per_round'] / 1e6:,.3f} | "
+            f"{formula} | {r['bytes_total'] / 1e6:,.2f} | {r['vs_ddp']:,.0f}x | "
+            f"{losses} | {r['val_loss_mean']:.4f} | {diff:+.4f} ± {half:.4f} | {to_target} | "
+            f"{r['wall_seconds_10mbit'] / 3600:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+    """peers.png: mean held-out loss (and each seed) against MB per site per run, log scale; the front joined."""
+    front = set(result["pareto"])
+    with plotting.figure(path, size=(7.5, 5), grid="both", title=result["command"], legend_size=7) as ax:
+        colors = plotting.colors([r["row"] for r in result["rows"]])
+        for r in result["rows"]:
+            x = r["bytes_total"] / 1e6
+            ax.scatter([x] * len(r["val_loss"]), r["val_loss"], color=colors[r["row"]], s=10, alpha=0.6)
+            ax.scatter([x], [r["val_loss_mean"]], color=colors[r["row"]], marker="D", s=40, label=r["label"])
+        points = sorted((r["bytes_total"] / 1e6, r["val_loss_mean"]) for r in result["rows"] if r["row"] in front)
+        ax.plot(*zip(*points), color="gray", linewidth=1, linestyle="--")
+        ax.axhline(result["target"], color="gray", linewidth=0.8, linestyle=":")
+        ax.set_xscale("log")
+        ax.set_xlabel("MB per site over the run (compiled)")
+        ax.set_ylabel("held-out loss (nats per byte-token)")
+        ax.set_title(f"M = {SITES}, K = {K}, {result['size']}: bytes against loss (dashed: Pareto front)", fontsize=9)
+
+
+def main(argv=None) -> None:
+    """The command line: see the module docstring, or --help."""
+    study = harness.Study(__doc__, module="experiments.reproduce.fomoe_peers", topic="fomoe")
+    harness.add_steps(study.parser, default=256, multiple_of=K, why=f"whole rounds at K = {K}")
+    harness.add_seeds(study.parser, default="0,1,2", what="initialisation and rounding draws", at_least=2)
+    study.parser.add_argument("--size", choices=sorted(SIZES), default="proxy", help="the model size (default proxy)")
+    study.parser.add_argument(
+        "--rows", type=harness.names(ROWS), default=list(ROWS), help="rows to run (default all; ddp and diloco always)"
+    )
+    study.parser.add_argument("--target", type=harness.number(0.0, low_open=True), help="target held-out loss")
+    args = study.parse(argv)
+    chosen = ["ddp", "diloco"] + [r for r in args.rows if r not in ("ddp", "diloco")]
+    total, done = len(chosen) * len(args.seeds), 0
+    summaries: dict[str, dict[int, dict]] = {r: {} for r in chosen}
+    for seed in args.seeds:
+        for row in chosen:
+            done += 1
+            study.progress(done, total, f"{ROWS[row][0]}, seed {seed}")
+            summaries[row][seed] = train(row, seed, args.steps, args.size, args.out)
+    records, target = rows(summaries, args.steps, args.target)
+    result = {
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "size": args.size,
+        "target": target,
+        "rows": records,
+        "pareto": sorted(pareto(records)),
+    }
+    study.write(f"peers_{args.size}", result, markdown, {f"peers_{args.size}.png": plot})
+
+
+if __name__ == "__main__":
+    command.run(main)
