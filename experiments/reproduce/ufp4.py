@@ -1,6 +1,7 @@
 """UFP4 at CPU scale: the grid analysis, and the quickstart MoE trained with each 4-bit recipe against BF16.
 
     python -m experiments.reproduce.ufp4 [--out runs/ufp4] [--parts grid,train] [--steps 400] [--jobs 1]
+        [--recipes gridgames,nvfp4_ms_eden]
 
 grid: the per-level shrinkage bias of E2M1, E1M2 and INT4 (spec formula), and the spec's synthetic table: 2^20
 N(0,1) values, then the same with 2 of 256 channels scaled x30, in 1 x 16 blocks (32 for MXFP4) along the
@@ -275,6 +276,61 @@ def train_all(study: harness.Study, steps: int, jobs: int) -> None:
     study.write("table", result, train_markdown, {"loss_error.png": error_plot}, parts=["train"], jobs=1)
 
 
+def train_subset(study: harness.Study, steps: int, recipes: list[str]) -> None:
+    """`--recipes`: the training part for bf16 and `recipes` only, seeds SEEDS, rerun side by side in this session
+    (runs in `study.out`/runs like the full table's); writes table_recipes.md / .json with the rows the full table
+    has (no ablation, no headline reading)."""
+    chosen = [REFERENCE, *(r for r in recipes if r != REFERENCE)]
+    plan_: list[dict[str, Any]] = [
+        {"name": f"{r}_s{s}", "recipe": r, "seed": s, "flags": {"recipe": r}} for r in chosen for s in SEEDS
+    ]
+    results: dict[str, dict] = {}
+    for i, run in enumerate(plan_):
+        name = str(run["name"])
+        results[name] = train(run, steps, study.out)
+        study.progress(i + 1, len(plan_), f"{name}: held-out loss {results[name]['val_loss']:.4f}")
+    rows: list[dict[str, Any]] = []
+    for r in chosen:
+        errors = [relative_error(results[f"{r}_s{s}"], results[f"{REFERENCE}_s{s}"], steps) for s in SEEDS]
+        val = [results[f"{r}_s{s}"]["val_loss"] for s in SEEDS]
+        rows.append(
+            {
+                "recipe": r,
+                "seeds": list(SEEDS),
+                "rel_error": [e for e, _ in errors],
+                "rel_error_mean": float(np.mean([e for e, _ in errors])),
+                "tail_loss": float(np.mean([t for _, t in errors])),
+                "val_loss": val,
+                "val_loss_mean": float(np.mean(val)),
+                "tokens_per_second": float(np.mean([results[f"{r}_s{s}"]["tokens_per_second"] for s in SEEDS])),
+            }
+        )
+    result = {"steps": steps, "seeds": list(SEEDS), "rows": sorted(rows, key=lambda r: r["val_loss_mean"])}
+    study.write("table_recipes", result, subset_markdown, parts=["train"], always=("steps", "recipes"))
+
+
+def subset_markdown(result: dict) -> str:
+    """table_recipes.md: the chosen recipes beside bf16, ordered by held-out loss."""
+    lines = [
+        "# UFP4 at CPU scale: chosen recipes beside BF16, rerun side by side",
+        "",
+        f"`{result['command']}`: the training part's setting (quickstart MoE, one device, {result['steps']} steps x 8 "
+        f"x 256 byte-tokens, seeds {result['seeds']}) for these recipes only, all run in this session. Relative loss "
+        "error as in table.md (against the BF16 run of the same seed). Ordered by mean held-out loss.",
+        "",
+        "| recipe | held-out loss (mean) | per seed | rel. loss error (mean) | per seed | tokens/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        per_val = " / ".join(f"{v:.4f}" for v in r["val_loss"])
+        per_err = " / ".join(f"{100 * e:.2f}%" for e in r["rel_error"])
+        lines.append(
+            f"| {r['recipe']} | {r['val_loss_mean']:.4f} | {per_val} | {100 * r['rel_error_mean']:.2f}% | {per_err} | "
+            f"{r['tokens_per_second']:,.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def train_markdown(result: dict) -> str:
     """table.md: the loss error per recipe, the UFP4 against E2M1 reading, the ablation."""
     steps = result["steps"]
@@ -362,12 +418,23 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--jobs", type=harness.integer(1), default=1, help="training runs at once (each its own process), >= 1"
     )
+    parser.add_argument(
+        "--recipes",
+        type=harness.names(RECIPES),
+        default=None,
+        help="with --parts train: only these recipes beside bf16 (table_recipes.md; the full table otherwise)",
+    )
     args = study.parse(argv)
     parts = args.parts
     if "grid" in parts:
         grid_analysis(study)
+    if args.recipes is not None and parts != ["train"]:
+        parser.error(f"--recipes={','.join(args.recipes)} needs --parts train alone")
     if "train" in parts:
-        train_all(study, args.steps, args.jobs)
+        if args.recipes is not None:
+            train_subset(study, args.steps, args.recipes)
+        else:
+            train_all(study, args.steps, args.jobs)
     if "fidelity" in parts:
         ufp4_fidelity.fidelity_all(study, args.steps, CONFIG)
 
