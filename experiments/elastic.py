@@ -38,14 +38,16 @@ def regroup_workdir(workdir: str, sites: int, *, lost=(), reinitialise_lost: boo
     experiments.run flags of the new config, "step", "sites_before", "overlap_before", "overlap", "lost",
     "lost_experts", "copied" ({new site: {expert: old site}}), "joined", "shipped_bytes" ({new site: bytes of state
     it did not hold: its copied experts and their optimizer state; a joiner's whole state})}.
-    Raises ValueError naming what refuses it: no federated run or checkpoint, a random placement, a bad site count,
-    lost sites outside the run's, or (moe.elastic.LostExpertsError) experts that died with their sites."""
+    Raises ValueError naming what refuses it: no federated run or checkpoint, a random placement, SPES, a bad site
+    count, lost sites outside the run's, or (moe.elastic.LostExpertsError) experts that died with their sites."""
     config = load.run_config(workdir)
     m, f = config.mesh.site, config.fomoe
     if m < 2:
         raise ValueError(f"{workdir}: mesh.site = {m}; only a federated run (mesh.site >= 2) regroups.")
     if f.placement != "fixed":
         raise ValueError(f"{workdir}: fomoe.placement = {f.placement!r}; regrouping needs the fixed placement.")
+    if f.outer == "spes":  # (each site's OwnedState says which experts it trains: a new M re-deals them)
+        raise ValueError(f"{workdir}: fomoe.outer = 'spes'; a SPES run does not regroup (expert ownership is per M).")
     lost = sorted(set(lost))
     if any(not 0 <= s < m for s in lost):
         raise ValueError(f"--lost {lost}: the run's sites are 0..{m - 1}.")

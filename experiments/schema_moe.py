@@ -298,7 +298,8 @@ def _check_wire(config: ml_collections.ConfigDict, expert: int) -> None:
         if f.error_feedback:
             raise ConfigError(
                 "config key 'fomoe.error_feedback' = True needs a low-bit 'fomoe.sync_format' (got 'float32', which "
-                "drops nothing): set sync_format to 'bf16', 'int8', 'fp4' or 'int4', or error_feedback to False."
+                "drops nothing): set sync_format to 'bf16', 'int8', 'fp4', 'int4' or 'topk2', or error_feedback "
+                "to False."
             )
         return
     for key, value, allowed in (("mesh.expert", expert, 1), ("fomoe.placement", f.placement, "fixed")):
