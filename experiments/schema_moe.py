@@ -378,10 +378,10 @@ def _check_desloc(config: ml_collections.ConfigDict) -> None:
         ) from None
     if periods == (1, 1):
         return
-    if f.outer != "local_adamw" or f.fragments != 1 or f.delay != 0:
+    if f.outer != "local_adamw" or f.delay != 0:
         raise ConfigError(
-            f"config key 'fomoe.moment_periods' = {periods} (DES-LOC) needs 'fomoe.outer' = 'local_adamw', "
-            f"'fomoe.fragments' = 1 and 'fomoe.delay' = 0 (got {f.outer!r}, {f.fragments}, {f.delay})."
+            f"config key 'fomoe.moment_periods' = {periods} (DES-LOC) needs 'fomoe.outer' = 'local_adamw' and "
+            f"'fomoe.delay' = 0 (got {f.outer!r}, {f.delay})."
         )
     if f.second_moments == "local" and periods[1] != 1:
         raise ConfigError(

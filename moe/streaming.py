@@ -160,7 +160,9 @@ class StreamingRound:
     With fragments = 1 and delay = 0 it is moe.rounds.make_round_parts' round; otherwise, for DiLoCo or a low-bit
     wire, the state holds its anchor (moe.rounds.init_sites with `anchor_kind`), and LocalAdamW with delay 1 keeps
     second moments on each site (ValueError otherwise, naming the argument). `moment_periods` (p_u, p_v): DES-LOC's
-    schedule for LocalAdamW (moe.desloc; (1, 1): both moments every round), with fragments = 1 and delay = 0 only.
+    schedule for LocalAdamW (moe.desloc; (1, 1): both moments every round), blocking (delay = 0) only; with F
+    fragments each fragment follows the schedule over its own synchronisations (round `call` is fragment
+    call mod F's (call // F)-th), so every fragment's moments are averaged every p_u-th / p_v-th time it is.
     `kwargs`: make_round_parts' (method, outer, loss_fn, state_metrics, wire, error_feedback, second_moments).
 
     `variants`: one (fragment mask, moment groups, share of rounds) per compiled synchronisation, in the order of
@@ -177,10 +179,10 @@ class StreamingRound:
         if delay and self.method == "local_adamw" and kwargs.get("second_moments", "sent") != "local":
             raise ValueError("delay = 1 keeps second moments on each site: second_moments must be 'local'.")
         self.periods = desloc.check_periods(moment_periods)
-        if self.periods != (1, 1) and (streaming or self.method != "local_adamw"):
+        if self.periods != (1, 1) and (delay or self.method != "local_adamw"):
             raise ValueError(
-                f"moment periods = {self.periods} (DES-LOC): LocalAdamW with fragments = 1 and delay = 0 only "
-                f"(got outer method {self.method!r}, fragments {fragments_count}, delay {delay})."
+                f"moment periods = {self.periods} (DES-LOC): LocalAdamW with delay = 0 only "
+                f"(got outer method {self.method!r}, delay {delay})."
             )
         self.anchored = anchor_kind(self.method, self.wire, fragments_count, delay, self.periods) is not None
         self.masks = fragments(params, fragments_count) if streaming else [None]
@@ -221,7 +223,8 @@ class StreamingRound:
         start = self._start(state)
         fragment = synced_fragment(call, len(self.masks), self.delay)
         if fragment is not None:  # the variant compiled for this fragment and this round's moment groups
-            fragment = fragment * len(self.moment_sets) + self.moment_sets.index(desloc.moments_at(call, self.periods))
+            own = desloc.moments_at(call // len(self.masks), self.periods)  # the fragment's own schedule
+            fragment = fragment * len(self.moment_sets) + self.moment_sets.index(own)
 
         def local():
             return self.local(state.train.params, state.train._replace(params=None), tokens)

@@ -102,8 +102,8 @@ def test_the_streaming_round_follows_the_schedule_and_its_bytes_are_the_formula(
     make = lambda **kw: streaming.StreamingRound(  # noqa: E731
         graphdef, optimizer, mesh, state.train.params, method="local_adamw", **kw
     )
-    with pytest.raises(ValueError, match=r"moment periods = \(3, 6\) \(DES-LOC\): LocalAdamW with fragments = 1"):
-        make(moment_periods=(3, 6), fragments_count=2)
+    with pytest.raises(ValueError, match=r"moment periods = \(3, 6\) \(DES-LOC\): LocalAdamW with delay = 0"):
+        make(moment_periods=(3, 6), delay=1, second_moments="local")
     round_ = make(moment_periods=(1, 2))
     assert [(ms, share) for _, ms, share in round_.variants] == [(("first",), 0.5), (("first", "second"), 0.5)]
     texts = round_.compile(state, _tokens(1))
@@ -126,6 +126,38 @@ def test_the_streaming_round_follows_the_schedule_and_its_bytes_are_the_formula(
         adam = state.train.opt_state[0]
         assert spread(adam.mu) < 1e-6
         assert (spread(adam.nu) < 1e-6) == second_equal, call
+
+
+def test_with_fragments_each_fragment_follows_the_schedule_over_its_own_synchronisations():
+    """Two fragments (2 layers: block 0 and the rest, block 1) under periods (1, 2): rounds 0 and 1 average fragment
+    0 and then 1 with their first moments only, rounds 2 and 3 each with both moments, so a fragment's second moments
+    are equal within each replica group right after its second synchronisation (round 2: fragment 0, round 3:
+    fragment 1; the local steps part them again) and never before (a schedule by the round number alone would
+    average fragment 1's in rounds 1 and 3 and fragment 0's never). Each of the four variants moves the formula's
+    bytes, and their shares are a quarter each."""
+    from moe import stepper, streaming
+
+    optimizer = optax.adamw(1e-2)
+    placement, mesh, graphdef, state = tiny_federation(SITES, 2, optimizer, layers=2)
+    round_ = streaming.StreamingRound(
+        graphdef, optimizer, mesh, state.train.params, method="local_adamw", fragments_count=2, moment_periods=(1, 2)
+    )
+    assert [share for _, _, share in round_.variants] == [0.25] * 4
+    texts = round_.compile(state, _tokens(1))
+    for text, (mask, moments, _) in zip(texts, round_.variants):
+        info = stepper.round_bytes(
+            text, None, optimizer, state.train, mesh, sites=SITES, overlap=2, method="local_adamw", fragment=mask,
+            moments=moments,
+        )  # fmt: skip
+        assert info["measured"] == info["formula"] > 0, moments
+
+    def nu_equal(block: int) -> bool:
+        nu = state.train.opt_state[0].nu["blocks"][block]
+        return equal_within_groups(nu, placement)
+
+    for call, equal in enumerate([(False, False), (False, False), (True, False), (False, True)]):
+        state, _, _, _ = round_(state, call, _tokens(1, seed=call))
+        assert (nu_equal(0), nu_equal(1)) == equal, call
 
 
 def test_low_bit_rounds_with_error_feedback_move_the_formulas_bytes():
