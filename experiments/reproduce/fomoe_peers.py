@@ -18,8 +18,9 @@ them, mapped onto this federation:
   DES-LOC             full replica, LocalAdamW with moment periods (3, 6) (moe.desloc), float32.
   SparseLoCo          arXiv 2508.15706: full replica, top-64 of each 4096-value chunk with 2-bit values
                       (core.codec topk2), error feedback decayed by 0.95, outer SGD lr 1 without momentum.
-  ours                partitioned experts (O_e = 2) + LocalAdamW + the best low-bit formats found here
-                      (fp4 or topk2 with error feedback, second moments local, DES-LOC periods).
+  ours                partitioned experts (O_e = 2) + LocalAdamW + the low-bit formats found best here
+                      (fp4 or topk2 with error feedback, second moments local), DES-LOC's first-moment
+                      period, streaming fragments (each fragment averaged every second round).
 
 Decoupled DiLoCo (asynchronous sites behind a quorum) is not a row: it is not built yet.
 
@@ -89,6 +90,28 @@ ROWS = {
             "--config.fomoe.error_feedback=True",
             "--config.fomoe.second_moments=local",
             "--config.fomoe.moment_periods=(3, 1)",
+        ],
+    ),
+    "ours_fp4_frag": (
+        "ours: O_e = 2, fp4 + EF, second moments local, 2 streaming fragments",
+        [
+            "--config.fomoe.overlap=2",
+            "--config.fomoe.sync_format=fp4",
+            "--config.fomoe.error_feedback=True",
+            "--config.fomoe.second_moments=local",
+            "--config.fomoe.fragments=2",
+        ],
+    ),
+    "ours_topk_frag": (
+        "ours: O_e = 2, top-256/4096 + EF, second moments local, first every 3rd, 2 fragments",
+        [
+            "--config.fomoe.overlap=2",
+            *_TOPK,
+            "--config.fomoe.sync_keep=256",
+            "--config.fomoe.error_feedback=True",
+            "--config.fomoe.second_moments=local",
+            "--config.fomoe.moment_periods=(3, 1)",
+            "--config.fomoe.fragments=2",
         ],
     ),
 }
