@@ -54,6 +54,12 @@ METHODS: dict[str, Method] = {  # name: (label, mesh.site, fomoe.overlap (None: 
     "fomoe_o2_fp4_ef_stream": ("FoMoE O_e = 2, fp4 + EF, nu local, 2 fragments behind compute", None, 2,
                                "local_adamw", {"sync_format": "fp4", "error_feedback": True, "delay": 1,
                                                "fragments": 2, **_LOCAL_NU}),
+    # the peers, as experiments.reproduce.fomoe_peers runs them
+    "spes": ("SPES", None, None, "spes", {}),
+    "desloc": ("DES-LOC (3, 6), full replica", None, None, "local_adamw", {"moment_periods": "(3, 6)"}),
+    "sparseloco": ("SparseLoCo, full replica", None, None, "diloco", {
+        "outer_learning_rate": 1.0, "outer_momentum": 0.0, "sync_format": "topk2", "sync_block": 4096,
+        "sync_keep": 64, "sync_scale": "fp32", "error_feedback": True, "feedback_decay": 0.95}),
 }  # fmt: skip
 """Low-bit synchronisation: UE8M0 scales per 32 values, nearest rounding (LocalAdamW's second moments as bf16
 unless "nu local"); "behind compute": fomoe.delay = 1 (moe.streaming)."""
