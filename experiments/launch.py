@@ -196,6 +196,8 @@ def _elastic(processes, run_args, workdir, reinitialise, module, netns, host, si
             processes += 1
         else:
             if code == 0 or report.get("stopped_by") is not None or report.get("first_failed") is None:
+                if code == 0 and joins:
+                    print(f"launch: --elastic: the run ended before the checkpoint of step {joins[0]}: no site joined")
                 return code
             lost, why = lost_sites(report, netns, host)
             if not lost:
