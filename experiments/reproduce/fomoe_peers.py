@@ -3,12 +3,12 @@ intervals paired against DDP, bytes to a common target loss, and a bytes-vs-loss
 
     python -m experiments.reproduce.fomoe_peers [--out runs/fomoe] [--steps 256] [--seeds 0,1,2] [--size proxy]
 
-Every row trains experiments/configs/fomoe.py (d_model 128, 4 layers, 8 experts top-2; `--size 4x`: d_model 256, about
-4x the parameters) at M = 4 sites, K = 32 local steps per round, fixed placement, on the same tokens for `--steps`
-steps, once per seed (`train.seed`: initialisation and rounding draws; the data order is the corpus's), evaluated
-every 64 steps. Each is `python -m experiments.run` with 4 virtual CPU devices in
-`<out>/runs/peers_<size>_<row>_s<seed>`, reused when finished. The rows (ROWS) are the peers as their papers run
-them, mapped onto this federation:
+Every row trains experiments/configs/fomoe.py (d_model 128, 4 layers, 8 experts top-2; `--size 4x`: d_model,
+expert and FFN widths doubled, about 4x the parameters) at M = 4 sites, K = 32 local steps per round, fixed
+placement, on the same tokens for `--steps` steps, once per seed (`train.seed`: initialisation and rounding draws;
+the data order is the corpus's), evaluated every 64 steps. Each is `python -m experiments.run` with 4 virtual CPU
+devices in `<out>/runs/peers_<size>_<row>_s<seed>`, reused when finished. The rows (ROWS) are the peers as their
+papers run them, mapped onto this federation:
 
   DDP                 gradients all-reduced every step (mesh.data = 4).
   DiLoCo              full replica (O_e = M), float32, outer Nesterov (lr 0.7, momentum 0.9).
@@ -47,7 +47,10 @@ CONFIG = runs.config_path("fomoe")
 SITES, K, EVAL_EVERY = 4, 32, 64
 LINK_MBIT = 10.0
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-SIZES = {"proxy": [], "4x": ["--config.model.d_model=256", "--config.model.num_heads=8"]}
+SIZES = {  # 4x: every matrix twice as wide and tall (d_model, experts and dense FFN), about 4x the parameters
+    "proxy": [],
+    "4x": ["--config.model.d_model=256", "--config.model.d_ff=1024", "--config.moe.expert_size=256"],
+}
 _SPARSELOCO = [
     "--config.fomoe.outer=diloco",
     "--config.fomoe.outer_learning_rate=1.0",
