@@ -279,8 +279,10 @@ def test_a_low_bit_rounds_cross_site_bytes_are_exactly_the_formula(method, name,
     optimizer = optax.adamw(1e-2)
     outer = diloco_outer() if method == "diloco" else None
     _, mesh, graphdef, state = tiny_federation(SITES, 2, optimizer, outer=outer, error_feedback=True)
-    sparse = dict(block=64, scale="fp32", keep=2) if name == "topk2" else {}
-    wire = WireFormat(name, **({"block": 32, "scale": "ue8m0", "rounding": "stochastic"} | sparse))
+    if name == "topk2":
+        wire = WireFormat(name, 64, "fp32", "stochastic", keep=2)
+    else:
+        wire = WireFormat(name, 32, "ue8m0", "stochastic")
     round_fn = rounds.make_round(
         graphdef, optimizer, mesh, method=method, outer=outer, wire=wire, error_feedback=True,
         second_moments=second_moments,

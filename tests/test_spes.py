@@ -85,17 +85,15 @@ def test_the_merging_warm_up_moves_each_expert_towards_its_most_similar_ones(exp
     """merge_experts on a layer of `experts` experts (8: the top 4 of 7 others; 3: both others) against the float64
     merge; routers and dense leaves untouched; alpha decays linearly to zero (then nothing moves)."""
     rng = np.random.default_rng(1)
-    params = {
-        "ffn": {name: rng.normal(size=(experts, 4, 6)).astype(np.float32) for name in ("up", "gate", "down")},
-        "norm": rng.normal(size=(4,)).astype(np.float32),
-    }
-    params["ffn"]["router"] = rng.normal(size=(4, experts)).astype(np.float32)
+    ffn = {name: rng.normal(size=(experts, 4, 6)).astype(np.float32) for name in ("up", "gate", "down")}
+    ffn["router"] = rng.normal(size=(4, experts)).astype(np.float32)
+    params = {"ffn": ffn, "norm": rng.normal(size=(4,)).astype(np.float32)}
     dims = {"ffn": {"up": 0, "gate": 0, "down": 0, "router": -1}, "norm": -1}
     got = jax.jit(lambda p, a: spes.merge_experts(p, dims, a))(params, 0.3)
-    want = _plain_merge({n: params["ffn"][n] for n in ("up", "gate", "down")}, 0.3, min(4, experts - 1))
+    want = _plain_merge({n: ffn[n] for n in ("up", "gate", "down")}, 0.3, min(4, experts - 1))
     for name in ("up", "gate", "down"):
         np.testing.assert_allclose(got["ffn"][name], want[name], rtol=1e-5, atol=1e-6)
-    assert (np.asarray(got["ffn"]["router"]) == params["ffn"]["router"]).all()
+    assert (np.asarray(got["ffn"]["router"]) == ffn["router"]).all()
     assert (np.asarray(got["norm"]) == params["norm"]).all()
     assert float(spes.merge_alpha(50, 0.1, 200)) == pytest.approx(0.075)
     assert float(spes.merge_alpha(300, 0.1, 200)) == 0.0
