@@ -189,7 +189,7 @@ def _elastic(processes, run_args, workdir, reinitialise, module, netns, host, si
                     return 1
                 spare.remove(back[0])
                 netns.append(back[0])
-            print(f"launch: --elastic: at {elapsed} a site joins; regrouping {workdir} onto {processes + 1} sites")
+            print(f"launch: --elastic: a site joins ({elapsed} in); regrouping {workdir} onto {processes + 1} sites")
             flags = _regroup(workdir, processes + 1, [], reinitialise)
             if flags is None:
                 return 1
@@ -206,7 +206,7 @@ def _elastic(processes, run_args, workdir, reinitialise, module, netns, host, si
             if processes - len(lost) < 2:
                 print(f"launch: --elastic: {why}; fewer than two sites left (a federation needs two), stopping")
                 return code
-            print(f"launch: --elastic: at {elapsed} {why}; regrouping {workdir} onto {processes - len(lost)} sites")
+            print(f"launch: --elastic: {why} ({elapsed} in); regrouping {workdir} onto {processes - len(lost)} sites")
             flags = _regroup(workdir, processes - len(lost), lost, reinitialise)
             if flags is None:
                 return code

@@ -15,13 +15,15 @@ unchanged:
 * the engine's steps with an FP4 KV cache (chunked prefills interleaved with decodes) against each request's
   isolated greedy generation by core.generate (test_engine).
 
-About 45 s of one core, most of it XLA compiling at its default optimisation level.
+About 45 s of one core, most of it XLA compiling at its default optimisation level: it runs with `-m slow`.
 """
 
 import os
 import re
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 XLA_DEFAULTS = "LOWBIT_TESTS_XLA_DEFAULTS"  # conftest.XLA_DEFAULTS
@@ -33,6 +35,7 @@ TIER = (
 )
 
 
+@pytest.mark.slow  # (45 s of one core: the default run keeps its margin under 10 minutes)
 def test_model_forward_train_step_and_engine_hold_under_xla_default_flags():
     """TIER passes, every test of it, in a process whose XLA flags are the defaults plus the virtual devices."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_") and k != "JAX_COMPILATION_CACHE_DIR"}
