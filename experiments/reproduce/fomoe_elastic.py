@@ -102,15 +102,26 @@ def kill(site: int):
     return lose
 
 
-def launcher_lines(output: str) -> list[str]:
-    """The launcher's own lines of an `elastic_run` output, without the seconds each line is stamped with."""
-    out = []
+def stamped(output: str) -> list[tuple[float | None, str]]:
+    """An `elastic_run` output as (the seconds its line is stamped with, or None, the line's text) pairs."""
+    out: list[tuple[float | None, str]] = []
     for line in output.splitlines():
         stamp, _, text = line.strip().partition(" ")
-        text = text.strip() if stamp.replace(".", "", 1).isdigit() else line.strip()
-        if text.startswith("launch:"):
-            out.append(text)
+        if stamp.replace(".", "", 1).isdigit():
+            out.append((float(stamp), text.strip()))
+        else:
+            out.append((None, line.strip()))
     return out
+
+
+def launcher_lines(output: str) -> list[str]:
+    """The launcher's own lines of an `elastic_run` output, without the seconds each line is stamped with."""
+    return [text for _, text in stamped(output) if text.startswith("launch:")]
+
+
+def printed(lines: list[str]) -> list[str]:
+    """The markdown block of what the launcher printed (`launcher_lines`)."""
+    return ["What the launcher printed:", "", "```", *lines, "```"]
 
 
 def markdown(r: dict) -> str:
@@ -128,11 +139,7 @@ def markdown(r: dict) -> str:
         f"| lost site {LOST} | {r['lose_after']} | {r['steps'] // K - r['lose_after']} | {r['elastic']:.4f} | "
         f"{100 * r['relative_difference']:+.2f}% |",
         "",
-        "What the launcher printed:",
-        "",
-        "```",
-        *r["launcher_lines"],
-        "```",
+        *printed(r["launcher_lines"]),
     ]
     return "\n".join(lines) + "\n"
 

@@ -92,11 +92,7 @@ def markdown(r: dict) -> str:
         "",
         *[f"- {e}" for e in r["events"]],
         "",
-        "What the launcher printed:",
-        "",
-        "```",
-        *r["launcher_lines"],
-        "```",
+        *fomoe_elastic.printed(r["launcher_lines"]),
     ]
     return "\n".join(lines) + "\n"
 
@@ -104,12 +100,11 @@ def markdown(r: dict) -> str:
 def _events(output: str) -> list[str]:
     """The stamped lines of the schedule: the cut and the link's return, pauses, regroupings, restarts."""
     keys = ("(cut", "(site", "pausing the run", "regrouping", "starting the", "exit codes")
-    out = []
-    for line in output.splitlines():
-        stamp, _, text = line.strip().partition(" ")
-        if stamp.replace(".", "", 1).isdigit() and any(k in text for k in keys):
-            out.append(f"{float(stamp):.1f} s: {text.strip()}")
-    return out
+    return [
+        f"{stamp:.1f} s: {text}"
+        for stamp, text in fomoe_elastic.stamped(output)
+        if stamp is not None and any(k in text for k in keys)
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -48,10 +48,9 @@ def cut(net, site: int):
 
 def _stamp(output: str, needle: str, after: float) -> float | None:
     """The seconds stamped on the first output line after `after` that holds `needle`, or None."""
-    for line in output.splitlines():
-        stamp, _, text = line.strip().partition(" ")
-        if stamp.replace(".", "", 1).isdigit() and float(stamp) > after and needle in text:
-            return float(stamp)
+    for stamp, text in fomoe_elastic.stamped(output):
+        if stamp is not None and stamp > after and needle in text:
+            return stamp
     return None
 
 
@@ -111,11 +110,7 @@ def markdown(r: dict) -> str:
         f"{shown['regrouped']} s after it, the first round on 3 sites ended {shown['first_round_after']} s after it "
         "(the restart compiles the programs again). Mean rounds exclude each attempt's first.",
         "",
-        "What the launcher printed:",
-        "",
-        "```",
-        *r["launcher_lines"],
-        "```",
+        *fomoe_elastic.printed(r["launcher_lines"]),
     ]
     return "\n".join(lines) + "\n"
 
