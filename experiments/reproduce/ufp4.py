@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -217,6 +218,24 @@ def relative_error(run: dict, bf16: dict, steps: int) -> tuple[float, float]:
     return (float(np.mean([abs(loss - ref[s]) / ref[s] for s, loss in tail])), float(np.mean([x for _, x in tail])))
 
 
+def recipe_row(results: dict[str, dict], recipe: str, seeds_: Sequence[int], steps: int) -> dict[str, Any]:
+    """One recipe's row of the training tables: its loss error against the reference run of each seed
+    (`relative_error`), held-out losses and speed, per seed and their means."""
+    runs_ = [results[f"{recipe}_s{s}"] for s in seeds_]
+    errors = [relative_error(run, results[f"{REFERENCE}_s{s}"], steps) for run, s in zip(runs_, seeds_)]
+    val = [run["val_loss"] for run in runs_]
+    return {
+        "recipe": recipe,
+        "seeds": list(seeds_),
+        "rel_error": [e for e, _ in errors],
+        "rel_error_mean": float(np.mean([e for e, _ in errors])),
+        "tail_loss": float(np.mean([t for _, t in errors])),
+        "val_loss": val,
+        "val_loss_mean": float(np.mean(val)),
+        "tokens_per_second": float(np.mean([run["tokens_per_second"] for run in runs_])),
+    }
+
+
 def train_all(study: harness.Study, steps: int, jobs: int) -> None:
     """Trains (or reuses) every run of `plan` in `study.out`/runs, `jobs` at a time; writes table.md, table.json
     and loss_error.png into `study.out`, which state the command `--parts train` (with `--jobs 1`: the runs'
@@ -228,22 +247,7 @@ def train_all(study: harness.Study, steps: int, jobs: int) -> None:
             run = futures[future]
             results[run["name"]] = future.result()
             study.progress(i + 1, len(runs), f"{run['name']}: held-out loss {results[run['name']]['val_loss']:.4f}")
-    rows: list[dict[str, Any]] = []
-    for r in RECIPES:
-        errors = [relative_error(results[f"{r}_s{s}"], results[f"bf16_s{s}"], steps) for s in seeds(r)]
-        val = [results[f"{r}_s{s}"]["val_loss"] for s in seeds(r)]
-        rows.append(
-            {
-                "recipe": r,
-                "seeds": list(seeds(r)),
-                "rel_error": [e for e, _ in errors],
-                "rel_error_mean": float(np.mean([e for e, _ in errors])),
-                "tail_loss": float(np.mean([t for _, t in errors])),
-                "val_loss": val,
-                "val_loss_mean": float(np.mean(val)),
-                "tokens_per_second": float(np.mean([results[f"{r}_s{s}"]["tokens_per_second"] for s in seeds(r)])),
-            }
-        )
+    rows = [recipe_row(results, r, seeds(r), steps) for r in RECIPES]
     ablation = []
     for name in (*ABLATION, "ufp4"):
         run = results[f"{name}_s0"]
@@ -289,22 +293,7 @@ def train_subset(study: harness.Study, steps: int, recipes: list[str]) -> None:
         name = str(run["name"])
         results[name] = train(run, steps, study.out)
         study.progress(i + 1, len(plan_), f"{name}: held-out loss {results[name]['val_loss']:.4f}")
-    rows: list[dict[str, Any]] = []
-    for r in chosen:
-        errors = [relative_error(results[f"{r}_s{s}"], results[f"{REFERENCE}_s{s}"], steps) for s in SEEDS]
-        val = [results[f"{r}_s{s}"]["val_loss"] for s in SEEDS]
-        rows.append(
-            {
-                "recipe": r,
-                "seeds": list(SEEDS),
-                "rel_error": [e for e, _ in errors],
-                "rel_error_mean": float(np.mean([e for e, _ in errors])),
-                "tail_loss": float(np.mean([t for _, t in errors])),
-                "val_loss": val,
-                "val_loss_mean": float(np.mean(val)),
-                "tokens_per_second": float(np.mean([results[f"{r}_s{s}"]["tokens_per_second"] for s in SEEDS])),
-            }
-        )
+    rows = [recipe_row(results, r, SEEDS, steps) for r in chosen]
     result = {"steps": steps, "seeds": list(SEEDS), "rows": sorted(rows, key=lambda r: r["val_loss_mean"])}
     study.write("table_recipes", result, subset_markdown, parts=["train"], always=("steps", "recipes"))
 
