@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from moe import federation, rounds, spes
+from moe import rounds, spes
 from moe.stepper import round_bytes
 
 from helpers import tiny_federation
@@ -107,4 +107,3 @@ def test_spes_refuses_what_it_cannot_run():
         rounds.make_round(graphdef, optax.sgd(0.1), mesh, method="local_adamw", merge=(0.1, 10))
     with pytest.raises(ValueError, match="O_e = M"):
         spes.broadcast_owned({"x": jnp.zeros((SITES, 8))}, {"x": 0}, mesh)
-    assert federation.SITE_AXES == ("replica", "block")  # broadcast_owned reads site s at replica index s

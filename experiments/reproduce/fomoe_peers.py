@@ -41,7 +41,7 @@ import os
 import numpy as np
 
 from experiments import command, harness, plotting
-from experiments.reproduce import runs
+from experiments.reproduce import links_methods, runs
 
 CONFIG = runs.config_path("fomoe")
 SITES, K, EVAL_EVERY = 4, 32, 64
@@ -51,17 +51,7 @@ SIZES = {  # 4x: every matrix twice as wide and tall (d_model, experts and dense
     "proxy": [],
     "4x": ["--config.model.d_model=256", "--config.model.d_ff=1024", "--config.moe.expert_size=256"],
 }
-_SPARSELOCO = [
-    "--config.fomoe.outer=diloco",
-    "--config.fomoe.outer_learning_rate=1.0",
-    "--config.fomoe.outer_momentum=0.0",
-    "--config.fomoe.sync_format=topk2",
-    "--config.fomoe.sync_block=4096",
-    "--config.fomoe.sync_keep=64",
-    "--config.fomoe.sync_scale=fp32",
-    "--config.fomoe.error_feedback=True",
-    "--config.fomoe.feedback_decay=0.95",
-]
+_SPARSELOCO = ["--config.fomoe.outer=diloco", *(f"--config.fomoe.{k}={v}" for k, v in links_methods.SPARSELOCO.items())]
 _TOPK = ["--config.fomoe.sync_format=topk2", "--config.fomoe.sync_block=4096", "--config.fomoe.sync_scale=fp32"]
 # name: (label, experiments.run flags beyond the federation's M and K)
 ROWS = {

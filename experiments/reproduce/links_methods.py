@@ -28,6 +28,10 @@ MODEL = {
     "sample.num_tokens": 0,
 }
 _LOCAL_NU = {"second_moments": "local"}
+SPARSELOCO = {  # SparseLoCo (arXiv 2508.15706) as its paper runs it: fomoe keys of a full-replica DiLoCo run
+    "outer_learning_rate": 1.0, "outer_momentum": 0.0, "sync_format": "topk2", "sync_block": 4096, "sync_keep": 64,
+    "sync_scale": "fp32", "error_feedback": True, "feedback_decay": 0.95,
+}  # fmt: skip
 Method = tuple[str, int | None, int | None, str | None, dict[str, object]]
 METHODS: dict[str, Method] = {  # name: (label, mesh.site, fomoe.overlap (None: M), fomoe.outer, other fomoe keys)
     "ddp": ("DDP", 1, None, None, {}),
@@ -57,9 +61,7 @@ METHODS: dict[str, Method] = {  # name: (label, mesh.site, fomoe.overlap (None: 
     # the peers, as experiments.reproduce.fomoe_peers runs them
     "spes": ("SPES", None, None, "spes", {}),
     "desloc": ("DES-LOC (3, 6), full replica", None, None, "local_adamw", {"moment_periods": "(3, 6)"}),
-    "sparseloco": ("SparseLoCo, full replica", None, None, "diloco", {
-        "outer_learning_rate": 1.0, "outer_momentum": 0.0, "sync_format": "topk2", "sync_block": 4096,
-        "sync_keep": 64, "sync_scale": "fp32", "error_feedback": True, "feedback_decay": 0.95}),
+    "sparseloco": ("SparseLoCo, full replica", None, None, "diloco", SPARSELOCO),
 }  # fmt: skip
 """Low-bit synchronisation: UE8M0 scales per 32 values, nearest rounding (LocalAdamW's second moments as bf16
 unless "nu local"); "behind compute": fomoe.delay = 1 (moe.streaming)."""
