@@ -95,7 +95,7 @@ def test_the_streaming_round_follows_the_schedule_and_its_bytes_are_the_formula(
     (first moments only; both), each moving the formula's bytes (moe.stepper.round_bytes, read from the compiled
     program); round 0 leaves the second moments unequal within a replica group, round 1 makes them equal, the
     first moments equal after both. Bad combinations are refused by name."""
-    from moe import stepper, streaming
+    from moe import streaming
 
     optimizer = optax.adamw(1e-2)
     placement, mesh, graphdef, state = _setup(2, optimizer)
@@ -107,11 +107,7 @@ def test_the_streaming_round_follows_the_schedule_and_its_bytes_are_the_formula(
     round_ = make(moment_periods=(1, 2))
     assert [(ms, share) for _, ms, share in round_.variants] == [(("first",), 0.5), (("first", "second"), 0.5)]
     texts = round_.compile(state, _tokens(1))
-    for text, (_, moments, _) in zip(texts, round_.variants):
-        info = stepper.round_bytes(
-            text, None, optimizer, state.train, mesh, sites=SITES, overlap=2, method="local_adamw", moments=moments
-        )
-        assert info["measured"] == info["formula"], moments
+    _assert_variant_bytes(round_, texts, optimizer, state, mesh)
 
     def spread(tree):  # the largest difference within a replica group, relative to the tensor's scale
         worst = 0.0
@@ -135,7 +131,7 @@ def test_with_fragments_each_fragment_follows_the_schedule_over_its_own_synchron
     fragment 1; the local steps part them again) and never before (a schedule by the round number alone would
     average fragment 1's in rounds 1 and 3 and fragment 0's never). Each of the four variants moves the formula's
     bytes, and their shares are a quarter each."""
-    from moe import stepper, streaming
+    from moe import streaming
 
     optimizer = optax.adamw(1e-2)
     placement, mesh, graphdef, state = tiny_federation(SITES, 2, optimizer, layers=2)
@@ -144,12 +140,7 @@ def test_with_fragments_each_fragment_follows_the_schedule_over_its_own_synchron
     )
     assert [share for _, _, share in round_.variants] == [0.25] * 4
     texts = round_.compile(state, _tokens(1))
-    for text, (mask, moments, _) in zip(texts, round_.variants):
-        info = stepper.round_bytes(
-            text, None, optimizer, state.train, mesh, sites=SITES, overlap=2, method="local_adamw", fragment=mask,
-            moments=moments,
-        )  # fmt: skip
-        assert info["measured"] == info["formula"] > 0, moments
+    _assert_variant_bytes(round_, texts, optimizer, state, mesh)
 
     def nu_equal(block: int) -> bool:
         nu = state.train.opt_state[0].nu["blocks"][block]
@@ -166,7 +157,7 @@ def test_low_bit_rounds_with_error_feedback_move_the_formulas_bytes():
     error feedback is left as it was by a round that does not send them, and moves in one that does. A send is a
     change from the moments' last synchronised value (the state's anchor): after it the group holds one value."""
     from core.codec import WireFormat
-    from moe import stepper, streaming
+    from moe import streaming
 
     optimizer, wire = optax.adamw(1e-2), WireFormat("int8", 32)
     placement, mesh, graphdef, state = tiny_federation(
@@ -178,12 +169,7 @@ def test_low_bit_rounds_with_error_feedback_move_the_formulas_bytes():
     )  # fmt: skip
     assert [ms for _, ms, _ in round_.variants] == [("second",), ("first", "second")]
     texts = round_.compile(state, _tokens(1))
-    for text, (_, moments, _) in zip(texts, round_.variants):
-        info = stepper.round_bytes(
-            text, None, optimizer, state.train, mesh, sites=SITES, overlap=2, method="local_adamw", wire=wire,
-            moments=moments,
-        )  # fmt: skip
-        assert info["measured"] == info["formula"] > 0, moments
+    _assert_variant_bytes(round_, texts, optimizer, state, mesh, wire=wire)
     before = [np.asarray(x) for x in jax.tree.leaves(state.feedback["opt_state"])]
     state, _, _, _ = round_(state, 0, _tokens(1))  # round 0 sends the second moments only
     for a, b in zip(before, jax.tree.leaves(state.feedback["opt_state"])):
@@ -196,6 +182,19 @@ def test_low_bit_rounds_with_error_feedback_move_the_formulas_bytes():
     # a change from the moments' last synchronised value (the anchor), not from each site's own start: the group
     # ends on one value
     assert equal_within_groups(state.train.opt_state[0].mu, placement)
+
+
+def _assert_variant_bytes(round_, texts, optimizer, state, mesh, wire=None) -> None:
+    """Every compiled synchronisation of a StreamingRound (its fragment, its moment groups) moves exactly
+    moe.stepper.round_bytes' formula, and some bytes."""
+    from moe import stepper
+
+    for text, (mask, moments, _) in zip(texts, round_.variants):
+        info = stepper.round_bytes(
+            text, None, optimizer, state.train, mesh, sites=SITES, overlap=2, method="local_adamw", wire=wire,
+            fragment=mask, moments=moments,
+        )  # fmt: skip
+        assert info["measured"] == info["formula"] > 0, (mask is None, moments)
 
 
 def equal_within_groups(tree, placement) -> bool:
