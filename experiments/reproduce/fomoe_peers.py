@@ -22,7 +22,9 @@ papers run them, mapped onto this federation:
                       (fp4 or topk2 with error feedback, second moments local), DES-LOC's first-moment
                       period, streaming fragments (each fragment averaged every second round).
 
-Decoupled DiLoCo (asynchronous sites behind a quorum) is not a row: it is not built yet.
+  Decoupled DiLoCo    arXiv 2604.21428: 4 learner processes with no collective, full replicas, a synchroniser
+                      merging with quorum 3, a 5 s grace window, token weights and DiLoCo's outer Nesterov
+                      (`python -m experiments.decoupled`; its rounds are not lock-step, so a rerun can differ).
 
 Reported (peers.md, peers.json, peers.png): per row the bytes each site sends per round (compiled; = the formula),
 over the whole run, x fewer than DDP; the held-out loss per seed, its mean, and the mean paired difference to DDP
@@ -37,6 +39,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 
 import numpy as np
 
@@ -59,6 +62,10 @@ ROWS = {
     "diloco": ("DiLoCo, full replica, float32", ["--config.fomoe.overlap=4", "--config.fomoe.outer=diloco"]),
     "fomoe_o1": ("FoMoE O_e = 1, LocalAdamW float32", ["--config.fomoe.overlap=1"]),
     "fomoe_o2": ("FoMoE O_e = 2, LocalAdamW float32", ["--config.fomoe.overlap=2"]),
+    "decoupled": (
+        "Decoupled DiLoCo, full replica, quorum 3 of 4",
+        ["--config.fomoe.overlap=4", "--config.fomoe.outer=diloco"],
+    ),
     "spes": ("SPES (owned experts, merging warm-up)", ["--config.fomoe.overlap=4", "--config.fomoe.outer=spes"]),
     "desloc": (
         "DES-LOC, full replica, periods (3, 6)",
@@ -123,7 +130,10 @@ def flags(row: str, seed: int, steps: int, size: str) -> list[str]:
 def train(row: str, seed: int, steps: int, size: str, out: str) -> dict:
     """Trains (or reuses) one run; returns its summary.json with its held-out curve ("curve": [(step, loss)])."""
     workdir = os.path.join(out, "runs", f"peers_{size}_{row}_s{seed}")
-    summary = runs.run_or_reuse(CONFIG, workdir, flags(row, seed, steps, size), steps, devices=SITES)
+    command = None
+    if row == "decoupled":
+        command = lambda a: [sys.executable, "-m", "experiments.decoupled", "--quorum", "3", "--grace", "5", "--", *a]  # noqa: E731
+    summary = runs.run_or_reuse(CONFIG, workdir, flags(row, seed, steps, size), steps, devices=SITES, command=command)
     with open(os.path.join(workdir, "config.json")) as f:
         data = json.load(f)["data"]
     tokens = steps * data["batch_size"] * data["seq_len"]

@@ -1,0 +1,143 @@
+"""One Decoupled DiLoCo learner (a process of experiments.decoupled): single-site training of the full model on its
+share of every global batch, with no collective, sending a fragment's pseudo-gradient to the synchroniser every
+`fomoe.local_steps` steps and adopting the fragment it is sent back.
+
+    python -m experiments.decoupled_learner --learner M --address HOST:PORT -- <experiments.run arguments>
+
+The synchroniser's key is read from the environment (AUTHKEY_ENV). The messages (multiprocessing.connection,
+framed):
+
+  learner -> synchroniser   ("hello", learner, header)          header: the fragments' shapes and initial values
+                            ("push", header) + the delta's bytes header: Contribution fields but the delta, call
+                            ("done", learner)
+  synchroniser -> learner   ("start", call, versions) + every fragment's bytes, on hello
+                            ("fragment", p, version) + its bytes, after each push
+
+Fragment values travel as raw float32 bytes (`send_arrays`), so the bytes on the wire are exactly 4 x the values
+plus the small pickled headers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from multiprocessing.connection import Client
+from typing import Any
+
+import numpy as np
+
+__all__ = ["AUTHKEY_ENV", "learner_config", "main", "recv_arrays", "send_arrays"]
+
+AUTHKEY_ENV = "DECOUPLED_AUTHKEY"
+
+
+def send_arrays(conn, header: tuple, arrays: list[np.ndarray]) -> int:
+    """Sends `header` (pickled) then the arrays' float32 bytes as one message; returns the arrays' bytes."""
+    conn.send(header)
+    data = b"".join(np.ascontiguousarray(a, np.float32).tobytes() for a in arrays)
+    conn.send_bytes(data)
+    return len(data)
+
+
+def recv_arrays(conn, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
+    """The float32 arrays of `shapes` from one message of `send_arrays`' bytes."""
+    flat = np.frombuffer(conn.recv_bytes(), np.float32)
+    sizes = [int(np.prod(s)) for s in shapes]
+    if flat.size != sum(sizes):
+        raise ValueError(f"received {flat.size} values for shapes {shapes} ({sum(sizes)} values).")
+    return [c.reshape(s).copy() for c, s in zip(np.split(flat, np.cumsum(sizes)[:-1]), shapes)]
+
+
+def learner_config(config):
+    """A learner's config: the federation's model on one device (mesh.site = 1), all experts resident."""
+    out = config.copy_and_resolve_references()
+    out.mesh.site, out.mesh.data, out.mesh.num_processes = 1, 1, 1
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from experiments import args as args_lib  # here: the wire helpers above import nothing heavy
+
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--learner", type=int, required=True)
+    parser.add_argument("--address", required=True, help="HOST:PORT of the synchroniser")
+    own = parser.parse_args(argv[:split])
+    config, _ = args_lib.parse_run_args(["decoupled_learner", *argv[split + 1 :]])
+    host, port = own.address.rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
+    run(config, own.learner, conn)
+    return 0
+
+
+def run(config, learner: int, conn) -> None:
+    """Trains learner `learner` of `config.mesh.site` against the synchroniser on `conn` until train.steps."""
+    import jax
+    import jax.numpy as jnp
+
+    from core.data import Batches
+    from core.train import make_train_step
+    from core.train.state import init_state
+    from core.train.step import lm_loss
+    from experiments import build
+    from experiments.hf import load as hf_load
+    from moe import streaming
+
+    sites, k, count = config.mesh.site, config.fomoe.local_steps, config.fomoe.fragments
+    one = learner_config(config)
+    corpus, _ = build.build_data(one)
+    batches = Batches(
+        corpus, seq_len=one.data.seq_len, global_batch=one.data.batch_size, seed=one.data.seed,
+        process_index=learner, process_count=sites,
+    )  # fmt: skip
+    _, sharder = build.build_mesh(one)
+    optimizer = build.build_optimizer(one)
+    graphdef, state = init_state(
+        build.build_model_fn(one, sharder), optimizer, one.train.seed, sharder, init_params=hf_load.init_params(one)
+    )
+    step = make_train_step(graphdef, optimizer, functools.partial(lm_loss, pad_id=batches.tokenizer.pad_id))
+    leaves, treedef = jax.tree.flatten(state.params)
+    marks = [jax.tree.leaves(f) for f in streaming.fragments(state.params, count)]
+    index = [[i for i, m in enumerate(f) if m] for f in marks]
+    shapes = [[tuple(leaves[i].shape) for i in idx] for idx in index]
+    host = [np.asarray(a, np.float32) for a in jax.device_get(leaves)]
+    conn.send(("hello", learner, {"shapes": shapes, "initial": [[host[i] for i in idx] for idx in index]}))
+    _, start, versions = conn.recv()
+    base = [recv_arrays(conn, s) for s in shapes]
+
+    def put(p: int, values: list[np.ndarray], params):
+        flat = jax.tree.leaves(params)
+        for i, v in zip(index[p], values):
+            flat[i] = jax.device_put(jnp.asarray(v, flat[i].dtype), flat[i].sharding)
+        return jax.tree.unflatten(treedef, flat)
+
+    params = state.params
+    for p in range(count):
+        params = put(p, base[p], params)
+    state = state._replace(params=params, step=jnp.asarray(start, jnp.int32))
+    tokens_per_step = batches.local_batch * one.data.seq_len
+    for call in range(start, one.train.steps):
+        state, metrics = step(state, jnp.asarray(batches.train_batch(call)))
+        if (call + 1) % k:
+            continue
+        p = ((call + 1) // k - 1) % count
+        flat = jax.device_get(jax.tree.leaves(state.params))
+        delta = [b - np.asarray(flat[i], np.float32) for b, i in zip(base[p], index[p])]
+        header: dict[str, Any] = dict(
+            learner=learner, fragment=p, tokens=k * tokens_per_step, steps=k, base=versions[p]
+        )
+        send_arrays(conn, ("push", {**header, "call": call + 1, "loss": float(metrics["loss"])}), delta)
+        _, _, versions[p] = conn.recv()
+        base[p] = recv_arrays(conn, shapes[p])
+        state = state._replace(params=put(p, base[p], state.params))
+    conn.send(("done", learner))
+    conn.close()
+
+
+if __name__ == "__main__":
+    from experiments import command
+
+    command.run(main)
