@@ -85,12 +85,18 @@ COMMANDS = (
     "experiments.server.cli",
     "experiments.launch",
     "experiments.elastic",
+    "experiments.decoupled",
+    "experiments.decoupled_learner",
     "experiments.tokenizer",
     "experiments.links",
     "experiments.hf.__main__",
 )
-"""The commands: no module imports one (tests may), except `serve` its `--http` half, `server.cli`."""
-COMMAND_PARTS = {("experiments.serve", "experiments.server.cli")}
+"""The commands: no module imports one (tests may), except `serve` its `--http` half, `server.cli`, and
+`decoupled` its learner's wire helpers."""
+COMMAND_PARTS = {
+    ("experiments.serve", "experiments.server.cli"),
+    ("experiments.decoupled", "experiments.decoupled_learner"),
+}
 
 
 def module_files() -> dict[str, pathlib.Path]:
