@@ -224,8 +224,9 @@ def markdown(result: dict) -> str:
         f"{result['steps']} steps of 16 x 256 byte-tokens, seeds {', '.join(map(str, seeds))}; DDP's held-out loss "
         f"{ddp['val_loss_mean']:.4f} (mean over the seeds). Bytes: what a site sends, read from the compiled programs "
         "(every federated row equals its formula where marked); Decoupled DiLoCo's: what a learner sends, counted on "
-        "its socket (it receives as much; the synchroniser sends M times that). 'vs DDP loss': mean of (row - DDP) over the seeds, with "
-        "its 95% t-interval (seeds only: a rerun of the same config drifts too, see docs/fomoe.md). Target: "
+        "its socket (it receives as much; the synchroniser sends M times that). 'vs DDP loss': mean of (row - DDP) "
+        "over the seeds, with its 95% t-interval (seeds only: a rerun of the same config drifts too, see "
+        "docs/fomoe.md). Target: "
         f"{result['target']:.4f} held-out (DiLoCo's final mean unless set). Wall time: modelled, compute at the "
         f"run's tokens/s plus its bytes over a {LINK_MBIT:g} Mbit/s link per site. Ordered by bytes per run; "
         "* on the Pareto front (bytes, mean loss).",
