@@ -15,15 +15,16 @@ SPES, partitioned experts, several processes per learner) is refused by its conf
 --quorum Q (default M): a merge takes Q distinct learners; --grace S (default 5): seconds a reached quorum waits
 for the other live learners. --fail L@R[:DOWN] (repeatable): learner L's process is killed (SIGKILL) when its
 R-th push arrives (that push is merged), and started again DOWN seconds later (never without :DOWN); a restarted
-learner joins at the furthest step any learner has pushed, with the current global fragments and a fresh inner
-optimizer state. A learner that exits with an error stops the run (exit 1, its log's tail printed).
+learner compiles, then joins at the furthest step any learner has pushed, with the current global fragments and a
+fresh inner optimizer state whose updates ramp up over fomoe.arrival_warmup steps. A learner that exits with an
+error stops the run (exit 1, its log's tail printed).
 
 Written to --workdir: config.json and data.json (the run's records), learner_<m>.log, metrics.jsonl (held-out loss
 of the global model every train.eval_every steps, evaluated after training), merges.jsonl (every merge: time,
 fragment, learners, tokens, staleness), summary.json: val_loss, the bytes a learner sends per round (the fragment
-values' float32 bytes, measured on the socket, and by the formula; the pickled headers aside),
-useful tokens (those in merged contributions), wall seconds, goodput (useful tokens per wall second) and
-tokens_per_second. Progress: one line per merge.
+values' float32 bytes, measured on the socket, and by the formula; the pickled headers aside), useful tokens (those
+in merged contributions; the last ones that reach no quorum are dropped and counted apart), wall seconds, goodput
+(useful tokens per wall second) and tokens_per_second. Progress: one line per merge.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ class Runner:
         self.pushes = dict.fromkeys(range(config.mesh.site), 0)
         self.sync: Synchroniser | None = None
         self.shapes: list = []
-        self.progress, self.seen = 0, 0
+        self.progress, self.seen, self.dropped = 0, 0, []
         self.sent: dict[int, list[int]] = {}  # fragment: [bytes, pushes]
         self.evals: list[tuple[int, list]] = []  # (step, the global fragments) at each evaluation step crossed
 
@@ -177,10 +178,10 @@ class Runner:
             self._report()
         return code
 
-    def _start(self, m: int) -> None:
+    def _start(self, m: int, joining: bool = False) -> None:
         log = os.path.join(self.workdir, f"learner_{m}.log")
         address = f"{self.listener.address[0]}:{self.listener.address[1]}"
-        cmd = [*self.learner, "--learner", str(m), "--address", address]
+        cmd = [*self.learner, "--learner", str(m), "--address", address, *(["--joining"] if joining else [])]
         cmd = ["ip", "netns", "exec", self.netns[m], *cmd] if self.netns else cmd
         flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]  # one device each
         env = {**os.environ, AUTHKEY_ENV: self.key, "XLA_FLAGS": " ".join(flags)}
@@ -222,7 +223,7 @@ class Runner:
                 if now >= at:
                     del self.restart_at[m]
                     print(f"[{now - self.started:7.1f} s] learner {m} restarted", flush=True)
-                    self._start(m)
+                    self._start(m, joining=True)
             for m, p in self.procs.items():
                 if p.poll() not in (None, 0, -signal.SIGKILL):
                     with open(os.path.join(self.workdir, f"learner_{m}.log")) as f:
@@ -231,7 +232,8 @@ class Runner:
                     return 1
             if len(done) == self.config.mesh.site and not self.restart_at:
                 if self.sync is not None:
-                    self._replies(self.sync.flush(time.time()))
+                    replies, self.dropped = self.sync.finish(time.time())
+                    self._replies(replies)
                 return 0
             deadline = self.sync.deadline() if self.sync else None
             wait = 0.5 if deadline is None else min(0.5, max(0.0, deadline - now))
@@ -328,6 +330,7 @@ class Runner:
             "bytes_per_site_per_round": float(np.mean([b / n for b, n in self.sent.values()])),
             "bytes_per_site_per_round_formula": self.formula,
             "useful_tokens": merged,
+            "dropped_tokens": sum(c.tokens for c in self.dropped),  # sent after the last merge, below the quorum
             "wall_seconds": wall,
             "goodput_tokens_per_second": merged / wall,
             "tokens_per_second": merged / wall,

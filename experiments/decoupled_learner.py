@@ -65,18 +65,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--learner", type=int, required=True)
     parser.add_argument("--address", required=True, help="HOST:PORT of the synchroniser")
+    parser.add_argument("--joining", action="store_true", help="a restarted learner: its updates warm up")
     own = parser.parse_args(argv[:split])
     config, _ = args_lib.parse_run_args(["decoupled_learner", *argv[split + 1 :]])
     host, port = own.address.rsplit(":", 1)
-    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
-    run(config, own.learner, conn)
+    run(
+        config,
+        own.learner,
+        own.joining,
+        lambda: Client((host, int(port)), authkey=bytes.fromhex(os.environ[AUTHKEY_ENV])),
+    )
     return 0
 
 
-def run(config, learner: int, conn) -> None:
-    """Trains learner `learner` of `config.mesh.site` against the synchroniser on `conn` until train.steps."""
+def run(config, learner: int, joining: bool, connect) -> None:
+    """Trains learner `learner` of `config.mesh.site` against the synchroniser that `connect()` reaches (a
+    connection) until train.steps. The step is compiled before the learner says hello, so that a learner that
+    (re)joins trains from the step it is given at once. A `joining` learner starts with fresh inner optimizer state,
+    so its updates ramp linearly up over its first fomoe.arrival_warmup steps (as an arrived expert's do,
+    moe.reshuffle): Adam's first bias-corrected steps would otherwise move every value by the full learning rate."""
     import jax
     import jax.numpy as jnp
+    import optax
 
     from core.data import Batches
     from core.train import make_train_step
@@ -95,15 +105,20 @@ def run(config, learner: int, conn) -> None:
     )  # fmt: skip
     _, sharder = build.build_mesh(one)
     optimizer = build.build_optimizer(one)
+    if joining:
+        warmup = one.fomoe.arrival_warmup
+        optimizer = optax.chain(optimizer, optax.scale_by_schedule(lambda n: jnp.minimum(1.0, (n + 1) / warmup)))
     graphdef, state = init_state(
         build.build_model_fn(one, sharder), optimizer, one.train.seed, sharder, init_params=hf_load.init_params(one)
     )
     step = make_train_step(graphdef, optimizer, functools.partial(lm_loss, pad_id=batches.tokenizer.pad_id))
+    step = step.lower(state, jnp.asarray(batches.train_batch(0))).compile()
     leaves, treedef = jax.tree.flatten(state.params)
     marks = [jax.tree.leaves(f) for f in streaming.fragments(state.params, count)]
     index = [[i for i, m in enumerate(f) if m] for f in marks]
     shapes = [[tuple(leaves[i].shape) for i in idx] for idx in index]
     host = [np.asarray(a, np.float32) for a in jax.device_get(leaves)]
+    conn = connect()
     conn.send(("hello", learner, {"shapes": shapes, "initial": [[host[i] for i in idx] for idx in index]}))
     _, start, versions = conn.recv()
     base = [recv_arrays(conn, s) for s in shapes]

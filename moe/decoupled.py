@@ -169,9 +169,15 @@ class Synchroniser:
         times = [t + self.grace for t in self.quorum_since if t is not None]
         return min(times) if times else None
 
-    def flush(self, now: float) -> list[Reply]:
-        """Merges whatever is pending, quorum or not (the end of a run: no contribution is dropped)."""
-        return [r for p, pending in enumerate(self.pending) if pending for r in self._merge(p, now)]
+    def finish(self, now: float) -> tuple[list[Reply], list[Contribution]]:
+        """The end of a run: merges every fragment whose pending contributions reach the quorum, grace or not, and
+        drops the rest (a merge of fewer learners would step the outer optimizer, its momentum included, on a part of
+        the signal). Returns (the replies, the dropped contributions)."""
+        replies = self.poll(math.inf)
+        dropped = [c for pending in self.pending for c in pending]
+        self.pending = [[] for _ in self.params]
+        self.quorum_since = [None] * len(self.params)
+        return replies, dropped
 
     def _merge(self, p: int, now: float) -> list[Reply]:
         pending, self.pending[p], self.quorum_since[p] = self.pending[p], [], None

@@ -20,6 +20,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--learner", type=int)
     parser.add_argument("--address")
+    parser.add_argument("--joining", action="store_true")
     own = parser.parse_args(sys.argv[1:split])
     steps, k = 8, 2
     for arg in sys.argv[split + 1 :]:
