@@ -249,8 +249,8 @@ class Runner:
                 self._push(payload)
             elif kind == "done":
                 done.add(payload[1])
-            elif kind == "lost" and payload is not None and payload not in done:
-                self.conns.pop(payload, None)
+            elif kind == "lost" and payload is not None and payload not in done and self.conns.get(payload) is conn:
+                del self.conns[payload]  # (a restarted learner's new connection is not the one lost)
                 if self.sync is not None:
                     self._replies(self.sync.leave(payload, time.time()))
                 if payload not in self.restart_at:
