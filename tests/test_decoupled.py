@@ -154,3 +154,25 @@ def test_runner_survives_a_killed_learner_that_rejoins(tmp_path, monkeypatch):
     assert summary["bytes_per_site_per_round"] == summary["bytes_per_site_per_round_formula"] == 4 * (6 + 5) / 2
     assert summary["useful_tokens"] == 100 * sum(len(m["learners"]) for m in merges)
     assert scored[0][-1][0] == 24
+
+
+@pytest.mark.slow
+def test_with_the_whole_quorum_it_trains_as_synchronous_diloco(tmp_path):
+    """Real learners (experiments.decoupled_learner), quorum M, one fragment: the held-out loss after two rounds
+    equals experiments.run's federated DiLoCo on the same config (the merges are DiLoCo's; short rounds keep the
+    per-step rounding of the two programs apart from compounding)."""
+    import subprocess
+
+    from experiments.reproduce import links_methods
+
+    flags = ["--config", "experiments/configs/fomoe.py"] + [f"--config.{k}={v}" for k, v in links_methods.MODEL.items()]
+    flags += [
+        "--config.mesh.site=2", "--config.fomoe.overlap=2", "--config.fomoe.outer=diloco",
+        "--config.fomoe.local_steps=2", "--config.train.steps=4", "--config.train.eval_every=4",
+    ]  # fmt: skip
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    for module, out in (("experiments.run", "sync"), ("experiments.decoupled", "decoupled")):
+        cmd = [sys.executable, "-m", module, *(["--quorum", "2", "--"] if out == "decoupled" else [])]
+        subprocess.run([*cmd, *flags, "--workdir", str(tmp_path / out)], env=env, check=True)
+    losses = [json.loads((tmp_path / out / "summary.json").read_text())["val_loss"] for out in ("sync", "decoupled")]
+    assert losses[1] == pytest.approx(losses[0], abs=1e-5)
