@@ -21,6 +21,7 @@ The rules, per fragment p (a list of float32 arrays, e.g. moe.streaming.fragment
 - Every learner whose contribution was merged receives the new p. A contribution based on a version older than the
   current one (its learner missed a merge) is kept for the next merge, and its learner receives the current p at
   once: a late learner never waits.
+- At the end of a run (`finish`), what reaches the quorum merges and the rest is dropped.
 
 Not built: the paper's adaptive grace window (here fixed) and its radial-directional averaging.
 """
@@ -108,7 +109,7 @@ class Synchroniser:
     ):
         if not 1 <= quorum <= learners:
             raise ValueError(f"quorum = {quorum}: allowed 1..learners ({learners}).")
-        if not grace >= 0 or math.isnan(grace):
+        if not grace >= 0:  # NaN included
             raise ValueError(f"grace = {grace}: seconds, >= 0.")
         self.outer, self.learners, self.quorum, self.grace = outer, learners, quorum, grace
         self.params = [[np.array(a, np.float32) for a in f] for f in fragments]
