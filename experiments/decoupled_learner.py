@@ -111,8 +111,8 @@ def run(config, learner: int, joining: bool, connect) -> None:
     graphdef, state = init_state(
         build.build_model_fn(one, sharder), optimizer, one.train.seed, sharder, init_params=hf_load.init_params(one)
     )
-    step = make_train_step(graphdef, optimizer, functools.partial(lm_loss, pad_id=batches.tokenizer.pad_id))
-    step = step.lower(state, jnp.asarray(batches.train_batch(0))).compile()
+    jitted = make_train_step(graphdef, optimizer, functools.partial(lm_loss, pad_id=batches.tokenizer.pad_id))
+    step = jitted.lower(state, jnp.asarray(batches.train_batch(0))).compile()
     leaves, treedef = jax.tree.flatten(state.params)
     marks = [jax.tree.leaves(f) for f in streaming.fragments(state.params, count)]
     index = [[i for i, m in enumerate(f) if m] for f in marks]
