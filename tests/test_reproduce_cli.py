@@ -42,6 +42,7 @@ MODULES = [
             "kvcache",
             "links",
             "links_churn",
+            "links_decoupled",
             "links_elastic",
             "mgup",
             "serving",
