@@ -389,6 +389,7 @@ def _launch(workdir, *args):
     ]
 
 
+@pytest.mark.slow  # test_cluster's two srun tasks check the same equality (default run: 10 min)
 def test_two_processes_equal_one_process_with_two_devices(tmp_path):
     """jax.distributed on 127.0.0.1 with gloo: 2 processes x 1 device train like 1 process x 2 devices. The MoE
     experts are sharded over the two devices, so the expert-parallel all-to-all crosses the processes."""
@@ -513,6 +514,7 @@ def test_low_bit_synchronisation_with_error_feedback_resumes_exactly(tmp_path, e
         assert 0 < row["routing/utilisation_entropy"] <= 1
 
 
+@pytest.mark.slow  # 26 s; the low-bit and crashed-round runs check resuming exactly (default run: 10 min)
 def test_streaming_fragments_behind_compute_resume_exactly(tmp_path):
     """4 sites (O_e = 2, K = 3, 2 blocks) synchronising F = 2 fragments in turn in fp4 with error feedback, each
     behind the next round's local steps (delay 1, mixing 0.5, second moments local): a round moves its fragment's

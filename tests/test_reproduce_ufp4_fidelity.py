@@ -92,6 +92,7 @@ def test_the_report_has_a_row_per_recipe_and_a_ranking_per_metric(tmp_path):
     assert (tmp_path / "f.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow  # 33 s, the longest default test (default run: 10 min)
 def test_captured_gemms_give_every_weights_gradient(tmp_path, tiny_config):
     """A tiny MoE trained 4 steps; at its step-2 checkpoint (not the latest) every captured GEMM's x^T dY equals
     the gradient of the loss with respect to that GEMM's weight (jax.grad of the plain model: per expert for the
