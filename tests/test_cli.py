@@ -667,7 +667,7 @@ def _child_running(root, *needle):
     return pid
 
 
-@pytest.mark.slow  # 40 s of real processes and links; the default run keeps two processes against one
+@pytest.mark.slow  # 40 s of real processes and links; the default run keeps test_cluster's two processes against one
 def test_sites_as_processes_train_like_virtual_devices_and_survive_a_lost_site(tmp_path):
     """`experiments.launch` starts one process per site (jax.distributed, gloo), each in its own network namespace
     behind a real 100 Mbit/s link (`experiments.links run --in-hub ... launch --links`; where networks cannot be
