@@ -51,7 +51,14 @@ from core import workdir as workdir_lib
 from experiments import args as args_lib
 from experiments import build, command, load, schema
 from experiments.cluster import supervisor
-from experiments.decoupled_learner import AUTHKEY_ENV, learner_config, recv_arrays, send_arrays
+from experiments.decoupled_learner import (
+    AUTHKEY_ENV,
+    fragment_leaves,
+    learner_config,
+    put_fragment,
+    recv_arrays,
+    send_arrays,
+)
 from moe.decoupled import Contribution, Synchroniser
 
 __all__ = ["Runner", "check_config", "main", "parse_failures", "score_snapshots"]
@@ -348,25 +355,21 @@ def score_snapshots(config, workdir: str, snapshots: list) -> list[tuple[int, fl
     from core.train.state import init_state
     from core.train.step import evaluate as evaluate_state
     from core.train.step import make_eval_step
-    from moe import streaming
 
     one = learner_config(config)
     corpus, batches = build.build_data(one)
     load.write_records(workdir, config, corpus)
     _, sharder = build.build_mesh(one)
     graphdef, state = init_state(build.build_model_fn(one, sharder), build.build_optimizer(one), 0, sharder)
-    leaves, treedef = jax.tree.flatten(state.params)
-    marks = [jax.tree.leaves(f) for f in streaming.fragments(state.params, config.fomoe.fragments)]
-    index = [[i for i, m in enumerate(f) if m] for f in marks]
+    index = fragment_leaves(state.params, config.fomoe.fragments)
     step = make_eval_step(graphdef, byte_lengths=batches.tokenizer.byte_lengths, pad_id=batches.tokenizer.pad_id)
     val = [jax.numpy.asarray(b) for b in batches.val_batches(config.train.eval_batches)]
     out = []
     for s, fragments in snapshots:
-        flat = list(leaves)
+        params = state.params
         for idx, values in zip(index, fragments):
-            for i, v in zip(idx, values):
-                flat[i] = jax.numpy.asarray(v, flat[i].dtype)
-        out.append((s, evaluate_state(step, state._replace(params=jax.tree.unflatten(treedef, flat)), val)["val_loss"]))
+            params = put_fragment(params, idx, values)
+        out.append((s, evaluate_state(step, state._replace(params=params), val)["val_loss"]))
     return out
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["AUTHKEY_ENV", "learner_config", "main", "recv_arrays", "send_arrays"]
+__all__ = ["AUTHKEY_ENV", "fragment_leaves", "learner_config", "main", "put_fragment", "recv_arrays", "send_arrays"]
 
 AUTHKEY_ENV = "DECOUPLED_AUTHKEY"
 
@@ -48,6 +48,26 @@ def recv_arrays(conn, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
     if flat.size != sum(sizes):
         raise ValueError(f"received {flat.size} values for shapes {shapes} ({sum(sizes)} values).")
     return [c.reshape(s).copy() for c, s in zip(np.split(flat, np.cumsum(sizes)[:-1]), shapes)]
+
+
+def fragment_leaves(params, count: int) -> list[list[int]]:
+    """For each of moe.streaming's `count` fragments, the indices of its leaves in `jax.tree.leaves(params)`."""
+    import jax
+
+    from moe import streaming
+
+    return [[i for i, m in enumerate(jax.tree.leaves(f)) if m] for f in streaming.fragments(params, count)]
+
+
+def put_fragment(params, leaves: list[int], values: list[np.ndarray]):
+    """`params` with the leaves at `leaves` (`fragment_leaves`' indices) set to `values`, each in its leaf's dtype
+    and sharding."""
+    import jax
+
+    flat, treedef = jax.tree.flatten(params)
+    for i, v in zip(leaves, values):
+        flat[i] = jax.device_put(np.asarray(v, flat[i].dtype), flat[i].sharding)
+    return jax.tree.unflatten(treedef, flat)
 
 
 def learner_config(config):
@@ -94,7 +114,6 @@ def run(config, learner: int, joining: bool, connect) -> None:
     from core.train.step import lm_loss
     from experiments import build
     from experiments.hf import load as hf_load
-    from moe import streaming
 
     sites, k, count = config.mesh.site, config.fomoe.local_steps, config.fomoe.fragments
     one = learner_config(config)
@@ -113,25 +132,17 @@ def run(config, learner: int, joining: bool, connect) -> None:
     )
     jitted = make_train_step(graphdef, optimizer, functools.partial(lm_loss, pad_id=batches.tokenizer.pad_id))
     step = jitted.lower(state, jnp.asarray(batches.train_batch(0))).compile()
-    leaves, treedef = jax.tree.flatten(state.params)
-    marks = [jax.tree.leaves(f) for f in streaming.fragments(state.params, count)]
-    index = [[i for i, m in enumerate(f) if m] for f in marks]
+    leaves = jax.tree.leaves(state.params)
+    index = fragment_leaves(state.params, count)
     shapes = [[tuple(leaves[i].shape) for i in idx] for idx in index]
     host = [np.asarray(a, np.float32) for a in jax.device_get(leaves)]
     conn = connect()
     conn.send(("hello", learner, {"shapes": shapes, "initial": [[host[i] for i in idx] for idx in index]}))
     _, start, versions = conn.recv()
     base = [recv_arrays(conn, s) for s in shapes]
-
-    def put(p: int, values: list[np.ndarray], params):
-        flat = jax.tree.leaves(params)
-        for i, v in zip(index[p], values):
-            flat[i] = jax.device_put(jnp.asarray(v, flat[i].dtype), flat[i].sharding)
-        return jax.tree.unflatten(treedef, flat)
-
     params = state.params
     for p in range(count):
-        params = put(p, base[p], params)
+        params = put_fragment(params, index[p], base[p])
     state = state._replace(params=params, step=jnp.asarray(start, jnp.int32))
     tokens_per_step = batches.local_batch * one.data.seq_len
     for call in range(start, one.train.steps):
@@ -147,7 +158,7 @@ def run(config, learner: int, joining: bool, connect) -> None:
         send_arrays(conn, ("push", {**header, "call": call + 1, "loss": float(metrics["loss"])}), delta)
         _, _, versions[p] = conn.recv()
         base[p] = recv_arrays(conn, shapes[p])
-        state = state._replace(params=put(p, base[p], state.params))
+        state = state._replace(params=put_fragment(state.params, index[p], base[p]))
     conn.send(("done", learner))
     conn.close()
 
