@@ -212,8 +212,9 @@ class FoMoEConfig:
     )
     moment_periods: tuple[int, int] = field(
         (1, 1),
-        "LocalAdamW, DES-LOC (moe.desloc): (p_u, p_v), the first moments averaged every p_u-th round and the second "
-        "every p_v-th (the paper's (3, 6)), each site keeping its own between; (1, 1) = both every round",
+        "DES-LOC (moe.desloc), outer 'local_adamw' or 'diloco' (its inner moments, float32): (p_u, p_v), the first "
+        "moments averaged every p_u-th round and the second every p_v-th (the paper's (3, 6)), each site keeping "
+        "its own between; (1, 1) = the outer method's own (LocalAdamW: both every round; DiLoCo: never)",
         since_checkpoints=True,
     )
 
@@ -378,10 +379,15 @@ def _check_desloc(config: ml_collections.ConfigDict) -> None:
         ) from None
     if periods == (1, 1):
         return
-    if f.outer != "local_adamw" or f.delay != 0:
+    if f.outer not in ("local_adamw", "diloco") or f.delay != 0:
         raise ConfigError(
-            f"config key 'fomoe.moment_periods' = {periods} (DES-LOC) needs 'fomoe.outer' = 'local_adamw' and "
-            f"'fomoe.delay' = 0 (got {f.outer!r}, {f.delay})."
+            f"config key 'fomoe.moment_periods' = {periods} (DES-LOC) needs 'fomoe.outer' = 'local_adamw' or "
+            f"'diloco' and 'fomoe.delay' = 0 (got {f.outer!r}, {f.delay})."
+        )
+    if f.outer == "diloco" and f.sync_format != "float32":
+        raise ConfigError(
+            f"config key 'fomoe.sync_format' = {f.sync_format!r} with 'fomoe.moment_periods' = {periods} and "
+            "'fomoe.outer' = 'diloco': DES-LOC averages DiLoCo's inner moments in float32; allowed: 'float32'."
         )
     if f.second_moments == "local" and periods[1] != 1:
         raise ConfigError(

@@ -9,7 +9,7 @@ steps are a `lax.scan`, and the synchronisation averages
   * "local_adamw": also both AdamW moments (the paper's better choice; about 3x the bytes); the averaged
     parameters start the next round;
   * "diloco": outer gradient Delta = theta_start - theta_avg and an outer Nesterov step (`optim.diloco_outer`);
-    the inner AdamW state stays with each site;
+    the inner AdamW state stays with each site (DES-LOC, moe.desloc: its moments averaged on their own periods);
   * "spes": SPES (moe.spes): every site holds every expert (O_e = M) and trains only its own; the dense parameters
     are averaged, each expert is all-gathered from its owner, an expert-merging warm-up follows; the optimizer
     state stays with each site.
@@ -40,6 +40,7 @@ from moe import desloc, federation, lowbit_sync, spes
 __all__ = [
     "OUTER_METHODS",
     "FederatedState",
+    "averaged_moments",
     "init_sites",
     "make_round",
     "make_round_parts",
@@ -127,7 +128,7 @@ def make_round(
     wire: WireFormat | None = None,
     error_feedback: bool = False,
     second_moments: str = "sent",
-    moments: tuple[str, ...] = desloc.MOMENTS,
+    moments: tuple[str, ...] | None = None,
     feedback_decay: float = 1.0,
     merge: tuple[float, int] = (0.0, 1),
 ) -> jax.stages.Wrapped:
@@ -137,10 +138,10 @@ def make_round(
     low-bit synchronisation (None or float32: today's exact mean); `error_feedback` keeps what it drops (the state
     from `init_sites(..., error_feedback=True)`), decayed by `feedback_decay` beta before it is added to the next
     send (SparseLoCo's e <- beta e + Delta; 1: kept whole). `second_moments`: LocalAdamW's second moments "sent" (as
-    `second_moment_wire` says) or kept "local" to each site. `moments`: the moment groups LocalAdamW averages
-    in this synchronisation (moe.desloc.MOMENTS: both; DES-LOC's schedule, `moe.desloc.moments_at`, names fewer on
-    most rounds; the others stay each site's own). `merge`: SPES's expert-merging warm-up (alpha_0, steps)
-    (moe.spes.merge_alpha; alpha_0 = 0: none).
+    `second_moment_wire` says) or kept "local" to each site. `moments`: the moment groups of the (inner) optimizer
+    state this synchronisation averages (None: the method's own, `averaged_moments`; DES-LOC's schedule,
+    `moe.desloc.own_cycle`, names others; the rest stay each site's own; DiLoCo's in float32 only). `merge`: SPES's
+    expert-merging warm-up (alpha_0, steps) (moe.spes.merge_alpha; alpha_0 = 0: none).
     """
     local_steps, sync = _round_parts(
         graphdef, optimizer, mesh, method, outer, loss_fn, state_metrics, wire, error_feedback, second_moments, None,
@@ -169,7 +170,7 @@ def make_round_parts(
     fragment: Any = None,
     anchored: bool = False,
     donate: bool = True,
-    moments: tuple[str, ...] = desloc.MOMENTS,
+    moments: tuple[str, ...] | None = None,
     feedback_decay: float = 1.0,
     merge: tuple[float, int] = (0.0, 1),
 ) -> tuple[jax.stages.Wrapped, jax.stages.Wrapped]:
@@ -282,20 +283,19 @@ def _round_parts(
     second_moments,
     fragment,
     anchored=False,
-    moments=desloc.MOMENTS,
+    moments=None,
     feedback_decay=1.0,
     merge=(0.0, 1),
 ) -> tuple[Callable, Callable]:
     """(local_steps(train, tokens) -> (train, metrics), sync(start, outer_state, feedback, train) -> FederatedState)."""
     if method not in OUTER_METHODS:
         raise ValueError(f"outer method = {method!r}; allowed: {list(OUTER_METHODS)}.")
-    if not set(moments) <= set(desloc.MOMENTS):
-        raise ValueError(f"moments = {moments!r}; allowed: a subset of {list(desloc.MOMENTS)}.")
-    if set(moments) != set(desloc.MOMENTS) and method != "local_adamw":
-        raise ValueError(f"moments = {moments!r}: only LocalAdamW averages moments (outer method {method!r}).")
+    moments = averaged_moments(method, moments)
     if (method == "diloco") != (outer is not None):
         raise ValueError("method 'diloco' needs its outer optimizer (optim.diloco_outer); the others take none.")
     lowbit = wire is not None and not wire.exact
+    if method == "diloco" and moments and lowbit:
+        raise ValueError(f"moments = {moments!r} with method 'diloco': DiLoCo's inner moments average in float32.")
     if method == "spes" and (lowbit or fragment is not None or anchored):
         raise ValueError("method 'spes' synchronises in float32, all parameters every round (no wire, fragment).")
     if (merge[0] and method != "spes") or merge[0] < 0 or merge[1] < 1:
@@ -314,6 +314,7 @@ def _round_parts(
         flags = masked_flags(federation.expert_flags(train.params), train.params, fragment)
         first, second, nu_wire = sent_moments(optimizer, train, fragment, moments, wire, second_moments)
         sent = _union(first, second if nu_wire is not None else None, train.opt_state)
+        opt_state = train.opt_state
         if lowbit:
             assert wire is not None
             start_params, start_opt = (start, None) if method == "diloco" else start
@@ -326,7 +327,7 @@ def _round_parts(
             new_feedback: Any = {"params": fb_params} if feedback else ()
             if method == "local_adamw":
                 moment_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys)
-                opt_state, fb_opt = train.opt_state, fb.get("opt_state")
+                fb_opt = fb.get("opt_state")
                 if _any(first, train.opt_state):
                     opt_state, fb_opt = lowbit_sync.compressed_average(
                         train.opt_state, start_opt, first, mesh, wire, moment_keys, fb_opt, feedback_decay
@@ -339,10 +340,8 @@ def _round_parts(
                     new_feedback["opt_state"] = fb_opt
         else:
             averaged, new_feedback = federation.average(train.params, flags, mesh), feedback
-            if method == "local_adamw":
-                opt_state = train.opt_state
-                if _any(sent, train.opt_state):
-                    opt_state = federation.average(train.opt_state, sent, mesh)
+            if _any(sent, train.opt_state):  # LocalAdamW's moments, or DES-LOC's of DiLoCo's inner optimizer
+                opt_state = federation.average(train.opt_state, sent, mesh)
         in_fragment = [f is not None for f in federation.leaf_flags(flags, train.params)]
         if method == "local_adamw":
             params = averaged
@@ -350,7 +349,7 @@ def _round_parts(
             assert outer is not None  # checked above: diloco has its outer optimizer
             delta = jax.tree.map(lambda s, a: s - a, start, averaged)
             updates, stepped = jax.vmap(outer.update)(delta, outer_state, start)
-            params, opt_state = _where(in_fragment, optax.apply_updates(start, updates), train.params), train.opt_state
+            params = _where(in_fragment, optax.apply_updates(start, updates), train.params)
             in_tree = jax.tree.unflatten(jax.tree.structure(start), in_fragment)  # (a step count steps every time)
             momentum = train_lib.optimizer_state_like(outer, outer_state, start, in_tree, True)
             outer_state = _where(jax.tree.leaves(momentum), stepped, outer_state)
@@ -375,6 +374,19 @@ def _round_parts(
         return federation.per_site(merged, mesh, (0, 0))(params, train.step)
 
     return local_steps, sync
+
+
+def averaged_moments(method: str, moments: tuple[str, ...] | None) -> tuple[str, ...]:
+    """The moment groups (of moe.desloc.MOMENTS) a synchronisation of `method` averages: `moments`, or None for the
+    method's own (LocalAdamW: both; DiLoCo, SPES: none). ValueError naming the value for another group, or moments
+    for SPES (which keeps the optimizer state on each site)."""
+    if moments is None:
+        return desloc.MOMENTS if method == "local_adamw" else ()
+    if not set(moments) <= set(desloc.MOMENTS):
+        raise ValueError(f"moments = {moments!r}; allowed: a subset of {list(desloc.MOMENTS)}.")
+    if moments and method == "spes":
+        raise ValueError(f"moments = {moments!r} with method 'spes': SPES keeps the optimizer state on each site.")
+    return tuple(moments)
 
 
 def _union(a: Any, b: Any, tree: Any) -> Any:
@@ -424,76 +436,3 @@ def site_batches(tokens: np.ndarray, sites: int) -> np.ndarray:
     if rows % sites:
         raise ValueError(f"a global batch of {rows} sequences cannot be split over {sites} sites.")
     return tokens.reshape(k, sites, rows // sites, length)
-
-
-def make_probe(graphdef, mesh) -> jax.stages.Wrapped:
-    """A jitted `(params, rest, tokens [B, T]) -> routes [M, L_moe, B T, k]`: every site's chosen global expert ids
-    in every MoE layer on a fixed probe batch (for the routing agreement between rounds and the routing health
-    across sites). The routes stay on the sites' devices: `make_routing_stats` reduces them there."""
-
-    def one_site(params, rest, tokens):
-        _, aux, _ = nnx.merge(graphdef, params, rest)(tokens, intermediates=True)
-        return jnp.stack(aux["intermediates"]["routes"])
-
-    return jax.jit(federation.per_site(one_site, mesh, (0, 0, None)))
-
-
-def make_routing_stats(mesh, num_experts: int) -> jax.stages.Wrapped:
-    """A jitted `(previous, current) -> {"agreement": [M], "counts": [M, L, N_e]}` of two `make_probe` outputs, each
-    site on its own device: its `topk_agreement` and its `routing_counts`. What a round brings to the host is these
-    M (1 + L N_e) numbers instead of every site's routes (M L B T k ids, which outweighed a 4-bit synchronisation
-    on a 10 Mbit/s link)."""
-
-    def one_site(previous, current):
-        return {"agreement": topk_agreement(previous, current), "counts": routing_counts(current, num_experts)}
-
-    return jax.jit(federation.per_site(one_site, mesh, (0, 0)))
-
-
-def topk_agreement(previous: jax.typing.ArrayLike, current: jax.typing.ArrayLike) -> jax.Array:
-    """Of routes [..., L, T, k]: the mean over layers, tokens and choices of |chosen now ∩ chosen before| / k
-    (1 = the same experts), per leading index (a site)."""
-    previous, current = jnp.asarray(previous), jnp.asarray(current)
-    same = (previous[..., :, None] == current[..., None, :]).any(-1)
-    return same.mean((-3, -2, -1))
-
-
-def routing_counts(routes: jax.typing.ArrayLike, num_experts: int) -> jax.Array:
-    """[..., L, N_e] int32: each layer's expert choices counted per expert, from routes [..., L, T, k] (global
-    expert ids)."""
-    routes = jnp.asarray(routes)
-    rows = routes.reshape(-1, routes.shape[-2] * routes.shape[-1])  # one row per (leading index, layer)
-    counts = jax.vmap(lambda ids: jnp.bincount(ids, length=num_experts))(rows)
-    return counts.astype(jnp.int32).reshape(*routes.shape[:-2], num_experts)
-
-
-def routing_shares(counts: jax.typing.ArrayLike) -> np.ndarray:
-    """[M, L, N_e] float64: each site's and layer's share of the probe batch's expert choices per expert, from
-    `routing_counts`."""
-    counts = np.asarray(counts, np.float64)
-    return counts / counts.sum(-1, keepdims=True)
-
-
-def _entropy(p: np.ndarray) -> np.ndarray:
-    return -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0), axis=-1)
-
-
-def routing_divergence(histograms: np.ndarray, groups) -> float:
-    """Jensen-Shannon divergence (nats) of the routing distributions of the sites of each group, the generalised form
-    H(mean_s p_s) - mean_s H(p_s) (0: the sites route alike; at most ln n for n sites), averaged over groups of more
-    than one site and layers; 0.0 when every group has one site. `groups`: site index arrays, e.g. the replica groups
-    (sites that route over the same experts) or all sites (skip-token: every site routes over every expert)."""
-    values = []
-    for g in groups:
-        if len(g) > 1:
-            p = histograms[np.asarray(g)]  # [n, L, N_e]
-            values.append(np.mean(_entropy(p.mean(0)) - _entropy(p).mean(0)))
-    return float(np.mean(values)) if values else 0.0
-
-
-def utilisation_entropy(histograms: np.ndarray, routed_over: int) -> float:
-    """Entropy of each site's and layer's expert utilisation over ln(`routed_over`), the experts it routes over
-    (1: every one of them equally used; 0: one expert takes every choice), averaged over sites and layers."""
-    if routed_over < 2:
-        return 1.0
-    return float(np.mean(_entropy(histograms)) / np.log(routed_over))

@@ -30,7 +30,7 @@ from core import hlo
 from core import train as train_lib
 from core.codec import WireFormat
 from core.data import Batches
-from moe import desloc, federation, lowbit_sync, reshuffle, spes, streaming, system_model
+from moe import federation, lowbit_sync, reshuffle, routing_health, spes, streaming, system_model
 from moe import rounds as rounds_lib
 from moe.config import ROUTING_MODES
 from moe.placement import Placement
@@ -82,8 +82,9 @@ class FederatedStepper(train_lib.Stepper):
       second_moments: LocalAdamW's second moments "sent" or kept "local" (moe.rounds.second_moment_wire).
       fragments, delay, mixing: streaming synchronisation (moe.streaming): F fragments synchronised in turn, one
         round late behind the next round's local steps with delay 1, the correction scaled by `mixing`.
-      moment_periods: DES-LOC's (p_u, p_v) for LocalAdamW (moe.desloc): the first moments averaged every p_u-th
-        round, the second every p_v-th; (1, 1) both every round. The bytes per round are the mean over its cycle.
+      moment_periods: DES-LOC's (p_u, p_v) for LocalAdamW or DiLoCo's inner moments (moe.desloc): the first
+        moments averaged every p_u-th round, the second every p_v-th; (1, 1) the method's own (LocalAdamW: both
+        every round; DiLoCo: never). The bytes per round are the mean over its cycle.
     Raises:
       ValueError naming the argument for a method, routing mode or count outside what is allowed.
     """
@@ -203,8 +204,8 @@ class FederatedStepper(train_lib.Stepper):
         self.val = [jnp.asarray(b) for b in batches.every_row().val_batches(eval_batches)]
         # a model without MoE layers (moe.every = 0: the federation of a dense model) has no routing to probe
         routed = any(jax.tree.leaves(federation.expert_flags(state.train.params)))
-        self.probe_fn = rounds_lib.make_probe(graphdef, mesh) if routed else None
-        self.routing_stats = rounds_lib.make_routing_stats(mesh, placement.num_experts) if routed else None
+        self.probe_fn = routing_health.make_probe(graphdef, mesh) if routed else None
+        self.routing_stats = routing_health.make_routing_stats(mesh, placement.num_experts) if routed else None
         self.probe_tokens = self.val[0][:, :-1]
         self.routes: jax.Array | None = None  # every site's routes on the probe batch in the current state, on device
         self.ghosts = {"moe/ideal_ghost_fraction": placement.ideal_ghost_fraction} if routing == "skip_token" else {}
@@ -253,9 +254,9 @@ class FederatedStepper(train_lib.Stepper):
         if routes is not None:
             self.routes = routes
             routing["routing/topk_agreement"] = float(np.mean(got["routing"]["agreement"]))
-            shares = rounds_lib.routing_shares(got["routing"]["counts"])
-            routing["routing/js_divergence"] = rounds_lib.routing_divergence(shares, self.routing_groups)
-            routing["routing/utilisation_entropy"] = rounds_lib.utilisation_entropy(shares, self.routed_over)
+            shares = routing_health.routing_shares(got["routing"]["counts"])
+            routing["routing/js_divergence"] = routing_health.routing_divergence(shares, self.routing_groups)
+            routing["routing/utilisation_entropy"] = routing_health.utilisation_entropy(shares, self.routed_over)
         return state, {
             "loss": means.pop("loss"),
             "grad_norm": means.pop("grad_norm"),
@@ -401,7 +402,7 @@ def round_bytes(
     wire: WireFormat | None = None,
     second_moments: str = "sent",
     fragment: Any = None,
-    moments: tuple[str, ...] = desloc.MOMENTS,
+    moments: tuple[str, ...] | None = None,
 ) -> dict[str, float]:
     """Bytes per site per round, read from the compiled programs' collectives ("measured") and by the spec's
     formulas ("formula"; their inputs: the bytes of the parameters and of the optimizer state LocalAdamW averages,
@@ -410,12 +411,12 @@ def round_bytes(
     ("migration_per_reshuffle"); by formula, the expected arrivals (P with gamma = 1 / reshuffle_every,
     "migration_per_reshuffle_formula"). A low-bit `wire` counts values (4 bytes each in the formula's terms: what
     moe.lowbit_sync quantises is float32). `fragment` (moe.streaming): the parameters that synchronisation averages;
-    `moments`: the moment groups it averages (moe.desloc)."""
+    `moments`: the moment groups it averages (moe.desloc; None: the method's own, moe.rounds.averaged_moments)."""
     measured = federation.sync_bytes_per_site(round_hlo, mesh)["cross_site"]  # summed over a site's devices
     params_flags = rounds_lib.masked_flags(federation.expert_flags(train.params), train.params, fragment)
+    moments = rounds_lib.averaged_moments(method, moments)
     first, second, nu_wire = rounds_lib.sent_moments(optimizer, train, fragment, moments, wire, second_moments)
     local_adamw = method == "local_adamw"
-    nu_wire = nu_wire if local_adamw else None
     gamma = 1.0 / reshuffle_every if migrate_hlo is not None else 0.0
     dense, experts = _split_bytes(train.params, params_flags, sites)
     if method == "spes":
@@ -426,8 +427,10 @@ def round_bytes(
     elif wire is None or wire.exact:
         (d1, e1), (d2, e2) = (_split_bytes(train.opt_state, f, sites) for f in (first, second if nu_wire else None))
         state = (float(d1 + d2), float(e1 + e2))
+        # the state averaged (LocalAdamW's moments, DES-LOC's of DiLoCo's inner optimizer) costs what the
+        # parameters' would: LocalAdamW's formula with these state bytes (DiLoCo's own: none)
         formula = system_model.sync_bytes(
-            dense, experts, sites, overlap, optimizer=method, migration=gamma, state_bytes=state
+            dense, experts, sites, overlap, optimizer="local_adamw", migration=gamma, state_bytes=state
         )["total"]
     else:  # one quantised mean per group: parameters, first moments, second moments (moe.rounds)
         groups = [(train.params, params_flags, wire)]

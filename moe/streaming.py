@@ -77,7 +77,9 @@ def anchor_kind(method: str, wire, fragments_count: int, delay: int, moment_peri
     synchronisation needs of its start (moe.rounds.round_start) when not every value is synchronised every round,
     under streaming synchronisation (F > 1 or delay 1) or DES-LOC's moment periods (a moment's last synchronised
     value, equal within its group, is what a low-bit send is a change from); else None."""
-    partial = fragments_count > 1 or delay > 0 or tuple(moment_periods) != (1, 1)
+    # DiLoCo's inner moments average exactly (float32): their last synchronised value is not needed
+    desynced = tuple(moment_periods) != (1, 1) and method == "local_adamw"
+    partial = fragments_count > 1 or delay > 0 or desynced
     return rounds_lib.round_start(method, wire) if partial else None
 
 
@@ -160,7 +162,8 @@ class StreamingRound:
     With fragments = 1 and delay = 0 it is moe.rounds.make_round_parts' round; otherwise, for DiLoCo or a low-bit
     wire, the state holds its anchor (moe.rounds.init_sites with `anchor_kind`), and LocalAdamW with delay 1 keeps
     second moments on each site (ValueError otherwise, naming the argument). `moment_periods` (p_u, p_v): DES-LOC's
-    schedule for LocalAdamW (moe.desloc; (1, 1): both moments every round), blocking (delay = 0) only; with F
+    schedule for LocalAdamW or DiLoCo's inner moments (moe.desloc.own_cycle; (1, 1): the method's own), blocking
+    (delay = 0) only; with F
     fragments each fragment follows the schedule over its own synchronisations (round `call` is fragment
     call mod F's (call // F)-th), so every fragment's moments are averaged every p_u-th / p_v-th time it is.
     `kwargs`: make_round_parts' (method, outer, loss_fn, state_metrics, wire, error_feedback, second_moments).
@@ -179,14 +182,14 @@ class StreamingRound:
         if delay and self.method == "local_adamw" and kwargs.get("second_moments", "sent") != "local":
             raise ValueError("delay = 1 keeps second moments on each site: second_moments must be 'local'.")
         self.periods = desloc.check_periods(moment_periods)
-        if self.periods != (1, 1) and (delay or self.method != "local_adamw"):
+        if self.periods != (1, 1) and (delay or self.method not in ("local_adamw", "diloco")):
             raise ValueError(
-                f"moment periods = {self.periods} (DES-LOC): LocalAdamW with delay = 0 only "
+                f"moment periods = {self.periods} (DES-LOC): LocalAdamW or DiLoCo with delay = 0 only "
                 f"(got outer method {self.method!r}, delay {delay})."
             )
         self.anchored = anchor_kind(self.method, self.wire, fragments_count, delay, self.periods) is not None
         self.masks = fragments(params, fragments_count) if streaming else [None]
-        cycle = desloc.cycle(self.periods)
+        cycle = desloc.own_cycle(self.method, self.periods)
         self.moment_sets = list(dict.fromkeys(cycle))  # distinct, in the cycle's order
         self.variants = [
             (m, ms, cycle.count(ms) / (len(cycle) * len(self.masks))) for m in self.masks for ms in self.moment_sets
@@ -223,7 +226,8 @@ class StreamingRound:
         start = self._start(state)
         fragment = synced_fragment(call, len(self.masks), self.delay)
         if fragment is not None:  # the variant compiled for this fragment and this round's moment groups
-            own = desloc.moments_at(call // len(self.masks), self.periods)  # the fragment's own schedule
+            cycle = desloc.own_cycle(self.method, self.periods)  # the fragment's own schedule
+            own = cycle[(call // len(self.masks)) % len(cycle)]
             fragment = fragment * len(self.moment_sets) + self.moment_sets.index(own)
 
         def local():

@@ -632,8 +632,16 @@ def test_the_composed_config_trains_sites_with_mgup_on_ufp4_and_serves_through_f
         (["--config.fomoe.fragments=2"], ["fomoe.fragments", "2", "model.num_layers", "1"]),
         (["--config.fomoe.delay=1"], ["fomoe.delay", "fomoe.second_moments", "'local'"]),
         (
-            ["--config.fomoe.moment_periods=(3, 6)", "--config.fomoe.outer=diloco"],
-            ["fomoe.moment_periods", "(3, 6)", "'local_adamw'", "'diloco'"],
+            ["--config.fomoe.moment_periods=(3, 1)", "--config.fomoe.delay=1", "--config.fomoe.second_moments=local"],
+            ["fomoe.moment_periods", "(3, 1)", "'fomoe.delay' = 0"],
+        ),
+        (
+            [
+                "--config.fomoe.moment_periods=(3, 6)",
+                "--config.fomoe.outer=diloco",
+                "--config.fomoe.sync_format=int8",
+            ],
+            ["fomoe.sync_format", "'int8'", "DiLoCo's inner moments", "'float32'"],
         ),
         (["--config.fomoe.moment_periods=(0, 6)"], ["fomoe.moment_periods", "(0, 6)", "two positive integers"]),
         (["--config.fomoe.sync_format=fp8"], ["fomoe.sync_format", "'fp8'", "'int4'"]),

@@ -15,6 +15,7 @@ import pytest
 from test_rounds import SITES, _group_mean, _local_only, _setup, _tokens
 
 from core import hlo
+from core.codec import WireFormat
 from moe import desloc, federation, rounds
 
 from helpers import tiny_federation
@@ -33,8 +34,16 @@ def test_schedule_follows_the_periods():
             desloc.moments_at(0, bad)
     with pytest.raises(ValueError, match=r"moments = \('third',\); allowed: a subset of \['first', 'second'\]"):
         rounds.make_round(None, optax.adamw(1e-2), None, method="local_adamw", moments=("third",))
-    with pytest.raises(ValueError, match="only LocalAdamW averages moments"):
-        rounds.make_round(None, optax.sgd(1.0), None, method="diloco", outer=optax.sgd(1.0), moments=())
+    with pytest.raises(ValueError, match="with method 'spes': SPES keeps the optimizer state on each site"):
+        rounds.make_round(None, optax.adamw(1e-2), None, method="spes", moments=("first",))
+    with pytest.raises(ValueError, match="with method 'diloco': DiLoCo's inner moments average in float32"):
+        rounds.make_round(
+            None, optax.adamw(1e-2), None, method="diloco", outer=optax.sgd(1.0), moments=("first",),
+            wire=WireFormat("int8", 32),
+        )  # fmt: skip
+    # DiLoCo's own: no moment averaged; DES-LOC's periods on it: the schedule
+    assert desloc.own_cycle("diloco", (1, 1)) == [()] and desloc.own_cycle("diloco", (3, 6)) == want[:6]
+    assert desloc.own_cycle("local_adamw", (1, 1)) == [("first", "second")]
 
 
 @pytest.mark.parametrize(
@@ -102,7 +111,7 @@ def test_the_streaming_round_follows_the_schedule_and_its_bytes_are_the_formula(
     make = lambda **kw: streaming.StreamingRound(  # noqa: E731
         graphdef, optimizer, mesh, state.train.params, method="local_adamw", **kw
     )
-    with pytest.raises(ValueError, match=r"moment periods = \(3, 6\) \(DES-LOC\): LocalAdamW with delay = 0"):
+    with pytest.raises(ValueError, match=r"moment periods = \(3, 6\) \(DES-LOC\): LocalAdamW or DiLoCo with delay = 0"):
         make(moment_periods=(3, 6), delay=1, second_moments="local")
     round_ = make(moment_periods=(1, 2))
     assert [(ms, share) for _, ms, share in round_.variants] == [(("first",), 0.5), (("first", "second"), 0.5)]
@@ -156,7 +165,6 @@ def test_low_bit_rounds_with_error_feedback_move_the_formulas_bytes():
     quantised parameters; + the quantised first moments; + the second moments as bf16), and the first moments'
     error feedback is left as it was by a round that does not send them, and moves in one that does. A send is a
     change from the moments' last synchronised value (the state's anchor): after it the group holds one value."""
-    from core.codec import WireFormat
     from moe import streaming
 
     optimizer, wire = optax.adamw(1e-2), WireFormat("int8", 32)
@@ -184,14 +192,53 @@ def test_low_bit_rounds_with_error_feedback_move_the_formulas_bytes():
     assert equal_within_groups(state.train.opt_state[0].mu, placement)
 
 
-def _assert_variant_bytes(round_, texts, optimizer, state, mesh, wire=None) -> None:
+def test_desloc_on_diloco_averages_the_inner_moments_and_the_outer_state_needs_no_bytes():
+    """DiLoCo (AdamW inner, Nesterov outer) under periods (1, 2), against plain DiLoCo from the same state on the
+    same tokens: round 0 gives the same parameters, the inner first moments are plain DiLoCo's per-site moments
+    averaged over each replica group (float64 NumPy), the second moments are left each site's own; round 1 averages
+    both. The outer momentum, never sent, is one value within every replica group after each round (it steps on the
+    averaged change). Each variant moves the formula's bytes: the parameters plus the averaged moment groups."""
+    from moe import streaming
+    from optim import diloco_outer
+
+    optimizer, outer = optax.adamw(1e-2), diloco_outer(0.7, momentum=0.9)
+    placement, mesh, graphdef, state = _setup(2, optimizer, outer=outer)
+    make = lambda periods: streaming.StreamingRound(  # noqa: E731
+        graphdef, optimizer, mesh, state.train.params, method="diloco", outer=outer, moment_periods=periods
+    )
+    plain, desynced = make((1, 1)), make((1, 2))
+    assert [ms for _, ms, _ in plain.variants] == [()]
+    assert [ms for _, ms, _ in desynced.variants] == [("first",), ("first", "second")]
+    _assert_variant_bytes(plain, plain.compile(state, _tokens(1)), optimizer, state, mesh, method="diloco")
+    texts = desynced.compile(state, _tokens(1))
+    _assert_variant_bytes(desynced, texts, optimizer, state, mesh, method="diloco")
+    copy = jax.tree.map(np.array, state)  # the synchronisation donates its inputs
+    want, _, _, _ = plain(state, 0, _tokens(1))
+    got, _, _, _ = desynced(jax.tree.map(jax.numpy.asarray, copy), 0, _tokens(1))
+    for a, b in zip(jax.tree.leaves(want.train.params), jax.tree.leaves(got.train.params)):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+    flags = jax.tree.leaves(federation.expert_flags(want.train.params))
+    mine, theirs = want.train.opt_state[0], got.train.opt_state[0]
+    for kept, averaged, expert in zip(jax.tree.leaves(mine.mu), jax.tree.leaves(theirs.mu), flags):
+        b = np.asarray(kept, np.float64)
+        mean = _group_mean(b, placement) if expert else np.broadcast_to(b.mean(0), b.shape)
+        np.testing.assert_allclose(averaged, mean, rtol=1e-5, atol=1e-6 * np.abs(b).max())
+    for a, b in zip(jax.tree.leaves(mine.nu), jax.tree.leaves(theirs.nu)):
+        np.testing.assert_array_equal(a, b)
+    assert not equal_within_groups(theirs.nu, placement)
+    assert equal_within_groups(got.outer, placement)
+    got, _, _, _ = desynced(got, 1, _tokens(1, seed=1))
+    assert equal_within_groups(got.train.opt_state[0].nu, placement) and equal_within_groups(got.outer, placement)
+
+
+def _assert_variant_bytes(round_, texts, optimizer, state, mesh, wire=None, method="local_adamw") -> None:
     """Every compiled synchronisation of a StreamingRound (its fragment, its moment groups) moves exactly
     moe.stepper.round_bytes' formula, and some bytes."""
     from moe import stepper
 
     for text, (mask, moments, _) in zip(texts, round_.variants):
         info = stepper.round_bytes(
-            text, None, optimizer, state.train, mesh, sites=SITES, overlap=2, method="local_adamw", wire=wire,
+            text, None, optimizer, state.train, mesh, sites=SITES, overlap=2, method=method, wire=wire,
             fragment=mask, moments=moments,
         )  # fmt: skip
         assert info["measured"] == info["formula"] > 0, (mask is None, moments)

@@ -12,7 +12,7 @@ from flax import nnx
 
 from core import hlo
 from core import train as train_lib
-from moe import federation, rounds
+from moe import federation, rounds, routing_health
 from moe.placement import fixed_placement
 from optim import diloco_outer
 
@@ -240,14 +240,14 @@ def test_local_steps_and_evaluation_move_nothing_across_sites():
     step = train_lib.train_step_fn(graphdef, optimizer)
     local = federation.per_site(lambda t, x: jax.lax.scan(step, t, x), mesh, (0, 1), (0, 1))
     evaluate = federation.per_site(train_lib.make_eval_step(graphdef), mesh, (0, 0, None))
-    probe = rounds.make_probe(graphdef, mesh)
+    probe = routing_health.make_probe(graphdef, mesh)
     val = jnp.zeros((2, 9), jnp.int32)
     routes = probe(state.train.params, state.train.rest, val[:, :-1])
     for program in (
         jax.jit(local).lower(state.train, _tokens(2)),
         jax.jit(evaluate).lower(state.train.params, state.train.rest, val),
         probe.lower(state.train.params, state.train.rest, val[:, :-1]),
-        rounds.make_routing_stats(mesh, 8).lower(routes, routes),
+        routing_health.make_routing_stats(mesh, 8).lower(routes, routes),
     ):
         text = program.compile().as_text()
         assert text is not None and hlo.collective_bytes(text)["ops"] == 0
@@ -270,10 +270,10 @@ def test_topk_agreement_and_probe_routes():
     prev = np.array([[[[0, 1], [2, 3]]], [[[5, 5], [5, 5]]]])  # [sites, layers, tokens, k]
     cur = np.array([[[[1, 0], [2, 4]]], [[[5, 5], [5, 5]]]])
     # site 0, token 0: both kept; token 1: one of two
-    np.testing.assert_allclose(rounds.topk_agreement(prev, cur), np.array([3 / 4, 1.0]))
+    np.testing.assert_allclose(routing_health.topk_agreement(prev, cur), np.array([3 / 4, 1.0]))
     placement, mesh, graphdef, state = _setup(2, optax.adamw(1e-2))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(2, 8)), jnp.int32)
-    probe = rounds.make_probe(graphdef, mesh)
+    probe = routing_health.make_probe(graphdef, mesh)
     before = probe(state.train.params, state.train.rest, tokens)
     routes = np.asarray(before)
     assert routes.shape == (SITES, 1, 16, 2)  # 1 MoE layer, 16 tokens, top-2
@@ -281,7 +281,7 @@ def test_topk_agreement_and_probe_routes():
         assert set(routes[s].ravel()) <= set(placement.experts[s])
     noisy = jax.tree.map(lambda p: p + 0.5 * jax.random.normal(jax.random.key(1), p.shape, p.dtype), state.train.params)
     after = np.asarray(probe(noisy, state.train.rest, tokens))
-    stats = jax.device_get(rounds.make_routing_stats(mesh, placement.num_experts)(before, after))
+    stats = jax.device_get(routing_health.make_routing_stats(mesh, placement.num_experts)(before, after))
     kept = [np.mean([len(set(a) & set(b)) / 2 for a, b in zip(routes[s, 0], after[s, 0])]) for s in range(SITES)]
     np.testing.assert_allclose(stats["agreement"], kept, rtol=1e-6)
     assert min(kept) > 0 and max(kept) < 1  # the noise moved some choices, not all
@@ -298,18 +298,20 @@ def test_routing_divergence_and_utilisation_entropy_against_scipy():
 
     rng = np.random.default_rng(5)
     routes = rng.integers(0, 6, size=(4, 2, 50, 2))
-    shares = rounds.routing_shares(rounds.routing_counts(routes, 6))
+    shares = routing_health.routing_shares(routing_health.routing_counts(routes, 6))
     counts = np.bincount(routes[2, 1].ravel(), minlength=6)
     np.testing.assert_allclose(shares[2, 1], counts / counts.sum())
     pair = np.mean([jensenshannon(shares[0, layer], shares[1, layer]) ** 2 for layer in range(2)])
-    assert rounds.routing_divergence(shares, [np.array([0, 1]), np.array([2])]) == pytest.approx(pair, rel=1e-10)
+    assert routing_health.routing_divergence(shares, [np.array([0, 1]), np.array([2])]) == pytest.approx(
+        pair, rel=1e-10
+    )
     mixed = [entropy(shares[:, layer].mean(0)) - np.mean([entropy(p) for p in shares[:, layer]]) for layer in range(2)]
-    assert rounds.routing_divergence(shares, [np.arange(4)]) == pytest.approx(np.mean(mixed), rel=1e-10)
-    assert rounds.routing_divergence(shares[[0, 0]], [np.array([0, 1])]) == 0.0
+    assert routing_health.routing_divergence(shares, [np.arange(4)]) == pytest.approx(np.mean(mixed), rel=1e-10)
+    assert routing_health.routing_divergence(shares[[0, 0]], [np.array([0, 1])]) == 0.0
     want = np.mean([entropy(p) for p in shares.reshape(-1, 6)]) / np.log(6)
-    assert rounds.utilisation_entropy(shares, 6) == pytest.approx(want, rel=1e-10)
-    one_expert = rounds.routing_shares(rounds.routing_counts(np.zeros((1, 1, 9, 1), int), 6))
-    assert rounds.utilisation_entropy(one_expert, 6) == 0.0
+    assert routing_health.utilisation_entropy(shares, 6) == pytest.approx(want, rel=1e-10)
+    one_expert = routing_health.routing_shares(routing_health.routing_counts(np.zeros((1, 1, 9, 1), int), 6))
+    assert routing_health.utilisation_entropy(one_expert, 6) == 0.0
 
 
 @pytest.mark.parametrize(

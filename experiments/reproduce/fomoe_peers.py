@@ -15,7 +15,8 @@ papers run them, mapped onto this federation:
   FoMoE O_e = 1, 2    partitioned experts, LocalAdamW (parameters and both moments averaged), float32.
   SPES                arXiv 2602.11543: every site holds every expert, trains its 2 of 8, dense parameters
                       averaged, experts from their owners, merging warm-up alpha 0.05 (moe.spes).
-  DES-LOC             full replica, LocalAdamW with moment periods (3, 6) (moe.desloc), float32.
+  DES-LOC             full replica, LocalAdamW with moment periods (3, 6) (moe.desloc), float32; and on
+                      DiLoCo: its inner AdamW moments averaged on periods (3, 6), the outer state never sent.
   SparseLoCo          arXiv 2508.15706: full replica, top-64 of each 4096-value chunk with 2-bit values
                       (core.codec topk2), error feedback decayed by 0.95, outer SGD lr 1 without momentum.
   ours                partitioned experts (O_e = 2) + LocalAdamW + the low-bit formats found best here
@@ -71,6 +72,10 @@ ROWS = {
         "DES-LOC, full replica, periods (3, 6)",
         ["--config.fomoe.overlap=4", "--config.fomoe.moment_periods=(3, 6)"],
     ),
+    "desloc_diloco": (
+        "DES-LOC on DiLoCo, full replica, inner moments (3, 6)",
+        ["--config.fomoe.overlap=4", "--config.fomoe.outer=diloco", "--config.fomoe.moment_periods=(3, 6)"],
+    ),
     "sparseloco": ("SparseLoCo, full replica, top-64/4096 2-bit + EF", ["--config.fomoe.overlap=4", *_SPARSELOCO]),
     "ours_fp4": (
         "ours: O_e = 2, fp4 + EF, second moments local",
@@ -99,6 +104,17 @@ ROWS = {
             "--config.fomoe.sync_format=fp4",
             "--config.fomoe.error_feedback=True",
             "--config.fomoe.second_moments=local",
+            "--config.fomoe.fragments=2",
+        ],
+    ),
+    "ours_fp4_desloc_frag": (
+        "ours: O_e = 2, fp4 + EF, second moments local, first every 3rd, 2 fragments",
+        [
+            "--config.fomoe.overlap=2",
+            "--config.fomoe.sync_format=fp4",
+            "--config.fomoe.error_feedback=True",
+            "--config.fomoe.second_moments=local",
+            "--config.fomoe.moment_periods=(3, 1)",
             "--config.fomoe.fragments=2",
         ],
     ),
