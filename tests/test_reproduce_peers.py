@@ -15,6 +15,19 @@ def test_the_paired_interval_is_the_t_interval_of_the_per_seed_differences():
     assert math.isnan(fomoe_peers.paired_interval([2.0], [1.0])[1])
 
 
+def test_a_rerun_is_covered_when_its_difference_to_ddps_rerun_lies_in_the_runs_interval():
+    """Runs 0.1, 0.2, 0.3 above DDP (interval 0.2 ± 0.248); reruns 0.3, 0.4, 0.5 above DDP's reruns (0.4: covered),
+    or 0.5, 0.6, 0.7 (0.6: not). Drift is rerun - run per seed; the pooled interval is over the 6 differences."""
+    runs, ddp, ddp_again = [2.1, 2.3, 2.5], [2.0, 2.1, 2.2], [2.0, 2.0, 2.0]
+    near = fomoe_peers.rerun_check(runs, [2.3, 2.4, 2.5], ddp, ddp_again)
+    assert near["covered"] and near["vs_ddp"] == pytest.approx(0.4)
+    assert near["drift"] == pytest.approx([0.2, 0.1, 0.0])
+    d = [0.1, 0.2, 0.3, 0.3, 0.4, 0.5]
+    mean, sd = sum(d) / 6, math.sqrt(sum((x - sum(d) / 6) ** 2 for x in d) / 5)
+    assert near["vs_ddp_all"] == pytest.approx([mean, 2.571 * sd / math.sqrt(6)])
+    assert not fomoe_peers.rerun_check(runs, [2.5, 2.6, 2.7], ddp, ddp_again)["covered"]
+
+
 def test_bytes_to_target_and_the_pareto_front():
     curve = [(64, 2.9), (128, 2.5), (192, 2.3)]
     assert fomoe_peers.bytes_to_target(curve, 10.0, 2.5) == 1280.0  # first reached at step 128

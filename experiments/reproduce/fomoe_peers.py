@@ -2,6 +2,7 @@
 intervals paired against DDP, bytes to a common target loss, and a bytes-vs-loss Pareto plot.
 
     python -m experiments.reproduce.fomoe_peers [--out runs/fomoe] [--steps 256] [--seeds 0,1,2] [--size proxy]
+        [--rows ROWS] [--rerun-rows ROWS]
 
 Every row trains experiments/configs/fomoe.py (d_model 128, 4 layers, 8 experts top-2; `--size 4x`: d_model,
 expert and FFN widths doubled, about 4x the parameters) at M = 4 sites, K = 32 local steps per round, fixed
@@ -30,8 +31,9 @@ papers run them, mapped onto this federation:
 Reported (peers.md, peers.json, peers.png): per row the bytes each site sends per round (compiled; = the formula),
 over the whole run, x fewer than DDP; the held-out loss per seed, its mean, and the mean paired difference to DDP
 (same seed) with a 95% t-interval over the seeds; the bytes each site has sent when the seed-mean loss curve first
-reaches the target (DiLoCo's final mean loss unless `--target`); and a modelled wall time over 10 Mbit/s links per
-site (compute at the run's steady tokens/s here, all 4 sites sharing this machine's cores, + its bytes at 10 Mbit/s;
+reaches the target (DiLoCo's final mean loss unless `--target`); for `--rerun-rows`, each seed rerun under
+another compiler's rounding (RERUN_XLA_FLAGS) and whether the runs' interval covers the reruns; and a modelled wall
+time over 10 Mbit/s links per site (compute at the run's steady tokens/s here, all 4 sites sharing this machine's cores, + its bytes at 10 Mbit/s;
 not a measurement over links).
 """
 
@@ -50,6 +52,11 @@ from experiments.reproduce import links_methods, runs
 CONFIG = runs.config_path("fomoe")
 SITES, K, EVAL_EVERY = 4, 32, 64
 LINK_MBIT = 10.0
+# A rerun: XLA:CPU's fast math (reassociated reductions, approximate transcendental functions; infinities and NaNs
+# still honoured) rounds differently from the default build, as another XLA build or host does: the drift of a
+# rerun, measured here on one host (the same config reruns bit for bit on one host and build).
+RERUN_XLA_FLAGS = "--xla_cpu_enable_fast_math=true"
+REFERENCE = "fomoe_o2"  # float32 FoMoE: the loss the low-bit rows are held to
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 SIZES = {  # 4x: every matrix twice as wide and tall (d_model, experts and dense FFN), about 4x the parameters
     "proxy": [],
@@ -143,13 +150,17 @@ def flags(row: str, seed: int, steps: int, size: str) -> list[str]:
     )
 
 
-def train(row: str, seed: int, steps: int, size: str, out: str) -> dict:
-    """Trains (or reuses) one run; returns its summary.json with its held-out curve ("curve": [(step, loss)])."""
-    workdir = os.path.join(out, "runs", f"peers_{size}_{row}_s{seed}")
+def train(row: str, seed: int, steps: int, size: str, out: str, rerun: bool = False) -> dict:
+    """Trains (or reuses) one run; returns its summary.json with its held-out curve ("curve": [(step, loss)]).
+    `rerun`: the same run under another compiler's rounding (RERUN_XLA_FLAGS), in its own workdir."""
+    workdir = os.path.join(out, "runs", f"peers_{size}_{row}_s{seed}" + ("_rerun" if rerun else ""))
     command = None
     if row == "decoupled":
         command = lambda a: [sys.executable, "-m", "experiments.decoupled", "--quorum", "3", "--grace", "5", "--", *a]  # noqa: E731
-    summary = runs.run_or_reuse(CONFIG, workdir, flags(row, seed, steps, size), steps, devices=SITES, command=command)
+    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={SITES} {RERUN_XLA_FLAGS}"} if rerun else None
+    summary = runs.run_or_reuse(
+        CONFIG, workdir, flags(row, seed, steps, size), steps, devices=SITES, command=command, env=env
+    )
     with open(os.path.join(workdir, "config.json")) as f:
         data = json.load(f)["data"]
     tokens = steps * data["batch_size"] * data["seq_len"]
@@ -176,8 +187,27 @@ def bytes_to_target(curve: list[tuple[int, float]], per_step: float, target: flo
     return None
 
 
-def rows(summaries: dict[str, dict[int, dict]], steps: int, target: float | None) -> tuple[list[dict], float]:
-    """One record per row (see the module docstring) and the target loss used."""
+def rerun_check(losses: list[float], reruns: list[float], ddp: list[float], ddp_reruns: list[float]) -> dict:
+    """What reruns (RERUN_XLA_FLAGS) of a row and of DDP say of its interval, paired by seed: "drift", rerun - run
+    per seed; "vs_ddp", the reruns' mean difference to DDP's reruns; "covered", whether that lies in the runs'
+    95% interval of the difference (`paired_interval`); "vs_ddp_all", the interval over runs and reruns alike
+    (2 n differences, each rerun paired with DDP's rerun)."""
+    diff, half = paired_interval(losses, ddp)
+    again, _ = paired_interval(reruns, ddp_reruns)
+    both = paired_interval(losses + reruns, ddp + ddp_reruns)
+    return {
+        "drift": [r - v for r, v in zip(reruns, losses)],
+        "vs_ddp": again,
+        "covered": bool(abs(again - diff) <= half),
+        "vs_ddp_all": list(both),
+    }
+
+
+def rows(
+    summaries: dict[str, dict[int, dict]], steps: int, target: float | None, reruns: dict[str, dict[int, dict]] | None
+) -> tuple[list[dict], float]:
+    """One record per row (see the module docstring) and the target loss used; rows in `reruns` (DDP among them)
+    carry `rerun_check`'s "rerun"."""
     seeds = sorted(summaries["ddp"])
     ddp = summaries["ddp"]
     ddp_losses = [ddp[s]["val_loss"] for s in seeds]
@@ -211,6 +241,10 @@ def rows(summaries: dict[str, dict[int, dict]], steps: int, target: float | None
                 "wall_seconds_10mbit": compute + total * 8 / (LINK_MBIT * 1e6),
             }
         )
+        if reruns and row in reruns:
+            again = [reruns[row][s]["val_loss"] for s in seeds]
+            ddp_again = [reruns["ddp"][s]["val_loss"] for s in seeds]
+            out[-1]["rerun"] = {"val_loss": again, **rerun_check(losses, again, ddp_losses, ddp_again)}
     return sorted(out, key=lambda r: r["bytes_total"]), target
 
 
@@ -263,6 +297,36 @@ def markdown(result: dict) -> str:
             f"{losses} | {r['val_loss_mean']:.4f} | {diff:+.4f} ± {half:.4f} | {to_target} | "
             f"{r['wall_seconds_10mbit'] / 3600:.2f} |"
         )
+    rerun = [r for r in records if "rerun" in r]
+    if rerun:
+        lines += [
+            "",
+            f"Reruns: every seed of these rows (DDP among them) run again with XLA_FLAGS `{RERUN_XLA_FLAGS}`, which "
+            "rounds differently from the default build (reassociated reductions, approximate transcendental "
+            "functions), as another XLA build or host does; on one host and build the same config reruns bit for "
+            "bit. 'covered': the reruns' mean difference to DDP's reruns lies in the runs' 95% interval above. "
+            "'runs and reruns': the interval over both (2 n differences, reruns paired with DDP's reruns). "
+            f"'vs {ROWS[REFERENCE][0]}': the same over runs and reruns, paired by seed and kind.",
+            "",
+            "| row | reruns | rerun - run | vs DDP (runs) | vs DDP (reruns) | covered | vs DDP, runs and reruns | "
+            f"vs {ROWS[REFERENCE][0]}, runs and reruns |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        reference = next((r for r in records if r["row"] == REFERENCE and "rerun" in r), None)
+        for r in rerun:
+            c, (diff, half) = r["rerun"], r["vs_ddp_loss"]
+            versus = "n/a"
+            if reference is not None and r["row"] not in (REFERENCE, "ddp"):
+                m, h = paired_interval(
+                    r["val_loss"] + c["val_loss"], reference["val_loss"] + reference["rerun"]["val_loss"]
+                )
+                versus = f"{m:+.4f} ± {h:.4f}"
+            lines.append(
+                f"| {r['label']} | {' / '.join(f'{v:.4f}' for v in c['val_loss'])} | "
+                f"{' / '.join(f'{v:+.4f}' for v in c['drift'])} | {diff:+.4f} ± {half:.4f} | {c['vs_ddp']:+.4f} | "
+                f"{'yes' if c['covered'] else 'no'} | {c['vs_ddp_all'][0]:+.4f} ± {c['vs_ddp_all'][1]:.4f} | "
+                f"{versus} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -294,16 +358,23 @@ def main(argv=None) -> None:
         "--rows", type=harness.names(ROWS), default=list(ROWS), help="rows to run (default all; ddp and diloco always)"
     )
     study.parser.add_argument("--target", type=harness.number(0.0, low_open=True), help="target held-out loss")
+    study.parser.add_argument(
+        "--rerun-rows",
+        type=harness.names([r for r in ROWS if r != "decoupled"], empty=True),
+        default=[],
+        help="rows to rerun under another compiler's rounding, every seed (DDP too when any; default none)",
+    )
     args = study.parse(argv)
     chosen = ["ddp", "diloco"] + [r for r in args.rows if r not in ("ddp", "diloco")]
-    total, done = len(chosen) * len(args.seeds), 0
+    again = ["ddp"] + [r for r in args.rerun_rows if r != "ddp"] if args.rerun_rows else []
+    jobs = [(row, seed, False) for seed in args.seeds for row in chosen]
+    jobs += [(row, seed, True) for seed in args.seeds for row in again if row in chosen]
     summaries: dict[str, dict[int, dict]] = {r: {} for r in chosen}
-    for seed in args.seeds:
-        for row in chosen:
-            done += 1
-            study.progress(done, total, f"{ROWS[row][0]}, seed {seed}")
-            summaries[row][seed] = train(row, seed, args.steps, args.size, args.out)
-    records, target = rows(summaries, args.steps, args.target)
+    reruns: dict[str, dict[int, dict]] = {r: {} for r in again if r in chosen}
+    for done, (row, seed, rerun) in enumerate(jobs, 1):
+        study.progress(done, len(jobs), f"{ROWS[row][0]}, seed {seed}{', rerun' if rerun else ''}")
+        (reruns if rerun else summaries)[row][seed] = train(row, seed, args.steps, args.size, args.out, rerun)
+    records, target = rows(summaries, args.steps, args.target, reruns)
     result = {
         "steps": args.steps,
         "seeds": args.seeds,
