@@ -172,3 +172,17 @@ def test_a_run_written_before_a_since_checkpoints_key_existed_is_reused(tmp_path
     (workdir / "config.json").write_text(json.dumps(saved))
     assert runs.run_or_reuse(config, str(workdir), flags, 40) == old
     assert launches == []
+
+
+def test_env_adds_to_the_environment_and_its_xla_flags_replace_the_device_count(tmp_path, launches, monkeypatch):
+    """A rerun under other XLA flags (experiments.reproduce.fomoe_peers --rerun-rows) passes its own XLA_FLAGS: they
+    replace the default device count's, and the other variables are added."""
+    seen = []
+    fake = runs.launch
+    monkeypatch.setattr(runs, "launch", lambda cmd, **kw: (seen.append(kw["env"]), fake(cmd, **kw))[1])
+    config, flags = runs.config_path("quickstart"), CASES["quickstart"]
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_cpu_enable_fast_math=true", "EXTRA": "1"}
+    runs.run_or_reuse(config, str(tmp_path / "a"), flags, 40, devices=4, env=env)
+    runs.run_or_reuse(config, str(tmp_path / "b"), flags, 40, devices=2)
+    assert seen[0]["XLA_FLAGS"] == env["XLA_FLAGS"] and seen[0]["EXTRA"] == "1"
+    assert seen[1]["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
