@@ -31,10 +31,10 @@ papers run them, mapped onto this federation:
 Reported (peers.md, peers.json, peers.png): per row the bytes each site sends per round (compiled; = the formula),
 over the whole run, x fewer than DDP; the held-out loss per seed, its mean, and the mean paired difference to DDP
 (same seed) with a 95% t-interval over the seeds; the bytes each site has sent when the seed-mean loss curve first
-reaches the target (DiLoCo's final mean loss unless `--target`); for `--rerun-rows`, each seed rerun under
-another compiler's rounding (RERUN_XLA_FLAGS) and whether the runs' interval covers the reruns; and a modelled wall
-time over 10 Mbit/s links per site (compute at the run's steady tokens/s here, all 4 sites sharing this machine's cores, + its bytes at 10 Mbit/s;
-not a measurement over links).
+reaches the target (DiLoCo's final mean loss unless `--target`); for `--rerun-rows`, each seed rerun under another
+compiler's rounding (RERUN_XLA_FLAGS) and whether the runs' interval covers the reruns; and a modelled wall time
+over 10 Mbit/s links per site (compute at the run's steady tokens/s here, all 4 sites sharing this machine's cores,
++ its bytes at 10 Mbit/s; not a measurement over links).
 """
 
 from __future__ import annotations
