@@ -163,9 +163,9 @@ class StreamingRound:
     wire, the state holds its anchor (moe.rounds.init_sites with `anchor_kind`), and LocalAdamW with delay 1 keeps
     second moments on each site (ValueError otherwise, naming the argument). `moment_periods` (p_u, p_v): DES-LOC's
     schedule for LocalAdamW or DiLoCo's inner moments (moe.desloc.own_cycle; (1, 1): the method's own), blocking
-    (delay = 0) only; with F
-    fragments each fragment follows the schedule over its own synchronisations (round `call` is fragment
-    call mod F's (call // F)-th), so every fragment's moments are averaged every p_u-th / p_v-th time it is.
+    (delay = 0) only; with F fragments each fragment follows the schedule over its own synchronisations (round
+    `call` is fragment call mod F's (call // F)-th), so every fragment's moments are averaged every p_u-th / p_v-th
+    time it is.
     `kwargs`: make_round_parts' (method, outer, loss_fn, state_metrics, wire, error_feedback, second_moments).
 
     `variants`: one (fragment mask, moment groups, share of rounds) per compiled synchronisation, in the order of
@@ -189,7 +189,7 @@ class StreamingRound:
             )
         self.anchored = anchor_kind(self.method, self.wire, fragments_count, delay, self.periods) is not None
         self.masks = fragments(params, fragments_count) if streaming else [None]
-        cycle = desloc.own_cycle(self.method, self.periods)
+        self.cycle = cycle = desloc.own_cycle(self.method, self.periods)
         self.moment_sets = list(dict.fromkeys(cycle))  # distinct, in the cycle's order
         self.variants = [
             (m, ms, cycle.count(ms) / (len(cycle) * len(self.masks))) for m in self.masks for ms in self.moment_sets
@@ -226,8 +226,7 @@ class StreamingRound:
         start = self._start(state)
         fragment = synced_fragment(call, len(self.masks), self.delay)
         if fragment is not None:  # the variant compiled for this fragment and this round's moment groups
-            cycle = desloc.own_cycle(self.method, self.periods)  # the fragment's own schedule
-            own = cycle[(call // len(self.masks)) % len(cycle)]
+            own = self.cycle[(call // len(self.masks)) % len(self.cycle)]  # the fragment's own schedule
             fragment = fragment * len(self.moment_sets) + self.moment_sets.index(own)
 
         def local():
