@@ -179,7 +179,12 @@ def test_env_adds_to_the_environment_and_its_xla_flags_replace_the_device_count(
     replace the default device count's, and the other variables are added."""
     seen = []
     fake = runs.launch
-    monkeypatch.setattr(runs, "launch", lambda cmd, **kw: (seen.append(kw["env"]), fake(cmd, **kw))[1])
+
+    def recording(cmd, **kw):
+        seen.append(kw["env"])
+        return fake(cmd, **kw)
+
+    monkeypatch.setattr(runs, "launch", recording)
     config, flags = runs.config_path("quickstart"), CASES["quickstart"]
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_cpu_enable_fast_math=true", "EXTRA": "1"}
     runs.run_or_reuse(config, str(tmp_path / "a"), flags, 40, devices=4, env=env)
