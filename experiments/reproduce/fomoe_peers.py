@@ -157,7 +157,7 @@ def train(row: str, seed: int, steps: int, size: str, out: str, rerun: bool = Fa
     command = None
     if row == "decoupled":
         command = lambda a: [sys.executable, "-m", "experiments.decoupled", "--quorum", "3", "--grace", "5", "--", *a]  # noqa: E731
-    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={SITES} {RERUN_XLA_FLAGS}"} if rerun else None
+    env = {"XLA_FLAGS": RERUN_XLA_FLAGS} if rerun else None
     summary = runs.run_or_reuse(
         CONFIG, workdir, flags(row, seed, steps, size), steps, devices=SITES, command=command, env=env
     )

@@ -163,7 +163,7 @@ def run_or_reuse(
     (`launch`). A failed run raises with the command and the tail of its output.
     `command` maps experiments.run's arguments to the command that runs them (default: `python -m experiments.run
     <arguments>` with `devices` virtual CPU devices), e.g. an `experiments.launch` of several processes; `env` adds
-    to its environment (its XLA_FLAGS replaces the device count's).
+    to its environment (its XLA_FLAGS follow the device count's).
     """
     workdir = os.path.abspath(workdir)  # the run's process works in ROOT: one meaning of a relative path for both
     label = os.path.basename(workdir)
@@ -181,7 +181,9 @@ def run_or_reuse(
                     return json.load(f)
         else:
             set_aside(workdir, _differences(_comparable(found), _comparable(wanted) or {}))
-    environment = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **(env or {})}
+    extra = dict(env or {})
+    xla_flags = f"--xla_force_host_platform_device_count={devices} {extra.pop('XLA_FLAGS', '')}".strip()
+    environment = {**os.environ, **extra, "XLA_FLAGS": xla_flags}
     args = _run_args(config, workdir, flags, steps)
     cmd = [sys.executable, "-m", "experiments.run", *args] if command is None else command(args)
     code, tail = launch(cmd, env=environment, cwd=ROOT, label=label)
