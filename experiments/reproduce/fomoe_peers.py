@@ -245,6 +245,11 @@ def rows(
             again = [reruns[row][s]["val_loss"] for s in seeds]
             ddp_again = [reruns["ddp"][s]["val_loss"] for s in seeds]
             out[-1]["rerun"] = {"val_loss": again, **rerun_check(losses, again, ddp_losses, ddp_again)}
+    reference = next((r for r in out if r["row"] == REFERENCE and "rerun" in r), None)
+    for r in out:  # the low-bit rows against float32 FoMoE, over runs and reruns paired by seed and kind
+        if reference is not None and "rerun" in r and r["row"] not in (REFERENCE, "ddp"):
+            both, base = r["val_loss"] + r["rerun"]["val_loss"], reference["val_loss"] + reference["rerun"]["val_loss"]
+            r["rerun"]["vs_reference_all"] = list(paired_interval(both, base))
     return sorted(out, key=lambda r: r["bytes_total"]), target
 
 
@@ -312,15 +317,9 @@ def markdown(result: dict) -> str:
             f"vs {ROWS[REFERENCE][0]}, runs and reruns |",
             "|---|---|---|---|---|---|---|---|",
         ]
-        reference = next((r for r in records if r["row"] == REFERENCE and "rerun" in r), None)
         for r in rerun:
             c, (diff, half) = r["rerun"], r["vs_ddp_loss"]
-            versus = "n/a"
-            if reference is not None and r["row"] not in (REFERENCE, "ddp"):
-                m, h = paired_interval(
-                    r["val_loss"] + c["val_loss"], reference["val_loss"] + reference["rerun"]["val_loss"]
-                )
-                versus = f"{m:+.4f} ± {h:.4f}"
+            versus = "n/a" if "vs_reference_all" not in c else "{:+.4f} ± {:.4f}".format(*c["vs_reference_all"])
             lines.append(
                 f"| {r['label']} | {' / '.join(f'{v:.4f}' for v in c['val_loss'])} | "
                 f"{' / '.join(f'{v:+.4f}' for v in c['drift'])} | {diff:+.4f} ± {half:.4f} | {c['vs_ddp']:+.4f} | "
@@ -362,15 +361,15 @@ def main(argv=None) -> None:
         "--rerun-rows",
         type=harness.names([r for r in ROWS if r != "decoupled"], empty=True),
         default=[],
-        help="rows to rerun under another compiler's rounding, every seed (DDP too when any; default none)",
+        help="rows to run, and rerun under another compiler's rounding, every seed (DDP too when any; default none)",
     )
     args = study.parse(argv)
-    chosen = ["ddp", "diloco"] + [r for r in args.rows if r not in ("ddp", "diloco")]
     again = ["ddp"] + [r for r in args.rerun_rows if r != "ddp"] if args.rerun_rows else []
+    chosen = list(dict.fromkeys(["ddp", "diloco", *args.rows, *again]))  # a rerun row is run too
     jobs = [(row, seed, False) for seed in args.seeds for row in chosen]
-    jobs += [(row, seed, True) for seed in args.seeds for row in again if row in chosen]
+    jobs += [(row, seed, True) for seed in args.seeds for row in again]
     summaries: dict[str, dict[int, dict]] = {r: {} for r in chosen}
-    reruns: dict[str, dict[int, dict]] = {r: {} for r in again if r in chosen}
+    reruns: dict[str, dict[int, dict]] = {r: {} for r in again}
     for done, (row, seed, rerun) in enumerate(jobs, 1):
         study.progress(done, len(jobs), f"{ROWS[row][0]}, seed {seed}{', rerun' if rerun else ''}")
         (reruns if rerun else summaries)[row][seed] = train(row, seed, args.steps, args.size, args.out, rerun)
