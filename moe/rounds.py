@@ -378,10 +378,10 @@ def _round_parts(
 
 def averaged_moments(method: str, moments: tuple[str, ...] | None) -> tuple[str, ...]:
     """The moment groups (of moe.desloc.MOMENTS) a synchronisation of `method` averages: `moments`, or None for the
-    method's own (LocalAdamW: both; DiLoCo, SPES: none). ValueError naming the value for another group, or moments
-    for SPES (which keeps the optimizer state on each site)."""
+    method's own (`moe.desloc.own_cycle` at periods (1, 1): LocalAdamW both; DiLoCo, SPES none). ValueError naming
+    the value for another group, or moments for SPES (which keeps the optimizer state on each site)."""
     if moments is None:
-        return desloc.MOMENTS if method == "local_adamw" else ()
+        return desloc.own_cycle(method, (1, 1))[0]
     if not set(moments) <= set(desloc.MOMENTS):
         raise ValueError(f"moments = {moments!r}; allowed: a subset of {list(desloc.MOMENTS)}.")
     if moments and method == "spes":
