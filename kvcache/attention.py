@@ -117,7 +117,7 @@ def _xla_decode(q, fields, block_tables, seq_lens, *, fmt, sm_scale, partitions,
 
 
 def _split_decode(q, fields, block_tables, seq_lens, *, fmt, sm_scale, partitions, interpret, device):
-    per = split.BLOCKS_PER_PARTITION if partitions is None else -(-block_tables.shape[1] // partitions)
+    per = None if partitions is None else -(-block_tables.shape[1] // partitions)  # None: split.partition_blocks
     return split.decode_attention(
         q, fields, block_tables, seq_lens, fmt=fmt, sm_scale=sm_scale, blocks_per_partition=per
     )

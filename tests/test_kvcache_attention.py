@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvcache import PagedPool, decode_attention, formats, unified_attention, write
+from core import lowbit
+from kvcache import PagedPool, decode_attention, formats, split, unified_attention, write
 from kvcache.kernels import attention as attention_kernel
 
 FORMATS = {
@@ -251,6 +252,81 @@ def test_split_decode_matches_reference(name, implementation):
     for parts in (1, 2, 7, None):
         out = attend_decode(q, fields, tables, seq_lens, fmt=fmt, implementation=implementation, partitions=parts)
         np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5, err_msg=f"partitions={parts}")
+
+
+# The 4-bit sides of the split-KV loop (half-width tiles): every grid, both scale kinds, mixed with a plain side.
+HALF_TILE_FORMATS = ["fp4", "fp4-e1m2", "fp4-symmetric", "nvfp4", "k8v4"]
+_split = jax.jit(split.decode_attention, static_argnames=("fmt", "blocks_per_partition"))
+
+
+def test_split_tile_decode_is_exact():
+    """The split loop's decode of 4-bit codes is the codecs' bit for bit: E2M1 levels of all 16 codes through
+    float16, UE8M0 values of all 256 bytes from their bits (0 the subnormal 2^-127, 255 nan)."""
+    codes = jnp.arange(16, dtype=jnp.uint8)
+    np.testing.assert_array_equal(_bits(jax.jit(split._e2m1_levels)(codes)), _bits(lowbit.decode_e2m1(codes)))
+    scales = jnp.arange(256, dtype=jnp.int32).astype(jnp.uint8)
+    np.testing.assert_array_equal(_bits(jax.jit(split._ue8m0)(scales)), _bits(lowbit.ue8m0_value(scales)))
+
+
+@pytest.mark.parametrize("name", HALF_TILE_FORMATS)
+def test_split_half_tiles_are_the_dequantised_rows(name):
+    """`_tiles` of random stored bytes (every code, every scale byte including nan ones) side by side equal
+    `fmt.dequantize(rotated=True)` bit for bit (nan where it is nan): the loop changes no element, only the order
+    in which a score's products are added."""
+    fmt = FORMATS[name]
+    rng = np.random.default_rng(3)
+    fields = {}
+    for field, (shape, dtype) in fmt.fields(2, 128).items():
+        raw = rng.integers(0, 256, (1, 24, *shape), dtype=np.uint8)
+        if np.dtype(dtype).itemsize == 1:
+            fields[field] = jax.lax.bitcast_convert_type(jnp.asarray(raw), dtype)
+        else:  # fp8 side's float32 scales: finite, positive
+            fields[field] = jnp.asarray(rng.uniform(0.01, 2.0, (1, 24, *shape)), dtype)
+    kv = {n: jnp.moveaxis(x, 2, 1) for n, x in fields.items()}  # [B, K, L, ...]
+    keys, values = fmt.dequantize(kv, rotated=True)
+    for prefix, want in (("k", keys), ("v", values)):
+        tiles = jax.jit(lambda kv, p=prefix: split._tiles(fmt, kv, p, None))(kv)
+        np.testing.assert_array_equal(np.concatenate([np.asarray(t) for t in tiles], axis=-1), np.asarray(want))
+
+
+@pytest.mark.parametrize(
+    "name,head_dim,groups,num_kv",
+    [(name, *[(64, 4, 1), (128, 2, 2)][i % 2]) for i, name in enumerate(HALF_TILE_FORMATS)],
+)
+def test_split_half_tiles_match_float64(name, head_dim, groups, num_kv):
+    """Split-KV decode with 4-bit sides over a ragged batch (lengths 1, bs - 1, bs + 1, 5 bs + 3) at 2 blocks per
+    partition and at the default (`partition_blocks`, here one partition) equals float64 attention over the
+    format's dequantised K/V with the prepared query (V rotated back where the format rotates it). Tolerance 2e-5,
+    as the reference's against float64: both compute in float32 from the same dequantised elements; scores and
+    outputs of unit-scale inputs are sums of at most Dp = 128 and 83 terms, each rounding adding ~2^-24 relative."""
+    fmt = FORMATS[name]
+    lens = [1, BS - 1, BS + 1, 5 * BS + 3]
+    q, fields, tables, seq_lens, _, kvs = make_case(
+        fmt, lens, [1] * len(lens), num_kv=num_kv, groups=groups, head_dim=head_dim, seed=head_dim + groups
+    )
+    q_prep = np.asarray(fmt.prepare_query(q))
+    for per in (2, None):
+        out = np.asarray(_split(q, fields, tables, seq_lens, fmt=fmt, blocks_per_partition=per))
+        for b, (k, v) in enumerate(kvs):
+            k_hat, v_hat = (
+                np.asarray(x) for x in fmt.dequantize(fmt.quantize(jnp.asarray(k), jnp.asarray(v)), rotated=True)
+            )
+            want = numpy_attention(q_prep[b : b + 1], k_hat, v_hat, [lens[b] - 1], groups)
+            if fmt.value_rotation(want.shape[-1]) is not None:
+                want = want @ formats.hadamard(want.shape[-1]).astype(np.float64)
+            np.testing.assert_allclose(
+                out[b : b + 1], want, rtol=2e-5, atol=2e-5, err_msg=f"blocks_per_partition={per}"
+            )
+
+
+def test_partition_blocks():
+    """Twice the full-width partition when both sides are 4-bit (half-width tiles), else the full-width one."""
+    assert split.partition_blocks(FORMATS["fp4"], 256) == 2 * split.FULL_TILE_BLOCKS
+    assert split.partition_blocks(FORMATS["nvfp4"], 128) == 2 * split.FULL_TILE_BLOCKS
+    for name in ("bf16", "fp8", "k8v4"):
+        assert split.partition_blocks(FORMATS[name], 128) == split.FULL_TILE_BLOCKS
+    with pytest.raises(ValueError, match="head_dim = 48"):
+        split.partition_blocks(FORMATS["fp4"], 48)
 
 
 def poison(fields, tables, seq_lens, seed):

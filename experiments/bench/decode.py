@@ -7,7 +7,8 @@
 One attention layer of the spec's model (kvcache.md: 2 KV heads, head dim 256; 16 query heads, so GQA 8), batch 1,
 one new token per step over a paged cache (block size 16, blocks in shuffled order) holding `context` tokens,
 `kvcache.decode_attention` per format, without split-KV (`implementation="xla"`: gather the sequence's blocks,
-dequantise, one softmax) and with it (`"xla_split"`: partitions of 64 blocks visited in turn, merged by log-sum-exp).
+dequantise, one softmax) and with it (`"xla_split"`: partitions of `kvcache.split.partition_blocks` blocks (64;
+128 for fp4) visited in turn, merged by log-sum-exp).
 Reported per step: median milliseconds; KV bytes read (the stored bytes of `context` tokens: 4 D B per token and
 head for bf16, 2 D + 8 for fp8, D + D / 16 for fp4, D + D / 8 for nvfp4); effective bandwidth = KV bytes / time,
 against a jitted copy of a 256 MiB buffer (read + write bytes / time).
