@@ -17,7 +17,7 @@ A first pass tests a bracket from a strided sample's quantiles, so that a float3
 instead of 32 / log2(WAYS + 1). The search stops once exactly k keys lie at or above its lower end, or at the k-th
 largest key itself; ties there go to the first positions, found from per-row counts. The mask is an elementwise
 function of the scores and three scalars, which XLA fuses into the parameter update. A tensor of at most 4096
-entries, which the first pass would sort whole for its bracket, is ranked by a stable sort instead (no search).
+entries, which the first pass would sort whole for its bracket, gets its k-th largest key from one sort (no search).
 `approx_threshold` runs the same search on a strided sample only. Timings: results/bench/optim.md.
 
 k may be a Python int (its edge cases resolved while tracing) or an int32 scalar array (a traced hyperparameter,
@@ -48,6 +48,7 @@ __all__ = [
     "score_dtype",
     "select_masks",
     "selection_key",
+    "strided_pairs",
     "strided_sample",
     "top_k_mask",
 ]
@@ -173,7 +174,7 @@ def top_k_mask(score: jax.Array, k: int | jax.Array) -> jax.Array:
     """Bool mask (score's shape) of exactly the k largest entries of `score` (any shape, float32 or float64; ties at
     the k-th value go to the first positions in row-major order). k: a Python int or an int32 scalar array; k <= 0
     selects nothing, k >= size everything. Above 4096 entries an elementwise function of `score` and three scalars,
-    so XLA can fuse it into whatever consumes it; at most 4096, the ranks of one stable sort."""
+    so XLA can fuse it into whatever consumes it; at most 4096, the k-th largest from one sort of the keys."""
     n = score.size
     static = isinstance(k, int)
     if n == 0 or (static and k <= 0):
@@ -183,7 +184,15 @@ def top_k_mask(score: jax.Array, k: int | jax.Array) -> jax.Array:
     kk = k if static else jnp.clip(jnp.asarray(k, jnp.int32), 1, n)  # the search needs 1 <= k <= n
     flat = ordered_keys(score.ravel())
     if n <= _BRACKET_SAMPLE:
-        rank = jnp.argsort(jnp.argsort(~flat, stable=True))  # 0 for the largest; ties: the first position first
+        # The k-th largest key t from one sort of the keys alone (a sort carrying positions, as argsort's, costs
+        # several times more on XLA:CPU); of the keys equal to t, the first k - #(keys > t) are taken. The ranks
+        # (0 taken, n not) are written by a scatter, which XLA does not fuse into the consumer: the update that
+        # reads the mask stays a plain elementwise loop, with the arithmetic it had when the ranks came from sorts.
+        t = jnp.sort(flat)[n - kk]
+        tie = flat == t
+        taken = (flat > t) | (tie & (jnp.cumsum(tie, dtype=jnp.int32) <= kk - jnp.sum(flat > t, dtype=jnp.int32)))
+        everywhere = jnp.arange(n, dtype=jnp.int32)
+        rank = jnp.zeros(n, jnp.int32).at[everywhere].set(jnp.where(taken, 0, n), unique_indices=True)
         mask = (rank < kk).reshape(score.shape)
         return mask if static else (mask & (k > 0)) | (k >= n)
     t, at_least, greater, _ = selection_key(flat, kk)
@@ -212,6 +221,18 @@ def strided_sample(x: jax.Array, size: int, *, second: bool = False) -> jax.Arra
         return x.ravel()
     stride = x.size // size
     return x.ravel()[(stride // 2 if second else 0) :: stride][:size]
+
+
+def strided_pairs(x: jax.Array, size: int) -> jax.Array:
+    """Both strided samples of x at once, [m, 2]: column 0 is strided_sample(x, size), column 1 the second one.
+
+    Read pair by pair: the two entries of a pair lie half a stride apart, so they often share a memory page, where
+    two separate samples of a large tensor would each miss the TLB on every entry."""
+    if x.size <= size:
+        return jnp.stack([x.ravel()] * 2, axis=1)
+    stride = x.size // size
+    rows = x.ravel()[: size * stride].reshape(size, stride)
+    return jnp.stack([rows[:, 0], rows[:, stride // 2]], axis=1)
 
 
 def approx_threshold(sample: jax.Array, check: jax.Array, fraction: float | jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -305,9 +326,8 @@ def _select(
     "approx": tensors of more than 2 APPROX_SAMPLE entries get the threshold of their strided sample, all such
     tensors in one batched search (per-tensor small searches would cost more on CPU than the pass over the tensor);
     smaller ones are selected exactly. "sign" on such tensors reports the fraction of its second sample, not a
-    count (which would cost a pass over the tensor). `samples[i]`: ((direction, grad) at strided_sample, the same
-    at the second sample) of tensor i, computed elsewhere (optim.transform.with_mgup); by default sliced from the
-    tensors.
+    count (which would cost a pass over the tensor). `samples[i]`: (direction, grad) of tensor i at strided_pairs
+    (both samples, [m, 2] each), computed elsewhere (optim.transform.with_mgup); by default sliced from the tensors.
     A traced `mask_ratio` takes the same paths with k on device; "approx" then also covers k = 0 and k = size (no
     coordinate, every coordinate) on its large tensors, as the exact path does.
     """
@@ -333,14 +353,15 @@ def _select(
         return out
     dtype = functools.reduce(jnp.promote_types, [score_dtype(updates[i]) for i in sampled])
 
-    def pair(i, second):
+    def pairs(i):  # [m, 2]: the scores at strided_sample (column 0) and at its second sample (column 1)
         if samples is not None and samples[i] is not None:
-            u, g = samples[i][int(second)]
+            u, g = samples[i]
         else:
-            u, g = (strided_sample(x, APPROX_SAMPLE, second=second) for x in (updates[i], grads[i]))
+            u, g = (strided_pairs(x, APPROX_SAMPLE) for x in (updates[i], grads[i]))
         return _product(u, g, dtype)
 
-    first, second = (jnp.stack([pair(i, b) for i in sampled]) for b in (False, True))
+    both = jnp.stack([pairs(i) for i in sampled])
+    first, second = both[..., 0], both[..., 1]
     if selection == "sign":
         fractions = jnp.mean(second >= 0, axis=1, dtype=jnp.float32)
         for j, i in enumerate(sampled):
@@ -370,7 +391,7 @@ def select_masks(
     k_i = num_selected(mask_ratio, n_i), and f = sum_i f_i n_i / sum_i n_i (float32 scalar) the selected fraction
     over all their coordinates: f_i = k_i / n_i for "exact", counted or estimated for "approx" and "sign" (see the
     module docstring). updates[i], grads[i]: the direction and the raw gradient of tensor i, one shape each, any
-    float dtype. `samples`: optional per-tensor strided samples of (direction, gradient), see `_select`."""
+    float dtype. `samples`: optional per-tensor strided_pairs of (direction, gradient), see `_select`."""
     pairs = _select(updates, grads, mask_ratio, selection, samples)
     total = max(sum(u.size for u in updates), 1)
     fraction = sum(f * (u.size / total) for u, (_, f) in zip(updates, pairs))

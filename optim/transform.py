@@ -44,7 +44,7 @@ from optim.select import (
     count_at_least,
     score_dtype,
     select_masks,
-    strided_sample,
+    strided_pairs,
 )
 
 __all__ = [
@@ -163,7 +163,8 @@ def scale_by_mgup(
     The gradient reaches it through the extra argument `grad=` (pass it from a wrapper, or use `with_mgup`), so
     it composes after any scaler: `optax.chain(scale_by_hf_adam(), ...)` is not enough on its own because a
     chain's later links only see the previous link's output. The optional `samples=` gives "approx" and "sign"
-    their two strided samples of (direction, gradient) computed elsewhere (see `with_mgup`). Raises ValueError for
+    their two strided samples of (direction, gradient), computed elsewhere (see `with_mgup`): a pair of trees like
+    the direction whose leaves are optim.select.strided_pairs of its leaves and of the gradient's. Raises ValueError for
     arguments `check_arguments` refuses, and at update time when `grad=` is missing.
     """
     check_arguments(mask_ratio, alpha, gamma, selection)
@@ -179,9 +180,8 @@ def scale_by_mgup(
         leaves, treedef = jax.tree.flatten(updates)
         grads = leaves_like(updates, grad)
         per_leaf = None
-        if samples is not None:  # [(direction, grad) trees at strided_sample, the same at the second sample]
-            (ua, ga), (ub, gb) = [(leaves_like(updates, u), leaves_like(updates, g)) for u, g in samples]
-            per_leaf = [((a, b), (c, d)) for a, b, c, d in zip(ua, ga, ub, gb)]
+        if samples is not None:  # (direction, grad) trees of strided_pairs
+            per_leaf = list(zip(leaves_like(updates, samples[0]), leaves_like(updates, samples[1])))
         chosen, fraction = select_masks(leaves, grads, mask_ratio, selection, per_leaf)
         out = [_apply(u, c, alpha, gamma) for u, c in zip(leaves, chosen)]
         return jax.tree.unflatten(treedef, out), MGUPState(fraction)
@@ -191,7 +191,8 @@ def scale_by_mgup(
 
 class DirectionFn(Protocol):
     """`direction(new_state, grads) -> updates`: a transformation's output recomputed from its updated state and
-    the gradient, elementwise, so that it also applies to strided samples of both (each leaf a 1-D sample)."""
+    the gradient, elementwise, so that it also applies to strided samples of both (each leaf [m, 2]: strided_pairs).
+    """
 
     def __call__(self, state: optax.OptState, grads: optax.Updates) -> optax.Updates: ...
 
@@ -244,17 +245,15 @@ def with_mgup(
         refuse_complex(params, "MGUP and Cautious rank u * g")
         return MGUPChainState(inner.init(params), mask.init(params), tail.init(params))
 
-    def sampled(direction: DirectionFn, grads, inner_state, second: bool):
-        take = lambda x: strided_sample(x, APPROX_SAMPLE, second=second)  # noqa: E731
+    def sampled(direction: DirectionFn, grads, inner_state):
+        take = lambda x: strided_pairs(x, APPROX_SAMPLE)  # noqa: E731
         g = jax.tree.map(take, grads)
         state = optax.tree_utils.tree_map_params(inner, take, inner_state, transform_non_params=lambda x: x)
         return direction(state, g), g
 
     def update(grads, state, params=None, **extra_args):
         direction, inner_state = inner_update(grads, state.inner, params, **extra_args)
-        samples = None
-        if direction_of is not None:
-            samples = [sampled(direction_of, grads, inner_state, b) for b in (False, True)]
+        samples = None if direction_of is None else sampled(direction_of, grads, inner_state)
         masked, mask_state = mask.update(direction, state.mask, params, grad=grads, samples=samples)
         out, tail_state = tail.update(masked, state.tail, params, **extra_args)
         return out, MGUPChainState(inner_state, mask_state, tail_state)

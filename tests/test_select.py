@@ -124,3 +124,26 @@ def test_approx_threshold_is_the_kth_largest_key_of_the_sample():
                 t, estimate = jax.jit(select.approx_threshold)(s, c, given)
                 assert int(t) == int(keys[k - 1]), (fraction, given)
                 assert float(estimate) == pytest.approx(np.mean(np.asarray(select.ordered_keys(c)) >= keys[k - 1]))
+
+
+def test_top_k_mask_of_a_small_tensor_orders_signed_zeros_and_infinities():
+    """At most 4096 entries (one sort of the keys): -inf < ... < -0.0 < +0.0 < ... < +inf, ties at the k-th value to
+    the first positions, for every k, static and traced: the same set as NumPy's stable argsort of the keys."""
+    rng = np.random.default_rng(5)
+    x = rng.choice(np.array([-np.inf, -1.0, -0.0, 0.0, 1e-45, 1.0, np.inf], np.float32), size=(6, 7))
+    score = jnp.asarray(x)
+    order = np.argsort(~np.asarray(select.ordered_keys(score)).ravel(), kind="stable")
+    traced = jax.jit(select.top_k_mask)
+    for k in range(x.size + 1):
+        want = np.zeros(x.size, bool)
+        want[order[:k]] = True
+        np.testing.assert_array_equal(np.asarray(select.top_k_mask(score, k)).ravel(), want, err_msg=f"k = {k}")
+        np.testing.assert_array_equal(np.asarray(traced(score, jnp.int32(k))).ravel(), want, err_msg=f"k = {k}")
+
+
+@pytest.mark.parametrize("shape", [(5,), (1024,), (1025,), (2047,), (300, 70), (7, 1111), (640, 2560)])
+def test_strided_pairs_are_both_strided_samples(shape):
+    x = jnp.arange(int(np.prod(shape)), dtype=jnp.float32).reshape(shape)
+    pairs = np.asarray(select.strided_pairs(x, 1024))
+    np.testing.assert_array_equal(pairs[:, 0], np.asarray(select.strided_sample(x, 1024)))
+    np.testing.assert_array_equal(pairs[:, 1], np.asarray(select.strided_sample(x, 1024, second=True)))
