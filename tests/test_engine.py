@@ -431,3 +431,36 @@ def test_id_sets_cross_as_bits_and_come_back_as_the_same_mask(vocab):
     words = sampling.pack_ids(ids, vocab)
     assert words.dtype == np.uint32 and words.shape == (-(-vocab // 32),)
     np.testing.assert_array_equal(np.asarray(sampling.unpack_ids(jnp.asarray(words), vocab)), expected)
+
+
+def test_several_decode_steps_per_call_draw_the_tokens_of_single_steps(model, monkeypatch):
+    """K decode steps per device call (`EngineConfig.decode_steps`) give exactly what one step per call gives:
+    tokens, log-probabilities and finish reasons of greedy, seeded and unseeded (the engine's stream) requests, and
+    of one that meets its stop id inside a call (what the device computed past it is discarded, its blocks
+    released); in fewer calls."""
+    from kvcache.serving import engine as engine_module
+
+    calls = []
+    many = engine_module.decode_steps
+    monkeypatch.setattr(engine_module, "decode_steps", lambda *a, **kw: calls.append(1) or many(*a, **kw))
+    fmt, prompts = formats.get("fp4"), prompts_with_shared_prefix()
+
+    def serve(k, stop=None):
+        eng = engine(model, fmt, blocks=64, max_num_seqs=4, decode_steps=k)
+        params = [
+            SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3),
+            SamplingParams(temperature=1.0, seed=5),
+            SamplingParams(temperature=1.0, logprobs=True),
+            SamplingParams(temperature=0.0, stop_token_ids=() if stop is None else (stop,)),
+        ]
+        requests = [eng.submit(p, 13, sampling=s) for p, s in zip(prompts, params)]
+        eng.run()
+        assert eng.blocks.num_available == eng.pool.num_blocks
+        return [(r.output, r.finish_reason, r.logprobs, r.top_logprobs) for r in requests]
+
+    free = serve(1)[3][0]
+    stop = next(t for i, t in enumerate(free) if i >= 6 and t not in free[:i])  # met at step >= 6
+    single = serve(1, stop)
+    assert not calls and single[3][1] == "stop" and len(single[3][0]) < 13
+    assert serve(4, stop) == single
+    assert calls  # the K-step program ran

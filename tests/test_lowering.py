@@ -29,8 +29,7 @@ from experiments import build
 from kvcache import capacity, formats
 from kvcache.kernels import attention as attention_kernel
 from kvcache.kernels import write as write_kernel
-from kvcache.serving import Engine, EngineConfig
-from kvcache.serving import engine as engine_lib
+from kvcache.serving import Engine, EngineConfig, programs
 
 from helpers import make_tiny_config
 
@@ -177,7 +176,7 @@ def test_engine_step_lowers(platform, implementation):
         engine._allowed,
         None,
     )
-    traced = engine_lib._forward.trace(*args, max_query_len=n, implementation=implementation, interpret=False)
+    traced = programs.forward.trace(*args, max_query_len=n, implementation=implementation, interpret=False)
     text = traced.lower(lowering_platforms=(platform,)).as_text()
     assert "stablehlo.dot_general" in text  # the model
     kernel = {"xla": "scatter", "pallas_triton": "xla.gpu.triton", "pallas_tpu": "tpu_custom_call"}[implementation]

@@ -18,6 +18,7 @@ MODULES = [
         for m in (
             "cpu_step",
             "decode",
+            "engine_step",
             "link_rate",
             "moe",
             "optim",

@@ -282,21 +282,25 @@ class EngineRunner:
             new = request.output[stream.sent_tokens :]
             if not new and not request.finished:
                 continue
-            if self.metrics is not None:
-                self.metrics.observe_tokens(request, stream.sent_tokens)
-            event = Event(
-                token_ids=list(new),
-                logprobs=request.logprobs[stream.sent_tokens :],
-                top_logprobs=request.top_logprobs[stream.sent_tokens :],
-            )
-            count, stream.sent_tokens = stream.sent_tokens, len(request.output)
+            count, cut = stream.sent_tokens, False
             shown = new[:-1] if request.end_id is not None and new and not stream.include_stop else new
-            for token in shown:  # one at a time: where the first min_tokens tokens' text ends
+            for token in shown:  # one at a time: where the first min_tokens tokens' text ends, where a stop is met
                 stream.text += stream.decoder.feed([token])
                 count += 1
                 if count <= request.sampling.min_tokens:
                     stream.stop_from = len(stream.text)
-            cut = self._cut(stream)
+                cut = self._cut(stream)
+                if cut:  # tokens the engine drew after it (several decode steps per call) are not the output
+                    _keep_tokens(request, count)
+                    break
+            if self.metrics is not None:
+                self.metrics.observe_tokens(request, stream.sent_tokens)
+            event = Event(
+                token_ids=request.output[stream.sent_tokens :],
+                logprobs=request.logprobs[stream.sent_tokens :],
+                top_logprobs=request.top_logprobs[stream.sent_tokens :],
+            )
+            stream.sent_tokens = len(request.output)
             if cut:
                 self._finish(stream, "stop")
             if request.finished:
@@ -324,6 +328,13 @@ class EngineRunner:
             self._queued -= admitted
         if self.metrics is not None:
             self.metrics.observe_engine(self.engine, queued=self._queued, step_seconds=step_seconds)
+
+
+def _keep_tokens(request: Request, count: int) -> None:
+    """Drops `request`'s output tokens after its first `count` (with their log-probabilities and times)."""
+    del request.tokens[len(request.prompt) + count :]
+    for drawn in (request.output, request.logprobs, request.top_logprobs, request.token_times):
+        del drawn[count:]
 
 
 def _first_stop(text: str, stops: Sequence[str], *, start: int) -> tuple[int, str] | None:

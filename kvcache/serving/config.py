@@ -37,7 +37,9 @@ class EngineConfig:
     max_num_batched_tokens: a step's padded batch is addressed like one sequence); implementation: the attention
     implementation (`kvcache.attention.IMPLEMENTATIONS`, one that runs mixed prefill and decode batches);
     temperature: the default of requests that set none (0 = greedy); seed: the engine's stream for requests without
-    a seed of their own, in [0, 2^64).
+    a seed of their own, in [0, 2^64); decode_steps: K >= 1, decode steps per device call when every scheduled
+    sequence decodes and no request waits (`kvcache.serving.engine`: the same tokens as K single steps; 1 = a call
+    per step).
 
     The tokenizer's ids, required (`EngineConfig.for_tokenizer(tok, ...)` reads them): `eos_id` ends a request
     (None: only max_new_tokens does); the ids in `never` and those >= `num_ids` (None: no limit) are never sampled.
@@ -54,6 +56,7 @@ class EngineConfig:
     implementation: str = "xla"
     temperature: float = 0.0
     seed: int = 0
+    decode_steps: int = 8
     eos_id: int | None = cast(int, _MISSING)
     never: tuple[int, ...] = cast(tuple, _MISSING)
     num_ids: int | None = cast(int, _MISSING)
@@ -81,7 +84,14 @@ class EngineConfig:
                 "never=tok.never_sampled, num_ids=tok.vocab_size (or build it with EngineConfig.for_tokenizer(tok, "
                 "...)); None for eos_id / num_ids means no end id / no limit"
             )
-        for name in ("memory_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in (
+            "memory_bytes",
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "decode_steps",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} = {getattr(self, name)}; must be >= 1")
         if not self.temperature >= 0:  # NaN too

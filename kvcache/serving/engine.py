@@ -1,16 +1,23 @@
 """The serving engine: an engine core holding the scheduler (`kvcache.serving.scheduler`) that runs a
 `core.model.Transformer` over a paged, quantised KV pool, sampling on the device.
 
-Every step is schedule -> execute -> update_from_output (`EngineCore.step`); executing runs one jitted program
-(`_forward`) over the scheduler's ragged batch, seen by the model as one row of tokens with explicit positions:
-their keys and values are quantised into the pool on write and each token attends its own sequence's cache with
-`kvcache.unified_attention` (causal inside a chunk). The program ends with `core.sampling` on the last token of
-each sequence: per row its request's temperature, top_k, top_p, min_p and key
-(a seeded request's token i: the key of (seed, i), `core.sampling.key_words`; others: the engine's stream of
+Every step is schedule -> execute -> update_from_output (`Engine.step`); executing runs one jitted program
+(`kvcache.serving.programs.forward`) over the scheduler's ragged batch, seen by the model as one row of tokens with
+explicit positions: their keys and values are quantised into the pool on write and each token attends its own
+sequence's cache with `kvcache.unified_attention` (causal inside a chunk). The program ends with `core.sampling` on
+the last token of each sequence: per row its request's temperature, top_k, top_p, min_p and key (a seeded
+request's token i: the key of (seed, i), `core.sampling.key_words`; others: the engine's stream of
 `EngineConfig.seed`), and the log-probabilities (the chosen id's and the `MAX_TOP_LOGPROBS` best) over the ids the
 config lets it sample. Only those small arrays come back to the host. A batch in which some request has a
 repetition penalty, or may not end yet (min_tokens), also sends each row's ids as bits (`core.sampling.pack_ids`:
 the prompt's and output's, its end ids): another compiled program, which `Engine.warmup(masked=True)` compiles too.
+
+Decoding several steps per call: when every scheduled sequence decodes, no request waits, none has such masks and
+each may take `EngineConfig.decode_steps` = K more tokens, the engine reserves the blocks of K tokens per sequence
+and runs K steps in one call (`programs.decode_steps`), drawing every token with the key a step of its own would
+use: the tokens are the same as K single steps'. The scheduler then takes them step by step (a sequence that ends
+at step t takes none after it; what the device computed past an end is discarded). A request that arrives during
+such a call waits for its end, and its tokens reach the host K at a time.
 
 Memory: the pool is `memory_bytes` of blocks in the chosen format (`kvcache.capacity.num_blocks`), so fp4 holds
 about 3.76x the tokens of bf16 (docs/kvcache.md). Batches are padded to a power of two of at least 16 tokens, so the
@@ -20,19 +27,18 @@ steps run a few compiled programs, all of which `Engine.warmup` compiles before 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
 from core import sampling
-from kvcache import attention
 from kvcache.formats import Format
 from kvcache.paged import PagedPool
 from kvcache.serving.config import EngineConfig
+from kvcache.serving.programs import Static, bucket, decode_steps, draw_jit, forward
 from kvcache.serving.scheduler import EngineCore, Request, Scheduler
 
 if TYPE_CHECKING:
@@ -41,117 +47,6 @@ if TYPE_CHECKING:
 __all__ = ["Engine"]
 
 _ENGINE_STREAM, _REQUEST_STREAM = 1, 0  # `core.sampling.key_words` streams: the engine's, a seeded request's
-
-
-@struct.dataclass
-class _FlatBatchCache:
-    """`core.attention.KVCache` for one engine step: the model sees the whole ragged batch as one row of tokens
-    (explicit positions); this cache writes their K/V to their slots and runs unified attention."""
-
-    pool: PagedPool
-    slots: jax.Array  # [N]
-    block_tables: jax.Array  # [S, MB]
-    seq_lens: jax.Array  # [S]
-    query_start_loc: jax.Array  # [S + 1]
-    max_query_len: int = struct.field(pytree_node=False)
-    implementation: str = struct.field(pytree_node=False)
-    interpret: bool | None = struct.field(pytree_node=False, default=None)
-
-    @property
-    def lengths(self):
-        return self.seq_lens
-
-    def update_and_attend(self, layer, q, k, v):
-        kw: dict[str, Any] = dict(fmt=self.pool.fmt, implementation=self.implementation, interpret=self.interpret)
-        fields = attention.write(self.pool.layer(layer), k[0], v[0], self.slots, **kw)
-        out = attention.unified_attention(
-            q[0], fields, self.block_tables, self.seq_lens, self.query_start_loc, max_query_len=self.max_query_len, **kw
-        )
-        pool = dataclasses.replace(
-            self.pool, fields={n: x.at[layer].set(fields[n]) for n, x in self.pool.fields.items()}
-        )
-        return out[None].astype(q.dtype), dataclasses.replace(self, pool=pool)
-
-    def advance(self, num_tokens):
-        return self
-
-
-class _Static:
-    """A static argument hashed once: jit hashes and compares its static arguments on every call, and hashing an
-    `nnx.GraphDef` walks the whole module graph (about a millisecond per step for a 4-layer model)."""
-
-    def __init__(self, value):
-        self.value, self._hash = value, hash(value)
-
-    def __hash__(self):
-        return self._hash
-
-    def __eq__(self, other):
-        return self is other or (isinstance(other, _Static) and self.value == other.value)
-
-
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "max_query_len", "implementation", "interpret"), donate_argnums=(2,)
-)
-def _forward(
-    graphdef,
-    state,
-    pool,
-    tokens,
-    positions,
-    slots,
-    block_tables,
-    seq_lens,
-    query_start_loc,
-    last,
-    params,
-    words,
-    allowed,
-    masks,
-    *,
-    max_query_len,
-    implementation,
-    interpret=None,
-):
-    """One step: the model over the batch's N tokens, then `_draw` of each sequence row's logits at `last` [S].
-    Returns (`_draw`'s arrays, the pool). `graphdef`: a `_Static` of the model's graphdef and its state's treedef;
-    `state`: the state's leaves (a flat list crosses the call faster than the nnx.State pytree). `interpret`: the
-    Pallas kernels' (`kvcache.attention`; None: by backend; False lowers them compiled from any host)."""
-    model_graph, treedef = graphdef.value
-    model = nnx.merge(model_graph, jax.tree.unflatten(treedef, state))
-    cache = _FlatBatchCache(
-        pool, slots, block_tables, seq_lens, query_start_loc, max_query_len, implementation, interpret
-    )
-    logits, _, cache = model(tokens[None], positions=positions[None], cache=cache)
-    return _draw(logits[0, last], params, words, allowed, masks), cache.pool
-
-
-def _draw(logits, params, words, allowed, masks=None):
-    """Row s of logits [S, V]: its token drawn by `core.sampling.sample` with temperature params[s, 0], top_p
-    params[s, 1], min_p params[s, 2], top_k words[s, 0] and the key of `core.sampling.key_words` words[s, 1:] over
-    the `allowed` ids (bool [V]); with `masks` (uint32 [S, W] twice, `core.sampling.pack_ids`: the ids each row's
-    repetition penalty params[s, 3] applies to, the ids it may not sample now), those too. And
-    `core.sampling.logprobs` of it: (tokens [S], logprob [S], top ids [S, 20], top logprobs [S, 20])."""
-    logits = logits.astype(jnp.float32)
-    seen = banned = None
-    if masks is not None:
-        seen, banned = (sampling.unpack_ids(m, logits.shape[-1]) for m in masks)
-    drawn = sampling.sample(
-        logits,
-        sampling.keys_from_words(words[:, 1:]),
-        temperature=params[:, 0],
-        top_k=words[:, 0].astype(jnp.int32),
-        top_p=params[:, 1],
-        min_p=params[:, 2],
-        allowed=allowed,
-        banned=banned,
-        repetition_penalty=params[:, 3],
-        seen=seen,
-    )
-    return (drawn, *sampling.logprobs(logits, drawn, allowed=allowed))
-
-
-_draw_jit = jax.jit(_draw)
 
 
 class Engine(EngineCore):
@@ -165,7 +60,7 @@ class Engine(EngineCore):
         cfg = model.cfg
         graphdef, state = nnx.split(model)
         self.state, treedef = jax.tree.flatten(state)
-        self.graphdef = _Static((graphdef, treedef))
+        self.graphdef = Static((graphdef, treedef))
         self.pool = PagedPool.create(
             fmt,
             num_layers=cfg.num_layers,
@@ -180,10 +75,39 @@ class Engine(EngineCore):
         self._allowed = jnp.asarray(self.allowed)
         self._executed = 0  # batches run: the engine stream's draw index is (batch, row)
 
-    def _execute(self, batch):
+    def step(self) -> list[Request]:
+        """Schedules, runs and takes back one batch, or K decode steps of it (module docstring); returns the
+        requests that finished ([] when idle)."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        steps = self._steps_ahead(batch)
+        if steps == 1:
+            return self.scheduler.update_from_output(batch, self._execute(batch))
+        return self._execute_steps(batch, steps)
+
+    def _steps_ahead(self, batch: list[tuple[Request, int]]) -> int:
+        """K = `config.decode_steps` when the batch may run K decode steps in one call (module docstring; the
+        blocks of K tokens per sequence then reserved), else 1."""
+        k = self.config.decode_steps
+        if k == 1 or self.scheduler.waiting:
+            return 1
+        for request, n in batch:
+            p = request.sampling
+            decoding = n == 1 and request.num_computed + 1 == len(request.tokens)
+            if not decoding or len(request.output) + k > request.max_new_tokens:
+                return 1
+            if p.repetition_penalty != 1 or self._banned(request):  # (not banned now: never again)
+                return 1
+        return k if self.scheduler.reserve([r for r, _ in batch], k) else 1
+
+    def _arrays(self, batch: list[tuple[Request, int]]) -> tuple[list[np.ndarray], int]:
+        """(`programs.forward`'s batch arrays: tokens, positions, slots [N]; block tables [S, MB]; seq_lens,
+        query_start_loc, last; and max_query_len) of `batch`, N its token count padded by `bucket`, S =
+        max_num_seqs + 1 rows."""
         bs, s_max = self.config.block_size, self.config.max_num_seqs + 1  # + 1 row for the padding tokens
         n_real = sum(n for _, n in batch)
-        n_pad = _bucket(n_real)
+        n_pad = bucket(n_real)
         tokens, positions = np.zeros(n_pad, np.int32), np.zeros(n_pad, np.int32)
         slots = np.full(n_pad, -1, np.int32)
         tables = np.zeros((s_max, self.max_blocks), np.int32)
@@ -206,8 +130,12 @@ class Engine(EngineCore):
         # A batch of decode tokens only attends one query per sequence (the padding row's queries past the first
         # read that one's output back: discarded all the same), else queries up to the padded batch size.
         max_query_len = 1 if all(n == 1 for _, n in batch) else n_pad
-        params, words, masks = self._sampling_rows(batch, s_max)
-        sampled, self.pool = _forward(
+        return [tokens, positions, slots, tables, seq_lens, qsl, last], max_query_len
+
+    def _execute(self, batch):
+        (tokens, positions, slots, tables, seq_lens, qsl, last), max_query_len = self._arrays(batch)
+        params, words, masks = self._sampling_rows(batch, len(seq_lens))
+        sampled, self.pool = forward(
             self.graphdef,
             self.state,
             self.pool,
@@ -236,6 +164,42 @@ class Engine(EngineCore):
             out.append(int(drawn[i]))
         return out
 
+    def _execute_steps(self, batch: list[tuple[Request, int]], k: int) -> list[Request]:
+        """`k` decode steps of `batch` in one call (`programs.decode_steps`), taken back by the scheduler step by
+        step; returns the requests that finished."""
+        (tokens, positions, _, tables, seq_lens, qsl, last), _ = self._arrays(batch)
+        rows = len(seq_lens)
+        live = np.arange(len(tokens)) < len(batch)
+        params, _, _ = self._sampling_rows(batch, rows)
+        words = np.stack([self._sampling_rows(batch, rows, ahead=t)[1] for t in range(k)])
+        sampled, self.pool = decode_steps(
+            self.graphdef,
+            self.state,
+            self.pool,
+            tokens,
+            positions,
+            live,
+            tables,
+            seq_lens,
+            qsl,
+            last,
+            params,
+            words,
+            self._allowed,
+            block_size=self.config.block_size,
+            implementation=self.config.implementation,
+        )
+        self._executed += k
+        drawn, chosen, top_ids, top_logp = jax.device_get(sampled)
+        finished: list[Request] = []
+        for t in range(k):
+            entries = [(i, request) for i, (request, _) in enumerate(batch) if request not in finished]
+            for i, request in entries:
+                self._record(request, chosen[t, i], top_ids[t, i], top_logp[t, i])
+            tokens_t = [int(drawn[t, i]) for i, _ in entries]
+            finished += self.scheduler.update_from_output([(r, 1) for _, r in entries], tokens_t)
+        return finished
+
     def _sample(self, logits: np.ndarray, request: Request, count: int = 1) -> list[int]:
         """The next `count` tokens of `request`, each drawn from the same logits (float32 [vocab]) exactly as
         successive steps draw them (the same sampler, each token's key and log-probability records), in one device
@@ -245,7 +209,7 @@ class Engine(EngineCore):
         ahead = [dataclasses.replace(request, output=[0] * (start + t)) for t in range(count)]  # token start + t
         params, words, masks = self._sampling_rows([(r, 0) for r in ahead], count)
         args = (jnp.broadcast_to(jnp.asarray(logits), (count, len(logits))), params, words, self._allowed, masks)
-        drawn, chosen, top_ids, top_logp = jax.device_get(_draw_jit(*args))
+        drawn, chosen, top_ids, top_logp = jax.device_get(draw_jit(*args))
         for i in range(count):
             self._record(request, chosen[i], top_ids[i], top_logp[i])
         request.output.extend(int(t) for t in drawn)
@@ -260,12 +224,13 @@ class Engine(EngineCore):
             request.top_logprobs.append([(int(top_ids[j]), float(top_logp[j])) for j in best])
 
     def _sampling_rows(
-        self, batch: list[tuple[Request, int]], rows: int
+        self, batch: list[tuple[Request, int]], rows: int, ahead: int = 0
     ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
         """(float32 [rows, 4]: temperature, top_p, min_p, repetition penalty; uint32 [rows, 5]: top_k and the key's
         `core.sampling.key_words`; None, or when some entry has a repetition penalty or may not end yet (fewer
         tokens than its min_tokens) uint32 [rows, W] twice: each row's prompt and output ids, its banned end ids,
-        as `core.sampling.pack_ids` bits) of each batch entry's request; rows past the batch are greedy."""
+        as `core.sampling.pack_ids` bits) of each batch entry's request; rows past the batch are greedy. The keys
+        are those of the step `ahead` steps after the next one (each request `ahead` tokens further)."""
         params = np.zeros((rows, 4), np.float32)
         params[:, 1] = params[:, 3] = 1.0
         words = np.zeros((rows, 5), np.uint32)
@@ -274,9 +239,10 @@ class Engine(EngineCore):
             temperature = self.config.temperature if p.temperature is None else p.temperature
             params[i] = (temperature, p.top_p, p.min_p, p.repetition_penalty)
             if p.seed is not None:
-                key = sampling.key_words(p.seed, len(request.output), _REQUEST_STREAM)
+                key = sampling.key_words(p.seed, len(request.output) + ahead, _REQUEST_STREAM)
             else:
-                key = sampling.key_words(self.config.seed, (self._executed * rows + i) % 2**32, _ENGINE_STREAM)
+                step = self._executed + ahead
+                key = sampling.key_words(self.config.seed, (step * rows + i) % 2**32, _ENGINE_STREAM)
             words[i] = (min(p.top_k, self.vocab_size), *key)
         if not any(r.sampling.repetition_penalty != 1 or self._banned(r) for r, _ in batch):
             return params, words, None
@@ -315,10 +281,11 @@ class Engine(EngineCore):
         created, then the pool as a step returns it (placed as the step's output, which may differ from the new
         pool's placement and is then another program: the one every later step of that size runs). `masked`: the
         variants of batches with a repetition penalty or min_tokens too (twice the programs; without it, the first
-        such batch of each shape compiles its own)."""
+        such batch of each shape compiles its own). With `config.decode_steps` > 1, the decode buckets' K-step
+        programs too (no token live: nothing written)."""
         s_max = self.config.max_num_seqs + 1
-        sizes = sorted({_bucket(n) for n in range(1, self.config.max_num_batched_tokens + 1)})
-        decode = [n for n in sizes if n <= _bucket(self.config.max_num_seqs)]
+        sizes = sorted({bucket(n) for n in range(1, self.config.max_num_batched_tokens + 1)})
+        decode = [n for n in sizes if n <= bucket(self.config.max_num_seqs)]
         shapes = [*((n, n) for n in sizes), (sizes[0], sizes[0]), *((n, 1) for n in decode)]
         width = -(-self.vocab_size // 32)
         empty = np.zeros((s_max, width), np.uint32)
@@ -329,7 +296,7 @@ class Engine(EngineCore):
             qsl[-1] = n
             seq_lens = np.ones(s_max, np.int32)
             seq_lens[-1] = n
-            sampled, self.pool = _forward(
+            sampled, self.pool = forward(
                 self.graphdef,
                 self.state,
                 self.pool,
@@ -347,8 +314,28 @@ class Engine(EngineCore):
                 implementation=self.config.implementation,
             )
             jax.block_until_ready(sampled)
-
-
-def _bucket(num_tokens: int) -> int:
-    """Padded batch size: the next power of two, at least 16 (few distinct compiled shapes)."""
-    return max(16, 1 << (num_tokens - 1).bit_length())
+        k = self.config.decode_steps
+        for n in decode if k > 1 else []:
+            qsl = np.zeros(s_max + 1, np.int32)
+            qsl[-1] = n
+            seq_lens = np.ones(s_max, np.int32)
+            seq_lens[-1] = n
+            params, words, _ = self._sampling_rows([], s_max)
+            sampled, self.pool = decode_steps(
+                self.graphdef,
+                self.state,
+                self.pool,
+                np.zeros(n, np.int32),
+                np.arange(n, dtype=np.int32),
+                np.zeros(n, bool),
+                np.zeros((s_max, self.max_blocks), np.int32),
+                seq_lens,
+                qsl,
+                np.zeros(s_max, np.int32),
+                params,
+                np.stack([words] * k),
+                self._allowed,
+                block_size=self.config.block_size,
+                implementation=self.config.implementation,
+            )
+            jax.block_until_ready(sampled)

@@ -239,6 +239,21 @@ class Scheduler:
         """New blocks `request` needs to hold `num_tokens` more tokens."""
         return -(-(request.num_computed + num_tokens) // self.config.block_size) - len(request.blocks)
 
+    def reserve(self, requests: Sequence[Request], num_tokens: int) -> bool:
+        """Allocates the blocks each of `requests` needs to hold `num_tokens` more tokens than it has computed, for
+        all of them or (nothing allocated) none: whether it did. Never preempts."""
+        taken: list[tuple[Request, list[int]]] = []
+        for request in requests:
+            new = self.blocks.allocate(self._blocks_for(request, num_tokens))
+            if new is None:
+                for r, blocks in taken:
+                    del r.blocks[len(r.blocks) - len(blocks) :]
+                    self.blocks.release(blocks)
+                return False
+            request.blocks += new
+            taken.append((request, new))
+        return True
+
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
         self.blocks.release(victim.blocks)

@@ -1,0 +1,220 @@
+"""Where the serving engine's decode time goes, beside core.generate: tokens per second of the same greedy
+generation, and the engine's step cut into its parts, one device call per token against several.
+
+    python -m experiments.bench.engine_step [--models qwen3,qwen3_moe] [--batches 1,16] [--decode-steps 1,8]
+        [--repeats 5] [--out runs/bench]
+
+The workload is `experiments.bench.peer`'s generation: the quickstart-size random model (`experiments.bench.
+peer_ours`: `qwen3` dense, `qwen3_moe` its MoE), random 32-token prompts continued greedily by exactly 256 tokens (no
+end token, every id allowed). Per model and batch, timed in interleaved rounds (median of `--repeats` after a
+warm-up): `core.generate.generate` (one program: prefill and a scan of decode steps, bf16 `DenseKVCache`) and the
+serving engine (`kvcache.serving.Engine`, bf16 paged pool sized for the workload, prefill in steps of 128 tokens,
+the requests submitted at once, `Engine.run`) at each `--decode-steps` K (`EngineConfig.decode_steps`). Every
+engine's tokens are compared with core.generate's.
+
+Then each engine runs once more with its step's parts timed (wall clock around each call, summed over the run, per
+generated token): the device calls (`programs.forward` and `programs.decode_steps`: on the CPU a call returns when
+its result is ready, the library's host-memory settings applied), building the batch (`Engine._arrays`,
+`Engine._sampling_rows`), the scheduler (`schedule`, `reserve`, `update_from_output`), and the rest of the run
+(recording log-probabilities, reading the results back, the loop). Writes engine_step.json and engine_step.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from experiments import command, harness
+from experiments.bench.peer_ours import MODELS, config_for
+
+PARTS = {
+    "device calls": ("programs", ("forward", "decode_steps")),
+    "building the batch": ("engine", ("_arrays", "_sampling_rows")),
+    "scheduler": ("scheduler", ("schedule", "reserve", "update_from_output")),
+}
+
+
+def make_engine(model, config, batch: int, prompt_len: int, new_tokens: int, decode_steps: int):
+    """The engine `experiments.bench.peer` serves with, at `decode_steps`, warmed up."""
+    from kvcache import capacity, formats
+    from kvcache.serving import Engine, EngineConfig
+
+    fmt, cfg = formats.get("bf16"), config.model
+    shape = capacity.ModelShape(cfg.num_layers, cfg.num_kv_heads, cfg.d_model // cfg.num_heads)
+    blocks = batch * -(-(prompt_len + new_tokens) // 16) + 1
+    engine = Engine(
+        model,
+        fmt,
+        EngineConfig(
+            memory_bytes=blocks * capacity.block_bytes(shape, fmt, block_size=16),
+            max_num_seqs=batch,
+            max_num_batched_tokens=128,
+            max_model_len=max(256, prompt_len + new_tokens),
+            eos_id=None,
+            never=(),
+            num_ids=None,
+            decode_steps=decode_steps,
+        ),
+    )
+    engine.warmup()
+    return engine
+
+
+@contextlib.contextmanager
+def timed_parts(engine) -> Iterator[dict[str, float]]:
+    """Seconds spent in each of PARTS' calls while the block runs (the engine's module names and its own and its
+    scheduler's methods wrapped with a timer, restored after)."""
+    from kvcache.serving import engine as engine_module
+
+    spent = dict.fromkeys(PARTS, 0.0)
+    owners = {"programs": engine_module, "engine": engine, "scheduler": engine.scheduler}
+    saved: list[tuple[Any, str, Any, bool]] = []
+
+    def wrap(part: str, fn: Callable) -> Callable:
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[part] += time.perf_counter() - start
+
+        return call
+
+    for part, (owner, names) in PARTS.items():
+        target = owners[owner]
+        for name in names:
+            saved.append((target, name, getattr(target, name), name in vars(target)))
+            setattr(target, name, wrap(part, getattr(target, name)))
+    try:
+        yield spent
+    finally:
+        for target, name, value, own in saved:
+            if own:
+                setattr(target, name, value)
+            else:
+                delattr(target, name)
+
+
+def bench(model_name: str, batch: int, decode_steps: list[int], repeats: int, new_tokens: int = 256) -> dict:
+    """One (model, batch) row: tokens per second of core.generate and of each engine, tokens equal, and each
+    engine's parts in ms per generated token."""
+    import jax
+    from flax import nnx
+
+    from core import generate as generate_lib
+
+    config = config_for(model_name, "quickstart")
+    graphdef, state, _ = harness.one_device_state(config)
+    model = nnx.merge(graphdef, state.params, state.rest)
+    prompts = np.random.default_rng(batch).integers(0, 256, (batch, 32)).astype(np.int32)
+    engines = {k: make_engine(model, config, batch, prompts.shape[1], new_tokens, k) for k in decode_steps}
+
+    def generate():
+        rows = [np.asarray(p) for p in prompts]
+        return generate_lib.generate(
+            model, rows, max_new_tokens=new_tokens, key=jax.random.key(0), eos_id=None, never=(), num_ids=None
+        )
+
+    def serve(engine):
+        requests = [engine.submit(p.tolist(), new_tokens, ignore_eos=True) for p in prompts]
+        engine.run()
+        return np.asarray([r.output for r in requests])
+
+    calls: dict[str, Callable[[], object]] = {"generate": generate}
+    for k, e in engines.items():
+        calls[f"engine, K = {k}"] = functools.partial(serve, e)
+    reference = np.asarray(generate())
+    equal = {name: bool(np.array_equal(np.asarray(call()), reference)) for name, call in calls.items()}
+    seconds = harness.interleaved_medians(calls, repeats=repeats, warmup=0)
+    tokens = batch * new_tokens
+    parts: dict[str, dict[str, float]] = {}
+    for k, engine in engines.items():
+        with timed_parts(engine) as spent:
+            start = time.perf_counter()
+            serve(engine)
+            total = time.perf_counter() - start
+        per_token = {part: 1e3 * s / tokens for part, s in spent.items()}
+        per_token["rest"] = 1e3 * total / tokens - sum(per_token.values())
+        parts[f"engine, K = {k}"] = per_token
+    row: dict[str, Any] = {
+        "model": model_name,
+        "batch": batch,
+        "new_tokens": new_tokens,
+        "seconds": seconds,
+        "equal": equal,
+    }
+    row.update(tokens_per_second={n: tokens / s for n, s in seconds.items()}, ms_per_token=parts)
+    rate = row["tokens_per_second"]
+    print(f"{model_name} batch {batch}: " + ", ".join(f"{n} {r:,.0f} tok/s" for n, r in rate.items()), flush=True)
+    return row
+
+
+def markdown(result: dict) -> str:
+    """engine_step.md: tokens per second and the engine against core.generate; then the parts per token."""
+    lines = ["# The serving engine's decode step beside core.generate", "", f"`{result['command']}`.", ""]
+    lines += [
+        "Greedy generation, 32-token prompts, 256 new tokens, bf16 keys and values; tokens per second (medians of "
+        f"{result['repeats']} interleaved calls); K: decode steps per device call. Tokens equal: every token of every "
+        "row equals core.generate's.",
+        "",
+        "| model | batch | core.generate tok/s | engine | engine tok/s | engine / core.generate | tokens equal |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        rate = r["tokens_per_second"]
+        for name in (n for n in rate if n != "generate"):
+            lines.append(
+                f"| {r['model']} | {r['batch']} | {rate['generate']:,.0f} | {name} | {rate[name]:,.0f} | "
+                f"**{rate[name] / rate['generate']:.2f}x** | {'yes' if r['equal'][name] else 'no'} |"
+            )
+    parts = [*PARTS, "rest"]
+    lines += [
+        "",
+        "The engine's run cut into its parts, ms per generated token (one run each, timers around the calls):",
+        "",
+        "| model | batch | engine | " + " | ".join(parts) + " | total |",
+        "|---|---|---|" + "---|" * (len(parts) + 1),
+    ]
+    for r in result["rows"]:
+        for name, per in r["ms_per_token"].items():
+            cells = " | ".join(f"{per[p]:.3f}" for p in parts)
+            lines.append(f"| {r['model']} | {r['batch']} | {name} | {cells} | {sum(per.values()):.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    """The command line: see the module docstring, or --help."""
+    study = harness.Study(__doc__, module="experiments.bench.engine_step", topic="bench", repeats=5)
+    parser = study.parser
+    parser.add_argument(
+        "--models",
+        type=harness.names(MODELS),
+        default=",".join(MODELS),
+        help=f"a comma-separated subset of {list(MODELS)}",
+    )
+    parser.add_argument(
+        "--batches", type=harness.integers(1, distinct=True), default="1,16", help="batch sizes, each >= 1"
+    )
+    parser.add_argument(
+        "--decode-steps",
+        type=harness.integers(1, distinct=True),
+        default="1,8",
+        help="the engines' decode steps per device call (EngineConfig.decode_steps), each >= 1",
+    )
+    args = study.parse(argv)
+    rows: list[dict] = []
+    n = len(args.models) * len(args.batches)
+    for m in args.models:
+        for b in args.batches:
+            study.progress(len(rows) + 1, n, f"{m}, batch {b}: core.generate and the engines")
+            rows.append(bench(m, b, args.decode_steps, args.repeats))
+    study.write("engine_step", {"repeats": args.repeats, "rows": rows}, markdown)
+
+
+if __name__ == "__main__":
+    command.run(main)
