@@ -101,13 +101,13 @@ class Engine(EngineCore):
                 return 1
         return k if self.scheduler.reserve([r for r, _ in batch], k) else 1
 
-    def _arrays(self, batch: list[tuple[Request, int]]) -> tuple[list[np.ndarray], int]:
+    def _arrays(self, batch: list[tuple[Request, int]], minimum: int = 16) -> tuple[list[np.ndarray], int]:
         """(`programs.forward`'s batch arrays: tokens, positions, slots [N]; block tables [S, MB]; seq_lens,
-        query_start_loc, last; and max_query_len) of `batch`, N its token count padded by `bucket`, S =
-        max_num_seqs + 1 rows."""
+        query_start_loc, last; and max_query_len) of `batch`, N its token count padded by `bucket(.., minimum)`,
+        S = max_num_seqs + 1 rows."""
         bs, s_max = self.config.block_size, self.config.max_num_seqs + 1  # + 1 row for the padding tokens
         n_real = sum(n for _, n in batch)
-        n_pad = bucket(n_real)
+        n_pad = bucket(n_real, minimum)
         tokens, positions = np.zeros(n_pad, np.int32), np.zeros(n_pad, np.int32)
         slots = np.full(n_pad, -1, np.int32)
         tables = np.zeros((s_max, self.max_blocks), np.int32)
@@ -167,7 +167,7 @@ class Engine(EngineCore):
     def _execute_steps(self, batch: list[tuple[Request, int]], k: int) -> list[Request]:
         """`k` decode steps of `batch` in one call (`programs.decode_steps`), taken back by the scheduler step by
         step; returns the requests that finished."""
-        (tokens, positions, _, tables, seq_lens, qsl, last), _ = self._arrays(batch)
+        (tokens, positions, _, tables, seq_lens, qsl, last), _ = self._arrays(batch, minimum=1)
         rows = len(seq_lens)
         live = np.arange(len(tokens)) < len(batch)
         params, _, _ = self._sampling_rows(batch, rows)
@@ -315,7 +315,7 @@ class Engine(EngineCore):
             )
             jax.block_until_ready(sampled)
         k = self.config.decode_steps
-        for n in decode if k > 1 else []:
+        for n in sorted({bucket(b, 1) for b in range(1, self.config.max_num_seqs + 1)}) if k > 1 else []:
             qsl = np.zeros(s_max + 1, np.int32)
             qsl[-1] = n
             seq_lens = np.ones(s_max, np.int32)

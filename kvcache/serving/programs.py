@@ -191,6 +191,7 @@ def decode_steps(
     return drawn, pool
 
 
-def bucket(num_tokens: int) -> int:
-    """Padded batch size: the next power of two, at least 16 (few distinct compiled shapes)."""
-    return max(16, 1 << (num_tokens - 1).bit_length())
+def bucket(num_tokens: int, minimum: int = 16) -> int:
+    """Padded batch size: the next power of two, at least `minimum` (few distinct compiled shapes; the K-step
+    decode programs pad to 1, 2, 4, ...: a batch of one sequence computes one token per step, not 16)."""
+    return max(minimum, 1 << (num_tokens - 1).bit_length())
