@@ -442,7 +442,12 @@ def test_several_decode_steps_per_call_draw_the_tokens_of_single_steps(model, mo
 
     calls = []
     many = engine_module.decode_steps
-    monkeypatch.setattr(engine_module, "decode_steps", lambda *a, **kw: calls.append(1) or many(*a, **kw))
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return many(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "decode_steps", counted)
     fmt, prompts = formats.get("fp4"), prompts_with_shared_prefix()
 
     def serve(k, stop=None):
