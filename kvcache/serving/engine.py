@@ -20,8 +20,9 @@ at step t takes none after it; what the device computed past an end is discarded
 such a call waits for its end, and its tokens reach the host K at a time.
 
 Memory: the pool is `memory_bytes` of blocks in the chosen format (`kvcache.capacity.num_blocks`), so fp4 holds
-about 3.76x the tokens of bf16 (docs/kvcache.md). Batches are padded to a power of two of at least 16 tokens, so the
-steps run a few compiled programs, all of which `Engine.warmup` compiles before serving.
+about 3.76x the tokens of bf16 (docs/kvcache.md). Batches are padded to a power of two of at least 16 tokens (the
+K-step decode batches: of at least 1), so the steps run a few compiled programs, all of which `Engine.warmup`
+compiles before serving.
 """
 
 from __future__ import annotations
