@@ -183,3 +183,17 @@ def test_engine_step_lowers(platform, implementation):
     assert kernel in text  # the KV write into the pool (and, for the kernels, the attention)
     if implementation != "xla":
         assert text.count(kernel) >= 2 * ENGINE_CFG.num_layers, (kernel, text.count(kernel))
+    # the K-step decode program: the same step in a scan, one live sequence
+    steps = programs.decode_steps.trace(
+        *args[:5],
+        np.ones(n, bool),
+        *args[6:10],
+        args[10],
+        np.stack([args[11]] * 2),
+        args[12],
+        block_size=BS,
+        implementation=implementation,
+        interpret=False,
+    )
+    text = steps.lower(lowering_platforms=(platform,)).as_text()
+    assert "stablehlo.while" in text and kernel in text
