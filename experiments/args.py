@@ -178,8 +178,9 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_kv_flags(parser: argparse.ArgumentParser) -> None:
-    """--kv-format, --scale-rule and --kv-memory-mib: the KV pool's flags. The first two are absent from the parsed
-    namespace when not given (their default is the run's: `kv_format` reads them)."""
+    """--kv-format, --scale-rule and --kv-memory-mib: the KV pool's flags, and --decode-steps, the engine's decode
+    steps per device call. The first two are absent from the parsed namespace when not given (their default is the
+    run's: `kv_format` reads them)."""
     parser.add_argument(
         "--kv-format",
         default=argparse.SUPPRESS,
@@ -197,6 +198,13 @@ def add_kv_flags(parser: argparse.ArgumentParser) -> None:
         type=number(0.0, low_open=True, high=MAX_KV_MEMORY_MIB),
         default=64.0,
         help=f"KV pool size in MiB (at least one block of {EngineConfig.block_size} tokens must fit)",
+    )
+    parser.add_argument(
+        "--decode-steps",
+        type=integer(1),
+        default=EngineConfig.decode_steps,
+        help="decode steps per device call when every scheduled request decodes and none waits (1: a call per "
+        "token; tokens then reach a stream up to this many at a time)",
     )
 
 

@@ -118,9 +118,9 @@ def engine_config(
     prompts: list[list[int]] | None = None,
     eos_ids: tuple[int, ...] = (),
 ) -> EngineConfig:
-    """The engine's config for these flags (--site, --kv-memory-mib, --seed), the run's model, the KV format and the
-    tokenizer (its EOS and `eos_ids`, the generation config's end ids, end a request; its PAD / BOS and the ids past
-    its vocabulary are never sampled), from the run's config alone (nothing is loaded).
+    """The engine's config for these flags (--site, --kv-memory-mib, --decode-steps, --seed), the run's model, the
+    KV format and the tokenizer (its EOS and `eos_ids`, the generation config's end ids, end a request; its PAD / BOS
+    and the ids past its vocabulary are never sampled), from the run's config alone (nothing is loaded).
 
     The pool holds floor(memory / block bytes) blocks of `EngineConfig.block_size` tokens (kvcache.paged); a request
     needs ceil((prompt + new tokens) / block size) of them. Two kinds of caller:
@@ -180,6 +180,7 @@ def engine_config(
         max_model_len=model_len,
         temperature=temperature,
         seed=args.seed,
+        decode_steps=args.decode_steps,
     )
 
 

@@ -21,6 +21,7 @@ from typing import ClassVar
 import pytest
 from flax import nnx
 
+from core.byte_tokenizer import ByteTokenizer
 from core.checkpoint import CheckpointError
 from core.config import TransformerConfig
 from core.hf_tokenizer import HFTokenizer
@@ -148,6 +149,7 @@ def serve_main(capsys, *args, workdir="run"):
         ("--kv-memory-mib", "-2", "> 0"),
         ("--kv-memory-mib", "1e13", "<= 1099511627776"),  # 2**40 MiB: larger would overflow XLA shape sizes
         ("--kv-memory-mib", "lots", "finite number > 0"),
+        ("--decode-steps", "0", "integer >= 1"),
         ("--temperature", "nan", "finite number >= 0"),
         ("--temperature", "inf", "finite number >= 0"),
         ("--temperature", "-0.5", ">= 0"),
@@ -249,6 +251,7 @@ def test_help_shows_every_flag_with_its_default(capsys, monkeypatch):
         "--kv-format": "the run's kvcache.format",
         "--scale-rule": "the run's kvcache.scale_rule",
         "--kv-memory-mib": "64.0",
+        "--decode-steps": "8",
         "--temperature": "0.7",
         "--seed": "0",
         "--site": "0",
@@ -558,6 +561,19 @@ def test_the_http_servers_max_model_len_is_the_models_context_unless_given(tmp_p
     (source / "config.json").unlink()
     source.rmdir()  # the imported folder is gone: the run's own training length
     assert serve_engine.served_lengths(parse(["--workdir", "w"]), run) == (96, 48)
+
+
+def test_decode_steps_reach_the_engine_config():
+    """--decode-steps is the engine's decode steps per device call: EngineConfig's default unless given."""
+    from experiments.server import cli as http_cli
+
+    run, fmt = schema.default_config(), formats.get("bf16")
+    for argv, steps in (
+        (["--workdir", "w"], engine_lib.EngineConfig.decode_steps),
+        (["--workdir", "w", "--decode-steps", "1"], 1),
+    ):
+        args = http_cli.build_parser().parse_args(argv)
+        assert serve_engine.engine_config(args, run, fmt, ByteTokenizer()).decode_steps == steps
 
 
 @pytest.mark.parametrize(
