@@ -28,6 +28,7 @@ compiles before serving.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import TYPE_CHECKING
 
 import jax
@@ -173,6 +174,7 @@ class Engine(EngineCore):
         live = np.arange(len(tokens)) < len(batch)
         params, _, _ = self._sampling_rows(batch, rows)
         words = np.stack([self._sampling_rows(batch, rows, ahead=t)[1] for t in range(k)])
+        plain = not any(params[: len(batch), 0]) and not any(r.sampling.logprobs for r, _ in batch)
         sampled, self.pool = decode_steps(
             self.graphdef,
             self.state,
@@ -189,6 +191,7 @@ class Engine(EngineCore):
             self._allowed,
             block_size=self.config.block_size,
             implementation=self.config.implementation,
+            plain=plain,
         )
         self._executed += k
         drawn, chosen, top_ids, top_logp = jax.device_get(sampled)
@@ -283,7 +286,7 @@ class Engine(EngineCore):
         pool's placement and is then another program: the one every later step of that size runs). `masked`: the
         variants of batches with a repetition penalty or min_tokens too (twice the programs; without it, the first
         such batch of each shape compiles its own). With `config.decode_steps` > 1, the decode buckets' K-step
-        programs too (no token live: nothing written)."""
+        programs too, with the full sampler and the plain one (no token live: nothing written)."""
         s_max = self.config.max_num_seqs + 1
         sizes = sorted({bucket(n) for n in range(1, self.config.max_num_batched_tokens + 1)})
         decode = [n for n in sizes if n <= bucket(self.config.max_num_seqs)]
@@ -316,7 +319,8 @@ class Engine(EngineCore):
             )
             jax.block_until_ready(sampled)
         k = self.config.decode_steps
-        for n in sorted({bucket(b, 1) for b in range(1, self.config.max_num_seqs + 1)}) if k > 1 else []:
+        decode_batches = sorted({bucket(b, 1) for b in range(1, self.config.max_num_seqs + 1)}) if k > 1 else []
+        for n, plain in itertools.product(decode_batches, (False, True)):
             qsl = np.zeros(s_max + 1, np.int32)
             qsl[-1] = n
             seq_lens = np.ones(s_max, np.int32)
@@ -338,5 +342,6 @@ class Engine(EngineCore):
                 self._allowed,
                 block_size=self.config.block_size,
                 implementation=self.config.implementation,
+                plain=plain,
             )
             jax.block_until_ready(sampled)

@@ -111,13 +111,19 @@ def forward(
     return draw(logits[0, last], params, words, allowed, masks), cache.pool
 
 
-def draw(logits, params, words, allowed, masks=None):
+def draw(logits, params, words, allowed, masks=None, *, plain=False):
     """Row s of logits [S, V]: its token drawn by `core.sampling.sample` with temperature params[s, 0], top_p
     params[s, 1], min_p params[s, 2], top_k words[s, 0] and the key of `core.sampling.key_words` words[s, 1:] over
     the `allowed` ids (bool [V]); with `masks` (uint32 [S, W] twice, `core.sampling.pack_ids`: the ids each row's
     repetition penalty params[s, 3] applies to, the ids it may not sample now), those too. And
-    `core.sampling.logprobs` of it: (tokens [S], logprob [S], top ids [S, 20], top logprobs [S, 20])."""
+    `core.sampling.logprobs` of it: (tokens [S], logprob [S], top ids [S, 20], top logprobs [S, 20]). `plain`
+    (static; every row greedy, none recording log-probabilities, no masks): the same tokens by `core.sampling`'s
+    greedy path alone, the log-probabilities zeros."""
     logits = logits.astype(jnp.float32)
+    if plain:
+        drawn = sampling.sample(logits, sampling.keys_from_words(words[:, 1:]), temperature=0, allowed=allowed)
+        rows, top = logits.shape[0], min(sampling.MAX_TOP_LOGPROBS, logits.shape[-1])
+        return drawn, jnp.zeros(rows), jnp.zeros((rows, top), jnp.int32), jnp.zeros((rows, top))
     seen = banned = None
     if masks is not None:
         seen, banned = (sampling.unpack_ids(m, logits.shape[-1]) for m in masks)
@@ -140,7 +146,7 @@ draw_jit = jax.jit(draw)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "block_size", "implementation", "interpret"), donate_argnums=(2,)
+    jax.jit, static_argnames=("graphdef", "block_size", "implementation", "interpret", "plain"), donate_argnums=(2,)
 )
 def decode_steps(
     graphdef,
@@ -160,6 +166,7 @@ def decode_steps(
     block_size,
     implementation,
     interpret=None,
+    plain=False,
 ):
     """K = words.shape[0] decode steps of a batch whose sequence i computes token i (`forward`'s arguments for
     such a batch at its first step: `tokens`, `positions` [N]; `live` bool [N]: token i is sequence i's, the others
@@ -168,7 +175,7 @@ def decode_steps(
     + t (the live ones written to their slots, `block_tables[i, p // block_size] * block_size + p % block_size`,
     the padding ones to none) and draws each sequence's next token, which step t + 1 computes. Returns
     (`draw`'s arrays stacked over the K steps, [K, S, ...]; the pool). Every step is the program `forward` runs for
-    a decode batch (one query per sequence): a sequence's tokens equal those of K single steps."""
+    a decode batch (one query per sequence): a sequence's tokens equal those of K single steps. `plain`: `draw`'s."""
     model_graph, treedef = graphdef.value
     model = nnx.merge(model_graph, jax.tree.unflatten(treedef, state))
     rows = block_tables.shape[0]
@@ -183,7 +190,7 @@ def decode_steps(
             pool, slots, block_tables, seq_lens + t * grows, query_start_loc, 1, implementation, interpret
         )
         logits, _, cache = model(tokens[None], positions=pos[None], cache=cache)
-        drawn = draw(logits[0, last], params, step_words, allowed, None)
+        drawn = draw(logits[0, last], params, step_words, allowed, None, plain=plain)
         tokens = jnp.where(live, drawn[0][row], tokens)
         return (cache.pool, tokens, t + 1), drawn
 
