@@ -135,19 +135,13 @@ class Engine(EngineCore):
         return [tokens, positions, slots, tables, seq_lens, qsl, last], max_query_len
 
     def _execute(self, batch):
-        (tokens, positions, slots, tables, seq_lens, qsl, last), max_query_len = self._arrays(batch)
-        params, words, masks = self._sampling_rows(batch, len(seq_lens))
+        arrays, max_query_len = self._arrays(batch)  # NumPy arrays: the call moves them to the device
+        params, words, masks = self._sampling_rows(batch, self.config.max_num_seqs + 1)
         sampled, self.pool = forward(
             self.graphdef,
             self.state,
             self.pool,
-            tokens,  # NumPy arrays: the call moves them to the device, no op of their own
-            positions,
-            slots,
-            tables,
-            seq_lens,
-            qsl,
-            last,
+            *arrays,
             params,
             words,
             self._allowed,
@@ -169,23 +163,16 @@ class Engine(EngineCore):
     def _execute_steps(self, batch: list[tuple[Request, int]], k: int) -> list[Request]:
         """`k` decode steps of `batch` in one call (`programs.decode_steps`), taken back by the scheduler step by
         step; returns the requests that finished."""
-        (tokens, positions, _, tables, seq_lens, qsl, last), _ = self._arrays(batch, minimum=1)
-        rows = len(seq_lens)
-        live = np.arange(len(tokens)) < len(batch)
-        params, _, _ = self._sampling_rows(batch, rows)
-        words = np.stack([self._sampling_rows(batch, rows, ahead=t)[1] for t in range(k)])
+        arrays, _ = self._arrays(batch, minimum=1)
+        arrays[2] = np.arange(len(arrays[0])) < len(batch)  # `decode_steps` takes which tokens are live, not slots
+        per_step = [self._sampling_rows(batch, self.config.max_num_seqs + 1, ahead=t)[:2] for t in range(k)]
+        params, words = per_step[0][0], np.stack([w for _, w in per_step])
         plain = not any(params[: len(batch), 0]) and not any(r.sampling.logprobs for r, _ in batch)
         sampled, self.pool = decode_steps(
             self.graphdef,
             self.state,
             self.pool,
-            tokens,
-            positions,
-            live,
-            tables,
-            seq_lens,
-            qsl,
-            last,
+            *arrays,
             params,
             words,
             self._allowed,
@@ -197,7 +184,7 @@ class Engine(EngineCore):
         drawn, chosen, top_ids, top_logp = jax.device_get(sampled)
         finished: list[Request] = []
         for t in range(k):
-            entries = [(i, request) for i, (request, _) in enumerate(batch) if request not in finished]
+            entries = [(i, request) for i, (request, _) in enumerate(batch) if not request.finished]
             for i, request in entries:
                 self._record(request, chosen[t, i], top_ids[t, i], top_logp[t, i])
             tokens_t = [int(drawn[t, i]) for i, _ in entries]
