@@ -22,7 +22,6 @@ its result is ready, the library's host-memory settings applied), building the b
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -40,7 +39,8 @@ PARTS = {
 
 
 def make_engine(model, config, batch: int, prompt_len: int, new_tokens: int, decode_steps: int):
-    """The engine `experiments.bench.peer` serves with, at `decode_steps`, warmed up."""
+    """A warmed-up engine sized for the workload (bf16 pool of its sequences' tokens, `batch` sequences, prefill in
+    steps of 128 tokens) at `decode_steps` (`EngineConfig.decode_steps`); what `experiments.bench.peer` serves with."""
     from kvcache import capacity, formats
     from kvcache.serving import Engine, EngineConfig
 
@@ -63,6 +63,33 @@ def make_engine(model, config, batch: int, prompt_len: int, new_tokens: int, dec
     )
     engine.warmup()
     return engine
+
+
+def generate_call(model, prompts: np.ndarray, new_tokens: int) -> Callable[[], np.ndarray]:
+    """A call of `core.generate.generate` continuing `prompts` [B, P] greedily by exactly `new_tokens` (no end
+    token, every id allowed): the ids [B, new_tokens]."""
+    import jax
+
+    from core import generate as generate_lib
+
+    rows = [np.asarray(p) for p in prompts]
+    return lambda: np.asarray(
+        generate_lib.generate(
+            model, rows, max_new_tokens=new_tokens, key=jax.random.key(0), eos_id=None, never=(), num_ids=None
+        )
+    )
+
+
+def serve_call(engine, prompts: np.ndarray, new_tokens: int) -> Callable[[], np.ndarray]:
+    """A call serving `prompts` [B, P] with `engine`, submitted at once, each `new_tokens` tokens ignoring EOS
+    (`Engine.run`): the ids [B, new_tokens]."""
+
+    def serve():
+        requests = [engine.submit(p.tolist(), new_tokens, ignore_eos=True) for p in prompts]
+        engine.run()
+        return np.asarray([r.output for r in requests])
+
+    return serve
 
 
 @contextlib.contextmanager
@@ -103,40 +130,25 @@ def timed_parts(engine) -> Iterator[dict[str, float]]:
 def bench(model_name: str, batch: int, decode_steps: list[int], repeats: int, new_tokens: int = 256) -> dict:
     """One (model, batch) row: tokens per second of core.generate and of each engine, tokens equal, and each
     engine's parts in ms per generated token."""
-    import jax
     from flax import nnx
-
-    from core import generate as generate_lib
 
     config = config_for(model_name, "quickstart")
     graphdef, state, _ = harness.one_device_state(config)
     model = nnx.merge(graphdef, state.params, state.rest)
     prompts = np.random.default_rng(batch).integers(0, 256, (batch, 32)).astype(np.int32)
     engines = {k: make_engine(model, config, batch, prompts.shape[1], new_tokens, k) for k in decode_steps}
-
-    def generate():
-        rows = [np.asarray(p) for p in prompts]
-        return generate_lib.generate(
-            model, rows, max_new_tokens=new_tokens, key=jax.random.key(0), eos_id=None, never=(), num_ids=None
-        )
-
-    def serve(engine):
-        requests = [engine.submit(p.tolist(), new_tokens, ignore_eos=True) for p in prompts]
-        engine.run()
-        return np.asarray([r.output for r in requests])
-
-    calls: dict[str, Callable[[], object]] = {"generate": generate}
+    calls: dict[str, Callable[[], np.ndarray]] = {"generate": generate_call(model, prompts, new_tokens)}
     for k, e in engines.items():
-        calls[f"engine, K = {k}"] = functools.partial(serve, e)
-    reference = np.asarray(generate())
-    equal = {name: bool(np.array_equal(np.asarray(call()), reference)) for name, call in calls.items()}
+        calls[f"engine, K = {k}"] = serve_call(e, prompts, new_tokens)
+    reference = np.asarray(calls["generate"]())
+    equal = {name: bool(np.array_equal(call(), reference)) for name, call in calls.items() if name != "generate"}
     seconds = harness.interleaved_medians(calls, repeats=repeats, warmup=0)
     tokens = batch * new_tokens
     parts: dict[str, dict[str, float]] = {}
     for k, engine in engines.items():
         with timed_parts(engine) as spent:
             start = time.perf_counter()
-            serve(engine)
+            serve_call(engine, prompts, new_tokens)()
             total = time.perf_counter() - start
         per_token = {part: 1e3 * s / tokens for part, s in spent.items()}
         per_token["rest"] = 1e3 * total / tokens - sum(per_token.values())

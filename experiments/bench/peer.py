@@ -253,48 +253,19 @@ def bench(model: str, size: str, chosen: list[Variant], work: dict[str, Any], li
 
 
 def our_generation(config, model, prompts: np.ndarray, new_tokens: int, repeats: int) -> dict:
-    """{"generate" | "engine": {"seconds": median, "ids": [B, new_tokens]}} for greedy continuation of `prompts`."""
-    import jax
-
-    from core import generate as generate_lib
-    from kvcache import capacity, formats
-    from kvcache.serving import Engine, EngineConfig
+    """{"generate" | "engine": {"seconds": median, "ids": [B, new_tokens]}} for greedy continuation of `prompts`:
+    `experiments.bench.engine_step`'s calls, the engine at its default decode steps per call."""
+    from experiments.bench import engine_step
+    from kvcache.serving import EngineConfig
 
     batch, prompt_len = prompts.shape
-    rows = [np.asarray(p) for p in prompts]
-    cfg = config.model
-
-    def generate():
-        return generate_lib.generate(
-            model, rows, max_new_tokens=new_tokens, key=jax.random.key(0), eos_id=None, never=(), num_ids=None
-        )
-
-    fmt = formats.get("bf16")
-    shape = capacity.ModelShape(cfg.num_layers, cfg.num_kv_heads, cfg.d_model // cfg.num_heads)
-    blocks = batch * -(-(prompt_len + new_tokens) // 16) + 1
-    engine = Engine(  # sized for the workload: its sequences, their tokens, prefill in steps of 128 tokens
-        model,
-        fmt,
-        EngineConfig(
-            memory_bytes=blocks * capacity.block_bytes(shape, fmt, block_size=16),
-            max_num_seqs=batch,
-            max_num_batched_tokens=128,
-            max_model_len=max(256, prompt_len + new_tokens),
-            eos_id=None,
-            never=(),
-            num_ids=None,
-        ),
-    )
-    engine.warmup()
-
-    def serve():
-        requests = [engine.submit(p.tolist(), new_tokens, ignore_eos=True) for p in prompts]
-        engine.run()
-        return np.asarray([r.output for r in requests])
-
-    calls = {"generate": generate, "engine": serve}
+    engine = engine_step.make_engine(model, config, batch, prompt_len, new_tokens, EngineConfig.decode_steps)
+    calls = {
+        "generate": engine_step.generate_call(model, prompts, new_tokens),
+        "engine": engine_step.serve_call(engine, prompts, new_tokens),
+    }
     print(f"ours, batch {batch}: the first calls (generate compiles) ...", flush=True)
-    ids = {name: np.asarray(call()).tolist() for name, call in calls.items()}
+    ids = {name: call().tolist() for name, call in calls.items()}
     seconds = harness.interleaved_medians(calls, repeats=repeats, warmup=0)
     return {name: {"seconds": seconds[name], "ids": ids[name]} for name in calls}
 
