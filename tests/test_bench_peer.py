@@ -46,7 +46,6 @@ def test_a_bad_variant_is_refused_naming_it(text, words):
 def test_a_preloaded_allocator_is_what_the_process_reports(tmp_path):
     """The check that stops a run whose preload did not take: a process started without LD_PRELOAD reports glibc,
     one started with jemalloc preloaded reports jemalloc."""
-    assert peer_ours.allocator() in ("glibc", "jemalloc", "tcmalloc")
     code = "from experiments.bench import peer_ours; print(peer_ours.allocator())"
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
