@@ -87,7 +87,10 @@ def unified_attention(
     probs = jax.nn.softmax(scores, axis=-1)
     owned = k_pos[None, :] < seq_lens[:, None]  # [B, S]: slots of the sequence, the rest may hold NaN / Inf
     values = jnp.where(owned[:, None, :, None], values, 0.0)  # so that 0 probability x value is 0, never NaN
-    out = jnp.einsum("bkgqs,bksd->bqkgd", probs, values, precision=jax.lax.Precision.HIGHEST).reshape(b, max_q, h, dp)
+    # The product's own output order (values stay [s, d] as the rhs); asking einsum for [b, q, k, g, d] made XLA:CPU
+    # transpose the gathered values to [d, s] instead, the decode step's costliest op.
+    out = jnp.einsum("bkgqs,bksd->bkgqd", probs, values, precision=jax.lax.Precision.HIGHEST)
+    out = jnp.moveaxis(out, 3, 1).reshape(b, max_q, h, dp)
     # Each token reads its slot back: token i of sequence s is slot i - query_start_loc[s].
     seq_of = jnp.searchsorted(query_start_loc[1:], jnp.arange(t), side="right")
     return fmt.finish_output(out[seq_of, jnp.arange(t) - query_start_loc[seq_of]], d)
