@@ -13,10 +13,13 @@ repetition penalty, or may not end yet (min_tokens), also sends each row's ids a
 the prompt's and output's, its end ids): another compiled program, which `Engine.warmup(masked=True)` compiles too.
 
 Decoding several steps per call: when every scheduled sequence decodes, no request waits, none has such masks and
-each may take `EngineConfig.decode_steps` = K more tokens, the engine reserves the blocks of K tokens per sequence
-and runs K steps in one call (`programs.decode_steps`), drawing every token with the key a step of its own would
-use: the tokens are the same as K single steps'. The scheduler then takes them step by step (a sequence that ends
-at step t takes none after it; what the device computed past an end is discarded). A request that arrives during
+each has room for `EngineConfig.decode_steps` = K more tokens in its block table, the engine reserves the blocks of
+K tokens per sequence and runs K steps in one call (`programs.decode_steps`), drawing every token with the key a step of its own would
+use: the tokens are the same as K single steps' (an unseeded request's key follows its row in the batch, which a
+request ahead of it ending inside the call does not shift as the next single step's batch would: its tokens then
+differ, as they do in any other batch). The scheduler then takes them step by step (a sequence that ends
+at step t takes none after it; what the device computed past an end is discarded, so a request with fewer than K
+tokens left to its max_new_tokens runs one such call, not single steps). A request that arrives during
 such a call waits for its end, and its tokens reach the host K at a time.
 
 Memory: the pool is `memory_bytes` of blocks in the chosen format (`kvcache.capacity.num_blocks`), so fp4 holds
@@ -97,7 +100,7 @@ class Engine(EngineCore):
         for request, n in batch:
             p = request.sampling
             decoding = n == 1 and request.num_computed + 1 == len(request.tokens)
-            if not decoding or len(request.output) + k > request.max_new_tokens:
+            if not decoding or request.num_computed + k > self.max_blocks * self.config.block_size:
                 return 1
             if p.repetition_penalty != 1 or self._banned(request):  # (not banned now: never again)
                 return 1
