@@ -83,7 +83,9 @@ class MoEConfig:
     z_loss_weight: float = field(0.001, "weight of the router z-loss", low=0.0)
     grouped_matmul: str = field(
         "auto",
-        "dropless expert product: 'auto' (ragged_dot on GPU/TPU, windowed loop on CPU), 'ragged_dot', 'windowed'",
+        "dropless expert product: 'auto' (ragged_dot on GPU/TPU; on CPU batched from 32 rows per expert, else"
+        " windowed), 'ragged_dot', 'windowed' (a loop of per-window matmuls), 'batched' (one batched matmul at a"
+        " capacity near the mean, the rest in windows)",
         choices=IMPLEMENTATIONS,
     )
 

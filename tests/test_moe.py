@@ -38,14 +38,16 @@ def _gmm_reference(x, w, sizes):
     return out
 
 
-@pytest.mark.parametrize("implementation", ["windowed", "ragged_dot"])
+@pytest.mark.parametrize("implementation", ["windowed", "ragged_dot", "batched"])
 @pytest.mark.parametrize(
     "m, k, n, sizes, window",
     [
         (37, 5, 3, [10, 0, 7, 15], 4),  # an empty group, groups longer than the window, 5 rows past the total
         (37, 5, 3, [10, 0, 7, 15], 32),  # windows longer than the groups
         (64, 16, 8, [64], None),  # one group
-        (50, 8, 6, [1, 1, 1, 0, 0, 20, 27], 8),  # ragged, ends exactly at M
+        (50, 8, 6, [1, 1, 1, 0, 0, 20, 27], 8),  # ragged, ends exactly at M; "batched": two groups past capacity
+        (60, 4, 3, [50, 2, 8], 4),  # "batched": one group 18 rows past its capacity of 32, in windows of 4
+        (40, 6, 5, [3, 9, 2], 4),  # rows mostly past the total ("batched" runs "windowed")
         (9, 4, 4, [0, 0, 0], 4),  # nothing to compute
     ],
 )

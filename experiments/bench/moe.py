@@ -101,6 +101,7 @@ def bench_grouped_matmul(repeats: int) -> list[dict]:
     candidates = {
         "windowed": lambda x, w: grouped_matmul(x, w, sizes, implementation="windowed"),
         "ragged_dot": lambda x, w: grouped_matmul(x, w, sizes, implementation="ragged_dot"),
+        "batched": lambda x, w: grouped_matmul(x, w, sizes, implementation="batched"),
         "batched einsum (equal groups only)": lambda x, w: jnp.einsum(
             "gmk,gkn->gmn", x.reshape(g, m // g, k), w
         ).reshape(m, n),
