@@ -2,7 +2,7 @@
 generation, and the engine's step cut into its parts, one device call per token against several.
 
     python -m experiments.bench.engine_step [--models qwen3,qwen3_moe] [--batches 1,16] [--decode-steps 1,8]
-        [--repeats 5] [--out runs/bench]
+        [--repeats 5] [--profile TOP] [--out runs/bench]
 
 The workload is `experiments.bench.peer`'s generation: the quickstart-size random model (`experiments.bench.
 peer_ours`: `qwen3` dense, `qwen3_moe` its MoE), random 32-token prompts continued greedily by exactly 256 tokens (no
@@ -16,12 +16,19 @@ Then each engine runs once more with its step's parts timed (wall clock around e
 generated token): the device calls (`programs.forward` and `programs.decode_steps`: on the CPU a call returns when
 its result is ready, the library's host-memory settings applied), building the batch (`Engine._arrays`,
 `Engine._sampling_rows`), the scheduler (`schedule`, `reserve`, `update_from_output`), and the rest of the run
-(recording log-probabilities, reading the results back, the loop). Writes engine_step.json and engine_step.md.
+(recording log-probabilities, reading the results back, the loop). With `--profile TOP`, each engine serves once
+more under XLA's trace (`jax.profiler`) and the TOP operations XLA:CPU ran longest are listed, in microseconds per
+generated token (names as in the compiled HLO; loops and the executor's own spans are left out, the operations
+inside loops counted). Writes engine_step.json and engine_step.md.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import glob
+import re
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -127,7 +134,38 @@ def timed_parts(engine) -> Iterator[dict[str, float]]:
                 delattr(target, name)
 
 
-def bench(model_name: str, batch: int, decode_steps: list[int], repeats: int, new_tokens: int = 256) -> dict:
+_WRAPPERS = re.compile(r"^(ThunkExecutor.*|(while|conditional|call)(\.\d+)?)$")
+
+
+def profile_ops(call: Callable[[], Any], tokens: int, top: int) -> list[tuple[str, float]]:
+    """The `top` operations XLA:CPU spent longest in during `call()` (XLA's trace through `jax.profiler`), as (HLO
+    name, microseconds per generated token of `tokens`), after their sum ("(all operations)"): events of the
+    runtime's threads, without loops and the executor's own spans (the operations inside a loop are counted)."""
+    import jax
+
+    with tempfile.TemporaryDirectory() as folder:
+        jax.profiler.start_trace(folder)
+        try:
+            call()
+        finally:
+            jax.profiler.stop_trace()
+        (path,) = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
+        data = jax.profiler.ProfileData.from_file(path)
+    spent: collections.Counter[str] = collections.Counter()
+    for plane in data.planes:
+        for line in plane.lines:
+            if line.name == "python":
+                continue
+            for event in line.events:
+                if not _WRAPPERS.match(event.name):
+                    spent[event.name] += event.duration_ns
+    total = ("(all operations)", sum(spent.values()) / 1e3 / tokens)
+    return [total] + [(name, ns / 1e3 / tokens) for name, ns in spent.most_common(top)]
+
+
+def bench(
+    model_name: str, batch: int, decode_steps: list[int], repeats: int, new_tokens: int = 256, profile: int = 0
+) -> dict:
     """One (model, batch) row: tokens per second of core.generate and of each engine, tokens equal, and each
     engine's parts in ms per generated token."""
     from flax import nnx
@@ -153,12 +191,16 @@ def bench(model_name: str, batch: int, decode_steps: list[int], repeats: int, ne
         per_token = {part: 1e3 * s / tokens for part, s in spent.items()}
         per_token["rest"] = 1e3 * total / tokens - sum(per_token.values())
         parts[f"engine, K = {k}"] = per_token
+    ops = {}
+    for k, engine in engines.items() if profile else ():
+        ops[f"engine, K = {k}"] = profile_ops(serve_call(engine, prompts, new_tokens), tokens, profile)
     row: dict[str, Any] = {
         "model": model_name,
         "batch": batch,
         "new_tokens": new_tokens,
         "seconds": seconds,
         "equal": equal,
+        "ops": ops,
     }
     row.update(tokens_per_second={n: tokens / s for n, s in seconds.items()}, ms_per_token=parts)
     rate = row["tokens_per_second"]
@@ -196,6 +238,17 @@ def markdown(result: dict) -> str:
         for name, per in r["ms_per_token"].items():
             cells = " | ".join(f"{per[p]:.3f}" for p in parts)
             lines.append(f"| {r['model']} | {r['batch']} | {name} | {cells} | {sum(per.values()):.3f} |")
+    if any(r["ops"] for r in result["rows"]):
+        lines += [
+            "",
+            "The operations XLA:CPU ran longest (XLA's trace of one more run each; us per generated token):",
+            "",
+            "| model | batch | engine | operation | us per token |",
+            "|---|---|---|---|---|",
+        ]
+        for r in result["rows"]:
+            for name, ops in r["ops"].items():
+                lines += [f"| {r['model']} | {r['batch']} | {name} | `{op}` | {us:.1f} |" for op, us in ops]
     return "\n".join(lines) + "\n"
 
 
@@ -218,14 +271,23 @@ def main(argv=None) -> None:
         default="1,8",
         help="the engines' decode steps per device call (EngineConfig.decode_steps), each >= 1",
     )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="TOP",
+        help="list the TOP operations of each engine's run under XLA's trace (0: no trace)",
+    )
     args = study.parse(argv)
+    if args.profile < 0:
+        parser.error(f"--profile = {args.profile}; allowed: an integer >= 0")
     rows: list[dict] = []
     n = len(args.models) * len(args.batches)
     for m in args.models:
         for b in args.batches:
             study.progress(len(rows) + 1, n, f"{m}, batch {b}: core.generate and the engines")
-            rows.append(bench(m, b, args.decode_steps, args.repeats))
-    study.write("engine_step", {"repeats": args.repeats, "rows": rows}, markdown)
+            rows.append(bench(m, b, args.decode_steps, args.repeats, profile=args.profile))
+    study.write("engine_step", {"repeats": args.repeats, "profile": args.profile, "rows": rows}, markdown)
 
 
 if __name__ == "__main__":
