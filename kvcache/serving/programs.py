@@ -47,14 +47,25 @@ class FlatBatchCache:
         return self.seq_lens
 
     def update_and_attend(self, layer, q, k, v):
+        """Writes and attends layer `layer` (a Python int) in the whole pool seen as one layer of L x NB blocks
+        (its first two axes merged, a free reshape): the slots and block ids move by `layer` x NB, so the write
+        updates the pool in place, where writing a layer's slice and setting it back copied the layer every step."""
         kw: dict[str, Any] = dict(fmt=self.pool.fmt, implementation=self.implementation, interpret=self.interpret)
-        fields = attention.write(self.pool.layer(layer), k[0], v[0], self.slots, **kw)
+        shapes = {n: x.shape for n, x in self.pool.fields.items()}
+        merged = {n: x.reshape(-1, *x.shape[2:]) for n, x in self.pool.fields.items()}  # [L * NB, K, bs, ...]
+        first = layer * self.pool.num_blocks  # the layer's first block in the merged pool
+        slots = jnp.where(self.slots >= 0, self.slots + first * self.pool.block_size, -1)
+        fields = attention.write(merged, k[0], v[0], slots, **kw)
         out = attention.unified_attention(
-            q[0], fields, self.block_tables, self.seq_lens, self.query_start_loc, max_query_len=self.max_query_len, **kw
+            q[0],
+            fields,
+            self.block_tables + first,
+            self.seq_lens,
+            self.query_start_loc,
+            max_query_len=self.max_query_len,
+            **kw,
         )
-        pool = dataclasses.replace(
-            self.pool, fields={n: x.at[layer].set(fields[n]) for n, x in self.pool.fields.items()}
-        )
+        pool = dataclasses.replace(self.pool, fields={n: x.reshape(shapes[n]) for n, x in fields.items()})
         return out[None].astype(q.dtype), dataclasses.replace(self, pool=pool)
 
     def advance(self, num_tokens):
