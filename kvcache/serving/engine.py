@@ -14,12 +14,12 @@ the prompt's and output's, its end ids): another compiled program, which `Engine
 
 Decoding several steps per call: when every scheduled sequence decodes, no request waits, none has such masks and
 each has room for `EngineConfig.decode_steps` = K more tokens in its block table, the engine reserves the blocks of
-K tokens per sequence and runs K steps in one call (`programs.decode_steps`), drawing every token with the key a step of its own would
-use: the tokens are the same as K single steps' (an unseeded request's key follows its row in the batch, which a
-request ahead of it ending inside the call does not shift as the next single step's batch would: its tokens then
-differ, as they do in any other batch). The scheduler then takes them step by step (a sequence that ends
-at step t takes none after it; what the device computed past an end is discarded, so a request with fewer than K
-tokens left to its max_new_tokens runs one such call, not single steps). A request that arrives during
+K tokens per sequence and runs K steps in one call (`programs.decode_steps`), drawing every token with the key a
+step of its own would use: the tokens are the same as K single steps' (an unseeded request's key follows its row in
+the batch, which a request ahead of it ending inside the call does not shift as the next single step's batch would:
+its tokens then differ, as they do in any other batch). The scheduler then takes them step by step (a sequence that
+ends at step t takes none after it; what the device computed past an end is discarded, so a request with fewer than
+K tokens left to its max_new_tokens runs one such call, not single steps). A request that arrives during
 such a call waits for its end, and its tokens reach the host K at a time.
 
 Memory: the pool is `memory_bytes` of blocks in the chosen format (`kvcache.capacity.num_blocks`), so fp4 holds
