@@ -189,7 +189,8 @@ def windowed_grouped_matmul(lhs, rhs, group_sizes, window: int, out_dtype):
     window, in order. `window` and `out_dtype` are static."""
     m = lhs.shape[0]
     count, group, first_row, row_end = _windows(group_sizes, m, window)
-    return _real_rows(_forward_loop(_padded(lhs, window), rhs, (count, group, first_row), window, out_dtype), m, row_end)
+    out = _forward_loop(_padded(lhs, window), rhs, (count, group, first_row), window, out_dtype)
+    return _real_rows(out, m, row_end)
 
 
 def _forward_loop(padded, rhs, spans, window: int, out_dtype):
@@ -253,7 +254,7 @@ windowed_grouped_matmul.defvjp(_fwd, _bwd)
 
 
 def _capacity_layout(group_sizes: jax.Array, m: int, capacity: int):
-    """"batched"'s layout: (row_end; source [G, C]: the row of each group's c-th slot, m (a zero row of the padded
+    """The "batched" layout: (row_end; source [G, C]: the row of each group's c-th slot, m (a zero row of the padded
     operand) past its size; main [M]: row i is in its group's first C rows; slot [M]: its index in the flattened
     [G * C] product; spans: the windows over each group's rows past C)."""
     row_end = jnp.cumsum(group_sizes)

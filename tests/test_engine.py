@@ -434,10 +434,11 @@ def test_id_sets_cross_as_bits_and_come_back_as_the_same_mask(vocab):
 
 
 def test_several_decode_steps_per_call_draw_the_tokens_of_single_steps(model, monkeypatch):
-    """K decode steps per device call (`EngineConfig.decode_steps`) give exactly what one step per call gives:
-    tokens, log-probabilities and finish reasons of greedy, seeded and unseeded (the engine's stream) requests, and
-    of one that meets its stop id inside a call (what the device computed past it is discarded, its blocks
-    released); in fewer calls, the last of them running past the tokens the requests have left; and for a batch of greedy requests without log-probabilities (the plain sampler)."""
+    """K decode steps per device call (`EngineConfig.decode_steps`) give exactly what one step per call gives: tokens,
+    log-probabilities and finish reasons of greedy, seeded and unseeded (the engine's stream) requests, and of one
+    that meets its stop id inside a call (what the device computed past it is discarded, its blocks released); in
+    fewer calls, the last of them running past the tokens the requests have left; and for a batch of greedy requests
+    without log-probabilities (the plain sampler)."""
     from kvcache.serving import engine as engine_module
 
     calls = []
