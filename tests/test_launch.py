@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -420,6 +421,20 @@ def test_the_processes_take_the_launchers_heartbeat_timeout(monkeypatch):
     monkeypatch.setenv(supervisor.HEARTBEAT_TIMEOUT_ENV, str(supervisor.heartbeat_timeout(7)))
     mesh_lib.initialize_distributed(ml_collections.ConfigDict(mesh))
     assert seen == [mesh_lib.HEARTBEAT_TIMEOUT_SECONDS, 2 * 7 + mesh_lib.HEARTBEAT_TIMEOUT_SECONDS]
+
+
+def test_a_silent_process_is_killed_only_after_the_others_were_told(monkeypatch):
+    """`_end_silent` writes the peer-lost notice to the other running processes before it kills the silent one:
+    killed first, a peer waiting on it in a collective could fail on the reset connection with a traceback before it
+    read the notice (seen under load)."""
+    events = []
+    monkeypatch.setattr(supervisor.os, "write", lambda fd, data: events.append(("notice", fd)) or len(data))
+    monkeypatch.setattr(supervisor.os, "killpg", lambda pid, sig: events.append(("kill", pid)))
+    monkeypatch.setattr(supervisor.time, "sleep", lambda s: events.append(("sleep", s)))
+    monkeypatch.setattr(supervisor.process, "stopped", lambda pid: True)
+    proc = types.SimpleNamespace(pid=4242)
+    supervisor._end_silent(1, proc, 3.0, notices=[10, 11, 12], codes=[None, None, 0])
+    assert events == [("notice", 10), ("sleep", supervisor.KILL_GRACE_SECONDS), ("kill", 4242)]
 
 
 @pytest.mark.parametrize("beyond", [False, True], ids=["within", "beyond"])

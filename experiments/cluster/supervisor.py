@@ -34,7 +34,7 @@ the run goes on and ends as it would have without the pause. A process that, onc
 gives no sign of life for longer (no beat on its `core.mesh.ALIVE_ENV` pipe and no CPU time used) is ended: the
 launcher prints one line naming it, e.g. `launch: error: process 1 (site 1) has given no sign of life for 50 s (it is
 stopped, e.g. by SIGSTOP; --site-timeout=50): ending the run with exit status 75; rerun the same command to resume
-from the last checkpoint`, kills it (SIGKILL), tells the others (each stops with an `error:` line, status 1) and exits
+from the last checkpoint`, tells the others (each stops with an `error:` line, status 1), kills it (SIGKILL) and exits
 with SITE_TIMEOUT_EXIT_CODE = 75. The checkpoints are those of a run killed at that point: rerunning the same command
 resumes from the last one. jax.distributed's heartbeat timeout is raised to match (`heartbeat_timeout()`), so that
 jaxlib does not abort every process first (with its default, 10-20 s into a pause: SIGABRT and a C++ stack trace).
@@ -113,6 +113,10 @@ the moment it was paused at (10 s of margin for the beats, the launcher's pollin
 SITE_TIMEOUT_EXIT_CODE = 75
 """The launcher's exit code when it ended the run because a process gave no sign of life for longer than
 `site_timeout` (EX_TEMPFAIL of sysexits.h: a temporary failure; rerunning the same command resumes the run)."""
+KILL_GRACE_SECONDS = 0.5
+"""How long a process the launcher ends for its silence is left stopped after the others were told (`_end_silent`):
+told first, they stop with their `error:` line; killed first, a collective waiting on it could fail on the broken
+connection with a traceback before the notice was read."""
 NOTICE_SECONDS = 2
 """After a process fails, the others still running this long afterwards are told so (`core.mesh`'s peer-lost notice:
 an `error:` line, exit status 1). One in a collective has stopped by itself by then, naming its last checkpoint; one
@@ -480,8 +484,8 @@ def _notify(notices: Sequence[int], codes: Sequence[int | None], line: str) -> N
 def _end_silent(
     index: int, proc: subprocess.Popen, timeout: float, notices: Sequence[int], codes: Sequence[int | None]
 ) -> None:
-    """Ends the run for process `index`, silent for longer than `timeout`: one line naming it, SIGKILL to its group
-    (a stopped process receives it too), and a notice to the others."""
+    """Ends the run for process `index`, silent for longer than `timeout`: one line naming it, a notice to the
+    others, then after KILL_GRACE_SECONDS SIGKILL to its group (a stopped process receives it too)."""
     how = "it is stopped, e.g. by SIGSTOP" if process.stopped(proc.pid) else "it neither beats nor computes: hung"
     print(
         f"launch: error: process {index} (site {index}) has given no sign of life for {timeout:g} s ({how}; "
@@ -489,7 +493,8 @@ def _end_silent(
         "command to resume from the last checkpoint",
         flush=True,
     )
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
     others = [c if i != index else 0 for i, c in enumerate(codes)]
     _notify(notices, others, f"process {index} gave no sign of life for {timeout:g} s and was killed")
+    time.sleep(KILL_GRACE_SECONDS)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
