@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import types
+from typing import cast
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -427,12 +428,17 @@ def test_a_silent_process_is_killed_only_after_the_others_were_told(monkeypatch)
     """`_end_silent` writes the peer-lost notice to the other running processes before it kills the silent one:
     killed first, a peer waiting on it in a collective could fail on the reset connection with a traceback before it
     read the notice (seen under load)."""
-    events = []
-    monkeypatch.setattr(supervisor.os, "write", lambda fd, data: events.append(("notice", fd)) or len(data))
+    events: list[tuple[str, float]] = []
+
+    def write(fd, data):
+        events.append(("notice", fd))
+        return len(data)
+
+    monkeypatch.setattr(supervisor.os, "write", write)
     monkeypatch.setattr(supervisor.os, "killpg", lambda pid, sig: events.append(("kill", pid)))
     monkeypatch.setattr(supervisor.time, "sleep", lambda s: events.append(("sleep", s)))
     monkeypatch.setattr(supervisor.process, "stopped", lambda pid: True)
-    proc = types.SimpleNamespace(pid=4242)
+    proc = cast(subprocess.Popen, types.SimpleNamespace(pid=4242))
     supervisor._end_silent(1, proc, 3.0, notices=[10, 11, 12], codes=[None, None, 0])
     assert events == [("notice", 10), ("sleep", supervisor.KILL_GRACE_SECONDS), ("kill", 4242)]
 
