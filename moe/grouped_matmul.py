@@ -256,7 +256,7 @@ windowed_grouped_matmul.defvjp(_fwd, _bwd)
 def _capacity_layout(group_sizes: jax.Array, m: int, capacity: int):
     """The "batched" layout: (row_end; source [G, C]: the row of each group's c-th slot, m (a zero row of the padded
     operand) past its size; main [M]: row i is in its group's first C rows; slot [M]: its index in the flattened
-    [G * C] product; spans: the windows over each group's rows past C)."""
+    [G * C] product; over_start [G]: each group's first row past its C)."""
     row_end = jnp.cumsum(group_sizes)
     starts = row_end - group_sizes
     c = jnp.arange(capacity)
