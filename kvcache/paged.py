@@ -83,6 +83,17 @@ class PagedPool:
     def layer(self, i: int) -> dict[str, jax.Array]:
         return {name: x[i] for name, x in self.fields.items()}
 
+    def as_one_layer(self, layer: int) -> tuple[dict[str, jax.Array], int]:
+        """(the fields with their layer and block axes merged, [L * NB, K, bs, ...]: a free reshape; the first block
+        of layer `layer` there). Writing and attending layer `layer` in them (its block ids + that offset, its slots
+        + offset x bs) and `from_one_layer` update the pool in place, where writing a layer's slice and setting it
+        back copies the layer on every call."""
+        return {n: x.reshape(-1, *x.shape[2:]) for n, x in self.fields.items()}, layer * self.num_blocks
+
+    def from_one_layer(self, merged: dict[str, jax.Array]) -> PagedPool:
+        """The pool holding `merged` (`as_one_layer`'s fields, updated)."""
+        return dataclasses.replace(self, fields={n: x.reshape(self.fields[n].shape) for n, x in merged.items()})
+
 
 @struct.dataclass
 class PagedKVCache:
@@ -105,28 +116,26 @@ class PagedKVCache:
         bs = self.pool.block_size
         pos = self.lengths[:, None] + jnp.arange(t)[None]  # [B, T]
         blocks = jnp.take_along_axis(self.block_tables, jnp.minimum(pos // bs, self.block_tables.shape[1] - 1), 1)
-        slots = jnp.where(pos < self.capacity, blocks * bs + pos % bs, -1).reshape(-1)
+        merged, first = self.pool.as_one_layer(layer)
+        slots = jnp.where(pos < self.capacity, (first + blocks) * bs + pos % bs, -1).reshape(-1)
+        tables = self.block_tables + first
         kw: dict[str, Any] = dict(fmt=self.pool.fmt, implementation=self.implementation, interpret=self.interpret)
-        fields = attention.write(
-            self.pool.layer(layer), k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:]), slots, **kw
-        )
+        fields = attention.write(merged, k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:]), slots, **kw)
         if t == 1:
-            out = attention.decode_attention(q[:, 0], fields, self.block_tables, self.lengths + 1, **kw)
+            out = attention.decode_attention(q[:, 0], fields, tables, self.lengths + 1, **kw)
         else:
             qsl = jnp.arange(b + 1, dtype=jnp.int32) * t
             impl = "xla" if self.implementation == "xla_split" else self.implementation  # prefill: the reference
             out = attention.unified_attention(
                 q.reshape(b * t, h, d),
                 fields,
-                self.block_tables,
+                tables,
                 self.lengths + t,
                 qsl,
                 max_query_len=t,
                 **{**kw, "implementation": impl},
             )
-        pool = dataclasses.replace(
-            self.pool, fields={n: x.at[layer].set(fields[n]) for n, x in self.pool.fields.items()}
-        )
+        pool = self.pool.from_one_layer(fields)
         return out.reshape(b, t, h, d).astype(q.dtype), dataclasses.replace(self, pool=pool)
 
     def advance(self, num_tokens):

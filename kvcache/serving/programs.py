@@ -47,13 +47,9 @@ class FlatBatchCache:
         return self.seq_lens
 
     def update_and_attend(self, layer, q, k, v):
-        """Writes and attends layer `layer` (a Python int) in the whole pool seen as one layer of L x NB blocks
-        (its first two axes merged, a free reshape): the slots and block ids move by `layer` x NB, so the write
-        updates the pool in place, where writing a layer's slice and setting it back copied the layer every step."""
+        """Writes and attends layer `layer` (a Python int) in place (`PagedPool.as_one_layer`)."""
         kw: dict[str, Any] = dict(fmt=self.pool.fmt, implementation=self.implementation, interpret=self.interpret)
-        shapes = {n: x.shape for n, x in self.pool.fields.items()}
-        merged = {n: x.reshape(-1, *x.shape[2:]) for n, x in self.pool.fields.items()}  # [L * NB, K, bs, ...]
-        first = layer * self.pool.num_blocks  # the layer's first block in the merged pool
+        merged, first = self.pool.as_one_layer(layer)
         slots = jnp.where(self.slots >= 0, self.slots + first * self.pool.block_size, -1)
         fields = attention.write(merged, k[0], v[0], slots, **kw)
         out = attention.unified_attention(
@@ -65,8 +61,7 @@ class FlatBatchCache:
             max_query_len=self.max_query_len,
             **kw,
         )
-        pool = dataclasses.replace(self.pool, fields={n: x.reshape(shapes[n]) for n, x in fields.items()})
-        return out[None].astype(q.dtype), dataclasses.replace(self, pool=pool)
+        return out[None].astype(q.dtype), dataclasses.replace(self, pool=self.pool.from_one_layer(fields))
 
     def advance(self, num_tokens):
         return self
