@@ -267,9 +267,9 @@ def _capacity_layout(group_sizes: jax.Array, m: int, capacity: int):
     return row_end, source, at < capacity, group * capacity + jnp.minimum(at, capacity - 1), starts + capacity
 
 
-def _combine(main_rows, batched: jax.Array, loop: jax.Array, m: int, row_end) -> jax.Array:
-    """Rows [M, n] from the batched product [G, C, n] (rows in their group's first C) or the loop [M + W, n]."""
-    main, slot = main_rows
+def _combine(main, slot, batched: jax.Array, loop: jax.Array, m: int, row_end) -> jax.Array:
+    """Rows [M, n] from the batched product [G, C, n] (rows in their group's first C: `main`, at `slot`) or the
+    loop [M + W, n]."""
     out = jnp.where(main[:, None], batched.reshape(-1, batched.shape[-1])[slot], loop[:m])
     return _real_rows(out, m, row_end)
 
@@ -284,7 +284,7 @@ def batched_grouped_matmul(lhs, rhs, group_sizes, capacity: int, window: int, ou
     padded = _padded(lhs, window)
     y = jnp.einsum("gck,gkn->gcn", padded[source], rhs, preferred_element_type=out_dtype)
     spans = _spans(jnp.maximum(group_sizes - capacity, 0), over_start, m, window)
-    return _combine((main, slot), y, _forward_loop(padded, rhs, spans, window, out_dtype), m, row_end)
+    return _combine(main, slot, y, _forward_loop(padded, rhs, spans, window, out_dtype), m, row_end)
 
 
 def _batched_fwd(lhs, rhs, group_sizes, capacity, window, out_dtype):
@@ -302,7 +302,7 @@ def _batched_bwd(capacity, window, out_dtype, res, g):
     d_rhs = jnp.einsum("gck,gcn->gkn", x, dy, preferred_element_type=jnp.float32)
     spans = _spans(jnp.maximum(group_sizes - capacity, 0), over_start, m, window)
     d_loop, d_rhs = _backward_loop(x_pad, g_pad, rhs, spans, row_end, window, d_rhs)
-    d_lhs = _combine((main, slot), dx, d_loop, m, row_end)
+    d_lhs = _combine(main, slot, dx, d_loop, m, row_end)
     return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype), None
 
 

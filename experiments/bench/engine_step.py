@@ -191,9 +191,11 @@ def bench(
         per_token = {part: 1e3 * s / tokens for part, s in spent.items()}
         per_token["rest"] = 1e3 * total / tokens - sum(per_token.values())
         parts[f"engine, K = {k}"] = per_token
-    ops = {}
-    for k, engine in engines.items() if profile else ():
-        ops[f"engine, K = {k}"] = profile_ops(serve_call(engine, prompts, new_tokens), tokens, profile)
+    ops = {
+        f"engine, K = {k}": profile_ops(serve_call(engine, prompts, new_tokens), tokens, profile)
+        for k, engine in engines.items()
+        if profile
+    }
     row: dict[str, Any] = {
         "model": model_name,
         "batch": batch,
